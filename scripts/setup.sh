@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Installs what a fresh Debian 12 + Rust machine lacks for building and testing kvgate. Idempotent; safe to rerun.
+#  - cmake, a C/C++ toolchain and pkg-config (native parts of the dependency tree);
+#  - .venv: a Python venv with the reference libraries the tests compare against (transformers, jinja2).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+need_apt=()
+command -v cmake >/dev/null 2>&1 || need_apt+=(cmake)
+command -v c++ >/dev/null 2>&1 || need_apt+=(g++)
+command -v pkg-config >/dev/null 2>&1 || need_apt+=(pkg-config)
+if [ ${#need_apt[@]} -gt 0 ]; then
+  echo "setup: installing ${need_apt[*]}"
+  SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+  export DEBIAN_FRONTEND=noninteractive
+  $SUDO apt-get update -qq
+  $SUDO apt-get install -y -qq "${need_apt[@]}" >/dev/null
+fi
+
+PY_REQS="scripts/python-requirements.txt"
+stamp=".venv/.kvgate-reqs"
+if [ ! -x .venv/bin/python ] || ! cmp -s "$PY_REQS" "$stamp"; then
+  echo "setup: creating .venv from $PY_REQS"
+  python3 -m venv .venv
+  .venv/bin/python -m pip install -q --disable-pip-version-check -r "$PY_REQS"
+  cp "$PY_REQS" "$stamp"
+fi

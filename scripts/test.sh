@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# The README's test command: set up a fresh machine, then build and run every test of the workspace.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+./scripts/setup.sh
+export KVGATE_PYTHON="$PWD/.venv/bin/python"
+if cargo nextest --version >/dev/null 2>&1; then
+  cargo nextest run --workspace --no-fail-fast "$@"
+  cargo test --workspace --doc
+else
+  cargo test --workspace --no-fail-fast "$@"
+fi

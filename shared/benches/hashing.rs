@@ -1,0 +1,30 @@
+//! Block hashing and Bloom lookups at the sizes the gateway sees per request (32K-token prompt).
+
+use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+use kvgate_shared::hashing::{BlockHasher, ExtraKeys, HashScheme};
+use kvgate_shared::report::BlockBloom;
+use std::hint::black_box;
+
+fn hashing(c: &mut Criterion) {
+    let mut group = c.benchmark_group("hash_blocks");
+    for n in [2_048usize, 32_768, 131_072] {
+        let tokens: Vec<u32> = (0..n as u32).map(|i| i.wrapping_mul(2_654_435_761) % 128_000).collect();
+        let hasher = BlockHasher::new(&HashScheme::new(16, 1), &ExtraKeys::from_salt(Some("tenant")));
+        group.throughput(Throughput::Elements(n as u64));
+        group.bench_with_input(BenchmarkId::from_parameter(n), &tokens, |b, t| b.iter(|| hasher.hash_blocks(black_box(t))));
+    }
+    group.finish();
+
+    // The gateway's per-worker prefix check: 2,048 block hashes against a 100K-entry filter (all hits: worst case).
+    let hasher = BlockHasher::new(&HashScheme::new(16, 1), &ExtraKeys::none());
+    let tokens: Vec<u32> = (0..32_768u32).collect();
+    let hashes = hasher.hash_blocks(&tokens);
+    let mut bloom = BlockBloom::with_capacity(100_000, 0.01);
+    hashes.iter().for_each(|h| bloom.insert(*h));
+    c.bench_function("bloom_check_2048_blocks", |b| {
+        b.iter(|| black_box(&hashes).iter().take_while(|h| bloom.contains(**h)).count())
+    });
+}
+
+criterion_group!(benches, hashing);
+criterion_main!(benches);

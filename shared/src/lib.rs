@@ -1,0 +1,11 @@
+//! kvgate-shared: everything the gateway and the workers must agree on bit for bit.
+//!
+//! - [`hashing`]: the chained block hashes that key the prefix cache (pinned by golden vectors);
+//! - [`report`]: the summary a worker pushes to gateways every second, with its Bloom filter of cached blocks;
+//! - [`prompt`]: chat-template rendering and tokenization, identical on both sides;
+//! - [`openai`]: the OpenAI API types and error body.
+
+pub mod hashing;
+pub mod openai;
+pub mod prompt;
+pub mod report;

@@ -1,0 +1,291 @@
+//! Prompt rendering and tokenization: the one [`Prompter`] type the gateway and the worker both use, so that the
+//! same request becomes the same token ids (and therefore the same block hashes) on both sides.
+//!
+//! A prompt is a chat conversation (rendered with the model's chat template, then tokenized without adding
+//! special tokens, since the template writes them), a text (tokenized with the tokenizer's post-processor, which
+//! adds BOS for Llama-style tokenizers), or token ids given directly (used as they are).
+
+mod synth;
+mod template;
+
+pub use synth::{
+    byte_to_char, synth_text, synth_tokenizer, SplitMix64, SynthTokenizer, BOS_TOKEN, CHAT_TEMPLATE, EOT_TOKEN,
+    SPECIAL_TOKENS,
+};
+pub use template::ChatTemplate;
+
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value as Json;
+use tokenizers::Tokenizer;
+use xxhash_rust::xxh3::Xxh3;
+
+/// Why a prompt could not be produced. `InvalidConversation` and `InvalidPrompt` are the client's fault (400);
+/// the others are deployment problems.
+#[derive(Debug, thiserror::Error)]
+pub enum PromptError {
+    #[error("cannot read {path}: {reason}")]
+    File { path: String, reason: String },
+    #[error("invalid tokenizer: {0}")]
+    Tokenizer(String),
+    #[error("{0}")]
+    Template(String),
+    #[error("this model has no chat template; use /v1/completions or give the model a chat template")]
+    NoChatTemplate,
+    #[error("invalid conversation: {0}")]
+    InvalidConversation(String),
+    #[error("invalid prompt: {0}")]
+    InvalidPrompt(String),
+}
+
+impl PromptError {
+    /// Whether the request (not the deployment) is at fault.
+    pub fn is_client_error(&self) -> bool {
+        matches!(self, PromptError::InvalidConversation(_) | PromptError::InvalidPrompt(_) | PromptError::NoChatTemplate)
+    }
+}
+
+/// The parts of a tokenizer that travel between processes (`GET /kvgate/v1/tokenizer` serves these).
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct TokenizerFiles {
+    /// The `tokenizer.json` text.
+    pub tokenizer_json: String,
+    /// The chat template, if the model has one.
+    pub chat_template: Option<String>,
+    pub bos_token: Option<String>,
+    pub eos_token: Option<String>,
+}
+
+impl TokenizerFiles {
+    /// Reads a Hugging Face model directory: `tokenizer.json`, and `tokenizer_config.json` (`chat_template`,
+    /// `bos_token`, `eos_token`) and/or `chat_template.jinja` (which wins, as in `transformers`).
+    pub fn from_dir(dir: &Path) -> Result<Self, PromptError> {
+        let read = |name: &str| {
+            let path = dir.join(name);
+            std::fs::read_to_string(&path)
+                .map_err(|e| PromptError::File { path: path.display().to_string(), reason: e.to_string() })
+        };
+        let tokenizer_json = read("tokenizer.json")?;
+        let mut files = TokenizerFiles { tokenizer_json, chat_template: None, bos_token: None, eos_token: None };
+        if dir.join("tokenizer_config.json").exists() {
+            let path = dir.join("tokenizer_config.json");
+            let cfg: Json = serde_json::from_str(&read("tokenizer_config.json")?)
+                .map_err(|e| PromptError::File { path: path.display().to_string(), reason: e.to_string() })?;
+            files.chat_template = template_from_config(&cfg);
+            files.bos_token = special_token(&cfg, "bos_token");
+            files.eos_token = special_token(&cfg, "eos_token");
+        }
+        if dir.join("chat_template.jinja").exists() {
+            files.chat_template = Some(read("chat_template.jinja")?);
+        }
+        Ok(files)
+    }
+}
+
+/// `chat_template` is a string, or a list of `{name, template}` of which `default` is used.
+fn template_from_config(cfg: &Json) -> Option<String> {
+    match cfg.get("chat_template")? {
+        Json::String(s) => Some(s.clone()),
+        Json::Array(items) => items
+            .iter()
+            .find(|t| t.get("name").and_then(Json::as_str) == Some("default"))
+            .and_then(|t| t.get("template"))
+            .and_then(Json::as_str)
+            .map(str::to_owned),
+        _ => None,
+    }
+}
+
+/// A special token is a string or an AddedToken object with `content`.
+fn special_token(cfg: &Json, key: &str) -> Option<String> {
+    match cfg.get(key)? {
+        Json::String(s) => Some(s.clone()),
+        Json::Object(o) => o.get("content").and_then(Json::as_str).map(str::to_owned),
+        _ => None,
+    }
+}
+
+/// Options of chat rendering (the OpenAI request's fields that reach the template).
+#[derive(Clone, Debug, Default)]
+pub struct ChatOptions {
+    /// End with the assistant header so the model answers (OpenAI chat always does: default true in requests).
+    pub add_generation_prompt: bool,
+    /// Tool definitions, passed to the template as `tools`.
+    pub tools: Option<Json>,
+    /// `chat_template_kwargs`: extra variables for the template.
+    pub extra: Option<serde_json::Map<String, Json>>,
+}
+
+/// What a request asks the model to continue.
+#[derive(Clone, Debug)]
+pub enum PromptInput<'a> {
+    /// A completions prompt as text.
+    Text(&'a str),
+    /// A completions prompt as token ids.
+    TokenIds(&'a [u32]),
+    /// A chat conversation (OpenAI message objects).
+    Chat { messages: &'a [Json], options: &'a ChatOptions },
+}
+
+/// Renders and tokenizes prompts exactly the same way on every kvgate process.
+pub struct Prompter {
+    tokenizer: Tokenizer,
+    template: Option<ChatTemplate>,
+    files: TokenizerFiles,
+    digest: u64,
+}
+
+impl std::fmt::Debug for Prompter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Prompter").field("digest", &self.digest).field("template", &self.template).finish()
+    }
+}
+
+impl Prompter {
+    /// Loads from a model directory.
+    pub fn from_dir(dir: &Path) -> Result<Self, PromptError> {
+        Self::from_files(TokenizerFiles::from_dir(dir)?)
+    }
+
+    /// Builds from the transported parts.
+    pub fn from_files(files: TokenizerFiles) -> Result<Self, PromptError> {
+        let tokenizer = Tokenizer::from_bytes(files.tokenizer_json.as_bytes())
+            .map_err(|e| PromptError::Tokenizer(format!("tokenizer.json: {e}")))?;
+        let template = files.chat_template.as_deref().map(ChatTemplate::new).transpose()?;
+        let digest = Self::digest_of(&files);
+        Ok(Self { tokenizer, template, files, digest })
+    }
+
+    /// xxh3-64 over every part that influences token ids, length-prefixed.
+    fn digest_of(files: &TokenizerFiles) -> u64 {
+        let mut h = Xxh3::new();
+        h.update(b"kvgate/tokenizer-digest/v1");
+        for part in [Some(&files.tokenizer_json), files.chat_template.as_ref(), files.bos_token.as_ref(), files.eos_token.as_ref()] {
+            match part {
+                Some(s) => {
+                    h.update(&[1]);
+                    h.update(&(s.len() as u64).to_le_bytes());
+                    h.update(s.as_bytes());
+                }
+                None => h.update(&[0]),
+            }
+        }
+        h.digest()
+    }
+
+    /// Digest of the tokenizer and template: the `tokenizer_digest` of the hash scheme.
+    pub fn digest(&self) -> u64 {
+        self.digest
+    }
+
+    /// The parts this prompter was built from.
+    pub fn files(&self) -> &TokenizerFiles {
+        &self.files
+    }
+
+    /// Whether chat requests can be served.
+    pub fn has_chat_template(&self) -> bool {
+        self.template.is_some()
+    }
+
+    /// Ids known to the tokenizer, added tokens included.
+    pub fn vocab_size(&self) -> usize {
+        self.tokenizer.get_vocab_size(true)
+    }
+
+    /// Id of a token string (e.g. the EOS token).
+    pub fn token_id(&self, token: &str) -> Option<u32> {
+        self.tokenizer.token_to_id(token)
+    }
+
+    /// Id of the configured EOS token.
+    pub fn eos_token_id(&self) -> Option<u32> {
+        self.files.eos_token.as_deref().and_then(|t| self.token_id(t))
+    }
+
+    /// Renders a conversation with the chat template.
+    pub fn render_chat(&self, messages: &[Json], options: &ChatOptions) -> Result<String, PromptError> {
+        let template = self.template.as_ref().ok_or(PromptError::NoChatTemplate)?;
+        if messages.is_empty() {
+            return Err(PromptError::InvalidConversation("messages must not be empty".into()));
+        }
+        let messages: Vec<Json> = messages.iter().map(flatten_content).collect::<Result<_, _>>()?;
+        let mut ctx = serde_json::Map::new();
+        if let Some(extra) = &options.extra {
+            ctx.extend(extra.clone());
+        }
+        ctx.insert("messages".into(), Json::Array(messages));
+        ctx.insert("add_generation_prompt".into(), Json::Bool(options.add_generation_prompt));
+        ctx.insert("bos_token".into(), Json::String(self.files.bos_token.clone().unwrap_or_default()));
+        ctx.insert("eos_token".into(), Json::String(self.files.eos_token.clone().unwrap_or_default()));
+        if let Some(tools) = &options.tools {
+            ctx.insert("tools".into(), tools.clone());
+        }
+        template.render(minijinja::Value::from_serialize(&Json::Object(ctx)))
+    }
+
+    /// Tokenizes text; `add_special_tokens` runs the post-processor (BOS for Llama-style tokenizers).
+    pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, PromptError> {
+        let enc = self
+            .tokenizer
+            .encode(text, add_special_tokens)
+            .map_err(|e| PromptError::InvalidPrompt(format!("cannot tokenize: {e}")))?;
+        Ok(enc.get_ids().to_vec())
+    }
+
+    /// Turns ids back into text.
+    pub fn decode(&self, ids: &[u32], skip_special_tokens: bool) -> Result<String, PromptError> {
+        self.tokenizer.decode(ids, skip_special_tokens).map_err(|e| PromptError::Tokenizer(e.to_string()))
+    }
+
+    /// The token ids of a prompt: the function both sides call.
+    pub fn tokenize(&self, input: &PromptInput<'_>) -> Result<Vec<u32>, PromptError> {
+        match input {
+            PromptInput::Text(text) => self.encode(text, true),
+            PromptInput::TokenIds(ids) => {
+                if ids.is_empty() {
+                    return Err(PromptError::InvalidPrompt("prompt must not be empty".into()));
+                }
+                Ok(ids.to_vec())
+            }
+            PromptInput::Chat { messages, options } => {
+                let text = self.render_chat(messages, options)?;
+                self.encode(&text, false)
+            }
+        }
+    }
+}
+
+/// OpenAI content may be a list of parts; templates written for text expect a string. Text parts are joined with
+/// newlines (as vLLM does for string-format templates); any other part type is refused.
+fn flatten_content(message: &Json) -> Result<Json, PromptError> {
+    let Json::Object(obj) = message else {
+        return Err(PromptError::InvalidConversation("each message must be an object".into()));
+    };
+    match obj.get("role") {
+        Some(Json::String(_)) => {}
+        _ => return Err(PromptError::InvalidConversation("each message needs a string 'role'".into())),
+    }
+    let Some(Json::Array(parts)) = obj.get("content") else {
+        return Ok(message.clone());
+    };
+    let mut texts = Vec::with_capacity(parts.len());
+    for part in parts {
+        match (part.get("type").and_then(Json::as_str), part.get("text").and_then(Json::as_str)) {
+            (Some("text"), Some(t)) => texts.push(t),
+            (kind, _) => {
+                return Err(PromptError::InvalidConversation(format!(
+                    "content part of type {} is not supported (text only)",
+                    kind.unwrap_or("<missing>")
+                )))
+            }
+        }
+    }
+    let mut out = obj.clone();
+    out.insert("content".into(), Json::String(texts.join("\n")));
+    Ok(Json::Object(out))
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,216 @@
+//! Tokenizer synthesis, chat rendering, and gateway/worker tokenization parity.
+
+use super::*;
+use serde_json::json;
+use std::sync::OnceLock;
+
+fn synth() -> &'static SynthTokenizer {
+    static T: OnceLock<SynthTokenizer> = OnceLock::new();
+    T.get_or_init(|| synth_tokenizer(700, 7))
+}
+
+fn files() -> TokenizerFiles {
+    let t = synth();
+    let dir = tempfile::tempdir().expect("tempdir");
+    std::fs::write(dir.path().join("tokenizer.json"), &t.tokenizer_json).expect("write");
+    std::fs::write(dir.path().join("tokenizer_config.json"), &t.tokenizer_config_json).expect("write");
+    TokenizerFiles::from_dir(dir.path()).expect("reads")
+}
+
+fn prompter() -> Prompter {
+    Prompter::from_files(files()).expect("loads")
+}
+
+fn chat(messages: Json) -> Vec<Json> {
+    messages.as_array().cloned().unwrap_or_default()
+}
+
+fn gen() -> ChatOptions {
+    ChatOptions { add_generation_prompt: true, ..ChatOptions::default() }
+}
+
+#[test]
+fn synth_tokenizer_is_deterministic_and_real_bpe() {
+    let a = synth_tokenizer(700, 7);
+    let b = synth_tokenizer(700, 7);
+    assert_eq!(a.tokenizer_json, b.tokenizer_json);
+    assert_ne!(a.tokenizer_json, synth_tokenizer(700, 8).tokenizer_json);
+    assert!(a.vocab_size <= 700 && a.vocab_size > 600, "vocab {}", a.vocab_size);
+    let p = prompter();
+    assert_eq!(p.vocab_size(), a.vocab_size);
+    let text = synth_text(3, 200);
+    let ids = p.encode(&text, false).expect("encodes");
+    // Merges compress: far fewer tokens than bytes.
+    assert!(ids.len() * 2 < text.len(), "{} tokens for {} bytes", ids.len(), text.len());
+    assert_eq!(p.decode(&ids, false).expect("decodes"), text);
+    // Byte-level: any UTF-8 round-trips.
+    let odd = "naïve 東京 🚀 \t\n x";
+    assert_eq!(p.decode(&p.encode(odd, false).expect("encodes"), false).expect("decodes"), odd);
+}
+
+#[test]
+fn text_prompts_get_bos_and_chat_prompts_get_it_once() {
+    let p = prompter();
+    let bos = p.token_id(BOS_TOKEN).expect("bos");
+    let ids = p.tokenize(&PromptInput::Text("ka ri")).expect("ok");
+    assert_eq!(ids[0], bos);
+    let msgs = chat(json!([{"role": "user", "content": "hi"}]));
+    let ids = p.tokenize(&PromptInput::Chat { messages: &msgs, options: &gen() }).expect("ok");
+    assert_eq!(ids[0], bos);
+    assert_ne!(ids[1], bos);
+    assert_eq!(p.eos_token_id(), p.token_id(EOT_TOKEN));
+}
+
+#[test]
+fn renders_llama3_style_chat() {
+    let p = prompter();
+    let msgs = chat(json!([
+        {"role": "system", "content": "  be brief  "},
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}
+    ]));
+    let text = p.render_chat(&msgs, &gen()).expect("renders");
+    assert_eq!(
+        text,
+        "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nbe brief<|eot_id|>\
+         <|start_header_id|>user<|end_header_id|>\n\na\nb<|eot_id|>\
+         <|start_header_id|>assistant<|end_header_id|>\n\n"
+    );
+    let no_gen = p.render_chat(&msgs, &ChatOptions::default()).expect("renders");
+    assert!(no_gen.ends_with("a\nb<|eot_id|>"));
+}
+
+#[test]
+fn template_errors_are_client_errors_with_the_templates_message() {
+    let p = prompter();
+    let err = p.render_chat(&chat(json!([{"role": "wizard", "content": "x"}])), &gen()).expect_err("refused");
+    assert!(matches!(&err, PromptError::InvalidConversation(m) if m.contains("unknown role: wizard")), "{err}");
+    assert!(err.is_client_error());
+    assert!(p.render_chat(&[], &gen()).expect_err("empty").is_client_error());
+    let bad_part = chat(json!([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]));
+    assert!(p.render_chat(&bad_part, &gen()).expect_err("image").is_client_error());
+    assert!(p.render_chat(&chat(json!(["just a string"])), &gen()).expect_err("not object").is_client_error());
+}
+
+fn with_template(src: &str) -> Prompter {
+    let mut f = files();
+    f.chat_template = Some(src.to_owned());
+    Prompter::from_files(f).expect("compiles")
+}
+
+#[test]
+fn hf_template_features() {
+    let msgs = chat(json!([{"role": "user", "content": "  Hello World  "}]));
+    // Python string methods via pycompat, dict items, tojson with Python separators, loop variables.
+    let p = with_template(
+        "{% for m in messages %}{{ m.content.strip().upper() }}|{{ m.content.strip().startswith('Hello') }}|\
+         {% for k, v in m.items() %}{{ k }}={{ v | length }};{% endfor %}{% endfor %}|{{ tools | tojson }}|\
+         {{ tools | tojson(indent=2) }}|{{ {'b': 1, 'a': 2} | tojson(sort_keys=true) }}|{{ '<&>' | tojson }}",
+    );
+    let options = ChatOptions {
+        tools: Some(json!([{"name": "f", "parameters": {"z": 1, "a": [1, 2.5, "é"]}}])),
+        ..ChatOptions::default()
+    };
+    let out = p.render_chat(&msgs, &options).expect("renders");
+    assert_eq!(
+        out,
+        "HELLO WORLD|True|role=4;content=15;|\
+         [{\"name\": \"f\", \"parameters\": {\"z\": 1, \"a\": [1, 2.5, \"é\"]}}]|\
+         [\n  {\n    \"name\": \"f\",\n    \"parameters\": {\n      \"z\": 1,\n      \"a\": [\n        1,\n        2.5,\n        \"é\"\n      ]\n    }\n  }\n]|\
+         {\"a\": 2, \"b\": 1}|\"<&>\""
+    );
+}
+
+#[test]
+fn trim_and_lstrip_blocks_like_hf() {
+    let p = with_template("{% for m in messages %}\n    {% if m.role == 'user' %}\n[{{ m.content }}]\n    {% endif %}\n{% endfor %}\n");
+    let msgs = chat(json!([{"role": "user", "content": "x"}, {"role": "user", "content": "y"}]));
+    assert_eq!(p.render_chat(&msgs, &gen()).expect("renders"), "[x]\n[y]\n");
+}
+
+#[test]
+fn strftime_now_and_chat_template_kwargs() {
+    let p = with_template("{{ strftime_now('%Y') }} {{ flavour }}");
+    let mut extra = serde_json::Map::new();
+    extra.insert("flavour".into(), json!("mint"));
+    let out = p
+        .render_chat(&chat(json!([{"role": "user", "content": "x"}])), &ChatOptions { extra: Some(extra), ..gen() })
+        .expect("renders");
+    let year = chrono::Local::now().format("%Y").to_string();
+    assert_eq!(out, format!("{year} mint"));
+}
+
+#[test]
+fn template_syntax_error_names_the_problem() {
+    let mut f = files();
+    f.chat_template = Some("{% for %}".into());
+    let err = Prompter::from_files(f).expect_err("bad template");
+    assert!(matches!(err, PromptError::Template(ref m) if m.contains("does not compile")), "{err}");
+}
+
+#[test]
+fn model_dir_variants() {
+    let t = synth();
+    let dir = tempfile::tempdir().expect("tempdir");
+    std::fs::write(dir.path().join("tokenizer.json"), &t.tokenizer_json).expect("write");
+    // No config at all: text prompts work, chat is a clear error.
+    let p = Prompter::from_dir(dir.path()).expect("loads");
+    assert!(matches!(p.render_chat(&chat(json!([{"role": "user", "content": "x"}])), &gen()), Err(PromptError::NoChatTemplate)));
+    // List-form chat_template picks "default"; chat_template.jinja wins over the config.
+    std::fs::write(
+        dir.path().join("tokenizer_config.json"),
+        r#"{"bos_token": {"content": "<|begin_of_text|>"}, "chat_template": [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D{{ bos_token }}"}]}"#,
+    )
+    .expect("write");
+    let p = Prompter::from_dir(dir.path()).expect("loads");
+    assert_eq!(p.render_chat(&chat(json!([{"role": "user", "content": "x"}])), &gen()).expect("ok"), "D<|begin_of_text|>");
+    std::fs::write(dir.path().join("chat_template.jinja"), "J").expect("write");
+    let p = Prompter::from_dir(dir.path()).expect("loads");
+    assert_eq!(p.render_chat(&chat(json!([{"role": "user", "content": "x"}])), &gen()).expect("ok"), "J");
+    // Missing tokenizer.json names the file.
+    let empty = tempfile::tempdir().expect("tempdir");
+    let err = Prompter::from_dir(empty.path()).expect_err("missing");
+    assert!(err.to_string().contains("tokenizer.json"), "{err}");
+    // Corrupt tokenizer.json.
+    std::fs::write(empty.path().join("tokenizer.json"), "{not json").expect("write");
+    assert!(matches!(Prompter::from_dir(empty.path()), Err(PromptError::Tokenizer(_))));
+}
+
+#[test]
+fn token_id_prompts_pass_through() {
+    let p = prompter();
+    assert_eq!(p.tokenize(&PromptInput::TokenIds(&[5, 6, 7])).expect("ok"), vec![5, 6, 7]);
+    assert!(p.tokenize(&PromptInput::TokenIds(&[])).expect_err("empty").is_client_error());
+}
+
+#[test]
+fn gateway_and_worker_tokenize_identically() {
+    // The worker loads its model directory; the gateway gets the same parts over HTTP as JSON
+    // (GET /kvgate/v1/tokenizer) and builds its own Prompter from them.
+    let worker = prompter();
+    let wire = serde_json::to_string(worker.files()).expect("serialises");
+    let gateway = Prompter::from_files(serde_json::from_str(&wire).expect("parses")).expect("loads");
+    assert_eq!(worker.digest(), gateway.digest());
+    let opts = gen();
+    let conversations = [
+        json!([{"role": "user", "content": synth_text(1, 300)}]),
+        json!([{"role": "system", "content": "sys"}, {"role": "user", "content": "é 🚀"}, {"role": "assistant", "content": "ok"}, {"role": "user", "content": synth_text(2, 50)}]),
+    ];
+    for c in &conversations {
+        let msgs = chat(c.clone());
+        let input = PromptInput::Chat { messages: &msgs, options: &opts };
+        assert_eq!(worker.tokenize(&input).expect("w"), gateway.tokenize(&input).expect("g"));
+    }
+    let text = synth_text(9, 500);
+    assert_eq!(worker.tokenize(&PromptInput::Text(&text)).expect("w"), gateway.tokenize(&PromptInput::Text(&text)).expect("g"));
+}
+
+#[test]
+fn digest_covers_template_and_tokens() {
+    let base = prompter().digest();
+    let mut f = files();
+    f.chat_template = Some("x".into());
+    assert_ne!(Prompter::from_files(f).expect("ok").digest(), base);
+    let mut f = files();
+    f.eos_token = None;
+    assert_ne!(Prompter::from_files(f).expect("ok").digest(), base);
+}

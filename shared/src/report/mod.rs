@@ -1,0 +1,377 @@
+//! The worker report: the summary every worker pushes to each gateway once a second (`POST /kvgate/v1/report`),
+//! and its compact, versioned binary encoding.
+//!
+//! # Wire format (version 1), all integers little-endian
+//! ```text
+//! magic "KVGR" | version u16 | flags u16 (0)
+//! worker_id str | advertise_url str | model_id str            (str = len u16 + UTF-8, at most 1024 bytes)
+//! block_size u32 | hash_version u32 | tokenizer_digest u64 | fingerprint u64
+//! seq u64 | timestamp_ms u64
+//! waiting_requests u32 | waiting_prefill_tokens u64 | running_requests u32
+//! prefill_tokens_per_s f64 | decode_tokens_per_s f64
+//! tier count u8 (<= 3), then per tier:
+//!   tier u8 (0 device, 1 host, 2 disk) | blocks_total u64 | blocks_free u64 | blocks_cached u64
+//!   has_summary u8 (0/1) [ granularity u32 | entries u64 | bloom_len u32 | bloom bytes ]
+//! ```
+//! Nothing may follow the last tier. Decoding is strict: a wrong magic, an unknown version, a truncated field, a
+//! value out of range or trailing bytes is a [`ReportError`], never a panic.
+//!
+//! # Size
+//! A tier summary costs its Bloom filter: `-n ln(p) / (ln 2)^2` bits for `n` entries at false-positive rate `p`,
+//! i.e. 9.59 bits (1.2 bytes) per entry at 1%. 100K cached blocks at 1% = 119,814 bytes of filter (+45 header),
+//! about 120 KB a report (pinned by `report_size_for_100k_blocks` in the tests). Summarising only every k-th block
+//! (`granularity`) divides that by k.
+
+mod bloom;
+
+pub use bloom::{BlockBloom, BLOOM_HEADER_BYTES, BLOOM_SEED, MAX_BLOOM_BYTES, MAX_BLOOM_HASH_FUNCTIONS};
+
+use crate::hashing::{BlockHash, HashScheme};
+
+/// Current wire version.
+pub const REPORT_VERSION: u16 = 1;
+/// Magic bytes at the start of every report.
+pub const REPORT_MAGIC: [u8; 4] = *b"KVGR";
+/// Longest string field.
+pub const MAX_STRING_BYTES: usize = 1024;
+/// Largest encoded report accepted (bodies above it are refused before decoding).
+pub const MAX_REPORT_BYTES: usize = 3 * MAX_BLOOM_BYTES + 4096;
+/// Content type of an encoded report.
+pub const REPORT_CONTENT_TYPE: &str = "application/x-kvgate-report";
+
+/// Why a report could not be decoded.
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum ReportError {
+    #[error("report truncated while reading {0}")]
+    Truncated(&'static str),
+    #[error("not a kvgate report (bad magic)")]
+    BadMagic,
+    #[error("unsupported report version {0} (this build speaks {REPORT_VERSION})")]
+    UnsupportedVersion(u16),
+    #[error("invalid report field {field}: {reason}")]
+    Invalid { field: &'static str, reason: String },
+    #[error("{0} unexpected bytes after the report")]
+    TrailingBytes(usize),
+    #[error("report of {0} bytes is over the limit of {MAX_REPORT_BYTES}")]
+    TooLarge(usize),
+}
+
+/// A KV storage tier.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Tier {
+    /// Accelerator memory (or the CPU engine's main pool).
+    Device = 0,
+    /// Host DRAM.
+    Host = 1,
+    /// Local SSD.
+    Disk = 2,
+}
+
+impl Tier {
+    fn from_u8(v: u8) -> Option<Self> {
+        match v {
+            0 => Some(Tier::Device),
+            1 => Some(Tier::Host),
+            2 => Some(Tier::Disk),
+            _ => None,
+        }
+    }
+}
+
+/// What waits and runs on the worker.
+#[derive(Clone, Copy, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct QueueStats {
+    pub waiting_requests: u32,
+    pub waiting_prefill_tokens: u64,
+    pub running_requests: u32,
+}
+
+/// Measured engine throughput over the last interval.
+#[derive(Clone, Copy, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct Throughput {
+    pub prefill_tokens_per_s: f64,
+    pub decode_tokens_per_s: f64,
+}
+
+/// The cached block hashes of one tier.
+#[derive(Clone, Debug, PartialEq)]
+pub struct CacheSummary {
+    /// Only every `granularity`-th block's chained hash is in the filter: block `i` (0-based) is included iff
+    /// `(i + 1) % granularity == 0`. 1 = every block.
+    pub granularity: u32,
+    /// How many hashes were inserted.
+    pub entries: u64,
+    pub bloom: BlockBloom,
+}
+
+impl CacheSummary {
+    /// Whether block `index` of a sequence is represented at this granularity.
+    pub fn covers_block(&self, index: usize) -> bool {
+        let g = self.granularity.max(1) as usize;
+        (index + 1) % g == 0
+    }
+
+    /// How many leading blocks of `hashes` the filter claims: the longest prefix whose covered blocks are all in
+    /// the filter, counted in whole granules.
+    pub fn matched_blocks(&self, hashes: &[BlockHash]) -> usize {
+        let g = self.granularity.max(1) as usize;
+        let mut matched = 0;
+        for (i, h) in hashes.iter().enumerate().skip(g - 1).step_by(g) {
+            if !self.bloom.contains(*h) {
+                break;
+            }
+            matched = i + 1;
+        }
+        matched
+    }
+}
+
+/// KV stats (and optionally the cache summary) of one tier.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TierReport {
+    pub tier: Tier,
+    pub blocks_total: u64,
+    pub blocks_free: u64,
+    /// Blocks holding reusable content (free-but-cached blocks included).
+    pub blocks_cached: u64,
+    pub summary: Option<CacheSummary>,
+}
+
+/// One worker's state, as sent each report interval.
+#[derive(Clone, Debug, PartialEq)]
+pub struct WorkerReport {
+    pub worker_id: String,
+    /// The URL the gateway should proxy to.
+    pub advertise_url: String,
+    pub model_id: String,
+    pub scheme: HashScheme,
+    /// `scheme.fingerprint()` as computed by the sender.
+    pub fingerprint: u64,
+    /// Increases with every report of one worker process.
+    pub seq: u64,
+    /// Sender's wall clock, ms since the Unix epoch.
+    pub timestamp_ms: u64,
+    pub queue: QueueStats,
+    pub throughput: Throughput,
+    pub tiers: Vec<TierReport>,
+}
+
+impl WorkerReport {
+    /// The tier's report, if present.
+    pub fn tier(&self, tier: Tier) -> Option<&TierReport> {
+        self.tiers.iter().find(|t| t.tier == tier)
+    }
+
+    /// Encodes to the wire format.
+    pub fn encode(&self) -> Vec<u8> {
+        let bloom_bytes: usize =
+            self.tiers.iter().filter_map(|t| t.summary.as_ref()).map(|s| s.bloom.byte_len()).sum();
+        let mut w = Vec::with_capacity(256 + bloom_bytes);
+        w.extend_from_slice(&REPORT_MAGIC);
+        put_u16(&mut w, REPORT_VERSION);
+        put_u16(&mut w, 0);
+        put_str(&mut w, &self.worker_id);
+        put_str(&mut w, &self.advertise_url);
+        put_str(&mut w, &self.model_id);
+        put_u32(&mut w, self.scheme.block_size);
+        put_u32(&mut w, self.scheme.hash_version);
+        put_u64(&mut w, self.scheme.tokenizer_digest);
+        put_u64(&mut w, self.fingerprint);
+        put_u64(&mut w, self.seq);
+        put_u64(&mut w, self.timestamp_ms);
+        put_u32(&mut w, self.queue.waiting_requests);
+        put_u64(&mut w, self.queue.waiting_prefill_tokens);
+        put_u32(&mut w, self.queue.running_requests);
+        put_u64(&mut w, self.throughput.prefill_tokens_per_s.to_bits());
+        put_u64(&mut w, self.throughput.decode_tokens_per_s.to_bits());
+        w.push(self.tiers.len().min(u8::MAX as usize) as u8);
+        for t in &self.tiers {
+            w.push(t.tier as u8);
+            put_u64(&mut w, t.blocks_total);
+            put_u64(&mut w, t.blocks_free);
+            put_u64(&mut w, t.blocks_cached);
+            match &t.summary {
+                None => w.push(0),
+                Some(s) => {
+                    w.push(1);
+                    put_u32(&mut w, s.granularity);
+                    put_u64(&mut w, s.entries);
+                    let b = s.bloom.as_bytes();
+                    put_u32(&mut w, b.len() as u32);
+                    w.extend_from_slice(b);
+                }
+            }
+        }
+        w
+    }
+
+    /// Decodes and validates an untrusted wire form.
+    pub fn decode(bytes: &[u8]) -> Result<Self, ReportError> {
+        if bytes.len() > MAX_REPORT_BYTES {
+            return Err(ReportError::TooLarge(bytes.len()));
+        }
+        let mut r = Reader { buf: bytes };
+        if r.take(4, "magic")? != REPORT_MAGIC {
+            return Err(ReportError::BadMagic);
+        }
+        let version = r.u16("version")?;
+        if version != REPORT_VERSION {
+            return Err(ReportError::UnsupportedVersion(version));
+        }
+        let flags = r.u16("flags")?;
+        if flags != 0 {
+            return Err(invalid("flags", format!("unknown flags {flags:#x}")));
+        }
+        let worker_id = r.str("worker_id")?;
+        if worker_id.is_empty() {
+            return Err(invalid("worker_id", "empty".into()));
+        }
+        let advertise_url = r.str("advertise_url")?;
+        let model_id = r.str("model_id")?;
+        let scheme = HashScheme {
+            block_size: r.u32("block_size")?,
+            hash_version: r.u32("hash_version")?,
+            tokenizer_digest: r.u64("tokenizer_digest")?,
+        };
+        scheme.validate().map_err(|e| invalid("block_size", e))?;
+        let fingerprint = r.u64("fingerprint")?;
+        let seq = r.u64("seq")?;
+        let timestamp_ms = r.u64("timestamp_ms")?;
+        let queue = QueueStats {
+            waiting_requests: r.u32("waiting_requests")?,
+            waiting_prefill_tokens: r.u64("waiting_prefill_tokens")?,
+            running_requests: r.u32("running_requests")?,
+        };
+        let throughput = Throughput {
+            prefill_tokens_per_s: r.rate("prefill_tokens_per_s")?,
+            decode_tokens_per_s: r.rate("decode_tokens_per_s")?,
+        };
+        let n_tiers = r.u8("tier count")?;
+        if n_tiers > 3 {
+            return Err(invalid("tiers", format!("{n_tiers} tiers (at most 3)")));
+        }
+        let mut tiers: Vec<TierReport> = Vec::with_capacity(n_tiers as usize);
+        for _ in 0..n_tiers {
+            let raw = r.u8("tier")?;
+            let tier = Tier::from_u8(raw).ok_or_else(|| invalid("tier", format!("unknown tier {raw}")))?;
+            if tiers.iter().any(|t| t.tier == tier) {
+                return Err(invalid("tier", format!("{tier:?} appears twice")));
+            }
+            let blocks_total = r.u64("blocks_total")?;
+            let blocks_free = r.u64("blocks_free")?;
+            let blocks_cached = r.u64("blocks_cached")?;
+            if blocks_free > blocks_total || blocks_cached > blocks_total {
+                return Err(invalid(
+                    "blocks_free",
+                    format!("free {blocks_free} / cached {blocks_cached} exceed total {blocks_total}"),
+                ));
+            }
+            let summary = match r.u8("has_summary")? {
+                0 => None,
+                1 => {
+                    let granularity = r.u32("granularity")?;
+                    if granularity == 0 {
+                        return Err(invalid("granularity", "must be at least 1".into()));
+                    }
+                    let entries = r.u64("entries")?;
+                    let len = r.u32("bloom_len")? as usize;
+                    let raw = r.take(len, "bloom")?;
+                    let bloom = BlockBloom::from_bytes(raw).map_err(|e| invalid("bloom", e))?;
+                    Some(CacheSummary { granularity, entries, bloom })
+                }
+                other => return Err(invalid("has_summary", format!("{other} is not 0 or 1"))),
+            };
+            tiers.push(TierReport { tier, blocks_total, blocks_free, blocks_cached, summary });
+        }
+        if !r.buf.is_empty() {
+            return Err(ReportError::TrailingBytes(r.buf.len()));
+        }
+        Ok(WorkerReport {
+            worker_id,
+            advertise_url,
+            model_id,
+            scheme,
+            fingerprint,
+            seq,
+            timestamp_ms,
+            queue,
+            throughput,
+            tiers,
+        })
+    }
+}
+
+fn invalid(field: &'static str, reason: String) -> ReportError {
+    ReportError::Invalid { field, reason }
+}
+
+fn put_u16(w: &mut Vec<u8>, v: u16) {
+    w.extend_from_slice(&v.to_le_bytes());
+}
+fn put_u32(w: &mut Vec<u8>, v: u32) {
+    w.extend_from_slice(&v.to_le_bytes());
+}
+fn put_u64(w: &mut Vec<u8>, v: u64) {
+    w.extend_from_slice(&v.to_le_bytes());
+}
+fn put_str(w: &mut Vec<u8>, s: &str) {
+    // Longer strings are cut at a char boundary so the encoder never writes what the decoder refuses.
+    let mut end = s.len().min(MAX_STRING_BYTES);
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    put_u16(w, end as u16);
+    w.extend_from_slice(&s.as_bytes()[..end]);
+}
+
+/// Bounds-checked little-endian reader over untrusted bytes.
+struct Reader<'a> {
+    buf: &'a [u8],
+}
+
+impl<'a> Reader<'a> {
+    fn take(&mut self, n: usize, what: &'static str) -> Result<&'a [u8], ReportError> {
+        if self.buf.len() < n {
+            return Err(ReportError::Truncated(what));
+        }
+        let (head, rest) = self.buf.split_at(n);
+        self.buf = rest;
+        Ok(head)
+    }
+    fn array<const N: usize>(&mut self, what: &'static str) -> Result<[u8; N], ReportError> {
+        let mut a = [0u8; N];
+        a.copy_from_slice(self.take(N, what)?);
+        Ok(a)
+    }
+    fn u8(&mut self, what: &'static str) -> Result<u8, ReportError> {
+        Ok(self.array::<1>(what)?[0])
+    }
+    fn u16(&mut self, what: &'static str) -> Result<u16, ReportError> {
+        Ok(u16::from_le_bytes(self.array(what)?))
+    }
+    fn u32(&mut self, what: &'static str) -> Result<u32, ReportError> {
+        Ok(u32::from_le_bytes(self.array(what)?))
+    }
+    fn u64(&mut self, what: &'static str) -> Result<u64, ReportError> {
+        Ok(u64::from_le_bytes(self.array(what)?))
+    }
+    fn rate(&mut self, what: &'static str) -> Result<f64, ReportError> {
+        let v = f64::from_bits(self.u64(what)?);
+        if !v.is_finite() || v < 0.0 {
+            return Err(invalid(what, format!("{v} is not a finite non-negative rate")));
+        }
+        Ok(v)
+    }
+    fn str(&mut self, what: &'static str) -> Result<String, ReportError> {
+        let len = self.u16(what)? as usize;
+        if len > MAX_STRING_BYTES {
+            return Err(invalid(what, format!("{len} bytes (at most {MAX_STRING_BYTES})")));
+        }
+        let raw = self.take(len, what)?;
+        String::from_utf8(raw.to_vec()).map_err(|_| invalid(what, "not UTF-8".into()))
+    }
+}
+
+#[cfg(test)]
+mod tests;

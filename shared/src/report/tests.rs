@@ -1,0 +1,183 @@
+//! Round trips, size, and decoder robustness of the report protocol.
+
+use super::*;
+use crate::hashing::{BlockHasher, ExtraKeys};
+use proptest::prelude::*;
+
+fn sample(n_hashes: u64, granularity: u32) -> WorkerReport {
+    let scheme = HashScheme::new(16, 42);
+    let mut bloom = BlockBloom::with_capacity(n_hashes as usize, 0.01);
+    for i in 0..n_hashes {
+        bloom.insert(BlockHash(i.wrapping_mul(0x9E37_79B9_7F4A_7C15)));
+    }
+    WorkerReport {
+        worker_id: "worker-0".into(),
+        advertise_url: "http://127.0.0.1:8000".into(),
+        model_id: "kvgate-small".into(),
+        scheme,
+        fingerprint: scheme.fingerprint(),
+        seq: 7,
+        timestamp_ms: 1_790_000_000_000,
+        queue: QueueStats { waiting_requests: 3, waiting_prefill_tokens: 4096, running_requests: 5 },
+        throughput: Throughput { prefill_tokens_per_s: 5000.5, decode_tokens_per_s: 120.25 },
+        tiers: vec![
+            TierReport {
+                tier: Tier::Device,
+                blocks_total: 200_000,
+                blocks_free: 1000,
+                blocks_cached: 150_000,
+                summary: Some(CacheSummary { granularity, entries: n_hashes, bloom }),
+            },
+            TierReport { tier: Tier::Host, blocks_total: 10, blocks_free: 10, blocks_cached: 0, summary: None },
+        ],
+    }
+}
+
+#[test]
+fn round_trip() {
+    let r = sample(1000, 1);
+    let bytes = r.encode();
+    assert_eq!(WorkerReport::decode(&bytes).expect("decodes"), r);
+}
+
+#[test]
+fn bloom_has_no_false_negatives_and_about_the_target_false_positives() {
+    let r = WorkerReport::decode(&sample(10_000, 1).encode()).expect("decodes");
+    let s = r.tier(Tier::Device).and_then(|t| t.summary.as_ref()).expect("summary");
+    for i in 0..10_000u64 {
+        assert!(s.bloom.contains(BlockHash(i.wrapping_mul(0x9E37_79B9_7F4A_7C15))));
+    }
+    let fp = (0..100_000u64).filter(|i| s.bloom.contains(BlockHash(i.wrapping_mul(31) + 1))).count();
+    let rate = fp as f64 / 100_000.0;
+    assert!(rate < 0.02, "false-positive rate {rate}");
+}
+
+#[test]
+fn report_size_for_100k_blocks() {
+    // The documented figure: 100K cached blocks at 1% false positives.
+    let bytes = sample(100_000, 1).encode();
+    let bloom = BlockBloom::with_capacity(100_000, 0.01).byte_len();
+    assert_eq!(bloom, 119_814 + BLOOM_HEADER_BYTES);
+    assert!(bytes.len() < bloom + 300, "report is {} bytes", bytes.len());
+}
+
+#[test]
+fn matched_blocks_respects_granularity() {
+    let hasher = BlockHasher::new(&HashScheme::new(16, 1), &ExtraKeys::none());
+    let tokens: Vec<u32> = (0..16 * 10).collect();
+    let hashes = hasher.hash_blocks(&tokens);
+    let mut bloom = BlockBloom::with_capacity(100, 0.0001);
+    // Cache the first 7 blocks, summarised every 4th block: only block index 3 is in the filter.
+    for (i, h) in hashes.iter().enumerate().take(7) {
+        if (i + 1) % 4 == 0 {
+            bloom.insert(*h);
+        }
+    }
+    let s = CacheSummary { granularity: 4, entries: 1, bloom };
+    assert!(s.covers_block(3) && !s.covers_block(4));
+    assert_eq!(s.matched_blocks(&hashes), 4);
+    assert_eq!(s.matched_blocks(&hashes[..3]), 0);
+}
+
+#[test]
+fn every_truncation_is_an_error() {
+    let bytes = sample(50, 1).encode();
+    for n in 0..bytes.len() {
+        assert!(WorkerReport::decode(&bytes[..n]).is_err(), "prefix of {n} bytes decoded");
+    }
+}
+
+#[test]
+fn trailing_bytes_bad_magic_version_and_values_are_errors() {
+    let good = sample(10, 1).encode();
+    let mut extra = good.clone();
+    extra.push(0);
+    assert_eq!(WorkerReport::decode(&extra), Err(ReportError::TrailingBytes(1)));
+    let mut magic = good.clone();
+    magic[0] = b'X';
+    assert_eq!(WorkerReport::decode(&magic), Err(ReportError::BadMagic));
+    let mut version = good.clone();
+    version[4] = 9;
+    assert_eq!(WorkerReport::decode(&version), Err(ReportError::UnsupportedVersion(9)));
+
+    let mut r = sample(10, 1);
+    r.throughput.decode_tokens_per_s = f64::NAN;
+    assert!(matches!(WorkerReport::decode(&r.encode()), Err(ReportError::Invalid { .. })));
+    let mut r = sample(10, 1);
+    r.tiers[0].blocks_free = r.tiers[0].blocks_total + 1;
+    assert!(matches!(WorkerReport::decode(&r.encode()), Err(ReportError::Invalid { .. })));
+    let mut r = sample(10, 1);
+    r.tiers[1].tier = Tier::Device;
+    assert!(matches!(WorkerReport::decode(&r.encode()), Err(ReportError::Invalid { .. })));
+    let mut r = sample(10, 0);
+    r.tiers[0].summary.as_mut().expect("summary").granularity = 0;
+    assert!(matches!(WorkerReport::decode(&r.encode()), Err(ReportError::Invalid { .. })));
+    let mut r = sample(10, 1);
+    r.worker_id.clear();
+    assert!(matches!(WorkerReport::decode(&r.encode()), Err(ReportError::Invalid { .. })));
+}
+
+/// Offset of the Bloom header inside `sample(n, 1).encode()`: everything before the device tier's filter.
+fn bloom_offset(bytes: &[u8], bloom_len: usize) -> usize {
+    // The host tier (26 bytes: tier + 3 x u64 + has_summary) follows the device filter.
+    bytes.len() - 26 - bloom_len
+}
+
+#[test]
+fn hostile_bloom_headers_are_errors_not_panics_or_hangs() {
+    let r = sample(10, 1);
+    let bloom_len = r.tiers[0].summary.as_ref().expect("summary").bloom.byte_len();
+    let good = r.encode();
+    let at = bloom_offset(&good, bloom_len);
+    assert_eq!(good[at], 1, "bloom format version byte");
+    // A huge hash-function count (would make every lookup loop 4 billion times).
+    let mut k = good.clone();
+    k[at + 9..at + 13].copy_from_slice(&u32::MAX.to_le_bytes());
+    assert!(matches!(WorkerReport::decode(&k), Err(ReportError::Invalid { field: "bloom", .. })));
+    // Zero hash functions.
+    let mut k0 = good.clone();
+    k0[at + 9..at + 13].copy_from_slice(&0u32.to_le_bytes());
+    assert!(WorkerReport::decode(&k0).is_err());
+    // A bitmap length that disagrees with the bytes carried.
+    let mut len = good.clone();
+    len[at + 1..at + 9].copy_from_slice(&1u64.to_le_bytes());
+    assert!(WorkerReport::decode(&len).is_err());
+    // An empty bitmap (would divide by zero on lookup).
+    assert!(BlockBloom::from_bytes(&good[at..at + BLOOM_HEADER_BYTES]).is_err());
+}
+
+#[test]
+fn oversized_input_is_refused_before_decoding() {
+    let big = vec![0u8; MAX_REPORT_BYTES + 1];
+    assert_eq!(WorkerReport::decode(&big), Err(ReportError::TooLarge(MAX_REPORT_BYTES + 1)));
+}
+
+#[test]
+fn overlong_strings_are_cut_on_encode_and_still_decode() {
+    let mut r = sample(1, 1);
+    r.model_id = "é".repeat(MAX_STRING_BYTES);
+    let back = WorkerReport::decode(&r.encode()).expect("decodes");
+    assert!(back.model_id.len() <= MAX_STRING_BYTES);
+    assert!(back.model_id.chars().all(|c| c == 'é'));
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 2000, ..ProptestConfig::default() })]
+
+    #[test]
+    fn random_bytes_never_panic(bytes in prop::collection::vec(any::<u8>(), 0..512)) {
+        let _ = WorkerReport::decode(&bytes);
+    }
+
+    #[test]
+    fn mutated_reports_never_panic(pos in any::<prop::sample::Index>(), byte in any::<u8>(), cut in any::<prop::sample::Index>()) {
+        let mut bytes = sample(20, 2).encode();
+        let i = pos.index(bytes.len());
+        bytes[i] = byte;
+        let end = cut.index(bytes.len() + 1);
+        if let Ok(r) = WorkerReport::decode(&bytes[..end]) {
+            // Whatever decodes re-encodes to the same bytes (no silent reinterpretation).
+            prop_assert_eq!(r.encode(), bytes[..end].to_vec());
+        }
+    }
+}
