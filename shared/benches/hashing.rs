@@ -11,7 +11,9 @@ fn hashing(c: &mut Criterion) {
         let tokens: Vec<u32> = (0..n as u32).map(|i| i.wrapping_mul(2_654_435_761) % 128_000).collect();
         let hasher = BlockHasher::new(&HashScheme::new(16, 1), &ExtraKeys::from_salt(Some("tenant")));
         group.throughput(Throughput::Elements(n as u64));
-        group.bench_with_input(BenchmarkId::from_parameter(n), &tokens, |b, t| b.iter(|| hasher.hash_blocks(black_box(t))));
+        group.bench_with_input(BenchmarkId::from_parameter(n), &tokens, |b, t| {
+            b.iter(|| hasher.hash_blocks(black_box(t)))
+        });
     }
     group.finish();
 

@@ -207,7 +207,11 @@ impl BlockHasher {
     }
 
     /// Same, with another chain function (tests inject colliding ones).
-    pub fn with_fn(scheme: &HashScheme, extra: &ExtraKeys, chain: fn(BlockHash, &[u32]) -> BlockHash) -> Self {
+    pub fn with_fn(
+        scheme: &HashScheme,
+        extra: &ExtraKeys,
+        chain: fn(BlockHash, &[u32]) -> BlockHash,
+    ) -> Self {
         Self {
             block_size: scheme.block_size.max(1) as usize,
             root: root_hash(scheme.fingerprint(), extra),

@@ -59,8 +59,10 @@ fn salt_and_adapter_with_same_text_differ() {
     assert_ne!(salt, lora);
     assert_ne!(salt, root_hash(fp, &ExtraKeys::none()));
     // Length prefixes: ("ab","c") vs ("a","bc") as Other name/value must differ.
-    let a = root_hash(fp, &ExtraKeys::none().with(ExtraKey::Other { name: "ab".into(), value: b"c".to_vec() }));
-    let b = root_hash(fp, &ExtraKeys::none().with(ExtraKey::Other { name: "a".into(), value: b"bc".to_vec() }));
+    let a =
+        root_hash(fp, &ExtraKeys::none().with(ExtraKey::Other { name: "ab".into(), value: b"c".to_vec() }));
+    let b =
+        root_hash(fp, &ExtraKeys::none().with(ExtraKey::Other { name: "a".into(), value: b"bc".to_vec() }));
     assert_ne!(a, b);
 }
 

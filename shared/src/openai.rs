@@ -309,7 +309,8 @@ impl ErrorBody {
 
     /// Serialized body (never fails: every field is a plain string).
     pub fn to_json(&self) -> String {
-        serde_json::to_string(self).unwrap_or_else(|_| String::from("{\"error\":{\"message\":\"internal error\"}}"))
+        serde_json::to_string(self)
+            .unwrap_or_else(|_| String::from("{\"error\":{\"message\":\"internal error\"}}"))
     }
 }
 
@@ -328,15 +329,18 @@ mod tests {
 
     #[test]
     fn completion_prompt_forms() {
-        let text: CompletionRequest = serde_json::from_value(json!({"model": "m", "prompt": "hi"})).expect("text");
+        let text: CompletionRequest =
+            serde_json::from_value(json!({"model": "m", "prompt": "hi"})).expect("text");
         assert_eq!(text.prompt.single(), Ok(SinglePrompt::Text("hi")));
         let ids: CompletionRequest =
             serde_json::from_value(json!({"model": "m", "prompt": [1, 2, 3], "max_tokens": 5})).expect("ids");
         assert_eq!(ids.prompt.single(), Ok(SinglePrompt::TokenIds(&[1, 2, 3])));
         assert_eq!(ids.sampling.max_output_tokens(), Some(5));
-        let one: CompletionRequest = serde_json::from_value(json!({"model": "m", "prompt": [[4, 5]]})).expect("batch");
+        let one: CompletionRequest =
+            serde_json::from_value(json!({"model": "m", "prompt": [[4, 5]]})).expect("batch");
         assert_eq!(one.prompt.single(), Ok(SinglePrompt::TokenIds(&[4, 5])));
-        let many: CompletionRequest = serde_json::from_value(json!({"model": "m", "prompt": ["a", "b"]})).expect("batch");
+        let many: CompletionRequest =
+            serde_json::from_value(json!({"model": "m", "prompt": ["a", "b"]})).expect("batch");
         assert!(many.prompt.single().is_err());
         assert!(serde_json::from_value::<CompletionRequest>(json!({"model": "m", "prompt": [-1]})).is_err());
         assert!(serde_json::from_value::<CompletionRequest>(json!({"model": "m"})).is_err());

@@ -14,7 +14,10 @@ use serde_json::{json, Value};
 #[test]
 fn token_ids_match_transformers() {
     let Some(python) = std::env::var_os("KVGATE_PYTHON") else {
-        assert!(std::env::var_os("CI").is_none(), "CI must run this test: set KVGATE_PYTHON (scripts/setup.sh)");
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "CI must run this test: set KVGATE_PYTHON (scripts/setup.sh)"
+        );
         eprintln!("KVGATE_PYTHON not set: skipping the transformers parity check (run scripts/test.sh)");
         return;
     };
@@ -61,7 +64,9 @@ fn token_ids_match_transformers() {
         let msgs = c.as_array().cloned().unwrap_or_default();
         for add in [true, false] {
             let opts = ChatOptions { add_generation_prompt: add, ..ChatOptions::default() };
-            ours.push(prompter.tokenize(&PromptInput::Chat { messages: &msgs, options: &opts }).expect("tokenizes"));
+            ours.push(
+                prompter.tokenize(&PromptInput::Chat { messages: &msgs, options: &opts }).expect("tokenizes"),
+            );
         }
     }
     for t in &texts {

@@ -9,8 +9,8 @@ mod synth;
 mod template;
 
 pub use synth::{
-    byte_to_char, synth_text, synth_tokenizer, SplitMix64, SynthTokenizer, BOS_TOKEN, CHAT_TEMPLATE, EOT_TOKEN,
-    SPECIAL_TOKENS,
+    byte_to_char, synth_text, synth_tokenizer, SplitMix64, SynthTokenizer, BOS_TOKEN, CHAT_TEMPLATE,
+    EOT_TOKEN, SPECIAL_TOKENS,
 };
 pub use template::ChatTemplate;
 
@@ -42,7 +42,10 @@ pub enum PromptError {
 impl PromptError {
     /// Whether the request (not the deployment) is at fault.
     pub fn is_client_error(&self) -> bool {
-        matches!(self, PromptError::InvalidConversation(_) | PromptError::InvalidPrompt(_) | PromptError::NoChatTemplate)
+        matches!(
+            self,
+            PromptError::InvalidConversation(_) | PromptError::InvalidPrompt(_) | PromptError::NoChatTemplate
+        )
     }
 }
 
@@ -67,7 +70,8 @@ impl TokenizerFiles {
                 .map_err(|e| PromptError::File { path: path.display().to_string(), reason: e.to_string() })
         };
         let tokenizer_json = read("tokenizer.json")?;
-        let mut files = TokenizerFiles { tokenizer_json, chat_template: None, bos_token: None, eos_token: None };
+        let mut files =
+            TokenizerFiles { tokenizer_json, chat_template: None, bos_token: None, eos_token: None };
         if dir.join("tokenizer_config.json").exists() {
             let path = dir.join("tokenizer_config.json");
             let cfg: Json = serde_json::from_str(&read("tokenizer_config.json")?)
@@ -161,7 +165,12 @@ impl Prompter {
     fn digest_of(files: &TokenizerFiles) -> u64 {
         let mut h = Xxh3::new();
         h.update(b"kvgate/tokenizer-digest/v1");
-        for part in [Some(&files.tokenizer_json), files.chat_template.as_ref(), files.bos_token.as_ref(), files.eos_token.as_ref()] {
+        for part in [
+            Some(&files.tokenizer_json),
+            files.chat_template.as_ref(),
+            files.bos_token.as_ref(),
+            files.eos_token.as_ref(),
+        ] {
             match part {
                 Some(s) => {
                     h.update(&[1]);

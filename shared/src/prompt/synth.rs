@@ -49,7 +49,8 @@ pub fn byte_to_char() -> [char; 256] {
     let mut out = ['\0'; 256];
     let mut extra = 0u32;
     for b in 0..=255u32 {
-        let printable = (0x21..=0x7E).contains(&b) || (0xA1..=0xAC).contains(&b) || (0xAE..=0xFF).contains(&b);
+        let printable =
+            (0x21..=0x7E).contains(&b) || (0xA1..=0xAC).contains(&b) || (0xAE..=0xFF).contains(&b);
         let c = if printable {
             b
         } else {
@@ -87,9 +88,9 @@ impl SplitMix64 {
 }
 
 const SYLLABLES: [&str; 40] = [
-    "ka", "ri", "to", "ne", "sa", "lo", "mi", "du", "ve", "po", "an", "el", "is", "or", "um", "th", "ing", "er",
-    "qu", "st", "re", "co", "de", "la", "ti", "on", "ma", "ex", "pr", "bl", "gr", "ch", "sh", "wa", "yo", "zi",
-    "fe", "hu", "ju", "ba",
+    "ka", "ri", "to", "ne", "sa", "lo", "mi", "du", "ve", "po", "an", "el", "is", "or", "um", "th", "ing",
+    "er", "qu", "st", "re", "co", "de", "la", "ti", "on", "ma", "ex", "pr", "bl", "gr", "ch", "sh", "wa",
+    "yo", "zi", "fe", "hu", "ju", "ba",
 ];
 const PUNCT: [&str; 8] = [",", ".", "?", "!", ":", ";", "\n", " -"];
 
@@ -155,7 +156,13 @@ fn learn_merges(pieces: &[(String, u64)], n_merges: usize, b2c: &[char; 256]) ->
             .filter(|(_, c)| **c >= 2)
             .max_by(|(pa, ca), (pb, cb)| {
                 let key = |p: &(u32, u32)| (names[p.0 as usize].clone(), names[p.1 as usize].clone());
-                ca.cmp(cb).then_with(|| if ca == cb { key(pb).cmp(&key(pa)).then(pb.cmp(pa)) } else { std::cmp::Ordering::Equal })
+                ca.cmp(cb).then_with(|| {
+                    if ca == cb {
+                        key(pb).cmp(&key(pa)).then(pb.cmp(pa))
+                    } else {
+                        std::cmp::Ordering::Equal
+                    }
+                })
             })
             .map(|(p, _)| *p);
         let Some((a, b)) = best else { break };
@@ -230,8 +237,11 @@ pub fn synth_tokenizer(vocab_size: usize, seed: u64) -> SynthTokenizer {
         .iter()
         .enumerate()
         .map(|(i, t)| {
-            ((first_special as usize + i).to_string(), json!({"content": t, "lstrip": false, "normalized": false,
-                "rstrip": false, "single_word": false, "special": true}))
+            (
+                (first_special as usize + i).to_string(),
+                json!({"content": t, "lstrip": false, "normalized": false,
+                "rstrip": false, "single_word": false, "special": true}),
+            )
         })
         .collect();
     let config = json!({

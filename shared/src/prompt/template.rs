@@ -87,7 +87,10 @@ fn tojson(value: Value, kwargs: Kwargs) -> Result<Value, Error> {
             let fmt = serde_json::ser::PrettyFormatter::with_indent(pad.as_bytes());
             serde::Serialize::serialize(&json, &mut serde_json::Serializer::with_formatter(&mut out, fmt))
         }
-        None => serde::Serialize::serialize(&json, &mut serde_json::Serializer::with_formatter(&mut out, PyCompact)),
+        None => serde::Serialize::serialize(
+            &json,
+            &mut serde_json::Serializer::with_formatter(&mut out, PyCompact),
+        ),
     };
     res.map_err(|e| Error::new(ErrorKind::InvalidOperation, format!("tojson: {e}")))?;
     Ok(Value::from_safe_string(String::from_utf8(out).unwrap_or_default()))
@@ -112,14 +115,22 @@ fn sort_json_keys(v: &mut serde_json::Value) {
 struct PyCompact;
 
 impl serde_json::ser::Formatter for PyCompact {
-    fn begin_array_value<W: ?Sized + std::io::Write>(&mut self, w: &mut W, first: bool) -> std::io::Result<()> {
+    fn begin_array_value<W: ?Sized + std::io::Write>(
+        &mut self,
+        w: &mut W,
+        first: bool,
+    ) -> std::io::Result<()> {
         if first {
             Ok(())
         } else {
             w.write_all(b", ")
         }
     }
-    fn begin_object_key<W: ?Sized + std::io::Write>(&mut self, w: &mut W, first: bool) -> std::io::Result<()> {
+    fn begin_object_key<W: ?Sized + std::io::Write>(
+        &mut self,
+        w: &mut W,
+        first: bool,
+    ) -> std::io::Result<()> {
         if first {
             Ok(())
         } else {

@@ -83,12 +83,18 @@ fn renders_llama3_style_chat() {
 fn template_errors_are_client_errors_with_the_templates_message() {
     let p = prompter();
     let err = p.render_chat(&chat(json!([{"role": "wizard", "content": "x"}])), &gen()).expect_err("refused");
-    assert!(matches!(&err, PromptError::InvalidConversation(m) if m.contains("unknown role: wizard")), "{err}");
+    assert!(
+        matches!(&err, PromptError::InvalidConversation(m) if m.contains("unknown role: wizard")),
+        "{err}"
+    );
     assert!(err.is_client_error());
     assert!(p.render_chat(&[], &gen()).expect_err("empty").is_client_error());
     let bad_part = chat(json!([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]));
     assert!(p.render_chat(&bad_part, &gen()).expect_err("image").is_client_error());
-    assert!(p.render_chat(&chat(json!(["just a string"])), &gen()).expect_err("not object").is_client_error());
+    assert!(p
+        .render_chat(&chat(json!(["just a string"])), &gen())
+        .expect_err("not object")
+        .is_client_error());
 }
 
 fn with_template(src: &str) -> Prompter {
@@ -133,7 +139,10 @@ fn strftime_now_and_chat_template_kwargs() {
     let mut extra = serde_json::Map::new();
     extra.insert("flavour".into(), json!("mint"));
     let out = p
-        .render_chat(&chat(json!([{"role": "user", "content": "x"}])), &ChatOptions { extra: Some(extra), ..gen() })
+        .render_chat(
+            &chat(json!([{"role": "user", "content": "x"}])),
+            &ChatOptions { extra: Some(extra), ..gen() },
+        )
         .expect("renders");
     let year = chrono::Local::now().format("%Y").to_string();
     assert_eq!(out, format!("{year} mint"));
@@ -154,7 +163,10 @@ fn model_dir_variants() {
     std::fs::write(dir.path().join("tokenizer.json"), &t.tokenizer_json).expect("write");
     // No config at all: text prompts work, chat is a clear error.
     let p = Prompter::from_dir(dir.path()).expect("loads");
-    assert!(matches!(p.render_chat(&chat(json!([{"role": "user", "content": "x"}])), &gen()), Err(PromptError::NoChatTemplate)));
+    assert!(matches!(
+        p.render_chat(&chat(json!([{"role": "user", "content": "x"}])), &gen()),
+        Err(PromptError::NoChatTemplate)
+    ));
     // List-form chat_template picks "default"; chat_template.jinja wins over the config.
     std::fs::write(
         dir.path().join("tokenizer_config.json"),
@@ -162,7 +174,10 @@ fn model_dir_variants() {
     )
     .expect("write");
     let p = Prompter::from_dir(dir.path()).expect("loads");
-    assert_eq!(p.render_chat(&chat(json!([{"role": "user", "content": "x"}])), &gen()).expect("ok"), "D<|begin_of_text|>");
+    assert_eq!(
+        p.render_chat(&chat(json!([{"role": "user", "content": "x"}])), &gen()).expect("ok"),
+        "D<|begin_of_text|>"
+    );
     std::fs::write(dir.path().join("chat_template.jinja"), "J").expect("write");
     let p = Prompter::from_dir(dir.path()).expect("loads");
     assert_eq!(p.render_chat(&chat(json!([{"role": "user", "content": "x"}])), &gen()).expect("ok"), "J");
@@ -201,7 +216,10 @@ fn gateway_and_worker_tokenize_identically() {
         assert_eq!(worker.tokenize(&input).expect("w"), gateway.tokenize(&input).expect("g"));
     }
     let text = synth_text(9, 500);
-    assert_eq!(worker.tokenize(&PromptInput::Text(&text)).expect("w"), gateway.tokenize(&PromptInput::Text(&text)).expect("g"));
+    assert_eq!(
+        worker.tokenize(&PromptInput::Text(&text)).expect("w"),
+        gateway.tokenize(&PromptInput::Text(&text)).expect("g")
+    );
 }
 
 #[test]

@@ -108,7 +108,10 @@ impl BlockBloom {
             return Err(format!("bloom filter of {} bytes has no bitmap", bytes.len()));
         }
         if bytes[0] != BLOOM_FORMAT_VERSION {
-            return Err(format!("bloom filter format version {} (expected {BLOOM_FORMAT_VERSION})", bytes[0]));
+            return Err(format!(
+                "bloom filter format version {} (expected {BLOOM_FORMAT_VERSION})",
+                bytes[0]
+            ));
         }
         let mut len = [0u8; 8];
         len.copy_from_slice(&bytes[1..9]);
@@ -118,7 +121,9 @@ impl BlockBloom {
             return Err(format!("bloom filter says {bitmap_len} bitmap bytes but carries {actual}"));
         }
         if actual as usize > MAX_BLOOM_BYTES {
-            return Err(format!("bloom filter bitmap of {actual} bytes is over the limit of {MAX_BLOOM_BYTES}"));
+            return Err(format!(
+                "bloom filter bitmap of {actual} bytes is over the limit of {MAX_BLOOM_BYTES}"
+            ));
         }
         let mut k = [0u8; 4];
         k.copy_from_slice(&bytes[9..13]);

@@ -28,7 +28,13 @@ fn sample(n_hashes: u64, granularity: u32) -> WorkerReport {
                 blocks_cached: 150_000,
                 summary: Some(CacheSummary { granularity, entries: n_hashes, bloom }),
             },
-            TierReport { tier: Tier::Host, blocks_total: 10, blocks_free: 10, blocks_cached: 0, summary: None },
+            TierReport {
+                tier: Tier::Host,
+                blocks_total: 10,
+                blocks_free: 10,
+                blocks_cached: 0,
+                summary: None,
+            },
         ],
     }
 }

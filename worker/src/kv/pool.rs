@@ -1,0 +1,278 @@
+//! The block pool: which KV blocks are free, referenced or cached, and the prefix cache's hash -> block map.
+//!
+//! Pure bookkeeping (no tensors): the compute backend owns the memory a block id points at.
+//!
+//! - A block is **referenced** (`ref_count > 0`: part of at least one live sequence) or **free**. A free block may
+//!   still be **cached**: it keeps its hash and tokens, sits in the LRU free queue, and is taken back out on a hit.
+//! - Allocation takes the free queue's head (least recently freed); if that block was cached it is evicted
+//!   (its hash leaves the map). Releasing a sequence appends its blocks tail-first, so a finished sequence's tail is
+//!   evicted before its head (the head is the part other requests share).
+//! - A lookup succeeds only when the hash maps to a block **and** the block's tokens equal the request's: a hash
+//!   collision costs a recompute, never a wrong block.
+
+use std::collections::HashMap;
+
+use kvgate_shared::hashing::BlockHash;
+
+/// Index of a KV block in the pool.
+pub type BlockId = u32;
+
+const NIL: u32 = u32::MAX;
+
+#[derive(Clone, Debug)]
+struct BlockMeta {
+    ref_count: u32,
+    hash: Option<BlockHash>,
+    /// The block's tokens, kept while it is cached, for verification on a hit.
+    tokens: Box<[u32]>,
+    prev: u32,
+    next: u32,
+    in_free_queue: bool,
+}
+
+/// Counters of the pool since start.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PoolCounters {
+    /// Cached blocks whose content was dropped to make room.
+    pub evictions: u64,
+    /// Blocks served from the cache.
+    pub hit_blocks: u64,
+    /// Blocks looked up.
+    pub queried_blocks: u64,
+    /// Lookups whose hash matched a block with other tokens.
+    pub collisions: u64,
+}
+
+/// The pool of KV blocks.
+#[derive(Debug)]
+pub struct BlockPool {
+    block_size: usize,
+    blocks: Vec<BlockMeta>,
+    head: u32,
+    tail: u32,
+    free_len: usize,
+    cached: HashMap<BlockHash, BlockId>,
+    counters: PoolCounters,
+}
+
+impl BlockPool {
+    /// A pool of `num_blocks` blocks of `block_size` tokens, all free.
+    pub fn new(num_blocks: usize, block_size: usize) -> Self {
+        let n = num_blocks.min(NIL as usize - 1);
+        let blocks = (0..n)
+            .map(|i| BlockMeta {
+                ref_count: 0,
+                hash: None,
+                tokens: Box::new([]),
+                prev: if i == 0 { NIL } else { i as u32 - 1 },
+                next: if i + 1 == n { NIL } else { i as u32 + 1 },
+                in_free_queue: true,
+            })
+            .collect();
+        Self {
+            block_size,
+            blocks,
+            head: if n == 0 { NIL } else { 0 },
+            tail: if n == 0 { NIL } else { n as u32 - 1 },
+            free_len: n,
+            cached: HashMap::new(),
+            counters: PoolCounters::default(),
+        }
+    }
+
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+    pub fn num_blocks(&self) -> usize {
+        self.blocks.len()
+    }
+    /// Blocks no live sequence references (cached or not).
+    pub fn num_free(&self) -> usize {
+        self.free_len
+    }
+    /// Blocks whose content is in the prefix cache.
+    pub fn num_cached(&self) -> usize {
+        self.cached.len()
+    }
+    pub fn counters(&self) -> PoolCounters {
+        self.counters
+    }
+    /// Reference count of a block (tests and invariants).
+    pub fn ref_count(&self, id: BlockId) -> u32 {
+        self.blocks[id as usize].ref_count
+    }
+
+    /// Every hash the prefix cache holds (the worker's report summarises these).
+    pub fn cached_hashes(&self) -> impl Iterator<Item = BlockHash> + '_ {
+        self.cached.keys().copied()
+    }
+
+    fn unlink(&mut self, id: BlockId) {
+        let (prev, next) = {
+            let b = &self.blocks[id as usize];
+            debug_assert!(b.in_free_queue);
+            (b.prev, b.next)
+        };
+        if prev == NIL {
+            self.head = next;
+        } else {
+            self.blocks[prev as usize].next = next;
+        }
+        if next == NIL {
+            self.tail = prev;
+        } else {
+            self.blocks[next as usize].prev = prev;
+        }
+        let b = &mut self.blocks[id as usize];
+        b.prev = NIL;
+        b.next = NIL;
+        b.in_free_queue = false;
+        self.free_len -= 1;
+    }
+
+    fn push_back(&mut self, id: BlockId) {
+        let tail = self.tail;
+        {
+            let b = &mut self.blocks[id as usize];
+            b.prev = tail;
+            b.next = NIL;
+            b.in_free_queue = true;
+        }
+        if tail == NIL {
+            self.head = id;
+        } else {
+            self.blocks[tail as usize].next = id;
+        }
+        self.tail = id;
+        self.free_len += 1;
+    }
+
+    /// Takes `n` blocks for new content (evicting cached ones, least recently freed first); `None` (and nothing
+    /// taken) when fewer than `n` are free.
+    pub fn allocate(&mut self, n: usize) -> Option<Vec<BlockId>> {
+        if n > self.free_len {
+            return None;
+        }
+        let mut out = Vec::with_capacity(n);
+        for _ in 0..n {
+            let id = self.head;
+            self.unlink(id);
+            let b = &mut self.blocks[id as usize];
+            if let Some(h) = b.hash.take() {
+                b.tokens = Box::new([]);
+                if self.cached.get(&h) == Some(&id) {
+                    self.cached.remove(&h);
+                }
+                self.counters.evictions += 1;
+            }
+            b.ref_count = 1;
+            out.push(id);
+        }
+        Some(out)
+    }
+
+    /// The cached block for `hash` holding exactly `tokens`, referenced for the caller; `None` on a miss or a
+    /// collision.
+    pub fn lookup(&mut self, hash: BlockHash, tokens: &[u32]) -> Option<BlockId> {
+        self.counters.queried_blocks += 1;
+        let id = *self.cached.get(&hash)?;
+        if &*self.blocks[id as usize].tokens != tokens {
+            self.counters.collisions += 1;
+            return None;
+        }
+        if self.blocks[id as usize].ref_count == 0 {
+            self.unlink(id);
+        }
+        self.blocks[id as usize].ref_count += 1;
+        self.counters.hit_blocks += 1;
+        Some(id)
+    }
+
+    /// Whether `hash` is cached with these tokens (no reference taken, no counters).
+    pub fn contains(&self, hash: BlockHash, tokens: &[u32]) -> bool {
+        self.cached.get(&hash).is_some_and(|id| &*self.blocks[*id as usize].tokens == tokens)
+    }
+
+    /// Records that referenced block `id` now holds the full block `tokens` with chained hash `hash`. If another
+    /// block already caches that hash, this one stays uncached (a duplicate, freed without caching).
+    pub fn register(&mut self, id: BlockId, hash: BlockHash, tokens: &[u32]) {
+        debug_assert_eq!(tokens.len(), self.block_size);
+        if self.cached.contains_key(&hash) || self.blocks[id as usize].hash.is_some() {
+            return;
+        }
+        let b = &mut self.blocks[id as usize];
+        b.hash = Some(hash);
+        b.tokens = tokens.into();
+        self.cached.insert(hash, id);
+    }
+
+    /// Drops one reference to each block, last block first (so tails are evicted before heads).
+    pub fn release(&mut self, ids: &[BlockId]) {
+        for &id in ids.iter().rev() {
+            let b = &mut self.blocks[id as usize];
+            debug_assert!(b.ref_count > 0, "double release of block {id}");
+            if b.ref_count == 0 {
+                continue;
+            }
+            b.ref_count -= 1;
+            if b.ref_count == 0 {
+                if b.hash.is_none() {
+                    // Uncached content is worthless: reuse it before any cached block.
+                    self.push_front(id);
+                } else {
+                    self.push_back(id);
+                }
+            }
+        }
+    }
+
+    fn push_front(&mut self, id: BlockId) {
+        let head = self.head;
+        {
+            let b = &mut self.blocks[id as usize];
+            b.prev = NIL;
+            b.next = head;
+            b.in_free_queue = true;
+        }
+        if head == NIL {
+            self.tail = id;
+        } else {
+            self.blocks[head as usize].prev = id;
+        }
+        self.head = id;
+        self.free_len += 1;
+    }
+
+    /// Checks the pool's invariants (tests): the free queue holds exactly the unreferenced blocks, and every
+    /// cached hash points at a block that carries it.
+    pub fn check_invariants(&self) -> Result<(), String> {
+        let mut seen = 0usize;
+        let mut cur = self.head;
+        let mut prev = NIL;
+        while cur != NIL {
+            let b = &self.blocks[cur as usize];
+            if b.ref_count != 0 || !b.in_free_queue || b.prev != prev {
+                return Err(format!("free queue corrupt at block {cur}"));
+            }
+            seen += 1;
+            if seen > self.blocks.len() {
+                return Err("free queue has a cycle".into());
+            }
+            prev = cur;
+            cur = b.next;
+        }
+        if seen != self.free_len || prev != self.tail {
+            return Err(format!("free queue length {seen} != {}", self.free_len));
+        }
+        let unreferenced = self.blocks.iter().filter(|b| b.ref_count == 0).count();
+        if unreferenced != self.free_len {
+            return Err(format!("{unreferenced} unreferenced blocks but {} free", self.free_len));
+        }
+        for (h, id) in &self.cached {
+            if self.blocks[*id as usize].hash != Some(*h) {
+                return Err(format!("cached hash {h:?} points at block {id} without it"));
+            }
+        }
+        Ok(())
+    }
+}

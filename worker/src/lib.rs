@@ -1,0 +1,11 @@
+//! kvgate-worker: the inference engine behind each kvgate worker process.
+//!
+//! - [`model`]: Hugging Face Llama-family models (config, safetensors weights, synthetic models) and the forward
+//!   pass over paged KV;
+//! - [`kv`]: block pool, prefix cache and per-sequence block tables (pure bookkeeping);
+//! - [`engine`]: requests, the continuous-batching scheduler with chunked prefill and preemption, sampling, and the
+//!   compute `Backend` trait (CPU model today; a timing-model backend later).
+
+pub mod engine;
+pub mod kv;
+pub mod model;

@@ -1,0 +1,337 @@
+//! The Llama-family forward pass (Llama 2/3.x, Mistral, Qwen2) over a paged KV pool, for a batch of sequence
+//! chunks at once: prefill chunks and decode tokens of many sequences share every projection and MLP matmul;
+//! attention runs per sequence over the K/V gathered from its blocks.
+//!
+//! Attention of a chunk is tiled over queries ([`QUERY_TILE`] rows at a time), and a tile only reads the keys it
+//! may attend to (causal), so a long prefill never materialises the full `[heads, n, n]` matrix and skips the
+//! masked half of it. GQA is computed without repeating K/V: the query heads of one KV head are stacked as rows.
+//!
+//! Numerics follow `transformers`/candle-transformers: f32 compute, RMSNorm, rotate-half RoPE (with Llama 3
+//! scaling), softmax in f32, SiLU-gated MLP; checked against candle-transformers' llama in `tests/reference.rs`.
+
+use candle_core::{DType, Device, Tensor};
+
+use super::{ModelConfig, ModelError, ModelWeights};
+
+/// Query rows per attention tile.
+pub const QUERY_TILE: usize = 256;
+
+/// K and V memory of every layer: `[slots, kv_heads * head_dim]` each, a slot being `block * block_size + offset`.
+/// (The pool layout `[num_blocks, block_size, kv_heads, head_dim]` flattened.)
+#[derive(Debug)]
+pub struct KvStore {
+    k: Vec<Vec<f32>>,
+    v: Vec<Vec<f32>>,
+    kv_dim: usize,
+    num_slots: usize,
+}
+
+impl KvStore {
+    /// Zeroed memory for `num_slots` positions of every layer (pages are touched lazily by the OS).
+    pub fn new(num_layers: usize, num_slots: usize, kv_dim: usize) -> Self {
+        let n = num_slots * kv_dim;
+        Self {
+            k: (0..num_layers).map(|_| vec![0.0; n]).collect(),
+            v: (0..num_layers).map(|_| vec![0.0; n]).collect(),
+            kv_dim,
+            num_slots,
+        }
+    }
+
+    /// Bytes of K and V per token across all layers.
+    pub fn bytes_per_token(num_layers: usize, kv_dim: usize) -> usize {
+        2 * num_layers * kv_dim * std::mem::size_of::<f32>()
+    }
+
+    pub fn num_slots(&self) -> usize {
+        self.num_slots
+    }
+
+    fn write(&mut self, layer: usize, slots: &[usize], k_rows: &[f32], v_rows: &[f32]) {
+        let d = self.kv_dim;
+        for (i, &s) in slots.iter().enumerate() {
+            self.k[layer][s * d..(s + 1) * d].copy_from_slice(&k_rows[i * d..(i + 1) * d]);
+            self.v[layer][s * d..(s + 1) * d].copy_from_slice(&v_rows[i * d..(i + 1) * d]);
+        }
+    }
+
+    /// K and V rows of `slots`, contiguous runs copied at once.
+    fn gather(&self, layer: usize, slots: &[usize]) -> (Vec<f32>, Vec<f32>) {
+        let d = self.kv_dim;
+        let mut k = Vec::with_capacity(slots.len() * d);
+        let mut v = Vec::with_capacity(slots.len() * d);
+        let mut i = 0;
+        while i < slots.len() {
+            let mut j = i + 1;
+            while j < slots.len() && slots[j] == slots[j - 1] + 1 {
+                j += 1;
+            }
+            let (a, b) = (slots[i] * d, (slots[j - 1] + 1) * d);
+            k.extend_from_slice(&self.k[layer][a..b]);
+            v.extend_from_slice(&self.v[layer][a..b]);
+            i = j;
+        }
+        (k, v)
+    }
+}
+
+/// One sequence's part of a forward batch.
+#[derive(Clone, Debug)]
+pub struct SeqChunk<'a> {
+    /// Tokens to compute, at positions `start..start + tokens.len()`.
+    pub tokens: &'a [u32],
+    pub start: usize,
+    /// KV slot of every position `0..start + tokens.len()` (from the block table).
+    pub slots: &'a [usize],
+    /// Return the logits of the chunk's last token.
+    pub want_logits: bool,
+}
+
+struct Layer {
+    input_norm: Tensor,
+    /// `[hidden, q + 2 kv]`: q, k and v projections fused and transposed.
+    wqkv: Tensor,
+    bqkv: Option<Tensor>,
+    wo: Tensor,
+    post_norm: Tensor,
+    /// `[hidden, 2 * intermediate]`: gate and up fused and transposed.
+    wgate_up: Tensor,
+    wdown: Tensor,
+}
+
+/// A loaded model ready to run.
+pub struct LlamaModel {
+    cfg: ModelConfig,
+    embed: Tensor,
+    layers: Vec<Layer>,
+    norm: Tensor,
+    lm_head: Tensor,
+    inv_freq: Vec<f32>,
+    eps: f32,
+}
+
+impl std::fmt::Debug for LlamaModel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LlamaModel").field("cfg", &self.cfg).finish()
+    }
+}
+
+fn bad_input(reason: String) -> ModelError {
+    ModelError::Candle(candle_core::Error::Msg(reason))
+}
+
+impl LlamaModel {
+    /// Prepares loaded weights (fusing and transposing projections once).
+    pub fn new(cfg: ModelConfig, w: ModelWeights) -> Result<Self, ModelError> {
+        let mut layers = Vec::with_capacity(w.layers.len());
+        for lw in w.layers {
+            let wqkv = Tensor::cat(&[&lw.q_proj, &lw.k_proj, &lw.v_proj], 0)?.t()?.contiguous()?;
+            let bqkv = match (&lw.q_bias, &lw.k_bias, &lw.v_bias) {
+                (Some(q), Some(k), Some(v)) => Some(Tensor::cat(&[q, k, v], 0)?),
+                _ => None,
+            };
+            layers.push(Layer {
+                input_norm: lw.input_layernorm,
+                wqkv,
+                bqkv,
+                wo: lw.o_proj.t()?.contiguous()?,
+                post_norm: lw.post_attention_layernorm,
+                wgate_up: Tensor::cat(&[&lw.gate_proj, &lw.up_proj], 0)?.t()?.contiguous()?,
+                wdown: lw.down_proj.t()?.contiguous()?,
+            });
+        }
+        Ok(Self {
+            inv_freq: cfg.rope_inv_freq(),
+            eps: cfg.rms_norm_eps as f32,
+            embed: w.embed_tokens,
+            layers,
+            norm: w.norm,
+            lm_head: w.lm_head.t()?.contiguous()?,
+            cfg,
+        })
+    }
+
+    /// Loads `config.json` and the weights of a model directory.
+    pub fn load(dir: &std::path::Path) -> Result<Self, ModelError> {
+        let cfg = ModelConfig::from_dir(dir)?;
+        let w = ModelWeights::load(dir, &cfg)?;
+        Self::new(cfg, w)
+    }
+
+    pub fn config(&self) -> &ModelConfig {
+        &self.cfg
+    }
+
+    /// A KV store for this model's shape.
+    pub fn new_kv_store(&self, num_slots: usize) -> KvStore {
+        KvStore::new(self.cfg.num_hidden_layers, num_slots, self.cfg.kv_dim())
+    }
+
+    /// cos and sin `[T, head_dim / 2]` of each position.
+    fn rope_tables(&self, positions: &[usize]) -> Result<(Tensor, Tensor), ModelError> {
+        let half = self.inv_freq.len();
+        let mut cos = Vec::with_capacity(positions.len() * half);
+        let mut sin = Vec::with_capacity(positions.len() * half);
+        for &p in positions {
+            for &f in &self.inv_freq {
+                let a = p as f32 * f;
+                cos.push(a.cos());
+                sin.push(a.sin());
+            }
+        }
+        let dev = Device::Cpu;
+        Ok((
+            Tensor::from_vec(cos, (positions.len(), half), &dev)?,
+            Tensor::from_vec(sin, (positions.len(), half), &dev)?,
+        ))
+    }
+
+    /// Runs one batch; returns, per chunk, the last token's logits when asked for.
+    pub fn forward(
+        &self,
+        chunks: &[SeqChunk<'_>],
+        kv: &mut KvStore,
+    ) -> Result<Vec<Option<Vec<f32>>>, ModelError> {
+        let cfg = &self.cfg;
+        let (heads, kvh, hd) = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim);
+        let (qd, kvd) = (heads * hd, kvh * hd);
+        let mut ids = Vec::new();
+        let mut positions = Vec::new();
+        let mut write_slots = Vec::new();
+        for c in chunks {
+            let end = c.start + c.tokens.len();
+            if c.slots.len() < end || end > cfg.max_position_embeddings {
+                return Err(bad_input(format!("chunk needs {end} positions, has {} slots", c.slots.len())));
+            }
+            if let Some(t) = c.tokens.iter().find(|t| **t as usize >= cfg.vocab_size) {
+                return Err(bad_input(format!(
+                    "token id {t} is outside the vocabulary ({})",
+                    cfg.vocab_size
+                )));
+            }
+            if c.slots[..end].iter().any(|s| *s >= kv.num_slots()) {
+                return Err(bad_input("slot outside the KV store".into()));
+            }
+            ids.extend_from_slice(c.tokens);
+            positions.extend(c.start..end);
+            write_slots.extend_from_slice(&c.slots[c.start..end]);
+        }
+        let total = ids.len();
+        if total == 0 {
+            return Ok(vec![None; chunks.len()]);
+        }
+        let dev = Device::Cpu;
+        let (cos, sin) = self.rope_tables(&positions)?;
+        let mut x = self.embed.index_select(&Tensor::from_vec(ids, total, &dev)?, 0)?;
+        for (li, layer) in self.layers.iter().enumerate() {
+            let xn = candle_nn::ops::rms_norm(&x, &layer.input_norm, self.eps)?;
+            let mut qkv = xn.matmul(&layer.wqkv)?;
+            if let Some(b) = &layer.bqkv {
+                qkv = qkv.broadcast_add(b)?;
+            }
+            // [1, heads, T, hd] for the rope kernel.
+            let to_heads = |t: Tensor, n: usize| -> candle_core::Result<Tensor> {
+                t.reshape((total, n, hd))?.transpose(0, 1)?.contiguous()?.unsqueeze(0)
+            };
+            let q = candle_nn::rotary_emb::rope(&to_heads(qkv.narrow(1, 0, qd)?, heads)?, &cos, &sin)?;
+            let k = candle_nn::rotary_emb::rope(&to_heads(qkv.narrow(1, qd, kvd)?, kvh)?, &cos, &sin)?;
+            let v = qkv.narrow(1, qd + kvd, kvd)?.contiguous()?;
+            // Store this batch's K/V ([T, kv_heads * hd] rows) before attention reads them back.
+            let k_rows = k.squeeze(0)?.transpose(0, 1)?.contiguous()?.flatten_all()?.to_vec1::<f32>()?;
+            let v_rows = v.flatten_all()?.to_vec1::<f32>()?;
+            kv.write(li, &write_slots, &k_rows, &v_rows);
+
+            let mut outs = Vec::with_capacity(chunks.len());
+            let mut offset = 0;
+            for c in chunks {
+                let n = c.tokens.len();
+                if n > 0 {
+                    let q_c = q.narrow(2, offset, n)?;
+                    outs.push(self.attend(kv, li, c, &q_c)?);
+                }
+                offset += n;
+            }
+            // [heads, T, hd] -> [T, heads * hd]
+            let y = Tensor::cat(&outs, 1)?.transpose(0, 1)?.contiguous()?.reshape((total, qd))?;
+            x = (x + y.matmul(&layer.wo)?)?;
+            let xn = candle_nn::ops::rms_norm(&x, &layer.post_norm, self.eps)?;
+            let gu = xn.matmul(&layer.wgate_up)?;
+            let inter = cfg.intermediate_size;
+            let m = (candle_nn::ops::silu(&gu.narrow(1, 0, inter)?)? * gu.narrow(1, inter, inter)?)?;
+            x = (x + m.matmul(&layer.wdown)?)?;
+        }
+        // Logits only for the rows asked for.
+        let mut rows = Vec::new();
+        let mut offset = 0u32;
+        for c in chunks {
+            offset += c.tokens.len() as u32;
+            if c.want_logits && !c.tokens.is_empty() {
+                rows.push(offset - 1);
+            }
+        }
+        let mut out = vec![None; chunks.len()];
+        if rows.is_empty() {
+            return Ok(out);
+        }
+        let n_rows = rows.len();
+        let last = x.index_select(&Tensor::from_vec(rows, n_rows, &dev)?, 0)?;
+        let logits = candle_nn::ops::rms_norm(&last, &self.norm, self.eps)?.matmul(&self.lm_head)?;
+        let mut it = logits.to_vec2::<f32>()?.into_iter();
+        for (c, o) in chunks.iter().zip(out.iter_mut()) {
+            if c.want_logits && !c.tokens.is_empty() {
+                *o = it.next();
+            }
+        }
+        Ok(out)
+    }
+
+    /// Causal attention of one chunk's queries `[1, heads, n, hd]` over its sequence's K/V; returns `[heads, n, hd]`.
+    fn attend(&self, kv: &KvStore, layer: usize, c: &SeqChunk<'_>, q: &Tensor) -> Result<Tensor, ModelError> {
+        let cfg = &self.cfg;
+        let (kvh, hd, group) = (cfg.num_key_value_heads, cfg.head_dim, cfg.group_size());
+        let n = c.tokens.len();
+        let ctx = c.start + n;
+        let dev = Device::Cpu;
+        let (k, v) = kv.gather(layer, &c.slots[..ctx]);
+        // [kv_heads, ctx, hd]
+        let k = Tensor::from_vec(k, (ctx, kvh, hd), &dev)?.transpose(0, 1)?.contiguous()?;
+        let v = Tensor::from_vec(v, (ctx, kvh, hd), &dev)?.transpose(0, 1)?.contiguous()?;
+        // Query heads h = kv_head * group + g, so [heads, n, hd] views as [kv_heads, group, n, hd].
+        let q = q.squeeze(0)?.reshape((kvh, group, n, hd))?;
+        let scale = (hd as f64).sqrt();
+        let mut tiles = Vec::with_capacity(n.div_ceil(QUERY_TILE));
+        let mut i0 = 0;
+        while i0 < n {
+            let len = QUERY_TILE.min(n - i0);
+            let keys = c.start + i0 + len; // causal: this tile sees keys 0..keys
+            let q_t = q.narrow(2, i0, len)?.contiguous()?.reshape((kvh, group * len, hd))?;
+            let k_t = k.narrow(1, 0, keys)?;
+            let att = (q_t.matmul(&k_t.t()?)? / scale)?;
+            let att = if len > 1 {
+                let mut mask = vec![0f32; len * keys];
+                for i in 0..len {
+                    let pos = c.start + i0 + i;
+                    for m in &mut mask[i * keys + pos + 1..(i + 1) * keys] {
+                        *m = f32::NEG_INFINITY;
+                    }
+                }
+                let mask = Tensor::from_vec(mask, (1, 1, len, keys), &dev)?;
+                att.reshape((kvh, group, len, keys))?.broadcast_add(&mask)?.reshape((
+                    kvh,
+                    group * len,
+                    keys,
+                ))?
+            } else {
+                att
+            };
+            let p = candle_nn::ops::softmax_last_dim(&att)?;
+            let o = p.matmul(&v.narrow(1, 0, keys)?.contiguous()?)?; // [kvh, group*len, hd]
+            tiles.push(o.reshape((kvh * group, len, hd))?);
+            i0 += len;
+        }
+        Ok(if tiles.len() == 1 { tiles.remove(0) } else { Tensor::cat(&tiles, 1)? })
+    }
+}
+
+/// Dtype the CPU engine computes in.
+pub const COMPUTE_DTYPE: DType = DType::F32;
