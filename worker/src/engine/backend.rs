@@ -1,0 +1,89 @@
+//! The compute behind the engine, behind one trait: the CPU model today; a timing-model backend (issue #7) and a
+//! CUDA one (feature `cuda`) plug in the same way. A backend owns the KV memory the block ids point at.
+
+use crate::model::llama::{KvStore, LlamaModel, SeqChunk};
+
+/// One sequence's part of a batch.
+#[derive(Clone, Debug)]
+pub struct BatchItem<'a> {
+    /// The whole sequence so far (prompt + output); `start..start + len` is computed now.
+    pub tokens: &'a [u32],
+    pub start: usize,
+    pub len: usize,
+    /// KV slot of every position `0..start + len`.
+    pub slots: Vec<usize>,
+    /// Produce what the next token is sampled from.
+    pub want_next: bool,
+}
+
+/// What a backend returns for an item that wants a next token.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Next {
+    /// Logits to sample from.
+    Logits(Vec<f32>),
+    /// The backend chose the token itself (a simulated model).
+    Token(u32),
+}
+
+/// Computes batches.
+pub trait Backend: Send {
+    /// Writes the KV of every item's new tokens and returns, per item, what it asked for. An error fails every
+    /// sequence of the batch (never the engine).
+    fn forward(&mut self, items: &[BatchItem<'_>]) -> Result<Vec<Option<Next>>, String>;
+
+    /// Ids the model accepts.
+    fn vocab_size(&self) -> usize;
+
+    /// Longest sequence (prompt + output) the model supports.
+    fn max_model_len(&self) -> usize;
+
+    /// The model's end-of-sequence ids.
+    fn eos_token_ids(&self) -> Vec<u32>;
+}
+
+/// The CPU engine: the Llama-family model with an in-memory KV store.
+#[derive(Debug)]
+pub struct CpuBackend {
+    model: LlamaModel,
+    kv: KvStore,
+}
+
+impl CpuBackend {
+    /// A backend with KV memory for `num_slots` positions (blocks x block size).
+    pub fn new(model: LlamaModel, num_slots: usize) -> Self {
+        let kv = model.new_kv_store(num_slots);
+        Self { model, kv }
+    }
+
+    pub fn model(&self) -> &LlamaModel {
+        &self.model
+    }
+}
+
+impl Backend for CpuBackend {
+    fn forward(&mut self, items: &[BatchItem<'_>]) -> Result<Vec<Option<Next>>, String> {
+        let chunks: Vec<SeqChunk<'_>> = items
+            .iter()
+            .map(|it| SeqChunk {
+                tokens: &it.tokens[it.start..it.start + it.len],
+                start: it.start,
+                slots: &it.slots,
+                want_logits: it.want_next,
+            })
+            .collect();
+        let out = self.model.forward(&chunks, &mut self.kv).map_err(|e| e.to_string())?;
+        Ok(out.into_iter().map(|l| l.map(Next::Logits)).collect())
+    }
+
+    fn vocab_size(&self) -> usize {
+        self.model.config().vocab_size
+    }
+
+    fn max_model_len(&self) -> usize {
+        self.model.config().max_position_embeddings
+    }
+
+    fn eos_token_ids(&self) -> Vec<u32> {
+        self.model.config().eos_token_ids.clone()
+    }
+}

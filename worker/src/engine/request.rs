@@ -1,0 +1,120 @@
+//! What goes into the engine (requests with their sampling parameters) and what comes out of each step.
+
+use kvgate_shared::hashing::ExtraKeys;
+
+/// Engine-wide id of a request.
+pub type RequestId = u64;
+
+/// How to pick tokens and when to stop.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SamplingParams {
+    /// Most tokens to generate.
+    pub max_tokens: u32,
+    /// 0 (or below 1e-5) = greedy.
+    pub temperature: f32,
+    /// Nucleus mass in (0, 1]; 1 = off.
+    pub top_p: f32,
+    /// Keep the k most likely tokens; 0 = off.
+    pub top_k: u32,
+    /// Seed of this request's sampling stream; `None` = seeded from the request id.
+    pub seed: Option<u64>,
+    /// Extra token ids that end generation (the EOS ids of the model always do, unless `ignore_eos`).
+    pub stop_token_ids: Vec<u32>,
+    /// Strings that end generation when they appear in the output text.
+    pub stop: Vec<String>,
+    pub ignore_eos: bool,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        Self {
+            max_tokens: 16,
+            temperature: 1.0,
+            top_p: 1.0,
+            top_k: 0,
+            seed: None,
+            stop_token_ids: Vec::new(),
+            stop: Vec::new(),
+            ignore_eos: false,
+        }
+    }
+}
+
+impl SamplingParams {
+    /// Greedy decoding of `max_tokens` tokens.
+    pub fn greedy(max_tokens: u32) -> Self {
+        Self { max_tokens, temperature: 0.0, ..Self::default() }
+    }
+
+    /// Checks ranges; the message names the OpenAI field.
+    pub fn validate(&self) -> Result<(), (&'static str, String)> {
+        if !(self.temperature.is_finite() && (0.0..=100.0).contains(&self.temperature)) {
+            return Err(("temperature", format!("{} is not in [0, 100]", self.temperature)));
+        }
+        if !(self.top_p.is_finite() && self.top_p > 0.0 && self.top_p <= 1.0) {
+            return Err(("top_p", format!("{} is not in (0, 1]", self.top_p)));
+        }
+        if self.max_tokens == 0 {
+            return Err(("max_tokens", "must be at least 1".into()));
+        }
+        if self.stop.iter().any(String::is_empty) {
+            return Err(("stop", "stop strings must not be empty".into()));
+        }
+        Ok(())
+    }
+}
+
+/// A request as the engine sees it: token ids and parameters.
+#[derive(Clone, Debug)]
+pub struct EngineRequest {
+    pub id: RequestId,
+    pub prompt: Vec<u32>,
+    pub params: SamplingParams,
+    /// Hash extra keys (the tenant's `cache_salt`, ...): requests with different keys share no blocks.
+    pub extra_keys: ExtraKeys,
+}
+
+/// Why a sequence ended.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum FinishReason {
+    /// EOS, a stop token id, or a stop string (`Some`).
+    Stop(Option<String>),
+    /// `max_tokens` reached, or the model's context is full.
+    Length,
+    /// Aborted by the caller.
+    Abort,
+    /// The backend failed on this sequence's batch.
+    Error(String),
+}
+
+/// What one step produced for one request.
+#[derive(Clone, Debug, PartialEq)]
+pub struct StepOutput {
+    pub id: RequestId,
+    /// The token sampled this step, if any (a prefill chunk that does not end the prompt samples none).
+    pub token: Option<u32>,
+    pub finished: Option<FinishReason>,
+    pub prompt_tokens: usize,
+    /// Prompt tokens whose KV came from the prefix cache.
+    pub cached_tokens: usize,
+    pub completion_tokens: usize,
+}
+
+/// Why a request was refused at admission.
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+pub enum AdmitError {
+    #[error("the prompt is empty")]
+    EmptyPrompt,
+    #[error("token id {0} is outside the model's vocabulary of {1}")]
+    TokenOutOfRange(u32, usize),
+    #[error(
+        "prompt ({prompt} tokens) + max_tokens ({max_tokens}) exceeds the model's context of {limit} tokens"
+    )]
+    ContextTooLong { prompt: usize, max_tokens: u32, limit: usize },
+    #[error("prompt ({prompt} tokens) + max_tokens ({max_tokens}) needs more KV than the whole cache holds ({capacity} tokens)")]
+    ExceedsKvCapacity { prompt: usize, max_tokens: u32, capacity: usize },
+    #[error("invalid {0}: {1}")]
+    InvalidParam(&'static str, String),
+    #[error("request id {0} is already in the engine")]
+    DuplicateId(RequestId),
+}

@@ -1,0 +1,282 @@
+//! Continuous batching with chunked prefill and recompute preemption. Pure: sequences and KV bookkeeping in,
+//! a plan out; no tensors, sockets or clocks, so the simulator can drive the same code.
+//!
+//! # One step
+//! 1. **Running** sequences, oldest first, each get what they need (1 token when decoding, the rest of the prompt
+//!    when prefilling) within `max_num_batched_tokens`; a long prompt is cut into chunks across steps.
+//! 2. If a running sequence's next blocks cannot be allocated, the **newest** running sequence is preempted
+//!    (its blocks freed, its computed tokens forgotten, and it goes back to the front of the waiting queue to be
+//!    recomputed, usually from the prefix cache), repeating until the allocation fits or the sequence itself was
+//!    the newest and is preempted.
+//! 3. If nothing was preempted, **waiting** sequences are admitted first-come first-served while tokens, sequence
+//!    slots (`max_num_seqs`) and blocks last; each first looks up its cached prefix. The queue's head is never
+//!    skipped (no starvation of long prompts).
+//!
+//! Admission refuses any request whose prompt + max_tokens cannot fit the whole pool, so a sequence running alone
+//! always fits: preemption makes progress and never deadlocks. Block tables return their blocks when dropped, so
+//! every way out (finish, abort, preempt, error) frees them.
+
+use std::collections::VecDeque;
+
+use kvgate_shared::hashing::BlockHasher;
+use kvgate_shared::prompt::SplitMix64;
+
+use super::request::{RequestId, SamplingParams};
+use crate::kv::{BlockTable, KvManager};
+
+/// Scheduling limits.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SchedulerConfig {
+    /// Most tokens computed in one step (decodes + prefill chunks). Default 2048.
+    pub max_num_batched_tokens: usize,
+    /// Most sequences running at once. Default 64.
+    pub max_num_seqs: usize,
+}
+
+impl Default for SchedulerConfig {
+    fn default() -> Self {
+        Self { max_num_batched_tokens: 2048, max_num_seqs: 64 }
+    }
+}
+
+/// A request inside the engine.
+#[derive(Debug)]
+pub struct Sequence {
+    pub id: RequestId,
+    /// Prompt then generated tokens.
+    pub tokens: Vec<u32>,
+    pub prompt_len: usize,
+    pub params: SamplingParams,
+    pub hasher: BlockHasher,
+    /// Blocks while admitted; `None` while waiting.
+    pub table: Option<BlockTable>,
+    /// Positions whose KV is written.
+    pub num_computed: usize,
+    /// Prompt tokens served from the prefix cache at first admission (what `usage` reports).
+    pub cached_prompt_tokens: Option<usize>,
+    pub rng: SplitMix64,
+    pub preemptions: u32,
+}
+
+impl Sequence {
+    pub fn new(id: RequestId, prompt: Vec<u32>, params: SamplingParams, hasher: BlockHasher) -> Self {
+        let seed = params.seed.unwrap_or(id ^ 0xA076_1D64_78BD_642F);
+        Self {
+            id,
+            prompt_len: prompt.len(),
+            tokens: prompt,
+            rng: SplitMix64::new(seed),
+            params,
+            hasher,
+            table: None,
+            num_computed: 0,
+            cached_prompt_tokens: None,
+            preemptions: 0,
+        }
+    }
+
+    /// Generated tokens so far.
+    pub fn output(&self) -> &[u32] {
+        &self.tokens[self.prompt_len..]
+    }
+
+    /// Tokens not yet computed.
+    pub fn remaining(&self) -> usize {
+        self.tokens.len() - self.num_computed
+    }
+}
+
+/// One sequence's share of a step.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ScheduledChunk {
+    /// Index into the running list (valid until the next `schedule`).
+    pub index: usize,
+    pub start: usize,
+    pub len: usize,
+    /// The chunk reaches the last known token: sample after it.
+    pub sample: bool,
+}
+
+/// Counters since start.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SchedulerCounters {
+    pub preemptions: u64,
+    pub steps: u64,
+    pub scheduled_tokens: u64,
+}
+
+/// The scheduler's queues.
+#[derive(Debug)]
+pub struct Scheduler {
+    cfg: SchedulerConfig,
+    kv: KvManager,
+    waiting: VecDeque<Sequence>,
+    running: Vec<Sequence>,
+    counters: SchedulerCounters,
+}
+
+impl Scheduler {
+    pub fn new(cfg: SchedulerConfig, kv: KvManager) -> Self {
+        Self {
+            cfg,
+            kv,
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            counters: SchedulerCounters::default(),
+        }
+    }
+
+    pub fn kv(&self) -> &KvManager {
+        &self.kv
+    }
+    pub fn config(&self) -> &SchedulerConfig {
+        &self.cfg
+    }
+    pub fn counters(&self) -> SchedulerCounters {
+        self.counters
+    }
+    pub fn running(&self) -> &[Sequence] {
+        &self.running
+    }
+    pub fn running_mut(&mut self) -> &mut [Sequence] {
+        &mut self.running
+    }
+    pub fn waiting(&self) -> impl Iterator<Item = &Sequence> {
+        self.waiting.iter()
+    }
+    pub fn num_waiting(&self) -> usize {
+        self.waiting.len()
+    }
+    pub fn has_work(&self) -> bool {
+        !self.waiting.is_empty() || !self.running.is_empty()
+    }
+    /// Tokens waiting sequences still have to prefill (before cache hits).
+    pub fn waiting_prefill_tokens(&self) -> u64 {
+        self.waiting.iter().map(|s| s.remaining() as u64).sum()
+    }
+    pub fn contains(&self, id: RequestId) -> bool {
+        self.waiting.iter().chain(&self.running).any(|s| s.id == id)
+    }
+
+    /// Queues a new sequence.
+    pub fn add(&mut self, seq: Sequence) {
+        self.waiting.push_back(seq);
+    }
+
+    /// Removes a sequence wherever it is (its blocks are freed as it drops).
+    pub fn remove(&mut self, id: RequestId) -> Option<Sequence> {
+        if let Some(i) = self.waiting.iter().position(|s| s.id == id) {
+            return self.waiting.remove(i);
+        }
+        let i = self.running.iter().position(|s| s.id == id)?;
+        Some(self.running.remove(i))
+    }
+
+    /// Takes finished sequences out of the running list (indices from the last plan become invalid).
+    pub fn retire(&mut self, finished: &[RequestId]) -> Vec<Sequence> {
+        let mut out = Vec::with_capacity(finished.len());
+        for id in finished {
+            if let Some(i) = self.running.iter().position(|s| s.id == *id) {
+                out.push(self.running.remove(i));
+            }
+        }
+        out
+    }
+
+    fn preempt_newest(&mut self) -> Option<RequestId> {
+        let mut seq = self.running.pop()?;
+        seq.table = None;
+        seq.num_computed = 0;
+        seq.preemptions += 1;
+        self.counters.preemptions += 1;
+        let id = seq.id;
+        self.waiting.push_front(seq);
+        Some(id)
+    }
+
+    /// Plans the next step.
+    pub fn schedule(&mut self) -> Vec<ScheduledChunk> {
+        let mut budget = self.cfg.max_num_batched_tokens;
+        let mut plan = Vec::new();
+        let mut preempted = false;
+        let mut i = 0;
+        while i < self.running.len() && budget > 0 {
+            let n = self.running[i].remaining().min(budget);
+            if n == 0 {
+                i += 1;
+                continue;
+            }
+            let target = self.running[i].num_computed + n;
+            let fits = loop {
+                let seq = &mut self.running[i];
+                let Some(table) = seq.table.as_mut() else { break false };
+                if self.kv.reserve(table, target) {
+                    break true;
+                }
+                preempted = true;
+                let victim_is_self = self.running.len() - 1 == i;
+                self.preempt_newest();
+                if victim_is_self {
+                    break false;
+                }
+            };
+            if !fits {
+                // Either this sequence was preempted itself (it was the newest) or it has no table.
+                break;
+            }
+            let seq = &self.running[i];
+            plan.push(ScheduledChunk {
+                index: i,
+                start: seq.num_computed,
+                len: n,
+                sample: target == seq.tokens.len(),
+            });
+            budget -= n;
+            i += 1;
+        }
+        if !preempted {
+            self.admit(&mut budget, &mut plan);
+        }
+        self.counters.steps += 1;
+        self.counters.scheduled_tokens += plan.iter().map(|c| c.len as u64).sum::<u64>();
+        plan
+    }
+
+    fn admit(&mut self, budget: &mut usize, plan: &mut Vec<ScheduledChunk>) {
+        while *budget > 0 && self.running.len() < self.cfg.max_num_seqs {
+            let Some(mut seq) = self.waiting.pop_front() else { break };
+            let table = self.kv.start(seq.hasher, &seq.tokens);
+            let cached = table.cached_tokens();
+            let mut table = table;
+            let n = (seq.tokens.len() - cached).min(*budget);
+            if !self.kv.reserve(&mut table, cached + n) {
+                // Not enough free blocks now: the head waits (dropping the table releases its cache hits).
+                drop(table);
+                self.waiting.push_front(seq);
+                break;
+            }
+            seq.num_computed = cached;
+            seq.cached_prompt_tokens.get_or_insert(cached.min(seq.prompt_len));
+            seq.table = Some(table);
+            let target = cached + n;
+            plan.push(ScheduledChunk {
+                index: self.running.len(),
+                start: cached,
+                len: n,
+                sample: target == seq.tokens.len(),
+            });
+            *budget -= n;
+            self.running.push(seq);
+        }
+    }
+
+    /// Records that a chunk's KV is written (and its full blocks may enter the prefix cache).
+    pub fn complete_chunk(&mut self, chunk: &ScheduledChunk) {
+        let kv = &self.kv;
+        let seq = &mut self.running[chunk.index];
+        seq.num_computed = chunk.start + chunk.len;
+        if let Some(table) = seq.table.as_mut() {
+            kv.commit(table, &seq.tokens, seq.num_computed);
+        }
+    }
+}
