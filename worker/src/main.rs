@@ -1,9 +1,85 @@
-//! kvgate-worker: the inference engine and its OpenAI server (issues #3 and #4).
-//! Until they land, the binary refuses to start rather than pretend to serve.
+//! kvgate-worker: `synth-model` writes random-weight models in the Hugging Face format; `serve` (the OpenAI
+//! server, issue #4) is not available yet.
 
-fn main() {
-    eprintln!(
-        "kvgate-worker is not implemented yet (tracked in issues #3 and #4); see README.md for what exists."
-    );
-    std::process::exit(2);
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+use kvgate_worker::model::synth::{synth_model, Preset, SynthSpec};
+use kvgate_worker::model::{Architecture, ModelConfig};
+
+#[derive(Parser)]
+#[command(name = "kvgate-worker", version, about = "kvgate inference worker")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Clone, Copy, Debug, clap::ValueEnum)]
+enum Arch {
+    Llama,
+    Mistral,
+    Qwen2,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Write a random-initialised model (config, safetensors, tokenizer, chat template) to a directory.
+    SynthModel {
+        /// Output directory (created if missing).
+        #[arg(long)]
+        out: PathBuf,
+        /// Size: `tiny` for unit tests, `small` for demos.
+        #[arg(long, value_enum, default_value_t = Preset::Small)]
+        preset: Preset,
+        /// Seed: the same seed writes byte-identical files.
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+        /// Architecture written to config.json.
+        #[arg(long, value_enum, default_value_t = Arch::Llama)]
+        arch: Arch,
+        /// Stored dtype: float32, bfloat16 or float16.
+        #[arg(long, default_value = "float32")]
+        dtype: String,
+        /// Number of safetensors shards (1 = a single model.safetensors).
+        #[arg(long, default_value_t = 1)]
+        shards: usize,
+    },
+    /// Serve the OpenAI API (not available yet: issue #4).
+    Serve,
+}
+
+fn main() -> ExitCode {
+    match Cli::parse().command {
+        Command::SynthModel { out, preset, seed, arch, dtype, shards } => {
+            let architecture = match arch {
+                Arch::Llama => Architecture::Llama,
+                Arch::Mistral => Architecture::Mistral,
+                Arch::Qwen2 => Architecture::Qwen2,
+            };
+            let spec = SynthSpec { preset, seed, architecture, dtype, shards };
+            match synth_model(&out, &spec).and_then(|_| ModelConfig::from_dir(&out)) {
+                Ok(cfg) => {
+                    println!(
+                        "wrote {} ({:?}, {} layers, hidden {}, vocab {}, {:.1}M parameters)",
+                        out.display(),
+                        preset,
+                        cfg.num_hidden_layers,
+                        cfg.hidden_size,
+                        cfg.vocab_size,
+                        cfg.num_params() as f64 / 1e6
+                    );
+                    ExitCode::SUCCESS
+                }
+                Err(e) => {
+                    eprintln!("synth-model: {e}");
+                    ExitCode::FAILURE
+                }
+            }
+        }
+        Command::Serve => {
+            eprintln!("kvgate-worker serve is not implemented yet (tracked in issue #4).");
+            ExitCode::from(2)
+        }
+    }
 }

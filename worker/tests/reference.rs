@@ -180,8 +180,18 @@ fn batched_equals_alone() {
     let next_a = argmax(&first[0]);
     let second = ours.run(&[(1, &b[30..], 30), (0, &[next_a], 40)]);
     assert_close(&second[0], &alone[1], "b chunked inside batches");
-    let mut r = Reference::load(dir.path(), Architecture::Llama);
-    r.step(&a, 0);
-    let want = r.step(&[next_a], 40);
+    let mut ra = Reference::load(dir.path(), Architecture::Llama);
+    ra.step(&a, 0);
+    let want = ra.step(&[next_a], 40);
     assert_close(&second[1], &want, "a's decode in a batch");
+    // Three decodes at different context lengths in one batch (the batched, padded decode attention).
+    let mut rb = Reference::load(dir.path(), Architecture::Llama);
+    rb.step(&b, 0);
+    let mut rc = Reference::load(dir.path(), Architecture::Llama);
+    rc.step(&c, 0);
+    let (ta, tb, tc) = (argmax(&second[1]), argmax(&second[0]), argmax(&first[2]));
+    let third = ours.run(&[(2, &[tc], 5), (0, &[ta], 41), (1, &[tb], 70)]);
+    assert_close(&third[0], &rc.step(&[tc], 5), "c decode, batched");
+    assert_close(&third[1], &ra.step(&[ta], 41), "a decode, batched");
+    assert_close(&third[2], &rb.step(&[tb], 70), "b decode, batched");
 }

@@ -241,16 +241,31 @@ impl LlamaModel {
             let v_rows = v.flatten_all()?.to_vec1::<f32>()?;
             kv.write(li, &write_slots, &k_rows, &v_rows);
 
-            let mut outs = Vec::with_capacity(chunks.len());
+            // Per-chunk outputs [heads, n, hd] keyed by token offset; single-token chunks (decodes) share one
+            // batched attention.
+            let mut outs: Vec<(usize, Tensor)> = Vec::with_capacity(chunks.len());
+            let mut decodes: Vec<(usize, &SeqChunk<'_>)> = Vec::new();
             let mut offset = 0;
             for c in chunks {
                 let n = c.tokens.len();
-                if n > 0 {
-                    let q_c = q.narrow(2, offset, n)?;
-                    outs.push(self.attend(kv, li, c, &q_c)?);
+                if n == 1 {
+                    decodes.push((offset, c));
+                } else if n > 0 {
+                    outs.push((offset, self.attend(kv, li, c, &q.narrow(2, offset, n)?)?));
                 }
                 offset += n;
             }
+            if decodes.len() == 1 {
+                let (o, c) = decodes[0];
+                outs.push((o, self.attend(kv, li, c, &q.narrow(2, o, 1)?)?));
+            } else if !decodes.is_empty() {
+                let batched = self.attend_decodes(kv, li, &decodes, &q)?; // [heads, B, hd]
+                for (b, (o, _)) in decodes.iter().enumerate() {
+                    outs.push((*o, batched.narrow(1, b, 1)?));
+                }
+            }
+            outs.sort_by_key(|(o, _)| *o);
+            let outs: Vec<Tensor> = outs.into_iter().map(|(_, t)| t).collect();
             // [heads, T, hd] -> [T, heads * hd]
             let y = Tensor::cat(&outs, 1)?.transpose(0, 1)?.contiguous()?.reshape((total, qd))?;
             x = (x + y.matmul(&layer.wo)?)?;
@@ -283,6 +298,48 @@ impl LlamaModel {
             }
         }
         Ok(out)
+    }
+
+    /// Attention of many single-token chunks at once: their K/V gathered into one padded batch, one batched
+    /// matmul for scores and one for values, padding masked. Returns `[heads, B, hd]` in `decodes` order.
+    fn attend_decodes(
+        &self,
+        kv: &KvStore,
+        layer: usize,
+        decodes: &[(usize, &SeqChunk<'_>)],
+        q: &Tensor,
+    ) -> Result<Tensor, ModelError> {
+        let cfg = &self.cfg;
+        let (heads, kvh, hd, group) =
+            (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.group_size());
+        let kvd = kvh * hd;
+        let b = decodes.len();
+        let maxc = decodes.iter().map(|(_, c)| c.start + 1).max().unwrap_or(1);
+        let mut kbuf = vec![0f32; b * maxc * kvd];
+        let mut vbuf = vec![0f32; b * maxc * kvd];
+        let mut mask = vec![0f32; b * maxc];
+        for (i, (_, c)) in decodes.iter().enumerate() {
+            let ctx = c.start + 1;
+            let (k, v) = kv.gather(layer, &c.slots[..ctx]);
+            kbuf[i * maxc * kvd..i * maxc * kvd + ctx * kvd].copy_from_slice(&k);
+            vbuf[i * maxc * kvd..i * maxc * kvd + ctx * kvd].copy_from_slice(&v);
+            for m in &mut mask[i * maxc + ctx..(i + 1) * maxc] {
+                *m = f32::NEG_INFINITY;
+            }
+        }
+        let dev = Device::Cpu;
+        // [B, kv_heads, maxc, hd]
+        let k = Tensor::from_vec(kbuf, (b, maxc, kvh, hd), &dev)?.transpose(1, 2)?.contiguous()?;
+        let v = Tensor::from_vec(vbuf, (b, maxc, kvh, hd), &dev)?.transpose(1, 2)?.contiguous()?;
+        let rows: Vec<u32> = decodes.iter().map(|(o, _)| *o as u32).collect();
+        // q [1, heads, T, hd] -> the decode rows [heads, B, hd] -> [B, kv_heads, group, hd]
+        let qd = q.squeeze(0)?.index_select(&Tensor::from_vec(rows, b, &dev)?, 1)?;
+        let qd = qd.transpose(0, 1)?.contiguous()?.reshape((b, kvh, group, hd))?;
+        let att = (qd.matmul(&k.transpose(2, 3)?)? / (hd as f64).sqrt())?; // [B, kvh, group, maxc]
+        let att = att.broadcast_add(&Tensor::from_vec(mask, (b, 1, 1, maxc), &dev)?)?;
+        let p = candle_nn::ops::softmax_last_dim(&att)?;
+        let o = p.matmul(&v)?; // [B, kvh, group, hd]
+        Ok(o.reshape((b, heads, hd))?.transpose(0, 1)?.contiguous()?)
     }
 
     /// Causal attention of one chunk's queries `[1, heads, n, hd]` over its sequence's K/V; returns `[heads, n, hd]`.
