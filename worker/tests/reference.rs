@@ -195,3 +195,9 @@ fn batched_equals_alone() {
     assert_close(&third[1], &ra.step(&[ta], 41), "a decode, batched");
     assert_close(&third[2], &rb.step(&[tb], 70), "b decode, batched");
 }
+
+#[test]
+fn mistral_matches_reference() {
+    // Mistral is Llama's math (no sliding window: refused at load when active).
+    prefill_chunked_and_decode(Architecture::Mistral);
+}
