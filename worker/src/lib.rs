@@ -4,8 +4,10 @@
 //!   pass over paged KV;
 //! - [`kv`]: block pool, prefix cache and per-sequence block tables (pure bookkeeping);
 //! - [`engine`]: requests, the continuous-batching scheduler with chunked prefill and preemption, sampling, and the
-//!   compute `Backend` trait (CPU model today; a timing-model backend later).
+//!   compute `Backend` trait (CPU model today; a timing-model backend later);
+//! - [`server`]: `kvgate-worker serve`: the OpenAI HTTP API, the engine thread, cache-summary reports, metrics.
 
 pub mod engine;
 pub mod kv;
 pub mod model;
+pub mod server;

@@ -1,5 +1,5 @@
-//! kvgate-worker: `synth-model` writes random-weight models in the Hugging Face format; `serve` (the OpenAI
-//! server, issue #4) is not available yet.
+//! kvgate-worker: `serve` runs the OpenAI server over the engine; `synth-model` writes random-weight models in the
+//! Hugging Face format.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -7,6 +7,7 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 use kvgate_worker::model::synth::{synth_model, Preset, SynthSpec};
 use kvgate_worker::model::{Architecture, ModelConfig};
+use kvgate_worker::server::config::ServeArgs;
 
 #[derive(Parser)]
 #[command(name = "kvgate-worker", version, about = "kvgate inference worker")]
@@ -45,8 +46,8 @@ enum Command {
         #[arg(long, default_value_t = 1)]
         shards: usize,
     },
-    /// Serve the OpenAI API (not available yet: issue #4).
-    Serve,
+    /// Serve the OpenAI API (flags also from KVGATE_WORKER_* environment variables and a TOML file).
+    Serve(Box<ServeArgs>),
 }
 
 fn main() -> ExitCode {
@@ -77,9 +78,41 @@ fn main() -> ExitCode {
                 }
             }
         }
-        Command::Serve => {
-            eprintln!("kvgate-worker serve is not implemented yet (tracked in issue #4).");
-            ExitCode::from(2)
+        Command::Serve(args) => {
+            let cfg = match args.resolve() {
+                Ok(c) => c,
+                Err(e) => {
+                    eprintln!("kvgate-worker serve: {e}");
+                    return ExitCode::from(2);
+                }
+            };
+            init_logging(cfg.log_json);
+            let rt = match tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()
+            {
+                Ok(rt) => rt,
+                Err(e) => {
+                    eprintln!("kvgate-worker serve: cannot start the runtime: {e}");
+                    return ExitCode::FAILURE;
+                }
+            };
+            match rt.block_on(kvgate_worker::server::serve(cfg)) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("kvgate-worker serve: {e}");
+                    ExitCode::FAILURE
+                }
+            }
         }
+    }
+}
+
+fn init_logging(json: bool) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    if json {
+        builder.json().init();
+    } else {
+        builder.init();
     }
 }

@@ -157,6 +157,7 @@ impl KvManager {
         for i in table.committed..full {
             pool.register(
                 table.blocks[i],
+                i,
                 table.hashes[i],
                 &tokens[i * self.block_size..(i + 1) * self.block_size],
             );

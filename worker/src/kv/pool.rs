@@ -25,6 +25,8 @@ struct BlockMeta {
     hash: Option<BlockHash>,
     /// The block's tokens, kept while it is cached, for verification on a hit.
     tokens: Box<[u32]>,
+    /// Index of the block in its sequence (0 = first block), kept while cached: summaries sample by position.
+    index: u32,
     prev: u32,
     next: u32,
     in_free_queue: bool,
@@ -64,6 +66,7 @@ impl BlockPool {
                 ref_count: 0,
                 hash: None,
                 tokens: Box::new([]),
+                index: 0,
                 prev: if i == 0 { NIL } else { i as u32 - 1 },
                 next: if i + 1 == n { NIL } else { i as u32 + 1 },
                 in_free_queue: true,
@@ -105,6 +108,11 @@ impl BlockPool {
     /// Every hash the prefix cache holds (the worker's report summarises these).
     pub fn cached_hashes(&self) -> impl Iterator<Item = BlockHash> + '_ {
         self.cached.keys().copied()
+    }
+
+    /// Every cached hash with its block's index in its sequence.
+    pub fn cached_entries(&self) -> impl Iterator<Item = (BlockHash, u32)> + '_ {
+        self.cached.iter().map(|(h, id)| (*h, self.blocks[*id as usize].index))
     }
 
     fn unlink(&mut self, id: BlockId) {
@@ -193,9 +201,10 @@ impl BlockPool {
         self.cached.get(&hash).is_some_and(|id| &*self.blocks[*id as usize].tokens == tokens)
     }
 
-    /// Records that referenced block `id` now holds the full block `tokens` with chained hash `hash`. If another
-    /// block already caches that hash, this one stays uncached (a duplicate, freed without caching).
-    pub fn register(&mut self, id: BlockId, hash: BlockHash, tokens: &[u32]) {
+    /// Records that referenced block `id`, block number `index` of its sequence, now holds the full block
+    /// `tokens` with chained hash `hash`. If another block already caches that hash, this one stays uncached (a
+    /// duplicate, freed without caching).
+    pub fn register(&mut self, id: BlockId, index: usize, hash: BlockHash, tokens: &[u32]) {
         debug_assert_eq!(tokens.len(), self.block_size);
         if self.cached.contains_key(&hash) || self.blocks[id as usize].hash.is_some() {
             return;
@@ -203,6 +212,7 @@ impl BlockPool {
         let b = &mut self.blocks[id as usize];
         b.hash = Some(hash);
         b.tokens = tokens.into();
+        b.index = index.min(u32::MAX as usize) as u32;
         self.cached.insert(hash, id);
     }
 

@@ -18,7 +18,8 @@ use serde_json::json;
 use super::{Architecture, ModelError};
 
 /// A named size.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum Preset {
     Tiny,
     Small,

@@ -1,0 +1,509 @@
+//! The OpenAI endpoints: `POST /v1/completions` and `POST /v1/chat/completions`, streamed (SSE in OpenAI's chunk
+//! format, ending with `data: [DONE]`) or not. Parsing and validation turn every bad input into an [`ApiError`];
+//! a dropped response (client gone) aborts the request in the engine.
+
+use std::sync::Arc;
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use axum::body::{Body, Bytes};
+use axum::extract::State;
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use futures_util::stream;
+use kvgate_shared::hashing::ExtraKeys;
+use kvgate_shared::openai::{
+    sse_data, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
+    ChatCompletionResponse, ChatDelta, ChatMessage, CompletionChoice, CompletionRequest, CompletionResponse,
+    FinishReason as ApiFinish, SamplingFields, SinglePrompt, Usage, SSE_DONE,
+};
+use kvgate_shared::prompt::{ChatOptions, PromptError, PromptInput};
+use serde::de::DeserializeOwned;
+use tokio::sync::mpsc::UnboundedReceiver;
+
+use super::engine_thread::{EngineHandle, Refusal};
+use super::errors::ApiError;
+use super::text::TextStream;
+use super::{AppState, Loaded};
+use crate::engine::{AdmitError, EngineRequest, FinishReason, RequestId, SamplingParams, StepOutput};
+
+/// Header that can carry the tenant's cache salt instead of the body field.
+pub const CACHE_SALT_HEADER: &str = "x-kvgate-cache-salt";
+/// Most stop strings per request.
+pub const MAX_STOP_STRINGS: usize = 16;
+
+#[derive(Clone, Copy, PartialEq)]
+enum Kind {
+    Completion,
+    Chat,
+}
+
+/// Reads the body within the limit and parses it, naming the offending field on error.
+pub async fn parse_body<T: DeserializeOwned>(body: Body, limit: usize) -> Result<T, ApiError> {
+    let bytes = axum::body::to_bytes(body, limit).await.map_err(|e| {
+        let too_large = std::error::Error::source(&e)
+            .is_some_and(|s| s.is::<http_body_util::LengthLimitError>())
+            || e.to_string().contains("length limit");
+        if too_large {
+            ApiError::too_large(limit)
+        } else {
+            ApiError::bad_json(format!("cannot read the request body: {e}"))
+        }
+    })?;
+    parse_json(&bytes)
+}
+
+fn parse_json<T: DeserializeOwned>(bytes: &Bytes) -> Result<T, ApiError> {
+    let value: serde_json::Value = serde_json::from_slice(bytes)
+        .map_err(|e| ApiError::bad_json(format!("the body is not valid JSON: {e}")))?;
+    serde_path_to_error::deserialize(value).map_err(|e| {
+        let path = e.path().to_string();
+        let msg = e.inner().to_string();
+        // "missing field `x`" at the top level: the field is the param.
+        let param =
+            if path == "." { msg.split('`').nth(1).unwrap_or("body").to_string() } else { path.clone() };
+        ApiError::invalid(param.clone(), format!("invalid request: {param}: {msg}"))
+    })
+}
+
+fn unix_now() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
+}
+
+fn salt(headers: &HeaderMap, body: &SamplingFields) -> Result<ExtraKeys, ApiError> {
+    let header = headers.get(CACHE_SALT_HEADER).map(|v| v.to_str().map(str::to_owned));
+    let salt = match (body.cache_salt.clone(), header) {
+        (Some(s), _) => Some(s),
+        (None, Some(Ok(s))) => Some(s),
+        (None, Some(Err(_))) => {
+            return Err(ApiError::invalid(CACHE_SALT_HEADER, "the cache salt header is not text"))
+        }
+        (None, None) => None,
+    };
+    Ok(ExtraKeys::from_salt(salt.as_deref().filter(|s| !s.is_empty())))
+}
+
+/// OpenAI sampling fields -> engine parameters.
+fn sampling(f: &SamplingFields, default_max: u32) -> Result<SamplingParams, ApiError> {
+    if f.n.is_some_and(|n| n != 1) {
+        return Err(ApiError::invalid("n", "only n = 1 is supported"));
+    }
+    let max_tokens = f.max_output_tokens().unwrap_or(default_max);
+    if max_tokens == 0 {
+        return Err(ApiError::invalid("max_tokens", "max_tokens must be at least 1"));
+    }
+    let top_k = match f.top_k {
+        None | Some(-1) | Some(0) => 0,
+        Some(k) if k > 0 => k as u32,
+        Some(k) => return Err(ApiError::invalid("top_k", format!("{k} is not -1, 0 or positive"))),
+    };
+    let stop = f.stop.as_ref().map(|s| s.to_vec()).unwrap_or_default();
+    if stop.len() > MAX_STOP_STRINGS {
+        return Err(ApiError::invalid("stop", format!("at most {MAX_STOP_STRINGS} stop strings")));
+    }
+    let p = SamplingParams {
+        max_tokens,
+        temperature: f.temperature.unwrap_or(1.0),
+        top_p: f.top_p.unwrap_or(1.0),
+        top_k,
+        seed: f.seed,
+        stop_token_ids: f.stop_token_ids.clone().unwrap_or_default(),
+        stop,
+        ignore_eos: f.ignore_eos.unwrap_or(false),
+    };
+    p.validate().map_err(|(field, m)| ApiError::invalid(field, m))?;
+    Ok(p)
+}
+
+fn prompt_error(e: PromptError, param: &str) -> ApiError {
+    if e.is_client_error() {
+        ApiError::invalid(param, e.to_string())
+    } else {
+        ApiError::internal(e.to_string())
+    }
+}
+
+fn loaded(state: &AppState) -> Result<Arc<Loaded>, ApiError> {
+    if state.draining() {
+        return Err(ApiError::unavailable("shutting_down", "the worker is shutting down"));
+    }
+    state.loaded().ok_or_else(|| ApiError::unavailable("model_loading", "the model is still loading"))
+}
+
+/// `POST /v1/completions`.
+pub async fn completions(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Body) -> Response {
+    let started = Instant::now();
+    let result = async {
+        let l = loaded(&state)?;
+        let req: CompletionRequest = parse_body(body, state.cfg.max_body_bytes).await?;
+        if req.model != l.model_id {
+            return Err(ApiError::model_not_found(&req.model, &l.model_id));
+        }
+        if req.echo == Some(true) || req.logprobs.is_some() {
+            return Err(ApiError::invalid(
+                if req.logprobs.is_some() { "logprobs" } else { "echo" },
+                "not supported",
+            ));
+        }
+        let ids = match req.prompt.single().map_err(|m| ApiError::invalid("prompt", m))? {
+            SinglePrompt::Text(t) => l.prompter.tokenize(&PromptInput::Text(t)),
+            SinglePrompt::TokenIds(ids) => l.prompter.tokenize(&PromptInput::TokenIds(ids)),
+        }
+        .map_err(|e| prompt_error(e, "prompt"))?;
+        let params = sampling(&req.sampling, 16)?;
+        let extra = salt(&headers, &req.sampling)?;
+        Ok((l, ids, params, extra, req.sampling))
+    }
+    .await;
+    match result {
+        Ok((l, ids, params, extra, fields)) => {
+            run(l, Kind::Completion, ids, params, extra, &fields, started).await
+        }
+        Err(e) => e.into_response(),
+    }
+}
+
+/// `POST /v1/chat/completions`.
+pub async fn chat_completions(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    let started = Instant::now();
+    let result = async {
+        let l = loaded(&state)?;
+        let req: ChatCompletionRequest = parse_body(body, state.cfg.max_body_bytes).await?;
+        if req.model != l.model_id {
+            return Err(ApiError::model_not_found(&req.model, &l.model_id));
+        }
+        let options = ChatOptions {
+            add_generation_prompt: req.add_generation_prompt.unwrap_or(true),
+            tools: req.tools.clone(),
+            extra: req.chat_template_kwargs.clone(),
+        };
+        let ids = l
+            .prompter
+            .tokenize(&PromptInput::Chat { messages: &req.messages, options: &options })
+            .map_err(|e| prompt_error(e, "messages"))?;
+        // Without max_tokens a chat may use the rest of the context, up to --default-max-tokens.
+        let room = l.max_model_len.saturating_sub(ids.len()).max(1) as u32;
+        let params = sampling(&req.sampling, state.cfg.default_max_tokens.min(room))?;
+        let extra = salt(&headers, &req.sampling)?;
+        Ok((l, ids, params, extra, req.sampling))
+    }
+    .await;
+    match result {
+        Ok((l, ids, params, extra, fields)) => run(l, Kind::Chat, ids, params, extra, &fields, started).await,
+        Err(e) => e.into_response(),
+    }
+}
+
+fn refusal(r: Refusal) -> ApiError {
+    match r {
+        Refusal::QueueFull { waiting } => ApiError::overloaded(waiting),
+        Refusal::EngineGone => ApiError::unavailable("engine_stopped", "the engine has stopped"),
+        Refusal::Invalid(e) => match e {
+            AdmitError::ContextTooLong { .. } | AdmitError::ExceedsKvCapacity { .. } => {
+                ApiError::context_length(e.to_string())
+            }
+            AdmitError::EmptyPrompt | AdmitError::TokenOutOfRange(..) => {
+                ApiError::invalid("prompt", e.to_string())
+            }
+            AdmitError::InvalidParam(field, m) => ApiError::invalid(field, m),
+            AdmitError::DuplicateId(_) => ApiError::internal(e.to_string()),
+        },
+    }
+}
+
+/// Aborts the request in the engine unless it finished (dropped with the response when a client goes away).
+struct AbortGuard {
+    engine: EngineHandle,
+    id: RequestId,
+    done: bool,
+}
+
+impl Drop for AbortGuard {
+    fn drop(&mut self) {
+        if !self.done {
+            self.engine.abort(self.id);
+            metrics::counter!("kvgate_worker_aborted_requests_total").increment(1);
+        }
+    }
+}
+
+/// Per-request measurements reported when it ends.
+struct Timing {
+    started: Instant,
+    first: Option<Instant>,
+    last: Option<Instant>,
+}
+
+impl Timing {
+    fn token(&mut self) {
+        let now = Instant::now();
+        if self.first.is_none() {
+            self.first = Some(now);
+            metrics::histogram!("kvgate_worker_ttft_seconds").record((now - self.started).as_secs_f64());
+        }
+        self.last = Some(now);
+    }
+    fn finish(&self, out: &StepOutput, kind: Kind, status: &'static str) {
+        let endpoint = if kind == Kind::Chat { "chat" } else { "completions" };
+        metrics::counter!("kvgate_worker_requests_total", "endpoint" => endpoint, "status" => status)
+            .increment(1);
+        metrics::counter!("kvgate_worker_prompt_tokens_total").increment(out.prompt_tokens as u64);
+        metrics::counter!("kvgate_worker_cached_prompt_tokens_total").increment(out.cached_tokens as u64);
+        metrics::counter!("kvgate_worker_completion_tokens_total").increment(out.completion_tokens as u64);
+        if let (Some(f), Some(l)) = (self.first, self.last) {
+            if out.completion_tokens > 1 {
+                let tpot = (l - f).as_secs_f64() / (out.completion_tokens - 1) as f64;
+                metrics::histogram!("kvgate_worker_tpot_seconds").record(tpot);
+            }
+        }
+        metrics::histogram!("kvgate_worker_e2e_seconds").record(self.started.elapsed().as_secs_f64());
+    }
+}
+
+fn api_finish(r: &FinishReason) -> ApiFinish {
+    match r {
+        FinishReason::Stop(_) => ApiFinish::Stop,
+        FinishReason::Length => ApiFinish::Length,
+        FinishReason::Abort | FinishReason::Error(_) => ApiFinish::Abort,
+    }
+}
+
+async fn run(
+    l: Arc<Loaded>,
+    kind: Kind,
+    ids: Vec<u32>,
+    params: SamplingParams,
+    extra_keys: ExtraKeys,
+    fields: &SamplingFields,
+    started: Instant,
+) -> Response {
+    let id = l.engine.next_id();
+    let stops = params.stop.clone();
+    let req = EngineRequest { id, prompt: ids, params, extra_keys };
+    let rx = match l.engine.submit(req).await {
+        Ok(rx) => rx,
+        Err(r) => return refusal(r).into_response(),
+    };
+    let guard = AbortGuard { engine: l.engine.clone(), id, done: false };
+    let text = TextStream::new(l.prompter.clone(), stops);
+    let timing = Timing { started, first: None, last: None };
+    let prefix = if kind == Kind::Chat { "chatcmpl" } else { "cmpl" };
+    let ctx = Ctx {
+        kind,
+        id: format!("{prefix}-{}-{id}", l.worker_id),
+        model: l.model_id.clone(),
+        created: unix_now(),
+    };
+    if fields.stream {
+        let include_usage = fields.stream_options.as_ref().is_some_and(|o| o.include_usage);
+        stream_response(ctx, rx, guard, text, timing, include_usage)
+    } else {
+        full_response(ctx, rx, guard, text, timing).await
+    }
+}
+
+struct Ctx {
+    kind: Kind,
+    id: String,
+    model: String,
+    created: u64,
+}
+
+impl Ctx {
+    fn chunk(
+        &self,
+        delta: Option<String>,
+        role: bool,
+        finish: Option<ApiFinish>,
+        usage_null: bool,
+    ) -> String {
+        let json = match self.kind {
+            Kind::Chat => serde_json::to_string(&ChatCompletionChunk {
+                id: self.id.clone(),
+                object: "chat.completion.chunk".into(),
+                created: self.created,
+                model: self.model.clone(),
+                choices: vec![ChatChunkChoice {
+                    index: 0,
+                    delta: ChatDelta { role: role.then(|| "assistant".into()), content: delta },
+                    logprobs: None,
+                    finish_reason: finish,
+                }],
+                usage: None,
+            }),
+            Kind::Completion => serde_json::to_string(&CompletionResponse {
+                id: self.id.clone(),
+                object: "text_completion".into(),
+                created: self.created,
+                model: self.model.clone(),
+                choices: vec![CompletionChoice {
+                    index: 0,
+                    text: delta.unwrap_or_default(),
+                    logprobs: None,
+                    finish_reason: finish,
+                }],
+                usage: None,
+            }),
+        }
+        .unwrap_or_default();
+        // Completions chunks carry `usage` only when asked for; keep `"usage": null` off otherwise.
+        if !usage_null && self.kind == Kind::Chat {
+            return json.replacen(",\"usage\":null", "", 1);
+        }
+        json
+    }
+
+    fn usage_chunk(&self, usage: Usage) -> String {
+        let object = if self.kind == Kind::Chat { "chat.completion.chunk" } else { "text_completion" };
+        serde_json::json!({"id": self.id, "object": object, "created": self.created, "model": self.model,
+            "choices": [], "usage": usage})
+        .to_string()
+    }
+}
+
+fn usage_of(o: &StepOutput) -> Usage {
+    Usage::new(o.prompt_tokens as u32, o.completion_tokens as u32, o.cached_tokens as u32)
+}
+
+struct StreamState {
+    ctx: Ctx,
+    rx: UnboundedReceiver<StepOutput>,
+    guard: AbortGuard,
+    text: TextStream,
+    timing: Timing,
+    include_usage: bool,
+    sent_role: bool,
+    done: bool,
+}
+
+fn stream_response(
+    ctx: Ctx,
+    rx: UnboundedReceiver<StepOutput>,
+    guard: AbortGuard,
+    text: TextStream,
+    timing: Timing,
+    include_usage: bool,
+) -> Response {
+    let st = StreamState { ctx, rx, guard, text, timing, include_usage, sent_role: false, done: false };
+    let events = stream::unfold(st, |mut st| async move {
+        if st.done {
+            return None;
+        }
+        let mut out = String::new();
+        if !st.sent_role && st.ctx.kind == Kind::Chat {
+            st.sent_role = true;
+            out.push_str(&sse_data(&st.ctx.chunk(Some(String::new()), true, None, st.include_usage)));
+        }
+        loop {
+            let Some(o) = st.rx.recv().await else {
+                // The engine dropped the request (shutdown): say so and end.
+                out.push_str(&sse_data(&st.ctx.chunk(None, false, Some(ApiFinish::Abort), st.include_usage)));
+                out.push_str(SSE_DONE);
+                st.done = true;
+                break;
+            };
+            if o.token.is_some() {
+                st.timing.token();
+            }
+            let last = o.finished.is_some();
+            let delta = st.text.push(o.token, last);
+            if !delta.is_empty() {
+                out.push_str(&sse_data(&st.ctx.chunk(Some(delta), false, None, st.include_usage)));
+            }
+            if let Some(reason) = &o.finished {
+                st.guard.done = true;
+                st.done = true;
+                if let FinishReason::Error(msg) = reason {
+                    let err = ApiError::internal(format!("generation failed: {msg}"));
+                    out.push_str(&sse_data(&err.body().to_json()));
+                    st.timing.finish(&o, st.ctx.kind, "error");
+                    break;
+                }
+                out.push_str(&sse_data(&st.ctx.chunk(
+                    Some(String::new()),
+                    false,
+                    Some(api_finish(reason)),
+                    st.include_usage,
+                )));
+                if st.include_usage {
+                    out.push_str(&sse_data(&st.ctx.usage_chunk(usage_of(&o))));
+                }
+                out.push_str(SSE_DONE);
+                st.timing.finish(&o, st.ctx.kind, "ok");
+                break;
+            }
+            if !out.is_empty() {
+                break;
+            }
+        }
+        Some((Ok::<Bytes, std::convert::Infallible>(Bytes::from(out)), st))
+    });
+    Response::builder()
+        .status(StatusCode::OK)
+        .header(header::CONTENT_TYPE, "text/event-stream")
+        .header(header::CACHE_CONTROL, "no-cache")
+        .body(Body::from_stream(events))
+        .unwrap_or_else(|e| ApiError::internal(e.to_string()).into_response())
+}
+
+async fn full_response(
+    ctx: Ctx,
+    mut rx: UnboundedReceiver<StepOutput>,
+    mut guard: AbortGuard,
+    mut text: TextStream,
+    mut timing: Timing,
+) -> Response {
+    let mut body = String::new();
+    let last = loop {
+        let Some(o) = rx.recv().await else {
+            return ApiError::unavailable("aborted", "the request was aborted (worker shutting down)")
+                .into_response();
+        };
+        if o.token.is_some() {
+            timing.token();
+        }
+        body.push_str(&text.push(o.token, o.finished.is_some()));
+        if o.finished.is_some() {
+            break o;
+        }
+    };
+    guard.done = true;
+    let reason = last.finished.clone().unwrap_or(FinishReason::Abort);
+    if let FinishReason::Error(msg) = &reason {
+        timing.finish(&last, ctx.kind, "error");
+        return ApiError::internal(format!("generation failed: {msg}")).into_response();
+    }
+    timing.finish(&last, ctx.kind, "ok");
+    let usage = Some(usage_of(&last));
+    let finish_reason = Some(api_finish(&reason));
+    let json = match ctx.kind {
+        Kind::Chat => serde_json::to_string(&ChatCompletionResponse {
+            id: ctx.id,
+            object: "chat.completion".into(),
+            created: ctx.created,
+            model: ctx.model,
+            choices: vec![ChatChoice {
+                index: 0,
+                message: ChatMessage { role: "assistant".into(), content: Some(body) },
+                logprobs: None,
+                finish_reason,
+            }],
+            usage,
+        }),
+        Kind::Completion => serde_json::to_string(&CompletionResponse {
+            id: ctx.id,
+            object: "text_completion".into(),
+            created: ctx.created,
+            model: ctx.model,
+            choices: vec![CompletionChoice { index: 0, text: body, logprobs: None, finish_reason }],
+            usage,
+        }),
+    };
+    match json {
+        Ok(j) => ([(header::CONTENT_TYPE, "application/json")], j).into_response(),
+        Err(e) => ApiError::internal(e.to_string()).into_response(),
+    }
+}

@@ -1,0 +1,311 @@
+//! `kvgate-worker serve` configuration: flags, each with an environment fallback (`KVGATE_WORKER_*`), over an
+//! optional TOML file (`--config`), over defaults. Precedence: defaults < TOML < environment < flags.
+//! Every field, its default and its meaning are in the `ServeArgs` docs (`kvgate-worker serve --help`).
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::Args;
+use serde::Deserialize;
+
+use crate::model::synth::Preset;
+
+/// Flags (and environment) of `serve`. `None` means "not given here": the TOML file or the default applies.
+#[derive(Args, Debug, Default, Clone, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "kebab-case")]
+pub struct ServeArgs {
+    /// TOML file with any of these settings (kebab-case keys, e.g. `kv-cache-tokens = 65536`).
+    #[arg(long, env = "KVGATE_WORKER_CONFIG")]
+    #[serde(skip)]
+    pub config: Option<PathBuf>,
+    /// Hugging Face model directory (config.json, safetensors, tokenizer.json, tokenizer_config.json).
+    #[arg(long, env = "KVGATE_WORKER_MODEL")]
+    pub model: Option<PathBuf>,
+    /// Serve a synthesized model instead (`tiny` or `small`), written once to `--synth-dir`.
+    #[arg(long, env = "KVGATE_WORKER_SYNTH", value_enum)]
+    pub synth: Option<Preset>,
+    /// Where `--synth` writes its model. Default: `$KVGATE_CACHE_DIR` or `~/.cache/kvgate`, then
+    /// `models/<preset>-<seed>`.
+    #[arg(long, env = "KVGATE_WORKER_SYNTH_DIR")]
+    pub synth_dir: Option<PathBuf>,
+    /// Seed of `--synth`. Default 0.
+    #[arg(long, env = "KVGATE_WORKER_SYNTH_SEED")]
+    pub synth_seed: Option<u64>,
+    /// Listen address. Default 0.0.0.0.
+    #[arg(long, env = "KVGATE_WORKER_HOST")]
+    pub host: Option<String>,
+    /// Listen port (0 = any free port; the chosen one is logged). Default 8000.
+    #[arg(long, env = "KVGATE_WORKER_PORT")]
+    pub port: Option<u16>,
+    /// Id in reports and `x-kvgate-worker`. Default `worker-<port>`.
+    #[arg(long, env = "KVGATE_WORKER_ID")]
+    pub worker_id: Option<String>,
+    /// URL gateways proxy to. Default `http://127.0.0.1:<port>`.
+    #[arg(long, env = "KVGATE_WORKER_ADVERTISE_URL")]
+    pub advertise_url: Option<String>,
+    /// Model name served in the API. Default: the model directory's name (`kvgate-<preset>` for synth).
+    #[arg(long, env = "KVGATE_WORKER_MODEL_ID")]
+    pub model_id: Option<String>,
+    /// Gateway control base URL to push reports to (repeatable; env: comma-separated). Default none.
+    #[arg(long = "report-to", env = "KVGATE_WORKER_REPORT_TO", value_delimiter = ',')]
+    pub report_to: Option<Vec<String>>,
+    /// Report interval (`1s`, `500ms`). Default 1s.
+    #[arg(long, env = "KVGATE_WORKER_REPORT_INTERVAL")]
+    pub report_interval: Option<String>,
+    /// Timeout of one report POST. Default 500ms.
+    #[arg(long, env = "KVGATE_WORKER_REPORT_TIMEOUT")]
+    pub report_timeout: Option<String>,
+    /// Shared secret sent as `Authorization: Bearer` with reports. Default none (gateways may refuse).
+    #[arg(long, env = "KVGATE_REPORT_SECRET", hide_env_values = true)]
+    pub report_secret: Option<String>,
+    /// Summarise every k-th cached block in reports (size / k, matched length rounded down to k blocks). Default 4.
+    #[arg(long, env = "KVGATE_WORKER_SUMMARY_GRANULARITY")]
+    pub summary_granularity: Option<u32>,
+    /// False-positive rate of the report's Bloom filter. Default 0.01.
+    #[arg(long, env = "KVGATE_WORKER_BLOOM_FP_RATE")]
+    pub bloom_fp_rate: Option<f64>,
+    /// KV cache size in tokens. Default 65536.
+    #[arg(long, env = "KVGATE_WORKER_KV_CACHE_TOKENS")]
+    pub kv_cache_tokens: Option<usize>,
+    /// Tokens per KV block (must equal the gateway's). Default 16.
+    #[arg(long, env = "KVGATE_WORKER_BLOCK_SIZE")]
+    pub block_size: Option<u32>,
+    /// Most tokens computed per engine step. Default 2048.
+    #[arg(long, env = "KVGATE_WORKER_MAX_NUM_BATCHED_TOKENS")]
+    pub max_num_batched_tokens: Option<usize>,
+    /// Most sequences running at once. Default 64.
+    #[arg(long, env = "KVGATE_WORKER_MAX_NUM_SEQS")]
+    pub max_num_seqs: Option<usize>,
+    /// Most requests waiting for admission; beyond it 503 with Retry-After. Default 256.
+    #[arg(long, env = "KVGATE_WORKER_MAX_WAITING_REQUESTS")]
+    pub max_waiting_requests: Option<usize>,
+    /// Largest request body in bytes; beyond it 413. Default 8 MiB.
+    #[arg(long, env = "KVGATE_WORKER_MAX_BODY_BYTES")]
+    pub max_body_bytes: Option<usize>,
+    /// `max_tokens` of chat requests that give none (capped by the context). Default 1024.
+    #[arg(long, env = "KVGATE_WORKER_DEFAULT_MAX_TOKENS")]
+    pub default_max_tokens: Option<u32>,
+    /// After SIGTERM: time running requests get to finish before they are aborted. Default 30s.
+    #[arg(long, env = "KVGATE_WORKER_SHUTDOWN_GRACE")]
+    pub shutdown_grace: Option<String>,
+    /// Logs as JSON lines instead of text.
+    #[arg(long, env = "KVGATE_WORKER_LOG_JSON")]
+    pub log_json: Option<bool>,
+}
+
+/// The resolved configuration.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ServeConfig {
+    pub model: ModelSource,
+    pub host: String,
+    pub port: u16,
+    pub worker_id: Option<String>,
+    pub advertise_url: Option<String>,
+    pub model_id: Option<String>,
+    pub report_to: Vec<String>,
+    pub report_interval: Duration,
+    pub report_timeout: Duration,
+    pub report_secret: Option<String>,
+    pub summary_granularity: u32,
+    pub bloom_fp_rate: f64,
+    pub kv_cache_tokens: usize,
+    pub block_size: u32,
+    pub max_num_batched_tokens: usize,
+    pub max_num_seqs: usize,
+    pub max_waiting_requests: usize,
+    pub max_body_bytes: usize,
+    pub default_max_tokens: u32,
+    pub shutdown_grace: Duration,
+    pub log_json: bool,
+}
+
+/// Where the model comes from.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ModelSource {
+    Dir(PathBuf),
+    Synth { preset: Preset, seed: u64, dir: PathBuf },
+}
+
+/// Parses `1s`, `500ms`, `2m`, or a bare number of seconds.
+pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    let s = s.trim();
+    let (num, unit) = match s.find(|c: char| !(c.is_ascii_digit() || c == '.')) {
+        Some(i) => (&s[..i], &s[i..]),
+        None => (s, "s"),
+    };
+    let v: f64 = num.parse().map_err(|_| format!("{s:?} is not a duration (e.g. 1s, 500ms)"))?;
+    let secs = match unit {
+        "ms" => v / 1000.0,
+        "s" => v,
+        "m" => v * 60.0,
+        _ => return Err(format!("{s:?}: unknown unit {unit:?} (ms, s, m)")),
+    };
+    if !secs.is_finite() || secs < 0.0 {
+        return Err(format!("{s:?} is not a non-negative duration"));
+    }
+    Ok(Duration::from_secs_f64(secs))
+}
+
+fn default_cache_dir() -> PathBuf {
+    if let Some(d) = std::env::var_os("KVGATE_CACHE_DIR") {
+        return PathBuf::from(d);
+    }
+    match std::env::var_os("HOME") {
+        Some(h) => PathBuf::from(h).join(".cache").join("kvgate"),
+        None => std::env::temp_dir().join("kvgate"),
+    }
+}
+
+impl ServeArgs {
+    /// Merges flags/env over the TOML file over defaults, then validates.
+    pub fn resolve(self) -> Result<ServeConfig, String> {
+        let file = match &self.config {
+            Some(path) => {
+                let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
+                toml::from_str::<ServeArgs>(&text).map_err(|e| format!("{}: {e}", path.display()))?
+            }
+            None => ServeArgs::default(),
+        };
+        macro_rules! pick {
+            ($f:ident) => {
+                self.$f.clone().or(file.$f.clone())
+            };
+        }
+        let model = match (pick!(model), pick!(synth)) {
+            (Some(_), Some(_)) => return Err("give either --model or --synth, not both".into()),
+            (Some(dir), None) => ModelSource::Dir(dir),
+            (None, Some(preset)) => {
+                let seed = pick!(synth_seed).unwrap_or(0);
+                let name = format!("{}-{seed}", format!("{preset:?}").to_lowercase());
+                let dir = pick!(synth_dir).unwrap_or_else(|| default_cache_dir().join("models").join(name));
+                ModelSource::Synth { preset, seed, dir }
+            }
+            (None, None) => {
+                return Err(
+                    "no model: pass --model DIR (a Hugging Face model directory) or --synth tiny|small \
+                            (a synthesized model, written once to the cache directory)"
+                        .into(),
+                )
+            }
+        };
+        let dur = |v: Option<String>, default: &str, name: &str| {
+            parse_duration(v.as_deref().unwrap_or(default)).map_err(|e| format!("--{name}: {e}"))
+        };
+        let cfg = ServeConfig {
+            model,
+            host: pick!(host).unwrap_or_else(|| "0.0.0.0".into()),
+            port: pick!(port).unwrap_or(8000),
+            worker_id: pick!(worker_id),
+            advertise_url: pick!(advertise_url),
+            model_id: pick!(model_id),
+            report_to: pick!(report_to).unwrap_or_default().into_iter().filter(|u| !u.is_empty()).collect(),
+            report_interval: dur(pick!(report_interval), "1s", "report-interval")?,
+            report_timeout: dur(pick!(report_timeout), "500ms", "report-timeout")?,
+            report_secret: pick!(report_secret).filter(|s| !s.is_empty()),
+            summary_granularity: pick!(summary_granularity).unwrap_or(4),
+            bloom_fp_rate: pick!(bloom_fp_rate).unwrap_or(0.01),
+            kv_cache_tokens: pick!(kv_cache_tokens).unwrap_or(65_536),
+            block_size: pick!(block_size).unwrap_or(16),
+            max_num_batched_tokens: pick!(max_num_batched_tokens).unwrap_or(2048),
+            max_num_seqs: pick!(max_num_seqs).unwrap_or(64),
+            max_waiting_requests: pick!(max_waiting_requests).unwrap_or(256),
+            max_body_bytes: pick!(max_body_bytes).unwrap_or(8 << 20),
+            default_max_tokens: pick!(default_max_tokens).unwrap_or(1024),
+            shutdown_grace: dur(pick!(shutdown_grace), "30s", "shutdown-grace")?,
+            log_json: pick!(log_json).unwrap_or(false),
+        };
+        cfg.validate()?;
+        Ok(cfg)
+    }
+}
+
+impl ServeConfig {
+    /// Checks every field; the error lists each problem.
+    pub fn validate(&self) -> Result<(), String> {
+        let mut problems = Vec::new();
+        if self.block_size == 0 || self.block_size > kvgate_shared::hashing::MAX_BLOCK_SIZE {
+            problems.push(format!("block-size {} is not in 1..=4096", self.block_size));
+        }
+        if self.kv_cache_tokens < self.block_size as usize {
+            problems.push(format!("kv-cache-tokens {} holds less than one block", self.kv_cache_tokens));
+        }
+        if self.max_num_batched_tokens == 0 || self.max_num_seqs == 0 {
+            problems.push("max-num-batched-tokens and max-num-seqs must be at least 1".into());
+        }
+        if self.summary_granularity == 0 {
+            problems.push("summary-granularity must be at least 1".into());
+        }
+        if !(self.bloom_fp_rate > 0.0 && self.bloom_fp_rate < 0.5) {
+            problems.push(format!("bloom-fp-rate {} is not in (0, 0.5)", self.bloom_fp_rate));
+        }
+        if self.report_interval < Duration::from_millis(10) {
+            problems.push("report-interval must be at least 10ms".into());
+        }
+        if self.max_body_bytes < 1024 {
+            problems.push("max-body-bytes must be at least 1024".into());
+        }
+        if self.default_max_tokens == 0 {
+            problems.push("default-max-tokens must be at least 1".into());
+        }
+        for u in &self.report_to {
+            if !(u.starts_with("http://") || u.starts_with("https://")) {
+                problems.push(format!("report-to {u:?} is not an http(s) URL"));
+            }
+        }
+        if problems.is_empty() {
+            Ok(())
+        } else {
+            Err(format!("invalid configuration: {}", problems.join("; ")))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations() {
+        assert_eq!(parse_duration("1s"), Ok(Duration::from_secs(1)));
+        assert_eq!(parse_duration("250ms"), Ok(Duration::from_millis(250)));
+        assert_eq!(parse_duration("2"), Ok(Duration::from_secs(2)));
+        assert!(parse_duration("1h").is_err());
+        assert!(parse_duration("x").is_err());
+    }
+
+    #[test]
+    fn needs_a_model_and_lists_every_problem() {
+        let err = ServeArgs::default().resolve().expect_err("no model");
+        assert!(err.contains("--model") && err.contains("--synth"));
+        let args = ServeArgs {
+            synth: Some(Preset::Tiny),
+            block_size: Some(0),
+            summary_granularity: Some(0),
+            ..ServeArgs::default()
+        };
+        let err = args.resolve().expect_err("invalid");
+        assert!(err.contains("block-size") && err.contains("summary-granularity"), "{err}");
+    }
+
+    #[test]
+    fn flags_override_the_toml_file() {
+        let dir = tempfile::tempdir().expect("tmp");
+        let path = dir.path().join("w.toml");
+        std::fs::write(
+            &path,
+            "synth = \"tiny\"\nport = 9000\nkv-cache-tokens = 4096\nreport-to = [\"http://g:8081\"]\n",
+        )
+        .expect("write");
+        let cfg = ServeArgs { config: Some(path.clone()), port: Some(9100), ..ServeArgs::default() }
+            .resolve()
+            .expect("ok");
+        assert_eq!(cfg.port, 9100);
+        assert_eq!(cfg.kv_cache_tokens, 4096);
+        assert_eq!(cfg.report_to, vec!["http://g:8081".to_string()]);
+        std::fs::write(&path, "synth = \"tiny\"\nbogus = 1\n").expect("write");
+        assert!(ServeArgs { config: Some(path), ..ServeArgs::default() }
+            .resolve()
+            .expect_err("unknown")
+            .contains("bogus"));
+    }
+}

@@ -1,0 +1,200 @@
+//! The engine runs on its own OS thread (its steps are seconds of blocking math); HTTP handlers talk to it through
+//! an [`EngineHandle`]: submit a request and receive its step outputs on a channel, abort it, read statistics.
+//!
+//! The thread blocks on the command channel when idle, and between steps drains every pending command, so an
+//! abort (client gone) frees the request's blocks before the next step. A receiver that has gone away aborts its
+//! request too.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use tokio::sync::{mpsc, oneshot};
+
+use crate::engine::{AdmitError, Backend, Engine, EngineRequest, EngineStats, RequestId, StepOutput};
+use crate::kv::SharedPool;
+
+enum Cmd {
+    Add {
+        req: EngineRequest,
+        events: mpsc::UnboundedSender<StepOutput>,
+        admitted: oneshot::Sender<Result<(), Refusal>>,
+    },
+    Abort(RequestId),
+    AbortAll,
+}
+
+/// Why a request was not queued.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Refusal {
+    Invalid(AdmitError),
+    QueueFull { waiting: usize },
+    EngineGone,
+}
+
+/// Statistics the engine thread publishes after every step.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Published {
+    pub stats: EngineStats,
+    /// Prompt tokens computed (not served from cache) since start.
+    pub prefill_tokens: u64,
+    /// Tokens generated since start.
+    pub decode_tokens: u64,
+    pub steps: u64,
+}
+
+/// Handle to the engine thread (cheap to clone).
+#[derive(Clone)]
+pub struct EngineHandle {
+    tx: mpsc::UnboundedSender<Cmd>,
+    published: Arc<Mutex<Published>>,
+    pool: SharedPool,
+    next_id: Arc<AtomicU64>,
+}
+
+impl EngineHandle {
+    /// Starts the thread that owns `engine`.
+    pub fn spawn<B: Backend + 'static>(engine: Engine<B>, max_waiting: usize) -> Self {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let published = Arc::new(Mutex::new(Published::default()));
+        let pool = engine.scheduler().kv().pool().clone();
+        let p = published.clone();
+        std::thread::Builder::new()
+            .name("kvgate-engine".into())
+            .spawn(move || run(engine, rx, p, max_waiting))
+            .unwrap_or_else(|e| panic!("cannot start the engine thread: {e}"));
+        Self { tx, published, pool, next_id: Arc::new(AtomicU64::new(1)) }
+    }
+
+    /// A fresh request id.
+    pub fn next_id(&self) -> RequestId {
+        self.next_id.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// Queues a request; its outputs arrive on the returned channel.
+    pub async fn submit(&self, req: EngineRequest) -> Result<mpsc::UnboundedReceiver<StepOutput>, Refusal> {
+        let (events, rx) = mpsc::unbounded_channel();
+        let (admitted, ack) = oneshot::channel();
+        self.tx.send(Cmd::Add { req, events, admitted }).map_err(|_| Refusal::EngineGone)?;
+        ack.await.map_err(|_| Refusal::EngineGone)??;
+        Ok(rx)
+    }
+
+    /// Aborts a request (no-op if it already ended).
+    pub fn abort(&self, id: RequestId) {
+        let _ = self.tx.send(Cmd::Abort(id));
+    }
+
+    /// Aborts everything (end of the shutdown grace period).
+    pub fn abort_all(&self) {
+        let _ = self.tx.send(Cmd::AbortAll);
+    }
+
+    pub fn published(&self) -> Published {
+        *self.published.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The block pool (reports read its cached hashes).
+    pub fn pool(&self) -> &SharedPool {
+        &self.pool
+    }
+}
+
+fn run<B: Backend>(
+    mut engine: Engine<B>,
+    mut rx: mpsc::UnboundedReceiver<Cmd>,
+    published: Arc<Mutex<Published>>,
+    max_waiting: usize,
+) {
+    let mut senders: HashMap<RequestId, mpsc::UnboundedSender<StepOutput>> = HashMap::new();
+    let mut totals = Published::default();
+    loop {
+        if !engine.has_work() {
+            match rx.blocking_recv() {
+                Some(cmd) => handle(&mut engine, &mut senders, cmd, max_waiting),
+                None => return,
+            }
+        }
+        loop {
+            match rx.try_recv() {
+                Ok(cmd) => handle(&mut engine, &mut senders, cmd, max_waiting),
+                Err(mpsc::error::TryRecvError::Empty) => break,
+                Err(mpsc::error::TryRecvError::Disconnected) => return,
+            }
+        }
+        if !engine.has_work() {
+            continue;
+        }
+        let before = engine.scheduler().counters().scheduled_tokens;
+        let started = Instant::now();
+        let outputs = engine.step();
+        let computed = engine.scheduler().counters().scheduled_tokens - before;
+        let mut generated = 0u64;
+        for o in outputs {
+            if o.token.is_some() {
+                generated += 1;
+            }
+            let done = o.finished.is_some();
+            let id = o.id;
+            let gone = senders.get(&id).is_none_or(|tx| tx.send(o).is_err());
+            if done {
+                senders.remove(&id);
+            } else if gone {
+                // Nobody listens any more (client disconnected): free its blocks now.
+                engine.abort(id);
+                senders.remove(&id);
+            }
+        }
+        totals.decode_tokens += generated;
+        totals.prefill_tokens += computed.saturating_sub(generated);
+        totals.steps += 1;
+        totals.stats = engine.stats();
+        *published.lock().unwrap_or_else(|e| e.into_inner()) = totals;
+        tracing::trace!(
+            computed,
+            generated,
+            elapsed_ms = started.elapsed().as_secs_f64() * 1e3,
+            "engine step"
+        );
+    }
+}
+
+fn handle<B: Backend>(
+    engine: &mut Engine<B>,
+    senders: &mut HashMap<RequestId, mpsc::UnboundedSender<StepOutput>>,
+    cmd: Cmd,
+    max_waiting: usize,
+) {
+    match cmd {
+        Cmd::Add { req, events, admitted } => {
+            let waiting = engine.scheduler().num_waiting();
+            if waiting >= max_waiting {
+                let _ = admitted.send(Err(Refusal::QueueFull { waiting }));
+                return;
+            }
+            let id = req.id;
+            match engine.add_request(req) {
+                Ok(()) => {
+                    senders.insert(id, events);
+                    if admitted.send(Ok(())).is_err() {
+                        engine.abort(id);
+                        senders.remove(&id);
+                    }
+                }
+                Err(e) => {
+                    let _ = admitted.send(Err(Refusal::Invalid(e)));
+                }
+            }
+        }
+        Cmd::Abort(id) => {
+            engine.abort(id);
+            senders.remove(&id);
+        }
+        Cmd::AbortAll => {
+            for (id, _) in senders.drain() {
+                engine.abort(id);
+            }
+        }
+    }
+}

@@ -1,0 +1,335 @@
+//! `kvgate-worker serve`: the process users deploy on each GPU pod. It listens at once (so `/health` answers while
+//! the model loads), loads the model on a blocking thread, runs the engine on its own thread, serves the OpenAI
+//! API, and pushes cache summaries to gateways.
+//!
+//! Routes: `POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models`, `GET /health` (alive),
+//! `GET /ready` (model loaded, not draining), `GET /metrics` (Prometheus), `GET /kvgate/v1/tokenizer` (what a
+//! gateway needs to tokenize and hash exactly like this worker).
+//!
+//! Shutdown on SIGTERM/SIGINT: `/ready` turns 503 and new requests are refused; running ones get `shutdown_grace`
+//! to finish, then are aborted; the process exits when the last connection closes.
+
+pub mod api;
+pub mod config;
+pub mod engine_thread;
+pub mod errors;
+pub mod reporter;
+pub mod text;
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, OnceLock};
+
+use axum::extract::State;
+use axum::http::{header, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use kvgate_shared::hashing::HashScheme;
+use kvgate_shared::openai::{ModelCard, ModelList};
+use kvgate_shared::prompt::Prompter;
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+
+use self::config::{ModelSource, ServeConfig};
+use self::engine_thread::EngineHandle;
+use self::errors::ApiError;
+use crate::engine::{CpuBackend, Engine, EngineConfig, SchedulerConfig};
+use crate::model::llama::LlamaModel;
+use crate::model::synth::{synth_model, SynthSpec};
+
+/// Everything that exists once the model is loaded.
+pub struct Loaded {
+    pub engine: EngineHandle,
+    pub prompter: Arc<Prompter>,
+    pub model_id: String,
+    pub worker_id: String,
+    pub max_model_len: usize,
+    pub scheme: HashScheme,
+}
+
+/// Shared by every handler.
+pub struct AppState {
+    pub cfg: ServeConfig,
+    pub worker_id: String,
+    loaded: OnceLock<Arc<Loaded>>,
+    draining: AtomicBool,
+    prometheus: PrometheusHandle,
+    created: u64,
+}
+
+impl AppState {
+    pub fn loaded(&self) -> Option<Arc<Loaded>> {
+        self.loaded.get().cloned()
+    }
+    pub fn draining(&self) -> bool {
+        self.draining.load(Ordering::Acquire)
+    }
+}
+
+fn install_metrics() -> Result<PrometheusHandle, String> {
+    static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
+    if let Some(h) = HANDLE.get() {
+        return Ok(h.clone());
+    }
+    let buckets = [0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0];
+    let handle = PrometheusBuilder::new()
+        .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), &buckets)
+        .map_err(|e| e.to_string())?
+        .install_recorder()
+        .map_err(|e| e.to_string())?;
+    Ok(HANDLE.get_or_init(|| handle).clone())
+}
+
+/// Builds the model directory for `--synth` once (written beside, then renamed, so concurrent workers are safe).
+fn ensure_model_dir(src: &ModelSource) -> Result<std::path::PathBuf, String> {
+    match src {
+        ModelSource::Dir(d) => Ok(d.clone()),
+        ModelSource::Synth { preset, seed, dir } => {
+            if dir.join("config.json").exists() && dir.join("tokenizer.json").exists() {
+                return Ok(dir.clone());
+            }
+            let tmp = dir.with_extension(format!("tmp-{}", std::process::id()));
+            synth_model(&tmp, &SynthSpec::new(*preset, *seed)).map_err(|e| e.to_string())?;
+            if let Some(parent) = dir.parent() {
+                std::fs::create_dir_all(parent).map_err(|e| format!("{}: {e}", parent.display()))?;
+            }
+            if std::fs::rename(&tmp, dir).is_err() {
+                // Another worker won the race; use its copy.
+                let _ = std::fs::remove_dir_all(&tmp);
+            }
+            Ok(dir.clone())
+        }
+    }
+}
+
+fn load(cfg: &ServeConfig, worker_id: &str) -> Result<Loaded, String> {
+    let dir = ensure_model_dir(&cfg.model)?;
+    let model = LlamaModel::load(&dir).map_err(|e| e.to_string())?;
+    let prompter = Arc::new(Prompter::from_dir(&dir).map_err(|e| e.to_string())?);
+    let scheme = HashScheme::new(cfg.block_size, prompter.digest());
+    let num_blocks = cfg.kv_cache_tokens / cfg.block_size as usize;
+    let max_model_len = model.config().max_position_embeddings;
+    let backend = CpuBackend::new(model, num_blocks * cfg.block_size as usize);
+    let engine_cfg = EngineConfig {
+        num_blocks,
+        scheme,
+        scheduler: SchedulerConfig {
+            max_num_batched_tokens: cfg.max_num_batched_tokens,
+            max_num_seqs: cfg.max_num_seqs,
+        },
+    };
+    let engine = Engine::new(engine_cfg, backend, Some(prompter.clone()));
+    let model_id = cfg.model_id.clone().unwrap_or_else(|| match &cfg.model {
+        ModelSource::Synth { preset, .. } => format!("kvgate-{}", format!("{preset:?}").to_lowercase()),
+        ModelSource::Dir(d) => d.file_name().map_or("model".into(), |n| n.to_string_lossy().into_owned()),
+    });
+    Ok(Loaded {
+        engine: EngineHandle::spawn(engine, cfg.max_waiting_requests),
+        prompter,
+        model_id,
+        worker_id: worker_id.to_owned(),
+        max_model_len,
+        scheme,
+    })
+}
+
+/// The HTTP routes over `state`.
+pub fn router(state: Arc<AppState>) -> Router {
+    let worker = HeaderValue::from_str(&state.worker_id).unwrap_or(HeaderValue::from_static("worker"));
+    Router::new()
+        .route("/v1/completions", post(api::completions))
+        .route("/v1/chat/completions", post(api::chat_completions))
+        .route("/v1/models", get(models))
+        .route("/health", get(|| async { Json(serde_json::json!({"status": "ok"})) }))
+        .route("/ready", get(ready))
+        .route("/metrics", get(metrics_text))
+        .route("/kvgate/v1/tokenizer", get(tokenizer))
+        .fallback(|| async {
+            let mut e = ApiError::invalid("path", "no such route");
+            e.status = StatusCode::NOT_FOUND;
+            e.kind = "not_found_error";
+            e.code = "route_not_found";
+            e
+        })
+        .layer(axum::middleware::map_response(move |mut r: Response| {
+            let worker = worker.clone();
+            async move {
+                r.headers_mut().insert("x-kvgate-worker", worker);
+                r
+            }
+        }))
+        .with_state(state)
+}
+
+async fn models(State(state): State<Arc<AppState>>) -> Response {
+    let Some(l) = state.loaded() else {
+        return ApiError::unavailable("model_loading", "the model is still loading").into_response();
+    };
+    Json(ModelList {
+        object: "list".into(),
+        data: vec![ModelCard {
+            id: l.model_id.clone(),
+            object: "model".into(),
+            created: state.created,
+            owned_by: "kvgate".into(),
+            max_model_len: Some(l.max_model_len as u32),
+        }],
+    })
+    .into_response()
+}
+
+async fn ready(State(state): State<Arc<AppState>>) -> Response {
+    match (state.loaded(), state.draining()) {
+        (Some(_), false) => Json(serde_json::json!({"status": "ready"})).into_response(),
+        (_, true) => {
+            (StatusCode::SERVICE_UNAVAILABLE, Json(serde_json::json!({"status": "draining"}))).into_response()
+        }
+        (None, _) => {
+            (StatusCode::SERVICE_UNAVAILABLE, Json(serde_json::json!({"status": "loading"}))).into_response()
+        }
+    }
+}
+
+async fn metrics_text(State(state): State<Arc<AppState>>) -> Response {
+    if let Some(l) = state.loaded() {
+        let p = l.engine.published();
+        let s = p.stats;
+        metrics::gauge!("kvgate_worker_kv_blocks", "state" => "total").set(s.blocks_total as f64);
+        metrics::gauge!("kvgate_worker_kv_blocks", "state" => "free").set(s.blocks_free as f64);
+        metrics::gauge!("kvgate_worker_kv_blocks", "state" => "used")
+            .set((s.blocks_total - s.blocks_free) as f64);
+        metrics::gauge!("kvgate_worker_kv_blocks", "state" => "cached").set(s.blocks_cached as f64);
+        metrics::gauge!("kvgate_worker_kv_evictions").set(s.evictions as f64);
+        metrics::gauge!("kvgate_worker_preemptions").set(s.preemptions as f64);
+        metrics::gauge!("kvgate_worker_queue_requests", "state" => "waiting").set(s.waiting_requests as f64);
+        metrics::gauge!("kvgate_worker_queue_requests", "state" => "running").set(s.running_requests as f64);
+        metrics::gauge!("kvgate_worker_waiting_prefill_tokens").set(s.waiting_prefill_tokens as f64);
+        metrics::gauge!("kvgate_worker_prefix_cache_hit_blocks").set(s.hit_blocks as f64);
+        metrics::gauge!("kvgate_worker_prefix_cache_queried_blocks").set(s.queried_blocks as f64);
+    }
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], state.prometheus.render()).into_response()
+}
+
+async fn tokenizer(State(state): State<Arc<AppState>>) -> Response {
+    let Some(l) = state.loaded() else {
+        return ApiError::unavailable("model_loading", "the model is still loading").into_response();
+    };
+    let files = l.prompter.files();
+    Json(serde_json::json!({
+        "model": l.model_id,
+        "tokenizer_json": files.tokenizer_json,
+        "chat_template": files.chat_template,
+        "bos_token": files.bos_token,
+        "eos_token": files.eos_token,
+        "scheme": l.scheme,
+        "fingerprint": l.scheme.fingerprint(),
+        "summary_granularity": state.cfg.summary_granularity,
+    }))
+    .into_response()
+}
+
+/// Runs the server until SIGTERM/SIGINT and the end of the drain.
+pub async fn serve(cfg: ServeConfig) -> Result<(), String> {
+    let prometheus = install_metrics()?;
+    let addr: SocketAddr = format!("{}:{}", cfg.host, cfg.port)
+        .parse()
+        .map_err(|e| format!("listen address {}:{}: {e}", cfg.host, cfg.port))?;
+    let listener =
+        tokio::net::TcpListener::bind(addr).await.map_err(|e| format!("cannot listen on {addr}: {e}"))?;
+    let port = listener.local_addr().map_err(|e| e.to_string())?.port();
+    let worker_id = cfg.worker_id.clone().unwrap_or_else(|| format!("worker-{port}"));
+    let advertise = cfg.advertise_url.clone().unwrap_or_else(|| format!("http://127.0.0.1:{port}"));
+    // One line tests and scripts can wait for.
+    println!("kvgate-worker {worker_id} listening on http://{}:{port}", cfg.host);
+    tracing::info!(%worker_id, port, "listening; loading the model");
+    let state = Arc::new(AppState {
+        cfg: cfg.clone(),
+        worker_id: worker_id.clone(),
+        loaded: OnceLock::new(),
+        draining: AtomicBool::new(false),
+        prometheus,
+        created: std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs()),
+    });
+
+    let loader_state = state.clone();
+    tokio::spawn(async move {
+        let cfg = loader_state.cfg.clone();
+        let wid = loader_state.worker_id.clone();
+        let started = std::time::Instant::now();
+        match tokio::task::spawn_blocking(move || load(&cfg, &wid)).await {
+            Ok(Ok(l)) => {
+                let l = Arc::new(l);
+                tracing::info!(model = %l.model_id, secs = started.elapsed().as_secs_f64(), "model loaded");
+                println!("kvgate-worker {} ready (model {})", l.worker_id, l.model_id);
+                let _ = loader_state.loaded.set(l.clone());
+                if !loader_state.cfg.report_to.is_empty() {
+                    let c = &loader_state.cfg;
+                    let source = reporter::ReportSource {
+                        worker_id: l.worker_id.clone(),
+                        advertise_url: advertise.clone(),
+                        model_id: l.model_id.clone(),
+                        scheme: l.scheme,
+                        granularity: c.summary_granularity,
+                        fp_rate: c.bloom_fp_rate,
+                    };
+                    tokio::spawn(reporter::run(
+                        source,
+                        l.engine.clone(),
+                        c.report_to.clone(),
+                        c.report_interval,
+                        c.report_timeout,
+                        c.report_secret.clone(),
+                    ));
+                }
+            }
+            Ok(Err(e)) => {
+                eprintln!("kvgate-worker: cannot load the model: {e}");
+                std::process::exit(1);
+            }
+            Err(e) => {
+                eprintln!("kvgate-worker: model loader failed: {e}");
+                std::process::exit(1);
+            }
+        }
+    });
+
+    let shutdown_state = state.clone();
+    let shutdown = async move {
+        wait_for_signal().await;
+        tracing::info!(grace_s = shutdown_state.cfg.shutdown_grace.as_secs_f64(), "shutting down: draining");
+        shutdown_state.draining.store(true, Ordering::Release);
+        let s = shutdown_state.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(s.cfg.shutdown_grace).await;
+            if let Some(l) = s.loaded() {
+                tracing::warn!("shutdown grace over: aborting running requests");
+                l.engine.abort_all();
+            }
+        });
+    };
+    axum::serve(listener, router(state)).with_graceful_shutdown(shutdown).await.map_err(|e| e.to_string())
+}
+
+async fn wait_for_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{signal, SignalKind};
+        match signal(SignalKind::terminate()) {
+            Ok(mut term) => {
+                tokio::select! {
+                    _ = term.recv() => {}
+                    _ = tokio::signal::ctrl_c() => {}
+                }
+            }
+            Err(_) => {
+                let _ = tokio::signal::ctrl_c().await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
+    }
+}

@@ -1,0 +1,152 @@
+//! The 1 s cache summary: every interval, a `WorkerReport` (queue and KV stats, measured throughput, and a Bloom
+//! filter of the block hashes the prefix cache holds now, so evicted blocks disappear) is POSTed to each gateway's
+//! `POST /kvgate/v1/report`, authenticated by the shared secret.
+//!
+//! Each gateway has its own task and a short timeout; a gateway whose previous POST is still in flight is skipped
+//! for that interval, so a slow or dead gateway never delays the engine or the other gateways.
+//!
+//! Size: only every `granularity`-th block's chained hash is summarised (block `i` iff `(i + 1) % k == 0`). Because
+//! hashes chain, the k-th block's hash stands for the whole prefix up to it; the gateway matches at the same
+//! granularity and loses at most `k - 1` blocks of predicted match. Measured trade-off in BENCHMARKS.md.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use bytes::Bytes;
+use http_body_util::Full;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+use kvgate_shared::hashing::HashScheme;
+use kvgate_shared::report::{
+    BlockBloom, CacheSummary, QueueStats, Throughput, Tier, TierReport, WorkerReport, REPORT_CONTENT_TYPE,
+};
+
+use super::engine_thread::{EngineHandle, Published};
+use crate::kv::SharedPool;
+
+/// What a report is built from.
+pub struct ReportSource {
+    pub worker_id: String,
+    pub advertise_url: String,
+    pub model_id: String,
+    pub scheme: HashScheme,
+    pub granularity: u32,
+    pub fp_rate: f64,
+}
+
+/// Builds the Bloom summary of the pool's cached blocks at a granularity.
+pub fn summarise(pool: &SharedPool, granularity: u32, fp_rate: f64) -> CacheSummary {
+    let g = granularity.max(1);
+    let hashes: Vec<_> = {
+        let pool = pool.lock();
+        pool.cached_entries().filter(|(_, i)| (i + 1) % g == 0).map(|(h, _)| h).collect()
+    };
+    let mut bloom = BlockBloom::with_capacity(hashes.len(), fp_rate);
+    for h in &hashes {
+        bloom.insert(*h);
+    }
+    CacheSummary { granularity: g, entries: hashes.len() as u64, bloom }
+}
+
+impl ReportSource {
+    /// One report from the engine's current state; throughput over `dt` since `prev`.
+    pub fn build(
+        &self,
+        engine: &EngineHandle,
+        seq: u64,
+        prev: &Published,
+        now: &Published,
+        dt: Duration,
+    ) -> WorkerReport {
+        let s = now.stats;
+        let secs = dt.as_secs_f64().max(1e-3);
+        let summary = summarise(engine.pool(), self.granularity, self.fp_rate);
+        WorkerReport {
+            worker_id: self.worker_id.clone(),
+            advertise_url: self.advertise_url.clone(),
+            model_id: self.model_id.clone(),
+            scheme: self.scheme,
+            fingerprint: self.scheme.fingerprint(),
+            seq,
+            timestamp_ms: SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64),
+            queue: QueueStats {
+                waiting_requests: s.waiting_requests as u32,
+                waiting_prefill_tokens: s.waiting_prefill_tokens,
+                running_requests: s.running_requests as u32,
+            },
+            throughput: Throughput {
+                prefill_tokens_per_s: now.prefill_tokens.saturating_sub(prev.prefill_tokens) as f64 / secs,
+                decode_tokens_per_s: now.decode_tokens.saturating_sub(prev.decode_tokens) as f64 / secs,
+            },
+            tiers: vec![TierReport {
+                tier: Tier::Device,
+                blocks_total: s.blocks_total as u64,
+                blocks_free: s.blocks_free as u64,
+                blocks_cached: s.blocks_cached as u64,
+                summary: Some(summary),
+            }],
+        }
+    }
+}
+
+/// Runs forever: builds a report each interval and sends it to every gateway.
+pub async fn run(
+    source: ReportSource,
+    engine: EngineHandle,
+    targets: Vec<String>,
+    interval: Duration,
+    timeout: Duration,
+    secret: Option<String>,
+) {
+    let client: Client<_, Full<Bytes>> = Client::builder(TokioExecutor::new()).build_http();
+    let busy: Vec<Arc<AtomicBool>> = targets.iter().map(|_| Arc::new(AtomicBool::new(false))).collect();
+    let mut ticker = tokio::time::interval(interval);
+    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut seq = 0u64;
+    let mut prev = engine.published();
+    let mut prev_at = Instant::now();
+    loop {
+        ticker.tick().await;
+        let now = engine.published();
+        seq += 1;
+        let report = source.build(&engine, seq, &prev, &now, prev_at.elapsed());
+        prev = now;
+        prev_at = Instant::now();
+        let body = Bytes::from(report.encode());
+        metrics::gauge!("kvgate_worker_report_bytes").set(body.len() as f64);
+        for (target, busy) in targets.iter().zip(&busy) {
+            if busy.swap(true, Ordering::AcqRel) {
+                metrics::counter!("kvgate_worker_reports_total", "result" => "skipped_in_flight")
+                    .increment(1);
+                continue;
+            }
+            let url = format!("{}/kvgate/v1/report", target.trim_end_matches('/'));
+            let mut req = hyper::Request::post(&url).header(hyper::header::CONTENT_TYPE, REPORT_CONTENT_TYPE);
+            if let Some(s) = &secret {
+                req = req.header(hyper::header::AUTHORIZATION, format!("Bearer {s}"));
+            }
+            let Ok(req) = req.body(Full::new(body.clone())) else {
+                busy.store(false, Ordering::Release);
+                continue;
+            };
+            let (client, busy) = (client.clone(), busy.clone());
+            tokio::spawn(async move {
+                let result = match tokio::time::timeout(timeout, client.request(req)).await {
+                    Ok(Ok(resp)) if resp.status().is_success() => "ok",
+                    Ok(Ok(resp)) => {
+                        tracing::debug!(%url, status = %resp.status(), "gateway refused the report");
+                        "refused"
+                    }
+                    Ok(Err(e)) => {
+                        tracing::debug!(%url, error = %e, "report not delivered");
+                        "error"
+                    }
+                    Err(_) => "timeout",
+                };
+                metrics::counter!("kvgate_worker_reports_total", "result" => result).increment(1);
+                busy.store(false, Ordering::Release);
+            });
+        }
+    }
+}

@@ -1,0 +1,379 @@
+//! The worker server as users run it: a real `kvgate-worker serve` process on an ephemeral port, driven over HTTP.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::*;
+use http_body_util::BodyExt;
+use kvgate_shared::hashing::{BlockHasher, ExtraKeys, HashScheme};
+use kvgate_shared::prompt::{PromptInput, Prompter, TokenizerFiles};
+use kvgate_shared::report::{Tier, WorkerReport};
+use serde_json::{json, Value};
+
+const MODEL: &str = "kvgate-tiny";
+
+fn ids(n: usize, seed: u32) -> Vec<u32> {
+    (0..n as u32).map(|i| (i * 31 + seed * 7) % 500).collect()
+}
+
+#[tokio::test]
+async fn endpoints_answer() {
+    let w = start_worker(&[]);
+    let health = get(&format!("{}/health", w.base)).await;
+    assert_eq!(health.status, 200);
+    assert!(health.headers.get("x-kvgate-worker").is_some());
+    assert_eq!(get(&format!("{}/ready", w.base)).await.status, 200);
+    let models = get(&format!("{}/v1/models", w.base)).await.json();
+    assert_eq!(models["data"][0]["id"], MODEL);
+    assert_eq!(models["object"], "list");
+    let tok = get(&format!("{}/kvgate/v1/tokenizer", w.base)).await.json();
+    let files: TokenizerFiles = serde_json::from_value(tok.clone()).expect("tokenizer files");
+    let prompter = Prompter::from_files(files).expect("prompter");
+    let scheme: HashScheme = serde_json::from_value(tok["scheme"].clone()).expect("scheme");
+    assert_eq!(
+        scheme.tokenizer_digest,
+        prompter.digest(),
+        "a gateway rebuilds the same digest from what is served"
+    );
+    assert_eq!(tok["fingerprint"].as_u64(), Some(scheme.fingerprint()));
+    // A request so the metrics have samples.
+    let r = post(
+        &format!("{}/v1/completions", w.base),
+        &json!({"model": MODEL, "prompt": "ka ri", "max_tokens": 3}),
+    )
+    .await;
+    assert_eq!(r.status, 200);
+    let m = get(&format!("{}/metrics", w.base)).await.body;
+    for name in [
+        "kvgate_worker_requests_total",
+        "kvgate_worker_ttft_seconds_bucket",
+        "kvgate_worker_kv_blocks",
+        "kvgate_worker_prompt_tokens_total",
+        "kvgate_worker_cached_prompt_tokens_total",
+        "kvgate_worker_queue_requests",
+        "kvgate_worker_kv_evictions",
+        "kvgate_worker_preemptions",
+    ] {
+        assert!(m.contains(name), "metrics lack {name}");
+    }
+    let missing = get(&format!("{}/nope", w.base)).await;
+    assert_eq!(missing.status, 404);
+    assert_eq!(missing.json()["error"]["code"], "route_not_found");
+}
+
+#[tokio::test]
+async fn completions_chat_streaming_and_usage() {
+    let w = start_worker(&[]);
+    let url = format!("{}/v1/completions", w.base);
+    // Token-id prompt, greedy: deterministic text.
+    let body =
+        json!({"model": MODEL, "prompt": ids(40, 1), "max_tokens": 8, "temperature": 0, "ignore_eos": true});
+    let full = post(&url, &body).await;
+    assert_eq!(full.status, 200, "{}", full.body);
+    let fj = full.json();
+    assert_eq!(fj["object"], "text_completion");
+    assert_eq!(fj["usage"]["prompt_tokens"], 40);
+    assert_eq!(fj["usage"]["completion_tokens"], 8);
+    assert_eq!(fj["usage"]["total_tokens"], 48);
+    assert_eq!(fj["choices"][0]["finish_reason"], "length");
+    let text = fj["choices"][0]["text"].as_str().expect("text").to_owned();
+    // Same request streamed: the chunks add up to the same text.
+    let mut sbody = body.clone();
+    sbody["stream"] = json!(true);
+    sbody["stream_options"] = json!({"include_usage": true});
+    let s = post(&url, &sbody).await;
+    assert_eq!(s.headers.get("content-type").and_then(|v| v.to_str().ok()), Some("text/event-stream"));
+    let events = sse_events(&s.body);
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+    let chunks: Vec<Value> =
+        events[..events.len() - 1].iter().map(|e| serde_json::from_str(e).expect("json")).collect();
+    let streamed: String = chunks.iter().filter_map(|c| c["choices"][0]["text"].as_str()).collect();
+    assert_eq!(streamed, text);
+    let usage = chunks.last().expect("usage chunk");
+    assert_eq!(usage["choices"], json!([]));
+    assert_eq!(usage["usage"]["completion_tokens"], 8);
+    assert!(chunks.iter().any(|c| c["choices"][0]["finish_reason"] == "length"));
+
+    // Chat, non-streamed and streamed.
+    let chat = json!({"model": MODEL, "messages": [{"role": "user", "content": "ka ri to ne"}], "max_tokens": 6,
+        "temperature": 0});
+    let curl = format!("{}/v1/chat/completions", w.base);
+    let c = post(&curl, &chat).await;
+    assert_eq!(c.status, 200, "{}", c.body);
+    let cj = c.json();
+    assert_eq!(cj["object"], "chat.completion");
+    assert_eq!(cj["choices"][0]["message"]["role"], "assistant");
+    let content = cj["choices"][0]["message"]["content"].as_str().expect("content").to_owned();
+    let mut schat = chat.clone();
+    schat["stream"] = json!(true);
+    let cs = post(&curl, &schat).await;
+    let events = sse_events(&cs.body);
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+    let chunks: Vec<Value> =
+        events[..events.len() - 1].iter().map(|e| serde_json::from_str(e).expect("json")).collect();
+    assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+    assert_eq!(chunks[0]["object"], "chat.completion.chunk");
+    assert!(chunks.iter().all(|c| c.get("usage").is_none()), "no usage field unless asked for");
+    let streamed: String =
+        chunks.iter().filter_map(|c| c["choices"][0]["delta"]["content"].as_str()).collect();
+    assert_eq!(streamed, content);
+    assert!(chunks.last().expect("last")["choices"][0]["finish_reason"].is_string());
+}
+
+#[tokio::test]
+async fn shared_prefix_is_cached_exactly_by_full_blocks_and_salts_isolate() {
+    let w = start_worker(&[]);
+    let url = format!("{}/v1/completions", w.base);
+    let shared = ids(70, 3);
+    let a: Vec<u32> = shared.iter().copied().chain([1, 2, 3]).collect();
+    let b: Vec<u32> = shared.iter().copied().chain([9, 8]).collect();
+    let run = |prompt: Vec<u32>, salt: Option<&str>| {
+        let mut body = json!({"model": MODEL, "prompt": prompt, "max_tokens": 1});
+        if let Some(s) = salt {
+            body["cache_salt"] = json!(s);
+        }
+        let url = url.clone();
+        async move {
+            let r = post(&url, &body).await;
+            assert_eq!(r.status, 200, "{}", r.body);
+            r.json()["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().expect("cached_tokens")
+        }
+    };
+    assert_eq!(run(a.clone(), None).await, 0);
+    assert_eq!(run(b.clone(), None).await, 64, "the four shared full 16-token blocks");
+    // Tenants: a new salt shares nothing, the same salt shares its own blocks.
+    assert_eq!(run(a.clone(), Some("tenant-1")).await, 0);
+    assert_eq!(run(b.clone(), Some("tenant-2")).await, 0);
+    assert_eq!(run(b.clone(), Some("tenant-1")).await, 64);
+    // Chat with a shared system prompt: cached tokens are whole blocks.
+    let curl = format!("{}/v1/chat/completions", w.base);
+    let system = kvgate_shared::prompt::synth_text(4, 120);
+    let mut cached = 0;
+    for q in ["ka", "ri"] {
+        let r = post(
+            &curl,
+            &json!({"model": MODEL, "max_tokens": 1, "messages": [
+            {"role": "system", "content": system}, {"role": "user", "content": q}]}),
+        )
+        .await
+        .json();
+        cached = r["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().expect("cached");
+    }
+    assert!(cached > 0 && cached % 16 == 0, "second chat reuses whole blocks, got {cached}");
+}
+
+#[tokio::test]
+async fn bad_input_gets_openai_errors() {
+    let w = start_worker(&["--max-body-bytes", "4096"]);
+    let chat = format!("{}/v1/chat/completions", w.base);
+    let comp = format!("{}/v1/completions", w.base);
+    let check = |r: Resp, status: u16, code: &str, param: Option<&str>| {
+        assert_eq!(r.status, status, "{}", r.body);
+        let j = r.json();
+        assert_eq!(j["error"]["code"], code, "{}", r.body);
+        assert!(j["error"]["message"].as_str().is_some_and(|m| !m.is_empty()));
+        assert!(j["error"]["type"].is_string());
+        if let Some(p) = param {
+            assert_eq!(j["error"]["param"], p, "{}", r.body);
+        }
+    };
+    check(request("POST", &chat, Some("{not json")).await, 400, "invalid_json", None);
+    check(post(&chat, &json!({"model": MODEL})).await, 400, "invalid_value", Some("messages"));
+    check(
+        post(&chat, &json!({"model": MODEL, "messages": "hi"})).await,
+        400,
+        "invalid_value",
+        Some("messages"),
+    );
+    check(
+        post(
+            &chat,
+            &json!({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "temperature": -1}),
+        )
+        .await,
+        400,
+        "invalid_value",
+        Some("temperature"),
+    );
+    check(
+        post(&chat, &json!({"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]})).await,
+        400,
+        "invalid_value",
+        Some("messages"),
+    );
+    check(
+        post(&chat, &json!({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "n": 2})).await,
+        400,
+        "invalid_value",
+        Some("n"),
+    );
+    check(
+        post(&comp, &json!({"model": MODEL, "prompt": [1, 2], "max_tokens": 5000})).await,
+        400,
+        "context_length_exceeded",
+        None,
+    );
+    check(
+        post(&comp, &json!({"model": MODEL, "prompt": [100000]})).await,
+        400,
+        "invalid_value",
+        Some("prompt"),
+    );
+    check(post(&comp, &json!({"model": MODEL, "prompt": []})).await, 400, "invalid_value", Some("prompt"));
+    check(
+        post(&comp, &json!({"model": "gpt-4", "prompt": "x"})).await,
+        404,
+        "model_not_found",
+        Some("model"),
+    );
+    let big = json!({"model": MODEL, "prompt": "x".repeat(5000)});
+    check(post(&comp, &big).await, 413, "request_too_large", None);
+    // Still healthy, nothing leaked.
+    let r = post(&comp, &json!({"model": MODEL, "prompt": "ka", "max_tokens": 2})).await;
+    assert_eq!(r.status, 200);
+    let m = get(&format!("{}/metrics", w.base)).await.body;
+    assert_eq!(metric(&m, "kvgate_worker_kv_blocks{state=\"used\"}"), Some(0.0));
+}
+
+#[tokio::test]
+async fn full_queue_is_503_with_retry_after() {
+    let w = start_worker(&["--max-num-seqs", "1", "--max-waiting-requests", "1"]);
+    let url = format!("{}/v1/completions", w.base);
+    let long = json!({"model": MODEL, "prompt": ids(30, 1), "max_tokens": 400, "ignore_eos": true});
+    let mut tasks = Vec::new();
+    for _ in 0..4 {
+        let (u, b) = (url.clone(), long.clone());
+        tasks.push(tokio::spawn(async move { post(&u, &b).await }));
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let mut statuses = Vec::new();
+    let mut retry_after = false;
+    for t in tasks {
+        let r = t.await.expect("join");
+        if r.status == 503 {
+            retry_after |= r.headers.get("retry-after").is_some();
+            assert_eq!(r.json()["error"]["code"], "queue_full");
+        }
+        statuses.push(r.status);
+    }
+    assert!(statuses.contains(&503), "{statuses:?}");
+    assert!(statuses.contains(&200), "{statuses:?}");
+    assert!(retry_after);
+}
+
+#[tokio::test]
+async fn client_disconnect_mid_stream_frees_blocks() {
+    let w = start_worker(&[]);
+    let body =
+        json!({"model": MODEL, "prompt": ids(60, 2), "max_tokens": 3000, "ignore_eos": true, "stream": true});
+    let req = hyper::Request::post(format!("{}/v1/completions", w.base))
+        .header("content-type", "application/json")
+        .body(http_body_util::Full::new(bytes::Bytes::from(body.to_string())))
+        .expect("req");
+    let resp = client().request(req).await.expect("resp");
+    let mut body = resp.into_body();
+    let first = body.frame().await.expect("a chunk").expect("ok");
+    assert!(first.is_data());
+    let metrics_url = format!("{}/metrics", w.base);
+    let used =
+        metric(&get(&metrics_url).await.body, "kvgate_worker_kv_blocks{state=\"used\"}").unwrap_or(0.0);
+    assert!(used > 0.0, "the running stream holds blocks");
+    drop(body);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let m = get(&metrics_url).await.body;
+        if metric(&m, "kvgate_worker_kv_blocks{state=\"used\"}") == Some(0.0) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "blocks still used after the client left");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test]
+async fn reports_reach_a_listener_and_carry_the_requests_blocks() {
+    // A test gateway: collects report bodies and their Authorization headers.
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<(Option<String>, Vec<u8>)>();
+    let app = axum::Router::new().route(
+        "/kvgate/v1/report",
+        axum::routing::post(move |headers: axum::http::HeaderMap, body: axum::body::Bytes| {
+            let tx = tx.clone();
+            async move {
+                let auth = headers.get("authorization").and_then(|v| v.to_str().ok()).map(str::to_owned);
+                let _ = tx.send((auth, body.to_vec()));
+                "ok"
+            }
+        }),
+    );
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    let gateway = format!("http://{addr}");
+    let w = start_worker(&[
+        "--report-to",
+        &gateway,
+        "--report-interval",
+        "200ms",
+        "--report-secret",
+        "s3cret",
+        "--summary-granularity",
+        "1",
+    ]);
+    let prompt = ids(100, 5);
+    let r = post(
+        &format!("{}/v1/completions", w.base),
+        &json!({"model": MODEL, "prompt": prompt, "max_tokens": 1}),
+    )
+    .await;
+    assert_eq!(r.status, 200);
+    // The request's block hashes, computed like a gateway would.
+    let tok = get(&format!("{}/kvgate/v1/tokenizer", w.base)).await.json();
+    let scheme: HashScheme = serde_json::from_value(tok["scheme"].clone()).expect("scheme");
+    let prompter = Prompter::from_files(serde_json::from_value(tok).expect("files")).expect("prompter");
+    let tokens = prompter.tokenize(&PromptInput::TokenIds(&prompt)).expect("ids");
+    let hashes = BlockHasher::new(&scheme, &ExtraKeys::none()).hash_blocks(&tokens);
+    assert_eq!(hashes.len(), 6);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut last_seq = 0;
+    loop {
+        let (auth, bytes) =
+            tokio::time::timeout(Duration::from_secs(5), rx.recv()).await.expect("a report").expect("open");
+        assert_eq!(auth.as_deref(), Some("Bearer s3cret"));
+        let report = WorkerReport::decode(&bytes).expect("decodes");
+        assert!(report.seq > last_seq, "sequence numbers increase");
+        last_seq = report.seq;
+        assert_eq!(report.fingerprint, scheme.fingerprint());
+        assert_eq!(report.advertise_url, w.base);
+        let summary = report.tier(Tier::Device).and_then(|t| t.summary.clone()).expect("summary");
+        if summary.matched_blocks(&hashes) == 6 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "no report carried the request's blocks");
+    }
+}
+
+#[tokio::test]
+async fn sigterm_drains_then_exits() {
+    let mut w = start_worker(&["--shutdown-grace", "1s"]);
+    let body =
+        json!({"model": MODEL, "prompt": ids(20, 9), "max_tokens": 3000, "ignore_eos": true, "stream": true});
+    let url = format!("{}/v1/completions", w.base);
+    let stream = tokio::spawn(async move { post(&url, &body).await });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let pid = w.child.id().to_string();
+    assert!(std::process::Command::new("kill").args(["-TERM", &pid]).status().expect("kill").success());
+    let r = stream.await.expect("join");
+    let events = sse_events(&r.body);
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"), "the stream ends cleanly");
+    assert!(r.body.contains("\"finish_reason\":\"abort\""), "aborted at the end of the grace period");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        if let Some(status) = w.child.try_wait().expect("wait") {
+            assert!(status.success(), "{status}");
+            break;
+        }
+        assert!(Instant::now() < deadline, "worker did not exit after SIGTERM");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
