@@ -5,8 +5,9 @@ cd "$(dirname "$0")/.."
 ./scripts/setup.sh
 export KVGATE_PYTHON="$PWD/.venv/bin/python"
 if cargo nextest --version >/dev/null 2>&1; then
+  # Doc tests first (nextest does not run them), so the run ends with nextest's summary.
+  cargo test --workspace --doc --quiet
   cargo nextest run --workspace --no-fail-fast "$@"
-  cargo test --workspace --doc
 else
   cargo test --workspace --no-fail-fast "$@"
 fi
