@@ -20,7 +20,8 @@ fn main() {
     let mut seqs = Vec::new();
     let per_seq = 2016;
     for s in 0..num_blocks / per_seq {
-        let tokens: Vec<u32> = (0..(per_seq * block) as u32).map(|t| t.wrapping_mul(2_654_435_761) ^ s as u32).collect();
+        let tokens: Vec<u32> =
+            (0..(per_seq * block) as u32).map(|t| t.wrapping_mul(2_654_435_761) ^ s as u32).collect();
         let hasher = BlockHasher::new(&scheme, &ExtraKeys::none());
         let hashes = hasher.hash_blocks(&tokens);
         let ids = pool.allocate(per_seq).expect("room");
@@ -32,7 +33,9 @@ fn main() {
     let cached = pool.num_cached();
     let shared = SharedPool::new(pool);
     println!("worker KV: {kv_tokens} tokens, {cached} cached blocks of {block} tokens; Bloom at 1% false positives\n");
-    println!("| granularity k | entries | report bytes | bytes/s at 1 report/s | build ms | matched-length loss |");
+    println!(
+        "| granularity k | entries | report bytes | bytes/s at 1 report/s | build ms | matched-length loss |"
+    );
     println!("|---|---|---|---|---|---|");
     for k in [1u32, 2, 4, 8, 16, 32] {
         let t = Instant::now();
