@@ -26,6 +26,10 @@ fn hashing(c: &mut Criterion) {
     c.bench_function("bloom_check_2048_blocks", |b| {
         b.iter(|| black_box(&hashes).iter().take_while(|h| bloom.contains(**h)).count())
     });
+    let summary = kvgate_shared::report::CacheSummary { granularity: 1, entries: 2048, bloom };
+    c.bench_function("matched_blocks_fast_2048_blocks", |b| {
+        b.iter(|| summary.matched_blocks_fast(black_box(&hashes)))
+    });
 }
 
 criterion_group!(benches, hashing);

@@ -112,6 +112,35 @@ impl CacheSummary {
         (index + 1) % g == 0
     }
 
+    /// [`Self::matched_blocks`] in O(log n) lookups: cached prefixes are prefixes, so presence is monotone
+    /// except for false positives. A binary search finds the boundary; the granule found and the two before it
+    /// are re-checked (a false positive at a probe would have to repeat three times to survive: ~1e-6 at 1%),
+    /// and on any doubt the linear walk decides.
+    pub fn matched_blocks_fast(&self, hashes: &[BlockHash]) -> usize {
+        let g = self.granularity.max(1) as usize;
+        let granules = hashes.len() / g;
+        let present = |j: usize| self.bloom.contains(hashes[(j + 1) * g - 1]);
+        if granules == 0 || !present(0) {
+            return 0;
+        }
+        // Invariant: granule lo present (granules 0..=lo assumed), hi absent or past the end.
+        let (mut lo, mut hi) = (0usize, granules);
+        while hi - lo > 1 {
+            let mid = lo + (hi - lo) / 2;
+            if present(mid) {
+                lo = mid;
+            } else {
+                hi = mid;
+            }
+        }
+        let confirmed = (lo.saturating_sub(2)..lo).all(present);
+        if confirmed {
+            (lo + 1) * g
+        } else {
+            self.matched_blocks(hashes)
+        }
+    }
+
     /// How many leading blocks of `hashes` the filter claims: the longest prefix whose covered blocks are all in
     /// the filter, counted in whole granules.
     pub fn matched_blocks(&self, hashes: &[BlockHash]) -> usize {

@@ -171,6 +171,21 @@ proptest! {
     #![proptest_config(ProptestConfig { cases: 2000, ..ProptestConfig::default() })]
 
     #[test]
+    fn fast_match_equals_linear_match(cached in 0usize..300, total in 0usize..300, g in 1u32..6) {
+        let hasher = BlockHasher::new(&HashScheme::new(16, 1), &ExtraKeys::none());
+        let tokens: Vec<u32> = (0..16 * total as u32).collect();
+        let hashes = hasher.hash_blocks(&tokens);
+        let mut bloom = BlockBloom::with_capacity(300, 1e-9);
+        for (i, h) in hashes.iter().enumerate().take(cached) {
+            if (i + 1) % g as usize == 0 {
+                bloom.insert(*h);
+            }
+        }
+        let s = CacheSummary { granularity: g, entries: 0, bloom };
+        prop_assert_eq!(s.matched_blocks_fast(&hashes), s.matched_blocks(&hashes));
+    }
+
+    #[test]
     fn random_bytes_never_panic(bytes in prop::collection::vec(any::<u8>(), 0..512)) {
         let _ = WorkerReport::decode(&bytes);
     }

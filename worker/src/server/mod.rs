@@ -217,6 +217,7 @@ async fn tokenizer(State(state): State<Arc<AppState>>) -> Response {
     let files = l.prompter.files();
     Json(serde_json::json!({
         "model": l.model_id,
+        "worker_id": l.worker_id,
         "tokenizer_json": files.tokenizer_json,
         "chat_template": files.chat_template,
         "bos_token": files.bos_token,

@@ -1,0 +1,193 @@
+//! `cache_aware` (the default policy): send a request where its prefix is cached, keep sessions on their ring
+//! primary, and stay away from overloaded workers.
+//!
+//! # Formula
+//! For each healthy worker `w` serving the model:
+//! ```text
+//! matched_fraction(w) = matched_blocks(w) / request_blocks          (0 when the prompt has no full block)
+//!     matched_blocks: longest run of the request's block hashes, from the first, in w's latest Bloom summary
+//!                     (at its granularity) or in this gateway's overlay of what it routed to w since that report
+//! ring(w)             = 1 if w is the session's primary, 0.5 if its backup, else 0
+//! cost(w)             = pending_tokens(w) + per_request_tokens * requests(w)
+//!     pending_tokens: reported waiting prefill tokens + uncached prompt tokens sent since the report
+//!     requests:       reported waiting + running + sent since the report
+//! normalized_load(w)  = cost(w) / max(cost over healthy workers)  (0 when all are idle)
+//! score(w)            = w_prefix * matched_fraction(w) + w_ring * ring(w) - w_load * normalized_load(w)
+//! ```
+//! The best score wins; exact ties are broken by the request's nonce (random).
+//!
+//! **Hot-spot guard**: if the winner's cost exceeds the least-loaded worker's by more than
+//! `hotspot_abs_tokens` **and** by a factor of more than `hotspot_ratio`, the least-loaded worker is chosen instead
+//! (reason `load`): no prefix is worth queueing behind a hot spot.
+//!
+//! Knobs ([`Weights`], live-changeable): `w_prefix` 1.0, `w_ring` 0.3, `w_load` 0.5, `per_request_tokens` 256,
+//! `hotspot_abs_tokens` 16384, `hotspot_ratio` 4.0. Every term is logged at debug.
+
+use serde::{Deserialize, Serialize};
+
+use super::{Decision, RequestView, Ring, RouteReason, RoutingPolicy, ScoreTerms, WorkerView};
+
+/// Scoring weights and thresholds.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Weights {
+    pub w_prefix: f64,
+    pub w_ring: f64,
+    pub w_load: f64,
+    /// Tokens one queued or running request counts for in `cost`.
+    pub per_request_tokens: u64,
+    pub hotspot_abs_tokens: u64,
+    pub hotspot_ratio: f64,
+}
+
+impl Default for Weights {
+    fn default() -> Self {
+        Self {
+            w_prefix: 1.0,
+            w_ring: 0.3,
+            w_load: 0.5,
+            per_request_tokens: 256,
+            hotspot_abs_tokens: 16_384,
+            hotspot_ratio: 4.0,
+        }
+    }
+}
+
+impl Weights {
+    /// Every problem with the values.
+    pub fn validate(&self) -> Vec<String> {
+        let mut p = Vec::new();
+        for (name, v) in [("w_prefix", self.w_prefix), ("w_ring", self.w_ring), ("w_load", self.w_load)] {
+            if !v.is_finite() || v < 0.0 {
+                p.push(format!("{name} must be a finite number >= 0, got {v}"));
+            }
+        }
+        if !self.hotspot_ratio.is_finite() || self.hotspot_ratio < 1.0 {
+            p.push(format!("hotspot_ratio must be >= 1, got {}", self.hotspot_ratio));
+        }
+        p
+    }
+}
+
+/// The default policy.
+pub struct CacheAware {
+    weights: std::sync::RwLock<Weights>,
+}
+
+impl CacheAware {
+    pub fn new(weights: Weights) -> Self {
+        Self { weights: std::sync::RwLock::new(weights) }
+    }
+
+    /// Replaces the weights (admin API).
+    pub fn set_weights(&self, w: Weights) {
+        *self.weights.write().unwrap_or_else(|e| e.into_inner()) = w;
+    }
+
+    pub fn weights(&self) -> Weights {
+        *self.weights.read().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+impl RoutingPolicy for CacheAware {
+    fn name(&self) -> &'static str {
+        "cache_aware"
+    }
+
+    fn choose(
+        &self,
+        req: &RequestView<'_>,
+        workers: &[WorkerView<'_>],
+        ring: &Ring,
+        block_size: usize,
+    ) -> Option<Decision> {
+        let w = self.weights();
+        let healthy: Vec<usize> = (0..workers.len()).filter(|i| workers[*i].healthy).collect();
+        if healthy.is_empty() {
+            return None;
+        }
+        let (primary, backup) =
+            ring.primary_backup(req.session_key, |id| workers.iter().any(|x| x.healthy && x.id == id));
+        let max_cost = healthy.iter().map(|i| workers[*i].load.cost(w.per_request_tokens)).max().unwrap_or(0);
+        let n_blocks = req.hashes.len();
+        let mut terms = Vec::with_capacity(workers.len());
+        let mut scored: Vec<(f64, u64, usize)> = Vec::with_capacity(healthy.len());
+        for (i, wk) in workers.iter().enumerate() {
+            let matched = if wk.healthy { wk.matched_blocks(req.hashes) } else { 0 };
+            let matched_fraction = if n_blocks == 0 { 0.0 } else { matched as f64 / n_blocks as f64 };
+            let ring_term = if primary.as_deref() == Some(wk.id) {
+                1.0
+            } else if backup.as_deref() == Some(wk.id) {
+                0.5
+            } else {
+                0.0
+            };
+            let cost = wk.load.cost(w.per_request_tokens);
+            let normalized_load = if max_cost == 0 { 0.0 } else { cost as f64 / max_cost as f64 };
+            let score = w.w_prefix * matched_fraction + w.w_ring * ring_term - w.w_load * normalized_load;
+            tracing::debug!(
+                worker = wk.id,
+                healthy = wk.healthy,
+                matched,
+                matched_fraction,
+                ring = ring_term,
+                cost,
+                normalized_load,
+                score,
+                "cache_aware score"
+            );
+            if wk.healthy {
+                // Tie-break key: a per-request permutation of workers.
+                let tie = (i as u64 ^ req.nonce).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+                scored.push((score, tie, i));
+            }
+            terms.push(ScoreTerms {
+                worker: wk.id.to_owned(),
+                healthy: wk.healthy,
+                matched_blocks: matched,
+                matched_fraction,
+                ring: ring_term,
+                load: wk.load,
+                normalized_load,
+                score,
+            });
+        }
+        scored.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
+        let mut ranked: Vec<usize> = scored.iter().map(|s| s.2).collect();
+        let winner = ranked[0];
+        let mut reason = if terms[winner].matched_blocks > 0
+            && terms[winner].matched_fraction * w.w_prefix >= terms[winner].ring * w.w_ring
+        {
+            RouteReason::Prefix
+        } else if terms[winner].ring == 1.0 {
+            RouteReason::Primary
+        } else if terms[winner].ring == 0.5 {
+            RouteReason::Backup
+        } else {
+            RouteReason::Load
+        };
+        // Hot-spot guard.
+        let lightest = *healthy
+            .iter()
+            .min_by_key(|i| (workers[**i].load.cost(w.per_request_tokens), **i))
+            .unwrap_or(&winner);
+        let (cw, cl) = (
+            workers[winner].load.cost(w.per_request_tokens),
+            workers[lightest].load.cost(w.per_request_tokens),
+        );
+        if lightest != winner && cw > cl + w.hotspot_abs_tokens && cw as f64 > cl as f64 * w.hotspot_ratio {
+            tracing::debug!(
+                winner = workers[winner].id,
+                lightest = workers[lightest].id,
+                cw,
+                cl,
+                "hot-spot guard"
+            );
+            ranked.retain(|i| *i != lightest);
+            ranked.insert(0, lightest);
+            reason = RouteReason::Load;
+        }
+        let predicted_cached_tokens = terms[ranked[0]].matched_blocks * block_size;
+        Some(Decision { ranked, reason, predicted_cached_tokens, terms })
+    }
+}

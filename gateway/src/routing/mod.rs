@@ -1,0 +1,164 @@
+//! Routing: which worker serves a request. Pure functions of (request block hashes, worker states, config): no
+//! sockets, no clocks, so the gateway and the simulator run the same code.
+//!
+//! One policy per file behind [`RoutingPolicy`]:
+//! - `cache_aware` (default): prefix match + ring affinity - load, with a hot-spot guard (formula in its file);
+//! - `round_robin`, `least_load`, `consistent_hash`: the baselines it is compared against.
+
+pub mod cache_aware;
+pub mod consistent_hash;
+pub mod least_load;
+pub mod ring;
+pub mod round_robin;
+
+use kvgate_shared::hashing::BlockHash;
+use kvgate_shared::report::CacheSummary;
+use serde::{Deserialize, Serialize};
+
+pub use cache_aware::{CacheAware, Weights};
+pub use ring::Ring;
+
+/// What the policies know about a request.
+#[derive(Clone, Debug)]
+pub struct RequestView<'a> {
+    /// Chained hashes of the prompt's full blocks.
+    pub hashes: &'a [BlockHash],
+    /// Prompt length in tokens.
+    pub prompt_tokens: usize,
+    /// Session key for the ring (`x-session-id`, `user`, or a hash of the first blocks).
+    pub session_key: u64,
+    /// Per-request entropy for tie-breaking.
+    pub nonce: u64,
+}
+
+/// Load as the gateway sees it: the worker's last report plus what this gateway sent since.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
+pub struct Load {
+    /// Waiting prefill tokens reported + uncached prompt tokens sent since the report.
+    pub pending_tokens: u64,
+    /// Waiting + running requests reported + requests in flight through this gateway since the report.
+    pub requests: u64,
+}
+
+impl Load {
+    /// One number for comparisons: tokens plus a request-count term (a request costs at least `per_request`).
+    pub fn cost(&self, per_request_tokens: u64) -> u64 {
+        self.pending_tokens + self.requests * per_request_tokens
+    }
+}
+
+/// One candidate worker.
+#[derive(Clone, Debug)]
+pub struct WorkerView<'a> {
+    pub id: &'a str,
+    /// Fresh enough to be in the ring and receive traffic.
+    pub healthy: bool,
+    /// The latest cache summary, if fresh and of the same hash scheme.
+    pub summary: Option<&'a CacheSummary>,
+    /// Leading blocks this gateway routed to the worker since its last report (the overlay).
+    pub overlay_matched_blocks: usize,
+    pub load: Load,
+}
+
+impl WorkerView<'_> {
+    /// Leading blocks of the request this worker is believed to hold (Bloom summary or overlay).
+    pub fn matched_blocks(&self, hashes: &[BlockHash]) -> usize {
+        let bloom = self.summary.map_or(0, |s| s.matched_blocks_fast(hashes));
+        bloom.max(self.overlay_matched_blocks).min(hashes.len())
+    }
+}
+
+/// Why a worker was chosen (the `x-kvgate-route` header and a metric label).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RouteReason {
+    /// The prefix match decided.
+    Prefix,
+    /// The session's ring primary.
+    Primary,
+    /// The session's ring backup (primary unhealthy or outscored).
+    Backup,
+    /// Load decided (least loaded, or the hot-spot guard fired).
+    Load,
+    /// Round robin.
+    RoundRobin,
+    /// A retry on the next best worker after a connection failure.
+    Fallback,
+}
+
+impl RouteReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RouteReason::Prefix => "prefix",
+            RouteReason::Primary => "primary",
+            RouteReason::Backup => "backup",
+            RouteReason::Load => "load",
+            RouteReason::RoundRobin => "round_robin",
+            RouteReason::Fallback => "fallback",
+        }
+    }
+}
+
+/// Every term of one worker's score (logged at debug, returned by route/explain).
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct ScoreTerms {
+    pub worker: String,
+    pub healthy: bool,
+    pub matched_blocks: usize,
+    pub matched_fraction: f64,
+    /// 1 primary, 0.5 backup, 0 otherwise.
+    pub ring: f64,
+    pub load: Load,
+    pub normalized_load: f64,
+    pub score: f64,
+}
+
+/// A policy's answer: candidates best first (the first is the pick; the rest are fallbacks).
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Decision {
+    /// Indices into the workers slice, best first; only healthy workers.
+    pub ranked: Vec<usize>,
+    pub reason: RouteReason,
+    /// Predicted cached prompt tokens on the pick.
+    pub predicted_cached_tokens: usize,
+    pub terms: Vec<ScoreTerms>,
+}
+
+/// A routing policy.
+pub trait RoutingPolicy: Send + Sync {
+    /// The name used in config and metrics.
+    fn name(&self) -> &'static str;
+
+    /// Ranks the healthy workers for a request; `None` when none is healthy.
+    fn choose(
+        &self,
+        req: &RequestView<'_>,
+        workers: &[WorkerView<'_>],
+        ring: &Ring,
+        block_size: usize,
+    ) -> Option<Decision>;
+}
+
+/// Policy names accepted by `--policy`.
+pub const POLICIES: [&str; 4] = ["cache_aware", "round_robin", "least_load", "consistent_hash"];
+
+/// Builds a policy by name.
+pub fn policy_by_name(name: &str, weights: Weights) -> Option<Box<dyn RoutingPolicy>> {
+    match name {
+        "cache_aware" => Some(Box::new(CacheAware::new(weights))),
+        "round_robin" => Some(Box::new(round_robin::RoundRobin::default())),
+        "least_load" => Some(Box::new(least_load::LeastLoad::new(weights.per_request_tokens))),
+        "consistent_hash" => Some(Box::new(consistent_hash::ConsistentHash)),
+        _ => None,
+    }
+}
+
+/// Indices of healthy workers ordered by load, lightest first (ties by index).
+pub(crate) fn by_load(workers: &[WorkerView<'_>], per_request_tokens: u64) -> Vec<usize> {
+    let mut idx: Vec<usize> = (0..workers.len()).filter(|i| workers[*i].healthy).collect();
+    idx.sort_by_key(|i| (workers[*i].load.cost(per_request_tokens), *i));
+    idx
+}
+
+#[cfg(test)]
+mod tests;

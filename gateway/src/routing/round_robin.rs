@@ -1,0 +1,38 @@
+//! `round_robin`: each request to the next healthy worker in turn; ignores caches and load (a baseline).
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use super::{Decision, RequestView, Ring, RouteReason, RoutingPolicy, WorkerView};
+
+#[derive(Default)]
+pub struct RoundRobin {
+    next: AtomicUsize,
+}
+
+impl RoutingPolicy for RoundRobin {
+    fn name(&self) -> &'static str {
+        "round_robin"
+    }
+
+    fn choose(
+        &self,
+        req: &RequestView<'_>,
+        workers: &[WorkerView<'_>],
+        _ring: &Ring,
+        block_size: usize,
+    ) -> Option<Decision> {
+        let healthy: Vec<usize> = (0..workers.len()).filter(|i| workers[*i].healthy).collect();
+        if healthy.is_empty() {
+            return None;
+        }
+        let start = self.next.fetch_add(1, Ordering::Relaxed) % healthy.len();
+        let ranked: Vec<usize> = healthy[start..].iter().chain(&healthy[..start]).copied().collect();
+        let predicted = workers[ranked[0]].matched_blocks(req.hashes) * block_size;
+        Some(Decision {
+            ranked,
+            reason: RouteReason::RoundRobin,
+            predicted_cached_tokens: predicted,
+            terms: vec![],
+        })
+    }
+}

@@ -1,0 +1,193 @@
+//! Policies and the ring, on hand-built worker states.
+
+use std::collections::HashMap;
+
+use kvgate_shared::hashing::{BlockHasher, ExtraKeys, HashScheme};
+use kvgate_shared::report::{BlockBloom, CacheSummary};
+
+use super::*;
+
+const IDS: [&str; 5] = ["w0", "w1", "w2", "w3", "w4"];
+
+fn ring() -> Ring {
+    Ring::new(IDS, ring::DEFAULT_VNODES)
+}
+
+fn hashes(n_blocks: usize, seed: u32) -> Vec<BlockHash> {
+    let tokens: Vec<u32> = (0..16 * n_blocks as u32).map(|t| t * 7 + seed).collect();
+    BlockHasher::new(&HashScheme::new(16, 1), &ExtraKeys::none()).hash_blocks(&tokens)
+}
+
+fn summary_of(hashes: &[BlockHash]) -> CacheSummary {
+    let mut bloom = BlockBloom::with_capacity(hashes.len().max(1), 0.001);
+    hashes.iter().for_each(|h| bloom.insert(*h));
+    CacheSummary { granularity: 1, entries: hashes.len() as u64, bloom }
+}
+
+fn views<'a>(summaries: &'a [Option<CacheSummary>], loads: &[u64], healthy: &[bool]) -> Vec<WorkerView<'a>> {
+    IDS.iter()
+        .enumerate()
+        .map(|(i, id)| WorkerView {
+            id,
+            healthy: healthy[i],
+            summary: summaries[i].as_ref(),
+            overlay_matched_blocks: 0,
+            load: Load { pending_tokens: loads[i], requests: 0 },
+        })
+        .collect()
+}
+
+#[test]
+fn ring_moves_only_the_dead_workers_keys_to_their_backups() {
+    let r = ring();
+    let all = |_: &str| true;
+    let without_w2 = |id: &str| id != "w2";
+    let mut moved = 0;
+    let mut spread: HashMap<String, usize> = HashMap::new();
+    for key in 0..2000u64 {
+        let (p, b) = r.primary_backup(key.wrapping_mul(0x9E37_79B9_7F4A_7C15), all);
+        let (p, b) = (p.expect("primary"), b.expect("backup"));
+        assert_ne!(p, b);
+        *spread.entry(p.to_string()).or_default() += 1;
+        let (p2, _) = r.primary_backup(key.wrapping_mul(0x9E37_79B9_7F4A_7C15), without_w2);
+        let p2 = p2.expect("primary");
+        if &*p == "w2" {
+            assert_eq!(p2, b, "a dead worker's key goes to its backup");
+            moved += 1;
+        } else {
+            assert_eq!(p2, p, "other keys do not move");
+        }
+    }
+    assert!(moved > 200, "{moved}");
+    assert!(spread.values().all(|n| *n > 200), "keys spread over workers: {spread:?}");
+    // Same ids, another order: same ring.
+    let other = Ring::new(["w4", "w3", "w2", "w1", "w0"], ring::DEFAULT_VNODES);
+    assert_eq!(other.primary_backup(42, all), r.primary_backup(42, all));
+}
+
+#[test]
+fn cache_aware_follows_the_prefix() {
+    let req_hashes = hashes(40, 1);
+    let mut summaries: Vec<Option<CacheSummary>> = vec![None; 5];
+    summaries[3] = Some(summary_of(&req_hashes[..30]));
+    let ws = views(&summaries, &[0, 0, 0, 0, 0], &[true; 5]);
+    let p = CacheAware::new(Weights::default());
+    let d = p
+        .choose(
+            &RequestView { hashes: &req_hashes, prompt_tokens: 640, session_key: 7, nonce: 1 },
+            &ws,
+            &ring(),
+            16,
+        )
+        .expect("decision");
+    assert_eq!(ws[d.ranked[0]].id, "w3");
+    assert_eq!(d.reason, RouteReason::Prefix);
+    assert_eq!(d.predicted_cached_tokens, 30 * 16);
+    assert_eq!(d.terms[3].matched_blocks, 30);
+    assert_eq!(d.ranked.len(), 5);
+}
+
+#[test]
+fn cache_aware_uses_the_ring_without_a_prefix_and_skips_unhealthy_workers() {
+    let req_hashes = hashes(4, 2);
+    let summaries: Vec<Option<CacheSummary>> = vec![None; 5];
+    let p = CacheAware::new(Weights::default());
+    let r = ring();
+    for key in 0..50u64 {
+        let ws = views(&summaries, &[0; 5], &[true; 5]);
+        let (primary, backup) = r.primary_backup(key, |_| true);
+        let d = p
+            .choose(
+                &RequestView { hashes: &req_hashes, prompt_tokens: 64, session_key: key, nonce: key },
+                &ws,
+                &r,
+                16,
+            )
+            .expect("decision");
+        assert_eq!(Some(ws[d.ranked[0]].id), primary.as_deref());
+        assert_eq!(d.reason, RouteReason::Primary);
+        // Primary down: its backup, and the dead one is never ranked.
+        let pi = IDS.iter().position(|i| Some(*i) == primary.as_deref()).expect("pos");
+        let mut healthy = [true; 5];
+        healthy[pi] = false;
+        let ws = views(&summaries, &[0; 5], &healthy);
+        let d = p
+            .choose(
+                &RequestView { hashes: &req_hashes, prompt_tokens: 64, session_key: key, nonce: key },
+                &ws,
+                &r,
+                16,
+            )
+            .expect("decision");
+        assert_eq!(Some(ws[d.ranked[0]].id), backup.as_deref());
+        assert!(!d.ranked.contains(&pi));
+    }
+    let none = views(&summaries, &[0; 5], &[false; 5]);
+    assert!(p
+        .choose(
+            &RequestView { hashes: &req_hashes, prompt_tokens: 64, session_key: 1, nonce: 1 },
+            &none,
+            &r,
+            16
+        )
+        .is_none());
+}
+
+#[test]
+fn hot_spot_guard_overrides_the_prefix() {
+    let req_hashes = hashes(40, 3);
+    let mut summaries: Vec<Option<CacheSummary>> = vec![None; 5];
+    summaries[1] = Some(summary_of(&req_hashes));
+    let p = CacheAware::new(Weights::default());
+    // w1 has the prefix but 100K tokens queued; the others are nearly idle.
+    let ws = views(&summaries, &[100, 100_000, 200, 300, 100], &[true; 5]);
+    let d = p
+        .choose(
+            &RequestView { hashes: &req_hashes, prompt_tokens: 640, session_key: 9, nonce: 2 },
+            &ws,
+            &ring(),
+            16,
+        )
+        .expect("decision");
+    assert_eq!(d.reason, RouteReason::Load);
+    assert!(["w0", "w4"].contains(&ws[d.ranked[0]].id));
+    // A moderate queue does not trigger it.
+    let ws = views(&summaries, &[100, 5_000, 200, 300, 100], &[true; 5]);
+    let d = p
+        .choose(
+            &RequestView { hashes: &req_hashes, prompt_tokens: 640, session_key: 9, nonce: 2 },
+            &ws,
+            &ring(),
+            16,
+        )
+        .expect("decision");
+    assert_eq!(ws[d.ranked[0]].id, "w1");
+}
+
+#[test]
+fn baselines() {
+    let req_hashes = hashes(2, 4);
+    let summaries: Vec<Option<CacheSummary>> = vec![None; 5];
+    let ws = views(&summaries, &[50, 10, 30, 40, 20], &[true, true, true, false, true]);
+    let req = RequestView { hashes: &req_hashes, prompt_tokens: 32, session_key: 3, nonce: 0 };
+    let ll = least_load::LeastLoad::new(256);
+    assert_eq!(ws[ll.choose(&req, &ws, &ring(), 16).expect("d").ranked[0]].id, "w1");
+    let rr = round_robin::RoundRobin::default();
+    let picks: Vec<&str> =
+        (0..8).map(|_| ws[rr.choose(&req, &ws, &ring(), 16).expect("d").ranked[0]].id).collect();
+    assert_eq!(picks, ["w0", "w1", "w2", "w4", "w0", "w1", "w2", "w4"]);
+    let ch = consistent_hash::ConsistentHash;
+    let (p, _) = ring().primary_backup(3, |id| id != "w3");
+    assert_eq!(Some(ws[ch.choose(&req, &ws, &ring(), 16).expect("d").ranked[0]].id), p.as_deref());
+    for name in POLICIES {
+        assert_eq!(policy_by_name(name, Weights::default()).expect("policy").name(), name);
+    }
+    assert!(policy_by_name("random", Weights::default()).is_none());
+}
+
+#[test]
+fn weights_validation_lists_problems() {
+    let w = Weights { w_prefix: -1.0, hotspot_ratio: 0.5, ..Weights::default() };
+    assert_eq!(w.validate().len(), 2);
+    assert!(Weights::default().validate().is_empty());
+}
