@@ -1,5 +1,16 @@
 //! kvgate-gateway: the OpenAI-compatible front door that routes each request to the worker holding its KV cache.
 //!
-//! - [`routing`]: the policies (pure; shared with the simulator);
+//! - [`routing`]: the policies (pure; shared with the simulator) and the ring;
+//! - [`registry`]: worker states from the config and from reports (health, staleness, overlay, load);
+//! - [`state`]: shared state (registry, per-model tokenizers fetched from workers, policy, client, metrics);
+//! - [`proxy`]: the pingora `ProxyHttp` service (parse, tokenize, hash, route, forward, stream back);
+//! - [`control`]: the control listener (report ingest, metrics, worker states);
+//! - [`config`], [`errors`].
 
+pub mod config;
+pub mod control;
+pub mod errors;
+pub mod proxy;
+pub mod registry;
 pub mod routing;
+pub mod state;

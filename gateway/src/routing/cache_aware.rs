@@ -11,7 +11,8 @@
 //! cost(w)             = pending_tokens(w) + per_request_tokens * requests(w)
 //!     pending_tokens: reported waiting prefill tokens + uncached prompt tokens sent since the report
 //!     requests:       reported waiting + running + sent since the report
-//! normalized_load(w)  = cost(w) / max(cost over healthy workers)  (0 when all are idle)
+//! normalized_load(w)  = cost(w) / max(max cost over healthy workers, load_floor_tokens)
+//!     (the floor keeps a few hundred queued tokens from outweighing a session's ring affinity)
 //! score(w)            = w_prefix * matched_fraction(w) + w_ring * ring(w) - w_load * normalized_load(w)
 //! ```
 //! The best score wins; exact ties are broken by the request's nonce (random).
@@ -21,7 +22,7 @@
 //! (reason `load`): no prefix is worth queueing behind a hot spot.
 //!
 //! Knobs ([`Weights`], live-changeable): `w_prefix` 1.0, `w_ring` 0.3, `w_load` 0.5, `per_request_tokens` 256,
-//! `hotspot_abs_tokens` 16384, `hotspot_ratio` 4.0. Every term is logged at debug.
+//! `load_floor_tokens` 8192, `hotspot_abs_tokens` 16384, `hotspot_ratio` 4.0. Every term is logged at debug.
 
 use serde::{Deserialize, Serialize};
 
@@ -36,6 +37,8 @@ pub struct Weights {
     pub w_load: f64,
     /// Tokens one queued or running request counts for in `cost`.
     pub per_request_tokens: u64,
+    /// Smallest denominator of the load normalisation.
+    pub load_floor_tokens: u64,
     pub hotspot_abs_tokens: u64,
     pub hotspot_ratio: f64,
 }
@@ -47,6 +50,7 @@ impl Default for Weights {
             w_ring: 0.3,
             w_load: 0.5,
             per_request_tokens: 256,
+            load_floor_tokens: 8192,
             hotspot_abs_tokens: 16_384,
             hotspot_ratio: 4.0,
         }
@@ -108,7 +112,12 @@ impl RoutingPolicy for CacheAware {
         }
         let (primary, backup) =
             ring.primary_backup(req.session_key, |id| workers.iter().any(|x| x.healthy && x.id == id));
-        let max_cost = healthy.iter().map(|i| workers[*i].load.cost(w.per_request_tokens)).max().unwrap_or(0);
+        let max_cost = healthy
+            .iter()
+            .map(|i| workers[*i].load.cost(w.per_request_tokens))
+            .max()
+            .unwrap_or(0)
+            .max(w.load_floor_tokens);
         let n_blocks = req.hashes.len();
         let mut terms = Vec::with_capacity(workers.len());
         let mut scored: Vec<(f64, u64, usize)> = Vec::with_capacity(healthy.len());

@@ -1,0 +1,89 @@
+//! Gateway errors as OpenAI-style bodies (`{"error": {"message", "type", "param", "code"}}`); `code` is also the
+//! metric label.
+
+use kvgate_shared::openai::ErrorBody;
+use kvgate_shared::prompt::PromptError;
+use serde::de::DeserializeOwned;
+
+/// An error answer.
+#[derive(Debug, Clone)]
+pub struct ApiError {
+    pub status: u16,
+    pub kind: &'static str,
+    pub code: &'static str,
+    pub message: String,
+    pub param: Option<String>,
+    pub retry_after_s: Option<u32>,
+}
+
+impl ApiError {
+    fn new(status: u16, kind: &'static str, code: &'static str, message: String) -> Self {
+        Self { status, kind, code, message, param: None, retry_after_s: None }
+    }
+    pub fn invalid(param: &str, message: &str) -> Self {
+        let mut e = Self::new(400, "invalid_request_error", "invalid_value", message.to_owned());
+        e.param = Some(param.to_owned());
+        e
+    }
+    pub fn bad_json(message: String) -> Self {
+        Self::new(400, "invalid_request_error", "invalid_json", message)
+    }
+    pub fn too_large(limit: usize) -> Self {
+        Self::new(
+            413,
+            "invalid_request_error",
+            "request_too_large",
+            format!("request body is larger than the limit of {limit} bytes (--max-body-bytes)"),
+        )
+    }
+    pub fn model_not_found(model: &str) -> Self {
+        let mut e = Self::new(
+            404,
+            "not_found_error",
+            "model_not_found",
+            format!("no worker behind this gateway serves the model {model:?} (see GET /v1/models)"),
+        );
+        e.param = Some("model".into());
+        e
+    }
+    pub fn no_worker(model: &str) -> Self {
+        let mut e = Self::new(
+            503,
+            "server_error",
+            "no_healthy_worker",
+            format!("no healthy worker serves the model {model:?} right now; retry later"),
+        );
+        e.retry_after_s = Some(1);
+        e
+    }
+    pub fn not_found_route(path: &str) -> Self {
+        Self::new(404, "not_found_error", "route_not_found", format!("no route {path}"))
+    }
+    pub fn bad_gateway(worker: &str, message: &str) -> Self {
+        Self::new(502, "server_error", "upstream_error", format!("worker {worker}: {message}"))
+    }
+    pub fn internal(message: String) -> Self {
+        Self::new(500, "server_error", "internal_error", message)
+    }
+    /// A prompt that cannot be rendered or tokenized.
+    pub fn prompt(e: PromptError, param: &str) -> Self {
+        if e.is_client_error() {
+            Self::invalid(param, &e.to_string())
+        } else {
+            Self::internal(e.to_string())
+        }
+    }
+    pub fn body(&self) -> ErrorBody {
+        ErrorBody::new(self.kind, self.code, self.message.clone(), self.param.as_deref())
+    }
+}
+
+/// Deserializes a request, naming the offending field (`param`) on error.
+pub fn typed<T: DeserializeOwned>(value: serde_json::Value) -> Result<T, ApiError> {
+    serde_path_to_error::deserialize(value).map_err(|e| {
+        let path = e.path().to_string();
+        let msg = e.inner().to_string();
+        let param = if path == "." { msg.split('`').nth(1).unwrap_or("body").to_owned() } else { path };
+        ApiError::invalid(&param, &format!("invalid request: {param}: {msg}"))
+    })
+}

@@ -1,0 +1,131 @@
+//! The gateway's shared state: configuration, the worker registry, per-model tokenizers (fetched from workers'
+//! `/kvgate/v1/tokenizer`, so the gateway tokenizes and hashes exactly like them), the routing policy, the HTTP
+//! client to workers, and the metrics handle.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::AtomicU64;
+use std::sync::{Arc, Mutex, MutexGuard, RwLock};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+use kvgate_shared::hashing::HashScheme;
+use kvgate_shared::prompt::{Prompter, TokenizerFiles};
+use metrics_exporter_prometheus::PrometheusHandle;
+
+use crate::config::GatewayConfig;
+use crate::registry::{Registry, RegistryConfig};
+use crate::routing::{policy_by_name, RoutingPolicy};
+
+/// HTTP client to workers.
+pub type HttpClient = Client<HttpConnector, Full<Bytes>>;
+
+/// How this gateway tokenizes and hashes one model.
+pub struct ModelTokenizer {
+    pub prompter: Prompter,
+    pub scheme: HashScheme,
+}
+
+/// Everything the proxy and the control listener share.
+pub struct GatewayState {
+    pub cfg: GatewayConfig,
+    registry: Mutex<Registry>,
+    tokenizers: RwLock<HashMap<String, Arc<ModelTokenizer>>>,
+    fetching: Mutex<HashSet<String>>,
+    pub policy: Box<dyn RoutingPolicy>,
+    pub client: HttpClient,
+    pub prometheus: PrometheusHandle,
+    pub nonce: AtomicU64,
+}
+
+impl GatewayState {
+    pub fn new(cfg: GatewayConfig, prometheus: PrometheusHandle) -> Result<Self, String> {
+        let policy = policy_by_name(&cfg.policy, cfg.weights)
+            .ok_or_else(|| format!("unknown policy {}", cfg.policy))?;
+        let mut connector = HttpConnector::new();
+        connector.set_connect_timeout(Some(cfg.connect_timeout));
+        connector.set_nodelay(true);
+        let client =
+            Client::builder(TokioExecutor::new()).pool_idle_timeout(Duration::from_secs(30)).build(connector);
+        let mut registry = Registry::new(RegistryConfig {
+            stale_after: cfg.stale_after,
+            dead_after: cfg.dead_after,
+            overlay_ttl: cfg.overlay_ttl,
+            vnodes: cfg.vnodes,
+        });
+        for w in &cfg.workers {
+            registry.add_static(w);
+        }
+        Ok(Self {
+            cfg,
+            registry: Mutex::new(registry),
+            tokenizers: RwLock::new(HashMap::new()),
+            fetching: Mutex::new(HashSet::new()),
+            policy,
+            client,
+            prometheus,
+            nonce: AtomicU64::new(0x5EED),
+        })
+    }
+
+    /// The registry (locks are short and never held across an await).
+    pub fn registry(&self) -> MutexGuard<'_, Registry> {
+        self.registry.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub fn tokenizer(&self, model: &str) -> Option<Arc<ModelTokenizer>> {
+        self.tokenizers.read().unwrap_or_else(|e| e.into_inner()).get(model).cloned()
+    }
+
+    /// Fetches a worker's tokenizer, learns its id and model, and keeps the tokenizer for that model (the first
+    /// one fetched for a model defines the gateway's fingerprint for it).
+    pub async fn fetch_tokenizer(&self, url: &str) -> Result<String, String> {
+        let uri = format!("{}/kvgate/v1/tokenizer", url.trim_end_matches('/'));
+        let req = hyper::Request::get(&uri).body(Full::new(Bytes::new())).map_err(|e| e.to_string())?;
+        let resp = tokio::time::timeout(Duration::from_secs(10), self.client.request(req))
+            .await
+            .map_err(|_| format!("{uri}: timeout"))?
+            .map_err(|e| format!("{uri}: {e}"))?;
+        if !resp.status().is_success() {
+            return Err(format!("{uri}: status {}", resp.status()));
+        }
+        let body = resp.into_body().collect().await.map_err(|e| format!("{uri}: {e}"))?.to_bytes();
+        let json: serde_json::Value = serde_json::from_slice(&body).map_err(|e| format!("{uri}: {e}"))?;
+        let model = json["model"].as_str().ok_or_else(|| format!("{uri}: no model"))?.to_owned();
+        let worker_id = json["worker_id"].as_str().unwrap_or(url).to_owned();
+        let scheme: HashScheme =
+            serde_json::from_value(json["scheme"].clone()).map_err(|e| format!("{uri}: scheme: {e}"))?;
+        let files: TokenizerFiles = serde_json::from_value(json).map_err(|e| format!("{uri}: {e}"))?;
+        if self.tokenizer(&model).is_none() {
+            let prompter = Prompter::from_files(files).map_err(|e| format!("{uri}: {e}"))?;
+            if prompter.digest() != scheme.tokenizer_digest {
+                return Err(format!("{uri}: tokenizer digest does not match the advertised scheme"));
+            }
+            tracing::info!(%model, fingerprint = scheme.fingerprint(), "tokenizer loaded from {url}");
+            self.tokenizers
+                .write()
+                .unwrap_or_else(|e| e.into_inner())
+                .entry(model.clone())
+                .or_insert_with(|| Arc::new(ModelTokenizer { prompter, scheme }));
+        }
+        self.registry().identify(url, &worker_id, &model);
+        Ok(model)
+    }
+
+    /// Starts fetching a worker's tokenizer in the background unless one is under way.
+    pub fn fetch_tokenizer_in_background(self: &Arc<Self>, url: String) {
+        if !self.fetching.lock().unwrap_or_else(|e| e.into_inner()).insert(url.clone()) {
+            return;
+        }
+        let state = self.clone();
+        tokio::spawn(async move {
+            if let Err(e) = state.fetch_tokenizer(&url).await {
+                tracing::warn!(error = %e, "cannot fetch a worker's tokenizer");
+            }
+            state.fetching.lock().unwrap_or_else(|e| e.into_inner()).remove(&url);
+        });
+    }
+}
