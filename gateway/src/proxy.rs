@@ -170,7 +170,7 @@ async fn handle(state: &Arc<GatewayState>, session: &mut Session, ctx: &mut Ctx)
     let block_size = tok.scheme.block_size as usize;
     let now = Instant::now();
     // Decide and record under one short lock.
-    let (targets, reason, predicted) = {
+    let (targets, reason, predicted, first_ticket) = {
         let mut reg = state.registry();
         let (views, idx) = reg.views(&model, &hashes, now);
         let req = RequestView { hashes: &hashes, prompt_tokens: ids.len(), session_key, nonce };
@@ -184,18 +184,20 @@ async fn handle(state: &Arc<GatewayState>, session: &mut Session, ctx: &mut Ctx)
             .map(|r| (idx[*r], views[*r].id.to_owned(), reg.workers()[idx[*r]].url.clone()))
             .collect();
         let uncached = ids.len().saturating_sub(d.predicted_cached_tokens) as u64;
-        reg.record_sent(targets[0].0, &hashes, uncached, now);
-        (targets, d.reason, d.predicted_cached_tokens)
+        let ticket = reg.record_sent(targets[0].0, &hashes, uncached, now);
+        (targets, d.reason, d.predicted_cached_tokens, ticket)
     };
     metrics::histogram!("kvgate_gateway_decision_seconds").record(decided_at.elapsed().as_secs_f64());
     let mut reason = reason;
     for (attempt, (reg_idx, id, url)) in targets.iter().enumerate() {
-        if attempt > 0 {
+        let ticket = if attempt == 0 {
+            first_ticket
+        } else {
             reason = RouteReason::Fallback;
             let uncached = ids.len().saturating_sub(predicted) as u64;
-            state.registry().record_sent(*reg_idx, &hashes, uncached, Instant::now());
-        }
-        let guard = InflightGuard { state: state.clone(), idx: *reg_idx };
+            state.registry().record_sent(*reg_idx, &hashes, uncached, Instant::now())
+        };
+        let guard = InflightGuard { state: state.clone(), ticket };
         ctx.route = reason.as_str();
         match forward(state, session, ctx, url, &path, &body, id, reason, predicted).await {
             Ok(()) => {
@@ -217,12 +219,12 @@ async fn handle(state: &Arc<GatewayState>, session: &mut Session, ctx: &mut Ctx)
 /// Gives the worker's in-flight slot back on every path.
 struct InflightGuard {
     state: Arc<GatewayState>,
-    idx: usize,
+    ticket: crate::registry::SentTicket,
 }
 
 impl Drop for InflightGuard {
     fn drop(&mut self) {
-        self.state.registry().record_done(self.idx);
+        self.state.registry().record_done(self.ticket);
     }
 }
 

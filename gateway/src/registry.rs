@@ -64,9 +64,21 @@ pub struct Worker {
     pub refused_at: Option<Instant>,
     pub draining: bool,
     pub inflight: u64,
+    /// Bumped by every accepted report: requests sent before it are in the report's queue figures.
+    pub epoch: u64,
+    /// Requests sent since the latest report and not finished yet.
     pub sent_requests_since_report: u64,
+    /// Their uncached prompt tokens.
     pub sent_tokens_since_report: u64,
     pub overlay: Overlay,
+}
+
+/// What [`Registry::record_sent`] returns, for [`Registry::record_done`].
+#[derive(Clone, Copy, Debug)]
+pub struct SentTicket {
+    pub idx: usize,
+    pub epoch: u64,
+    pub uncached_tokens: u64,
 }
 
 /// A worker's state for `GET /admin/v1/workers` and logs.
@@ -126,6 +138,7 @@ impl Registry {
             refused_at: None,
             draining: false,
             inflight: 0,
+            epoch: 0,
             sent_requests_since_report: 0,
             sent_tokens_since_report: 0,
             overlay: Overlay::default(),
@@ -166,6 +179,7 @@ impl Registry {
                     refused_at: None,
                     draining: false,
                     inflight: 0,
+                    epoch: 0,
                     sent_requests_since_report: 0,
                     sent_tokens_since_report: 0,
                     overlay: Overlay::default(),
@@ -192,6 +206,7 @@ impl Registry {
         }
         w.report = Some(report);
         w.report_at = Some(now);
+        w.epoch += 1;
         w.sent_requests_since_report = 0;
         w.sent_tokens_since_report = 0;
         if id_changed || pos.is_none() {
@@ -256,19 +271,30 @@ impl Registry {
     }
 
     /// Records a request sent to worker `i`.
-    pub fn record_sent(&mut self, i: usize, hashes: &[BlockHash], uncached_tokens: u64, now: Instant) {
+    pub fn record_sent(
+        &mut self,
+        i: usize,
+        hashes: &[BlockHash],
+        uncached_tokens: u64,
+        now: Instant,
+    ) -> SentTicket {
         let ttl = self.cfg.overlay_ttl;
         let w = &mut self.workers[i];
         w.inflight += 1;
         w.sent_requests_since_report += 1;
         w.sent_tokens_since_report += uncached_tokens;
         w.overlay.insert(hashes, now + ttl, now);
+        SentTicket { idx: i, epoch: w.epoch, uncached_tokens }
     }
 
-    /// Records the end of a request on worker `i`.
-    pub fn record_done(&mut self, i: usize) {
-        if let Some(w) = self.workers.get_mut(i) {
+    /// Records the end of a request: it no longer counts as load (if no report has counted it since).
+    pub fn record_done(&mut self, t: SentTicket) {
+        if let Some(w) = self.workers.get_mut(t.idx) {
             w.inflight = w.inflight.saturating_sub(1);
+            if w.epoch == t.epoch {
+                w.sent_requests_since_report = w.sent_requests_since_report.saturating_sub(1);
+                w.sent_tokens_since_report = w.sent_tokens_since_report.saturating_sub(t.uncached_tokens);
+            }
         }
     }
 
@@ -398,10 +424,16 @@ mod tests {
         let h = hashes();
         r.ingest(report("a", 5, &[], 7), Some(7), t0);
         assert!(!r.ingest(report("a", 4, &[], 7), Some(7), t0), "older reports are ignored");
-        r.record_sent(0, &h, 300, t0);
+        let ticket = r.record_sent(0, &h, 300, t0);
         let (v, _) = r.views("m", &h, t0);
         assert_eq!(v[0].overlay_matched_blocks, 4, "what this gateway routed counts before the next report");
         assert_eq!(v[0].load, Load { pending_tokens: 400, requests: 4 });
+        r.record_done(ticket);
+        assert_eq!(
+            r.views("m", &h, t0).0[0].load,
+            Load { pending_tokens: 100, requests: 3 },
+            "finished: no load"
+        );
         assert_eq!(
             r.views("m", &h, t0 + Duration::from_secs(4)).0[0].overlay_matched_blocks,
             0,

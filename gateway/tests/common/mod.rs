@@ -1,0 +1,191 @@
+//! Test fleet: real `kvgate-worker` and `kvgate-gateway` processes on loopback ports, killed on drop.
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader};
+use std::net::TcpListener;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+use serde_json::Value;
+
+pub const MODEL: &str = "kvgate-tiny";
+
+/// A child process killed on drop.
+pub struct Proc {
+    pub child: Child,
+    pub base: String,
+    pub port: u16,
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Proc {
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A free loopback port (bound then released).
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).expect("port")
+}
+
+fn bin(name: &str) -> PathBuf {
+    // target/debug/deps/<test> -> target/debug/<name>
+    let exe = std::env::current_exe().expect("exe");
+    let dir = exe.parent().and_then(|p| p.parent()).expect("target dir");
+    let path = dir.join(name);
+    if !path.exists() {
+        let status = Command::new(env!("CARGO"))
+            .args(["build", "-p", name, "--bin", name])
+            .status()
+            .expect("cargo build");
+        assert!(status.success(), "building {name}");
+    }
+    path
+}
+
+fn wait_for_line(child: &mut Child, needle: &str) {
+    let stdout = child.stdout.take().expect("stdout");
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            let _ = tx.send(line);
+        }
+    });
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let line = rx.recv_timeout(left).unwrap_or_else(|_| panic!("no {needle:?} line in time"));
+        if line.contains(needle) {
+            // Keep draining so the child never blocks on a full pipe.
+            std::thread::spawn(move || while rx.recv().is_ok() {});
+            return;
+        }
+    }
+}
+
+/// Starts a tiny-model worker reporting to `control` (if any) every 200 ms.
+pub fn worker(id: &str, synth_dir: &std::path::Path, control: Option<&str>, extra: &[&str]) -> Proc {
+    let port = free_port();
+    let mut args: Vec<String> = vec![
+        "serve",
+        "--synth",
+        "tiny",
+        "--host",
+        "127.0.0.1",
+        "--kv-cache-tokens",
+        "8192",
+        "--report-interval",
+        "200ms",
+        "--summary-granularity",
+        "1",
+    ]
+    .into_iter()
+    .map(String::from)
+    .collect();
+    args.extend(["--synth-dir".into(), synth_dir.display().to_string(), "--port".into(), port.to_string()]);
+    args.extend(["--worker-id".into(), id.to_owned()]);
+    if let Some(c) = control {
+        args.extend(["--report-to".into(), c.to_owned(), "--report-secret".into(), "test-secret".into()]);
+    }
+    args.extend(extra.iter().map(|s| s.to_string()));
+    let mut child = Command::new(bin("kvgate-worker"))
+        .args(&args)
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("worker starts");
+    wait_for_line(&mut child, " ready ");
+    Proc { child, base: format!("http://127.0.0.1:{port}"), port }
+}
+
+/// A gateway; returns (process, control base URL).
+pub fn gateway(extra: &[&str]) -> (Proc, String) {
+    let (port, cport) = (free_port(), free_port());
+    let mut args: Vec<String> = vec![
+        "--listen".into(),
+        format!("127.0.0.1:{port}"),
+        "--control-listen".into(),
+        format!("127.0.0.1:{cport}"),
+        "--report-secret".into(),
+        "test-secret".into(),
+    ];
+    args.extend(extra.iter().map(|s| s.to_string()));
+    let mut child = Command::new(bin("kvgate-gateway"))
+        .args(&args)
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("gateway starts");
+    wait_for_line(&mut child, "listening on");
+    (Proc { child, base: format!("http://127.0.0.1:{port}"), port }, format!("http://127.0.0.1:{cport}"))
+}
+
+pub struct Resp {
+    pub status: u16,
+    pub headers: hyper::HeaderMap,
+    pub body: String,
+}
+
+impl Resp {
+    pub fn json(&self) -> Value {
+        serde_json::from_str(&self.body).unwrap_or_else(|e| panic!("not JSON ({e}): {}", self.body))
+    }
+    pub fn header(&self, name: &str) -> String {
+        self.headers.get(name).and_then(|v| v.to_str().ok()).unwrap_or("").to_owned()
+    }
+}
+
+pub async fn request(method: &str, url: &str, body: Option<String>, headers: &[(&str, &str)]) -> Resp {
+    let mut req =
+        hyper::Request::builder().method(method).uri(url).header("content-type", "application/json");
+    for (k, v) in headers {
+        req = req.header(*k, *v);
+    }
+    let req = req.body(Full::new(Bytes::from(body.unwrap_or_default()))).expect("request");
+    let client: Client<_, Full<Bytes>> = Client::builder(TokioExecutor::new()).build_http();
+    let resp = client.request(req).await.expect("response");
+    let status = resp.status().as_u16();
+    let headers = resp.headers().clone();
+    let bytes = resp.into_body().collect().await.expect("body").to_bytes();
+    Resp { status, headers, body: String::from_utf8_lossy(&bytes).into_owned() }
+}
+
+pub async fn get(url: &str) -> Resp {
+    request("GET", url, None, &[]).await
+}
+
+pub async fn post(url: &str, body: &Value, headers: &[(&str, &str)]) -> Resp {
+    request("POST", url, Some(body.to_string()), headers).await
+}
+
+/// Waits until the gateway lists `n` healthy workers with fresh summaries.
+pub async fn wait_healthy(control: &str, n: usize) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let r = get(&format!("{control}/kvgate/v1/workers")).await;
+        if r.status == 200 {
+            let ws = r.json();
+            let ok = ws.as_array().map_or(0, |a| {
+                a.iter().filter(|w| w["healthy"] == true && w["summary_fresh"] == true).count()
+            });
+            if ok >= n {
+                return;
+            }
+        }
+        assert!(Instant::now() < deadline, "gateway never saw {n} healthy workers: {}", r.body);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
