@@ -1,5 +1,6 @@
 //! kvgate-gateway: the OpenAI-compatible front door that routes each request to the worker holding its KV cache.
 //!
+//! - [`admission`]: per-class token budgets with bounded, tenant-fair wait queues;
 //! - [`routing`]: the policies (pure; shared with the simulator) and the ring;
 //! - [`registry`]: worker states from the config and from reports (health, staleness, overlay, load);
 //! - [`state`]: shared state (registry, per-model tokenizers fetched from workers, policy, client, metrics);
@@ -7,6 +8,7 @@
 //! - [`control`]: the control listener (report ingest, metrics, worker states);
 //! - [`config`], [`errors`].
 
+pub mod admission;
 pub mod config;
 pub mod control;
 pub mod errors;

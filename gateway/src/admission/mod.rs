@@ -1,0 +1,302 @@
+//! Admission control: per-class token budgets so one class (a burst of million-token requests) cannot consume
+//! another's share.
+//!
+//! A request's cost is its predicted uncached prompt tokens (a cache hit costs less) plus its `max_tokens` (or the
+//! class's expected output). It is reserved at admission and reconciled with the real usage when the request ends
+//! ([`Permit::reconcile`]). Over budget, a request waits in its class queue (FIFO, round-robin across tenants when a
+//! tenant is known) up to the class's `max_wait`, then gets a 429. The queue is bounded in requests and tokens.
+//! Each class consumes only its own bucket.
+
+pub mod bucket;
+pub mod classes;
+
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use tokio::sync::{oneshot, Notify};
+use tokio::time::Instant;
+
+pub use bucket::TokenBucket;
+pub use classes::{classify, default_classes, ClassConfig, ClassInput, MatchRule, CLASS_HEADER};
+
+/// Why a request was not admitted.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Rejection {
+    /// The class queue is full (requests or tokens).
+    QueueFull { class: String, retry_after_s: u32 },
+    /// Waited `max_wait` without budget.
+    Timeout { class: String, retry_after_s: u32 },
+}
+
+struct Waiter {
+    id: u64,
+    cost: f64,
+    tx: oneshot::Sender<()>,
+}
+
+struct ClassState {
+    cfg: ClassConfig,
+    bucket: TokenBucket,
+    /// Tenants in round-robin order, each with its FIFO of waiters.
+    queues: VecDeque<(String, VecDeque<Waiter>)>,
+    queued_requests: usize,
+    queued_tokens: f64,
+}
+
+impl ClassState {
+    fn head_cost(&self) -> Option<f64> {
+        self.queues.front().and_then(|(_, q)| q.front()).map(|w| w.cost)
+    }
+
+    fn pop_head(&mut self) -> Option<Waiter> {
+        let (tenant, mut q) = self.queues.pop_front()?;
+        let w = q.pop_front();
+        if !q.is_empty() {
+            self.queues.push_back((tenant, q));
+        }
+        if let Some(w) = &w {
+            self.queued_requests -= 1;
+            self.queued_tokens -= w.cost;
+        }
+        w
+    }
+
+    fn remove(&mut self, id: u64) {
+        for (_, q) in &mut self.queues {
+            if let Some(pos) = q.iter().position(|w| w.id == id) {
+                if let Some(w) = q.remove(pos) {
+                    self.queued_requests -= 1;
+                    self.queued_tokens -= w.cost;
+                }
+            }
+        }
+        self.queues.retain(|(_, q)| !q.is_empty());
+    }
+}
+
+struct Inner {
+    classes: Vec<ClassState>,
+    next_id: u64,
+}
+
+/// The admission controller (cheap to clone).
+#[derive(Clone)]
+pub struct Admission {
+    inner: Arc<Mutex<Inner>>,
+    wake: Arc<Notify>,
+}
+
+/// An admitted request's reservation.
+#[derive(Debug)]
+pub struct Permit {
+    admission: Admission,
+    class: usize,
+    charged: f64,
+    pub class_name: String,
+    pub waited: Duration,
+}
+
+impl Permit {
+    /// Settles the reservation with the real cost (refund if lower, further charge if higher).
+    pub fn reconcile(self, actual_cost: f64) {
+        let delta = self.charged - actual_cost;
+        let mut inner = self.admission.lock();
+        if let Some(c) = inner.classes.get_mut(self.class) {
+            c.bucket.adjust(delta, Instant::now().into_std());
+            metrics::counter!("kvgate_gateway_class_tokens_charged_total", "class" => self.class_name.clone())
+                .increment(actual_cost.max(0.0) as u64);
+        }
+        drop(inner);
+        self.admission.wake.notify_one();
+    }
+}
+
+impl std::fmt::Debug for Admission {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Admission").field("classes", &self.lock().classes.len()).finish()
+    }
+}
+
+impl Admission {
+    /// A controller over `classes`; spawns its pump on the current tokio runtime.
+    pub fn new(classes: Vec<ClassConfig>) -> Self {
+        let now = Instant::now().into_std();
+        let classes = classes
+            .into_iter()
+            .map(|cfg| ClassState {
+                bucket: TokenBucket::new(cfg.refill_tokens_per_s, cfg.burst_tokens, now),
+                cfg,
+                queues: VecDeque::new(),
+                queued_requests: 0,
+                queued_tokens: 0.0,
+            })
+            .collect();
+        let a = Self {
+            inner: Arc::new(Mutex::new(Inner { classes, next_id: 0 })),
+            wake: Arc::new(Notify::new()),
+        };
+        tokio::spawn(a.clone().pump());
+        a
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The class configs.
+    pub fn classes(&self) -> Vec<ClassConfig> {
+        self.lock().classes.iter().map(|c| c.cfg.clone()).collect()
+    }
+
+    /// Replaces the class set live; waiters of removed classes are released to their timeout.
+    pub fn set_classes(&self, classes: Vec<ClassConfig>) {
+        let now = Instant::now().into_std();
+        let mut inner = self.lock();
+        let mut old: Vec<ClassState> = std::mem::take(&mut inner.classes);
+        inner.classes = classes
+            .into_iter()
+            .map(|cfg| match old.iter().position(|o| o.cfg.name == cfg.name) {
+                Some(i) => {
+                    let mut s = old.swap_remove(i);
+                    s.bucket.reconfigure(cfg.refill_tokens_per_s, cfg.burst_tokens, now);
+                    s.cfg = cfg;
+                    s
+                }
+                None => ClassState {
+                    bucket: TokenBucket::new(cfg.refill_tokens_per_s, cfg.burst_tokens, now),
+                    cfg,
+                    queues: VecDeque::new(),
+                    queued_requests: 0,
+                    queued_tokens: 0.0,
+                },
+            })
+            .collect();
+        drop(inner);
+        self.wake.notify_one();
+    }
+
+    /// Picks the class of a request.
+    pub fn classify(&self, input: &ClassInput<'_>) -> (usize, String, u64) {
+        let inner = self.lock();
+        let cfgs: Vec<&ClassConfig> = inner.classes.iter().map(|c| &c.cfg).collect();
+        let owned: Vec<ClassConfig> = cfgs.iter().map(|c| (*c).clone()).collect();
+        let i = classify(&owned, input);
+        (i, owned[i].name.clone(), owned[i].expected_output_tokens)
+    }
+
+    /// Admits a request of `cost` tokens into class `class`, waiting if its budget is spent.
+    pub async fn admit(&self, class: usize, tenant: Option<&str>, cost: f64) -> Result<Permit, Rejection> {
+        let started = Instant::now();
+        let (rx, id, name, max_wait) = {
+            let mut inner = self.lock();
+            let id = inner.next_id;
+            inner.next_id += 1;
+            let Some(c) = inner.classes.get_mut(class) else {
+                return Err(Rejection::QueueFull { class: "unknown".into(), retry_after_s: 1 });
+            };
+            let name = c.cfg.name.clone();
+            let now = started.into_std();
+            // Nobody waiting and budget available: admit at once.
+            if c.queued_requests == 0 && c.bucket.try_take(cost, now) {
+                metrics::counter!("kvgate_gateway_class_admitted_total", "class" => name.clone())
+                    .increment(1);
+                metrics::histogram!("kvgate_gateway_class_wait_seconds", "class" => name.clone()).record(0.0);
+                return Ok(Permit {
+                    admission: self.clone(),
+                    class,
+                    charged: cost,
+                    class_name: name,
+                    waited: Duration::ZERO,
+                });
+            }
+            if c.queued_requests + 1 > c.cfg.max_queued_requests
+                || c.queued_tokens + cost > c.cfg.max_queued_tokens.max(cost.min(c.cfg.burst_tokens))
+            {
+                metrics::counter!("kvgate_gateway_class_rejected_total", "class" => name.clone(), "reason" => "queue_full")
+                    .increment(1);
+                let retry = retry_after(&mut c.bucket, cost, now);
+                return Err(Rejection::QueueFull { class: name, retry_after_s: retry });
+            }
+            let (tx, rx) = oneshot::channel();
+            let tenant = tenant.unwrap_or("").to_owned();
+            match c.queues.iter_mut().find(|(t, _)| *t == tenant) {
+                Some((_, q)) => q.push_back(Waiter { id, cost, tx }),
+                None => c.queues.push_back((tenant, VecDeque::from([Waiter { id, cost, tx }]))),
+            }
+            c.queued_requests += 1;
+            c.queued_tokens += cost;
+            metrics::counter!("kvgate_gateway_class_queued_total", "class" => name.clone()).increment(1);
+            (rx, id, name, Duration::from_millis(c.cfg.max_wait_ms))
+        };
+        self.wake.notify_one();
+        match tokio::time::timeout(max_wait, rx).await {
+            Ok(Ok(())) => {
+                let waited = started.elapsed();
+                metrics::counter!("kvgate_gateway_class_admitted_total", "class" => name.clone())
+                    .increment(1);
+                metrics::histogram!("kvgate_gateway_class_wait_seconds", "class" => name.clone())
+                    .record(waited.as_secs_f64());
+                Ok(Permit { admission: self.clone(), class, charged: cost, class_name: name, waited })
+            }
+            _ => {
+                let mut inner = self.lock();
+                let retry = match inner.classes.get_mut(class) {
+                    Some(c) => {
+                        c.remove(id);
+                        retry_after(&mut c.bucket, cost, Instant::now().into_std())
+                    }
+                    None => 1,
+                };
+                metrics::counter!("kvgate_gateway_class_rejected_total", "class" => name.clone(), "reason" => "timeout")
+                    .increment(1);
+                Err(Rejection::Timeout { class: name, retry_after_s: retry })
+            }
+        }
+    }
+
+    /// Serves waiters as budgets refill; sleeps until the next head can be served or something changes.
+    async fn pump(self) {
+        loop {
+            let next = {
+                let mut inner = self.lock();
+                let now = Instant::now().into_std();
+                let mut next: Option<Duration> = None;
+                for c in &mut inner.classes {
+                    while let Some(cost) = c.head_cost() {
+                        if c.bucket.try_take(cost, now) {
+                            if let Some(w) = c.pop_head() {
+                                if w.tx.send(()).is_err() {
+                                    // The waiter timed out meanwhile: give its tokens back.
+                                    c.bucket.adjust(w.cost, now);
+                                }
+                            }
+                        } else {
+                            if let Some(d) = c.bucket.wait_for(cost, now) {
+                                next = Some(next.map_or(d, |n| n.min(d)));
+                            }
+                            break;
+                        }
+                    }
+                    metrics::gauge!("kvgate_gateway_class_bucket_tokens", "class" => c.cfg.name.clone())
+                        .set(c.bucket.level(now));
+                    metrics::gauge!("kvgate_gateway_class_queued_requests", "class" => c.cfg.name.clone())
+                        .set(c.queued_requests as f64);
+                }
+                next
+            };
+            let sleep = next.unwrap_or(Duration::from_secs(3600)).max(Duration::from_micros(100));
+            tokio::select! {
+                _ = tokio::time::sleep(sleep) => {}
+                _ = self.wake.notified() => {}
+            }
+        }
+    }
+}
+
+fn retry_after(bucket: &mut TokenBucket, cost: f64, now: std::time::Instant) -> u32 {
+    bucket.wait_for(cost, now).map_or(60, |d| d.as_secs_f64().ceil().clamp(1.0, 3600.0) as u32)
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,123 @@
+//! Buckets and queues on tokio's paused clock.
+
+use super::*;
+
+fn class(name: &str, rate: f64, burst: f64, max_wait_ms: u64) -> ClassConfig {
+    ClassConfig {
+        name: name.into(),
+        rule: MatchRule::default(),
+        refill_tokens_per_s: rate,
+        burst_tokens: burst,
+        max_queued_requests: 100,
+        max_queued_tokens: 1e9,
+        max_wait_ms,
+        expected_output_tokens: 0,
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn over_budget_waits_then_times_out() {
+    let a = Admission::new(vec![class("c", 100.0, 100.0, 5_000), class("slow", 1.0, 100.0, 5_000)]);
+    let p = a.admit(0, None, 100.0).await.expect("first fits the burst");
+    assert_eq!(p.waited, Duration::ZERO);
+    let second = a.admit(0, None, 50.0).await.expect("waits for the refill");
+    assert!(
+        second.waited >= Duration::from_millis(499) && second.waited < Duration::from_millis(600),
+        "{:?}",
+        second.waited
+    );
+    a.admit(1, None, 100.0).await.expect("slow burst");
+    let t0 = Instant::now();
+    match a.admit(1, None, 50.0).await {
+        Err(Rejection::Timeout { class, retry_after_s }) => {
+            assert_eq!(class, "slow");
+            assert!(retry_after_s >= 40, "{retry_after_s}");
+            assert!(t0.elapsed() >= Duration::from_secs(5));
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn classes_do_not_share_budgets() {
+    let a = Admission::new(vec![class("short", 1000.0, 1000.0, 1_000), class("long", 10.0, 1000.0, 100)]);
+    a.admit(1, None, 1000.0).await.expect("long burst");
+    assert!(matches!(a.admit(1, None, 500.0).await, Err(Rejection::Timeout { .. })));
+    for _ in 0..10 {
+        let p = a.admit(0, None, 100.0).await.expect("short is unaffected");
+        assert_eq!(p.waited, Duration::ZERO);
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_request_bigger_than_the_burst_gets_in_when_the_bucket_is_full() {
+    let a = Admission::new(vec![class("c", 1000.0, 1000.0, 60_000)]);
+    a.admit(0, None, 600.0).await.expect("part of the burst");
+    let giant = a.admit(0, None, 50_000.0).await.expect("never starved");
+    assert!(giant.waited >= Duration::from_millis(590));
+    // Its debt delays the next request by ~50 s.
+    let next = a.admit(0, None, 10.0).await.expect("after the debt");
+    assert!(next.waited >= Duration::from_secs(49), "{:?}", next.waited);
+}
+
+#[tokio::test(start_paused = true)]
+async fn tenants_take_turns_and_full_queues_reject() {
+    let mut c = class("c", 100.0, 100.0, 60_000);
+    c.max_queued_requests = 6;
+    let a = Admission::new(vec![c]);
+    a.admit(0, None, 100.0).await.expect("drain the burst");
+    let order = Arc::new(Mutex::new(Vec::new()));
+    let mut tasks = Vec::new();
+    for (i, tenant) in ["a", "a", "a", "a", "b"].iter().enumerate() {
+        let (a, order) = (a.clone(), order.clone());
+        tasks.push(tokio::spawn(async move {
+            a.admit(0, Some(tenant), 100.0).await.expect("admitted");
+            order.lock().expect("order").push(format!("{tenant}{i}"));
+        }));
+        tokio::task::yield_now().await;
+    }
+    // Two more fit the queue (6), the third is refused at once.
+    let (a2, a3) = (a.clone(), a.clone());
+    tasks.push(tokio::spawn(async move {
+        a2.admit(0, Some("c"), 100.0).await.expect("admitted");
+    }));
+    tokio::task::yield_now().await;
+    assert!(matches!(a3.admit(0, Some("d"), 1.0).await, Ok(_) | Err(Rejection::QueueFull { .. })));
+    for t in tasks {
+        t.await.expect("join");
+    }
+    let order = order.lock().expect("order").clone();
+    let b_pos = order.iter().position(|x| x.starts_with('b')).expect("b served");
+    assert_eq!(b_pos, 1, "tenant b does not wait behind all of a: {order:?}");
+}
+
+#[tokio::test(start_paused = true)]
+async fn saturated_classes_complete_tokens_in_budget_ratio() {
+    // 4:1 budgets, both classes offered far more than they can get for 60 virtual seconds.
+    let a =
+        Admission::new(vec![class("big", 4000.0, 4000.0, 120_000), class("small", 1000.0, 1000.0, 120_000)]);
+    let done = Arc::new(Mutex::new([0f64; 2]));
+    let stop = Instant::now() + Duration::from_secs(60);
+    let mut tasks = Vec::new();
+    for class in [0usize, 1] {
+        for _ in 0..8 {
+            let (a, done) = (a.clone(), done.clone());
+            tasks.push(tokio::spawn(async move {
+                while Instant::now() < stop {
+                    if let Ok(p) = a.admit(class, None, 500.0).await {
+                        if Instant::now() < stop {
+                            done.lock().expect("done")[class] += 500.0;
+                        }
+                        p.reconcile(500.0);
+                    }
+                }
+            }));
+        }
+    }
+    for t in tasks {
+        t.await.expect("join");
+    }
+    let [big, small] = *done.lock().expect("done");
+    let ratio = big / small;
+    assert!((ratio - 4.0).abs() <= 0.4, "ratio {ratio} ({big} vs {small})");
+}
