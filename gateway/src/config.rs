@@ -8,6 +8,7 @@ use std::time::Duration;
 use clap::Parser;
 use serde::Deserialize;
 
+use crate::admission::{default_classes, ClassConfig};
 use crate::routing::{Weights, POLICIES};
 
 /// Flags (and environment) of `kvgate-gateway`. `None` = not given here.
@@ -79,6 +80,10 @@ pub struct GatewayArgs {
     /// Logs as JSON lines.
     #[arg(long, env = "KVGATE_GATEWAY_LOG_JSON")]
     pub log_json: Option<bool>,
+    /// Request classes and their token budgets (TOML `[[classes]]`; default: short / long / reasoning, see
+    /// admission/classes.rs).
+    #[arg(skip)]
+    pub classes: Option<Vec<ClassConfig>>,
 }
 
 /// The resolved configuration.
@@ -98,6 +103,7 @@ pub struct GatewayConfig {
     pub threads: usize,
     pub weights: Weights,
     pub log_json: bool,
+    pub classes: Vec<ClassConfig>,
 }
 
 fn duration(v: Option<String>, default: &str, name: &str) -> Result<Duration, String> {
@@ -158,6 +164,7 @@ impl GatewayArgs {
             threads: pick!(threads).unwrap_or(2),
             weights,
             log_json: pick!(log_json).unwrap_or(false),
+            classes: pick!(classes).unwrap_or_else(default_classes),
         };
         cfg.validate()?;
         Ok(cfg)
@@ -191,6 +198,7 @@ impl GatewayConfig {
             p.push("max-body-bytes must be at least 1024".into());
         }
         p.extend(self.weights.validate());
+        p.extend(crate::admission::classes::validate(&self.classes));
         if p.is_empty() {
             Ok(())
         } else {

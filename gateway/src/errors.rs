@@ -56,6 +56,24 @@ impl ApiError {
         e.retry_after_s = Some(1);
         e
     }
+    /// Over a class budget: 429 with Retry-After.
+    pub fn rejected(r: crate::admission::Rejection) -> Self {
+        use crate::admission::Rejection;
+        let (class, retry, why) = match r {
+            Rejection::QueueFull { class, retry_after_s } => (class, retry_after_s, "its wait queue is full"),
+            Rejection::Timeout { class, retry_after_s } => {
+                (class, retry_after_s, "the request waited its maximum")
+            }
+        };
+        let mut e = Self::new(
+            429,
+            "rate_limit_error",
+            "class_budget_exceeded",
+            format!("the {class:?} class is over its token budget and {why}; retry after {retry} s"),
+        );
+        e.retry_after_s = Some(retry);
+        e
+    }
     pub fn not_found_route(path: &str) -> Self {
         Self::new(404, "not_found_error", "route_not_found", format!("no route {path}"))
     }

@@ -24,6 +24,7 @@ use pingora::prelude::*;
 use pingora::proxy::{ProxyHttp, Session};
 use xxhash_rust::xxh3::xxh3_64;
 
+use crate::admission::{ClassInput, CLASS_HEADER};
 use crate::errors::ApiError;
 use crate::routing::{RequestView, RouteReason};
 use crate::state::GatewayState;
@@ -32,6 +33,8 @@ use crate::state::GatewayState;
 pub const SESSION_HEADER: &str = "x-session-id";
 /// Header carrying the tenant's cache salt (also accepted in the body as `cache_salt`).
 pub const CACHE_SALT_HEADER: &str = "x-kvgate-cache-salt";
+/// Header naming the tenant for fair queueing inside a class (else the cache salt, if any).
+pub const TENANT_HEADER: &str = "x-kvgate-tenant";
 
 /// The pingora service.
 pub struct Gateway {
@@ -43,6 +46,7 @@ pub struct Ctx {
     started: Instant,
     status: u16,
     route: &'static str,
+    class: String,
 }
 
 #[async_trait]
@@ -50,7 +54,7 @@ impl ProxyHttp for Gateway {
     type CTX = Ctx;
 
     fn new_ctx(&self) -> Ctx {
-        Ctx { started: Instant::now(), status: 0, route: "none" }
+        Ctx { started: Instant::now(), status: 0, route: "none", class: String::new() }
     }
 
     /// Never reached: every request is answered in `request_filter` (see the module docs).
@@ -69,7 +73,7 @@ impl ProxyHttp for Gateway {
 
     async fn logging(&self, _session: &mut Session, _e: Option<&pingora::Error>, ctx: &mut Ctx) {
         metrics::counter!("kvgate_gateway_requests_total", "policy" => self.state.policy.name(),
-            "route" => ctx.route, "status" => ctx.status.to_string())
+            "route" => ctx.route, "status" => ctx.status.to_string(), "class" => ctx.class.clone())
         .increment(1);
         metrics::histogram!("kvgate_gateway_request_seconds").record(ctx.started.elapsed().as_secs_f64());
     }
@@ -137,15 +141,16 @@ async fn handle(state: &Arc<GatewayState>, session: &mut Session, ctx: &mut Ctx)
         return Err(ApiError::model_not_found(&model));
     };
     // Tokenize exactly like the worker will.
-    let (ids, fields) = if chat {
+    let (ids, fields, reasoning) = if chat {
         let req: ChatCompletionRequest = crate::errors::typed(value)?;
+        let reasoning = req.reasoning_effort.is_some();
         let options = ChatOptions {
             add_generation_prompt: req.add_generation_prompt.unwrap_or(true),
             tools: req.tools.clone(),
             extra: req.chat_template_kwargs.clone(),
         };
         let ids = tok.prompter.tokenize(&PromptInput::Chat { messages: &req.messages, options: &options });
-        (ids.map_err(|e| ApiError::prompt(e, "messages"))?, req.sampling)
+        (ids.map_err(|e| ApiError::prompt(e, "messages"))?, req.sampling, reasoning)
     } else {
         let req: CompletionRequest = crate::errors::typed(value)?;
         let input = match req.prompt.single().map_err(|m| ApiError::invalid("prompt", &m))? {
@@ -153,7 +158,7 @@ async fn handle(state: &Arc<GatewayState>, session: &mut Session, ctx: &mut Ctx)
             SinglePrompt::TokenIds(ids) => PromptInput::TokenIds(ids),
         };
         let ids = tok.prompter.tokenize(&input);
-        (ids.map_err(|e| ApiError::prompt(e, "prompt"))?, req.sampling)
+        (ids.map_err(|e| ApiError::prompt(e, "prompt"))?, req.sampling, false)
     };
     let salt = fields.cache_salt.clone().or_else(|| header(session, CACHE_SALT_HEADER).map(str::to_owned));
     let hashes =
@@ -170,8 +175,8 @@ async fn handle(state: &Arc<GatewayState>, session: &mut Session, ctx: &mut Ctx)
     let block_size = tok.scheme.block_size as usize;
     let now = Instant::now();
     // Decide and record under one short lock.
-    let (targets, reason, predicted, first_ticket) = {
-        let mut reg = state.registry();
+    let (targets, reason, predicted) = {
+        let reg = state.registry();
         let (views, idx) = reg.views(&model, &hashes, now);
         let req = RequestView { hashes: &hashes, prompt_tokens: ids.len(), session_key, nonce };
         let Some(d) = state.policy.choose(&req, &views, reg.ring(), block_size) else {
@@ -183,11 +188,25 @@ async fn handle(state: &Arc<GatewayState>, session: &mut Session, ctx: &mut Ctx)
             .take(2)
             .map(|r| (idx[*r], views[*r].id.to_owned(), reg.workers()[idx[*r]].url.clone()))
             .collect();
-        let uncached = ids.len().saturating_sub(d.predicted_cached_tokens) as u64;
-        let ticket = reg.record_sent(targets[0].0, &hashes, uncached, now);
-        (targets, d.reason, d.predicted_cached_tokens, ticket)
+        (targets, d.reason, d.predicted_cached_tokens)
     };
     metrics::histogram!("kvgate_gateway_decision_seconds").record(decided_at.elapsed().as_secs_f64());
+    // Admission: cost = predicted uncached prompt tokens + max_tokens (or the class's expected output).
+    let max_tokens = fields.max_output_tokens().map(u64::from);
+    let class_input = ClassInput {
+        prompt_tokens: ids.len() as u64,
+        max_tokens,
+        model: &model,
+        header_class: header(session, CLASS_HEADER),
+        reasoning,
+    };
+    let (class, class_name, expected_output) = state.admission.classify(&class_input);
+    let uncached = ids.len().saturating_sub(predicted) as u64;
+    let cost = (uncached + max_tokens.unwrap_or(expected_output)) as f64;
+    let tenant = header(session, TENANT_HEADER).map(str::to_owned).or_else(|| salt.clone());
+    ctx.class = class_name.clone();
+    let permit = state.admission.admit(class, tenant.as_deref(), cost).await.map_err(ApiError::rejected)?;
+    let first_ticket = state.registry().record_sent(targets[0].0, &hashes, uncached, Instant::now());
     let mut reason = reason;
     for (attempt, (reg_idx, id, url)) in targets.iter().enumerate() {
         let ticket = if attempt == 0 {
@@ -200,8 +219,12 @@ async fn handle(state: &Arc<GatewayState>, session: &mut Session, ctx: &mut Ctx)
         let guard = InflightGuard { state: state.clone(), ticket };
         ctx.route = reason.as_str();
         match forward(state, session, ctx, url, &path, &body, id, reason, predicted).await {
-            Ok(()) => {
+            Ok(usage) => {
                 drop(guard);
+                // Reconcile the reservation with what the request really cost (unknown usage: as charged).
+                let actual =
+                    usage.map_or(cost, |u| (u.prompt.saturating_sub(u.cached) + u.completion) as f64);
+                permit.reconcile(actual);
                 return Ok(());
             }
             Err(Forward::Connect(e)) => {
@@ -245,7 +268,7 @@ async fn forward(
     worker_id: &str,
     reason: RouteReason,
     predicted_cached: usize,
-) -> Result<(), Forward> {
+) -> Result<Option<UsageSeen>, Forward> {
     let mut req = hyper::Request::post(format!("{url}{path}")).header("content-type", "application/json");
     for name in ["authorization", CACHE_SALT_HEADER, SESSION_HEADER, "accept"] {
         if let Some(v) = session.req_header().headers.get(name) {
@@ -293,7 +316,7 @@ async fn forward(
                     if session.write_response_body(Some(data), false).await.is_err() {
                         // The client went away: dropping the upstream body closes that connection, and the
                         // worker aborts the request.
-                        return Ok(());
+                        return Ok(None);
                     }
                 }
             }
@@ -309,11 +332,30 @@ async fn forward(
         }
     }
     let _ = session.write_response_body(None, true).await;
-    if let Some(reported) = last_number_after(&tail, "\"cached_tokens\":") {
-        metrics::counter!("kvgate_gateway_reported_cached_tokens_total").increment(reported);
+    let usage = UsageSeen::parse(&tail);
+    if let Some(u) = &usage {
+        metrics::counter!("kvgate_gateway_reported_cached_tokens_total").increment(u.cached);
         metrics::counter!("kvgate_gateway_predicted_cached_tokens_total").increment(predicted_cached as u64);
     }
-    Ok(())
+    Ok(usage)
+}
+
+/// The `usage` numbers found at the end of a response.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct UsageSeen {
+    pub prompt: u64,
+    pub completion: u64,
+    pub cached: u64,
+}
+
+impl UsageSeen {
+    fn parse(tail: &[u8]) -> Option<Self> {
+        Some(Self {
+            prompt: last_number_after(tail, "\"prompt_tokens\":")?,
+            completion: last_number_after(tail, "\"completion_tokens\":")?,
+            cached: last_number_after(tail, "\"cached_tokens\":").unwrap_or(0),
+        })
+    }
 }
 
 /// The last integer following `key` in `buf` (usage is at the end of both response shapes).

@@ -16,6 +16,7 @@ use kvgate_shared::hashing::HashScheme;
 use kvgate_shared::prompt::{Prompter, TokenizerFiles};
 use metrics_exporter_prometheus::PrometheusHandle;
 
+use crate::admission::Admission;
 use crate::config::GatewayConfig;
 use crate::registry::{Registry, RegistryConfig};
 use crate::routing::{policy_by_name, RoutingPolicy};
@@ -36,6 +37,7 @@ pub struct GatewayState {
     tokenizers: RwLock<HashMap<String, Arc<ModelTokenizer>>>,
     fetching: Mutex<HashSet<String>>,
     pub policy: Box<dyn RoutingPolicy>,
+    pub admission: Admission,
     pub client: HttpClient,
     pub prometheus: PrometheusHandle,
     pub nonce: AtomicU64,
@@ -59,12 +61,14 @@ impl GatewayState {
         for w in &cfg.workers {
             registry.add_static(w);
         }
+        let admission = Admission::new(cfg.classes.clone());
         Ok(Self {
             cfg,
             registry: Mutex::new(registry),
             tokenizers: RwLock::new(HashMap::new()),
             fetching: Mutex::new(HashSet::new()),
             policy,
+            admission,
             client,
             prometheus,
             nonce: AtomicU64::new(0x5EED),

@@ -240,3 +240,51 @@ async fn reports_need_the_secret_and_stale_or_foreign_summaries_get_no_score() {
     let _ = std::process::Command::new("kill").args(["-CONT", &pid]).status();
     drop(g);
 }
+
+#[tokio::test]
+async fn an_exhausted_class_gets_429_while_another_class_flows() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let cfg = dir.path().join("gateway.toml");
+    std::fs::write(
+        &cfg,
+        r#"
+[[classes]]
+name = "short"
+refill_tokens_per_s = 1000000
+burst_tokens = 1000000
+[classes.match]
+max_prompt_tokens = 64
+
+[[classes]]
+name = "long"
+refill_tokens_per_s = 1
+burst_tokens = 300
+max_queued_requests = 4
+max_wait_ms = 300
+"#,
+    )
+    .expect("write");
+    let synth = dir.path().join("tiny");
+    let (g, control) = gateway(&["--config", cfg.to_str().expect("path")]);
+    let _w = worker("w0", &synth, Some(&control), &[]);
+    wait_healthy(&control, 1).await;
+    let long = |seed| json!({"model": MODEL, "prompt": prompt_ids(200, seed), "max_tokens": 2});
+    let first = post(&format!("{}/v1/completions", g.base), &long(5), &[]).await;
+    assert_eq!(first.status, 200, "the first long request fits the burst: {}", first.body);
+    // Another long prompt (no cache hit, so it costs its full 202 tokens) finds the class budget spent.
+    let second = post(&format!("{}/v1/completions", g.base), &long(6), &[]).await;
+    assert_eq!(second.status, 429, "{}", second.body);
+    assert_eq!(second.json()["error"]["code"], "class_budget_exceeded");
+    assert_eq!(second.json()["error"]["type"], "rate_limit_error");
+    assert!(second.header("retry-after").parse::<u32>().is_ok_and(|s| s >= 1));
+    for i in 0..5 {
+        let short = json!({"model": MODEL, "prompt": prompt_ids(20, 50 + i), "max_tokens": 2});
+        assert_eq!(post(&format!("{}/v1/completions", g.base), &short, &[]).await.status, 200, "short flows");
+    }
+    // An explicit class header wins over the rules.
+    let tagged = json!({"model": MODEL, "prompt": prompt_ids(20, 99), "max_tokens": 150});
+    let r = post(&format!("{}/v1/completions", g.base), &tagged, &[("x-kvgate-class", "long")]).await;
+    assert_eq!(r.status, 429, "{}", r.body);
+    let m = get(&format!("{control}/metrics")).await.body;
+    assert!(m.contains("kvgate_gateway_class_rejected_total"), "per-class metrics");
+}

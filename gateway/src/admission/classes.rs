@@ -118,12 +118,19 @@ pub fn default_classes() -> Vec<ClassConfig> {
 /// Index of the class for a request: the header's class if it names one, else the first matching rule, else the
 /// last class.
 pub fn classify(classes: &[ClassConfig], r: &ClassInput<'_>) -> usize {
-    if let Some(h) = r.header_class {
-        if let Some(i) = classes.iter().position(|c| c.name == h) {
-            return i;
-        }
+    classify_by(classes.iter(), r)
+}
+
+/// [`classify`] over any sequence of class configs.
+pub fn classify_by<'a, I>(classes: I, r: &ClassInput<'_>) -> usize
+where
+    I: Iterator<Item = &'a ClassConfig> + Clone,
+{
+    if let Some(i) = r.header_class.and_then(|h| classes.clone().position(|c| c.name == h)) {
+        return i;
     }
-    classes.iter().position(|c| c.rule.matches(r)).unwrap_or(classes.len().saturating_sub(1))
+    let n = classes.clone().count();
+    classes.clone().position(|c| c.rule.matches(r)).unwrap_or(n.saturating_sub(1))
 }
 
 /// Every problem with a class set.

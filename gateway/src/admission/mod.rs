@@ -85,6 +85,7 @@ struct Inner {
 pub struct Admission {
     inner: Arc<Mutex<Inner>>,
     wake: Arc<Notify>,
+    pump: Arc<std::sync::OnceLock<()>>,
 }
 
 /// An admitted request's reservation.
@@ -119,7 +120,7 @@ impl std::fmt::Debug for Admission {
 }
 
 impl Admission {
-    /// A controller over `classes`; spawns its pump on the current tokio runtime.
+    /// A controller over `classes`. Its pump starts on the tokio runtime of the first `admit`.
     pub fn new(classes: Vec<ClassConfig>) -> Self {
         let now = Instant::now().into_std();
         let classes = classes
@@ -132,12 +133,17 @@ impl Admission {
                 queued_tokens: 0.0,
             })
             .collect();
-        let a = Self {
+        Self {
             inner: Arc::new(Mutex::new(Inner { classes, next_id: 0 })),
             wake: Arc::new(Notify::new()),
-        };
-        tokio::spawn(a.clone().pump());
-        a
+            pump: Arc::new(std::sync::OnceLock::new()),
+        }
+    }
+
+    fn ensure_pump(&self) {
+        self.pump.get_or_init(|| {
+            tokio::spawn(self.clone().pump());
+        });
     }
 
     fn lock(&self) -> MutexGuard<'_, Inner> {
@@ -176,17 +182,19 @@ impl Admission {
         self.wake.notify_one();
     }
 
-    /// Picks the class of a request.
+    /// Picks the class of a request: (index, name, expected output tokens).
     pub fn classify(&self, input: &ClassInput<'_>) -> (usize, String, u64) {
         let inner = self.lock();
-        let cfgs: Vec<&ClassConfig> = inner.classes.iter().map(|c| &c.cfg).collect();
-        let owned: Vec<ClassConfig> = cfgs.iter().map(|c| (*c).clone()).collect();
-        let i = classify(&owned, input);
-        (i, owned[i].name.clone(), owned[i].expected_output_tokens)
+        let i = classes::classify_by(inner.classes.iter().map(|c| &c.cfg), input);
+        match inner.classes.get(i) {
+            Some(c) => (i, c.cfg.name.clone(), c.cfg.expected_output_tokens),
+            None => (0, "none".into(), 0),
+        }
     }
 
     /// Admits a request of `cost` tokens into class `class`, waiting if its budget is spent.
     pub async fn admit(&self, class: usize, tenant: Option<&str>, cost: f64) -> Result<Permit, Rejection> {
+        self.ensure_pump();
         let started = Instant::now();
         let (rx, id, name, max_wait) = {
             let mut inner = self.lock();
