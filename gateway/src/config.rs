@@ -80,6 +80,13 @@ pub struct GatewayArgs {
     /// Logs as JSON lines.
     #[arg(long, env = "KVGATE_GATEWAY_LOG_JSON")]
     pub log_json: Option<bool>,
+    /// Bearer token of the admin API (control listener). Default none: the admin routes are off (404).
+    #[arg(long, env = "KVGATE_ADMIN_TOKEN", hide_env_values = true)]
+    pub admin_token: Option<String>,
+    /// File where admin changes (weights, budgets) are kept across restarts. Default none (changes are lost on
+    /// restart; the Helm chart sets one).
+    #[arg(long, env = "KVGATE_GATEWAY_STATE_FILE")]
+    pub state_file: Option<PathBuf>,
     /// Request classes and their token budgets (TOML `[[classes]]`; default: short / long / reasoning, see
     /// admission/classes.rs).
     #[arg(skip)]
@@ -104,6 +111,8 @@ pub struct GatewayConfig {
     pub weights: Weights,
     pub log_json: bool,
     pub classes: Vec<ClassConfig>,
+    pub admin_token: Option<String>,
+    pub state_file: Option<PathBuf>,
 }
 
 fn duration(v: Option<String>, default: &str, name: &str) -> Result<Duration, String> {
@@ -165,6 +174,8 @@ impl GatewayArgs {
             weights,
             log_json: pick!(log_json).unwrap_or(false),
             classes: pick!(classes).unwrap_or_else(default_classes),
+            admin_token: pick!(admin_token).filter(|t| !t.is_empty()),
+            state_file: pick!(state_file),
         };
         cfg.validate()?;
         Ok(cfg)

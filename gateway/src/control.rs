@@ -87,6 +87,7 @@ pub fn router(state: Arc<GatewayState>) -> Router {
         .route("/metrics", get(metrics_text))
         .route("/kvgate/v1/workers", get(workers))
         .route("/health", get(|| async { Json(serde_json::json!({"status": "ok"})) }))
+        .merge(crate::admin::router())
         .layer(DefaultBodyLimit::max(MAX_REPORT_BYTES))
         .with_state(state)
 }

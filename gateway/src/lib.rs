@@ -6,8 +6,10 @@
 //! - [`state`]: shared state (registry, per-model tokenizers fetched from workers, policy, client, metrics);
 //! - [`proxy`]: the pingora `ProxyHttp` service (parse, tokenize, hash, route, forward, stream back);
 //! - [`control`]: the control listener (report ingest, metrics, worker states);
+//! - [`admin`]: the admin REST API (weights, budgets, drain, route/explain; bearer auth, ETags, state file);
 //! - [`config`], [`errors`].
 
+pub mod admin;
 pub mod admission;
 pub mod config;
 pub mod control;

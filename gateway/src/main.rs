@@ -39,6 +39,9 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
+    if cfg.admin_token.is_none() {
+        tracing::warn!("no --admin-token: the admin API is off");
+    }
     if cfg.report_secret.is_none() {
         tracing::warn!("no --report-secret: reports are accepted without authentication");
     }

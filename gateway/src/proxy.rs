@@ -130,55 +130,18 @@ async fn handle(state: &Arc<GatewayState>, session: &mut Session, ctx: &mut Ctx)
     let decided_at = Instant::now();
     let body = read_body(session, state.cfg.max_body_bytes).await?;
     let chat = path == "/v1/chat/completions";
-    let value: serde_json::Value = serde_json::from_slice(&body)
-        .map_err(|e| ApiError::bad_json(format!("the body is not valid JSON: {e}")))?;
-    let model = value
-        .get("model")
-        .and_then(|m| m.as_str())
-        .ok_or_else(|| ApiError::invalid("model", "`model` is required"))?
-        .to_owned();
-    let Some(tok) = state.tokenizer(&model) else {
-        return Err(ApiError::model_not_found(&model));
-    };
-    // Tokenize exactly like the worker will.
-    let (ids, fields, reasoning) = if chat {
-        let req: ChatCompletionRequest = crate::errors::typed(value)?;
-        let reasoning = req.reasoning_effort.is_some();
-        let options = ChatOptions {
-            add_generation_prompt: req.add_generation_prompt.unwrap_or(true),
-            tools: req.tools.clone(),
-            extra: req.chat_template_kwargs.clone(),
-        };
-        let ids = tok.prompter.tokenize(&PromptInput::Chat { messages: &req.messages, options: &options });
-        (ids.map_err(|e| ApiError::prompt(e, "messages"))?, req.sampling, reasoning)
-    } else {
-        let req: CompletionRequest = crate::errors::typed(value)?;
-        let input = match req.prompt.single().map_err(|m| ApiError::invalid("prompt", &m))? {
-            SinglePrompt::Text(t) => PromptInput::Text(t),
-            SinglePrompt::TokenIds(ids) => PromptInput::TokenIds(ids),
-        };
-        let ids = tok.prompter.tokenize(&input);
-        (ids.map_err(|e| ApiError::prompt(e, "prompt"))?, req.sampling, false)
-    };
-    let salt = fields.cache_salt.clone().or_else(|| header(session, CACHE_SALT_HEADER).map(str::to_owned));
-    let hashes =
-        BlockHasher::new(&tok.scheme, &ExtraKeys::from_salt(salt.as_deref().filter(|s| !s.is_empty())))
-            .hash_blocks(&ids);
-    let session_key = match (header(session, SESSION_HEADER), fields.user.as_deref()) {
-        (Some(s), _) | (None, Some(s)) => xxh3_64(s.as_bytes()),
-        (None, None) => match hashes.get(hashes.len().min(4).saturating_sub(1)) {
-            Some(h) => h.0,
-            None => xxh3_64(&ids.iter().flat_map(|t| t.to_le_bytes()).collect::<Vec<u8>>()),
-        },
-    };
+    let p = prepare(state, chat, &body, &|name| header(session, name).map(str::to_owned))?;
+    let (model, ids, hashes, session_key, fields, reasoning, salt) =
+        (&p.model, &p.ids, &p.hashes, p.session_key, &p.fields, p.reasoning, &p.salt);
+    let model = model.clone();
     let nonce = state.nonce.fetch_add(1, Ordering::Relaxed).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-    let block_size = tok.scheme.block_size as usize;
+    let block_size = p.block_size;
     let now = Instant::now();
     // Decide and record under one short lock.
     let (targets, reason, predicted) = {
         let reg = state.registry();
-        let (views, idx) = reg.views(&model, &hashes, now);
-        let req = RequestView { hashes: &hashes, prompt_tokens: ids.len(), session_key, nonce };
+        let (views, idx) = reg.views(&model, hashes, now);
+        let req = RequestView { hashes, prompt_tokens: ids.len(), session_key, nonce };
         let Some(d) = state.policy.choose(&req, &views, reg.ring(), block_size) else {
             return Err(ApiError::no_worker(&model));
         };
@@ -206,7 +169,7 @@ async fn handle(state: &Arc<GatewayState>, session: &mut Session, ctx: &mut Ctx)
     let tenant = header(session, TENANT_HEADER).map(str::to_owned).or_else(|| salt.clone());
     ctx.class = class_name.clone();
     let permit = state.admission.admit(class, tenant.as_deref(), cost).await.map_err(ApiError::rejected)?;
-    let first_ticket = state.registry().record_sent(targets[0].0, &hashes, uncached, Instant::now());
+    let first_ticket = state.registry().record_sent(targets[0].0, hashes, uncached, Instant::now());
     let mut reason = reason;
     for (attempt, (reg_idx, id, url)) in targets.iter().enumerate() {
         let ticket = if attempt == 0 {
@@ -214,7 +177,7 @@ async fn handle(state: &Arc<GatewayState>, session: &mut Session, ctx: &mut Ctx)
         } else {
             reason = RouteReason::Fallback;
             let uncached = ids.len().saturating_sub(predicted) as u64;
-            state.registry().record_sent(*reg_idx, &hashes, uncached, Instant::now())
+            state.registry().record_sent(*reg_idx, hashes, uncached, Instant::now())
         };
         let guard = InflightGuard { state: state.clone(), ticket };
         ctx.route = reason.as_str();
@@ -393,6 +356,76 @@ async fn models(state: &GatewayState, session: &mut Session, ctx: &mut Ctx) -> R
     };
     let body = serde_json::to_string(&list).map_err(|e| ApiError::internal(e.to_string()))?;
     plain_json(session, ctx, 200, &body).await
+}
+
+/// A request parsed, tokenized and hashed exactly like the worker will (shared by the proxy and route/explain).
+pub struct Prepared {
+    pub model: String,
+    pub ids: Vec<u32>,
+    pub hashes: Vec<kvgate_shared::hashing::BlockHash>,
+    pub session_key: u64,
+    pub fields: kvgate_shared::openai::SamplingFields,
+    pub reasoning: bool,
+    pub salt: Option<String>,
+    pub block_size: usize,
+}
+
+/// Parses a chat (`chat`) or completions body; `header` reads request headers.
+pub fn prepare(
+    state: &GatewayState,
+    chat: bool,
+    body: &[u8],
+    header: &dyn Fn(&str) -> Option<String>,
+) -> Result<Prepared, ApiError> {
+    let value: serde_json::Value = serde_json::from_slice(body)
+        .map_err(|e| ApiError::bad_json(format!("the body is not valid JSON: {e}")))?;
+    let model = value
+        .get("model")
+        .and_then(|m| m.as_str())
+        .ok_or_else(|| ApiError::invalid("model", "`model` is required"))?
+        .to_owned();
+    let Some(tok) = state.tokenizer(&model) else {
+        return Err(ApiError::model_not_found(&model));
+    };
+    let (ids, fields, reasoning) = if chat {
+        let req: ChatCompletionRequest = crate::errors::typed(value)?;
+        let reasoning = req.reasoning_effort.is_some();
+        let options = ChatOptions {
+            add_generation_prompt: req.add_generation_prompt.unwrap_or(true),
+            tools: req.tools.clone(),
+            extra: req.chat_template_kwargs.clone(),
+        };
+        let ids = tok.prompter.tokenize(&PromptInput::Chat { messages: &req.messages, options: &options });
+        (ids.map_err(|e| ApiError::prompt(e, "messages"))?, req.sampling, reasoning)
+    } else {
+        let req: CompletionRequest = crate::errors::typed(value)?;
+        let input = match req.prompt.single().map_err(|m| ApiError::invalid("prompt", &m))? {
+            SinglePrompt::Text(t) => PromptInput::Text(t),
+            SinglePrompt::TokenIds(ids) => PromptInput::TokenIds(ids),
+        };
+        let ids = tok.prompter.tokenize(&input);
+        (ids.map_err(|e| ApiError::prompt(e, "prompt"))?, req.sampling, false)
+    };
+    let salt = fields.cache_salt.clone().or_else(|| header(CACHE_SALT_HEADER)).filter(|s| !s.is_empty());
+    let hashes = BlockHasher::new(&tok.scheme, &ExtraKeys::from_salt(salt.as_deref())).hash_blocks(&ids);
+    let session_key = match (header(SESSION_HEADER), fields.user.as_deref()) {
+        (Some(s), _) => xxh3_64(s.as_bytes()),
+        (None, Some(s)) => xxh3_64(s.as_bytes()),
+        (None, None) => match hashes.get(hashes.len().min(4).saturating_sub(1)) {
+            Some(h) => h.0,
+            None => xxh3_64(&ids.iter().flat_map(|t| t.to_le_bytes()).collect::<Vec<u8>>()),
+        },
+    };
+    Ok(Prepared {
+        model,
+        ids,
+        hashes,
+        session_key,
+        fields,
+        reasoning,
+        salt,
+        block_size: tok.scheme.block_size as usize,
+    })
 }
 
 #[cfg(test)]

@@ -3,7 +3,7 @@
 //! client to workers, and the metrics handle.
 
 use std::collections::{HashMap, HashSet};
-use std::sync::atomic::AtomicU64;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::Duration;
 
@@ -19,7 +19,7 @@ use metrics_exporter_prometheus::PrometheusHandle;
 use crate::admission::Admission;
 use crate::config::GatewayConfig;
 use crate::registry::{Registry, RegistryConfig};
-use crate::routing::{policy_by_name, RoutingPolicy};
+use crate::routing::{policy_by_name, RoutingPolicy, Weights};
 
 /// HTTP client to workers.
 pub type HttpClient = Client<HttpConnector, Full<Bytes>>;
@@ -41,6 +41,10 @@ pub struct GatewayState {
     pub client: HttpClient,
     pub prometheus: PrometheusHandle,
     pub nonce: AtomicU64,
+    /// Current weights and their version (the admin API's ETag).
+    weights: RwLock<(Weights, u64)>,
+    classes_version: AtomicU64,
+    admin: Mutex<()>,
 }
 
 impl GatewayState {
@@ -61,7 +65,17 @@ impl GatewayState {
         for w in &cfg.workers {
             registry.add_static(w);
         }
-        let admission = Admission::new(cfg.classes.clone());
+        // Admin changes persisted by an earlier run win over the configuration.
+        let persisted = match &cfg.state_file {
+            Some(path) => crate::admin::load_state(path)?,
+            None => None,
+        };
+        let (weights, weights_version, classes, classes_version) = match persisted {
+            Some(p) => (p.weights, p.weights_version, p.classes, p.classes_version),
+            None => (cfg.weights, 1, cfg.classes.clone(), 1),
+        };
+        policy.set_weights(weights);
+        let admission = Admission::new(classes);
         Ok(Self {
             cfg,
             registry: Mutex::new(registry),
@@ -72,7 +86,45 @@ impl GatewayState {
             client,
             prometheus,
             nonce: AtomicU64::new(0x5EED),
+            weights: RwLock::new((weights, weights_version)),
+            classes_version: AtomicU64::new(classes_version),
+            admin: Mutex::new(()),
         })
+    }
+
+    /// Serialises admin writes (check-version-then-write must not interleave).
+    pub fn admin_lock(&self) -> MutexGuard<'_, ()> {
+        self.admin.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub fn weights(&self) -> (Weights, u64) {
+        *self.weights.read().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Applies new weights live; returns the new version.
+    pub fn set_weights(&self, w: Weights) -> u64 {
+        let mut g = self.weights.write().unwrap_or_else(|e| e.into_inner());
+        self.policy.set_weights(w);
+        g.0 = w;
+        g.1 += 1;
+        g.1
+    }
+
+    pub fn classes(&self) -> (Vec<crate::admission::ClassConfig>, u64) {
+        (self.admission.classes(), self.classes_version.load(Ordering::Acquire))
+    }
+
+    /// Applies a new class set live; returns the new version.
+    pub fn set_classes(&self, classes: Vec<crate::admission::ClassConfig>) -> u64 {
+        self.admission.set_classes(classes);
+        self.classes_version.fetch_add(1, Ordering::AcqRel) + 1
+    }
+
+    /// What the state file keeps.
+    pub fn persisted(&self) -> crate::admin::Persisted {
+        let (weights, weights_version) = self.weights();
+        let (classes, classes_version) = self.classes();
+        crate::admin::Persisted { weights, weights_version, classes, classes_version }
     }
 
     /// The registry (locks are short and never held across an await).

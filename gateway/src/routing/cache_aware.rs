@@ -83,11 +83,6 @@ impl CacheAware {
         Self { weights: std::sync::RwLock::new(weights) }
     }
 
-    /// Replaces the weights (admin API).
-    pub fn set_weights(&self, w: Weights) {
-        *self.weights.write().unwrap_or_else(|e| e.into_inner()) = w;
-    }
-
     pub fn weights(&self) -> Weights {
         *self.weights.read().unwrap_or_else(|e| e.into_inner())
     }
@@ -96,6 +91,10 @@ impl CacheAware {
 impl RoutingPolicy for CacheAware {
     fn name(&self) -> &'static str {
         "cache_aware"
+    }
+
+    fn set_weights(&self, w: Weights) {
+        *self.weights.write().unwrap_or_else(|e| e.into_inner()) = w;
     }
 
     fn choose(

@@ -129,6 +129,9 @@ pub trait RoutingPolicy: Send + Sync {
     /// The name used in config and metrics.
     fn name(&self) -> &'static str;
 
+    /// Takes new weights live (policies without weights ignore them).
+    fn set_weights(&self, _weights: Weights) {}
+
     /// Ranks the healthy workers for a request; `None` when none is healthy.
     fn choose(
         &self,

@@ -1,0 +1,278 @@
+//! The admin REST API on the control listener, for operators tuning a live gateway.
+//!
+//! - Bearer-token auth on every route (`--admin-token` / `KVGATE_ADMIN_TOKEN`), compared in constant time; with no
+//!   token configured the routes answer 404 (and the gateway says so at start); a missing or wrong token is 401.
+//! - `GET/PUT /admin/v1/weights` (cache_aware weights and thresholds), `GET/PUT /admin/v1/budgets` (the whole class
+//!   set), `GET /admin/v1/workers`, `POST /admin/v1/workers/{id}/drain` and `/undrain`,
+//!   `POST /admin/v1/route/explain` (a chat or completions body in; every worker's score terms, the pick, its class
+//!   and cost out; nothing is sent upstream).
+//! - Changes take effect at once, are validated (400 listing every problem), versioned (`ETag`; a PUT whose
+//!   `If-Match` names another version gets 412), written to the log as an audit line, and persisted to the state
+//!   file (`--state-file`) so a restart keeps them.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Instant;
+
+use axum::body::Bytes;
+use axum::extract::{Path as UrlPath, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde::{Deserialize, Serialize};
+
+use crate::admission::{ClassConfig, ClassInput, CLASS_HEADER};
+use crate::control::secrets_equal;
+use crate::routing::{RequestView, Weights};
+use crate::state::GatewayState;
+
+/// What the state file holds.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Persisted {
+    pub weights: Weights,
+    pub weights_version: u64,
+    pub classes: Vec<ClassConfig>,
+    pub classes_version: u64,
+}
+
+/// Reads a state file (missing: `None`; unreadable or invalid: an error naming the file).
+pub fn load_state(path: &Path) -> Result<Option<Persisted>, String> {
+    if !path.exists() {
+        return Ok(None);
+    }
+    let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let p: Persisted = serde_json::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))?;
+    let mut problems = p.weights.validate();
+    problems.extend(crate::admission::classes::validate(&p.classes));
+    if problems.is_empty() {
+        Ok(Some(p))
+    } else {
+        Err(format!("{}: {}", path.display(), problems.join("; ")))
+    }
+}
+
+fn save_state(path: &Path, p: &Persisted) -> Result<(), String> {
+    let tmp = path.with_extension("tmp");
+    let text = serde_json::to_string_pretty(p).map_err(|e| e.to_string())?;
+    std::fs::write(&tmp, text).map_err(|e| format!("{}: {e}", tmp.display()))?;
+    std::fs::rename(&tmp, path).map_err(|e| format!("{}: {e}", path.display()))
+}
+
+fn error(status: StatusCode, code: &str, message: String) -> Response {
+    let kind =
+        if status == StatusCode::UNAUTHORIZED { "authentication_error" } else { "invalid_request_error" };
+    let body = kvgate_shared::openai::ErrorBody::new(kind, code, message, None);
+    (status, [("content-type", "application/json")], body.to_json()).into_response()
+}
+
+/// Checks the bearer token; `Err` is the response to send.
+fn authorize(state: &GatewayState, headers: &HeaderMap) -> Result<(), Response> {
+    let Some(token) = &state.cfg.admin_token else {
+        return Err(error(
+            StatusCode::NOT_FOUND,
+            "admin_disabled",
+            "the admin API is off (no --admin-token)".into(),
+        ));
+    };
+    let given =
+        headers.get("authorization").and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer "));
+    if given.is_some_and(|g| secrets_equal(g.as_bytes(), token.as_bytes())) {
+        Ok(())
+    } else {
+        Err(error(StatusCode::UNAUTHORIZED, "unauthorized", "missing or wrong admin token".into()))
+    }
+}
+
+fn etag(version: u64) -> String {
+    format!("\"v{version}\"")
+}
+
+fn versioned<T: Serialize>(value: &T, version: u64) -> Response {
+    let mut r = Json(value).into_response();
+    if let Ok(v) = etag(version).parse() {
+        r.headers_mut().insert("etag", v);
+    }
+    r
+}
+
+/// 412 unless `If-Match` is absent or names the current version.
+fn check_if_match(headers: &HeaderMap, version: u64) -> Result<(), Response> {
+    match headers.get("if-match").and_then(|v| v.to_str().ok()) {
+        None => Ok(()),
+        Some(v) if v.trim() == "*" || v.trim() == etag(version) => Ok(()),
+        Some(v) => Err(error(
+            StatusCode::PRECONDITION_FAILED,
+            "version_mismatch",
+            format!("If-Match {v} does not match the current version {}; GET it again", etag(version)),
+        )),
+    }
+}
+
+fn persist(state: &GatewayState) -> Result<(), Response> {
+    let Some(path) = &state.cfg.state_file else { return Ok(()) };
+    let snapshot = state.persisted();
+    save_state(path, &snapshot).map_err(|e| error(StatusCode::INTERNAL_SERVER_ERROR, "state_file", e))
+}
+
+async fn get_weights(State(state): State<Arc<GatewayState>>, headers: HeaderMap) -> Response {
+    if let Err(r) = authorize(&state, &headers) {
+        return r;
+    }
+    let (w, v) = state.weights();
+    versioned(&w, v)
+}
+
+async fn put_weights(State(state): State<Arc<GatewayState>>, headers: HeaderMap, body: Bytes) -> Response {
+    if let Err(r) = authorize(&state, &headers) {
+        return r;
+    }
+    let w: Weights = match serde_json::from_slice(&body) {
+        Ok(w) => w,
+        Err(e) => return error(StatusCode::BAD_REQUEST, "invalid_value", format!("weights: {e}")),
+    };
+    let problems = w.validate();
+    if !problems.is_empty() {
+        return error(StatusCode::BAD_REQUEST, "invalid_value", problems.join("; "));
+    }
+    let version = {
+        let _guard = state.admin_lock();
+        let (old, v) = state.weights();
+        if let Err(r) = check_if_match(&headers, v) {
+            return r;
+        }
+        let version = state.set_weights(w);
+        tracing::info!(target: "audit", resource = "weights", old = ?old, new = ?w, version, "admin change");
+        if let Err(r) = persist(&state) {
+            return r;
+        }
+        version
+    };
+    versioned(&w, version)
+}
+
+async fn get_budgets(State(state): State<Arc<GatewayState>>, headers: HeaderMap) -> Response {
+    if let Err(r) = authorize(&state, &headers) {
+        return r;
+    }
+    let (c, v) = state.classes();
+    versioned(&c, v)
+}
+
+async fn put_budgets(State(state): State<Arc<GatewayState>>, headers: HeaderMap, body: Bytes) -> Response {
+    if let Err(r) = authorize(&state, &headers) {
+        return r;
+    }
+    let classes: Vec<ClassConfig> = match serde_json::from_slice(&body) {
+        Ok(c) => c,
+        Err(e) => return error(StatusCode::BAD_REQUEST, "invalid_value", format!("budgets: {e}")),
+    };
+    let problems = crate::admission::classes::validate(&classes);
+    if !problems.is_empty() {
+        return error(StatusCode::BAD_REQUEST, "invalid_value", problems.join("; "));
+    }
+    let version = {
+        let _guard = state.admin_lock();
+        let (old, v) = state.classes();
+        if let Err(r) = check_if_match(&headers, v) {
+            return r;
+        }
+        let version = state.set_classes(classes.clone());
+        tracing::info!(target: "audit", resource = "budgets", old = ?old, new = ?classes, version, "admin change");
+        if let Err(r) = persist(&state) {
+            return r;
+        }
+        version
+    };
+    versioned(&classes, version)
+}
+
+async fn workers(State(state): State<Arc<GatewayState>>, headers: HeaderMap) -> Response {
+    if let Err(r) = authorize(&state, &headers) {
+        return r;
+    }
+    Json(state.registry().status(Instant::now())).into_response()
+}
+
+async fn drain(state: Arc<GatewayState>, headers: HeaderMap, id: String, draining: bool) -> Response {
+    if let Err(r) = authorize(&state, &headers) {
+        return r;
+    }
+    if !state.registry().set_draining(&id, draining) {
+        return error(StatusCode::NOT_FOUND, "worker_not_found", format!("no worker {id:?}"));
+    }
+    tracing::info!(target: "audit", resource = "worker", worker = %id, draining, "admin change");
+    Json(serde_json::json!({"worker": id, "draining": draining})).into_response()
+}
+
+async fn explain(State(state): State<Arc<GatewayState>>, headers: HeaderMap, body: Bytes) -> Response {
+    if let Err(r) = authorize(&state, &headers) {
+        return r;
+    }
+    let chat = serde_json::from_slice::<serde_json::Value>(&body).is_ok_and(|v| v.get("messages").is_some());
+    let header = |name: &str| headers.get(name).and_then(|v| v.to_str().ok()).map(str::to_owned);
+    let p = match crate::proxy::prepare(&state, chat, &body, &header) {
+        Ok(p) => p,
+        Err(e) => {
+            return (
+                StatusCode::from_u16(e.status).unwrap_or(StatusCode::BAD_REQUEST),
+                [("content-type", "application/json")],
+                e.body().to_json(),
+            )
+                .into_response()
+        }
+    };
+    let now = Instant::now();
+    let reg = state.registry();
+    let (views, _) = reg.views(&p.model, &p.hashes, now);
+    let req =
+        RequestView { hashes: &p.hashes, prompt_tokens: p.ids.len(), session_key: p.session_key, nonce: 0 };
+    let decision = state.policy.choose(&req, &views, reg.ring(), p.block_size);
+    let max_tokens = p.fields.max_output_tokens().map(u64::from);
+    let class_header = header(CLASS_HEADER);
+    let class_input = ClassInput {
+        prompt_tokens: p.ids.len() as u64,
+        max_tokens,
+        model: &p.model,
+        header_class: class_header.as_deref(),
+        reasoning: p.reasoning,
+    };
+    let (_, class, expected) = state.admission.classify(&class_input);
+    let predicted = decision.as_ref().map_or(0, |d| d.predicted_cached_tokens);
+    let cost = (p.ids.len().saturating_sub(predicted) as u64) + max_tokens.unwrap_or(expected);
+    Json(serde_json::json!({
+        "model": p.model,
+        "policy": state.policy.name(),
+        "prompt_tokens": p.ids.len(),
+        "blocks": p.hashes.len(),
+        "pick": decision.as_ref().and_then(|d| d.ranked.first()).map(|i| views[*i].id),
+        "reason": decision.as_ref().map(|d| d.reason),
+        "ranked": decision.as_ref().map(|d| d.ranked.iter().map(|i| views[*i].id).collect::<Vec<_>>()),
+        "predicted_cached_tokens": predicted,
+        "class": class,
+        "cost_tokens": cost,
+        "terms": decision.map(|d| d.terms),
+    }))
+    .into_response()
+}
+
+/// The admin routes.
+pub fn router() -> Router<Arc<GatewayState>> {
+    Router::new()
+        .route("/admin/v1/weights", get(get_weights).put(put_weights))
+        .route("/admin/v1/budgets", get(get_budgets).put(put_budgets))
+        .route("/admin/v1/workers", get(workers))
+        .route(
+            "/admin/v1/workers/{id}/drain",
+            post(|State(s): State<Arc<GatewayState>>, h: HeaderMap, UrlPath(id): UrlPath<String>| {
+                drain(s, h, id, true)
+            }),
+        )
+        .route(
+            "/admin/v1/workers/{id}/undrain",
+            post(|State(s): State<Arc<GatewayState>>, h: HeaderMap, UrlPath(id): UrlPath<String>| {
+                drain(s, h, id, false)
+            }),
+        )
+        .route("/admin/v1/route/explain", post(explain))
+}
