@@ -47,6 +47,8 @@ pub struct Ctx {
     status: u16,
     route: &'static str,
     class: String,
+    /// Time spent waiting for the class budget.
+    admission_wait: std::time::Duration,
 }
 
 #[async_trait]
@@ -54,7 +56,13 @@ impl ProxyHttp for Gateway {
     type CTX = Ctx;
 
     fn new_ctx(&self) -> Ctx {
-        Ctx { started: Instant::now(), status: 0, route: "none", class: String::new() }
+        Ctx {
+            started: Instant::now(),
+            status: 0,
+            route: "none",
+            class: String::new(),
+            admission_wait: std::time::Duration::ZERO,
+        }
     }
 
     /// Never reached: every request is answered in `request_filter` (see the module docs).
@@ -169,6 +177,7 @@ async fn handle(state: &Arc<GatewayState>, session: &mut Session, ctx: &mut Ctx)
     let tenant = header(session, TENANT_HEADER).map(str::to_owned).or_else(|| salt.clone());
     ctx.class = class_name.clone();
     let permit = state.admission.admit(class, tenant.as_deref(), cost).await.map_err(ApiError::rejected)?;
+    ctx.admission_wait = permit.waited;
     let first_ticket = state.registry().record_sent(targets[0].0, hashes, uncached, Instant::now());
     let mut reason = reason;
     for (attempt, (reg_idx, id, url)) in targets.iter().enumerate() {
@@ -263,6 +272,9 @@ async fn forward(
     }
     h.insert_header("x-kvgate-worker", worker_id).map_err(io)?;
     h.insert_header("x-kvgate-route", reason.as_str()).map_err(io)?;
+    h.insert_header("x-kvgate-class", ctx.class.as_str()).map_err(io)?;
+    h.insert_header("x-kvgate-admission-wait-ms", format!("{:.3}", ctx.admission_wait.as_secs_f64() * 1e3))
+        .map_err(io)?;
     session.write_response_header(Box::new(h), false).await.map_err(io)?;
     // From here on bytes reached the client: no retry.
     let mut body = resp.into_body();

@@ -288,3 +288,142 @@ max_wait_ms = 300
     let m = get(&format!("{control}/metrics")).await.body;
     assert!(m.contains("kvgate_gateway_class_rejected_total"), "per-class metrics");
 }
+
+/// Offers `n` requests of `class` at `rate_per_s` (open loop) and returns, per request, (status, admission wait
+/// ms, tokens, when it completed).
+async fn offer(
+    g: &str,
+    class: &str,
+    n: u32,
+    rate_per_s: f64,
+    seed: u32,
+    prompt_len: usize,
+) -> Vec<(u16, f64, u64, Instant)> {
+    offer_until(g, class, n, rate_per_s, seed, prompt_len, None).await
+}
+
+/// [`offer`], abandoning (disconnecting) requests still open at `deadline`.
+async fn offer_until(
+    g: &str,
+    class: &str,
+    n: u32,
+    rate_per_s: f64,
+    seed: u32,
+    prompt_len: usize,
+    deadline: Option<Instant>,
+) -> Vec<(u16, f64, u64, Instant)> {
+    let mut tasks = Vec::new();
+    let gap = Duration::from_secs_f64(1.0 / rate_per_s);
+    for i in 0..n {
+        let url = format!("{g}/v1/completions");
+        // Distinct prompts: no cache hits, so each costs its whole prompt.
+        let body =
+            json!({"model": MODEL, "prompt": prompt_ids(prompt_len, seed * 100_000 + i), "max_tokens": 1});
+        let class = class.to_owned();
+        tasks.push(tokio::spawn(async move {
+            let r = post(&url, &body, &[("x-kvgate-class", &class)]).await;
+            let wait: f64 = r.header("x-kvgate-admission-wait-ms").parse().unwrap_or(0.0);
+            let tokens =
+                if r.status == 200 { r.json()["usage"]["total_tokens"].as_u64().unwrap_or(0) } else { 0 };
+            (r.status, wait, tokens, Instant::now())
+        }));
+        tokio::time::sleep(gap).await;
+    }
+    let mut out = Vec::new();
+    for t in tasks {
+        match deadline {
+            Some(d) => match tokio::time::timeout_at(d.into(), t).await {
+                Ok(r) => out.push(r.expect("join")),
+                Err(_) => {}
+            },
+            None => out.push(t.await.expect("join")),
+        }
+    }
+    out
+}
+
+fn p99(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[((v.len() - 1) as f64 * 0.99).round() as usize]
+}
+
+#[tokio::test]
+async fn a_long_flood_does_not_delay_short_requests_and_budgets_split_4_to_1() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let cfg = dir.path().join("gateway.toml");
+    std::fs::write(
+        &cfg,
+        r#"
+[[classes]]
+name = "short"
+refill_tokens_per_s = 1000000
+burst_tokens = 1000000
+[classes.match]
+max_prompt_tokens = 64
+
+[[classes]]
+name = "long"
+refill_tokens_per_s = 1000
+burst_tokens = 500
+max_queued_requests = 16
+max_wait_ms = 1000
+
+[[classes]]
+name = "four"
+refill_tokens_per_s = 1600
+burst_tokens = 101
+max_wait_ms = 60000
+
+[[classes]]
+name = "one"
+refill_tokens_per_s = 400
+burst_tokens = 101
+max_wait_ms = 60000
+"#,
+    )
+    .expect("write");
+    let synth = dir.path().join("tiny");
+    let (g, control) = gateway(&["--config", cfg.to_str().expect("path")]);
+    let _w0 = worker("w0", &synth, Some(&control), &[]);
+    let _w1 = worker("w1", &synth, Some(&control), &[]);
+    wait_healthy(&control, 2).await;
+
+    // (a) Short requests alone, then the same with the long class offered 10x its budget.
+    let quiet = offer(&g.base, "short", 40, 20.0, 1, 20).await;
+    assert!(quiet.iter().all(|r| r.0 == 200));
+    let quiet_p99 = p99(quiet.iter().map(|r| r.1).collect());
+    let flood_task = {
+        let g = g.base.clone();
+        // 200-token prompts at 50/s = 10,000 tokens/s against a 1,000 tokens/s budget.
+        tokio::spawn(async move { offer(&g, "long", 100, 50.0, 2, 200).await })
+    };
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let busy = offer(&g.base, "short", 40, 20.0, 3, 20).await;
+    let flood = flood_task.await.expect("join");
+    assert!(busy.iter().all(|r| r.0 == 200), "short requests are never refused");
+    let busy_p99 = p99(busy.iter().map(|r| r.1).collect());
+    assert!(
+        busy_p99 <= quiet_p99 + 5.0,
+        "short admission wait p99 {busy_p99} ms vs {quiet_p99} ms without the flood"
+    );
+    let long_delayed_or_refused = flood.iter().filter(|r| r.0 == 429 || r.1 > 10.0).count();
+    assert!(
+        long_delayed_or_refused > 50,
+        "the flood is held back by its own budget ({long_delayed_or_refused}/100)"
+    );
+
+    // (b) Two saturated classes with 4:1 budgets complete about 4:1 of their tokens within a window (both are
+    // offered 30 x 101 = 3,030 tokens/s, above both budgets).
+    let start = Instant::now();
+    let window = start + Duration::from_secs(6);
+    let (a, b) = tokio::join!(
+        offer_until(&g.base, "four", 180, 30.0, 4, 100, Some(window)),
+        offer_until(&g.base, "one", 180, 30.0, 5, 100, Some(window))
+    );
+    let ta: u64 = a.iter().filter(|r| r.3 <= window).map(|r| r.2).sum();
+    let tb: u64 = b.iter().filter(|r| r.3 <= window).map(|r| r.2).sum();
+    let ratio = ta as f64 / tb as f64;
+    eprintln!("short admission wait p99: {quiet_p99:.3} ms quiet, {busy_p99:.3} ms under the flood; long held back: \
+        {long_delayed_or_refused}/100; 4:1 classes completed {ta} vs {tb} tokens in 6 s (ratio {ratio:.2})");
+    assert!((ratio - 4.0).abs() <= 0.4, "completed tokens {ta} vs {tb}: ratio {ratio}");
+}
