@@ -48,6 +48,9 @@ pub struct ClassConfig {
     /// Output tokens charged when a request gives no `max_tokens`.
     #[serde(default = "default_expected_output")]
     pub expected_output_tokens: u64,
+    /// When its own bucket is empty, take from an idle class (empty queue, full bucket). Default false.
+    #[serde(default)]
+    pub borrow_idle: bool,
 }
 
 fn default_queue_requests() -> usize {
@@ -97,6 +100,7 @@ pub fn default_classes() -> Vec<ClassConfig> {
         max_queued_tokens: default_queue_tokens(),
         max_wait_ms: default_max_wait_ms(),
         expected_output_tokens: default_expected_output(),
+        borrow_idle: false,
     };
     vec![
         class(

@@ -32,7 +32,8 @@ pub enum Rejection {
 struct Waiter {
     id: u64,
     cost: f64,
-    tx: oneshot::Sender<()>,
+    /// Receives the index of the class whose bucket paid.
+    tx: oneshot::Sender<usize>,
 }
 
 struct ClassState {
@@ -80,6 +81,27 @@ struct Inner {
     next_id: u64,
 }
 
+impl Inner {
+    /// Takes `cost` for class `i` from its own bucket, or, if the class may borrow, from an idle class (empty
+    /// queue, full bucket). Returns the index of the class that paid.
+    fn take(&mut self, i: usize, cost: f64, now: std::time::Instant) -> Option<usize> {
+        if self.classes[i].bucket.try_take(cost, now) {
+            return Some(i);
+        }
+        if !self.classes[i].cfg.borrow_idle {
+            return None;
+        }
+        let lender = (0..self.classes.len()).find(|&j| {
+            let c = &mut self.classes[j];
+            j != i
+                && c.queued_requests == 0
+                && c.bucket.level(now) >= c.cfg.burst_tokens
+                && c.bucket.can_take(cost, now)
+        })?;
+        self.classes[lender].bucket.try_take(cost, now).then_some(lender)
+    }
+}
+
 /// The admission controller (cheap to clone).
 #[derive(Clone)]
 pub struct Admission {
@@ -92,7 +114,8 @@ pub struct Admission {
 #[derive(Debug)]
 pub struct Permit {
     admission: Admission,
-    class: usize,
+    /// The class whose bucket paid (its own, or an idle one it borrowed from).
+    payer: usize,
     charged: f64,
     pub class_name: String,
     pub waited: Duration,
@@ -103,7 +126,7 @@ impl Permit {
     pub fn reconcile(self, actual_cost: f64) {
         let delta = self.charged - actual_cost;
         let mut inner = self.admission.lock();
-        if let Some(c) = inner.classes.get_mut(self.class) {
+        if let Some(c) = inner.classes.get_mut(self.payer) {
             c.bucket.adjust(delta, Instant::now().into_std());
             metrics::counter!("kvgate_gateway_class_tokens_charged_total", "class" => self.class_name.clone())
                 .increment(actual_cost.max(0.0) as u64);
@@ -200,24 +223,28 @@ impl Admission {
             let mut inner = self.lock();
             let id = inner.next_id;
             inner.next_id += 1;
-            let Some(c) = inner.classes.get_mut(class) else {
+            if class >= inner.classes.len() {
                 return Err(Rejection::QueueFull { class: "unknown".into(), retry_after_s: 1 });
-            };
-            let name = c.cfg.name.clone();
-            let now = started.into_std();
-            // Nobody waiting and budget available: admit at once.
-            if c.queued_requests == 0 && c.bucket.try_take(cost, now) {
-                metrics::counter!("kvgate_gateway_class_admitted_total", "class" => name.clone())
-                    .increment(1);
-                metrics::histogram!("kvgate_gateway_class_wait_seconds", "class" => name.clone()).record(0.0);
-                return Ok(Permit {
-                    admission: self.clone(),
-                    class,
-                    charged: cost,
-                    class_name: name,
-                    waited: Duration::ZERO,
-                });
             }
+            let now = started.into_std();
+            let name = inner.classes[class].cfg.name.clone();
+            // Nobody waiting and budget available: admit at once.
+            if inner.classes[class].queued_requests == 0 {
+                if let Some(payer) = inner.take(class, cost, now) {
+                    metrics::counter!("kvgate_gateway_class_admitted_total", "class" => name.clone())
+                        .increment(1);
+                    metrics::histogram!("kvgate_gateway_class_wait_seconds", "class" => name.clone())
+                        .record(0.0);
+                    return Ok(Permit {
+                        admission: self.clone(),
+                        payer,
+                        charged: cost,
+                        class_name: name,
+                        waited: Duration::ZERO,
+                    });
+                }
+            }
+            let c = &mut inner.classes[class];
             if c.queued_requests + 1 > c.cfg.max_queued_requests
                 || c.queued_tokens + cost > c.cfg.max_queued_tokens.max(cost.min(c.cfg.burst_tokens))
             {
@@ -239,13 +266,13 @@ impl Admission {
         };
         self.wake.notify_one();
         match tokio::time::timeout(max_wait, rx).await {
-            Ok(Ok(())) => {
+            Ok(Ok(payer)) => {
                 let waited = started.elapsed();
                 metrics::counter!("kvgate_gateway_class_admitted_total", "class" => name.clone())
                     .increment(1);
                 metrics::histogram!("kvgate_gateway_class_wait_seconds", "class" => name.clone())
                     .record(waited.as_secs_f64());
-                Ok(Permit { admission: self.clone(), class, charged: cost, class_name: name, waited })
+                Ok(Permit { admission: self.clone(), payer, charged: cost, class_name: name, waited })
             }
             _ => {
                 let mut inner = self.lock();
@@ -270,22 +297,23 @@ impl Admission {
                 let mut inner = self.lock();
                 let now = Instant::now().into_std();
                 let mut next: Option<Duration> = None;
-                for c in &mut inner.classes {
-                    while let Some(cost) = c.head_cost() {
-                        if c.bucket.try_take(cost, now) {
-                            if let Some(w) = c.pop_head() {
-                                if w.tx.send(()).is_err() {
+                for i in 0..inner.classes.len() {
+                    while let Some(cost) = inner.classes[i].head_cost() {
+                        if let Some(payer) = inner.take(i, cost, now) {
+                            if let Some(w) = inner.classes[i].pop_head() {
+                                if w.tx.send(payer).is_err() {
                                     // The waiter timed out meanwhile: give its tokens back.
-                                    c.bucket.adjust(w.cost, now);
+                                    inner.classes[payer].bucket.adjust(w.cost, now);
                                 }
                             }
                         } else {
-                            if let Some(d) = c.bucket.wait_for(cost, now) {
+                            if let Some(d) = inner.classes[i].bucket.wait_for(cost, now) {
                                 next = Some(next.map_or(d, |n| n.min(d)));
                             }
                             break;
                         }
                     }
+                    let c = &mut inner.classes[i];
                     metrics::gauge!("kvgate_gateway_class_bucket_tokens", "class" => c.cfg.name.clone())
                         .set(c.bucket.level(now));
                     metrics::gauge!("kvgate_gateway_class_queued_requests", "class" => c.cfg.name.clone())

@@ -12,7 +12,26 @@ fn class(name: &str, rate: f64, burst: f64, max_wait_ms: u64) -> ClassConfig {
         max_queued_tokens: 1e9,
         max_wait_ms,
         expected_output_tokens: 0,
+        borrow_idle: false,
     }
+}
+
+#[tokio::test(start_paused = true)]
+async fn borrowing_idle_capacity_is_opt_in() {
+    let mut lender = class("idle", 10.0, 10_000.0, 100);
+    lender.borrow_idle = false;
+    let mut borrower = class("busy", 10.0, 100.0, 100);
+    borrower.borrow_idle = true;
+    let plain = class("plain", 10.0, 100.0, 100);
+    let a = Admission::new(vec![lender, borrower, plain]);
+    a.admit(1, None, 100.0).await.expect("own burst");
+    a.admit(2, None, 100.0).await.expect("own burst");
+    // busy borrows from the idle class; plain (no borrowing) waits and times out.
+    let p = a.admit(1, None, 500.0).await.expect("borrowed");
+    assert_eq!(p.waited, Duration::ZERO);
+    assert!(matches!(a.admit(2, None, 500.0).await, Err(Rejection::Timeout { .. })));
+    // The idle class is no longer full: no further borrowing until it refills.
+    assert!(matches!(a.admit(1, None, 500.0).await, Err(Rejection::Timeout { .. })));
 }
 
 #[tokio::test(start_paused = true)]
