@@ -116,21 +116,8 @@ pub struct GatewayConfig {
 }
 
 fn duration(v: Option<String>, default: &str, name: &str) -> Result<Duration, String> {
-    let s = v.unwrap_or_else(|| default.to_owned());
-    let s = s.trim();
-    let (num, unit) =
-        s.find(|c: char| !(c.is_ascii_digit() || c == '.')).map_or((s, "s"), |i| (&s[..i], &s[i..]));
-    let n: f64 = num.parse().map_err(|_| format!("--{name}: {s:?} is not a duration (e.g. 3s, 500ms)"))?;
-    let secs = match unit {
-        "ms" => n / 1e3,
-        "s" => n,
-        "m" => n * 60.0,
-        _ => return Err(format!("--{name}: unknown unit {unit:?}")),
-    };
-    if !secs.is_finite() || secs < 0.0 {
-        return Err(format!("--{name}: {s:?} is negative"));
-    }
-    Ok(Duration::from_secs_f64(secs))
+    kvgate_shared::duration::parse_duration(v.as_deref().unwrap_or(default))
+        .map_err(|e| format!("--{name}: {e}"))
 }
 
 impl GatewayArgs {

@@ -81,6 +81,27 @@ pub struct SentTicket {
     pub uncached_tokens: u64,
 }
 
+impl Worker {
+    fn new(id: String, url: String, is_static: bool) -> Self {
+        Self {
+            id,
+            url,
+            model: None,
+            is_static,
+            report: None,
+            report_at: None,
+            fingerprint_ok: None,
+            refused_at: None,
+            draining: false,
+            inflight: 0,
+            epoch: 0,
+            sent_requests_since_report: 0,
+            sent_tokens_since_report: 0,
+            overlay: Overlay::default(),
+        }
+    }
+}
+
 /// A worker's state for `GET /admin/v1/workers` and logs.
 #[derive(Debug, Serialize)]
 pub struct WorkerStatus {
@@ -127,22 +148,7 @@ impl Registry {
         if self.workers.iter().any(|w| w.url == url) {
             return;
         }
-        self.workers.push(Worker {
-            id: url.clone(),
-            url,
-            model: None,
-            is_static: true,
-            report: None,
-            report_at: None,
-            fingerprint_ok: None,
-            refused_at: None,
-            draining: false,
-            inflight: 0,
-            epoch: 0,
-            sent_requests_since_report: 0,
-            sent_tokens_since_report: 0,
-            overlay: Overlay::default(),
-        });
+        self.workers.push(Worker::new(url.clone(), url, true));
         self.rebuild_ring();
     }
 
@@ -168,22 +174,7 @@ impl Registry {
         let i = match pos {
             Some(i) => i,
             None => {
-                self.workers.push(Worker {
-                    id: report.worker_id.clone(),
-                    url: url.clone(),
-                    model: None,
-                    is_static: false,
-                    report: None,
-                    report_at: None,
-                    fingerprint_ok: None,
-                    refused_at: None,
-                    draining: false,
-                    inflight: 0,
-                    epoch: 0,
-                    sent_requests_since_report: 0,
-                    sent_tokens_since_report: 0,
-                    overlay: Overlay::default(),
-                });
+                self.workers.push(Worker::new(report.worker_id.clone(), url.clone(), false));
                 self.workers.len() - 1
             }
         };

@@ -3,8 +3,10 @@
 //! - [`hashing`]: the chained block hashes that key the prefix cache (pinned by golden vectors);
 //! - [`report`]: the summary a worker pushes to gateways every second, with its Bloom filter of cached blocks;
 //! - [`prompt`]: chat-template rendering and tokenization, identical on both sides;
-//! - [`openai`]: the OpenAI API types and error body.
+//! - [`openai`]: the OpenAI API types and error body;
+//! - [`duration`]: configuration durations (`1s`, `500ms`).
 
+pub mod duration;
 pub mod hashing;
 pub mod openai;
 pub mod prompt;

@@ -46,6 +46,16 @@ struct ClassState {
 }
 
 impl ClassState {
+    fn new(cfg: ClassConfig, now: std::time::Instant) -> Self {
+        Self {
+            bucket: TokenBucket::new(cfg.refill_tokens_per_s, cfg.burst_tokens, now),
+            cfg,
+            queues: VecDeque::new(),
+            queued_requests: 0,
+            queued_tokens: 0.0,
+        }
+    }
+
     fn head_cost(&self) -> Option<f64> {
         self.queues.front().and_then(|(_, q)| q.front()).map(|w| w.cost)
     }
@@ -146,16 +156,7 @@ impl Admission {
     /// A controller over `classes`. Its pump starts on the tokio runtime of the first `admit`.
     pub fn new(classes: Vec<ClassConfig>) -> Self {
         let now = Instant::now().into_std();
-        let classes = classes
-            .into_iter()
-            .map(|cfg| ClassState {
-                bucket: TokenBucket::new(cfg.refill_tokens_per_s, cfg.burst_tokens, now),
-                cfg,
-                queues: VecDeque::new(),
-                queued_requests: 0,
-                queued_tokens: 0.0,
-            })
-            .collect();
+        let classes = classes.into_iter().map(|cfg| ClassState::new(cfg, now)).collect();
         Self {
             inner: Arc::new(Mutex::new(Inner { classes, next_id: 0 })),
             wake: Arc::new(Notify::new()),
@@ -192,13 +193,7 @@ impl Admission {
                     s.cfg = cfg;
                     s
                 }
-                None => ClassState {
-                    bucket: TokenBucket::new(cfg.refill_tokens_per_s, cfg.burst_tokens, now),
-                    cfg,
-                    queues: VecDeque::new(),
-                    queued_requests: 0,
-                    queued_tokens: 0.0,
-                },
+                None => ClassState::new(cfg, now),
             })
             .collect();
         drop(inner);
