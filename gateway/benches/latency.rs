@@ -25,6 +25,8 @@ fn port() -> u16 {
 }
 
 fn start(bin: &str, args: &[String], needle: &str) -> Kill {
+    // The child is wrapped in `Kill` (killed and waited on drop) before anything can fail.
+    #[allow(clippy::zombie_processes)]
     let mut child =
         Command::new(bin).args(args).env("RUST_LOG", "error").stdout(Stdio::piped()).spawn().expect("spawn");
     let out = child.stdout.take().expect("stdout");

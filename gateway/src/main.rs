@@ -31,7 +31,7 @@ fn main() -> ExitCode {
     let buckets = [0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 30.0];
     let prometheus = match PrometheusBuilder::new()
         .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), &buckets)
-        .and_then(|b| b.install_recorder().map_err(Into::into))
+        .and_then(|b| b.install_recorder())
     {
         Ok(h) => h,
         Err(e) => {

@@ -332,10 +332,12 @@ async fn offer_until(
     let mut out = Vec::new();
     for t in tasks {
         match deadline {
-            Some(d) => match tokio::time::timeout_at(d.into(), t).await {
-                Ok(r) => out.push(r.expect("join")),
-                Err(_) => {}
-            },
+            Some(d) => {
+                // Still open at the deadline: abandoned (dropping the future disconnects it).
+                if let Ok(r) = tokio::time::timeout_at(d.into(), t).await {
+                    out.push(r.expect("join"));
+                }
+            }
             None => out.push(t.await.expect("join")),
         }
     }

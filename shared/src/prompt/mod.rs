@@ -231,7 +231,7 @@ impl Prompter {
         if let Some(tools) = &options.tools {
             ctx.insert("tools".into(), tools.clone());
         }
-        template.render(minijinja::Value::from_serialize(&Json::Object(ctx)))
+        template.render(minijinja::Value::from_serialize(Json::Object(ctx)))
     }
 
     /// Tokenizes text; `add_special_tokens` runs the post-processor (BOS for Llama-style tokenizers).

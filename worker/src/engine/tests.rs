@@ -220,10 +220,13 @@ fn thousands_of_random_requests_leak_nothing() {
     assert!(s.preemptions > 0 && s.evictions > 0 && s.hit_blocks > 0, "{s:?}");
 }
 
-/// A real CPU backend that records the logits it returns, per request (by first prompt token).
+/// Logits returned, with the position they follow.
+type LogitLog = Arc<Mutex<Vec<(usize, Vec<f32>)>>>;
+
+/// A real CPU backend that records the logits it returns.
 struct Recording {
     inner: CpuBackend,
-    log: Arc<Mutex<Vec<(usize, Vec<f32>)>>>,
+    log: LogitLog,
 }
 
 impl Backend for Recording {
@@ -248,10 +251,7 @@ impl Backend for Recording {
     }
 }
 
-fn cpu_engine(
-    dir: &std::path::Path,
-    chunk: usize,
-) -> (Engine<Recording>, Arc<Mutex<Vec<(usize, Vec<f32>)>>>) {
+fn cpu_engine(dir: &std::path::Path, chunk: usize) -> (Engine<Recording>, LogitLog) {
     let model = LlamaModel::load(dir).expect("model");
     let log = Arc::new(Mutex::new(Vec::new()));
     let num_blocks = 64;

@@ -175,6 +175,7 @@ impl ModelConfig {
     }
 
     /// Checks the shapes fit together.
+    #[allow(clippy::neg_cmp_op_on_partial_ord)] // `!(x > 0)` on purpose: NaN must fail too.
     pub fn validate(&self) -> Result<(), (&'static str, String)> {
         let positive = [
             ("hidden_size", self.hidden_size),
@@ -277,6 +278,7 @@ impl TokenIds {
     }
 }
 
+#[allow(clippy::neg_cmp_op_on_partial_ord)] // `!(x > 0)` on purpose: NaN must fail too.
 fn parse_rope_scaling(v: &serde_json::Value) -> Result<Option<RopeScaling>, String> {
     let kind =
         v.get("rope_type").or_else(|| v.get("type")).and_then(serde_json::Value::as_str).unwrap_or("default");
