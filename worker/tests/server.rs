@@ -240,12 +240,13 @@ async fn bad_input_gets_openai_errors() {
 async fn full_queue_is_503_with_retry_after() {
     let w = start_worker(&["--max-num-seqs", "1", "--max-waiting-requests", "1"]);
     let url = format!("{}/v1/completions", w.base);
-    let long = json!({"model": MODEL, "prompt": ids(30, 1), "max_tokens": 400, "ignore_eos": true});
+    // Long enough (1,000 tokens) that the first request is still running when the others arrive.
+    let long = json!({"model": MODEL, "prompt": ids(30, 1), "max_tokens": 1000, "ignore_eos": true});
     let mut tasks = Vec::new();
     for _ in 0..4 {
         let (u, b) = (url.clone(), long.clone());
         tasks.push(tokio::spawn(async move { post(&u, &b).await }));
-        tokio::time::sleep(Duration::from_millis(50)).await;
+        tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let mut statuses = Vec::new();
     let mut retry_after = false;

@@ -4,13 +4,15 @@
 //! - `request`: requests, sampling parameters, step outputs, admission errors;
 //! - `scheduler`: continuous batching with chunked prefill and recompute preemption;
 //! - `sampler`: greedy / temperature / top-k / top-p sampling;
-//! - `backend`: the compute trait and the CPU model backend.
+//! - `backend`: the compute trait and the CPU model backend;
+//! - `sim`, `timing`: the simulated backend (deterministic tokens) and its timing model / profile files.
 
 pub mod backend;
 pub mod request;
 pub mod sampler;
 pub mod scheduler;
 pub mod sim;
+pub mod timing;
 
 use std::sync::Arc;
 

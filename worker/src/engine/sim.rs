@@ -1,29 +1,80 @@
-//! A backend without model math: deterministic next tokens (a hash of the whole context), no KV memory. The
-//! engine's scheduling, block management and prefix cache run unchanged on top of it. The simulated worker
-//! (`--engine sim`, issue #7) adds its timing model here.
+//! A backend without model math: deterministic next tokens, no KV memory. The engine's scheduling, block
+//! management and prefix cache run unchanged on top of it. With a [`TimingModel`] each step takes the time the
+//! model predicts: slept in real time (`kvgate-worker serve --engine sim`), or accumulated as virtual time (the
+//! fleet simulator reads [`SimBackend::take_elapsed`]).
 
 use xxhash_rust::xxh3::xxh3_64;
 
 use super::backend::{Backend, BatchItem, Next};
+use super::timing::TimingModel;
 
-/// Deterministic token source.
+/// How simulated time passes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SimClock {
+    /// Steps take no time (tests).
+    Instant,
+    /// Steps sleep for their predicted time (a simulated worker serving real clients).
+    RealTime,
+    /// Steps add their predicted time to a counter (a virtual-time simulator).
+    Virtual,
+}
+
+/// Deterministic token source with an optional timing model.
 #[derive(Clone, Debug)]
 pub struct SimBackend {
     pub vocab_size: usize,
     pub max_model_len: usize,
     pub eos_token_ids: Vec<u32>,
+    pub timing: Option<TimingModel>,
+    pub clock: SimClock,
+    elapsed: f64,
 }
 
 impl SimBackend {
-    /// The token that follows `context`: the same context always gives the same token.
+    /// A backend whose steps take no time.
+    pub fn new(vocab_size: usize, max_model_len: usize, eos_token_ids: Vec<u32>) -> Self {
+        Self {
+            vocab_size,
+            max_model_len,
+            eos_token_ids,
+            timing: None,
+            clock: SimClock::Instant,
+            elapsed: 0.0,
+        }
+    }
+
+    /// Adds a timing model and a clock.
+    pub fn with_timing(mut self, timing: TimingModel, clock: SimClock) -> Self {
+        self.timing = Some(timing);
+        self.clock = clock;
+        self
+    }
+
+    /// Virtual seconds accumulated since the last call.
+    pub fn take_elapsed(&mut self) -> f64 {
+        std::mem::take(&mut self.elapsed)
+    }
+
+    /// The token that follows `context`: a hash of its length and last 16 tokens, so the same context always
+    /// gives the same token and a 200K-token context costs no more than a short one.
     pub fn next_token(&self, context: &[u32]) -> u32 {
-        let bytes: Vec<u8> = context.iter().flat_map(|t| t.to_le_bytes()).collect();
+        let tail = &context[context.len().saturating_sub(16)..];
+        let mut bytes: Vec<u8> = (context.len() as u64).to_le_bytes().to_vec();
+        bytes.extend(tail.iter().flat_map(|t| t.to_le_bytes()));
         (xxh3_64(&bytes) % self.vocab_size.max(1) as u64) as u32
     }
 }
 
 impl Backend for SimBackend {
     fn forward(&mut self, items: &[BatchItem<'_>]) -> Result<Vec<Option<Next>>, String> {
+        if let Some(t) = &self.timing {
+            let secs = t.step(items);
+            match self.clock {
+                SimClock::Instant => {}
+                SimClock::RealTime => std::thread::sleep(std::time::Duration::from_secs_f64(secs)),
+                SimClock::Virtual => self.elapsed += secs,
+            }
+        }
         Ok(items
             .iter()
             .map(|it| it.want_next.then(|| Next::Token(self.next_token(&it.tokens[..it.start + it.len]))))

@@ -15,7 +15,7 @@ use crate::model::synth::{synth_model, Preset, SynthSpec};
 const BS: u32 = 4;
 
 fn sim_engine(num_blocks: usize, max_batched: usize, max_seqs: usize) -> Engine<SimBackend> {
-    let backend = SimBackend { vocab_size: 1000, max_model_len: 4096, eos_token_ids: vec![0] };
+    let backend = SimBackend::new(1000, 4096, vec![0]);
     let cfg = EngineConfig {
         num_blocks,
         scheme: HashScheme::new(BS, 1),
@@ -94,7 +94,7 @@ fn stop_strings_use_the_detokenizer() {
     synth_model(dir.path(), &SynthSpec::new(Preset::Tiny, 4)).expect("synth");
     let prompter = Arc::new(kvgate_shared::prompt::Prompter::from_dir(dir.path()).expect("prompter"));
     let make = |detok: Option<Arc<dyn Detokenizer>>| {
-        let backend = SimBackend { vocab_size: 500, max_model_len: 4096, eos_token_ids: vec![] };
+        let backend = SimBackend::new(500, 4096, vec![]);
         let cfg = EngineConfig {
             num_blocks: 64,
             scheme: HashScheme::new(BS, 1),

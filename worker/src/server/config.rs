@@ -31,6 +31,13 @@ pub struct ServeArgs {
     /// Seed of `--synth`. Default 0.
     #[arg(long, env = "KVGATE_WORKER_SYNTH_SEED")]
     pub synth_seed: Option<u64>,
+    /// Compute engine: `cpu` (the model's real math) or `sim` (deterministic tokens, time from --sim-profile;
+    /// the tokenizer still comes from --model / --synth). Default cpu.
+    #[arg(long, env = "KVGATE_WORKER_ENGINE")]
+    pub engine: Option<String>,
+    /// Timing-model profile of `--engine sim` (TOML; see worker/profiles/).
+    #[arg(long, env = "KVGATE_WORKER_SIM_PROFILE")]
+    pub sim_profile: Option<PathBuf>,
     /// Listen address. Default 0.0.0.0.
     #[arg(long, env = "KVGATE_WORKER_HOST")]
     pub host: Option<String>,
@@ -97,6 +104,7 @@ pub struct ServeArgs {
 #[derive(Debug, Clone, PartialEq)]
 pub struct ServeConfig {
     pub model: ModelSource,
+    pub engine: EngineKind,
     pub host: String,
     pub port: u16,
     pub worker_id: Option<String>,
@@ -117,6 +125,13 @@ pub struct ServeConfig {
     pub default_max_tokens: u32,
     pub shutdown_grace: Duration,
     pub log_json: bool,
+}
+
+/// Which compute engine runs.
+#[derive(Debug, Clone, PartialEq)]
+pub enum EngineKind {
+    Cpu,
+    Sim { profile: PathBuf },
 }
 
 /// Where the model comes from.
@@ -173,8 +188,18 @@ impl ServeArgs {
         let dur = |v: Option<String>, default: &str, name: &str| {
             parse_duration(v.as_deref().unwrap_or(default)).map_err(|e| format!("--{name}: {e}"))
         };
+        let engine = match (pick!(engine).as_deref().unwrap_or("cpu"), pick!(sim_profile)) {
+            ("cpu", None) => EngineKind::Cpu,
+            ("cpu", Some(_)) => return Err("--sim-profile needs --engine sim".into()),
+            ("sim", Some(profile)) => EngineKind::Sim { profile },
+            ("sim", None) => {
+                return Err("--engine sim needs --sim-profile FILE (see worker/profiles/)".into())
+            }
+            (other, _) => return Err(format!("--engine {other:?} is not cpu or sim")),
+        };
         let cfg = ServeConfig {
             model,
+            engine,
             host: pick!(host).unwrap_or_else(|| "0.0.0.0".into()),
             port: pick!(port).unwrap_or(8000),
             worker_id: pick!(worker_id),

@@ -30,9 +30,11 @@ use kvgate_shared::openai::{ModelCard, ModelList};
 use kvgate_shared::prompt::Prompter;
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 
-use self::config::{ModelSource, ServeConfig};
+use self::config::{EngineKind, ModelSource, ServeConfig};
 use self::engine_thread::EngineHandle;
 use self::errors::ApiError;
+use crate::engine::sim::{SimBackend, SimClock};
+use crate::engine::timing::SimProfile;
 use crate::engine::{CpuBackend, Engine, EngineConfig, SchedulerConfig};
 use crate::model::llama::LlamaModel;
 use crate::model::synth::{synth_model, SynthSpec};
@@ -104,12 +106,9 @@ fn ensure_model_dir(src: &ModelSource) -> Result<std::path::PathBuf, String> {
 
 fn load(cfg: &ServeConfig, worker_id: &str) -> Result<Loaded, String> {
     let dir = ensure_model_dir(&cfg.model)?;
-    let model = LlamaModel::load(&dir).map_err(|e| e.to_string())?;
     let prompter = Arc::new(Prompter::from_dir(&dir).map_err(|e| e.to_string())?);
     let scheme = HashScheme::new(cfg.block_size, prompter.digest());
     let num_blocks = cfg.kv_cache_tokens / cfg.block_size as usize;
-    let max_model_len = model.config().max_position_embeddings;
-    let backend = CpuBackend::new(model, num_blocks * cfg.block_size as usize);
     let engine_cfg = EngineConfig {
         num_blocks,
         scheme,
@@ -118,19 +117,29 @@ fn load(cfg: &ServeConfig, worker_id: &str) -> Result<Loaded, String> {
             max_num_seqs: cfg.max_num_seqs,
         },
     };
-    let engine = Engine::new(engine_cfg, backend, Some(prompter.clone()));
+    let (handle, max_model_len) = match &cfg.engine {
+        EngineKind::Cpu => {
+            let model = LlamaModel::load(&dir).map_err(|e| e.to_string())?;
+            let max_model_len = model.config().max_position_embeddings;
+            let backend = CpuBackend::new(model, num_blocks * cfg.block_size as usize);
+            let engine = Engine::new(engine_cfg, backend, Some(prompter.clone()));
+            (EngineHandle::spawn(engine, cfg.max_waiting_requests), max_model_len)
+        }
+        EngineKind::Sim { profile } => {
+            let profile = SimProfile::load(profile)?;
+            let eos: Vec<u32> = prompter.eos_token_id().into_iter().collect();
+            let backend = SimBackend::new(prompter.vocab_size(), profile.max_model_len, eos)
+                .with_timing(profile.timing, SimClock::RealTime);
+            tracing::info!(profile = %profile.name, "simulated engine");
+            let engine = Engine::new(engine_cfg, backend, Some(prompter.clone()));
+            (EngineHandle::spawn(engine, cfg.max_waiting_requests), profile.max_model_len)
+        }
+    };
     let model_id = cfg.model_id.clone().unwrap_or_else(|| match &cfg.model {
         ModelSource::Synth { preset, .. } => format!("kvgate-{}", format!("{preset:?}").to_lowercase()),
         ModelSource::Dir(d) => d.file_name().map_or("model".into(), |n| n.to_string_lossy().into_owned()),
     });
-    Ok(Loaded {
-        engine: EngineHandle::spawn(engine, cfg.max_waiting_requests),
-        prompter,
-        model_id,
-        worker_id: worker_id.to_owned(),
-        max_model_len,
-        scheme,
-    })
+    Ok(Loaded { engine: handle, prompter, model_id, worker_id: worker_id.to_owned(), max_model_len, scheme })
 }
 
 /// The HTTP routes over `state`.

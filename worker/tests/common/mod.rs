@@ -40,9 +40,10 @@ pub fn start_worker(extra: &[&str]) -> Worker {
         "127.0.0.1".into(),
         "--port".into(),
         "0".into(),
-        "--kv-cache-tokens".into(),
-        "4096".into(),
     ];
+    if !extra.contains(&"--kv-cache-tokens") {
+        args.extend(["--kv-cache-tokens".into(), "4096".into()]);
+    }
     args.extend(extra.iter().map(|s| s.to_string()));
     let mut child = Command::new(env!("CARGO_BIN_EXE_kvgate-worker"))
         .args(&args)

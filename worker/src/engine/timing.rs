@@ -1,0 +1,157 @@
+//! The simulated engine's timing model and its profile file.
+//!
+//! ```text
+//! prefill chunk of n new tokens after `start` cached/computed ones:
+//!     t = prefill_base_s + prefill_per_token_s * n + prefill_attention_s * n * (start + n / 2)
+//!     (the last term is the causal attention area: each new token attends to everything before it)
+//! decode step of `batch` sequences holding `kv_tokens` tokens of context in total:
+//!     t = decode_base_s + decode_per_seq_s * batch + decode_per_kv_token_s * kv_tokens
+//! step = sum of its prefill chunks + its decode part (if any sequence decodes)
+//! ```
+//! Profiles are TOML files (`worker/profiles/`): the coefficients, the model limits the simulated worker
+//! advertises, and where the numbers come from.
+
+use serde::{Deserialize, Serialize};
+
+use super::backend::BatchItem;
+
+/// Coefficients of the timing model (seconds).
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TimingModel {
+    pub prefill_base_s: f64,
+    pub prefill_per_token_s: f64,
+    pub prefill_attention_s: f64,
+    pub decode_base_s: f64,
+    pub decode_per_seq_s: f64,
+    pub decode_per_kv_token_s: f64,
+}
+
+impl TimingModel {
+    /// Seconds one prefill chunk takes.
+    pub fn prefill(&self, start: usize, n: usize) -> f64 {
+        let n_f = n as f64;
+        self.prefill_base_s
+            + self.prefill_per_token_s * n_f
+            + self.prefill_attention_s * n_f * (start as f64 + n_f / 2.0)
+    }
+
+    /// Seconds one decode step takes.
+    pub fn decode(&self, batch: usize, kv_tokens: usize) -> f64 {
+        if batch == 0 {
+            return 0.0;
+        }
+        self.decode_base_s
+            + self.decode_per_seq_s * batch as f64
+            + self.decode_per_kv_token_s * kv_tokens as f64
+    }
+
+    /// Seconds a whole engine step takes (single-token items are decodes, the rest prefill chunks).
+    pub fn step(&self, items: &[BatchItem<'_>]) -> f64 {
+        let mut t = 0.0;
+        let (mut batch, mut kv) = (0usize, 0usize);
+        for it in items {
+            if it.len == 1 && it.start > 0 {
+                batch += 1;
+                kv += it.start + 1;
+            } else {
+                t += self.prefill(it.start, it.len);
+            }
+        }
+        t + self.decode(batch, kv)
+    }
+
+    /// Every problem with the coefficients.
+    pub fn validate(&self) -> Vec<String> {
+        let fields = [
+            ("prefill_base_s", self.prefill_base_s),
+            ("prefill_per_token_s", self.prefill_per_token_s),
+            ("prefill_attention_s", self.prefill_attention_s),
+            ("decode_base_s", self.decode_base_s),
+            ("decode_per_seq_s", self.decode_per_seq_s),
+            ("decode_per_kv_token_s", self.decode_per_kv_token_s),
+        ];
+        fields
+            .iter()
+            .filter(|(_, v)| !v.is_finite() || *v < 0.0)
+            .map(|(n, v)| format!("timing.{n} must be a finite number >= 0, got {v}"))
+            .collect()
+    }
+}
+
+/// A simulated worker's profile file.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SimProfile {
+    /// A name for logs and reports.
+    pub name: String,
+    /// Where the coefficients come from (a measurement command, or a cited publication).
+    pub source: String,
+    /// Longest sequence (prompt + output) the simulated model accepts.
+    pub max_model_len: usize,
+    pub timing: TimingModel,
+}
+
+impl SimProfile {
+    /// Reads and validates a profile file.
+    pub fn load(path: &std::path::Path) -> Result<Self, String> {
+        let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
+        let p: SimProfile = toml::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))?;
+        let mut problems = p.timing.validate();
+        if p.max_model_len == 0 {
+            problems.push("max_model_len must be at least 1".into());
+        }
+        if problems.is_empty() {
+            Ok(p)
+        } else {
+            Err(format!("{}: {}", path.display(), problems.join("; ")))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn model() -> TimingModel {
+        TimingModel {
+            prefill_base_s: 0.01,
+            prefill_per_token_s: 1e-4,
+            prefill_attention_s: 1e-8,
+            decode_base_s: 0.005,
+            decode_per_seq_s: 1e-4,
+            decode_per_kv_token_s: 1e-7,
+        }
+    }
+
+    #[test]
+    fn formula() {
+        let m = model();
+        // 1000 new tokens after 1000: 0.01 + 0.1 + 1e-8 * 1000 * 1500.
+        assert!((m.prefill(1000, 1000) - (0.01 + 0.1 + 0.015)).abs() < 1e-12);
+        assert_eq!(m.decode(0, 0), 0.0);
+        assert!((m.decode(4, 10_000) - (0.005 + 0.0004 + 0.001)).abs() < 1e-12);
+        let tokens: Vec<u32> = vec![0; 3000];
+        let items = [
+            BatchItem { tokens: &tokens, start: 1000, len: 1000, slots: vec![], want_next: true },
+            BatchItem { tokens: &tokens, start: 2000, len: 1, slots: vec![], want_next: true },
+        ];
+        assert!((m.step(&items) - (m.prefill(1000, 1000) + m.decode(1, 2001))).abs() < 1e-12);
+        assert!(TimingModel { decode_base_s: -1.0, ..m }.validate().len() == 1);
+    }
+
+    #[test]
+    fn shipped_profiles_load() {
+        let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/profiles");
+        let mut n = 0;
+        for entry in std::fs::read_dir(dir).expect("profiles dir") {
+            let path = entry.expect("entry").path();
+            if path.extension().is_some_and(|e| e == "toml") {
+                let p = SimProfile::load(&path).expect("valid profile");
+                assert!(!p.source.is_empty());
+                n += 1;
+            }
+        }
+        assert!(n >= 1);
+    }
+}
