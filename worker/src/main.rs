@@ -46,6 +46,21 @@ enum Command {
         #[arg(long, default_value_t = 1)]
         shards: usize,
     },
+    /// Measure the CPU engine and fit the simulated engine's timing model to it; writes a profile (TOML).
+    Calibrate {
+        /// Model directory to measure.
+        #[arg(long)]
+        model: Option<PathBuf>,
+        /// Or a synthesized preset (written to a temporary directory).
+        #[arg(long, value_enum)]
+        synth: Option<Preset>,
+        /// Where to write the profile (stdout if absent).
+        #[arg(long)]
+        out: Option<PathBuf>,
+        /// Fewer, smaller measurements (seconds instead of a minute).
+        #[arg(long)]
+        quick: bool,
+    },
     /// Serve the OpenAI API (flags also from KVGATE_WORKER_* environment variables and a TOML file).
     Serve(Box<ServeArgs>),
 }
@@ -78,6 +93,7 @@ fn main() -> ExitCode {
                 }
             }
         }
+        Command::Calibrate { model, synth, out, quick } => calibrate(model, synth, out, quick),
         Command::Serve(args) => {
             let cfg = match args.resolve() {
                 Ok(c) => c,
@@ -114,5 +130,70 @@ fn init_logging(json: bool) {
         builder.json().init();
     } else {
         builder.init();
+    }
+}
+
+fn calibrate(model: Option<PathBuf>, synth: Option<Preset>, out: Option<PathBuf>, quick: bool) -> ExitCode {
+    let tmp = std::env::temp_dir().join(format!("kvgate-calibrate-{}", std::process::id()));
+    let (dir, note) = match (model, synth) {
+        (Some(d), None) => (d.clone(), format!("model {}", d.display())),
+        (None, Some(p)) => {
+            if let Err(e) = synth_model(&tmp, &SynthSpec::new(p, 0)) {
+                eprintln!("calibrate: {e}");
+                return ExitCode::FAILURE;
+            }
+            (tmp.clone(), format!("synthetic preset {p:?}"))
+        }
+        _ => {
+            eprintln!("calibrate: pass --model DIR or --synth tiny|small");
+            return ExitCode::from(2);
+        }
+    };
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let date = std::process::Command::new("date")
+        .arg("-u")
+        .arg("+%Y-%m-%d")
+        .output()
+        .ok()
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
+        .unwrap_or_default();
+    let result =
+        kvgate_worker::model::llama::LlamaModel::load(&dir).map_err(|e| e.to_string()).and_then(|m| {
+            kvgate_worker::engine::calibrate::calibrate(
+                &m,
+                quick,
+                &format!("{note}, {threads} threads, {date}"),
+            )
+        });
+    let _ = std::fs::remove_dir_all(&tmp);
+    let profile = match result {
+        Ok(p) => p,
+        Err(e) => {
+            eprintln!("calibrate: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let text = match toml::to_string(&profile) {
+        Ok(t) => t,
+        Err(e) => {
+            eprintln!("calibrate: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match out {
+        Some(path) => match std::fs::write(&path, text) {
+            Ok(()) => {
+                println!("wrote {}", path.display());
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("calibrate: {}: {e}", path.display());
+                ExitCode::FAILURE
+            }
+        },
+        None => {
+            print!("{text}");
+            ExitCode::SUCCESS
+        }
     }
 }

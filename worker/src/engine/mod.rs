@@ -8,6 +8,7 @@
 //! - `sim`, `timing`: the simulated backend (deterministic tokens) and its timing model / profile files.
 
 pub mod backend;
+pub mod calibrate;
 pub mod request;
 pub mod sampler;
 pub mod scheduler;

@@ -1,0 +1,192 @@
+//! `kvgate-worker calibrate`: measures the real CPU engine and fits the simulated engine's timing model to it
+//! (least squares on the formula of `timing.rs`), producing a profile file.
+
+use std::time::Instant;
+
+use super::timing::{SimProfile, TimingModel};
+use crate::model::llama::{KvStore, LlamaModel, SeqChunk};
+
+/// One measurement: the regressors and the seconds it took.
+#[derive(Clone, Debug)]
+struct Sample {
+    x: [f64; 3],
+    secs: f64,
+}
+
+/// Solves the 3x3 least-squares problem `min |X w - y|` (normal equations, Gaussian elimination); coefficients
+/// that come out negative are refitted as zero.
+fn fit(samples: &[Sample]) -> [f64; 3] {
+    let solve = |cols: &[usize]| -> Vec<f64> {
+        let k = cols.len();
+        let mut a = vec![vec![0.0; k + 1]; k];
+        for s in samples {
+            for (i, &ci) in cols.iter().enumerate() {
+                for (j, &cj) in cols.iter().enumerate() {
+                    a[i][j] += s.x[ci] * s.x[cj];
+                }
+                a[i][k] += s.x[ci] * s.secs;
+            }
+        }
+        for col in 0..k {
+            let pivot = (col..k).max_by(|&p, &q| a[p][col].abs().total_cmp(&a[q][col].abs())).unwrap_or(col);
+            a.swap(col, pivot);
+            if a[col][col].abs() < 1e-300 {
+                continue;
+            }
+            for r in 0..k {
+                if r != col {
+                    let f = a[r][col] / a[col][col];
+                    for c in col..=k {
+                        a[r][c] -= f * a[col][c];
+                    }
+                }
+            }
+        }
+        (0..k).map(|i| if a[i][i].abs() < 1e-300 { 0.0 } else { a[i][k] / a[i][i] }).collect()
+    };
+    let mut cols: Vec<usize> = vec![0, 1, 2];
+    loop {
+        let w = solve(&cols);
+        match w.iter().position(|v| *v < 0.0) {
+            Some(i) if cols.len() > 1 => {
+                cols.remove(i);
+            }
+            _ => {
+                let mut out = [0.0; 3];
+                for (i, c) in cols.iter().enumerate() {
+                    out[*c] = w[i].max(0.0);
+                }
+                return out;
+            }
+        }
+    }
+}
+
+fn tokens(n: usize, seed: usize) -> Vec<u32> {
+    (0..n).map(|i| ((i * 7919 + seed * 104_729) % 4000) as u32).collect()
+}
+
+/// Measures `model` and fits a profile. `quick` uses fewer and smaller points (tests).
+pub fn calibrate(model: &LlamaModel, quick: bool, source_note: &str) -> Result<SimProfile, String> {
+    let vocab = model.config().vocab_size as u32;
+    let tok = |n, s| tokens(n, s).into_iter().map(|t| t % vocab).collect::<Vec<u32>>();
+    let (prefills, decodes): (Vec<(usize, usize)>, Vec<(usize, usize)>) = if quick {
+        (vec![(0, 32), (0, 64), (64, 64), (0, 128)], vec![(1, 32), (2, 64), (4, 32)])
+    } else {
+        (
+            vec![(0, 256), (0, 512), (0, 1024), (0, 2048), (1024, 512), (2048, 512), (2048, 1024)],
+            vec![(1, 128), (1, 1024), (8, 128), (8, 1024), (16, 512), (32, 128)],
+        )
+    };
+    let span =
+        prefills.iter().map(|(s, n)| s + n).chain(decodes.iter().map(|(_, c)| c + 1)).max().unwrap_or(1);
+    let reps = if quick { 1 } else { 3 };
+    let mut pre = Vec::new();
+    for (i, &(start, n)) in prefills.iter().enumerate() {
+        let all = tok(start + n, i);
+        let slots: Vec<usize> = (0..start + n).collect();
+        let mut best = f64::INFINITY;
+        for _ in 0..reps {
+            let mut kv = model.new_kv_store(span);
+            if start > 0 {
+                let c = SeqChunk { tokens: &all[..start], start: 0, slots: &slots, want_logits: false };
+                model.forward(&[c], &mut kv).map_err(|e| e.to_string())?;
+            }
+            let c = SeqChunk { tokens: &all[start..], start, slots: &slots, want_logits: true };
+            let t = Instant::now();
+            model.forward(&[c], &mut kv).map_err(|e| e.to_string())?;
+            best = best.min(t.elapsed().as_secs_f64());
+        }
+        pre.push(Sample { x: [1.0, n as f64, n as f64 * (start as f64 + n as f64 / 2.0)], secs: best });
+    }
+    let mut dec = Vec::new();
+    for (i, &(batch, ctx)) in decodes.iter().enumerate() {
+        let mut best = f64::INFINITY;
+        for _ in 0..reps {
+            let mut kv: KvStore = model.new_kv_store(batch * (ctx + 1));
+            let seqs: Vec<Vec<u32>> = (0..batch).map(|b| tok(ctx + 1, 100 + i * 64 + b)).collect();
+            let slots: Vec<Vec<usize>> =
+                (0..batch).map(|b| (b * (ctx + 1)..(b + 1) * (ctx + 1)).collect()).collect();
+            let prefill: Vec<SeqChunk<'_>> = (0..batch)
+                .map(|b| SeqChunk { tokens: &seqs[b][..ctx], start: 0, slots: &slots[b], want_logits: false })
+                .collect();
+            model.forward(&prefill, &mut kv).map_err(|e| e.to_string())?;
+            let step: Vec<SeqChunk<'_>> = (0..batch)
+                .map(|b| SeqChunk {
+                    tokens: &seqs[b][ctx..],
+                    start: ctx,
+                    slots: &slots[b],
+                    want_logits: true,
+                })
+                .collect();
+            let t = Instant::now();
+            model.forward(&step, &mut kv).map_err(|e| e.to_string())?;
+            best = best.min(t.elapsed().as_secs_f64());
+        }
+        dec.push(Sample { x: [1.0, batch as f64, (batch * (ctx + 1)) as f64], secs: best });
+    }
+    let p = fit(&pre);
+    let d = fit(&dec);
+    let timing = TimingModel {
+        prefill_base_s: p[0],
+        prefill_per_token_s: p[1],
+        prefill_attention_s: p[2],
+        decode_base_s: d[0],
+        decode_per_seq_s: d[1],
+        decode_per_kv_token_s: d[2],
+    };
+    let points: Vec<String> = prefills
+        .iter()
+        .zip(&pre)
+        .map(|((s, n), m)| format!("prefill {n}@{s}: {:.4}s", m.secs))
+        .chain(decodes.iter().zip(&dec).map(|((b, c), m)| format!("decode b{b}@{c}: {:.5}s", m.secs)))
+        .collect();
+    Ok(SimProfile {
+        name: "calibrated-cpu".into(),
+        source: format!("kvgate-worker calibrate, {source_note}; best of {reps}: {}", points.join(", ")),
+        max_model_len: model.config().max_position_embeddings,
+        timing,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn least_squares_recovers_a_known_model() {
+        let truth = [0.01, 2e-4, 3e-7];
+        let samples: Vec<Sample> = [(0usize, 100usize), (0, 400), (400, 200), (1000, 1000), (0, 2000)]
+            .iter()
+            .map(|&(s, n)| {
+                let x = [1.0, n as f64, n as f64 * (s as f64 + n as f64 / 2.0)];
+                Sample { x, secs: truth[0] + truth[1] * x[1] + truth[2] * x[2] }
+            })
+            .collect();
+        let w = fit(&samples);
+        for (a, b) in w.iter().zip(truth) {
+            assert!((a - b).abs() <= b * 1e-6, "{w:?}");
+        }
+        // A negative intercept is refitted as zero.
+        let neg: Vec<Sample> =
+            (1..5).map(|i| Sample { x: [1.0, i as f64, 0.0], secs: i as f64 - 0.5 }).collect();
+        assert_eq!(fit(&neg)[0], 0.0);
+    }
+
+    #[test]
+    fn calibrating_the_tiny_model_gives_a_usable_profile() {
+        let dir = tempfile::tempdir().expect("tmp");
+        crate::model::synth::synth_model(
+            dir.path(),
+            &crate::model::synth::SynthSpec::new(crate::model::synth::Preset::Tiny, 1),
+        )
+        .expect("synth");
+        let model = LlamaModel::load(dir.path()).expect("model");
+        let p = calibrate(&model, true, "test").expect("calibrates");
+        assert!(p.timing.validate().is_empty(), "{:?}", p.timing);
+        assert!(p.timing.prefill(0, 128) > 0.0);
+        let path = dir.path().join("p.toml");
+        std::fs::write(&path, toml::to_string(&p).expect("toml")).expect("write");
+        assert_eq!(SimProfile::load(&path).expect("loads"), p);
+    }
+}
