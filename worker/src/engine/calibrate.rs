@@ -33,11 +33,12 @@ fn fit(samples: &[Sample]) -> [f64; 3] {
             if a[col][col].abs() < 1e-300 {
                 continue;
             }
-            for r in 0..k {
+            let pivot_row = a[col].clone();
+            for (r, row) in a.iter_mut().enumerate() {
                 if r != col {
-                    let f = a[r][col] / a[col][col];
-                    for c in col..=k {
-                        a[r][c] -= f * a[col][c];
+                    let f = row[col] / pivot_row[col];
+                    for (x, p) in row.iter_mut().zip(&pivot_row).skip(col) {
+                        *x -= f * p;
                     }
                 }
             }
@@ -70,7 +71,9 @@ fn tokens(n: usize, seed: usize) -> Vec<u32> {
 pub fn calibrate(model: &LlamaModel, quick: bool, source_note: &str) -> Result<SimProfile, String> {
     let vocab = model.config().vocab_size as u32;
     let tok = |n, s| tokens(n, s).into_iter().map(|t| t % vocab).collect::<Vec<u32>>();
-    let (prefills, decodes): (Vec<(usize, usize)>, Vec<(usize, usize)>) = if quick {
+    // (start, new tokens) of prefill chunks; (batch, context) of decode steps.
+    type Points = Vec<(usize, usize)>;
+    let (prefills, decodes): (Points, Points) = if quick {
         (vec![(0, 32), (0, 64), (64, 64), (0, 128)], vec![(1, 32), (2, 64), (4, 32)])
     } else {
         (
