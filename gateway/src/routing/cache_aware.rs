@@ -105,7 +105,7 @@ impl RoutingPolicy for CacheAware {
         block_size: usize,
     ) -> Option<Decision> {
         let w = self.weights();
-        let healthy: Vec<usize> = (0..workers.len()).filter(|i| workers[*i].healthy).collect();
+        let healthy = super::healthy_indices(workers);
         if healthy.is_empty() {
             return None;
         }

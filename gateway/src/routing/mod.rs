@@ -156,9 +156,14 @@ pub fn policy_by_name(name: &str, weights: Weights) -> Option<Box<dyn RoutingPol
     }
 }
 
+/// Indices of the healthy workers, in order.
+pub(crate) fn healthy_indices(workers: &[WorkerView<'_>]) -> Vec<usize> {
+    (0..workers.len()).filter(|i| workers[*i].healthy).collect()
+}
+
 /// Indices of healthy workers ordered by load, lightest first (ties by index).
 pub(crate) fn by_load(workers: &[WorkerView<'_>], per_request_tokens: u64) -> Vec<usize> {
-    let mut idx: Vec<usize> = (0..workers.len()).filter(|i| workers[*i].healthy).collect();
+    let mut idx = healthy_indices(workers);
     idx.sort_by_key(|i| (workers[*i].load.cost(per_request_tokens), *i));
     idx
 }

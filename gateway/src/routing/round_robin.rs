@@ -21,7 +21,7 @@ impl RoutingPolicy for RoundRobin {
         _ring: &Ring,
         block_size: usize,
     ) -> Option<Decision> {
-        let healthy: Vec<usize> = (0..workers.len()).filter(|i| workers[*i].healthy).collect();
+        let healthy = super::healthy_indices(workers);
         if healthy.is_empty() {
             return None;
         }
