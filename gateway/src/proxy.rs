@@ -22,7 +22,6 @@ use kvgate_shared::prompt::{ChatOptions, PromptInput};
 use pingora::http::ResponseHeader;
 use pingora::prelude::*;
 use pingora::proxy::{ProxyHttp, Session};
-use xxhash_rust::xxh3::xxh3_64;
 
 use crate::admission::{ClassInput, CLASS_HEADER};
 use crate::errors::ApiError;
@@ -420,14 +419,8 @@ pub fn prepare(
     };
     let salt = fields.cache_salt.clone().or_else(|| header(CACHE_SALT_HEADER)).filter(|s| !s.is_empty());
     let hashes = BlockHasher::new(&tok.scheme, &ExtraKeys::from_salt(salt.as_deref())).hash_blocks(&ids);
-    let session_key = match (header(SESSION_HEADER), fields.user.as_deref()) {
-        (Some(s), _) => xxh3_64(s.as_bytes()),
-        (None, Some(s)) => xxh3_64(s.as_bytes()),
-        (None, None) => match hashes.get(hashes.len().min(4).saturating_sub(1)) {
-            Some(h) => h.0,
-            None => xxh3_64(&ids.iter().flat_map(|t| t.to_le_bytes()).collect::<Vec<u8>>()),
-        },
-    };
+    let explicit = header(SESSION_HEADER).or_else(|| fields.user.clone());
+    let session_key = crate::routing::session_key(explicit.as_deref(), &hashes, &ids);
     Ok(Prepared {
         model,
         ids,

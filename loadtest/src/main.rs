@@ -1,7 +1,13 @@
-//! kvgate-loadtest: load generation, trace replay, the virtual-time simulator and the demo (issues #7 and #8).
-//! Until those land, the binary says what exists and where it is tracked.
+//! kvgate-loadtest: `simulate` (the virtual-time fleet simulator on Mooncake traces) and `demo` (issue #8).
 
-use clap::{Parser, Subcommand};
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Args, Parser, Subcommand};
+use kvgate_gateway::routing::{Weights, POLICIES};
+use kvgate_loadtest::sim::{self, Pace, SimConfig, SimResult};
+use kvgate_loadtest::trace::{Trace, TRACE_BLOCK_TOKENS};
+use kvgate_worker::engine::timing::SimProfile;
 
 #[derive(Parser)]
 #[command(name = "kvgate-loadtest", version, about = "kvgate load generator, simulator and demo")]
@@ -12,21 +18,219 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// Replay a Mooncake trace in virtual time through the real routing, scheduler and prefix-cache code.
+    Simulate(SimulateArgs),
     /// Build a local fleet and compare routing policies on a multi-turn workload (the README's main command).
     Demo,
 }
 
-fn main() {
+#[derive(Args)]
+struct SimulateArgs {
+    /// Mooncake trace (JSON lines: timestamp, input_length, output_length, hash_ids).
+    #[arg(long)]
+    trace: PathBuf,
+    /// Simulated workers. Default 8.
+    #[arg(long, default_value_t = 8)]
+    workers: usize,
+    /// Routing policy: cache_aware, round_robin, least_load, consistent_hash, or `all`. Default cache_aware.
+    #[arg(long, default_value = "cache_aware")]
+    policy: String,
+    /// KV tokens each worker holds. Default: the fleet holds a quarter of the trace's distinct blocks.
+    #[arg(long)]
+    kv_tokens_per_worker: Option<usize>,
+    /// Timing profile: a shipped name (gpu-h100-llama3-8b, cpu-small) or a TOML file. Default gpu-h100-llama3-8b.
+    #[arg(long, default_value = "gpu-h100-llama3-8b")]
+    profile: String,
+    /// Multiply arrival times by X (0.5 replays twice as fast). Default 1 (as recorded).
+    #[arg(long, conflicts_with = "target_load")]
+    time_scale: Option<f64>,
+    /// Scale arrivals so the offered work (with the oracle's hits) is this fraction of the fleet's time.
+    #[arg(long)]
+    target_load: Option<f64>,
+    /// Skip the first N requests (arrival times count from the first one replayed).
+    #[arg(long, default_value_t = 0)]
+    skip: usize,
+    /// Replay only N requests.
+    #[arg(long)]
+    limit: Option<usize>,
+    /// Worker scheduler: most tokens per step. Default 2048 (the worker's default).
+    #[arg(long, default_value_t = 2048)]
+    max_num_batched_tokens: usize,
+    /// Worker scheduler: most running sequences. Default 64.
+    #[arg(long, default_value_t = 64)]
+    max_num_seqs: usize,
+    /// A routing weight, NAME=VALUE (repeatable): w_prefix, w_ring, w_load, per_request_tokens, load_floor_tokens,
+    /// hotspot_abs_tokens, hotspot_ratio. Defaults: the gateway's.
+    #[arg(long = "weight", value_name = "NAME=VALUE")]
+    weights: Vec<String>,
+    /// Print one JSON object per policy (one line each) instead of a table.
+    #[arg(long, conflicts_with = "markdown")]
+    json: bool,
+    /// Print the table as Markdown rows (for BENCHMARKS.md).
+    #[arg(long)]
+    markdown: bool,
+}
+
+fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
+        Command::Simulate(args) => match simulate(args) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("kvgate-loadtest simulate: {e}");
+                ExitCode::from(2)
+            }
+        },
         Command::Demo => {
             println!(
-                "kvgate demo: not available yet.\n\
-                 What exists today: the shared protocol crate (block hashing, worker reports, prompt rendering, \
-                 OpenAI types) and its tests: run ./scripts/test.sh.\n\
-                 The demo (gateway + 3 CPU workers, round_robin vs cache_aware on a multi-turn workload) arrives with \
-                 issue #8 as `kvgate-loadtest demo`, which this same command will then run."
+                "kvgate demo: not available yet. The demo (gateway + CPU workers, round_robin vs cache_aware on a \
+                 multi-turn workload) arrives with issue #8 as `kvgate-loadtest demo`.\n\
+                 Available now: `kvgate-loadtest simulate --trace FILE --policy all --target-load 0.7`."
             );
+            ExitCode::SUCCESS
         }
+    }
+}
+
+fn parse_weights(pairs: &[String]) -> Result<Weights, String> {
+    let mut table = String::new();
+    for p in pairs {
+        let (k, v) = p.split_once('=').ok_or_else(|| format!("--weight {p}: expected NAME=VALUE"))?;
+        table.push_str(&format!("{} = {}\n", k.trim(), v.trim()));
+    }
+    let w: Weights = toml::from_str(&table).map_err(|e| format!("--weight: {e}"))?;
+    let problems = w.validate();
+    if problems.is_empty() {
+        Ok(w)
+    } else {
+        Err(problems.join("; "))
+    }
+}
+
+fn simulate(a: SimulateArgs) -> Result<(), String> {
+    let mut trace = Trace::load(&a.trace)?;
+    trace.window(a.skip, a.limit);
+    let profile = SimProfile::named_or_file(&a.profile)?;
+    let workers = a.workers.max(1);
+    let kv = a.kv_tokens_per_worker.unwrap_or_else(|| {
+        let fleet = trace.distinct_blocks() * TRACE_BLOCK_TOKENS / 4;
+        (fleet / workers).next_multiple_of(16)
+    });
+    let mut cfg = SimConfig::new(a.workers, kv, profile);
+    cfg.scheduler.max_num_batched_tokens = a.max_num_batched_tokens;
+    cfg.scheduler.max_num_seqs = a.max_num_seqs;
+    cfg.weights = parse_weights(&a.weights)?;
+    let pace = match (a.time_scale, a.target_load) {
+        (_, Some(f)) => Pace::TargetLoad(f),
+        (Some(x), None) => Pace::TimeScale(x),
+        (None, None) => Pace::TimeScale(1.0),
+    };
+    let policies: Vec<String> = if a.policy == "all" {
+        POLICIES.iter().map(|p| p.to_string()).collect()
+    } else if POLICIES.contains(&a.policy.as_str()) {
+        vec![a.policy.clone()]
+    } else {
+        return Err(format!("unknown policy {:?}; expected one of {} or all", a.policy, POLICIES.join(", ")));
+    };
+    let prep = sim::prepare(&trace, &cfg, pace)?;
+    let jobs = std::thread::available_parallelism().map_or(1, |n| n.get()).min(policies.len()).max(1);
+    let results = run_parallel(&trace, &cfg, &prep, &policies, jobs)?;
+    if a.json {
+        for r in &results {
+            println!("{}", serde_json::to_string(r).map_err(|e| e.to_string())?);
+        }
+    } else if a.markdown {
+        print_markdown(&cfg, &results);
+    } else {
+        print_table(&trace, &cfg, &results);
+    }
+    Ok(())
+}
+
+fn run_parallel(
+    trace: &Trace,
+    cfg: &SimConfig,
+    prep: &sim::Prepared,
+    policies: &[String],
+    jobs: usize,
+) -> Result<Vec<SimResult>, String> {
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let slots: Vec<std::sync::Mutex<Option<Result<SimResult, String>>>> =
+        policies.iter().map(|_| std::sync::Mutex::new(None)).collect();
+    std::thread::scope(|s| {
+        for _ in 0..jobs {
+            s.spawn(|| loop {
+                let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                let Some(p) = policies.get(i) else { break };
+                let r = sim::simulate(trace, cfg, prep, p);
+                if let Ok(mut slot) = slots[i].lock() {
+                    *slot = Some(r);
+                }
+            });
+        }
+    });
+    slots
+        .into_iter()
+        .map(|m| m.into_inner().ok().flatten().unwrap_or_else(|| Err("a replay thread died".into())))
+        .collect()
+}
+
+fn print_table(trace: &Trace, cfg: &SimConfig, results: &[SimResult]) {
+    let Some(first) = results.first() else { return };
+    println!(
+        "{} requests, {} workers x {} KV tokens, profile {}, time scale {:.4}, offered load {:.2}, oracle hit rate {:.3}",
+        trace.requests.len(),
+        cfg.workers,
+        cfg.kv_tokens_per_worker,
+        cfg.profile.name,
+        first.time_scale,
+        first.offered_load,
+        first.oracle_hit_rate
+    );
+    println!(
+        "{:<16} {:>9} {:>11} {:>11} {:>11} {:>9} {:>8} {:>9}",
+        "policy", "hit_rate", "ttft_p50_ms", "ttft_p99_ms", "ttft_mean", "max/mean", "busy", "rejected"
+    );
+    for r in results {
+        println!(
+            "{:<16} {:>9.3} {:>11.1} {:>11.1} {:>11.1} {:>9.2} {:>8.2} {:>9}",
+            r.policy,
+            r.hit_rate,
+            r.ttft_p50_ms,
+            r.ttft_p99_ms,
+            r.ttft_mean_ms,
+            r.max_mean_load,
+            r.busy_fraction,
+            r.rejected
+        );
+    }
+}
+
+fn print_markdown(cfg: &SimConfig, results: &[SimResult]) {
+    println!(
+        "| load | KV tokens/worker | policy | hit rate | x round_robin | x oracle | TTFT p50 ms | TTFT p99 ms | max/mean | busy |"
+    );
+    println!("|---|---|---|---|---|---|---|---|---|---|");
+    let rr = results.iter().find(|r| r.policy == "round_robin").map(|r| r.hit_rate);
+    for r in results {
+        let vs_rr = rr.filter(|h| *h > 0.0).map_or("-".to_owned(), |h| format!("{:.2}", r.hit_rate / h));
+        let vs_oracle = if r.oracle_hit_rate > 0.0 {
+            format!("{:.2}", r.hit_rate / r.oracle_hit_rate)
+        } else {
+            "-".into()
+        };
+        println!(
+            "| {:.2} | {} | {} | {:.3} | {} | {} | {:.0} | {:.0} | {:.2} | {:.2} |",
+            r.offered_load,
+            cfg.kv_tokens_per_worker,
+            r.policy,
+            r.hit_rate,
+            vs_rr,
+            vs_oracle,
+            r.ttft_p50_ms,
+            r.ttft_p99_ms,
+            r.max_mean_load,
+            r.busy_fraction
+        );
     }
 }

@@ -17,9 +17,11 @@
 //! ```
 //! The best score wins; exact ties are broken by the request's nonce (random).
 //!
-//! **Hot-spot guard**: if the winner's cost exceeds the least-loaded worker's by more than
-//! `hotspot_abs_tokens` **and** by a factor of more than `hotspot_ratio`, the least-loaded worker is chosen instead
-//! (reason `load`): no prefix is worth queueing behind a hot spot.
+//! **Hot-spot guard**: with `ahead(w) = cost(w) + prompt_tokens - matched_blocks(w) * block_size` (the queue plus
+//! the prefill the request would still need there, in tokens), if the winner's `ahead` exceeds the smallest
+//! `ahead` of any healthy worker by more than `hotspot_abs_tokens` **and** by a factor of more than
+//! `hotspot_ratio`, that worker is chosen instead (reason `load`): no prefix is worth queueing behind a hot spot,
+//! and a cached prefix counts for what it saves.
 //!
 //! Knobs ([`Weights`], live-changeable): `w_prefix` 1.0, `w_ring` 0.3, `w_load` 0.5, `per_request_tokens` 256,
 //! `load_floor_tokens` 8192, `hotspot_abs_tokens` 16384, `hotspot_ratio` 4.0. Every term is logged at debug.
@@ -174,21 +176,19 @@ impl RoutingPolicy for CacheAware {
         } else {
             RouteReason::Load
         };
-        // Hot-spot guard.
-        let lightest = *healthy
-            .iter()
-            .min_by_key(|i| (workers[**i].load.cost(w.per_request_tokens), **i))
-            .unwrap_or(&winner);
-        let (cw, cl) = (
-            workers[winner].load.cost(w.per_request_tokens),
-            workers[lightest].load.cost(w.per_request_tokens),
-        );
-        if lightest != winner && cw > cl + w.hotspot_abs_tokens && cw as f64 > cl as f64 * w.hotspot_ratio {
+        // Hot-spot guard, on the work ahead of this request: queue + the prefill it would still need there.
+        let ahead = |i: usize| {
+            let uncached = req.prompt_tokens.saturating_sub(terms[i].matched_blocks * block_size) as u64;
+            workers[i].load.cost(w.per_request_tokens) + uncached
+        };
+        let lightest = *healthy.iter().min_by_key(|i| (ahead(**i), **i)).unwrap_or(&winner);
+        let (aw, al) = (ahead(winner), ahead(lightest));
+        if lightest != winner && aw > al + w.hotspot_abs_tokens && aw as f64 > al as f64 * w.hotspot_ratio {
             tracing::debug!(
                 winner = workers[winner].id,
                 lightest = workers[lightest].id,
-                cw,
-                cl,
+                ahead_winner = aw,
+                ahead_lightest = al,
                 "hot-spot guard"
             );
             ranked.retain(|i| *i != lightest);

@@ -156,6 +156,18 @@ pub fn policy_by_name(name: &str, weights: Weights) -> Option<Box<dyn RoutingPol
     }
 }
 
+/// The ring key of a request: the explicit session (`x-session-id` header, else the `user` field) if any, else
+/// the hash of the prompt's 4th full block (or its last, if shorter), so requests sharing a system prompt and
+/// first turns land together; prompts under one block hash their tokens.
+pub fn session_key(explicit: Option<&str>, hashes: &[BlockHash], ids: &[u32]) -> u64 {
+    use xxhash_rust::xxh3::xxh3_64;
+    match (explicit, hashes.get(hashes.len().min(4).saturating_sub(1))) {
+        (Some(s), _) => xxh3_64(s.as_bytes()),
+        (None, Some(h)) => h.0,
+        (None, None) => xxh3_64(&ids.iter().flat_map(|t| t.to_le_bytes()).collect::<Vec<u8>>()),
+    }
+}
+
 /// Indices of the healthy workers, in order.
 pub(crate) fn healthy_indices(workers: &[WorkerView<'_>]) -> Vec<usize> {
     (0..workers.len()).filter(|i| workers[*i].healthy).collect()

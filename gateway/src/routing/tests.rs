@@ -162,6 +162,15 @@ fn hot_spot_guard_overrides_the_prefix() {
         )
         .expect("decision");
     assert_eq!(ws[d.ranked[0]].id, "w1");
+    // The guard weighs what the cache saves: a 100K-token queue is worth waiting behind when the request's
+    // 200K-token prompt is cached there and would have to be prefilled anywhere else.
+    let long = hashes(12_500, 3);
+    let mut summaries: Vec<Option<CacheSummary>> = vec![None; 5];
+    summaries[1] = Some(summary_of(&long));
+    let ws = views(&summaries, &[100, 100_000, 200, 300, 100], &[true; 5]);
+    let req = RequestView { hashes: &long, prompt_tokens: 200_000, session_key: 9, nonce: 2 };
+    let d = p.choose(&req, &ws, &ring(), 16).expect("decision");
+    assert_eq!((ws[d.ranked[0]].id, d.reason), ("w1", RouteReason::Prefix));
 }
 
 #[test]

@@ -10,7 +10,7 @@ pub struct BatchItem<'a> {
     pub tokens: &'a [u32],
     pub start: usize,
     pub len: usize,
-    /// KV slot of every position `0..start + len`.
+    /// KV slot of every position `0..start + len` (empty for backends without KV memory).
     pub slots: Vec<usize>,
     /// Produce what the next token is sampled from.
     pub want_next: bool,
@@ -39,6 +39,12 @@ pub trait Backend: Send {
 
     /// The model's end-of-sequence ids.
     fn eos_token_ids(&self) -> Vec<u32>;
+
+    /// Whether [`BatchItem::slots`] must be filled (default `true`). A backend without KV memory says `false` and
+    /// saves the engine an O(context) walk per item per step.
+    fn needs_slots(&self) -> bool {
+        true
+    }
 }
 
 /// The CPU engine: the Llama-family model with an in-memory KV store.

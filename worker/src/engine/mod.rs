@@ -88,6 +88,9 @@ impl<B: Backend> Engine<B> {
     pub fn backend(&self) -> &B {
         &self.backend
     }
+    pub fn backend_mut(&mut self) -> &mut B {
+        &mut self.backend
+    }
     pub fn scheduler(&self) -> &Scheduler {
         &self.sched
     }
@@ -174,12 +177,16 @@ impl<B: Backend> Engine<B> {
         }
         let result = {
             let running = self.sched.running();
+            let with_slots = self.backend.needs_slots();
             let items: Vec<BatchItem<'_>> = plan
                 .iter()
                 .map(|c| {
                     let seq = &running[c.index];
                     let table = seq.table.as_ref();
-                    let slots = (0..c.start + c.len).map(|p| table.map_or(0, |t| t.slot(p))).collect();
+                    let slots = match with_slots {
+                        true => (0..c.start + c.len).map(|p| table.map_or(0, |t| t.slot(p))).collect(),
+                        false => Vec::new(),
+                    };
                     BatchItem { tokens: &seq.tokens, start: c.start, len: c.len, slots, want_next: c.sample }
                 })
                 .collect();

@@ -89,4 +89,7 @@ impl Backend for SimBackend {
     fn eos_token_ids(&self) -> Vec<u32> {
         self.eos_token_ids.clone()
     }
+    fn needs_slots(&self) -> bool {
+        false
+    }
 }

@@ -6,7 +6,9 @@
 //!     (the last term is the causal attention area: each new token attends to everything before it)
 //! decode step of `batch` sequences holding `kv_tokens` tokens of context in total:
 //!     t = decode_base_s + decode_per_seq_s * batch + decode_per_kv_token_s * kv_tokens
-//! step = sum of its prefill chunks + its decode part (if any sequence decodes)
+//! step = sum of its prefill chunks + its decode part (if any sequence decodes), with one base only: a step
+//!        pays max(prefill_base_s, decode_base_s) of what it runs, not a base per chunk (one pass over the
+//!        weights and one launch per step, whatever the batch holds)
 //! ```
 //! Profiles are TOML files (`worker/profiles/`): the coefficients, the model limits the simulated worker
 //! advertises, and where the numbers come from.
@@ -46,19 +48,30 @@ impl TimingModel {
             + self.decode_per_kv_token_s * kv_tokens as f64
     }
 
-    /// Seconds a whole engine step takes (single-token items are decodes, the rest prefill chunks).
+    /// Seconds a whole engine step takes (single-token items are decodes, the rest prefill chunks); the step
+    /// pays one base, the larger of those of the kinds of work it holds.
     pub fn step(&self, items: &[BatchItem<'_>]) -> f64 {
         let mut t = 0.0;
-        let (mut batch, mut kv) = (0usize, 0usize);
+        let (mut batch, mut kv, mut chunks) = (0usize, 0usize, 0usize);
         for it in items {
             if it.len == 1 && it.start > 0 {
                 batch += 1;
                 kv += it.start + 1;
             } else {
-                t += self.prefill(it.start, it.len);
+                chunks += 1;
+                t += self.prefill(it.start, it.len) - self.prefill_base_s;
             }
         }
-        t + self.decode(batch, kv)
+        if batch > 0 {
+            t += self.decode(batch, kv) - self.decode_base_s;
+        }
+        let base = match (chunks > 0, batch > 0) {
+            (true, true) => self.prefill_base_s.max(self.decode_base_s),
+            (true, false) => self.prefill_base_s,
+            (false, true) => self.decode_base_s,
+            (false, false) => 0.0,
+        };
+        t + base
     }
 
     /// Every problem with the coefficients.
@@ -96,7 +109,12 @@ impl SimProfile {
     /// Reads and validates a profile file.
     pub fn load(path: &std::path::Path) -> Result<Self, String> {
         let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
-        let p: SimProfile = toml::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))?;
+        Self::parse(&text, &path.display().to_string())
+    }
+
+    /// Parses and validates a profile's text; errors start with `origin`.
+    pub fn parse(text: &str, origin: &str) -> Result<Self, String> {
+        let p: SimProfile = toml::from_str(text).map_err(|e| format!("{origin}: {e}"))?;
         let mut problems = p.timing.validate();
         if p.max_model_len == 0 {
             problems.push("max_model_len must be at least 1".into());
@@ -104,10 +122,24 @@ impl SimProfile {
         if problems.is_empty() {
             Ok(p)
         } else {
-            Err(format!("{}: {}", path.display(), problems.join("; ")))
+            Err(format!("{origin}: {}", problems.join("; ")))
+        }
+    }
+
+    /// A profile shipped in `worker/profiles/` by name, or a file path.
+    pub fn named_or_file(arg: &str) -> Result<Self, String> {
+        match SHIPPED_PROFILES.iter().find(|(name, _)| *name == arg) {
+            Some((name, text)) => Self::parse(text, name),
+            None => Self::load(std::path::Path::new(arg)),
         }
     }
 }
+
+/// The profiles shipped with the worker, by name (usable without the source tree).
+pub const SHIPPED_PROFILES: [(&str, &str); 2] = [
+    ("gpu-h100-llama3-8b", include_str!("../../profiles/gpu-h100-llama3-8b.toml")),
+    ("cpu-small", include_str!("../../profiles/cpu-small.toml")),
+];
 
 #[cfg(test)]
 mod tests {
@@ -136,7 +168,14 @@ mod tests {
             BatchItem { tokens: &tokens, start: 1000, len: 1000, slots: vec![], want_next: true },
             BatchItem { tokens: &tokens, start: 2000, len: 1, slots: vec![], want_next: true },
         ];
-        assert!((m.step(&items) - (m.prefill(1000, 1000) + m.decode(1, 2001))).abs() < 1e-12);
+        // One base per step: the larger of the two.
+        let both = m.prefill(1000, 1000) + m.decode(1, 2001) - m.prefill_base_s.min(m.decode_base_s);
+        assert!((m.step(&items) - both).abs() < 1e-12);
+        assert!((m.step(&items[..1]) - m.prefill(1000, 1000)).abs() < 1e-12);
+        assert!((m.step(&items[1..]) - m.decode(1, 2001)).abs() < 1e-12);
+        let two_chunks = [items[0].clone(), items[0].clone()];
+        assert!((m.step(&two_chunks) - (2.0 * m.prefill(1000, 1000) - m.prefill_base_s)).abs() < 1e-12);
+        assert_eq!(m.step(&[]), 0.0);
         assert!(TimingModel { decode_base_s: -1.0, ..m }.validate().len() == 1);
     }
 
@@ -149,6 +188,12 @@ mod tests {
             if path.extension().is_some_and(|e| e == "toml") {
                 let p = SimProfile::load(&path).expect("valid profile");
                 assert!(!p.source.is_empty());
+                let stem = path.file_stem().and_then(|s| s.to_str()).expect("name");
+                assert_eq!(
+                    SimProfile::named_or_file(stem).expect("shipped by name"),
+                    p,
+                    "{stem} is embedded"
+                );
                 n += 1;
             }
         }

@@ -35,7 +35,8 @@ pub struct ServeArgs {
     /// the tokenizer still comes from --model / --synth). Default cpu.
     #[arg(long, env = "KVGATE_WORKER_ENGINE")]
     pub engine: Option<String>,
-    /// Timing-model profile of `--engine sim` (TOML; see worker/profiles/).
+    /// Timing-model profile of `--engine sim`: a TOML file, or the name of a shipped one (`gpu-h100-llama3-8b`,
+    /// `cpu-small`; see worker/profiles/).
     #[arg(long, env = "KVGATE_WORKER_SIM_PROFILE")]
     pub sim_profile: Option<PathBuf>,
     /// Listen address. Default 0.0.0.0.

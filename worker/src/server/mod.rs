@@ -126,7 +126,7 @@ fn load(cfg: &ServeConfig, worker_id: &str) -> Result<Loaded, String> {
             (EngineHandle::spawn(engine, cfg.max_waiting_requests), max_model_len)
         }
         EngineKind::Sim { profile } => {
-            let profile = SimProfile::load(profile)?;
+            let profile = SimProfile::named_or_file(&profile.to_string_lossy())?;
             let eos: Vec<u32> = prompter.eos_token_id().into_iter().collect();
             let backend = SimBackend::new(prompter.vocab_size(), profile.max_model_len, eos)
                 .with_timing(profile.timing, SimClock::RealTime);

@@ -23,6 +23,7 @@ use kvgate_shared::report::{
 };
 
 use super::engine_thread::{EngineHandle, Published};
+use crate::engine::EngineStats;
 use crate::kv::SharedPool;
 
 /// What a report is built from.
@@ -59,9 +60,25 @@ impl ReportSource {
         now: &Published,
         dt: Duration,
     ) -> WorkerReport {
-        let s = now.stats;
         let secs = dt.as_secs_f64().max(1e-3);
+        let throughput = Throughput {
+            prefill_tokens_per_s: now.prefill_tokens.saturating_sub(prev.prefill_tokens) as f64 / secs,
+            decode_tokens_per_s: now.decode_tokens.saturating_sub(prev.decode_tokens) as f64 / secs,
+        };
         let summary = summarise(engine.pool(), self.granularity, self.fp_rate);
+        let timestamp_ms = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64);
+        self.assemble(seq, timestamp_ms, &now.stats, throughput, summary)
+    }
+
+    /// A report from its parts (pure: the fleet simulator builds its reports with this too).
+    pub fn assemble(
+        &self,
+        seq: u64,
+        timestamp_ms: u64,
+        s: &EngineStats,
+        throughput: Throughput,
+        summary: CacheSummary,
+    ) -> WorkerReport {
         WorkerReport {
             worker_id: self.worker_id.clone(),
             advertise_url: self.advertise_url.clone(),
@@ -69,16 +86,13 @@ impl ReportSource {
             scheme: self.scheme,
             fingerprint: self.scheme.fingerprint(),
             seq,
-            timestamp_ms: SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64),
+            timestamp_ms,
             queue: QueueStats {
                 waiting_requests: s.waiting_requests as u32,
                 waiting_prefill_tokens: s.waiting_prefill_tokens,
                 running_requests: s.running_requests as u32,
             },
-            throughput: Throughput {
-                prefill_tokens_per_s: now.prefill_tokens.saturating_sub(prev.prefill_tokens) as f64 / secs,
-                decode_tokens_per_s: now.decode_tokens.saturating_sub(prev.decode_tokens) as f64 / secs,
-            },
+            throughput,
             tiers: vec![TierReport {
                 tier: Tier::Device,
                 blocks_total: s.blocks_total as u64,

@@ -1,0 +1,291 @@
+//! The fleet in virtual time: simulated workers (the real engine: scheduler, block manager, prefix cache, with the
+//! timing model in place of the math) behind the gateway's real registry and routing policy.
+//!
+//! Three kinds of event, in virtual seconds, earliest first (at equal times: step ends, then reports, then
+//! arrivals):
+//! - **arrival**: the gateway hashes the prompt, builds the worker views from its registry, asks the policy, records
+//!   the send (load + overlay, as the proxy does) and the chosen worker queues the request;
+//! - **step end**: a worker's outputs are delivered (first tokens give TTFT; finished requests leave the gateway's
+//!   in-flight count) and it starts its next step, which takes the time the timing model says;
+//! - **report**: every interval, at its own phase, a worker's queue figures and the Bloom summary of its cache are
+//!   ingested by the registry exactly as a `POST /kvgate/v1/report` would be. The gateway never reads live state.
+//!
+//! A step's effects on the cache are applied when it starts (the engine is a library call), its outputs delivered
+//! when it ends; a report taken during a step sees the step's blocks already cached, which is what a real worker's
+//! report, built between steps, shows one step later.
+
+use std::collections::{BTreeMap, HashMap};
+use std::time::{Duration, Instant};
+
+use kvgate_gateway::registry::{Registry, SentTicket};
+use kvgate_gateway::routing::{session_key, RequestView, RoutingPolicy};
+use kvgate_shared::hashing::{BlockHasher, ExtraKeys};
+use kvgate_shared::report::Throughput;
+use kvgate_worker::engine::sim::{SimBackend, SimClock};
+use kvgate_worker::engine::{Engine, EngineConfig, EngineRequest, FinishReason, SamplingParams, StepOutput};
+use kvgate_worker::server::reporter::{summarise, ReportSource};
+
+use super::SimConfig;
+use crate::trace::{expand_prompt, Trace};
+
+/// The model id every simulated worker serves.
+pub const SIM_MODEL: &str = "sim";
+
+/// What one replay measured.
+#[derive(Clone, Debug, Default)]
+pub struct Outcome {
+    pub completed: u64,
+    /// Refused by the engine (too long for the model or the KV pool) or with no healthy worker.
+    pub rejected: u64,
+    pub errors: u64,
+    pub prompt_tokens: u64,
+    pub cached_tokens: u64,
+    /// Seconds from arrival to first token, per completed request.
+    pub ttft_s: Vec<f64>,
+    /// Seconds each worker spent in steps.
+    pub busy_s: Vec<f64>,
+    /// Virtual time of the last event.
+    pub end_s: f64,
+    pub routes: BTreeMap<String, u64>,
+    pub preemptions: u64,
+    pub evictions: u64,
+}
+
+struct SimWorker {
+    engine: Engine<SimBackend>,
+    source: ReportSource,
+    /// When the running step ends (`None`: idle).
+    busy_until: Option<f64>,
+    pending: Vec<StepOutput>,
+    next_report: f64,
+    seq: u64,
+}
+
+struct InFlight {
+    arrival: f64,
+    ticket: SentTicket,
+    first_token: bool,
+}
+
+/// Replays `trace` (arrival `i` at `(timestamp_i - timestamp_0) * time_scale` seconds) through the fleet.
+pub fn replay(trace: &Trace, cfg: &SimConfig, time_scale: f64, policy: &dyn RoutingPolicy) -> Outcome {
+    Fleet::new(cfg, policy).run(trace, time_scale)
+}
+
+struct Fleet<'a> {
+    cfg: &'a SimConfig,
+    policy: &'a dyn RoutingPolicy,
+    registry: Registry,
+    workers: Vec<SimWorker>,
+    hasher: BlockHasher,
+    base: Instant,
+    inflight: HashMap<u64, InFlight>,
+    nonce: u64,
+    out: Outcome,
+}
+
+impl<'a> Fleet<'a> {
+    fn new(cfg: &'a SimConfig, policy: &'a dyn RoutingPolicy) -> Self {
+        let scheme = cfg.scheme();
+        let n = cfg.workers;
+        let workers = (0..n)
+            .map(|i| {
+                let backend = SimBackend::new(cfg.vocab as usize, cfg.profile.max_model_len, Vec::new())
+                    .with_timing(cfg.profile.timing, SimClock::Virtual);
+                let engine_cfg = EngineConfig {
+                    num_blocks: cfg.kv_tokens_per_worker / scheme.block_size as usize,
+                    scheme,
+                    scheduler: cfg.scheduler.clone(),
+                };
+                let id = format!("sim-{i}");
+                SimWorker {
+                    engine: Engine::new(engine_cfg, backend, None),
+                    source: ReportSource {
+                        advertise_url: format!("http://{id}.sim.invalid"),
+                        worker_id: id,
+                        model_id: SIM_MODEL.into(),
+                        scheme,
+                        granularity: cfg.summary_granularity,
+                        fp_rate: cfg.bloom_fp_rate,
+                    },
+                    busy_until: None,
+                    pending: Vec::new(),
+                    // Every worker reports at t = 0 (registration), then at its own phase.
+                    next_report: 0.0,
+                    seq: 0,
+                }
+            })
+            .collect();
+        Self {
+            cfg,
+            policy,
+            registry: Registry::new(cfg.registry),
+            workers,
+            hasher: BlockHasher::new(&scheme, &ExtraKeys::none()),
+            base: Instant::now(),
+            inflight: HashMap::new(),
+            nonce: 0x5EED,
+            out: Outcome { busy_s: vec![0.0; n], ..Outcome::default() },
+        }
+    }
+
+    fn instant(&self, t: f64) -> Instant {
+        self.base + Duration::from_secs_f64(t.max(0.0))
+    }
+
+    fn run(mut self, trace: &Trace, time_scale: f64) -> Outcome {
+        let t0 = trace.requests.first().map_or(0, |r| r.timestamp_ms);
+        let arrival = |i: usize| (trace.requests[i].timestamp_ms - t0) as f64 / 1000.0 * time_scale;
+        let mut next = 0;
+        loop {
+            let t_arr = if next < trace.requests.len() { arrival(next) } else { f64::INFINITY };
+            let step = argmin(self.workers.iter().map(|w| w.busy_until.unwrap_or(f64::INFINITY)));
+            let idle = step.1.is_infinite() && self.workers.iter().all(|w| !w.engine.has_work());
+            if t_arr.is_infinite() && idle {
+                break;
+            }
+            let report = argmin(self.workers.iter().map(|w| w.next_report));
+            if step.1 <= report.1 && step.1 <= t_arr {
+                self.finish_step(step.0, step.1);
+            } else if report.1 <= t_arr {
+                self.report(report.0, report.1);
+            } else {
+                self.arrive(trace, next, t_arr);
+                next += 1;
+            }
+        }
+        for w in &self.workers {
+            let s = w.engine.stats();
+            self.out.preemptions += s.preemptions;
+            self.out.evictions += s.evictions;
+        }
+        self.out
+    }
+
+    fn arrive(&mut self, trace: &Trace, i: usize, t: f64) {
+        let r = &trace.requests[i];
+        let tokens = expand_prompt(r, self.cfg.vocab);
+        let hashes = self.hasher.hash_blocks(&tokens);
+        let now = self.instant(t);
+        self.nonce = self.nonce.wrapping_add(1);
+        let block_size = self.cfg.block_size as usize;
+        let decision = {
+            let (views, idx) = self.registry.views(SIM_MODEL, &hashes, now);
+            let req = RequestView {
+                hashes: &hashes,
+                prompt_tokens: tokens.len(),
+                session_key: session_key(None, &hashes, &tokens),
+                nonce: self.nonce.wrapping_mul(0x9E37_79B9_7F4A_7C15),
+            };
+            self.policy
+                .choose(&req, &views, self.registry.ring(), block_size)
+                .map(|d| (idx[d.ranked[0]], d.reason, d.predicted_cached_tokens))
+        };
+        let Some((w, reason, predicted)) = decision else {
+            self.out.rejected += 1;
+            return;
+        };
+        *self.out.routes.entry(reason.as_str().to_owned()).or_default() += 1;
+        let uncached = tokens.len().saturating_sub(predicted) as u64;
+        let ticket = self.registry.record_sent(w, &hashes, uncached, now);
+        let params = SamplingParams {
+            max_tokens: r.output_length.max(1) as u32,
+            temperature: 0.0,
+            ignore_eos: true,
+            ..SamplingParams::default()
+        };
+        let req = EngineRequest { id: i as u64, prompt: tokens, params, extra_keys: ExtraKeys::none() };
+        match self.workers[w].engine.add_request(req) {
+            Ok(()) => {
+                self.inflight.insert(i as u64, InFlight { arrival: t, ticket, first_token: false });
+                if self.workers[w].busy_until.is_none() {
+                    self.start_step(w, t);
+                }
+            }
+            Err(e) => {
+                tracing::debug!(request = i, error = %e, "simulated worker refused the request");
+                self.registry.record_done(ticket);
+                self.out.rejected += 1;
+            }
+        }
+    }
+
+    fn finish_step(&mut self, w: usize, t: f64) {
+        self.workers[w].busy_until = None;
+        let outputs = std::mem::take(&mut self.workers[w].pending);
+        for o in outputs {
+            self.deliver(o, t);
+        }
+        self.start_step(w, t);
+    }
+
+    fn deliver(&mut self, o: StepOutput, t: f64) {
+        let Some(f) = self.inflight.get_mut(&o.id) else { return };
+        if o.token.is_some() && !f.first_token {
+            f.first_token = true;
+            self.out.ttft_s.push(t - f.arrival);
+        }
+        if let Some(reason) = o.finished {
+            if let Some(f) = self.inflight.remove(&o.id) {
+                self.registry.record_done(f.ticket);
+            }
+            if matches!(reason, FinishReason::Error(_)) {
+                self.out.errors += 1;
+            }
+            self.out.completed += 1;
+            self.out.prompt_tokens += o.prompt_tokens as u64;
+            self.out.cached_tokens += o.cached_tokens as u64;
+        }
+        self.out.end_s = self.out.end_s.max(t);
+    }
+
+    /// Runs the worker's next step if it has work. A plan can come out empty (the only running sequence was
+    /// preempted to make room); the next call admits it again, so a few tries always make progress.
+    fn start_step(&mut self, w: usize, t: f64) {
+        let worker = &mut self.workers[w];
+        for _ in 0..4 {
+            if !worker.engine.has_work() {
+                return;
+            }
+            let before = worker.engine.scheduler().counters().scheduled_tokens;
+            let outputs = worker.engine.step();
+            let dt = worker.engine.backend_mut().take_elapsed();
+            if worker.engine.scheduler().counters().scheduled_tokens == before && outputs.is_empty() {
+                continue;
+            }
+            self.out.busy_s[w] += dt;
+            worker.busy_until = Some(t + dt);
+            worker.pending = outputs;
+            return;
+        }
+    }
+
+    fn report(&mut self, w: usize, t: f64) {
+        let now = self.instant(t);
+        let n = self.workers.len() as f64;
+        let interval = self.cfg.report_interval_s;
+        let worker = &mut self.workers[w];
+        worker.seq += 1;
+        let stats = worker.engine.stats();
+        let summary = summarise(
+            worker.engine.scheduler().kv().pool(),
+            worker.source.granularity,
+            worker.source.fp_rate,
+        );
+        let report =
+            worker.source.assemble(worker.seq, (t * 1000.0) as u64, &stats, Throughput::default(), summary);
+        let fingerprint = worker.source.scheme.fingerprint();
+        // The first report registers the worker at t = 0; later ones come at phase w / n of the interval.
+        worker.next_report =
+            if worker.seq == 1 { interval * (1.0 + w as f64 / n) } else { worker.next_report + interval };
+        self.registry.ingest(report, Some(fingerprint), now);
+        if worker.seq == 1 {
+            debug_assert_eq!(self.registry.workers()[w].id, worker.source.worker_id);
+        }
+    }
+}
+
+/// Index and value of the smallest element (ties: the first).
+fn argmin(values: impl Iterator<Item = f64>) -> (usize, f64) {
+    values.enumerate().fold((0, f64::INFINITY), |best, (i, v)| if v < best.1 { (i, v) } else { best })
+}

@@ -1,0 +1,221 @@
+//! `kvgate-loadtest simulate`: replays a Mooncake trace in virtual time through the gateway's real routing code
+//! and each worker's real scheduler, block manager and prefix cache, with a timing model for the math. A whole
+//! trace takes seconds. Also computes the oracle (one global LRU of the fleet's capacity) and the offered load.
+//!
+//! - `fleet`: the event loop (arrivals, step ends, 1 s reports);
+//! - `oracle`: the global-LRU upper bound;
+//! - `workload`: offered work per request (what `--target-load` scales by).
+
+pub mod fleet;
+pub mod oracle;
+pub mod workload;
+
+use std::collections::BTreeMap;
+
+use kvgate_gateway::registry::RegistryConfig;
+use kvgate_gateway::routing::{policy_by_name, Weights, POLICIES};
+use kvgate_shared::hashing::HashScheme;
+use kvgate_worker::engine::timing::SimProfile;
+use kvgate_worker::engine::SchedulerConfig;
+use serde::Serialize;
+
+use crate::stats::percentile;
+use crate::trace::Trace;
+use oracle::Oracle;
+
+/// The tokenizer digest of the simulated fleet's hash scheme (workers and gateway agree on it).
+pub const SIM_TOKENIZER_DIGEST: u64 = 0x6B76_6761_7465_5349; // "kvgateSI"
+
+/// Everything a replay needs besides the trace and the policy.
+#[derive(Clone, Debug)]
+pub struct SimConfig {
+    pub workers: usize,
+    pub kv_tokens_per_worker: usize,
+    pub profile: SimProfile,
+    pub scheduler: SchedulerConfig,
+    /// Routing weights (`cache_aware`; `least_load` uses `per_request_tokens`).
+    pub weights: Weights,
+    /// The gateway's registry timing (defaults: the gateway's).
+    pub registry: RegistryConfig,
+    pub report_interval_s: f64,
+    pub summary_granularity: u32,
+    pub bloom_fp_rate: f64,
+    pub block_size: u32,
+    /// Token ids the expanded prompts use.
+    pub vocab: u32,
+}
+
+impl SimConfig {
+    /// Defaults of the worker (block size 16, summary every 4th block at 1% false positives, scheduler 2048
+    /// batched tokens / 64 sequences) and of the gateway (stale after 3 s, dead after 10 s, overlay 3 s, 64
+    /// vnodes, default weights), with 1 s reports.
+    pub fn new(workers: usize, kv_tokens_per_worker: usize, profile: SimProfile) -> Self {
+        Self {
+            workers,
+            kv_tokens_per_worker,
+            profile,
+            scheduler: SchedulerConfig::default(),
+            weights: Weights::default(),
+            registry: RegistryConfig {
+                stale_after: std::time::Duration::from_secs(3),
+                dead_after: std::time::Duration::from_secs(10),
+                overlay_ttl: std::time::Duration::from_secs(3),
+                vnodes: 64,
+            },
+            report_interval_s: 1.0,
+            summary_granularity: 4,
+            bloom_fp_rate: 0.01,
+            block_size: 16,
+            vocab: 32_000,
+        }
+    }
+
+    pub fn scheme(&self) -> HashScheme {
+        HashScheme::new(self.block_size, SIM_TOKENIZER_DIGEST)
+    }
+
+    /// Every problem with the values.
+    pub fn validate(&self) -> Vec<String> {
+        let mut p = Vec::new();
+        if self.workers == 0 {
+            p.push("workers must be at least 1".into());
+        }
+        if self.kv_tokens_per_worker < self.block_size as usize {
+            p.push(format!("kv-tokens-per-worker {} holds less than one block", self.kv_tokens_per_worker));
+        }
+        if !(self.report_interval_s > 0.0 && self.report_interval_s.is_finite()) {
+            p.push("report interval must be > 0".into());
+        }
+        p.extend(self.weights.validate());
+        p.extend(self.profile.timing.validate());
+        p
+    }
+}
+
+/// How arrivals are paced.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Pace {
+    /// Arrival times are multiplied by this (0.5 = twice as fast as recorded).
+    TimeScale(f64),
+    /// Arrival times are scaled so that the offered load (see `workload`) is this fraction of the fleet.
+    TargetLoad(f64),
+}
+
+/// What every policy's replay shares: the oracle, the offered work and the resolved pace.
+#[derive(Clone, Debug)]
+pub struct Prepared {
+    pub oracle: Oracle,
+    pub offered_work_s: f64,
+    pub time_scale: f64,
+    pub offered_load: f64,
+}
+
+/// Computes the oracle and resolves the pace.
+pub fn prepare(trace: &Trace, cfg: &SimConfig, pace: Pace) -> Result<Prepared, String> {
+    let problems = cfg.validate();
+    if !problems.is_empty() {
+        return Err(problems.join("; "));
+    }
+    let capacity = cfg.workers * cfg.kv_tokens_per_worker;
+    let oracle = oracle::run(trace, capacity, &cfg.scheme(), cfg.vocab);
+    let timing = &cfg.profile.timing;
+    let offered_work_s: f64 = trace
+        .requests
+        .iter()
+        .zip(&oracle.cached)
+        .map(|(r, c)| {
+            let max_batched = cfg.scheduler.max_num_batched_tokens;
+            workload::request_work_s(timing, max_batched, r.input_length, *c, r.output_length.max(1))
+        })
+        .sum();
+    let span = trace.span_s();
+    let fleet_s = cfg.workers as f64 * span;
+    let time_scale = match pace {
+        Pace::TimeScale(x) if x > 0.0 && x.is_finite() => x,
+        Pace::TimeScale(x) => return Err(format!("time-scale must be a number > 0, got {x}")),
+        Pace::TargetLoad(f) if !(f > 0.0 && f.is_finite()) => {
+            return Err(format!("target-load must be a number > 0, got {f}"))
+        }
+        Pace::TargetLoad(_) if span <= 0.0 => {
+            return Err("target-load needs a trace whose arrivals span some time".into())
+        }
+        Pace::TargetLoad(f) => offered_work_s / (fleet_s * f),
+    };
+    let offered_load = if fleet_s > 0.0 { offered_work_s / (fleet_s * time_scale) } else { f64::INFINITY };
+    Ok(Prepared { oracle, offered_work_s, time_scale, offered_load })
+}
+
+/// One policy's figures (`--json` prints these).
+#[derive(Clone, Debug, Serialize)]
+pub struct SimResult {
+    pub policy: String,
+    pub profile: String,
+    pub workers: usize,
+    pub kv_tokens_per_worker: usize,
+    pub requests: usize,
+    pub completed: u64,
+    pub rejected: u64,
+    /// Cached prompt tokens / prompt tokens, over completed requests.
+    pub hit_rate: f64,
+    pub oracle_hit_rate: f64,
+    pub ttft_p50_ms: f64,
+    pub ttft_p90_ms: f64,
+    pub ttft_p99_ms: f64,
+    pub ttft_mean_ms: f64,
+    /// Busiest worker's busy time / mean busy time.
+    pub max_mean_load: f64,
+    /// Offered work (with the oracle's hits) / fleet time.
+    pub offered_load: f64,
+    /// Measured: mean busy time / virtual duration.
+    pub busy_fraction: f64,
+    pub time_scale: f64,
+    pub virtual_duration_s: f64,
+    pub preemptions: u64,
+    pub evictions: u64,
+    /// Requests per route reason.
+    pub routes: BTreeMap<String, u64>,
+}
+
+/// Replays the trace under one policy.
+pub fn simulate(trace: &Trace, cfg: &SimConfig, prep: &Prepared, policy: &str) -> Result<SimResult, String> {
+    let p = policy_by_name(policy, cfg.weights)
+        .ok_or_else(|| format!("unknown policy {policy:?}; expected one of {}", POLICIES.join(", ")))?;
+    let o = fleet::replay(trace, cfg, prep.time_scale, p.as_ref());
+    let mean_busy = o.busy_s.iter().sum::<f64>() / o.busy_s.len().max(1) as f64;
+    let max_busy = o.busy_s.iter().copied().fold(0.0, f64::max);
+    let ms = |q: f64| percentile(&o.ttft_s, q) * 1000.0;
+    Ok(SimResult {
+        policy: policy.to_owned(),
+        profile: cfg.profile.name.clone(),
+        workers: cfg.workers,
+        kv_tokens_per_worker: cfg.kv_tokens_per_worker,
+        requests: trace.requests.len(),
+        completed: o.completed,
+        rejected: o.rejected,
+        hit_rate: ratio(o.cached_tokens as f64, o.prompt_tokens as f64),
+        oracle_hit_rate: prep.oracle.hit_rate,
+        ttft_p50_ms: ms(0.50),
+        ttft_p90_ms: ms(0.90),
+        ttft_p99_ms: ms(0.99),
+        ttft_mean_ms: ratio(o.ttft_s.iter().sum::<f64>(), o.ttft_s.len() as f64) * 1000.0,
+        max_mean_load: ratio(max_busy, mean_busy),
+        offered_load: prep.offered_load,
+        busy_fraction: ratio(mean_busy, o.end_s),
+        time_scale: prep.time_scale,
+        virtual_duration_s: o.end_s,
+        preemptions: o.preemptions,
+        evictions: o.evictions,
+        routes: o.routes,
+    })
+}
+
+fn ratio(a: f64, b: f64) -> f64 {
+    if b > 0.0 {
+        a / b
+    } else {
+        0.0
+    }
+}
+
+#[cfg(test)]
+mod tests;
