@@ -2,7 +2,7 @@
 //!
 //! - [`trace`]: Mooncake traces and their expansion into token ids;
 //! - [`sim`]: `simulate`: the virtual-time fleet over the real routing, scheduler and prefix-cache code;
-//! - [`stats`]: percentiles.
+//! - [`stats`]: percentiles for the reports.
 
 pub mod sim;
 pub mod stats;

@@ -45,15 +45,18 @@ fn bin(name: &str) -> PathBuf {
     // target/debug/deps/<test> -> target/debug/<name>
     let exe = std::env::current_exe().expect("exe");
     let dir = exe.parent().and_then(|p| p.parent()).expect("target dir");
-    let path = dir.join(name);
-    if !path.exists() {
+    // Build (or check up to date) once per test process, so a stale binary from an earlier build never runs.
+    static BUILT: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
+    let mut built = BUILT.lock().unwrap_or_else(|e| e.into_inner());
+    if !built.iter().any(|b| b == name) {
         let status = Command::new(env!("CARGO"))
-            .args(["build", "-p", name, "--bin", name])
+            .args(["build", "--quiet", "-p", name, "--bin", name])
             .status()
             .expect("cargo build");
         assert!(status.success(), "building {name}");
+        built.push(name.to_owned());
     }
-    path
+    dir.join(name)
 }
 
 fn wait_for_line(child: &mut Child, needle: &str) {
