@@ -53,7 +53,8 @@ async fn sixteen_sim_workers_serve_side_by_side_behind_one_gateway() {
             let (s, r) = call.await.expect("request task");
             assert_eq!(r.status, 200, "session {s} turn {turn}: {}", r.body);
             let worker = r.header("x-kvgate-worker");
-            let cached = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().expect("cached");
+            let cached =
+                r.json()["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().expect("cached");
             if turn == 0 {
                 home.insert(s, worker);
             } else {

@@ -4,6 +4,12 @@
 //! - [`sim`]: `simulate`: the virtual-time fleet over the real routing, scheduler and prefix-cache code;
 //! - [`stats`]: percentiles for the reports.
 
+pub mod client;
+pub mod commands;
+pub mod fleet;
+pub mod report;
+pub mod runner;
 pub mod sim;
 pub mod stats;
 pub mod trace;
+pub mod workload;

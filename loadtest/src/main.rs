@@ -1,10 +1,12 @@
-//! kvgate-loadtest: `simulate` (the virtual-time fleet simulator on Mooncake traces) and `demo` (issue #8).
+//! kvgate-loadtest: `run` (load against an endpoint), `compare` (policies on local fleets), `up` (a local fleet),
+//! `demo` (the README's main command) and `simulate` (the virtual-time fleet simulator on Mooncake traces).
 
 use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Args, Parser, Subcommand};
 use kvgate_gateway::routing::{Weights, POLICIES};
+use kvgate_loadtest::commands::{self, CompareArgs, DemoArgs, RunArgs, UpArgs};
 use kvgate_loadtest::sim::{self, Pace, SimConfig, SimResult};
 use kvgate_loadtest::trace::{Trace, TRACE_BLOCK_TOKENS};
 use kvgate_worker::engine::timing::SimProfile;
@@ -18,10 +20,16 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// Send a workload to an OpenAI-compatible endpoint and measure it (summary, results.json, report.html).
+    Run(RunArgs),
+    /// Start a local fleet per routing policy, run the same workload against each, compare.
+    Compare(CompareArgs),
+    /// Start a local fleet (gateway + 3 CPU workers) and keep it up until Ctrl-C.
+    Up(UpArgs),
+    /// The README's main command: a local fleet, a short multi-turn workload, round_robin vs cache_aware.
+    Demo(DemoArgs),
     /// Replay a Mooncake trace in virtual time through the real routing, scheduler and prefix-cache code.
     Simulate(SimulateArgs),
-    /// Build a local fleet and compare routing policies on a multi-turn workload (the README's main command).
-    Demo,
 }
 
 #[derive(Args)]
@@ -73,23 +81,43 @@ struct SimulateArgs {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    match cli.command {
-        Command::Simulate(args) => match simulate(args) {
-            Ok(()) => ExitCode::SUCCESS,
-            Err(e) => {
-                eprintln!("kvgate-loadtest simulate: {e}");
-                ExitCode::from(2)
-            }
-        },
-        Command::Demo => {
-            println!(
-                "kvgate demo: not available yet. The demo (gateway + CPU workers, round_robin vs cache_aware on a \
-                 multi-turn workload) arrives with issue #8 as `kvgate-loadtest demo`.\n\
-                 Available now: `kvgate-loadtest simulate --trace FILE --policy all --target-load 0.7`."
-            );
-            ExitCode::SUCCESS
+    let result = match cli.command {
+        Command::Simulate(args) => simulate(args),
+        Command::Run(a) => block_on(commands::run(a)),
+        Command::Compare(a) => block_on(commands::compare(a)),
+        Command::Up(a) => block_on(commands::up(a)),
+        Command::Demo(a) => block_on(commands::demo(a)),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("kvgate-loadtest: {e}");
+            ExitCode::from(2)
         }
     }
+}
+
+/// Runs a command on a tokio runtime; Ctrl-C or SIGTERM drops it (and with it every process it started).
+fn block_on(fut: impl std::future::Future<Output = Result<(), String>>) -> Result<(), String> {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| format!("tokio runtime: {e}"))?;
+    rt.block_on(async {
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+            .map_err(|e| format!("signal handler: {e}"))?;
+        tokio::select! {
+            r = fut => r,
+            _ = tokio::signal::ctrl_c() => {
+                eprintln!("\ninterrupted: stopping every process this command started");
+                Ok(())
+            }
+            _ = term.recv() => {
+                eprintln!("terminated: stopping every process this command started");
+                Ok(())
+            }
+        }
+    })
 }
 
 fn parse_weights(pairs: &[String]) -> Result<Weights, String> {

@@ -1,0 +1,156 @@
+//! The self-contained HTML report: the summary table and three SVG plots (TTFT CDF of every run; hit rate over
+//! time; requests per worker over time, one chart per run), all inline.
+
+use std::collections::BTreeMap;
+
+use super::svg::{line_chart, Series};
+use super::Report;
+use crate::client::RequestRecord;
+
+/// Time buckets of the over-time plots.
+const BUCKETS: usize = 20;
+
+fn esc(s: &str) -> String {
+    s.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;")
+}
+
+fn ttft_cdf(records: &[RequestRecord]) -> Vec<(f64, f64)> {
+    let mut t: Vec<f64> = records.iter().filter(|r| r.ok()).filter_map(|r| r.ttft_ms).collect();
+    t.sort_by(f64::total_cmp);
+    let n = t.len() as f64;
+    t.iter().enumerate().map(|(i, v)| (*v, (i + 1) as f64 / n)).collect()
+}
+
+fn bucket_width(records: &[RequestRecord]) -> f64 {
+    let end = records.iter().map(|r| r.start_s).fold(0.0, f64::max);
+    (end / BUCKETS as f64).max(1e-3)
+}
+
+fn hit_rate_over_time(records: &[RequestRecord]) -> Vec<(f64, f64)> {
+    let w = bucket_width(records);
+    let mut b = vec![(0u64, 0u64); BUCKETS + 1];
+    for r in records.iter().filter(|r| r.ok()) {
+        let i = ((r.start_s / w) as usize).min(BUCKETS);
+        b[i].0 += r.cached_tokens;
+        b[i].1 += r.prompt_tokens;
+    }
+    b.iter()
+        .enumerate()
+        .filter(|(_, (_, p))| *p > 0)
+        .map(|(i, (c, p))| ((i as f64 + 0.5) * w, *c as f64 / *p as f64))
+        .collect()
+}
+
+fn requests_per_worker_over_time(records: &[RequestRecord]) -> Vec<Series> {
+    let w = bucket_width(records);
+    let mut per: BTreeMap<String, Vec<f64>> = BTreeMap::new();
+    for r in records.iter().filter(|r| r.ok()) {
+        let name = r.worker.clone().unwrap_or_else(|| "(direct)".into());
+        let i = ((r.start_s / w) as usize).min(BUCKETS);
+        per.entry(name).or_insert_with(|| vec![0.0; BUCKETS + 1])[i] += 1.0;
+    }
+    per.into_iter()
+        .map(|(name, counts)| Series {
+            name,
+            points: counts.iter().enumerate().map(|(i, c)| ((i as f64 + 0.5) * w, *c)).collect(),
+        })
+        .collect()
+}
+
+/// The whole page.
+pub fn render(report: &Report) -> String {
+    let mut html = format!(
+        "<!doctype html>\n<html><head><meta charset=\"utf-8\"><title>kvgate load test: {w}</title>\n<style>\
+         body{{font-family:sans-serif;margin:24px;max-width:1000px}} table{{border-collapse:collapse}} \
+         td,th{{border:1px solid #ccc;padding:4px 8px;text-align:right}} td:first-child{{text-align:left}} \
+         code{{background:#f4f4f4}}</style></head><body>\n<h1>kvgate load test: {w}</h1>\n<p><code>{c}</code></p>\n",
+        w = esc(&report.workload),
+        c = esc(&report.command)
+    );
+    html += "<table><tr><th>run</th><th>requests</th><th>errors</th><th>hit rate</th><th>TTFT p50 ms</th>\
+             <th>TTFT p99 ms</th><th>TPOT p50 ms</th><th>goodput tok/s</th><th>max/mean req/worker</th></tr>\n";
+    for r in &report.runs {
+        let s = &r.summary;
+        html += &format!(
+            "<tr><td>{}</td><td>{}</td><td>{}</td><td>{:.3}</td><td>{:.0}</td><td>{:.0}</td><td>{:.1}</td>\
+             <td>{:.1}</td><td>{:.2}</td></tr>\n",
+            esc(&s.label),
+            s.requests,
+            s.errors,
+            s.hit_rate,
+            s.ttft_p50_ms,
+            s.ttft_p99_ms,
+            s.tpot_p50_ms,
+            s.goodput_tokens_per_s,
+            s.max_mean_worker
+        );
+    }
+    if let Some(s) = report.runs.first().map(|r| r.summary.slo) {
+        html += &format!(
+            "</table>\n<p>Goodput: completion tokens per second of requests with TTFT &le; {} ms and TPOT &le; {} ms.</p>\n",
+            s.ttft_ms, s.tpot_ms
+        );
+    } else {
+        html += "</table>\n";
+    }
+    let cdf: Vec<Series> =
+        report.runs.iter().map(|r| Series { name: r.label.clone(), points: ttft_cdf(&r.records) }).collect();
+    html += &line_chart("TTFT CDF", "TTFT (ms)", "fraction of requests", &cdf);
+    let hits: Vec<Series> = report
+        .runs
+        .iter()
+        .map(|r| Series { name: r.label.clone(), points: hit_rate_over_time(&r.records) })
+        .collect();
+    html += &line_chart(
+        "Prefix-cache hit rate over time",
+        "time since start (s)",
+        "cached / prompt tokens",
+        &hits,
+    );
+    for r in &report.runs {
+        html += &line_chart(
+            &format!("Requests per worker over time: {}", r.label),
+            "time since start (s)",
+            "requests started",
+            &requests_per_worker_over_time(&r.records),
+        );
+    }
+    html + "</body></html>\n"
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::report::{RunReport, Slo, Summary};
+
+    #[test]
+    fn page_holds_the_table_and_every_plot() {
+        let records: Vec<RequestRecord> = (0..40)
+            .map(|i| RequestRecord {
+                id: i,
+                status: 200,
+                start_s: i as f64 * 0.5,
+                ttft_ms: Some(10.0 + i as f64),
+                e2e_ms: 100.0,
+                prompt_tokens: 100,
+                cached_tokens: i,
+                completion_tokens: 4,
+                worker: Some(format!("w{}", i % 3)),
+                ..Default::default()
+            })
+            .collect();
+        let slo = Slo { ttft_ms: 1000.0, tpot_ms: 100.0 };
+        let run = |label: &str| RunReport {
+            label: label.into(),
+            summary: Summary::of(label, &records, 20.0, slo, None),
+            records: records.clone(),
+        };
+        let page =
+            render(&Report { workload: "w".into(), command: "x <y>".into(), runs: vec![run("a"), run("b")] });
+        assert_eq!(page.matches("<svg").count(), 4, "CDF, hit rate, and one per-worker chart per run");
+        assert!(page.contains("x &lt;y&gt;") && page.contains("<td>a</td>") && page.contains("w2"));
+        assert_eq!(ttft_cdf(&records).last().map(|p| p.1), Some(1.0));
+        let h = hit_rate_over_time(&records);
+        assert!(h.windows(2).all(|w| w[0].1 <= w[1].1), "cached grows with i");
+    }
+}
