@@ -319,6 +319,12 @@ pub async fn serve(cfg: ServeConfig) -> Result<(), String> {
             }
         });
     };
+    // Streamed tokens are small writes: without TCP_NODELAY, Nagle + delayed ACKs hold them for ~40 ms.
+    let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
+        if let Err(e) = tcp.set_nodelay(true) {
+            tracing::debug!(error = %e, "cannot set TCP_NODELAY");
+        }
+    });
     axum::serve(listener, router(state)).with_graceful_shutdown(shutdown).await.map_err(|e| e.to_string())
 }
 

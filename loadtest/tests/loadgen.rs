@@ -1,0 +1,189 @@
+//! The load generator against real processes: `compare` on local fleets of simulated workers, and `run` against a
+//! worker started here. The tables' figures must be real measurements.
+
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+/// target/debug, where cargo puts every binary of the workspace.
+fn bin_dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_BIN_EXE_kvgate-loadtest")).parent().expect("bin dir").to_path_buf()
+}
+
+/// Builds the gateway and worker binaries the fleets start (a no-op when they are up to date).
+fn build_fleet_binaries() {
+    let status = Command::new(env!("CARGO"))
+        .args(["build", "--quiet", "-p", "kvgate-gateway", "-p", "kvgate-worker"])
+        .status()
+        .expect("cargo build");
+    assert!(status.success());
+}
+
+fn loadtest(args: &[&str]) -> (bool, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_kvgate-loadtest")).args(args).output().expect("runs");
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+fn results(dir: &std::path::Path) -> Value {
+    let text = std::fs::read_to_string(dir.join("results.json")).expect("results.json");
+    serde_json::from_str(&text).expect("json")
+}
+
+#[test]
+fn compare_measures_each_policy_on_a_shared_prefix_workload() {
+    build_fleet_binaries();
+    let dir = tempfile::tempdir().expect("tmp");
+    let out = dir.path().join("cmp");
+    let (ok, stdout, stderr) = loadtest(&[
+        "compare",
+        "--workers",
+        "2",
+        "--policies",
+        "round_robin,cache_aware",
+        "--workload",
+        "shared-prefix",
+        "--groups",
+        "6",
+        "--prompts-per-group",
+        "5",
+        "--system-tokens",
+        "512",
+        "--question-tokens",
+        "32",
+        "--output-tokens",
+        "8",
+        "--rate",
+        "15",
+        "--duration",
+        "60s",
+        "--no-progress",
+        "--out",
+        out.to_str().expect("path"),
+    ]);
+    assert!(ok, "{stdout}\n{stderr}");
+    assert!(stdout.contains("round_robin") && stdout.contains("cache_aware") && stdout.contains("report.html"));
+    let r = results(&out);
+    let runs = r["runs"].as_array().expect("runs");
+    assert_eq!(runs.len(), 2);
+    let hit = |i: usize| runs[i]["summary"]["hit_rate"].as_f64().expect("hit rate");
+    for run in runs {
+        let s = &run["summary"];
+        assert_eq!((s["requests"].as_u64(), s["errors"].as_u64()), (Some(30), Some(0)), "{s}");
+        assert!(s["ttft_p50_ms"].as_f64().expect("ttft") > 0.0);
+        assert!(s["goodput_tokens_per_s"].as_f64().expect("goodput") > 0.0);
+        let records = run["records"].as_array().expect("records");
+        assert_eq!(records.len(), 30);
+        // The summary's hit rate is the records' usage figures, not something made up.
+        let cached: u64 = records.iter().map(|x| x["cached_tokens"].as_u64().expect("cached")).sum();
+        let prompt: u64 = records.iter().map(|x| x["prompt_tokens"].as_u64().expect("prompt")).sum();
+        assert_eq!(prompt, 30 * 544);
+        assert!((s["hit_rate"].as_f64().expect("hit") - cached as f64 / prompt as f64).abs() < 1e-9);
+        assert!(records.iter().all(|x| x["worker"].is_string() && x["completion_tokens"] == 8));
+    }
+    assert_eq!(runs[0]["summary"]["requests_per_worker"].as_object().map(|m| m.len()), Some(2));
+    assert!(hit(1) > hit(0), "cache_aware {} vs round_robin {}", hit(1), hit(0));
+    let html = std::fs::read_to_string(out.join("report.html")).expect("html");
+    assert!(html.matches("<svg").count() >= 4);
+}
+
+struct Killed(Child);
+impl Drop for Killed {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+#[test]
+fn run_measures_multi_turn_sessions_against_a_worker_and_stops_by_itself() {
+    build_fleet_binaries();
+    let dir = tempfile::tempdir().expect("tmp");
+    let port = std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("port").port();
+    let worker = Killed(
+        Command::new(bin_dir().join("kvgate-worker"))
+            .args(["serve", "--synth", "tiny", "--engine", "sim", "--sim-profile", "gpu-h100-llama3-8b"])
+            .args(["--host", "127.0.0.1", "--port", &port.to_string()])
+            .args(["--synth-dir", dir.path().join("tiny").to_str().expect("path")])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("worker"),
+    );
+    let target = format!("http://127.0.0.1:{port}");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(Instant::now() < deadline, "worker never listened");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let out = dir.path().join("run");
+    let common = [
+        "run",
+        "--target",
+        &target,
+        "--workload",
+        "multi-turn",
+        "--users",
+        "3",
+        "--turns",
+        "3",
+        "--system-words",
+        "60",
+        "--question-words",
+        "12",
+        "--output-tokens",
+        "6",
+        "--think-time",
+        "0.05",
+        "--rate",
+        "20",
+        "--no-progress",
+        "--request-timeout",
+        "30s",
+    ];
+    // The worker may still be loading: `run` waits for nothing, so retry the model lookup a few times.
+    let mut attempt = 0;
+    let (ok, stdout, stderr) = loop {
+        let mut args = common.to_vec();
+        args.extend(["--out", out.to_str().expect("path")]);
+        let r = loadtest(&args);
+        attempt += 1;
+        if r.0 || attempt == 20 {
+            break r;
+        }
+        std::thread::sleep(Duration::from_millis(300));
+    };
+    assert!(ok, "{stdout}\n{stderr}");
+    let r = results(&out);
+    let records = r["runs"][0]["records"].as_array().expect("records");
+    assert_eq!(records.len(), 9);
+    for x in records {
+        assert_eq!(x["status"], 200, "{x}");
+        assert!(x["ttft_ms"].as_f64().expect("ttft") > 0.0);
+        // 6 tokens arrive in 2..=6 content chunks (the detokenizer holds back incomplete characters).
+        let gaps = x["itl_ms"].as_array().map_or(0, |a| a.len());
+        assert!((1..=5).contains(&gaps), "{x}");
+        if x["turn"].as_u64() > Some(0) {
+            // Each later turn carries the conversation so far, which this worker has cached.
+            assert!(x["cached_tokens"].as_u64().expect("cached") > 0, "{x}");
+        }
+    }
+    // Bounded by a request count.
+    let capped = dir.path().join("capped");
+    let mut args = common.to_vec();
+    args.extend(["--requests", "2", "--out", capped.to_str().expect("path")]);
+    let (ok, _, stderr) = loadtest(&args);
+    assert!(ok, "{stderr}");
+    assert_eq!(results(&capped)["runs"][0]["records"].as_array().map(|a| a.len()), Some(2));
+    // Bad input: a clear message, exit status 2.
+    let (ok, _, stderr) = loadtest(&["run", "--target", &target, "--workload", "poisson-ish"]);
+    assert!(!ok && stderr.contains("unknown workload \"poisson-ish\""), "{stderr}");
+    let (ok, _, stderr) = loadtest(&["run", "--target", &target, "--workload", "mooncake"]);
+    assert!(!ok && stderr.contains("--trace"), "{stderr}");
+    drop(worker);
+}
