@@ -24,7 +24,9 @@
 //! and a cached prefix counts for what it saves.
 //!
 //! Knobs ([`Weights`], live-changeable): `w_prefix` 1.0, `w_ring` 0.3, `w_load` 0.5, `per_request_tokens` 256,
-//! `load_floor_tokens` 8192, `hotspot_abs_tokens` 16384, `hotspot_ratio` 4.0. Every term is logged at debug.
+//! `load_floor_tokens` 8192, `hotspot_abs_tokens` 1024, `hotspot_ratio` 3.0 (chosen on the Mooncake replay and the
+//! multi-turn demo, BENCHMARKS.md: with 16384 / 4.0 users sharing a system prompt all piled onto the first worker that
+//! cached it). Every term is logged at debug.
 
 use serde::{Deserialize, Serialize};
 
@@ -53,8 +55,8 @@ impl Default for Weights {
             w_load: 0.5,
             per_request_tokens: 256,
             load_floor_tokens: 8192,
-            hotspot_abs_tokens: 16_384,
-            hotspot_ratio: 4.0,
+            hotspot_abs_tokens: 1024,
+            hotspot_ratio: 3.0,
         }
     }
 }

@@ -151,8 +151,9 @@ fn hot_spot_guard_overrides_the_prefix() {
         .expect("decision");
     assert_eq!(d.reason, RouteReason::Load);
     assert!(["w0", "w4"].contains(&ws[d.ranked[0]].id));
-    // A moderate queue does not trigger it.
-    let ws = views(&summaries, &[100, 5_000, 200, 300, 100], &[true; 5]);
+    // A moderate queue does not trigger it: 1,500 queued tokens vs 740 of work (100 queued + 640 to prefill)
+    // elsewhere is under the 3x ratio.
+    let ws = views(&summaries, &[100, 1_500, 200, 300, 100], &[true; 5]);
     let d = p
         .choose(
             &RequestView { hashes: &req_hashes, prompt_tokens: 640, session_key: 9, nonce: 2 },
