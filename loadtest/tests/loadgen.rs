@@ -67,7 +67,9 @@ fn compare_measures_each_policy_on_a_shared_prefix_workload() {
         out.to_str().expect("path"),
     ]);
     assert!(ok, "{stdout}\n{stderr}");
-    assert!(stdout.contains("round_robin") && stdout.contains("cache_aware") && stdout.contains("report.html"));
+    assert!(
+        stdout.contains("round_robin") && stdout.contains("cache_aware") && stdout.contains("report.html")
+    );
     let r = results(&out);
     let runs = r["runs"].as_array().expect("runs");
     assert_eq!(runs.len(), 2);
