@@ -62,6 +62,9 @@ pub struct GatewayArgs {
     /// Worker threads of the proxy. Default 2.
     #[arg(long, env = "KVGATE_GATEWAY_THREADS")]
     pub threads: Option<usize>,
+    /// On SIGTERM, how long requests in flight get to finish before the proxy exits. Default 10s.
+    #[arg(long, env = "KVGATE_GATEWAY_SHUTDOWN_GRACE")]
+    pub shutdown_grace: Option<String>,
     /// Scoring weights of cache_aware (TOML `[weights]`; see routing/cache_aware.rs for the formula).
     #[arg(skip)]
     pub weights: Option<Weights>,
@@ -108,6 +111,7 @@ pub struct GatewayConfig {
     pub max_body_bytes: usize,
     pub connect_timeout: Duration,
     pub threads: usize,
+    pub shutdown_grace: Duration,
     pub weights: Weights,
     pub log_json: bool,
     pub classes: Vec<ClassConfig>,
@@ -157,6 +161,7 @@ impl GatewayArgs {
             vnodes: pick!(vnodes).unwrap_or(64),
             max_body_bytes: pick!(max_body_bytes).unwrap_or(32 << 20),
             connect_timeout: duration(pick!(connect_timeout), "1s", "connect-timeout")?,
+            shutdown_grace: duration(pick!(shutdown_grace), "10s", "shutdown-grace")?,
             threads: pick!(threads).unwrap_or(2),
             weights,
             log_json: pick!(log_json).unwrap_or(false),

@@ -80,6 +80,20 @@ async fn workers(State(state): State<Arc<GatewayState>>) -> Response {
     Json(state.registry().status(Instant::now())).into_response()
 }
 
+/// Readiness: 200 once at least one worker is healthy (in the ring), else 503, so an orchestrator sends no traffic
+/// to a gateway that could only answer "no worker".
+async fn ready(State(state): State<Arc<GatewayState>>) -> Response {
+    let healthy = state.registry().status(Instant::now()).iter().filter(|w| w.healthy).count();
+    let body = Json(
+        serde_json::json!({"status": if healthy > 0 { "ready" } else { "no healthy worker" }, "healthy_workers": healthy}),
+    );
+    if healthy > 0 {
+        body.into_response()
+    } else {
+        (StatusCode::SERVICE_UNAVAILABLE, body).into_response()
+    }
+}
+
 /// The control routes.
 pub fn router(state: Arc<GatewayState>) -> Router {
     Router::new()
@@ -87,6 +101,7 @@ pub fn router(state: Arc<GatewayState>) -> Router {
         .route("/metrics", get(metrics_text))
         .route("/kvgate/v1/workers", get(workers))
         .route("/health", get(|| async { Json(serde_json::json!({"status": "ok"})) }))
+        .route("/ready", get(ready))
         .merge(crate::admin::router())
         .layer(DefaultBodyLimit::max(MAX_REPORT_BYTES))
         .with_state(state)

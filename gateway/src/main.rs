@@ -122,7 +122,7 @@ fn main() -> ExitCode {
             .display()
             .to_string(),
         grace_period_seconds: Some(1),
-        graceful_shutdown_timeout_seconds: Some(10),
+        graceful_shutdown_timeout_seconds: Some(cfg.shutdown_grace.as_secs().max(1)),
         ..ServerConf::default()
     };
     let mut server = Server::new_with_opt_and_conf(None, conf);

@@ -12,13 +12,18 @@ fn bin_dir() -> PathBuf {
     PathBuf::from(env!("CARGO_BIN_EXE_kvgate-loadtest")).parent().expect("bin dir").to_path_buf()
 }
 
-/// Builds the gateway and worker binaries the fleets start (a no-op when they are up to date).
+/// The gateway and worker binaries the fleets start: built by `cargo test --workspace` / `cargo nextest run
+/// --workspace` (their own crates' tests need them); built here only if missing.
 fn build_fleet_binaries() {
-    let status = Command::new(env!("CARGO"))
-        .args(["build", "--quiet", "-p", "kvgate-gateway", "-p", "kvgate-worker"])
-        .status()
-        .expect("cargo build");
-    assert!(status.success());
+    for name in ["kvgate-gateway", "kvgate-worker"] {
+        if !bin_dir().join(name).exists() {
+            let status = Command::new(env!("CARGO"))
+                .args(["build", "--quiet", "-p", name, "--bin", name])
+                .status()
+                .expect("cargo build");
+            assert!(status.success(), "building {name}");
+        }
+    }
 }
 
 fn loadtest(args: &[&str]) -> (bool, String, String) {

@@ -41,25 +41,25 @@ pub fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).expect("port")
 }
 
-fn bin(name: &str) -> PathBuf {
-    // target/debug/deps/<test> -> target/debug/<name>
+pub fn bin(name: &str) -> PathBuf {
+    // target/debug/deps/<test> -> target/debug/<name>. `cargo nextest run --workspace` / `cargo test --workspace`
+    // build every workspace binary first; a lone `cargo test -p kvgate-gateway` may find an older worker binary
+    // (build it, or run the workspace). Building here would compile the dependencies a second time with the
+    // non-test feature set, minutes on a clean CI machine.
     let exe = std::env::current_exe().expect("exe");
     let dir = exe.parent().and_then(|p| p.parent()).expect("target dir");
-    // Build (or check up to date) once per test process, so a stale binary from an earlier build never runs.
-    static BUILT: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
-    let mut built = BUILT.lock().unwrap_or_else(|e| e.into_inner());
-    if !built.iter().any(|b| b == name) {
+    let path = dir.join(name);
+    if !path.exists() {
         let status = Command::new(env!("CARGO"))
-            .args(["build", "--quiet", "-p", name, "--bin", name])
+            .args(["build", "-p", name, "--bin", name])
             .status()
             .expect("cargo build");
         assert!(status.success(), "building {name}");
-        built.push(name.to_owned());
     }
-    dir.join(name)
+    path
 }
 
-fn wait_for_line(child: &mut Child, needle: &str) {
+pub fn wait_for_line(child: &mut Child, needle: &str) {
     let stdout = child.stdout.take().expect("stdout");
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {

@@ -5,10 +5,14 @@
 //! Each gateway has its own task and a short timeout; a gateway whose previous POST is still in flight is skipped
 //! for that interval, so a slow or dead gateway never delays the engine or the other gateways.
 //!
+//! A `--report-to` host that resolves to several addresses (a Kubernetes headless Service in front of several gateway
+//! replicas) gets the report at every address, re-resolved each interval, so every replica keeps its own registry.
+//!
 //! Size: only every `granularity`-th block's chained hash is summarised (block `i` iff `(i + 1) % k == 0`). Because
 //! hashes chain, the k-th block's hash stands for the whole prefix up to it; the gateway matches at the same
 //! granularity and loses at most `k - 1` blocks of predicted match. Measured trade-off in BENCHMARKS.md.
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -104,7 +108,51 @@ impl ReportSource {
     }
 }
 
-/// Runs forever: builds a report each interval and sends it to every gateway.
+/// Where one report goes: the gateway's URL, or one of the addresses its host resolves to.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Destination {
+    /// `http://host:port/kvgate/v1/report` with the host or one resolved address.
+    pub url: String,
+    /// The original host (and port), sent as `Host` when the URL names an address.
+    pub host_header: Option<String>,
+}
+
+/// The destinations of a `--report-to` base URL: one per address its host resolves to (a Kubernetes headless
+/// Service resolves to every gateway replica, and each keeps its own registry), or the URL itself when it names
+/// an IP, resolves to a single address, or cannot be resolved now (the POST then fails and is counted).
+pub async fn destinations(target: &str) -> Vec<Destination> {
+    let base = target.trim_end_matches('/');
+    let plain = vec![Destination { url: format!("{base}/kvgate/v1/report"), host_header: None }];
+    let Ok(uri) = base.parse::<hyper::Uri>() else { return plain };
+    let (Some(host), Some(scheme)) = (uri.host(), uri.scheme_str()) else { return plain };
+    if host.parse::<std::net::IpAddr>().is_ok() || host.starts_with('[') {
+        return plain;
+    }
+    let port = uri.port_u16().unwrap_or(if scheme == "https" { 443 } else { 80 });
+    let lookup =
+        tokio::time::timeout(Duration::from_millis(500), tokio::net::lookup_host((host, port))).await;
+    let mut addrs: Vec<std::net::SocketAddr> = match lookup {
+        Ok(Ok(a)) => a.collect(),
+        _ => return plain,
+    };
+    addrs.sort();
+    addrs.dedup();
+    if addrs.len() <= 1 {
+        return plain;
+    }
+    let path = uri.path().trim_end_matches('/');
+    let authority = uri.authority().map(|a| a.as_str().to_owned());
+    addrs
+        .into_iter()
+        .map(|a| Destination {
+            url: format!("{scheme}://{a}{path}/kvgate/v1/report"),
+            host_header: authority.clone(),
+        })
+        .collect()
+}
+
+/// Runs forever: builds a report each interval and sends it to every gateway (every address of each
+/// `--report-to` host).
 pub async fn run(
     source: ReportSource,
     engine: EngineHandle,
@@ -114,7 +162,7 @@ pub async fn run(
     secret: Option<String>,
 ) {
     let client: Client<_, Full<Bytes>> = Client::builder(TokioExecutor::new()).build_http();
-    let busy: Vec<Arc<AtomicBool>> = targets.iter().map(|_| Arc::new(AtomicBool::new(false))).collect();
+    let mut busy: HashMap<String, Arc<AtomicBool>> = HashMap::new();
     let mut ticker = tokio::time::interval(interval);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut seq = 0u64;
@@ -129,22 +177,31 @@ pub async fn run(
         prev_at = Instant::now();
         let body = Bytes::from(report.encode());
         metrics::gauge!("kvgate_worker_report_bytes").set(body.len() as f64);
-        for (target, busy) in targets.iter().zip(&busy) {
-            if busy.swap(true, Ordering::AcqRel) {
+        let mut dests = Vec::new();
+        for target in &targets {
+            dests.extend(destinations(target).await);
+        }
+        for dest in dests {
+            let flag =
+                busy.entry(dest.url.clone()).or_insert_with(|| Arc::new(AtomicBool::new(false))).clone();
+            if flag.swap(true, Ordering::AcqRel) {
                 metrics::counter!("kvgate_worker_reports_total", "result" => "skipped_in_flight")
                     .increment(1);
                 continue;
             }
-            let url = format!("{}/kvgate/v1/report", target.trim_end_matches('/'));
+            let url = dest.url;
             let mut req = hyper::Request::post(&url).header(hyper::header::CONTENT_TYPE, REPORT_CONTENT_TYPE);
+            if let Some(h) = &dest.host_header {
+                req = req.header(hyper::header::HOST, h);
+            }
             if let Some(s) = &secret {
                 req = req.header(hyper::header::AUTHORIZATION, format!("Bearer {s}"));
             }
             let Ok(req) = req.body(Full::new(body.clone())) else {
-                busy.store(false, Ordering::Release);
+                flag.store(false, Ordering::Release);
                 continue;
             };
-            let (client, busy) = (client.clone(), busy.clone());
+            let client = client.clone();
             tokio::spawn(async move {
                 let result = match tokio::time::timeout(timeout, client.request(req)).await {
                     Ok(Ok(resp)) if resp.status().is_success() => "ok",
@@ -159,8 +216,32 @@ pub async fn run(
                     Err(_) => "timeout",
                 };
                 metrics::counter!("kvgate_worker_reports_total", "result" => result).increment(1);
-                busy.store(false, Ordering::Release);
+                flag.store(false, Ordering::Release);
             });
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn destinations_fan_out_only_over_several_addresses() {
+        let one = destinations("http://127.0.0.1:8081/").await;
+        assert_eq!(
+            one,
+            vec![Destination { url: "http://127.0.0.1:8081/kvgate/v1/report".into(), host_header: None }]
+        );
+        // `localhost` may resolve to 127.0.0.1 and ::1: then each gets the report, with the original Host.
+        let local = destinations("http://localhost:8081").await;
+        assert!(!local.is_empty());
+        if local.len() > 1 {
+            assert!(local.iter().all(|d| d.host_header.as_deref() == Some("localhost:8081")));
+            assert!(local.iter().any(|d| d.url == "http://127.0.0.1:8081/kvgate/v1/report"));
+        }
+        let unresolvable = destinations("http://no-such-host.invalid:8081").await;
+        assert_eq!(unresolvable.len(), 1);
+        assert_eq!(unresolvable[0].url, "http://no-such-host.invalid:8081/kvgate/v1/report");
     }
 }

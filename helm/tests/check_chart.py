@@ -1,0 +1,219 @@
+"""Lint, render and validate the kvgate chart offline (Helm v4 through helm-python-sdk; kubernetes-validate
+--strict), for several value sets, and check the chart's behaviour. Run by gateway/tests/helm_chart.rs (so CI runs
+it); exits non-zero with every failure listed.
+
+    python helm/tests/check_chart.py [KUBERNETES_VERSION]
+    python helm/tests/check_chart.py --render VALUE_SET   # JSON: the gateway.toml and worker args it renders
+"""
+
+import base64
+import copy
+import sys
+from pathlib import Path
+
+import helm_python as helm
+import kubernetes_validate
+import yaml
+
+CHART = Path(__file__).resolve().parent.parent / "kvgate"
+RENDER = sys.argv[2] if len(sys.argv) > 2 and sys.argv[1] == "--render" else None
+KUBE = sys.argv[1] if len(sys.argv) > 1 and not RENDER else kubernetes_validate.latest_version()
+failures: list[str] = []
+
+
+def check(cond: bool, what: str) -> None:
+    if not cond:
+        failures.append(what)
+
+
+def deep_merge(base: dict, extra: dict) -> dict:
+    out = copy.deepcopy(base)
+    for k, v in extra.items():
+        out[k] = deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+VALUE_SETS: dict[str, dict] = {
+    "defaults": {},
+    "sim-workers": {"workers": {"engine": "sim", "simProfile": "cpu-small", "replicas": 4,
+                                "model": {"source": "synth", "synthPreset": "tiny"}}},
+    "gpu-workers": {"workers": {"replicas": 3, "gpu": {"count": 2}, "runtimeClassName": "nvidia",
+                                "nodeSelector": {"nvidia.com/gpu.present": "true"},
+                                "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+                                "model": {"source": "pvc", "pvc": {"claimName": "models", "subPath": "llama-3.1-8b"}},
+                                "kvSsd": {"enabled": True, "type": "hostPath", "path": "/mnt/nvme/kvgate"}}},
+    "host-model": {"workers": {"model": {"source": "hostPath", "hostPath": {"path": "/data/models/qwen2"}, "id": "qwen2"},
+                               "kvSsd": {"enabled": True}}},
+    "redis-on": {"redis": {"enabled": True}},
+    "redis-external": {"redis": {"enabled": True, "mode": "external", "url": "redis://redis.shared:6379/0"}},
+    "hpa-on": {"gateway": {"hpa": {"enabled": True, "minReplicas": 3, "maxReplicas": 12}, "antiAffinity": "hard"}},
+    "existing-secret": {"secrets": {"existingSecret": "my-kvgate-secrets"}},
+    "given-secrets": {"secrets": {"reportSecret": "r3port", "adminToken": "adm1n"}},
+    "e2e": {"workers": {"engine": "sim", "model": {"source": "synth", "synthPreset": "tiny"}},
+            "gateway": {"classes": [{"name": "short", "refill_tokens_per_s": 500000, "burst_tokens": 1000000,
+                                     "expected_output_tokens": 64, "match": {"max_prompt_tokens": 8192}},
+                                    {"name": "long", "refill_tokens_per_s": 250000.5, "burst_tokens": 4000000,
+                                     "max_queued_tokens": 8000000, "max_wait_ms": 5000}]}},
+    "monitoring": {"serviceMonitor": {"enabled": True, "labels": {"release": "prom"}},
+                   "gateway": {"service": {"type": "LoadBalancer"}, "policy": "least_load",
+                               "classes": [{"name": "short", "refill_tokens_per_s": 500000, "burst_tokens": 1000000,
+                                            "match": {"max_prompt_tokens": 8192}},
+                                           {"name": "long", "refill_tokens_per_s": 250000, "burst_tokens": 4000000,
+                                            "max_queued_requests": 64, "borrow_idle": False,
+                                            "match": {"models": ["llama"], "min_prompt_tokens": 8192}}]}},
+}
+
+# Values the schema must reject, and a word its message must contain.
+BAD_VALUES: dict[str, tuple[dict, str]] = {
+    "negative worker replicas": ({"workers": {"replicas": -1}}, "replicas"),
+    "negative gateway replicas": ({"gateway": {"replicas": -2}}, "replicas"),
+    "unknown policy": ({"gateway": {"policy": "fastest"}}, "policy"),
+    "unknown engine": ({"workers": {"engine": "tpu"}}, "engine"),
+    "pvc without a claim": ({"workers": {"model": {"source": "pvc"}}}, "claimName"),
+    "external redis without a url": ({"redis": {"enabled": True, "mode": "external"}}, "url"),
+    "typo in a key": ({"gateway": {"replica": 3}}, "replica"),
+    "hotspot ratio under 1": ({"gateway": {"weights": {"hotspotRatio": 0.5}}}, "hotspotRatio"),
+    "bad duration": ({"gateway": {"staleAfter": "soon"}}, "staleAfter"),
+    "negative gpus": ({"workers": {"gpu": {"count": -1}}}, "count"),
+}
+
+chart = helm.Chart.load(str(CHART))
+defaults = chart.values
+
+
+def render(name: str, values: dict) -> list[dict]:
+    rendered = chart.render(values, name="kv", namespace="serving", is_install=True)
+    docs = []
+    for path, text in sorted(rendered.items()):
+        if path.endswith("NOTES.txt"):
+            check("port-forward" in text or "get svc" in text, f"{name}: NOTES.txt says how to reach the gateway")
+            continue
+        for doc in yaml.safe_load_all(text):
+            if doc:
+                doc["__path"] = path
+                docs.append(doc)
+    return docs
+
+
+def find(docs: list[dict], kind: str, suffix: str = "") -> list[dict]:
+    return [d for d in docs if d["kind"] == kind and d["metadata"]["name"].endswith(suffix)]
+
+
+if RENDER:
+    import json
+
+    docs = render(RENDER, deep_merge(defaults, VALUE_SETS[RENDER]))
+    cm = find(docs, "ConfigMap", "-gateway")[0]
+    worker = find(docs, "StatefulSet")[0]["spec"]["template"]["spec"]["containers"][0]
+    gateway = find(docs, "Deployment", "-gateway")[0]["spec"]["template"]["spec"]["containers"][0]
+    print(json.dumps({"gateway_toml": cm["data"]["gateway.toml"], "gateway_args": gateway["args"],
+                      "worker_args": worker["args"]}))
+    sys.exit(0)
+
+for name, extra in VALUE_SETS.items():
+    values = deep_merge(defaults, extra)
+    lint = helm.lint(str(CHART), values, strict=True, kube_version=f"v{KUBE}")
+    errors = [m for m in lint.get("messages") or [] if m.get("severity", 0) >= 2] + (lint.get("errors") or [])
+    check(not errors, f"{name}: helm lint --strict: {errors}")
+    try:
+        docs = render(name, values)
+    except helm.HelmError as e:
+        failures.append(f"{name}: render failed: {e}")
+        continue
+    for d in docs:
+        path = d.pop("__path")
+        if d["kind"] == "ServiceMonitor":
+            # A CRD: not in the Kubernetes schemas; check its shape here instead.
+            check(d["apiVersion"] == "monitoring.coreos.com/v1" and d["spec"]["endpoints"], f"{name}: ServiceMonitor shape")
+            continue
+        try:
+            kubernetes_validate.validate(d, KUBE, strict=True)
+        except kubernetes_validate.ValidationError as e:
+            failures.append(f"{name}: {path} {d['kind']}/{d['metadata']['name']}: {e.message} at {list(e.path)}")
+    # Behaviour.
+    services = find(docs, "Service")
+    control = [s for s in services if s["metadata"]["name"].endswith("-control")]
+    check(len(control) == 1 and control[0]["spec"]["type"] == "ClusterIP", f"{name}: the control Service is ClusterIP")
+    public = [s for s in services if s["metadata"]["name"].endswith("-gateway")]
+    check(len(public) == 1 and all(p["name"] != "control" for p in public[0]["spec"]["ports"]),
+          f"{name}: the public Service does not expose the control port")
+    for cm in find(docs, "ConfigMap"):
+        text = yaml.safe_dump(cm["data"])
+        for s in ("r3port", "adm1n", "report-secret", "admin-token"):
+            check(s not in text, f"{name}: ConfigMap {cm['metadata']['name']} holds no secret ({s})")
+    secrets = find(docs, "Secret")
+    if values["secrets"]["existingSecret"]:
+        check(not secrets, f"{name}: no Secret is created when existingSecret is set")
+    else:
+        check(len(secrets) == 1 and set(secrets[0]["data"]) == {"report-secret", "admin-token"}, f"{name}: one Secret")
+        if values["secrets"]["reportSecret"]:
+            check(base64.b64decode(secrets[0]["data"]["report-secret"]) == b"r3port", f"{name}: given report secret")
+        else:
+            check(len(base64.b64decode(secrets[0]["data"]["report-secret"])) == 40, f"{name}: generated report secret")
+    secret_name = values["secrets"]["existingSecret"] or "kv-kvgate-secrets"
+    sts = find(docs, "StatefulSet")
+    check(len(sts) == 1, f"{name}: one worker StatefulSet")
+    w = values["workers"]
+    if sts:
+        s = sts[0]
+        check(s["spec"]["replicas"] == w["replicas"], f"{name}: worker replicas follow values")
+        pod = s["spec"]["template"]["spec"]
+        c = pod["containers"][0]
+        limits = c["resources"].get("limits", {})
+        if w["gpu"]["count"] > 0:
+            check(limits.get("nvidia.com/gpu") == w["gpu"]["count"], f"{name}: GPUs per worker follow values")
+            check(pod.get("runtimeClassName") == w["runtimeClassName"], f"{name}: runtimeClassName")
+        else:
+            check("nvidia.com/gpu" not in limits, f"{name}: no GPU asked for")
+        args = c["args"]
+        check(("--engine" in args) == (w["engine"] == "sim"), f"{name}: --engine sim follows values")
+        check(any(a.startswith("http://kv-kvgate-control.serving.svc.cluster.local:") for a in args),
+              f"{name}: --report-to the control Service")
+        adv = args[args.index("--advertise-url") + 1]
+        check(adv.startswith("http://$(POD_NAME).kv-kvgate-worker.serving.svc"), f"{name}: advertise URL from the pod DNS name")
+        check(c["startupProbe"]["failureThreshold"] * c["startupProbe"]["periodSeconds"] >= 300, f"{name}: startup probe")
+        refs = [e["valueFrom"]["secretKeyRef"]["name"] for e in c["env"] if "valueFrom" in e and "secretKeyRef" in e["valueFrom"]]
+        check(refs == [secret_name], f"{name}: worker secret from {secret_name}")
+        if w["model"]["source"] == "pvc":
+            vols = {v["name"]: v for v in pod["volumes"]}
+            check(vols["model"]["persistentVolumeClaim"]["claimName"] == w["model"]["pvc"]["claimName"], f"{name}: model PVC")
+    dep = find(docs, "Deployment", "-gateway")
+    check(len(dep) == 1, f"{name}: one gateway Deployment")
+    if dep:
+        spec = dep[0]["spec"]
+        pod = spec["template"]["spec"]
+        c = pod["containers"][0]
+        hpa = values["gateway"]["hpa"]["enabled"]
+        check(("replicas" in spec) != hpa, f"{name}: replicas set unless the HPA owns them")
+        check(c["readinessProbe"]["httpGet"]["path"] == "/ready", f"{name}: readiness on /ready (needs a healthy worker)")
+        g = values["gateway"]
+        check(pod["terminationGracePeriodSeconds"] > g["shutdownGraceSeconds"] + g["preStopSleepSeconds"],
+              f"{name}: termination grace longer than the drain")
+        check(bool(find(docs, "HorizontalPodAutoscaler")) == hpa, f"{name}: HPA only when enabled")
+        redis_url = [e for e in c["env"] if e["name"] == "KVGATE_GATEWAY_REDIS_URL"]
+        check(bool(redis_url) == values["redis"]["enabled"], f"{name}: Redis URL only with Redis on")
+    check(bool(find(docs, "Deployment", "-redis")) == (values["redis"]["enabled"] and values["redis"]["mode"] == "internal"),
+          f"{name}: in-chart Redis only in internal mode")
+    check(bool(find(docs, "PodDisruptionBudget")) == values["gateway"]["pdb"]["enabled"], f"{name}: PDB")
+    tests = [d for d in docs if d["metadata"].get("annotations", {}).get("helm.sh/hook") == "test"]
+    check(len(tests) == 1 and "chat/completions" in str(tests[0]["spec"]), f"{name}: a helm test sends a chat completion")
+    conf = yaml.safe_load(yaml.safe_dump(find(docs, "ConfigMap")[0]["data"]))["gateway.toml"]
+    check(f'policy = "{values["gateway"]["policy"]}"' in conf, f"{name}: policy in the gateway config")
+    if values["gateway"]["classes"]:
+        check(conf.count("[[classes]]") == len(values["gateway"]["classes"]), f"{name}: classes in the gateway config")
+    print(f"ok: {name} ({len(docs)} manifests)")
+
+for name, (extra, word) in BAD_VALUES.items():
+    try:
+        chart.validate_schema(deep_merge(defaults, extra))
+        failures.append(f"schema accepted bad values: {name}")
+    except helm.HelmValuesError as e:
+        check(word in str(e), f"schema error for {name} names {word}: {e}")
+        print(f"ok: rejected {name}")
+
+if failures:
+    print(f"\n{len(failures)} failure(s):", file=sys.stderr)
+    for f in failures:
+        print(f"  - {f}", file=sys.stderr)
+    sys.exit(1)
+print(f"chart ok against Kubernetes {KUBE}")
