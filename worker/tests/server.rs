@@ -277,9 +277,17 @@ async fn client_disconnect_mid_stream_frees_blocks() {
     let first = body.frame().await.expect("a chunk").expect("ok");
     assert!(first.is_data());
     let metrics_url = format!("{}/metrics", w.base);
-    let used =
-        metric(&get(&metrics_url).await.body, "kvgate_worker_kv_blocks{state=\"used\"}").unwrap_or(0.0);
-    assert!(used > 0.0, "the running stream holds blocks");
+    // The first chunk can arrive before the engine publishes its next stats: wait for them.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let used =
+            metric(&get(&metrics_url).await.body, "kvgate_worker_kv_blocks{state=\"used\"}").unwrap_or(0.0);
+        if used > 0.0 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the running stream holds blocks");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     drop(body);
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
