@@ -104,6 +104,20 @@ impl Trace {
     }
 }
 
+/// A trace from `(timestamp_ms, input_length, output_length, hash_ids)` rows (tests).
+#[cfg(test)]
+pub(crate) fn from_rows(rows: &[(u64, usize, usize, &[u64])]) -> Trace {
+    let text: String = rows
+        .iter()
+        .map(|(ts, len, out, ids)| {
+            format!(
+                r#"{{"timestamp": {ts}, "input_length": {len}, "output_length": {out}, "hash_ids": {ids:?}}}"#
+            ) + "\n"
+        })
+        .collect();
+    Trace::parse(&text).expect("trace")
+}
+
 /// The 512 tokens of hash id `id`, each below `vocab`.
 pub fn block_tokens(id: u64, vocab: u32, out: &mut Vec<u32>) {
     let mut rng = SplitMix64::new(id ^ 0x6B76_6761_7465_5452); // "kvgateTR"

@@ -67,23 +67,17 @@ pub fn render(report: &Report) -> String {
         w = esc(&report.workload),
         c = esc(&report.command)
     );
-    html += "<table><tr><th>run</th><th>requests</th><th>errors</th><th>hit rate</th><th>TTFT p50 ms</th>\
-             <th>TTFT p99 ms</th><th>TPOT p50 ms</th><th>goodput tok/s</th><th>max/mean req/worker</th></tr>\n";
+    html += "<table><tr>";
+    for c in super::summary::COLUMNS {
+        html += &format!("<th>{}</th>", esc(c));
+    }
+    html += "</tr>\n";
     for r in &report.runs {
-        let s = &r.summary;
-        html += &format!(
-            "<tr><td>{}</td><td>{}</td><td>{}</td><td>{:.3}</td><td>{:.0}</td><td>{:.0}</td><td>{:.1}</td>\
-             <td>{:.1}</td><td>{:.2}</td></tr>\n",
-            esc(&s.label),
-            s.requests,
-            s.errors,
-            s.hit_rate,
-            s.ttft_p50_ms,
-            s.ttft_p99_ms,
-            s.tpot_p50_ms,
-            s.goodput_tokens_per_s,
-            s.max_mean_worker
-        );
+        html += "<tr>";
+        for c in r.summary.cells() {
+            html += &format!("<td>{}</td>", esc(&c));
+        }
+        html += "</tr>\n";
     }
     if let Some(s) = report.runs.first().map(|r| r.summary.slo) {
         html += &format!(

@@ -108,33 +108,49 @@ impl Summary {
     }
 }
 
+impl Summary {
+    /// The table's cells, in column order (the text table and the HTML report share them).
+    pub fn cells(&self) -> [String; 9] {
+        [
+            self.label.clone(),
+            self.requests.to_string(),
+            self.errors.to_string(),
+            format!("{:.3}", self.hit_rate),
+            format!("{:.0}", self.ttft_p50_ms),
+            format!("{:.0}", self.ttft_p99_ms),
+            format!("{:.1}", self.tpot_p50_ms),
+            format!("{:.1}", self.goodput_tokens_per_s),
+            format!("{:.2}", self.max_mean_worker),
+        ]
+    }
+}
+
+/// Column titles of [`Summary::cells`].
+pub const COLUMNS: [&str; 9] = [
+    "run",
+    "requests",
+    "errors",
+    "hit_rate",
+    "ttft_p50_ms",
+    "ttft_p99_ms",
+    "tpot_p50_ms",
+    "goodput_t/s",
+    "max/mean",
+];
+
 /// The summary table (plain text, one row per run).
 pub fn table(rows: &[Summary]) -> String {
-    let mut out = format!(
-        "{:<16} {:>8} {:>6} {:>9} {:>10} {:>10} {:>10} {:>12} {:>10}\n",
-        "run",
-        "requests",
-        "errors",
-        "hit_rate",
-        "ttft_p50",
-        "ttft_p99",
-        "tpot_p50",
-        "goodput_t/s",
-        "max/mean"
-    );
+    let widths = [16, 8, 6, 9, 11, 11, 11, 12, 9];
+    let line = |cells: &[String]| -> String {
+        let mut l = format!("{:<w$}", cells[0], w = widths[0]);
+        for (c, w) in cells.iter().zip(widths).skip(1) {
+            l.push_str(&format!(" {c:>w$}"));
+        }
+        l + "\n"
+    };
+    let mut out = line(&COLUMNS.map(String::from));
     for s in rows {
-        out.push_str(&format!(
-            "{:<16} {:>8} {:>6} {:>9.3} {:>8.0}ms {:>8.0}ms {:>8.1}ms {:>12.1} {:>10.2}\n",
-            s.label,
-            s.requests,
-            s.errors,
-            s.hit_rate,
-            s.ttft_p50_ms,
-            s.ttft_p99_ms,
-            s.tpot_p50_ms,
-            s.goodput_tokens_per_s,
-            s.max_mean_worker
-        ));
+        out.push_str(&line(&s.cells()));
     }
     out
 }

@@ -44,15 +44,9 @@ mod tests {
     use super::*;
 
     fn trace(rows: &[(usize, &[u64])]) -> Trace {
-        let text: String = rows
-            .iter()
-            .map(|(len, ids)| {
-                format!(
-                    r#"{{"timestamp": 0, "input_length": {len}, "output_length": 1, "hash_ids": {ids:?}}}"#
-                ) + "\n"
-            })
-            .collect();
-        Trace::parse(&text).expect("trace")
+        let rows: Vec<(u64, usize, usize, &[u64])> =
+            rows.iter().map(|(len, ids)| (0, *len, 1, *ids)).collect();
+        crate::trace::from_rows(&rows)
     }
 
     #[test]

@@ -22,15 +22,7 @@ fn profile() -> SimProfile {
 }
 
 fn trace(rows: &[(u64, usize, usize, &[u64])]) -> Trace {
-    let text: String = rows
-        .iter()
-        .map(|(ts, len, out, ids)| {
-            format!(
-                r#"{{"timestamp": {ts}, "input_length": {len}, "output_length": {out}, "hash_ids": {ids:?}}}"#
-            ) + "\n"
-        })
-        .collect();
-    Trace::parse(&text).expect("trace")
+    crate::trace::from_rows(rows)
 }
 
 #[test]
