@@ -119,7 +119,8 @@ pub struct Destination {
 
 /// The destinations of a `--report-to` base URL: one per address its host resolves to (a Kubernetes headless
 /// Service resolves to every gateway replica, and each keeps its own registry), or the URL itself when it names
-/// an IP, resolves to a single address, or cannot be resolved now (the POST then fails and is counted).
+/// an IP, resolves to a single address or only to loopback addresses, or cannot be resolved now (the POST then
+/// fails and is counted).
 pub async fn destinations(target: &str) -> Vec<Destination> {
     let base = target.trim_end_matches('/');
     let plain = vec![Destination { url: format!("{base}/kvgate/v1/report"), host_header: None }];
@@ -131,24 +132,33 @@ pub async fn destinations(target: &str) -> Vec<Destination> {
     let port = uri.port_u16().unwrap_or(if scheme == "https" { 443 } else { 80 });
     let lookup =
         tokio::time::timeout(Duration::from_millis(500), tokio::net::lookup_host((host, port))).await;
-    let mut addrs: Vec<std::net::SocketAddr> = match lookup {
+    let addrs: Vec<std::net::SocketAddr> = match lookup {
         Ok(Ok(a)) => a.collect(),
         _ => return plain,
     };
+    fan_out(&uri, addrs).unwrap_or(plain)
+}
+
+/// One destination per address (`None` when that is not several gateways: one address, or loopback only).
+fn fan_out(uri: &hyper::Uri, mut addrs: Vec<std::net::SocketAddr>) -> Option<Vec<Destination>> {
     addrs.sort();
     addrs.dedup();
-    if addrs.len() <= 1 {
-        return plain;
+    // One host on several loopback addresses (`localhost` as 127.0.0.1 and ::1) is one gateway.
+    if addrs.len() <= 1 || addrs.iter().all(|a| a.ip().is_loopback()) {
+        return None;
     }
+    let scheme = uri.scheme_str().unwrap_or("http");
     let path = uri.path().trim_end_matches('/');
     let authority = uri.authority().map(|a| a.as_str().to_owned());
-    addrs
-        .into_iter()
-        .map(|a| Destination {
-            url: format!("{scheme}://{a}{path}/kvgate/v1/report"),
-            host_header: authority.clone(),
-        })
-        .collect()
+    Some(
+        addrs
+            .into_iter()
+            .map(|a| Destination {
+                url: format!("{scheme}://{a}{path}/kvgate/v1/report"),
+                host_header: authority.clone(),
+            })
+            .collect(),
+    )
 }
 
 /// Runs forever: builds a report each interval and sends it to every gateway (every address of each
@@ -233,13 +243,28 @@ mod tests {
             one,
             vec![Destination { url: "http://127.0.0.1:8081/kvgate/v1/report".into(), host_header: None }]
         );
-        // `localhost` may resolve to 127.0.0.1 and ::1: then each gets the report, with the original Host.
+        // `localhost` (127.0.0.1 and maybe ::1) is one gateway: the URL as given.
         let local = destinations("http://localhost:8081").await;
-        assert!(!local.is_empty());
-        if local.len() > 1 {
-            assert!(local.iter().all(|d| d.host_header.as_deref() == Some("localhost:8081")));
-            assert!(local.iter().any(|d| d.url == "http://127.0.0.1:8081/kvgate/v1/report"));
-        }
+        assert_eq!(
+            local,
+            vec![Destination { url: "http://localhost:8081/kvgate/v1/report".into(), host_header: None }]
+        );
+        // A headless Service over three gateway pods: one report each, with the Service's name as Host.
+        let uri: hyper::Uri = "http://kv-control.serving.svc:8081".parse().expect("uri");
+        let addrs = ["10.0.0.7:8081", "10.0.0.5:8081", "10.0.0.7:8081", "[fd00::9]:8081"]
+            .map(|a| a.parse().expect("addr"))
+            .to_vec();
+        let d = fan_out(&uri, addrs).expect("several gateways");
+        let urls: Vec<&str> = d.iter().map(|x| x.url.as_str()).collect();
+        assert_eq!(
+            urls,
+            [
+                "http://10.0.0.5:8081/kvgate/v1/report",
+                "http://10.0.0.7:8081/kvgate/v1/report",
+                "http://[fd00::9]:8081/kvgate/v1/report"
+            ]
+        );
+        assert!(d.iter().all(|x| x.host_header.as_deref() == Some("kv-control.serving.svc:8081")));
         let unresolvable = destinations("http://no-such-host.invalid:8081").await;
         assert_eq!(unresolvable.len(), 1);
         assert_eq!(unresolvable[0].url, "http://no-such-host.invalid:8081/kvgate/v1/report");
