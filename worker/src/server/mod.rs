@@ -272,8 +272,9 @@ pub async fn serve(cfg: ServeConfig) -> Result<(), String> {
             Ok(Ok(l)) => {
                 let l = Arc::new(l);
                 tracing::info!(model = %l.model_id, secs = started.elapsed().as_secs_f64(), "model loaded");
-                println!("kvgate-worker {} ready (model {})", l.worker_id, l.model_id);
                 let _ = loader_state.loaded.set(l.clone());
+                // Only once requests are served: scripts and tests wait for this line.
+                println!("kvgate-worker {} ready (model {})", l.worker_id, l.model_id);
                 if !loader_state.cfg.report_to.is_empty() {
                     let c = &loader_state.cfg;
                     let source = reporter::ReportSource {
