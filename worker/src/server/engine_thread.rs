@@ -124,17 +124,22 @@ fn run<B: Backend>(
             }
         }
         if !engine.has_work() {
+            // Commands alone (an abort that emptied the engine) change the figures too.
+            publish(&engine, &mut totals, &published);
             continue;
         }
         let before = engine.scheduler().counters().scheduled_tokens;
         let started = Instant::now();
         let outputs = engine.step();
         let computed = engine.scheduler().counters().scheduled_tokens - before;
-        let mut generated = 0u64;
+        let generated = outputs.iter().filter(|o| o.token.is_some()).count() as u64;
+        totals.decode_tokens += generated;
+        totals.prefill_tokens += computed.saturating_sub(generated);
+        totals.steps += 1;
+        // Published before the outputs go out: a client that reads the metrics after its response sees this step.
+        publish(&engine, &mut totals, &published);
+        let mut aborted = false;
         for o in outputs {
-            if o.token.is_some() {
-                generated += 1;
-            }
             let done = o.finished.is_some();
             let id = o.id;
             let gone = senders.get(&id).is_none_or(|tx| tx.send(o).is_err());
@@ -144,13 +149,12 @@ fn run<B: Backend>(
                 // Nobody listens any more (client disconnected): free its blocks now.
                 engine.abort(id);
                 senders.remove(&id);
+                aborted = true;
             }
         }
-        totals.decode_tokens += generated;
-        totals.prefill_tokens += computed.saturating_sub(generated);
-        totals.steps += 1;
-        totals.stats = engine.stats();
-        *published.lock().unwrap_or_else(|e| e.into_inner()) = totals;
+        if aborted {
+            publish(&engine, &mut totals, &published);
+        }
         tracing::trace!(
             computed,
             generated,
@@ -158,6 +162,11 @@ fn run<B: Backend>(
             "engine step"
         );
     }
+}
+
+fn publish<B: Backend>(engine: &Engine<B>, totals: &mut Published, published: &Mutex<Published>) {
+    totals.stats = engine.stats();
+    *published.lock().unwrap_or_else(|e| e.into_inner()) = *totals;
 }
 
 fn handle<B: Backend>(
