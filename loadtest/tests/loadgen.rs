@@ -194,3 +194,54 @@ fn run_measures_multi_turn_sessions_against_a_worker_and_stops_by_itself() {
     assert!(!ok && stderr.contains("--trace"), "{stderr}");
     drop(worker);
 }
+
+#[test]
+fn up_stops_every_process_it_started_on_ctrl_c() {
+    build_fleet_binaries();
+    let dir = tempfile::tempdir().expect("tmp");
+    let logs = dir.path().join("logs");
+    let mut up = Killed(
+        Command::new(env!("CARGO_BIN_EXE_kvgate-loadtest"))
+            .args(["up", "--engine", "sim", "--workers", "2", "--log-dir", logs.to_str().expect("path")])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("up"),
+    );
+    let stdout = up.0.stdout.take().expect("stdout");
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        use std::io::BufRead;
+        for line in std::io::BufReader::new(stdout).lines().map_while(Result::ok) {
+            let _ = tx.send(line);
+        }
+    });
+    let mut urls: Vec<String> = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while urls.len() < 3 {
+        let line =
+            rx.recv_timeout(deadline.saturating_duration_since(Instant::now())).expect("up prints its URLs");
+        if let Some(rest) = line.strip_prefix("kvgate is up: gateway ") {
+            urls.push(rest.split_whitespace().next().expect("url").to_owned());
+        }
+        if let Some(rest) = line.strip_prefix("workers: ") {
+            urls.extend(rest.split_whitespace().map(str::to_owned));
+        }
+    }
+    let ports: Vec<u16> =
+        urls.iter().map(|u| u.rsplit(':').next().and_then(|p| p.parse().ok()).expect("port")).collect();
+    assert!(ports.iter().all(|p| std::net::TcpStream::connect(("127.0.0.1", *p)).is_ok()), "{urls:?}");
+    // Ctrl-C: SIGINT to `up` only; it must stop the gateway and both workers itself.
+    let status = Command::new("kill").args(["-INT", &up.0.id().to_string()]).status().expect("kill");
+    assert!(status.success());
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while up.0.try_wait().expect("wait").is_none() {
+        assert!(Instant::now() < deadline, "up did not exit on SIGINT");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while ports.iter().any(|p| std::net::TcpStream::connect(("127.0.0.1", *p)).is_ok()) {
+        assert!(Instant::now() < deadline, "a process `up` started still listens: {urls:?}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
