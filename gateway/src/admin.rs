@@ -6,9 +6,12 @@
 //!   set), `GET /admin/v1/workers`, `POST /admin/v1/workers/{id}/drain` and `/undrain`,
 //!   `POST /admin/v1/route/explain` (a chat or completions body in; every worker's score terms, the pick, its class
 //!   and cost out; nothing is sent upstream).
-//! - Changes take effect at once, are validated (400 listing every problem), versioned (`ETag`; a PUT whose
-//!   `If-Match` names another version gets 412), written to the log as an audit line, and persisted to the state
-//!   file (`--state-file`) so a restart keeps them.
+//! - Changes are validated (400 listing every problem), versioned (`ETag`; a PUT whose `If-Match` names another
+//!   version gets 412), persisted to the state file (`--state-file`) **before** they take effect (written to a
+//!   temporary file, fsynced, renamed over the old one, directory fsynced: a crash leaves the old or the new state,
+//!   never a torn one, and a change that could not be saved is not applied: 500), then applied at once and written
+//!   to the log as an audit line.
+//! - The token is checked by the control listener before any body byte is read (`control.rs`).
 
 // Handlers return `Result<_, Response>` so an early answer (401, 412, 400) reads as `?`; axum's Response is large.
 #![allow(clippy::result_large_err)]
@@ -18,15 +21,16 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use axum::body::Bytes;
-use axum::extract::{Path as UrlPath, State};
+use axum::extract::{DefaultBodyLimit, Path as UrlPath, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde::{Deserialize, Serialize};
 
-use crate::admission::{ClassConfig, ClassInput, CLASS_HEADER};
+use crate::admission::{ClassConfig, CLASS_HEADER};
 use crate::control::secrets_equal;
+use crate::prepare::{PrepHeaders, CACHE_SALT_HEADER, SESSION_HEADER};
 use crate::routing::{RequestView, Weights};
 use crate::state::GatewayState;
 
@@ -55,22 +59,28 @@ pub fn load_state(path: &Path) -> Result<Option<Persisted>, String> {
     }
 }
 
-fn save_state(path: &Path, p: &Persisted) -> Result<(), String> {
+/// Writes the state file atomically and durably: temporary file, fsync, rename, fsync of the directory.
+pub fn save_state(path: &Path, p: &Persisted) -> Result<(), String> {
+    use std::io::Write;
     let tmp = path.with_extension("tmp");
     let text = serde_json::to_string_pretty(p).map_err(|e| e.to_string())?;
-    std::fs::write(&tmp, text).map_err(|e| format!("{}: {e}", tmp.display()))?;
-    std::fs::rename(&tmp, path).map_err(|e| format!("{}: {e}", path.display()))
+    let write = || -> std::io::Result<()> {
+        let mut f = std::fs::File::create(&tmp)?;
+        f.write_all(text.as_bytes())?;
+        f.sync_all()
+    };
+    write().map_err(|e| format!("{}: {e}", tmp.display()))?;
+    std::fs::rename(&tmp, path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let dir = path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    std::fs::File::open(dir).and_then(|d| d.sync_all()).map_err(|e| format!("{}: {e}", dir.display()))
 }
 
 fn error(status: StatusCode, code: &str, message: String) -> Response {
-    let kind =
-        if status == StatusCode::UNAUTHORIZED { "authentication_error" } else { "invalid_request_error" };
-    let body = kvgate_shared::openai::ErrorBody::new(kind, code, message, None);
-    (status, [("content-type", "application/json")], body.to_json()).into_response()
+    crate::control::err(status, code, message)
 }
 
 /// Checks the bearer token; `Err` is the response to send.
-fn authorize(state: &GatewayState, headers: &HeaderMap) -> Result<(), Response> {
+pub fn authorize(state: &GatewayState, headers: &HeaderMap) -> Result<(), Response> {
     let Some(token) = &state.cfg.admin_token else {
         return Err(error(
             StatusCode::NOT_FOUND,
@@ -112,10 +122,13 @@ fn check_if_match(headers: &HeaderMap, version: u64) -> Result<(), Response> {
     }
 }
 
-fn persist(state: &GatewayState) -> Result<(), Response> {
+/// Saves `next` (the state as it will be) before it is applied; `Err` (500) means nothing changes.
+fn persist(state: &GatewayState, next: &Persisted) -> Result<(), Response> {
     let Some(path) = &state.cfg.state_file else { return Ok(()) };
-    let snapshot = state.persisted();
-    save_state(path, &snapshot).map_err(|e| error(StatusCode::INTERNAL_SERVER_ERROR, "state_file", e))
+    save_state(path, next).map_err(|e| {
+        tracing::error!(error = %e, "cannot save the admin state: change not applied");
+        error(StatusCode::INTERNAL_SERVER_ERROR, "state_file", format!("the change was not applied: {e}"))
+    })
 }
 
 async fn get_weights(State(state): State<Arc<GatewayState>>, headers: HeaderMap) -> Response {
@@ -144,11 +157,12 @@ async fn put_weights(State(state): State<Arc<GatewayState>>, headers: HeaderMap,
         if let Err(r) = check_if_match(&headers, v) {
             return r;
         }
-        let version = state.set_weights(w);
-        tracing::info!(target: "audit", resource = "weights", old = ?old, new = ?w, version, "admin change");
-        if let Err(r) = persist(&state) {
+        let next = Persisted { weights: w, weights_version: v + 1, ..state.persisted() };
+        if let Err(r) = persist(&state, &next) {
             return r;
         }
+        let version = state.set_weights(w);
+        tracing::info!(target: "audit", resource = "weights", old = ?old, new = ?w, version, "admin change");
         version
     };
     versioned(&w, version)
@@ -180,11 +194,12 @@ async fn put_budgets(State(state): State<Arc<GatewayState>>, headers: HeaderMap,
         if let Err(r) = check_if_match(&headers, v) {
             return r;
         }
-        let version = state.set_classes(classes.clone());
-        tracing::info!(target: "audit", resource = "budgets", old = ?old, new = ?classes, version, "admin change");
-        if let Err(r) = persist(&state) {
+        let next = Persisted { classes: classes.clone(), classes_version: v + 1, ..state.persisted() };
+        if let Err(r) = persist(&state, &next) {
             return r;
         }
+        let version = state.set_classes(classes.clone());
+        tracing::info!(target: "audit", resource = "budgets", old = ?old, new = ?classes, version, "admin change");
         version
     };
     versioned(&classes, version)
@@ -212,39 +227,42 @@ async fn explain(State(state): State<Arc<GatewayState>>, headers: HeaderMap, bod
     if let Err(r) = authorize(&state, &headers) {
         return r;
     }
+    let api_error = |e: crate::errors::ApiError| {
+        (
+            StatusCode::from_u16(e.status).unwrap_or(StatusCode::BAD_REQUEST),
+            [("content-type", "application/json")],
+            e.body().to_json(),
+        )
+            .into_response()
+    };
     let chat = serde_json::from_slice::<serde_json::Value>(&body).is_ok_and(|v| v.get("messages").is_some());
     let header = |name: &str| headers.get(name).and_then(|v| v.to_str().ok()).map(str::to_owned);
-    let p = match crate::proxy::prepare(&state, chat, &body, &header) {
+    // The caller being explained is named by `x-kvgate-explain-authorization` (the admin token is in Authorization).
+    let caller = match crate::proxy::caller_of(&state, header("x-kvgate-explain-authorization").as_deref()) {
+        Ok(c) => c,
+        Err(e) => return api_error(e),
+    };
+    let prep = PrepHeaders { session: header(SESSION_HEADER), cache_salt: header(CACHE_SALT_HEADER) };
+    let p = match crate::proxy::prepare_on_pool(&state, chat, body, prep, caller.cache_salt.clone()).await {
         Ok(p) => p,
-        Err(e) => {
-            return (
-                StatusCode::from_u16(e.status).unwrap_or(StatusCode::BAD_REQUEST),
-                [("content-type", "application/json")],
-                e.body().to_json(),
-            )
-                .into_response()
-        }
+        Err(e) => return api_error(e),
+    };
+    let class = match crate::proxy::choose_class(&state, &p, &caller, header(CLASS_HEADER).as_deref()) {
+        Ok(c) => c,
+        Err(e) => return api_error(e),
     };
     let now = Instant::now();
     let reg = state.registry();
-    let (views, _) = reg.views(&p.model, &p.hashes, now);
+    let (views, _) = reg.views(&p.fields.model, &p.hashes, now);
     let req =
         RequestView { hashes: &p.hashes, prompt_tokens: p.ids.len(), session_key: p.session_key, nonce: 0 };
     let decision = state.policy.choose(&req, &views, reg.ring(), p.block_size);
-    let max_tokens = p.fields.max_output_tokens().map(u64::from);
-    let class_header = header(CLASS_HEADER);
-    let class_input = ClassInput {
-        prompt_tokens: p.ids.len() as u64,
-        max_tokens,
-        model: &p.model,
-        header_class: class_header.as_deref(),
-        reasoning: p.reasoning,
-    };
-    let (_, class, expected) = state.admission.classify(&class_input);
+    let max_tokens = p.fields.max_tokens.map(u64::from);
+    let (_, class, expected) = class;
     let predicted = decision.as_ref().map_or(0, |d| d.predicted_cached_tokens);
     let cost = (p.ids.len().saturating_sub(predicted) as u64) + max_tokens.unwrap_or(expected);
     Json(serde_json::json!({
-        "model": p.model,
+        "model": p.fields.model,
         "policy": state.policy.name(),
         "prompt_tokens": p.ids.len(),
         "blocks": p.hashes.len(),
@@ -253,14 +271,19 @@ async fn explain(State(state): State<Arc<GatewayState>>, headers: HeaderMap, bod
         "ranked": decision.as_ref().map(|d| d.ranked.iter().map(|i| views[*i].id).collect::<Vec<_>>()),
         "predicted_cached_tokens": predicted,
         "class": class,
+        "tenant": caller.tenant,
         "cost_tokens": cost,
+        "max_model_len": p.max_model_len,
         "terms": decision.map(|d| d.terms),
     }))
     .into_response()
 }
 
-/// The admin routes.
-pub fn router() -> Router<Arc<GatewayState>> {
+/// The admin routes (`explain_limit`: the body limit of route/explain, which takes a public request body).
+pub fn router(explain_limit: usize) -> Router<Arc<GatewayState>> {
+    let explain = Router::new()
+        .route("/admin/v1/route/explain", post(explain))
+        .layer(DefaultBodyLimit::max(explain_limit));
     Router::new()
         .route("/admin/v1/weights", get(get_weights).put(put_weights))
         .route("/admin/v1/budgets", get(get_budgets).put(put_budgets))
@@ -277,5 +300,5 @@ pub fn router() -> Router<Arc<GatewayState>> {
                 drain(s, h, id, false)
             }),
         )
-        .route("/admin/v1/route/explain", post(explain))
+        .merge(explain)
 }

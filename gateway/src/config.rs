@@ -36,10 +36,31 @@ pub struct GatewayArgs {
     /// Routing policy: cache_aware, round_robin, least_load, consistent_hash. Default cache_aware.
     #[arg(long, env = "KVGATE_GATEWAY_POLICY")]
     pub policy: Option<String>,
-    /// Shared secret workers send with reports (`Authorization: Bearer`). Default none: reports are accepted
-    /// without authentication (a warning is logged at start).
+    /// Shared secret workers send with reports (`Authorization: Bearer`). Required: without it the gateway refuses
+    /// to start unless `--insecure-reports` is given.
     #[arg(long, env = "KVGATE_REPORT_SECRET", hide_env_values = true)]
     pub report_secret: Option<String>,
+    /// Accept reports without a secret (anyone who reaches the control port can then register a worker). Only for
+    /// closed test setups. Default false.
+    #[arg(long, env = "KVGATE_GATEWAY_INSECURE_REPORTS", num_args = 0..=1, default_missing_value = "true")]
+    pub insecure_reports: Option<bool>,
+    /// Where reported workers may live: an `advertise_url` host must match one entry: an IP, a CIDR
+    /// (`10.0.0.0/8`), a host name, or a `*.suffix` pattern (`*.kvgate-worker.serving.svc.cluster.local`).
+    /// Repeatable (env: comma-separated). Default none: the host must be the report's source address (or a name
+    /// that resolves to it).
+    #[arg(long = "advertise-allow", env = "KVGATE_GATEWAY_ADVERTISE_ALLOW", value_delimiter = ',')]
+    pub advertise_allow: Option<Vec<String>>,
+    /// Forward the client's `Authorization` header to workers. Default false (it is the client's key to this
+    /// gateway, not to the workers).
+    #[arg(long, env = "KVGATE_GATEWAY_FORWARD_AUTHORIZATION", num_args = 0..=1, default_missing_value = "true")]
+    pub forward_authorization: Option<bool>,
+    /// API key table (TOML `[[keys]]`: `key` or `key_sha256`, `tenant`, `classes`, `cache_salt`; see keys.rs).
+    /// Default none: every caller is the anonymous tenant and no caller may choose its class.
+    #[arg(long, env = "KVGATE_GATEWAY_API_KEYS_FILE")]
+    pub api_keys_file: Option<PathBuf>,
+    /// Refuse requests without a known API key (401). Default false (unknown callers share the anonymous tenant).
+    #[arg(long, env = "KVGATE_GATEWAY_REQUIRE_API_KEY", num_args = 0..=1, default_missing_value = "true")]
+    pub require_api_key: Option<bool>,
     /// No report for this long: the worker's cache summary is ignored. Default 3s.
     #[arg(long, env = "KVGATE_GATEWAY_STALE_AFTER")]
     pub stale_after: Option<String>,
@@ -53,12 +74,68 @@ pub struct GatewayArgs {
     /// Virtual nodes per worker on the ring. Default 64.
     #[arg(long, env = "KVGATE_GATEWAY_VNODES")]
     pub vnodes: Option<u32>,
-    /// Largest request body in bytes; beyond it 413. Default 32 MiB.
+    /// Largest request body in bytes; beyond it 413. Default 8 MiB (the worker's default: a body a worker would
+    /// refuse is refused here first).
     #[arg(long, env = "KVGATE_GATEWAY_MAX_BODY_BYTES")]
     pub max_body_bytes: Option<usize>,
+    /// Most JSON values in a chat request's `messages`, `tools` and `chat_template_kwargs` together; beyond it 400.
+    /// Default 200000.
+    #[arg(long, env = "KVGATE_GATEWAY_MAX_CHAT_JSON_VALUES")]
+    pub max_chat_json_values: Option<usize>,
+    /// Most open client connections; beyond it a new connection gets 503 and is closed. Default 4096.
+    #[arg(long, env = "KVGATE_GATEWAY_MAX_CONNECTIONS")]
+    pub max_connections: Option<usize>,
+    /// A request's header must arrive whole within this long of its first byte (and a new connection must send
+    /// its first byte within it); else 408 and the connection closes. Default 10s.
+    #[arg(long, env = "KVGATE_GATEWAY_HEADER_READ_TIMEOUT")]
+    pub header_read_timeout: Option<String>,
+    /// An idle keep-alive connection is closed after this long. Default 60s.
+    #[arg(long, env = "KVGATE_GATEWAY_KEEPALIVE_TIMEOUT")]
+    pub keepalive_timeout: Option<String>,
+    /// The whole request body must arrive within this long; else 408. Default 60s.
+    #[arg(long, env = "KVGATE_GATEWAY_REQUEST_READ_TIMEOUT")]
+    pub request_read_timeout: Option<String>,
+    /// Threads that parse and tokenize prompts (off the proxy threads). Default: the number of CPUs.
+    #[arg(long, env = "KVGATE_GATEWAY_TOKENIZE_THREADS")]
+    pub tokenize_threads: Option<usize>,
+    /// Requests waiting for a tokenize thread; beyond it 503 `tokenizer_busy`. Default 256.
+    #[arg(long, env = "KVGATE_GATEWAY_TOKENIZE_QUEUE")]
+    pub tokenize_queue: Option<usize>,
     /// Timeout to connect to a worker. Default 1s.
     #[arg(long, env = "KVGATE_GATEWAY_CONNECT_TIMEOUT")]
     pub connect_timeout: Option<String>,
+    /// Least time a worker gets to send its response header (first byte). Default 30s.
+    #[arg(long, env = "KVGATE_GATEWAY_FIRST_BYTE_TIMEOUT")]
+    pub first_byte_timeout: Option<String>,
+    /// Added to the first-byte timeout per uncached prompt token (prefill). Default 1ms.
+    #[arg(long, env = "KVGATE_GATEWAY_FIRST_BYTE_PER_PROMPT_TOKEN")]
+    pub first_byte_per_prompt_token: Option<String>,
+    /// Added per `max_tokens` for a non-streamed request (its header comes after the last token). Default 100ms.
+    #[arg(long, env = "KVGATE_GATEWAY_FIRST_BYTE_PER_OUTPUT_TOKEN")]
+    pub first_byte_per_output_token: Option<String>,
+    /// Most the first-byte timeout can grow to. Default 600s.
+    #[arg(long, env = "KVGATE_GATEWAY_FIRST_BYTE_TIMEOUT_CAP")]
+    pub first_byte_timeout_cap: Option<String>,
+    /// Longest silence between two chunks of a response; then the stream ends with an error event. Default 60s.
+    #[arg(long, env = "KVGATE_GATEWAY_STREAM_IDLE_TIMEOUT")]
+    pub stream_idle_timeout: Option<String>,
+    /// Workers tried per request when they refuse before any byte (connect failure, queue_full, model_loading,
+    /// shutting_down). Default 3.
+    #[arg(long, env = "KVGATE_GATEWAY_MAX_ATTEMPTS")]
+    pub max_attempts: Option<usize>,
+    /// A reported worker silent this long is forgotten (with its metric series). Default 300s.
+    #[arg(long, env = "KVGATE_GATEWAY_FORGET_AFTER")]
+    pub forget_after: Option<String>,
+    /// How often a worker out of the ring for a refused connection or a timeout is probed (`GET /health`) to bring
+    /// it back. Default 2s.
+    #[arg(long, env = "KVGATE_GATEWAY_PROBE_INTERVAL")]
+    pub probe_interval: Option<String>,
+    /// Most workers in the registry; reports from further workers get 503. Default 4096.
+    #[arg(long, env = "KVGATE_GATEWAY_MAX_WORKERS")]
+    pub max_workers: Option<usize>,
+    /// Largest tokenizer a worker may serve to this gateway, in bytes. Default 64 MiB.
+    #[arg(long, env = "KVGATE_GATEWAY_MAX_TOKENIZER_BYTES")]
+    pub max_tokenizer_bytes: Option<usize>,
     /// Worker threads of the proxy. Default 2.
     #[arg(long, env = "KVGATE_GATEWAY_THREADS")]
     pub threads: Option<usize>,
@@ -81,7 +158,7 @@ pub struct GatewayArgs {
     #[serde(skip)]
     pub w_load: Option<f64>,
     /// Logs as JSON lines.
-    #[arg(long, env = "KVGATE_GATEWAY_LOG_JSON")]
+    #[arg(long, env = "KVGATE_GATEWAY_LOG_JSON", num_args = 0..=1, default_missing_value = "true")]
     pub log_json: Option<bool>,
     /// Bearer token of the admin API (control listener). Default none: the admin routes are off (404).
     #[arg(long, env = "KVGATE_ADMIN_TOKEN", hide_env_values = true)]
@@ -104,12 +181,31 @@ pub struct GatewayConfig {
     pub workers: Vec<String>,
     pub policy: String,
     pub report_secret: Option<String>,
+    pub insecure_reports: bool,
+    pub advertise_allow: Vec<String>,
+    pub forward_authorization: bool,
+    pub api_keys_file: Option<PathBuf>,
+    pub require_api_key: bool,
     pub stale_after: Duration,
     pub dead_after: Duration,
     pub overlay_ttl: Duration,
     pub vnodes: u32,
     pub max_body_bytes: usize,
+    pub max_chat_json_values: usize,
+    pub max_connections: usize,
+    pub header_read_timeout: Duration,
+    pub keepalive_timeout: Duration,
+    pub request_read_timeout: Duration,
+    pub tokenize_threads: usize,
+    pub tokenize_queue: usize,
     pub connect_timeout: Duration,
+    pub first_byte: FirstByteTimeout,
+    pub stream_idle_timeout: Duration,
+    pub max_attempts: usize,
+    pub forget_after: Duration,
+    pub probe_interval: Duration,
+    pub max_workers: usize,
+    pub max_tokenizer_bytes: usize,
     pub threads: usize,
     pub shutdown_grace: Duration,
     pub weights: Weights,
@@ -117,6 +213,27 @@ pub struct GatewayConfig {
     pub classes: Vec<ClassConfig>,
     pub admin_token: Option<String>,
     pub state_file: Option<PathBuf>,
+}
+
+/// The first-byte timeout of a request: `floor + uncached prompt tokens x per_prompt_token` (+ `max_tokens x
+/// per_output_token` when not streamed, since the header then follows the last token), at most `cap`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct FirstByteTimeout {
+    pub floor: Duration,
+    pub per_prompt_token: Duration,
+    pub per_output_token: Duration,
+    pub cap: Duration,
+}
+
+impl FirstByteTimeout {
+    pub fn for_request(&self, uncached_prompt_tokens: u64, max_tokens: u64, stream: bool) -> Duration {
+        let prefill = self.per_prompt_token.as_secs_f64() * uncached_prompt_tokens as f64;
+        let decode = if stream { 0.0 } else { self.per_output_token.as_secs_f64() * max_tokens as f64 };
+        let t = self.floor.as_secs_f64() + prefill + decode;
+        Duration::from_secs_f64(
+            t.min(self.cap.as_secs_f64()).max(self.floor.as_secs_f64().min(self.cap.as_secs_f64())),
+        )
+    }
 }
 
 fn duration(v: Option<String>, default: &str, name: &str) -> Result<Duration, String> {
@@ -155,12 +272,49 @@ impl GatewayArgs {
             workers: pick!(workers).unwrap_or_default().into_iter().filter(|w| !w.is_empty()).collect(),
             policy: pick!(policy).unwrap_or_else(|| "cache_aware".into()),
             report_secret: pick!(report_secret).filter(|s| !s.is_empty()),
+            insecure_reports: pick!(insecure_reports).unwrap_or(false),
+            advertise_allow: pick!(advertise_allow)
+                .unwrap_or_default()
+                .into_iter()
+                .filter(|a| !a.is_empty())
+                .collect(),
+            forward_authorization: pick!(forward_authorization).unwrap_or(false),
+            api_keys_file: pick!(api_keys_file),
+            require_api_key: pick!(require_api_key).unwrap_or(false),
             stale_after: duration(pick!(stale_after), "3s", "stale-after")?,
             dead_after: duration(pick!(dead_after), "10s", "dead-after")?,
             overlay_ttl: duration(pick!(overlay_ttl), "3s", "overlay-ttl")?,
             vnodes: pick!(vnodes).unwrap_or(64),
-            max_body_bytes: pick!(max_body_bytes).unwrap_or(32 << 20),
+            max_body_bytes: pick!(max_body_bytes).unwrap_or(8 << 20),
+            max_chat_json_values: pick!(max_chat_json_values).unwrap_or(200_000),
+            max_connections: pick!(max_connections).unwrap_or(4096),
+            header_read_timeout: duration(pick!(header_read_timeout), "10s", "header-read-timeout")?,
+            keepalive_timeout: duration(pick!(keepalive_timeout), "60s", "keepalive-timeout")?,
+            request_read_timeout: duration(pick!(request_read_timeout), "60s", "request-read-timeout")?,
+            tokenize_threads: pick!(tokenize_threads)
+                .unwrap_or_else(|| std::thread::available_parallelism().map_or(2, |n| n.get())),
+            tokenize_queue: pick!(tokenize_queue).unwrap_or(256),
             connect_timeout: duration(pick!(connect_timeout), "1s", "connect-timeout")?,
+            first_byte: FirstByteTimeout {
+                floor: duration(pick!(first_byte_timeout), "30s", "first-byte-timeout")?,
+                per_prompt_token: duration(
+                    pick!(first_byte_per_prompt_token),
+                    "1ms",
+                    "first-byte-per-prompt-token",
+                )?,
+                per_output_token: duration(
+                    pick!(first_byte_per_output_token),
+                    "100ms",
+                    "first-byte-per-output-token",
+                )?,
+                cap: duration(pick!(first_byte_timeout_cap), "600s", "first-byte-timeout-cap")?,
+            },
+            stream_idle_timeout: duration(pick!(stream_idle_timeout), "60s", "stream-idle-timeout")?,
+            max_attempts: pick!(max_attempts).unwrap_or(3),
+            forget_after: duration(pick!(forget_after), "300s", "forget-after")?,
+            probe_interval: duration(pick!(probe_interval), "2s", "probe-interval")?,
+            max_workers: pick!(max_workers).unwrap_or(4096),
+            max_tokenizer_bytes: pick!(max_tokenizer_bytes).unwrap_or(64 << 20),
             shutdown_grace: duration(pick!(shutdown_grace), "10s", "shutdown-grace")?,
             threads: pick!(threads).unwrap_or(2),
             weights,
@@ -200,6 +354,52 @@ impl GatewayConfig {
         if self.max_body_bytes < 1024 {
             p.push("max-body-bytes must be at least 1024".into());
         }
+        if self.report_secret.is_none() && !self.insecure_reports {
+            p.push(
+                "no report secret (--report-secret / KVGATE_REPORT_SECRET): anyone reaching the control port could \
+                 register a worker; set one, or --insecure-reports for a closed test setup"
+                    .into(),
+            );
+        }
+        for a in &self.advertise_allow {
+            if let Err(e) = crate::trust::AllowEntry::parse(a) {
+                p.push(format!("advertise-allow {a:?}: {e}"));
+            }
+        }
+        for (name, v) in [
+            ("max-connections", self.max_connections),
+            ("tokenize-threads", self.tokenize_threads),
+            ("tokenize-queue", self.tokenize_queue),
+            ("max-attempts", self.max_attempts),
+            ("max-workers", self.max_workers),
+            ("max-chat-json-values", self.max_chat_json_values),
+        ] {
+            if v == 0 {
+                p.push(format!("{name} must be at least 1"));
+            }
+        }
+        for (name, d) in [
+            ("header-read-timeout", self.header_read_timeout),
+            ("keepalive-timeout", self.keepalive_timeout),
+            ("request-read-timeout", self.request_read_timeout),
+            ("first-byte-timeout", self.first_byte.floor),
+            ("stream-idle-timeout", self.stream_idle_timeout),
+            ("probe-interval", self.probe_interval),
+            ("connect-timeout", self.connect_timeout),
+        ] {
+            if d.is_zero() {
+                p.push(format!("{name} must be more than 0"));
+            }
+        }
+        if self.first_byte.cap < self.first_byte.floor {
+            p.push("first-byte-timeout-cap must not be below first-byte-timeout".into());
+        }
+        if self.forget_after < self.dead_after {
+            p.push("forget-after must not be below dead-after".into());
+        }
+        if self.max_tokenizer_bytes < 1024 {
+            p.push("max-tokenizer-bytes must be at least 1024".into());
+        }
         p.extend(self.weights.validate());
         p.extend(crate::admission::classes::validate(&self.classes));
         if p.is_empty() {
@@ -214,20 +414,50 @@ impl GatewayConfig {
 mod tests {
     use super::*;
 
+    fn secured() -> GatewayArgs {
+        GatewayArgs { report_secret: Some("s".into()), ..Default::default() }
+    }
+
+    #[test]
+    fn no_report_secret_is_refused_unless_insecure_reports() {
+        let err = GatewayArgs::default().resolve().expect_err("no secret");
+        assert!(err.contains("report secret"), "{err}");
+        let cfg =
+            GatewayArgs { insecure_reports: Some(true), ..Default::default() }.resolve().expect("insecure");
+        assert!(cfg.insecure_reports && cfg.report_secret.is_none());
+    }
+
+    #[test]
+    fn first_byte_timeout_scales_with_uncached_tokens_and_output_between_floor_and_cap() {
+        let t = FirstByteTimeout {
+            floor: Duration::from_secs(2),
+            per_prompt_token: Duration::from_millis(1),
+            per_output_token: Duration::from_millis(10),
+            cap: Duration::from_secs(20),
+        };
+        assert_eq!(t.for_request(0, 100, true), Duration::from_secs(2));
+        assert_eq!(t.for_request(3000, 100, true), Duration::from_secs(5));
+        assert_eq!(t.for_request(3000, 100, false), Duration::from_secs(6));
+        assert_eq!(t.for_request(10_000_000, 0, true), Duration::from_secs(20));
+    }
+
     #[test]
     fn defaults_validate_and_problems_are_listed() {
-        let cfg = GatewayArgs::default().resolve().expect("defaults");
+        let cfg = secured().resolve().expect("defaults");
+        assert_eq!(cfg.max_body_bytes, 8 << 20);
+        assert!(!cfg.forward_authorization);
         assert_eq!(cfg.listen, "0.0.0.0:8080");
         assert_eq!(cfg.policy, "cache_aware");
         assert_eq!(cfg.stale_after, Duration::from_secs(3));
         let err = GatewayArgs {
             policy: Some("random".into()),
             listen: Some("nowhere".into()),
-            ..Default::default()
+            advertise_allow: Some(vec!["10.0.0.0/99".into()]),
+            ..secured()
         }
         .resolve()
         .expect_err("bad");
-        assert!(err.contains("policy") && err.contains("listen"), "{err}");
+        assert!(err.contains("policy") && err.contains("listen") && err.contains("advertise-allow"), "{err}");
     }
 
     #[test]
@@ -239,17 +469,15 @@ mod tests {
             "policy = \"least_load\"\nworkers = [\"http://a:1\"]\n[weights]\nw_ring = 0.9\n",
         )
         .expect("w");
-        let cfg = GatewayArgs { config: Some(path.clone()), w_load: Some(0.1), ..Default::default() }
-            .resolve()
-            .expect("ok");
+        let cfg =
+            GatewayArgs { config: Some(path.clone()), w_load: Some(0.1), ..secured() }.resolve().expect("ok");
         assert_eq!(cfg.policy, "least_load");
         assert_eq!(cfg.workers, vec!["http://a:1".to_string()]);
         assert_eq!(cfg.weights.w_ring, 0.9);
         assert_eq!(cfg.weights.w_load, 0.1);
-        let cfg =
-            GatewayArgs { config: Some(path), policy: Some("round_robin".into()), ..Default::default() }
-                .resolve()
-                .expect("ok");
+        let cfg = GatewayArgs { config: Some(path), policy: Some("round_robin".into()), ..secured() }
+            .resolve()
+            .expect("ok");
         assert_eq!(cfg.policy, "round_robin");
     }
 }

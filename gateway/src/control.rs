@@ -1,22 +1,48 @@
-//! The control listener: `POST /kvgate/v1/report` (worker reports, shared-secret authenticated), `GET /metrics`
-//! (Prometheus) and `GET /kvgate/v1/workers` (worker states). Runs on its own thread and tokio runtime, apart from
-//! pingora's, so a flood of public traffic cannot starve report ingest.
+//! The control listener: `POST /kvgate/v1/report` (worker reports), `GET /metrics` (Prometheus), `GET
+//! /kvgate/v1/workers` (worker states), `/health`, `/ready` and the admin API. It runs on its own thread and tokio
+//! runtime, apart from pingora's, so a flood of public traffic cannot starve report ingest.
+//!
+//! Hostile-input rules here:
+//! - credentials are checked from the headers **before** any body byte is read (the report secret for reports,
+//!   the admin token for `/admin`); a declared `content-length` over the route's limit is refused before reading;
+//! - each route has its own body limit: reports [`MAX_REPORT_BYTES`], admin writes [`ADMIN_BODY_LIMIT`], route
+//!   explain the public `--max-body-bytes`;
+//! - decoding and ingesting a report (and the advertise-URL check, which may resolve a name) runs on its own thread
+//!   with a bounded queue ([`INGEST_QUEUE`]; full: 503), so admin calls cannot delay reports and reports cannot pile
+//!   up memory.
 
+use std::net::{IpAddr, SocketAddr};
+use std::sync::mpsc::{sync_channel, SyncSender, TrySendError};
 use std::sync::Arc;
 use std::time::Instant;
 
 use axum::body::Bytes;
-use axum::extract::{DefaultBodyLimit, State};
+use axum::extract::{ConnectInfo, DefaultBodyLimit, Request, State};
 use axum::http::{HeaderMap, StatusCode};
+use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use axum::{Json, Router};
+use axum::{Extension, Json, Router};
 use kvgate_shared::report::{WorkerReport, MAX_REPORT_BYTES};
+use tokio::sync::oneshot;
 
+use crate::registry::Ingest;
 use crate::state::GatewayState;
+use crate::trust::AdvertiseCheck;
 
-fn err(status: StatusCode, code: &str, msg: String) -> Response {
-    let body = kvgate_shared::openai::ErrorBody::new("invalid_request_error", code, msg, None);
+/// Largest body of an admin write (weights, budgets).
+pub const ADMIN_BODY_LIMIT: usize = 1 << 20;
+/// Reports waiting for the ingest thread.
+pub const INGEST_QUEUE: usize = 64;
+
+pub(crate) fn err(status: StatusCode, code: &str, msg: String) -> Response {
+    let kind = match status {
+        StatusCode::UNAUTHORIZED => "authentication_error",
+        StatusCode::FORBIDDEN => "permission_error",
+        s if s.is_server_error() => "server_error",
+        _ => "invalid_request_error",
+    };
+    let body = kvgate_shared::openai::ErrorBody::new(kind, code, msg, None);
     (status, [("content-type", "application/json")], body.to_json()).into_response()
 }
 
@@ -28,52 +54,158 @@ pub fn secrets_equal(a: &[u8], b: &[u8]) -> bool {
     a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
-async fn report(State(state): State<Arc<GatewayState>>, headers: HeaderMap, body: Bytes) -> Response {
+/// The bearer token of a request, if any.
+pub fn bearer(headers: &HeaderMap) -> Option<&str> {
+    headers.get("authorization").and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer "))
+}
+
+/// 413 if the request declares a body over `limit`.
+fn declared_too_large(headers: &HeaderMap, limit: usize) -> Option<Response> {
+    let len = headers.get("content-length")?.to_str().ok()?.parse::<u64>().ok()?;
+    (len > limit as u64).then(|| {
+        err(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "request_too_large",
+            format!("body over the limit of {limit} bytes"),
+        )
+    })
+}
+
+/// Report auth, before the body: the secret (unless `--insecure-reports`), and the declared size.
+async fn report_gate(State(state): State<Arc<GatewayState>>, req: Request, next: Next) -> Response {
     if let Some(secret) = &state.cfg.report_secret {
-        let given = headers
-            .get("authorization")
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "));
-        if !given.is_some_and(|g| secrets_equal(g.as_bytes(), secret.as_bytes())) {
+        if !bearer(req.headers()).is_some_and(|g| secrets_equal(g.as_bytes(), secret.as_bytes())) {
             metrics::counter!("kvgate_gateway_reports_total", "result" => "unauthorized").increment(1);
             return err(StatusCode::UNAUTHORIZED, "unauthorized", "missing or wrong report secret".into());
         }
     }
-    let report = match WorkerReport::decode(&body) {
-        Ok(r) => r,
-        Err(e) => {
-            metrics::counter!("kvgate_gateway_reports_total", "result" => "invalid").increment(1);
-            return err(StatusCode::BAD_REQUEST, "invalid_report", e.to_string());
-        }
+    if let Some(r) = declared_too_large(req.headers(), MAX_REPORT_BYTES) {
+        return r;
+    }
+    next.run(req).await
+}
+
+/// Admin auth, before the body.
+async fn admin_gate(State(state): State<Arc<GatewayState>>, req: Request, next: Next) -> Response {
+    if let Err(r) = crate::admin::authorize(&state, req.headers()) {
+        return r;
+    }
+    let limit = if req.uri().path() == "/admin/v1/route/explain" {
+        state.cfg.max_body_bytes
+    } else {
+        ADMIN_BODY_LIMIT
     };
+    if let Some(r) = declared_too_large(req.headers(), limit) {
+        return r;
+    }
+    next.run(req).await
+}
+
+/// What the ingest thread answers (the error response boxed: axum's `Response` is large).
+type IngestReply = Result<Option<String>, Box<Response>>;
+
+struct IngestJob {
+    body: Bytes,
+    peer: IpAddr,
+    reply: oneshot::Sender<IngestReply>,
+}
+
+/// The report-ingest thread's queue.
+#[derive(Clone)]
+pub struct IngestQueue(SyncSender<IngestJob>);
+
+impl IngestQueue {
+    /// Starts the ingest thread.
+    pub fn spawn(state: Arc<GatewayState>) -> std::io::Result<Self> {
+        let (tx, rx) = sync_channel::<IngestJob>(INGEST_QUEUE);
+        std::thread::Builder::new().name("kvgate-ingest".into()).spawn(move || {
+            let mut check = AdvertiseCheck::new(&state.cfg.advertise_allow);
+            while let Ok(job) = rx.recv() {
+                let out = ingest(&state, &mut check, &job.body, job.peer);
+                let _ = job.reply.send(out);
+            }
+        })?;
+        Ok(Self(tx))
+    }
+}
+
+/// Decodes, checks and ingests one report; `Ok(Some(url))` when the model's tokenizer is still to be fetched.
+fn ingest(state: &GatewayState, check: &mut AdvertiseCheck, body: &[u8], peer: IpAddr) -> IngestReply {
+    let count = |result: &'static str| {
+        metrics::counter!("kvgate_gateway_reports_total", "result" => result).increment(1)
+    };
+    let report = WorkerReport::decode(body).map_err(|e| {
+        count("invalid");
+        Box::new(err(StatusCode::BAD_REQUEST, "invalid_report", e.to_string()))
+    })?;
+    let now = Instant::now();
+    check.check(&report.advertise_url, peer, now).map_err(|e| {
+        count("advertise_refused");
+        tracing::warn!(worker = %report.worker_id, %peer, "report refused: {e}");
+        Box::new(err(StatusCode::FORBIDDEN, "advertise_url_not_allowed", e))
+    })?;
     let expected = state.tokenizer(&report.model_id).map(|t| t.scheme.fingerprint());
     let url = report.advertise_url.clone();
-    let fresh = state.registry().ingest(report, expected, Instant::now());
-    if expected.is_none() {
-        // First sight of this model: learn its tokenizer from the worker.
-        state.fetch_tokenizer_in_background(url);
+    let id = report.worker_id.clone();
+    match state.registry().ingest(report, expected, now) {
+        Ingest::Accepted => count("ok"),
+        Ingest::OutOfOrder => count("out_of_order"),
+        Ingest::IdConflict { holder_url } => {
+            count("id_conflict");
+            tracing::warn!(worker = %id, %url, %holder_url, "report refused: the id is held by a live worker");
+            return Err(Box::new(err(
+                StatusCode::CONFLICT,
+                "worker_id_conflict",
+                format!("worker id {id:?} is held by the live worker at {holder_url}"),
+            )));
+        }
+        Ingest::Full => {
+            count("registry_full");
+            let msg = "the gateway holds --max-workers".into();
+            return Err(Box::new(err(StatusCode::SERVICE_UNAVAILABLE, "registry_full", msg)));
+        }
     }
-    metrics::counter!("kvgate_gateway_reports_total", "result" => if fresh { "ok" } else { "out_of_order" })
-        .increment(1);
-    StatusCode::NO_CONTENT.into_response()
+    Ok(expected.is_none().then_some(url))
+}
+
+async fn report(
+    State(state): State<Arc<GatewayState>>,
+    Extension(queue): Extension<IngestQueue>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    body: Bytes,
+) -> Response {
+    let (reply, answer) = oneshot::channel();
+    match queue.0.try_send(IngestJob { body, peer: peer.ip(), reply }) {
+        Ok(()) => {}
+        Err(TrySendError::Full(_)) => {
+            metrics::counter!("kvgate_gateway_reports_total", "result" => "busy").increment(1);
+            return err(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "ingest_busy",
+                "report queue full; next interval".into(),
+            );
+        }
+        Err(TrySendError::Disconnected(_)) => {
+            return err(StatusCode::INTERNAL_SERVER_ERROR, "ingest_stopped", "report ingest stopped".into())
+        }
+    }
+    match answer.await {
+        Ok(Ok(fetch)) => {
+            if let Some(url) = fetch {
+                // First sight of this model: learn its tokenizer from the worker.
+                state.fetch_tokenizer_in_background(url);
+            }
+            StatusCode::NO_CONTENT.into_response()
+        }
+        Ok(Err(r)) => *r,
+        Err(_) => err(StatusCode::INTERNAL_SERVER_ERROR, "ingest_stopped", "report ingest stopped".into()),
+    }
 }
 
 async fn metrics_text(State(state): State<Arc<GatewayState>>) -> Response {
-    let now = Instant::now();
-    for w in state.registry().status(now) {
-        let id = w.id.clone();
-        metrics::gauge!("kvgate_gateway_worker_inflight", "worker" => id.clone()).set(w.inflight as f64);
-        metrics::gauge!("kvgate_gateway_worker_healthy", "worker" => id.clone())
-            .set(f64::from(u8::from(w.healthy)));
-        metrics::gauge!("kvgate_gateway_worker_pending_tokens", "worker" => id.clone())
-            .set(w.load.pending_tokens as f64);
-        metrics::gauge!("kvgate_gateway_worker_queue_requests", "worker" => id.clone())
-            .set(w.load.requests as f64);
-        if let Some(age) = w.report_age_s {
-            metrics::gauge!("kvgate_gateway_worker_report_age_seconds", "worker" => id).set(age);
-        }
-    }
-    ([("content-type", "text/plain; version=0.0.4")], state.prometheus.render()).into_response()
+    let mut text = state.prometheus.render();
+    text.push_str(&state.registry().render_metrics(Instant::now()));
+    ([("content-type", "text/plain; version=0.0.4")], text).into_response()
 }
 
 async fn workers(State(state): State<Arc<GatewayState>>) -> Response {
@@ -95,14 +227,62 @@ async fn ready(State(state): State<Arc<GatewayState>>) -> Response {
 }
 
 /// The control routes.
-pub fn router(state: Arc<GatewayState>) -> Router {
-    Router::new()
+pub fn router(state: Arc<GatewayState>, queue: IngestQueue) -> Router {
+    let reports = Router::new()
         .route("/kvgate/v1/report", post(report))
+        .layer(DefaultBodyLimit::max(MAX_REPORT_BYTES))
+        .route_layer(middleware::from_fn_with_state(state.clone(), report_gate))
+        .layer(Extension(queue));
+    let explain_limit = state.cfg.max_body_bytes;
+    let admin = crate::admin::router(explain_limit)
+        .layer(DefaultBodyLimit::max(ADMIN_BODY_LIMIT))
+        .route_layer(middleware::from_fn_with_state(state.clone(), admin_gate));
+    Router::new()
         .route("/metrics", get(metrics_text))
         .route("/kvgate/v1/workers", get(workers))
         .route("/health", get(|| async { Json(serde_json::json!({"status": "ok"})) }))
         .route("/ready", get(ready))
-        .merge(crate::admin::router())
-        .layer(DefaultBodyLimit::max(MAX_REPORT_BYTES))
+        .merge(reports)
+        .merge(admin)
         .with_state(state)
+}
+
+/// Background upkeep on the control runtime: every `--probe-interval`, probe workers with an open fault
+/// (`GET /health`, 1 s timeout) so a worker that answers again comes back, and forget workers silent for
+/// `--forget-after`.
+pub async fn upkeep(state: Arc<GatewayState>) {
+    let mut tick = tokio::time::interval(state.cfg.probe_interval);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let targets = state.registry().probe_targets();
+        for (wref, url) in targets {
+            let s = state.clone();
+            tokio::spawn(async move {
+                let Ok(req) = hyper::Request::get(format!("{url}/health"))
+                    .body(http_body_util::Full::new(bytes::Bytes::new()))
+                else {
+                    return;
+                };
+                let probe =
+                    tokio::time::timeout(std::time::Duration::from_secs(1), s.client.request(req)).await;
+                if matches!(probe, Ok(Ok(ref r)) if r.status().is_success()) {
+                    tracing::info!(%url, "worker answers its probe again");
+                    s.registry().record_probe_ok(wref, Instant::now());
+                }
+            });
+        }
+        state.registry().sweep(Instant::now());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn secrets_compare_whole() {
+        assert!(secrets_equal(b"abc", b"abc"));
+        assert!(!secrets_equal(b"abc", b"abd") && !secrets_equal(b"abc", b"ab"));
+    }
 }

@@ -74,6 +74,77 @@ impl ApiError {
         e.retry_after_s = Some(retry);
         e
     }
+    /// The prompt plus the output does not fit the model (the worker's own code and wording).
+    pub fn context_length(message: String) -> Self {
+        let mut e = Self::new(400, "invalid_request_error", "context_length_exceeded", message);
+        e.param = Some("max_tokens".into());
+        e
+    }
+    /// No known API key and the gateway requires one.
+    pub fn unauthorized() -> Self {
+        Self::new(
+            401,
+            "authentication_error",
+            "invalid_api_key",
+            "a known API key is required (Authorization: Bearer <key>)".into(),
+        )
+    }
+    /// The caller named a class it may not choose.
+    pub fn class_not_allowed(class: &str) -> Self {
+        let mut e = Self::new(
+            403,
+            "permission_error",
+            "class_not_allowed",
+            format!("this caller may not choose the class {class:?} (x-kvgate-class); omit the header to be classified"),
+        );
+        e.param = Some("x-kvgate-class".into());
+        e
+    }
+    pub fn unknown_class(class: &str) -> Self {
+        let mut e = Self::new(400, "invalid_request_error", "unknown_class", format!("no class {class:?}"));
+        e.param = Some("x-kvgate-class".into());
+        e
+    }
+    /// Every prompt-preparation thread is busy and the queue is full.
+    pub fn tokenizer_busy() -> Self {
+        let mut e = Self::new(
+            503,
+            "server_error",
+            "tokenizer_busy",
+            "the gateway's tokenize queue is full (--tokenize-queue); retry later".into(),
+        );
+        e.retry_after_s = Some(1);
+        e
+    }
+    /// The request body did not arrive within `--request-read-timeout`.
+    pub fn read_timeout(limit: std::time::Duration) -> Self {
+        Self::new(
+            408,
+            "invalid_request_error",
+            "request_timeout",
+            format!("the request body did not arrive within {limit:?} (--request-read-timeout)"),
+        )
+    }
+    /// No response header from the worker in time.
+    pub fn upstream_timeout(worker: &str, after: std::time::Duration) -> Self {
+        Self::new(
+            504,
+            "server_error",
+            "upstream_timeout",
+            format!("worker {worker} sent no response within {after:.1?} (first-byte timeout)"),
+        )
+    }
+    /// Every worker tried refused (busy, loading, shutting down).
+    pub fn all_refused(model: &str, retry_after_s: u32) -> Self {
+        let mut e = Self::new(
+            503,
+            "server_error",
+            "workers_busy",
+            format!("every worker tried for the model {model:?} refused the request (busy, loading or shutting down)"),
+        );
+        e.retry_after_s = Some(retry_after_s.max(1));
+        e
+    }
     pub fn not_found_route(path: &str) -> Self {
         Self::new(404, "not_found_error", "route_not_found", format!("no route {path}"))
     }

@@ -6,6 +6,8 @@ use std::time::Duration;
 
 use clap::Parser;
 use kvgate_gateway::config::GatewayArgs;
+use kvgate_gateway::control::IngestQueue;
+use kvgate_gateway::listener::{ConnLimits, PublicListener};
 use kvgate_gateway::proxy::Gateway;
 use kvgate_gateway::state::GatewayState;
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
@@ -43,7 +45,7 @@ fn main() -> ExitCode {
         tracing::warn!("no --admin-token: the admin API is off");
     }
     if cfg.report_secret.is_none() {
-        tracing::warn!("no --report-secret: reports are accepted without authentication");
+        tracing::warn!("--insecure-reports: reports are accepted without authentication");
     }
     let state = match GatewayState::new(cfg.clone(), prometheus) {
         Ok(s) => Arc::new(s),
@@ -53,6 +55,13 @@ fn main() -> ExitCode {
         }
     };
 
+    let queue = match IngestQueue::spawn(state.clone()) {
+        Ok(q) => q,
+        Err(e) => {
+            eprintln!("kvgate-gateway: cannot start report ingest: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
     // Control listener and background work on their own runtime.
     let control_state = state.clone();
     let control_addr = cfg.control_listen.clone();
@@ -93,7 +102,10 @@ fn main() -> ExitCode {
                         tokio::time::sleep(Duration::from_millis(500)).await;
                     }
                 });
-                if let Err(e) = axum::serve(listener, kvgate_gateway::control::router(control_state)).await {
+                tokio::spawn(kvgate_gateway::control::upkeep(control_state.clone()));
+                let app = kvgate_gateway::control::router(control_state, queue)
+                    .into_make_service_with_connect_info::<std::net::SocketAddr>();
+                if let Err(e) = axum::serve(listener, app).await {
                     tracing::error!(error = %e, "control listener failed");
                 }
             });
@@ -127,9 +139,21 @@ fn main() -> ExitCode {
     };
     let mut server = Server::new_with_opt_and_conf(None, conf);
     server.bootstrap();
-    let mut proxy = pingora::proxy::http_proxy_service(&server.configuration, Gateway { state });
-    proxy.add_tcp(&cfg.listen);
-    server.add_service(proxy);
+    let proxy = pingora::proxy::http_proxy(&server.configuration, Gateway { state });
+    let limits = ConnLimits {
+        max_connections: cfg.max_connections,
+        header_read_timeout: cfg.header_read_timeout,
+        keepalive_timeout: cfg.keepalive_timeout,
+    };
+    match PublicListener::bind(&cfg.listen, proxy, limits, cfg.threads) {
+        Ok(l) => {
+            server.add_service(l);
+        }
+        Err(e) => {
+            eprintln!("kvgate-gateway: cannot listen on {}: {e}", cfg.listen);
+            return ExitCode::FAILURE;
+        }
+    }
     println!(
         "kvgate-gateway listening on http://{} (control http://{}), policy {}",
         cfg.listen, cfg.control_listen, cfg.policy

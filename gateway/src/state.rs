@@ -1,6 +1,7 @@
 //! The gateway's shared state: configuration, the worker registry, per-model tokenizers (fetched from workers'
-//! `/kvgate/v1/tokenizer`, so the gateway tokenizes and hashes exactly like them), the routing policy, the HTTP
-//! client to workers, and the metrics handle.
+//! `/kvgate/v1/tokenizer`, so the gateway tokenizes and hashes exactly like them; the fetch is bounded in bytes and
+//! time), the routing policy, admission, the API key table, the tokenize pool, the HTTP client to workers, and the
+//! metrics handle.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -8,7 +9,7 @@ use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::Duration;
 
 use bytes::Bytes;
-use http_body_util::{BodyExt, Full};
+use http_body_util::{BodyExt, Full, Limited};
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
@@ -18,11 +19,16 @@ use metrics_exporter_prometheus::PrometheusHandle;
 
 use crate::admission::Admission;
 use crate::config::GatewayConfig;
+use crate::keys::KeyTable;
 use crate::registry::{Registry, RegistryConfig};
 use crate::routing::{policy_by_name, RoutingPolicy, Weights};
+use crate::tokenize::TokenizePool;
 
 /// HTTP client to workers.
 pub type HttpClient = Client<HttpConnector, Full<Bytes>>;
+
+/// Longest a tokenizer fetch from a worker may take, body included.
+pub const TOKENIZER_FETCH_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// How this gateway tokenizes and hashes one model.
 pub struct ModelTokenizer {
@@ -38,6 +44,8 @@ pub struct GatewayState {
     fetching: Mutex<HashSet<String>>,
     pub policy: Box<dyn RoutingPolicy>,
     pub admission: Admission,
+    pub keys: KeyTable,
+    pub tokenize: TokenizePool,
     pub client: HttpClient,
     pub prometheus: PrometheusHandle,
     pub nonce: AtomicU64,
@@ -61,7 +69,14 @@ impl GatewayState {
             dead_after: cfg.dead_after,
             overlay_ttl: cfg.overlay_ttl,
             vnodes: cfg.vnodes,
+            forget_after: cfg.forget_after,
+            max_workers: cfg.max_workers,
         });
+        let keys = match &cfg.api_keys_file {
+            Some(path) => KeyTable::load(path)?,
+            None => KeyTable::default(),
+        };
+        let tokenize = TokenizePool::new(cfg.tokenize_threads, cfg.tokenize_queue);
         for w in &cfg.workers {
             registry.add_static(w);
         }
@@ -83,6 +98,8 @@ impl GatewayState {
             fetching: Mutex::new(HashSet::new()),
             policy,
             admission,
+            keys,
+            tokenize,
             client,
             prometheus,
             nonce: AtomicU64::new(0x5EED),
@@ -136,22 +153,31 @@ impl GatewayState {
         self.tokenizers.read().unwrap_or_else(|e| e.into_inner()).get(model).cloned()
     }
 
-    /// Fetches a worker's tokenizer, learns its id and model, and keeps the tokenizer for that model (the first
-    /// one fetched for a model defines the gateway's fingerprint for it).
+    /// Fetches a worker's tokenizer, learns its id, model and context length, and keeps the tokenizer for that
+    /// model (the first one fetched for a model defines the gateway's fingerprint for it). The whole fetch takes at
+    /// most [`TOKENIZER_FETCH_TIMEOUT`] and `--max-tokenizer-bytes`.
     pub async fn fetch_tokenizer(&self, url: &str) -> Result<String, String> {
         let uri = format!("{}/kvgate/v1/tokenizer", url.trim_end_matches('/'));
         let req = hyper::Request::get(&uri).body(Full::new(Bytes::new())).map_err(|e| e.to_string())?;
-        let resp = tokio::time::timeout(Duration::from_secs(10), self.client.request(req))
+        let limit = self.cfg.max_tokenizer_bytes;
+        let fetch = async {
+            let resp = self.client.request(req).await.map_err(|e| format!("{uri}: {e}"))?;
+            if !resp.status().is_success() {
+                return Err(format!("{uri}: status {}", resp.status()));
+            }
+            let body = Limited::new(resp.into_body(), limit)
+                .collect()
+                .await
+                .map_err(|e| format!("{uri}: {e} (limit {limit} bytes, --max-tokenizer-bytes)"))?;
+            Ok(body.to_bytes())
+        };
+        let body = tokio::time::timeout(TOKENIZER_FETCH_TIMEOUT, fetch)
             .await
-            .map_err(|_| format!("{uri}: timeout"))?
-            .map_err(|e| format!("{uri}: {e}"))?;
-        if !resp.status().is_success() {
-            return Err(format!("{uri}: status {}", resp.status()));
-        }
-        let body = resp.into_body().collect().await.map_err(|e| format!("{uri}: {e}"))?.to_bytes();
+            .map_err(|_| format!("{uri}: no tokenizer within {TOKENIZER_FETCH_TIMEOUT:?}"))??;
         let json: serde_json::Value = serde_json::from_slice(&body).map_err(|e| format!("{uri}: {e}"))?;
         let model = json["model"].as_str().ok_or_else(|| format!("{uri}: no model"))?.to_owned();
         let worker_id = json["worker_id"].as_str().unwrap_or(url).to_owned();
+        let max_model_len = json["max_model_len"].as_u64().map_or(0, |v| v.min(u64::from(u32::MAX)) as u32);
         let scheme: HashScheme =
             serde_json::from_value(json["scheme"].clone()).map_err(|e| format!("{uri}: scheme: {e}"))?;
         let files: TokenizerFiles = serde_json::from_value(json).map_err(|e| format!("{uri}: {e}"))?;
@@ -167,7 +193,7 @@ impl GatewayState {
                 .entry(model.clone())
                 .or_insert_with(|| Arc::new(ModelTokenizer { prompter, scheme }));
         }
-        self.registry().identify(url, &worker_id, &model);
+        self.registry().identify(url, &worker_id, &model, max_model_len);
         Ok(model)
     }
 

@@ -20,13 +20,15 @@
 //! # Collisions
 //! Hashes are 64 bits. Among `n` distinct blocks the chance that any two collide is about `n^2 / 2^65`: 1e-9 for
 //! 10^5 blocks, 3e-4 for 10^8 blocks held fleet-wide. That is why the two sides treat a hash differently:
-//! the worker compares the block's stored tokens with the request's on every hit and treats a mismatch as a miss
-//! (a collision can cost a recompute, never a wrong answer); the gateway only uses hashes to *score* workers, where a
-//! collision (or a Bloom false positive) costs at most one sub-optimal routing decision.
+//! the worker verifies the whole chain on every hit: the block's stored tokens and its parent (the cached block it
+//! extended, or for a first block the 128-bit identity of the root, [`root_identity`]); a mismatch is a miss, so a
+//! collision (say two tenants' prefixes with the same last block) can cost a recompute, never another prefix's KV.
+//! The gateway only uses hashes to *score* workers, where a collision (or a Bloom false positive) costs at most one
+//! sub-optimal routing decision.
 //!
 //! The values are pinned by golden-vector tests: changing anything here is a new hash version.
 
-use xxhash_rust::xxh3::{xxh3_64, Xxh3};
+use xxhash_rust::xxh3::{xxh3_128, xxh3_64, Xxh3};
 
 /// The version of the scheme above; part of every fingerprint.
 pub const HASH_VERSION: u32 = 1;
@@ -157,15 +159,26 @@ impl ExtraKeys {
     }
 }
 
-/// The hash that the first block chains from, for one scheme and one set of extra keys.
-pub fn root_hash(fingerprint: u64, extra: &ExtraKeys) -> BlockHash {
+fn root_input(fingerprint: u64, extra: &ExtraKeys) -> Vec<u8> {
     let mut buf = Vec::with_capacity(64);
     buf.extend_from_slice(ROOT_DOMAIN);
     buf.extend_from_slice(&fingerprint.to_le_bytes());
     for key in extra.keys() {
         key.encode_into(&mut buf);
     }
-    BlockHash(xxh3_64(&buf))
+    buf
+}
+
+/// The hash that the first block chains from, for one scheme and one set of extra keys.
+pub fn root_hash(fingerprint: u64, extra: &ExtraKeys) -> BlockHash {
+    BlockHash(xxh3_64(&root_input(fingerprint, extra)))
+}
+
+/// A 128-bit identity of the same root input as [`root_hash`]. The worker's prefix cache stores it with every
+/// first block and compares it on a hit, so two roots whose 64-bit hashes collide (two tenants' salts) still never
+/// share a block (a false match needs a 128-bit collision of two distinct root inputs). Not on the wire.
+pub fn root_identity(fingerprint: u64, extra: &ExtraKeys) -> u128 {
+    xxh3_128(&root_input(fingerprint, extra))
 }
 
 /// The hash of one block given its parent's hash (the root for the first block).
@@ -191,6 +204,7 @@ pub fn chain_hash(parent: BlockHash, block_tokens: &[u32]) -> BlockHash {
 pub struct BlockHasher {
     block_size: usize,
     root: BlockHash,
+    root_id: u128,
     chain: fn(BlockHash, &[u32]) -> BlockHash,
 }
 
@@ -212,11 +226,19 @@ impl BlockHasher {
         extra: &ExtraKeys,
         chain: fn(BlockHash, &[u32]) -> BlockHash,
     ) -> Self {
+        let input = root_input(scheme.fingerprint(), extra);
         Self {
             block_size: scheme.block_size.max(1) as usize,
-            root: root_hash(scheme.fingerprint(), extra),
+            root: BlockHash(xxh3_64(&input)),
+            root_id: xxh3_128(&input),
             chain,
         }
+    }
+
+    /// Same as [`Self::with_fn`], with a given root (tests force two roots to collide).
+    pub fn with_root(mut self, root: BlockHash) -> Self {
+        self.root = root;
+        self
     }
 
     /// Tokens per block.
@@ -227,6 +249,11 @@ impl BlockHasher {
     /// The parent of the first block.
     pub fn root(&self) -> BlockHash {
         self.root
+    }
+
+    /// The 128-bit identity of the root ([`root_identity`]).
+    pub fn root_id(&self) -> u128 {
+        self.root_id
     }
 
     /// The hash of the block that follows `parent` (`None`: the first block).

@@ -1,17 +1,101 @@
 //! OpenAI API types (completions, chat completions, streaming chunks, models, errors) as kvgate's gateway and
 //! workers speak them. Unknown request fields are kept (`extra`) so a proxy never drops what it does not know.
 
+use serde::de::{self, Deserializer, SeqAccess, Visitor};
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
 /// `prompt` of a completions request: text, token ids, or (batch forms) several of either.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+///
+/// Deserialized by looking at the first element only (no untagged buffering: a prompt of a million token ids costs
+/// 4 bytes each, not a tree of JSON values).
+#[derive(Clone, Debug, PartialEq, Serialize)]
 #[serde(untagged)]
 pub enum Prompt {
     Text(String),
     TokenIds(Vec<u32>),
     TextBatch(Vec<String>),
     TokenIdBatch(Vec<Vec<u32>>),
+}
+
+/// The first element of an array `prompt`, which decides its form.
+enum PromptElem {
+    Id(u32),
+    Text(String),
+    Ids(Vec<u32>),
+}
+
+struct PromptElemVisitor;
+
+impl<'de> Visitor<'de> for PromptElemVisitor {
+    type Value = PromptElem;
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("a token id (0..=4294967295), a string or an array of token ids")
+    }
+    fn visit_u64<E: de::Error>(self, v: u64) -> Result<PromptElem, E> {
+        u32::try_from(v).map(PromptElem::Id).map_err(|_| E::invalid_value(de::Unexpected::Unsigned(v), &self))
+    }
+    fn visit_i64<E: de::Error>(self, v: i64) -> Result<PromptElem, E> {
+        u32::try_from(v).map(PromptElem::Id).map_err(|_| E::invalid_value(de::Unexpected::Signed(v), &self))
+    }
+    fn visit_str<E: de::Error>(self, v: &str) -> Result<PromptElem, E> {
+        Ok(PromptElem::Text(v.to_owned()))
+    }
+    fn visit_string<E: de::Error>(self, v: String) -> Result<PromptElem, E> {
+        Ok(PromptElem::Text(v))
+    }
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<PromptElem, A::Error> {
+        let mut ids = Vec::with_capacity(seq.size_hint().unwrap_or(0).min(4096));
+        while let Some(id) = seq.next_element::<u32>()? {
+            ids.push(id);
+        }
+        Ok(PromptElem::Ids(ids))
+    }
+}
+
+impl<'de> Deserialize<'de> for PromptElem {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        d.deserialize_any(PromptElemVisitor)
+    }
+}
+
+struct PromptVisitor;
+
+impl<'de> Visitor<'de> for PromptVisitor {
+    type Value = Prompt;
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("a string, an array of token ids, an array of strings or an array of token-id arrays")
+    }
+    fn visit_str<E: de::Error>(self, v: &str) -> Result<Prompt, E> {
+        Ok(Prompt::Text(v.to_owned()))
+    }
+    fn visit_string<E: de::Error>(self, v: String) -> Result<Prompt, E> {
+        Ok(Prompt::Text(v))
+    }
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Prompt, A::Error> {
+        fn rest<'de, T: Deserialize<'de>, A: SeqAccess<'de>>(
+            first: T,
+            seq: &mut A,
+        ) -> Result<Vec<T>, A::Error> {
+            let mut v = vec![first];
+            while let Some(x) = seq.next_element::<T>()? {
+                v.push(x);
+            }
+            Ok(v)
+        }
+        Ok(match seq.next_element::<PromptElem>()? {
+            None => Prompt::TokenIds(Vec::new()),
+            Some(PromptElem::Id(id)) => Prompt::TokenIds(rest(id, &mut seq)?),
+            Some(PromptElem::Text(t)) => Prompt::TextBatch(rest(t, &mut seq)?),
+            Some(PromptElem::Ids(ids)) => Prompt::TokenIdBatch(rest(ids, &mut seq)?),
+        })
+    }
+}
+
+impl<'de> Deserialize<'de> for Prompt {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        d.deserialize_any(PromptVisitor)
+    }
 }
 
 impl Prompt {
@@ -343,6 +427,22 @@ mod tests {
             serde_json::from_value(json!({"model": "m", "prompt": ["a", "b"]})).expect("batch");
         assert!(many.prompt.single().is_err());
         assert!(serde_json::from_value::<CompletionRequest>(json!({"model": "m", "prompt": [-1]})).is_err());
+        assert!(
+            serde_json::from_value::<CompletionRequest>(json!({"model": "m", "prompt": [1, "a"]})).is_err()
+        );
+        assert!(serde_json::from_value::<CompletionRequest>(
+            json!({"model": "m", "prompt": [4294967296u64]})
+        )
+        .is_err());
+        assert!(
+            serde_json::from_value::<CompletionRequest>(json!({"model": "m", "prompt": {"a": 1}})).is_err()
+        );
+        let from_str: CompletionRequest =
+            serde_json::from_str(r#"{"model": "m", "prompt": [[1, 2], [3]]}"#).expect("batch of ids");
+        assert_eq!(from_str.prompt, Prompt::TokenIdBatch(vec![vec![1, 2], vec![3]]));
+        let texts: CompletionRequest =
+            serde_json::from_str(r#"{"model": "m", "prompt": ["x", "y"]}"#).expect("batch of texts");
+        assert_eq!(texts.prompt, Prompt::TextBatch(vec!["x".into(), "y".into()]));
         assert!(serde_json::from_value::<CompletionRequest>(json!({"model": "m"})).is_err());
     }
 

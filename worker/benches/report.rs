@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use kvgate_shared::hashing::{BlockHasher, ExtraKeys, HashScheme};
 use kvgate_shared::report::{QueueStats, Throughput, Tier, TierReport, WorkerReport};
-use kvgate_worker::kv::{BlockPool, SharedPool};
+use kvgate_worker::kv::{BlockPool, Parent, SharedPool};
 use kvgate_worker::server::reporter::summarise;
 
 fn main() {
@@ -25,8 +25,11 @@ fn main() {
         let hasher = BlockHasher::new(&scheme, &ExtraKeys::none());
         let hashes = hasher.hash_blocks(&tokens);
         let ids = pool.allocate(per_seq).expect("room");
+        let mut parent = Parent::Root(hasher.root_id());
         for (i, (id, h)) in ids.iter().zip(&hashes).enumerate() {
-            pool.register(*id, i, *h, &tokens[i * block..(i + 1) * block]);
+            let uid =
+                pool.register(*id, i, *h, parent, &tokens[i * block..(i + 1) * block]).expect("no collision");
+            parent = Parent::Block(uid);
         }
         seqs.push(hashes);
     }
@@ -60,6 +63,9 @@ fn main() {
             fingerprint: scheme.fingerprint(),
             seq: 1,
             timestamp_ms: 0,
+            instance_id: 1,
+            max_model_len: 131_072,
+            draining: false,
             queue: QueueStats::default(),
             throughput: Throughput::default(),
             tiers: vec![TierReport {

@@ -1,10 +1,11 @@
-//! Request classes: a name, a match rule and a budget. The first class whose rule matches takes the request; the
-//! `x-kvgate-class` header names a class explicitly. Defaults (`short`, `long`, `reasoning`) keep a burst of
-//! million-token requests from starving short ones out of the box.
+//! Request classes: a name, a match rule and a budget. The first class whose rule matches takes the request (the
+//! last class if none does). The `x-kvgate-class` header can name a class only for a caller whose API key allows
+//! that class (see `keys.rs`); the proxy checks that before it asks for a class by name. Defaults (`short`, `long`,
+//! `reasoning`) keep a burst of million-token requests from starving short ones out of the box.
 
 use serde::{Deserialize, Serialize};
 
-/// Header naming a class explicitly.
+/// Header naming a class explicitly (honoured only for callers allowed to choose it).
 pub const CLASS_HEADER: &str = "x-kvgate-class";
 
 /// Which requests a class takes (every given condition must hold).
@@ -51,6 +52,13 @@ pub struct ClassConfig {
     /// When its own bucket is empty, take from an idle class (empty queue, full bucket). Default false.
     #[serde(default)]
     pub borrow_idle: bool,
+    /// Most tenants with their own wait queue; further tenants share one overflow queue. Default 1024.
+    #[serde(default = "default_max_tenant_queues")]
+    pub max_tenant_queues: usize,
+}
+
+fn default_max_tenant_queues() -> usize {
+    1024
 }
 
 fn default_queue_requests() -> usize {
@@ -72,7 +80,6 @@ pub struct ClassInput<'a> {
     pub prompt_tokens: u64,
     pub max_tokens: Option<u64>,
     pub model: &'a str,
-    pub header_class: Option<&'a str>,
     pub reasoning: bool,
 }
 
@@ -101,6 +108,7 @@ pub fn default_classes() -> Vec<ClassConfig> {
         max_wait_ms: default_max_wait_ms(),
         expected_output_tokens: default_expected_output(),
         borrow_idle: false,
+        max_tenant_queues: default_max_tenant_queues(),
     };
     vec![
         class(
@@ -119,8 +127,7 @@ pub fn default_classes() -> Vec<ClassConfig> {
     ]
 }
 
-/// Index of the class for a request: the header's class if it names one, else the first matching rule, else the
-/// last class.
+/// Index of the class for a request: the first matching rule, else the last class.
 pub fn classify(classes: &[ClassConfig], r: &ClassInput<'_>) -> usize {
     classify_by(classes.iter(), r)
 }
@@ -130,9 +137,6 @@ pub fn classify_by<'a, I>(classes: I, r: &ClassInput<'_>) -> usize
 where
     I: Iterator<Item = &'a ClassConfig> + Clone,
 {
-    if let Some(i) = r.header_class.and_then(|h| classes.clone().position(|c| c.name == h)) {
-        return i;
-    }
     let n = classes.clone().count();
     classes.clone().position(|c| c.rule.matches(r)).unwrap_or(n.saturating_sub(1))
 }
@@ -159,6 +163,12 @@ pub fn validate(classes: &[ClassConfig]) -> Vec<String> {
         if !(c.max_queued_tokens.is_finite() && c.max_queued_tokens >= 0.0) {
             p.push(format!("class {:?}: max_queued_tokens must be >= 0", c.name));
         }
+        if c.max_tenant_queues == 0 {
+            p.push(format!("class {:?}: max_tenant_queues must be >= 1", c.name));
+        }
+        if c.name.len() > 64 {
+            p.push(format!("class {:?}: name longer than 64 bytes", c.name));
+        }
     }
     p
 }
@@ -180,8 +190,6 @@ mod tests {
         assert_eq!(c[classify(&c, &input(100, false))].name, "short");
         assert_eq!(c[classify(&c, &input(100_000, false))].name, "long");
         assert_eq!(c[classify(&c, &input(100, true))].name, "reasoning");
-        let h = ClassInput { header_class: Some("long"), ..input(10, false) };
-        assert_eq!(c[classify(&c, &h)].name, "long");
         let mut bad = default_classes();
         bad[1].name = "reasoning".into();
         bad[0].refill_tokens_per_s = 0.0;

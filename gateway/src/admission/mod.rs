@@ -3,9 +3,14 @@
 //!
 //! A request's cost is its predicted uncached prompt tokens (a cache hit costs less) plus its `max_tokens` (or the
 //! class's expected output). It is reserved at admission and reconciled with the real usage when the request ends
-//! ([`Permit::reconcile`]). Over budget, a request waits in its class queue (FIFO, round-robin across tenants when a
-//! tenant is known) up to the class's `max_wait`, then gets a 429. The queue is bounded in requests and tokens.
-//! Each class consumes only its own bucket.
+//! ([`Permit::reconcile`]); a permit dropped without being reconciled (an error answer, a failed or timed-out
+//! upstream, a client that went away) gives its whole charge back. A permit names its class, not an index, so a
+//! refund after the class set was replaced reaches the right bucket (or none, if the class is gone).
+//!
+//! Over budget, a request waits in its class queue (FIFO, round-robin across tenants) up to the class's
+//! `max_wait`, then gets a 429. The queue is bounded in requests and tokens, and in tenants: past
+//! `max_tenant_queues` distinct tenants, further ones share one overflow queue. Each class consumes only its own
+//! bucket (unless it may borrow an idle one).
 
 pub mod bucket;
 pub mod classes;
@@ -20,6 +25,9 @@ use tokio::time::Instant;
 pub use bucket::TokenBucket;
 pub use classes::{classify, default_classes, ClassConfig, ClassInput, MatchRule, CLASS_HEADER};
 
+/// The queue tenants share once a class has `max_tenant_queues` of them.
+pub const OVERFLOW_TENANT: &str = "\u{0}overflow";
+
 /// Why a request was not admitted.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Rejection {
@@ -32,8 +40,8 @@ pub enum Rejection {
 struct Waiter {
     id: u64,
     cost: f64,
-    /// Receives the index of the class whose bucket paid.
-    tx: oneshot::Sender<usize>,
+    /// Receives the name of the class whose bucket paid.
+    tx: oneshot::Sender<String>,
 }
 
 struct ClassState {
@@ -93,7 +101,7 @@ struct Inner {
 
 impl Inner {
     /// Takes `cost` for class `i` from its own bucket, or, if the class may borrow, from an idle class (empty
-    /// queue, full bucket). Returns the index of the class that paid.
+    /// queue, full bucket). Returns the index of the class that paid (valid while the lock is held).
     fn take(&mut self, i: usize, cost: f64, now: std::time::Instant) -> Option<usize> {
         if self.classes[i].bucket.try_take(cost, now) {
             return Some(i);
@@ -120,29 +128,52 @@ pub struct Admission {
     pump: Arc<std::sync::OnceLock<()>>,
 }
 
-/// An admitted request's reservation.
+/// An admitted request's reservation. Dropped without [`Permit::reconcile`], it refunds its whole charge.
 #[derive(Debug)]
 pub struct Permit {
     admission: Admission,
-    /// The class whose bucket paid (its own, or an idle one it borrowed from).
-    payer: usize,
+    /// The class whose bucket paid (its own, or an idle one it borrowed from), by name.
+    payer: String,
     charged: f64,
+    settled: bool,
     pub class_name: String,
     pub waited: Duration,
 }
 
 impl Permit {
     /// Settles the reservation with the real cost (refund if lower, further charge if higher).
-    pub fn reconcile(self, actual_cost: f64) {
+    pub fn reconcile(mut self, actual_cost: f64) {
+        self.settle(actual_cost);
+    }
+
+    /// Tokens reserved.
+    pub fn charged(&self) -> f64 {
+        self.charged
+    }
+
+    fn settle(&mut self, actual_cost: f64) {
+        if std::mem::replace(&mut self.settled, true) {
+            return;
+        }
         let delta = self.charged - actual_cost;
         let mut inner = self.admission.lock();
-        if let Some(c) = inner.classes.get_mut(self.payer) {
+        if let Some(c) = inner.classes.iter_mut().find(|c| c.cfg.name == self.payer) {
             c.bucket.adjust(delta, Instant::now().into_std());
-            metrics::counter!("kvgate_gateway_class_tokens_charged_total", "class" => self.class_name.clone())
-                .increment(actual_cost.max(0.0) as u64);
         }
         drop(inner);
+        metrics::counter!("kvgate_gateway_class_tokens_charged_total", "class" => self.class_name.clone())
+            .increment(actual_cost.max(0.0) as u64);
         self.admission.wake.notify_one();
+    }
+}
+
+impl Drop for Permit {
+    fn drop(&mut self) {
+        if !self.settled {
+            metrics::counter!("kvgate_gateway_class_refunds_total", "class" => self.class_name.clone())
+                .increment(1);
+            self.settle(0.0);
+        }
     }
 }
 
@@ -200,7 +231,7 @@ impl Admission {
         self.wake.notify_one();
     }
 
-    /// Picks the class of a request: (index, name, expected output tokens).
+    /// Picks the class of a request by the server's rules: (index, name, expected output tokens).
     pub fn classify(&self, input: &ClassInput<'_>) -> (usize, String, u64) {
         let inner = self.lock();
         let i = classes::classify_by(inner.classes.iter().map(|c| &c.cfg), input);
@@ -208,6 +239,14 @@ impl Admission {
             Some(c) => (i, c.cfg.name.clone(), c.cfg.expected_output_tokens),
             None => (0, "none".into(), 0),
         }
+    }
+
+    /// The class named `name`, for a caller trusted to choose it: (index, name, expected output tokens).
+    pub fn class_by_name(&self, name: &str) -> Option<(usize, String, u64)> {
+        let inner = self.lock();
+        let i = inner.classes.iter().position(|c| c.cfg.name == name)?;
+        let c = &inner.classes[i].cfg;
+        Some((i, c.name.clone(), c.expected_output_tokens))
     }
 
     /// Admits a request of `cost` tokens into class `class`, waiting if its budget is spent.
@@ -232,8 +271,9 @@ impl Admission {
                         .record(0.0);
                     return Ok(Permit {
                         admission: self.clone(),
-                        payer,
+                        payer: inner.classes[payer].cfg.name.clone(),
                         charged: cost,
+                        settled: false,
                         class_name: name,
                         waited: Duration::ZERO,
                     });
@@ -249,10 +289,15 @@ impl Admission {
                 return Err(Rejection::QueueFull { class: name, retry_after_s: retry });
             }
             let (tx, rx) = oneshot::channel();
-            let tenant = tenant.unwrap_or("").to_owned();
-            match c.queues.iter_mut().find(|(t, _)| *t == tenant) {
+            let mut tenant = tenant.unwrap_or("");
+            if c.queues.len() >= c.cfg.max_tenant_queues && !c.queues.iter().any(|(t, _)| t == tenant) {
+                metrics::counter!("kvgate_gateway_class_tenant_overflow_total", "class" => name.clone())
+                    .increment(1);
+                tenant = OVERFLOW_TENANT;
+            }
+            match c.queues.iter_mut().find(|(t, _)| t == tenant) {
                 Some((_, q)) => q.push_back(Waiter { id, cost, tx }),
-                None => c.queues.push_back((tenant, VecDeque::from([Waiter { id, cost, tx }]))),
+                None => c.queues.push_back((tenant.to_owned(), VecDeque::from([Waiter { id, cost, tx }]))),
             }
             c.queued_requests += 1;
             c.queued_tokens += cost;
@@ -267,7 +312,14 @@ impl Admission {
                     .increment(1);
                 metrics::histogram!("kvgate_gateway_class_wait_seconds", "class" => name.clone())
                     .record(waited.as_secs_f64());
-                Ok(Permit { admission: self.clone(), payer, charged: cost, class_name: name, waited })
+                Ok(Permit {
+                    admission: self.clone(),
+                    payer,
+                    charged: cost,
+                    settled: false,
+                    class_name: name,
+                    waited,
+                })
             }
             _ => {
                 let mut inner = self.lock();
@@ -296,7 +348,7 @@ impl Admission {
                     while let Some(cost) = inner.classes[i].head_cost() {
                         if let Some(payer) = inner.take(i, cost, now) {
                             if let Some(w) = inner.classes[i].pop_head() {
-                                if w.tx.send(payer).is_err() {
+                                if w.tx.send(inner.classes[payer].cfg.name.clone()).is_err() {
                                     // The waiter timed out meanwhile: give its tokens back.
                                     inner.classes[payer].bucket.adjust(w.cost, now);
                                 }

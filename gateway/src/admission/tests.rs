@@ -13,6 +13,7 @@ fn class(name: &str, rate: f64, burst: f64, max_wait_ms: u64) -> ClassConfig {
         max_wait_ms,
         expected_output_tokens: 0,
         borrow_idle: false,
+        max_tenant_queues: 1024,
     }
 }
 
@@ -24,8 +25,8 @@ async fn borrowing_idle_capacity_is_opt_in() {
     borrower.borrow_idle = true;
     let plain = class("plain", 10.0, 100.0, 100);
     let a = Admission::new(vec![lender, borrower, plain]);
-    a.admit(1, None, 100.0).await.expect("own burst");
-    a.admit(2, None, 100.0).await.expect("own burst");
+    a.admit(1, None, 100.0).await.expect("own burst").reconcile(100.0);
+    a.admit(2, None, 100.0).await.expect("own burst").reconcile(100.0);
     // busy borrows from the idle class; plain (no borrowing) waits and times out.
     let p = a.admit(1, None, 500.0).await.expect("borrowed");
     assert_eq!(p.waited, Duration::ZERO);
@@ -45,7 +46,7 @@ async fn over_budget_waits_then_times_out() {
         "{:?}",
         second.waited
     );
-    a.admit(1, None, 100.0).await.expect("slow burst");
+    a.admit(1, None, 100.0).await.expect("slow burst").reconcile(100.0);
     let t0 = Instant::now();
     match a.admit(1, None, 50.0).await {
         Err(Rejection::Timeout { class, retry_after_s }) => {
@@ -60,7 +61,7 @@ async fn over_budget_waits_then_times_out() {
 #[tokio::test(start_paused = true)]
 async fn classes_do_not_share_budgets() {
     let a = Admission::new(vec![class("short", 1000.0, 1000.0, 1_000), class("long", 10.0, 1000.0, 100)]);
-    a.admit(1, None, 1000.0).await.expect("long burst");
+    a.admit(1, None, 1000.0).await.expect("long burst").reconcile(1000.0);
     assert!(matches!(a.admit(1, None, 500.0).await, Err(Rejection::Timeout { .. })));
     for _ in 0..10 {
         let p = a.admit(0, None, 100.0).await.expect("short is unaffected");
@@ -71,7 +72,7 @@ async fn classes_do_not_share_budgets() {
 #[tokio::test(start_paused = true)]
 async fn a_request_bigger_than_the_burst_gets_in_when_the_bucket_is_full() {
     let a = Admission::new(vec![class("c", 1000.0, 1000.0, 60_000)]);
-    a.admit(0, None, 600.0).await.expect("part of the burst");
+    a.admit(0, None, 600.0).await.expect("part of the burst").reconcile(600.0);
     let giant = a.admit(0, None, 50_000.0).await.expect("never starved");
     assert!(giant.waited >= Duration::from_millis(590));
     // Its debt delays the next request by ~50 s.
@@ -84,13 +85,13 @@ async fn tenants_take_turns_and_full_queues_reject() {
     let mut c = class("c", 100.0, 100.0, 60_000);
     c.max_queued_requests = 6;
     let a = Admission::new(vec![c]);
-    a.admit(0, None, 100.0).await.expect("drain the burst");
+    a.admit(0, None, 100.0).await.expect("drain the burst").reconcile(100.0);
     let order = Arc::new(Mutex::new(Vec::new()));
     let mut tasks = Vec::new();
     for (i, tenant) in ["a", "a", "a", "a", "b"].iter().enumerate() {
         let (a, order) = (a.clone(), order.clone());
         tasks.push(tokio::spawn(async move {
-            a.admit(0, Some(tenant), 100.0).await.expect("admitted");
+            a.admit(0, Some(tenant), 100.0).await.expect("admitted").reconcile(100.0);
             order.lock().expect("order").push(format!("{tenant}{i}"));
         }));
         tokio::task::yield_now().await;
@@ -98,7 +99,7 @@ async fn tenants_take_turns_and_full_queues_reject() {
     // Two more fit the queue (6), the third is refused at once.
     let (a2, a3) = (a.clone(), a.clone());
     tasks.push(tokio::spawn(async move {
-        a2.admit(0, Some("c"), 100.0).await.expect("admitted");
+        a2.admit(0, Some("c"), 100.0).await.expect("admitted").reconcile(100.0);
     }));
     tokio::task::yield_now().await;
     assert!(matches!(a3.admit(0, Some("d"), 1.0).await, Ok(_) | Err(Rejection::QueueFull { .. })));
@@ -139,4 +140,69 @@ async fn saturated_classes_complete_tokens_in_budget_ratio() {
     let [big, small] = *done.lock().expect("done");
     let ratio = big / small;
     assert!((ratio - 4.0).abs() <= 0.4, "ratio {ratio} ({big} vs {small})");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_dropped_permit_refunds_its_whole_charge() {
+    let a = Admission::new(vec![class("c", 1.0, 1000.0, 100)]);
+    let p = a.admit(0, None, 1000.0).await.expect("whole burst");
+    assert!(matches!(a.admit(0, None, 500.0).await, Err(Rejection::Timeout { .. })), "spent");
+    drop(p); // an error answer, an upstream failure or a client abort: never reconciled
+    let q = a.admit(0, None, 1000.0).await.expect("refunded");
+    assert_eq!(q.waited, Duration::ZERO);
+    // A reconciled permit is not refunded again when it goes away.
+    q.reconcile(1000.0);
+    assert!(matches!(a.admit(0, None, 500.0).await, Err(Rejection::Timeout { .. })));
+}
+
+#[tokio::test(start_paused = true)]
+async fn refunds_follow_the_class_name_across_a_reorder() {
+    let a = Admission::new(vec![class("x", 1.0, 1000.0, 100), class("y", 1.0, 1000.0, 100)]);
+    let p = a.admit(0, None, 1000.0).await.expect("x's burst");
+    // PUT /budgets puts y first: x is now index 1.
+    a.set_classes(vec![class("y", 1.0, 1000.0, 100), class("x", 1.0, 1000.0, 100)]);
+    a.admit(0, None, 1000.0).await.expect("y untouched").reconcile(1000.0);
+    drop(p);
+    let again = a.admit(1, None, 1000.0).await.expect("x got its refund");
+    assert_eq!(again.waited, Duration::ZERO);
+    assert!(
+        matches!(a.admit(0, None, 10.0).await, Err(Rejection::Timeout { .. })),
+        "y (now first) did not get x's refund"
+    );
+    // A permit of a class that no longer exists refunds nowhere (and does not panic).
+    a.set_classes(vec![class("y", 1.0, 1000.0, 100)]);
+    drop(again);
+}
+
+#[tokio::test(start_paused = true)]
+async fn tenant_queues_are_bounded() {
+    let mut c = class("c", 1.0, 10.0, 50);
+    c.max_tenant_queues = 4;
+    c.max_queued_requests = 1000;
+    let a = Admission::new(vec![c]);
+    a.admit(0, None, 10.0).await.expect("burst").reconcile(10.0);
+    let mut tasks = Vec::new();
+    for i in 0..200 {
+        let a = a.clone();
+        tasks.push(tokio::spawn(async move { a.admit(0, Some(&format!("t{i}")), 5.0).await.is_ok() }));
+    }
+    for _ in 0..1000 {
+        if a.lock().classes[0].queued_requests == 200 {
+            break;
+        }
+        tokio::task::yield_now().await;
+    }
+    {
+        let inner = a.lock();
+        assert_eq!(inner.classes[0].queued_requests, 200);
+        assert!(
+            inner.classes[0].queues.len() <= 5,
+            "4 tenants + the overflow queue: {}",
+            inner.classes[0].queues.len()
+        );
+    }
+    for t in tasks {
+        t.await.expect("join");
+    }
+    assert!(a.lock().classes[0].queues.is_empty(), "timed-out waiters leave no queue behind");
 }

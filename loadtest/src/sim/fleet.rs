@@ -107,6 +107,8 @@ impl<'a> Fleet<'a> {
                         scheme,
                         granularity: cfg.summary_granularity,
                         fp_rate: cfg.bloom_fp_rate,
+                        instance_id: i as u64 + 1,
+                        max_model_len: u32::MAX,
                     },
                     busy_until: None,
                     pending: Vec::new(),
@@ -272,8 +274,14 @@ impl<'a> Fleet<'a> {
             worker.source.granularity,
             worker.source.fp_rate,
         );
-        let report =
-            worker.source.assemble(worker.seq, (t * 1000.0) as u64, &stats, Throughput::default(), summary);
+        let report = worker.source.assemble(
+            worker.seq,
+            (t * 1000.0) as u64,
+            &stats,
+            Throughput::default(),
+            summary,
+            false,
+        );
         let fingerprint = worker.source.scheme.fingerprint();
         // The first report registers the worker at t = 0; later ones come at phase w / n of the interval.
         worker.next_report =

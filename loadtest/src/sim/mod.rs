@@ -61,6 +61,7 @@ impl SimConfig {
                 dead_after: std::time::Duration::from_secs(10),
                 overlay_ttl: std::time::Duration::from_secs(3),
                 vnodes: 64,
+                ..RegistryConfig::default()
             },
             report_interval_s: 1.0,
             summary_granularity: 4,

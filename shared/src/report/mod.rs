@@ -1,19 +1,23 @@
 //! The worker report: the summary every worker pushes to each gateway once a second (`POST /kvgate/v1/report`),
 //! and its compact, versioned binary encoding.
 //!
-//! # Wire format (version 1), all integers little-endian
+//! # Wire format (version 2), all integers little-endian
 //! ```text
-//! magic "KVGR" | version u16 | flags u16 (0)
+//! magic "KVGR" | version u16 | flags u16 (bit 0: draining; other bits 0)
 //! worker_id str | advertise_url str | model_id str            (str = len u16 + UTF-8, at most 1024 bytes)
 //! block_size u32 | hash_version u32 | tokenizer_digest u64 | fingerprint u64
 //! seq u64 | timestamp_ms u64
+//! instance_id u64 | max_model_len u32                          (version 2 only)
 //! waiting_requests u32 | waiting_prefill_tokens u64 | running_requests u32
 //! prefill_tokens_per_s f64 | decode_tokens_per_s f64
 //! tier count u8 (<= 3), then per tier:
 //!   tier u8 (0 device, 1 host, 2 disk) | blocks_total u64 | blocks_free u64 | blocks_cached u64
 //!   has_summary u8 (0/1) [ granularity u32 | entries u64 | bloom_len u32 | bloom bytes ]
 //! ```
-//! Nothing may follow the last tier. Decoding is strict: a wrong magic, an unknown version, a truncated field, a
+//! Version 1 (no `instance_id` / `max_model_len`, flags 0) is still decoded, as `instance_id` 0 and
+//! `max_model_len` 0 (unknown), so a gateway can be upgraded before its workers. `instance_id` is random per worker
+//! process: a new one means a restart, whose `seq` starts again. Nothing may follow the last tier. Decoding is
+//! strict: a wrong magic, an unknown version, a truncated field, a
 //! value out of range or trailing bytes is a [`ReportError`], never a panic.
 //!
 //! # Size
@@ -28,8 +32,10 @@ pub use bloom::{BlockBloom, BLOOM_HEADER_BYTES, BLOOM_SEED, MAX_BLOOM_BYTES, MAX
 
 use crate::hashing::{BlockHash, HashScheme};
 
-/// Current wire version.
-pub const REPORT_VERSION: u16 = 1;
+/// Current wire version (the encoder writes it; the decoder also reads version 1).
+pub const REPORT_VERSION: u16 = 2;
+/// `flags` bit: the worker is draining (shutting down) and takes no new requests.
+pub const FLAG_DRAINING: u16 = 1;
 /// Magic bytes at the start of every report.
 pub const REPORT_MAGIC: [u8; 4] = *b"KVGR";
 /// Longest string field.
@@ -46,7 +52,7 @@ pub enum ReportError {
     Truncated(&'static str),
     #[error("not a kvgate report (bad magic)")]
     BadMagic,
-    #[error("unsupported report version {0} (this build speaks {REPORT_VERSION})")]
+    #[error("unsupported report version {0} (this build speaks 1 and {REPORT_VERSION})")]
     UnsupportedVersion(u16),
     #[error("invalid report field {field}: {reason}")]
     Invalid { field: &'static str, reason: String },
@@ -181,6 +187,12 @@ pub struct WorkerReport {
     pub seq: u64,
     /// Sender's wall clock, ms since the Unix epoch.
     pub timestamp_ms: u64,
+    /// Random per worker process (0: unknown, a version-1 sender); a new value means a restart.
+    pub instance_id: u64,
+    /// The model's context length in tokens (prompt + output; 0: unknown).
+    pub max_model_len: u32,
+    /// The worker is shutting down: it finishes what it runs and takes nothing new.
+    pub draining: bool,
     pub queue: QueueStats,
     pub throughput: Throughput,
     pub tiers: Vec<TierReport>,
@@ -199,7 +211,7 @@ impl WorkerReport {
         let mut w = Vec::with_capacity(256 + bloom_bytes);
         w.extend_from_slice(&REPORT_MAGIC);
         put_u16(&mut w, REPORT_VERSION);
-        put_u16(&mut w, 0);
+        put_u16(&mut w, if self.draining { FLAG_DRAINING } else { 0 });
         put_str(&mut w, &self.worker_id);
         put_str(&mut w, &self.advertise_url);
         put_str(&mut w, &self.model_id);
@@ -209,6 +221,8 @@ impl WorkerReport {
         put_u64(&mut w, self.fingerprint);
         put_u64(&mut w, self.seq);
         put_u64(&mut w, self.timestamp_ms);
+        put_u64(&mut w, self.instance_id);
+        put_u32(&mut w, self.max_model_len);
         put_u32(&mut w, self.queue.waiting_requests);
         put_u64(&mut w, self.queue.waiting_prefill_tokens);
         put_u32(&mut w, self.queue.running_requests);
@@ -245,11 +259,12 @@ impl WorkerReport {
             return Err(ReportError::BadMagic);
         }
         let version = r.u16("version")?;
-        if version != REPORT_VERSION {
+        if !(1..=REPORT_VERSION).contains(&version) {
             return Err(ReportError::UnsupportedVersion(version));
         }
         let flags = r.u16("flags")?;
-        if flags != 0 {
+        let known = if version >= 2 { FLAG_DRAINING } else { 0 };
+        if flags & !known != 0 {
             return Err(invalid("flags", format!("unknown flags {flags:#x}")));
         }
         let worker_id = r.str("worker_id")?;
@@ -267,6 +282,8 @@ impl WorkerReport {
         let fingerprint = r.u64("fingerprint")?;
         let seq = r.u64("seq")?;
         let timestamp_ms = r.u64("timestamp_ms")?;
+        let (instance_id, max_model_len) =
+            if version >= 2 { (r.u64("instance_id")?, r.u32("max_model_len")?) } else { (0, 0) };
         let queue = QueueStats {
             waiting_requests: r.u32("waiting_requests")?,
             waiting_prefill_tokens: r.u64("waiting_prefill_tokens")?,
@@ -324,6 +341,9 @@ impl WorkerReport {
             fingerprint,
             seq,
             timestamp_ms,
+            instance_id,
+            max_model_len,
+            draining: flags & FLAG_DRAINING != 0,
             queue,
             throughput,
             tiers,

@@ -18,6 +18,9 @@ fn sample(n_hashes: u64, granularity: u32) -> WorkerReport {
         fingerprint: scheme.fingerprint(),
         seq: 7,
         timestamp_ms: 1_790_000_000_000,
+        instance_id: 0xDEAD_BEEF_0123,
+        max_model_len: 131_072,
+        draining: false,
         queue: QueueStats { waiting_requests: 3, waiting_prefill_tokens: 4096, running_requests: 5 },
         throughput: Throughput { prefill_tokens_per_s: 5000.5, decode_tokens_per_s: 120.25 },
         tiers: vec![
@@ -44,6 +47,46 @@ fn round_trip() {
     let r = sample(1000, 1);
     let bytes = r.encode();
     assert_eq!(WorkerReport::decode(&bytes).expect("decodes"), r);
+}
+
+#[test]
+fn draining_flag_round_trips_and_unknown_flags_are_refused() {
+    let mut r = sample(10, 1);
+    r.draining = true;
+    let bytes = r.encode();
+    assert_eq!(&bytes[6..8], &FLAG_DRAINING.to_le_bytes());
+    assert_eq!(WorkerReport::decode(&bytes).expect("decodes"), r);
+    let mut bad = bytes.clone();
+    bad[6] = 0b10;
+    assert!(matches!(WorkerReport::decode(&bad), Err(ReportError::Invalid { field: "flags", .. })));
+}
+
+/// The version-1 encoding of `r` (no instance id or context length, flags 0), as older workers send it.
+fn encode_v1(r: &WorkerReport) -> Vec<u8> {
+    let v2 = r.encode();
+    // Header (8) + three strings + scheme (24) + seq/timestamp (16), then the v2-only 12 bytes.
+    let strings: usize = [&r.worker_id, &r.advertise_url, &r.model_id].iter().map(|s| 2 + s.len()).sum();
+    let cut = 8 + strings + 24 + 16;
+    let mut v1 = v2[..cut].to_vec();
+    v1.extend_from_slice(&v2[cut + 12..]);
+    v1[4..6].copy_from_slice(&1u16.to_le_bytes());
+    v1[6..8].copy_from_slice(&0u16.to_le_bytes());
+    v1
+}
+
+#[test]
+fn version_1_reports_still_decode() {
+    let r = sample(10, 1);
+    let back = WorkerReport::decode(&encode_v1(&r)).expect("v1 decodes");
+    assert_eq!(back.instance_id, 0);
+    assert_eq!(back.max_model_len, 0);
+    assert!(!back.draining);
+    assert_eq!(back.tiers, r.tiers);
+    assert_eq!(back.queue, r.queue);
+    // A v1 report cannot say "draining": the bit is unknown there.
+    let mut v1 = encode_v1(&r);
+    v1[6] = 1;
+    assert!(WorkerReport::decode(&v1).is_err());
 }
 
 #[test]
@@ -197,8 +240,11 @@ proptest! {
         bytes[i] = byte;
         let end = cut.index(bytes.len() + 1);
         if let Ok(r) = WorkerReport::decode(&bytes[..end]) {
-            // Whatever decodes re-encodes to the same bytes (no silent reinterpretation).
-            prop_assert_eq!(r.encode(), bytes[..end].to_vec());
+            // Whatever decodes re-encodes to the same bytes (no silent reinterpretation); a version byte mutated
+            // to 1 re-encodes as version 2.
+            if bytes[4..6] == REPORT_VERSION.to_le_bytes() {
+                prop_assert_eq!(r.encode(), bytes[..end].to_vec());
+            }
         }
     }
 }

@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use kvgate_shared::hashing::{BlockHash, BlockHasher};
 
-pub use pool::{BlockId, BlockPool, PoolCounters};
+pub use pool::{BlockId, BlockPool, Parent, PoolCounters};
 
 /// The pool, shared between the engine loop and readers (the reporter lists cached hashes once a second).
 #[derive(Clone, Debug)]
@@ -36,6 +36,9 @@ pub struct BlockTable {
     hashes: Vec<BlockHash>,
     /// Leading blocks already registered in (or served from) the prefix cache.
     committed: usize,
+    /// Cache identities of the leading blocks whose chain is in the cache (the parent of the next block). Shorter
+    /// than `committed` only after a hash collision: later blocks are then never cached.
+    chain: Vec<u64>,
     /// Prompt tokens served from the cache when the sequence started.
     cached_tokens: usize,
 }
@@ -99,12 +102,17 @@ impl KvManager {
         let hashes = hasher.hash_blocks(tokens);
         let max_hit = tokens.len().saturating_sub(1) / self.block_size;
         let mut blocks = Vec::new();
+        let mut chain = Vec::new();
         {
             let mut pool = self.pool.lock();
             for (i, h) in hashes.iter().enumerate().take(max_hit) {
                 let block_tokens = &tokens[i * self.block_size..(i + 1) * self.block_size];
-                match pool.lookup(*h, block_tokens) {
-                    Some(id) => blocks.push(id),
+                let parent = chain.last().map_or(Parent::Root(hasher.root_id()), |u| Parent::Block(*u));
+                match pool.lookup(*h, parent, block_tokens) {
+                    Some((id, uid)) => {
+                        blocks.push(id);
+                        chain.push(uid);
+                    }
                     None => break,
                 }
             }
@@ -117,6 +125,7 @@ impl KvManager {
             blocks,
             hashes,
             committed: n,
+            chain,
             cached_tokens: n * self.block_size,
         }
     }
@@ -155,12 +164,15 @@ impl KvManager {
         }
         let mut pool = self.pool.lock();
         for i in table.committed..full {
-            pool.register(
-                table.blocks[i],
-                i,
-                table.hashes[i],
-                &tokens[i * self.block_size..(i + 1) * self.block_size],
-            );
+            if table.chain.len() != i {
+                break; // a collision broke the chain: nothing after it is cached
+            }
+            let parent =
+                table.chain.last().map_or(Parent::Root(table.hasher.root_id()), |u| Parent::Block(*u));
+            let block_tokens = &tokens[i * self.block_size..(i + 1) * self.block_size];
+            if let Some(uid) = pool.register(table.blocks[i], i, table.hashes[i], parent, block_tokens) {
+                table.chain.push(uid);
+            }
         }
         table.committed = full;
     }

@@ -7,8 +7,12 @@
 //! - Allocation takes the free queue's head (least recently freed); if that block was cached it is evicted
 //!   (its hash leaves the map). Releasing a sequence appends its blocks tail-first, so a finished sequence's tail is
 //!   evicted before its head (the head is the part other requests share).
-//! - A lookup succeeds only when the hash maps to a block **and** the block's tokens equal the request's: a hash
-//!   collision costs a recompute, never a wrong block.
+//! - A lookup succeeds only when the hash maps to a block **and** the whole chain matches: the block's tokens equal
+//!   the request's, and its parent is the request's parent ([`Parent`]: the identity of the cached block it extended,
+//!   or for a first block the 128-bit identity of the request's root). A collision of the 64-bit chained hash, even
+//!   between two prefixes with the same last block (two tenants' salts), costs a recompute, never a wrong block.
+//! - Every cached content gets a fresh `uid` (never reused), so a parent identity cannot point at a block that was
+//!   evicted and refilled.
 
 use std::collections::HashMap;
 
@@ -19,10 +23,22 @@ pub type BlockId = u32;
 
 const NIL: u32 = u32::MAX;
 
+/// What a cached block extends: the request's root (its 128-bit identity) for a first block, else the cached content
+/// of the block before it (that block's `uid`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Parent {
+    Root(u128),
+    Block(u64),
+}
+
 #[derive(Clone, Debug)]
 struct BlockMeta {
     ref_count: u32,
     hash: Option<BlockHash>,
+    /// Identity of the cached content (0 while uncached).
+    uid: u64,
+    /// What the cached content extends (meaningful while cached).
+    parent: Parent,
     /// The block's tokens, kept while it is cached, for verification on a hit.
     tokens: Box<[u32]>,
     /// Index of the block in its sequence (0 = first block), kept while cached: summaries sample by position.
@@ -41,7 +57,7 @@ pub struct PoolCounters {
     pub hit_blocks: u64,
     /// Blocks looked up.
     pub queried_blocks: u64,
-    /// Lookups whose hash matched a block with other tokens.
+    /// Lookups or registrations whose hash matched a block of another chain (other tokens or another parent).
     pub collisions: u64,
 }
 
@@ -55,6 +71,7 @@ pub struct BlockPool {
     free_len: usize,
     cached: HashMap<BlockHash, BlockId>,
     counters: PoolCounters,
+    next_uid: u64,
 }
 
 impl BlockPool {
@@ -65,6 +82,8 @@ impl BlockPool {
             .map(|i| BlockMeta {
                 ref_count: 0,
                 hash: None,
+                uid: 0,
+                parent: Parent::Root(0),
                 tokens: Box::new([]),
                 index: 0,
                 prev: if i == 0 { NIL } else { i as u32 - 1 },
@@ -80,6 +99,7 @@ impl BlockPool {
             free_len: n,
             cached: HashMap::new(),
             counters: PoolCounters::default(),
+            next_uid: 1,
         }
     }
 
@@ -168,6 +188,7 @@ impl BlockPool {
             let b = &mut self.blocks[id as usize];
             if let Some(h) = b.hash.take() {
                 b.tokens = Box::new([]);
+                b.uid = 0;
                 if self.cached.get(&h) == Some(&id) {
                     self.cached.remove(&h);
                 }
@@ -179,41 +200,69 @@ impl BlockPool {
         Some(out)
     }
 
-    /// The cached block for `hash` holding exactly `tokens`, referenced for the caller; `None` on a miss or a
-    /// collision.
-    pub fn lookup(&mut self, hash: BlockHash, tokens: &[u32]) -> Option<BlockId> {
+    /// The cached block for `hash` that extends `parent` with exactly `tokens`, referenced for the caller, and the
+    /// identity of its content (the parent of the next block); `None` on a miss or a collision.
+    pub fn lookup(&mut self, hash: BlockHash, parent: Parent, tokens: &[u32]) -> Option<(BlockId, u64)> {
         self.counters.queried_blocks += 1;
         let id = *self.cached.get(&hash)?;
-        if &*self.blocks[id as usize].tokens != tokens {
+        let b = &self.blocks[id as usize];
+        if b.parent != parent || &*b.tokens != tokens {
             self.counters.collisions += 1;
             return None;
         }
-        if self.blocks[id as usize].ref_count == 0 {
+        let uid = b.uid;
+        if b.ref_count == 0 {
             self.unlink(id);
         }
         self.blocks[id as usize].ref_count += 1;
         self.counters.hit_blocks += 1;
-        Some(id)
+        Some((id, uid))
     }
 
-    /// Whether `hash` is cached with these tokens (no reference taken, no counters).
-    pub fn contains(&self, hash: BlockHash, tokens: &[u32]) -> bool {
-        self.cached.get(&hash).is_some_and(|id| &*self.blocks[*id as usize].tokens == tokens)
+    /// Whether `hash` is cached as the block extending `parent` with these tokens (no reference, no counters).
+    pub fn contains(&self, hash: BlockHash, parent: Parent, tokens: &[u32]) -> bool {
+        self.cached.get(&hash).is_some_and(|id| {
+            let b = &self.blocks[*id as usize];
+            b.parent == parent && &*b.tokens == tokens
+        })
     }
 
     /// Records that referenced block `id`, block number `index` of its sequence, now holds the full block
-    /// `tokens` with chained hash `hash`. If another block already caches that hash, this one stays uncached (a
-    /// duplicate, freed without caching).
-    pub fn register(&mut self, id: BlockId, index: usize, hash: BlockHash, tokens: &[u32]) {
+    /// `tokens` extending `parent`, with chained hash `hash`. Returns the identity of that content in the cache (the
+    /// parent of the sequence's next block): this block's new one, or, when another block already caches the same
+    /// chain, that block's (this one then stays uncached: a duplicate, freed without caching). `None` when another
+    /// chain holds the hash (a collision): this block stays uncached, and so must the sequence's later blocks.
+    pub fn register(
+        &mut self,
+        id: BlockId,
+        index: usize,
+        hash: BlockHash,
+        parent: Parent,
+        tokens: &[u32],
+    ) -> Option<u64> {
         debug_assert_eq!(tokens.len(), self.block_size);
-        if self.cached.contains_key(&hash) || self.blocks[id as usize].hash.is_some() {
-            return;
+        if let Some(&other) = self.cached.get(&hash) {
+            let o = &self.blocks[other as usize];
+            if o.parent == parent && &*o.tokens == tokens {
+                return Some(o.uid);
+            }
+            self.counters.collisions += 1;
+            return None;
         }
         let b = &mut self.blocks[id as usize];
+        if b.hash.is_some() {
+            // Already cached under another hash: never move a block between chains.
+            return None;
+        }
+        let uid = self.next_uid;
+        self.next_uid += 1;
         b.hash = Some(hash);
+        b.uid = uid;
+        b.parent = parent;
         b.tokens = tokens.into();
         b.index = index.min(u32::MAX as usize) as u32;
         self.cached.insert(hash, id);
+        Some(uid)
     }
 
     /// Drops one reference to each block, last block first (so tails are evicted before heads).

@@ -68,6 +68,74 @@ fn forced_hash_collision_is_not_reused() {
 }
 
 #[test]
+fn colliding_prefixes_with_the_same_last_block_are_not_reused() {
+    // A chain function that ignores the parent: two prefixes that end with the same block collide at that block.
+    fn last_block_only(_: BlockHash, t: &[u32]) -> BlockHash {
+        BlockHash(t.iter().fold(7u64, |a, x| a.wrapping_mul(31).wrapping_add(u64::from(*x))))
+    }
+    let h = BlockHasher::with_fn(&HashScheme::new(BS as u32, 1), &ExtraKeys::none(), last_block_only);
+    let kv = KvManager::new(16, BS);
+    // Tenant A: blocks [1,1,1,1] [5,6,7,8]; tenant B: [2,2,2,2] [5,6,7,8]. Their second blocks share a hash.
+    let a: Vec<u32> = [1, 1, 1, 1, 5, 6, 7, 8, 0].to_vec();
+    let b: Vec<u32> = [2, 2, 2, 2, 5, 6, 7, 8, 0].to_vec();
+    drop(run(&kv, h, &a));
+    // B's first block misses (other tokens), so the walk stops there; were it to reach block 2 it would need the
+    // parent to be B's block, not A's.
+    assert_eq!(kv.start(h, &b).cached_tokens(), 0);
+    let mut pool = kv.pool().lock();
+    let hashes = h.hash_blocks(&b);
+    assert!(
+        !pool.contains(hashes[1], Parent::Block(999), &b[4..8]),
+        "the parent is checked, not only tokens"
+    );
+    let a_hashes = h.hash_blocks(&a);
+    let (first, uid) =
+        pool.lookup(a_hashes[0], Parent::Root(h.root_id()), &a[0..4]).expect("A's first block");
+    assert!(pool.contains(a_hashes[1], Parent::Block(uid), &a[4..8]));
+    pool.release(&[first]);
+    drop(pool);
+    // B runs: its second block cannot be cached under the hash A holds, and neither can anything after it.
+    drop(run(&kv, h, &b));
+    assert!(kv.pool().lock().counters().collisions >= 1);
+    assert_eq!(kv.start(h, &a).cached_tokens(), 8, "A still hits its own chain");
+    assert_eq!(kv.start(h, &b).cached_tokens(), 4, "B hits its first block only");
+    kv.pool().lock().check_invariants().expect("invariants");
+}
+
+#[test]
+fn colliding_roots_do_not_share_blocks() {
+    // Two tenants whose 64-bit roots collide (forced): the 128-bit root identity still tells them apart.
+    let scheme = HashScheme::new(BS as u32, 1);
+    let s1 = BlockHasher::new(&scheme, &ExtraKeys::from_salt(Some("tenant-a")));
+    let s2 = BlockHasher::new(&scheme, &ExtraKeys::from_salt(Some("tenant-b"))).with_root(s1.root());
+    let toks: Vec<u32> = (0..9).collect();
+    assert_eq!(s1.hash_blocks(&toks), s2.hash_blocks(&toks), "every block hash collides");
+    let kv = KvManager::new(16, BS);
+    drop(run(&kv, s1, &toks));
+    assert_eq!(kv.start(s2, &toks).cached_tokens(), 0, "another root's KV is never served");
+    assert_eq!(kv.start(s1, &toks).cached_tokens(), 8);
+}
+
+#[test]
+fn duplicate_computation_keeps_later_blocks_reachable() {
+    // Two sequences compute the same prefix at once (neither found it cached); the second's blocks are duplicates,
+    // and what it adds after the shared part must still chain from the cached copy.
+    let kv = KvManager::new(32, BS);
+    let p: Vec<u32> = (0..8).collect();
+    let a_tokens: Vec<u32> = p.iter().copied().chain(100..104).collect();
+    let b_tokens: Vec<u32> = p.iter().copied().chain(200..205).collect();
+    let mut a = kv.start(hasher(), &a_tokens);
+    let mut b = kv.start(hasher(), &b_tokens);
+    assert!(kv.reserve(&mut a, a_tokens.len()) && kv.reserve(&mut b, b_tokens.len()));
+    kv.commit(&mut a, &a_tokens, a_tokens.len());
+    kv.commit(&mut b, &b_tokens, b_tokens.len());
+    drop((a, b));
+    let again = kv.start(hasher(), &b_tokens);
+    assert_eq!(again.cached_tokens(), 12, "B's third block chains from A's cached copy of the prefix");
+    kv.pool().lock().check_invariants().expect("invariants");
+}
+
+#[test]
 fn salts_isolate() {
     let kv = KvManager::new(16, BS);
     let s1 = BlockHasher::new(&HashScheme::new(BS as u32, 1), &ExtraKeys::from_salt(Some("a")));

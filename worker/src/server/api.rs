@@ -52,17 +52,25 @@ pub async fn parse_body<T: DeserializeOwned>(body: Body, limit: usize) -> Result
     parse_json(&bytes)
 }
 
-fn parse_json<T: DeserializeOwned>(bytes: &Bytes) -> Result<T, ApiError> {
-    let value: serde_json::Value = serde_json::from_slice(bytes)
-        .map_err(|e| ApiError::bad_json(format!("the body is not valid JSON: {e}")))?;
-    serde_path_to_error::deserialize(value).map_err(|e| {
+/// Parses straight into the typed request (no intermediate JSON tree): malformed JSON is `invalid_json`, a well-formed
+/// body of the wrong shape names the field.
+pub fn parse_json<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
+    let mut de = serde_json::Deserializer::from_slice(bytes);
+    let value: T = serde_path_to_error::deserialize(&mut de).map_err(|e| {
         let path = e.path().to_string();
-        let msg = e.inner().to_string();
+        let inner = e.into_inner();
+        if matches!(inner.classify(), serde_json::error::Category::Syntax | serde_json::error::Category::Eof)
+        {
+            return ApiError::bad_json(format!("the body is not valid JSON: {inner}"));
+        }
+        let msg = inner.to_string();
         // "missing field `x`" at the top level: the field is the param.
         let param =
             if path == "." { msg.split('`').nth(1).unwrap_or("body").to_string() } else { path.clone() };
         ApiError::invalid(param.clone(), format!("invalid request: {param}: {msg}"))
-    })
+    })?;
+    de.end().map_err(|e| ApiError::bad_json(format!("the body is not valid JSON: {e}")))?;
+    Ok(value)
 }
 
 fn unix_now() -> u64 {

@@ -4,13 +4,19 @@
 //! The thread blocks on the command channel when idle, and between steps drains every pending command, so an
 //! abort (client gone) frees the request's blocks before the next step. A receiver that has gone away aborts its
 //! request too.
+//!
+//! Liveness: if the thread ends for any reason (a panic in a step included), [`EngineHandle::is_alive`] turns
+//! false and [`EngineHandle::died`] resolves, so the server fails its probes and exits non-zero instead of
+//! answering 503 to every request while its reports go on.
+//!
+//! Fault injection (tests only): `KVGATE_FAULT_ENGINE_PANIC_AFTER_STEPS=N` makes the thread panic after N steps.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::{mpsc, oneshot, watch};
 
 use crate::engine::{AdmitError, Backend, Engine, EngineRequest, EngineStats, RequestId, StepOutput};
 use crate::kv::SharedPool;
@@ -51,6 +57,16 @@ pub struct EngineHandle {
     published: Arc<Mutex<Published>>,
     pool: SharedPool,
     next_id: Arc<AtomicU64>,
+    alive: watch::Receiver<bool>,
+}
+
+/// Marks the engine dead when the thread ends, however it ends (unwinding included).
+struct AliveGuard(watch::Sender<bool>);
+
+impl Drop for AliveGuard {
+    fn drop(&mut self) {
+        let _ = self.0.send(false);
+    }
 }
 
 impl EngineHandle {
@@ -60,11 +76,29 @@ impl EngineHandle {
         let published = Arc::new(Mutex::new(Published::default()));
         let pool = engine.scheduler().kv().pool().clone();
         let p = published.clone();
+        let (alive_tx, alive) = watch::channel(true);
+        let panic_after =
+            std::env::var("KVGATE_FAULT_ENGINE_PANIC_AFTER_STEPS").ok().and_then(|v| v.parse().ok());
         std::thread::Builder::new()
             .name("kvgate-engine".into())
-            .spawn(move || run(engine, rx, p, max_waiting))
+            .spawn(move || {
+                let _guard = AliveGuard(alive_tx);
+                run(engine, rx, p, max_waiting, panic_after);
+                tracing::error!("the engine thread ended");
+            })
             .unwrap_or_else(|e| panic!("cannot start the engine thread: {e}"));
-        Self { tx, published, pool, next_id: Arc::new(AtomicU64::new(1)) }
+        Self { tx, published, pool, next_id: Arc::new(AtomicU64::new(1)), alive }
+    }
+
+    /// Whether the engine thread still runs.
+    pub fn is_alive(&self) -> bool {
+        *self.alive.borrow()
+    }
+
+    /// Resolves when the engine thread has ended.
+    pub async fn died(&self) {
+        let mut rx = self.alive.clone();
+        let _ = rx.wait_for(|alive| !*alive).await;
     }
 
     /// A fresh request id.
@@ -106,6 +140,7 @@ fn run<B: Backend>(
     mut rx: mpsc::UnboundedReceiver<Cmd>,
     published: Arc<Mutex<Published>>,
     max_waiting: usize,
+    panic_after_steps: Option<u64>,
 ) {
     let mut senders: HashMap<RequestId, mpsc::UnboundedSender<StepOutput>> = HashMap::new();
     let mut totals = Published::default();
@@ -127,6 +162,9 @@ fn run<B: Backend>(
             // Commands alone (an abort that emptied the engine) change the figures too.
             publish(&engine, &mut totals, &published);
             continue;
+        }
+        if panic_after_steps.is_some_and(|n| totals.steps >= n) {
+            panic!("fault injection: KVGATE_FAULT_ENGINE_PANIC_AFTER_STEPS");
         }
         let before = engine.scheduler().counters().scheduled_tokens;
         let started = Instant::now();

@@ -2,12 +2,17 @@
 //! the model loads), loads the model on a blocking thread, runs the engine on its own thread, serves the OpenAI
 //! API, and pushes cache summaries to gateways.
 //!
-//! Routes: `POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models`, `GET /health` (alive),
-//! `GET /ready` (model loaded, not draining), `GET /metrics` (Prometheus), `GET /kvgate/v1/tokenizer` (what a
-//! gateway needs to tokenize and hash exactly like this worker).
+//! Routes: `POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models`, `GET /health` (alive: the
+//! engine thread runs), `GET /ready` (model loaded, engine alive, not draining), `GET /metrics` (Prometheus),
+//! `GET /kvgate/v1/tokenizer` (what a gateway needs to tokenize and hash exactly like this worker).
 //!
-//! Shutdown on SIGTERM/SIGINT: `/ready` turns 503 and new requests are refused; running ones get `shutdown_grace`
-//! to finish, then are aborted; the process exits when the last connection closes.
+//! Shutdown on SIGTERM/SIGINT: `/ready` turns 503, new requests are refused (`shutting_down`) and a report saying
+//! `draining` goes to every gateway at once; running requests get `shutdown_grace` to finish, then are aborted;
+//! the process exits when the last connection closes.
+//!
+//! A dead engine thread (a panic in a step) fails `/health` and `/ready` with 503 and the process exits with
+//! status 70 half a second later, so the orchestrator restarts it rather than routing to a worker that can only
+//! refuse.
 
 pub mod api;
 pub mod config;
@@ -19,6 +24,7 @@ pub mod text;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
+use std::time::Duration;
 
 use axum::extract::State;
 use axum::http::{header, HeaderValue, StatusCode};
@@ -49,12 +55,17 @@ pub struct Loaded {
     pub scheme: HashScheme,
 }
 
+/// Exit status of a worker whose engine thread died (EX_SOFTWARE).
+pub const EXIT_ENGINE_DEAD: i32 = 70;
+
 /// Shared by every handler.
 pub struct AppState {
     pub cfg: ServeConfig,
     pub worker_id: String,
     loaded: OnceLock<Arc<Loaded>>,
-    draining: AtomicBool,
+    draining: Arc<AtomicBool>,
+    /// Wakes the reporter for an immediate report (draining started).
+    report_now: Arc<tokio::sync::Notify>,
     prometheus: PrometheusHandle,
     created: u64,
 }
@@ -66,6 +77,21 @@ impl AppState {
     pub fn draining(&self) -> bool {
         self.draining.load(Ordering::Acquire)
     }
+    /// Whether the engine thread is dead (false while the model loads).
+    pub fn engine_dead(&self) -> bool {
+        self.loaded.get().is_some_and(|l| !l.engine.is_alive())
+    }
+}
+
+/// A random id for this process (a restart gets a new one; gateways accept its reports from `seq` 1 again).
+fn instance_id() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u32(std::process::id());
+    h.write_u128(
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos()),
+    );
+    h.finish().max(1)
 }
 
 fn install_metrics() -> Result<PrometheusHandle, String> {
@@ -149,7 +175,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/completions", post(api::completions))
         .route("/v1/chat/completions", post(api::chat_completions))
         .route("/v1/models", get(models))
-        .route("/health", get(|| async { Json(serde_json::json!({"status": "ok"})) }))
+        .route("/health", get(health))
         .route("/ready", get(ready))
         .route("/metrics", get(metrics_text))
         .route("/kvgate/v1/tokenizer", get(tokenizer))
@@ -187,7 +213,21 @@ async fn models(State(state): State<Arc<AppState>>) -> Response {
     .into_response()
 }
 
+fn engine_dead_response() -> Response {
+    (StatusCode::SERVICE_UNAVAILABLE, Json(serde_json::json!({"status": "engine_dead"}))).into_response()
+}
+
+async fn health(State(state): State<Arc<AppState>>) -> Response {
+    if state.engine_dead() {
+        return engine_dead_response();
+    }
+    Json(serde_json::json!({"status": "ok"})).into_response()
+}
+
 async fn ready(State(state): State<Arc<AppState>>) -> Response {
+    if state.engine_dead() {
+        return engine_dead_response();
+    }
     match (state.loaded(), state.draining()) {
         (Some(_), false) => Json(serde_json::json!({"status": "ready"})).into_response(),
         (_, true) => {
@@ -233,6 +273,7 @@ async fn tokenizer(State(state): State<Arc<AppState>>) -> Response {
         "eos_token": files.eos_token,
         "scheme": l.scheme,
         "fingerprint": l.scheme.fingerprint(),
+        "max_model_len": l.max_model_len,
         "summary_granularity": state.cfg.summary_granularity,
     }))
     .into_response()
@@ -256,7 +297,8 @@ pub async fn serve(cfg: ServeConfig) -> Result<(), String> {
         cfg: cfg.clone(),
         worker_id: worker_id.clone(),
         loaded: OnceLock::new(),
-        draining: AtomicBool::new(false),
+        draining: Arc::new(AtomicBool::new(false)),
+        report_now: Arc::new(tokio::sync::Notify::new()),
         prometheus,
         created: std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
@@ -273,6 +315,17 @@ pub async fn serve(cfg: ServeConfig) -> Result<(), String> {
                 let l = Arc::new(l);
                 tracing::info!(model = %l.model_id, secs = started.elapsed().as_secs_f64(), "model loaded");
                 let _ = loader_state.loaded.set(l.clone());
+                let watched = l.clone();
+                tokio::spawn(async move {
+                    watched.engine.died().await;
+                    tracing::error!("the engine thread died: failing probes and exiting");
+                    eprintln!(
+                        "kvgate-worker: the engine thread died; exiting with status {EXIT_ENGINE_DEAD}"
+                    );
+                    // Long enough for requests in flight to get their error and a probe to see 503.
+                    tokio::time::sleep(Duration::from_millis(500)).await;
+                    std::process::exit(EXIT_ENGINE_DEAD);
+                });
                 // Only once requests are served: scripts and tests wait for this line.
                 println!("kvgate-worker {} ready (model {})", l.worker_id, l.model_id);
                 if !loader_state.cfg.report_to.is_empty() {
@@ -284,15 +337,18 @@ pub async fn serve(cfg: ServeConfig) -> Result<(), String> {
                         scheme: l.scheme,
                         granularity: c.summary_granularity,
                         fp_rate: c.bloom_fp_rate,
+                        instance_id: instance_id(),
+                        max_model_len: l.max_model_len.min(u32::MAX as usize) as u32,
                     };
-                    tokio::spawn(reporter::run(
-                        source,
-                        l.engine.clone(),
-                        c.report_to.clone(),
-                        c.report_interval,
-                        c.report_timeout,
-                        c.report_secret.clone(),
-                    ));
+                    let plan = reporter::ReportPlan {
+                        targets: c.report_to.clone(),
+                        interval: c.report_interval,
+                        timeout: c.report_timeout,
+                        secret: c.report_secret.clone(),
+                        draining: loader_state.draining.clone(),
+                        report_now: loader_state.report_now.clone(),
+                    };
+                    tokio::spawn(reporter::run(source, l.engine.clone(), plan));
                 }
             }
             Ok(Err(e)) => {
@@ -311,6 +367,8 @@ pub async fn serve(cfg: ServeConfig) -> Result<(), String> {
         wait_for_signal().await;
         tracing::info!(grace_s = shutdown_state.cfg.shutdown_grace.as_secs_f64(), "shutting down: draining");
         shutdown_state.draining.store(true, Ordering::Release);
+        // Tell the gateways now rather than at the next interval.
+        shutdown_state.report_now.notify_one();
         let s = shutdown_state.clone();
         tokio::spawn(async move {
             tokio::time::sleep(s.cfg.shutdown_grace).await;

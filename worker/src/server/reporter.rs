@@ -38,6 +38,24 @@ pub struct ReportSource {
     pub scheme: HashScheme,
     pub granularity: u32,
     pub fp_rate: f64,
+    /// Random per process (see `WorkerReport::instance_id`).
+    pub instance_id: u64,
+    /// The model's context length.
+    pub max_model_len: u32,
+}
+
+/// Where and how often reports go, and what can make one go at once.
+pub struct ReportPlan {
+    /// Gateway control base URLs.
+    pub targets: Vec<String>,
+    pub interval: Duration,
+    /// Timeout of one POST.
+    pub timeout: Duration,
+    pub secret: Option<String>,
+    /// Set on SIGTERM: reports say `draining`.
+    pub draining: Arc<AtomicBool>,
+    /// Notified for an immediate report (draining started).
+    pub report_now: Arc<tokio::sync::Notify>,
 }
 
 /// Builds the Bloom summary of the pool's cached blocks at a granularity.
@@ -63,6 +81,7 @@ impl ReportSource {
         prev: &Published,
         now: &Published,
         dt: Duration,
+        draining: bool,
     ) -> WorkerReport {
         let secs = dt.as_secs_f64().max(1e-3);
         let throughput = Throughput {
@@ -71,7 +90,7 @@ impl ReportSource {
         };
         let summary = summarise(engine.pool(), self.granularity, self.fp_rate);
         let timestamp_ms = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64);
-        self.assemble(seq, timestamp_ms, &now.stats, throughput, summary)
+        self.assemble(seq, timestamp_ms, &now.stats, throughput, summary, draining)
     }
 
     /// A report from its parts (pure: the fleet simulator builds its reports with this too).
@@ -82,6 +101,7 @@ impl ReportSource {
         s: &EngineStats,
         throughput: Throughput,
         summary: CacheSummary,
+        draining: bool,
     ) -> WorkerReport {
         WorkerReport {
             worker_id: self.worker_id.clone(),
@@ -91,6 +111,9 @@ impl ReportSource {
             fingerprint: self.scheme.fingerprint(),
             seq,
             timestamp_ms,
+            instance_id: self.instance_id,
+            max_model_len: self.max_model_len,
+            draining,
             queue: QueueStats {
                 waiting_requests: s.waiting_requests as u32,
                 waiting_prefill_tokens: s.waiting_prefill_tokens,
@@ -161,16 +184,10 @@ fn fan_out(uri: &hyper::Uri, mut addrs: Vec<std::net::SocketAddr>) -> Option<Vec
     )
 }
 
-/// Runs forever: builds a report each interval and sends it to every gateway (every address of each
-/// `--report-to` host).
-pub async fn run(
-    source: ReportSource,
-    engine: EngineHandle,
-    targets: Vec<String>,
-    interval: Duration,
-    timeout: Duration,
-    secret: Option<String>,
-) {
+/// Runs forever: builds a report each interval (or at once when `plan.report_now` is notified) and sends it to
+/// every gateway (every address of each `--report-to` host).
+pub async fn run(source: ReportSource, engine: EngineHandle, plan: ReportPlan) {
+    let ReportPlan { targets, interval, timeout, secret, draining, report_now } = plan;
     let client: Client<_, Full<Bytes>> = Client::builder(TokioExecutor::new()).build_http();
     let mut busy: HashMap<String, Arc<AtomicBool>> = HashMap::new();
     let mut ticker = tokio::time::interval(interval);
@@ -179,10 +196,14 @@ pub async fn run(
     let mut prev = engine.published();
     let mut prev_at = Instant::now();
     loop {
-        ticker.tick().await;
+        tokio::select! {
+            _ = ticker.tick() => {}
+            _ = report_now.notified() => {}
+        }
         let now = engine.published();
         seq += 1;
-        let report = source.build(&engine, seq, &prev, &now, prev_at.elapsed());
+        let draining = draining.load(Ordering::Acquire);
+        let report = source.build(&engine, seq, &prev, &now, prev_at.elapsed(), draining);
         prev = now;
         prev_at = Instant::now();
         let body = Bytes::from(report.encode());

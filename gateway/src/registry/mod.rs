@@ -1,0 +1,435 @@
+//! Worker states: static workers from the config and workers that registered by reporting. A worker's latest
+//! report (Bloom summary, queue, KV stats, fingerprint, draining) is its state, plus what this gateway did since:
+//! requests in flight, tokens sent, the overlay of block hashes it routed there, and the faults it saw.
+//!
+//! Health (pure functions of `now`): a worker is **in the ring** unless it is draining (its report says so, or an
+//! operator drained it), it asked to be left alone (a refusal with Retry-After, until then), it has a fault (a
+//! refused connection or a timeout) that no report or successful probe has answered since, or it has been silent
+//! for `dead_after`; a static worker that never reported counts as healthy until a fault. Its **summary counts**
+//! only if younger than `stale_after` and of the expected hash-scheme fingerprint (a mismatch is logged and
+//! counted, never silently used).
+//!
+//! Identity: a worker id is held by one URL while that worker is alive; another URL claiming it is refused. A
+//! report with a new `instance_id` is a restart and is accepted whatever its `seq`. A reported worker silent for
+//! `forget_after` is removed, with its metric series. The registry holds at most `max_workers` workers.
+
+mod metrics;
+mod worker;
+
+use std::time::{Duration, Instant};
+
+use kvgate_shared::hashing::BlockHash;
+use kvgate_shared::report::{CacheSummary, Tier, WorkerReport};
+
+use crate::routing::{Ring, WorkerView};
+
+pub use worker::{Fault, Overlay, Worker, WorkerCounters, WorkerStatus};
+
+/// Timing and size knobs.
+#[derive(Clone, Copy, Debug)]
+pub struct RegistryConfig {
+    pub stale_after: Duration,
+    pub dead_after: Duration,
+    pub overlay_ttl: Duration,
+    pub vnodes: u32,
+    /// A reported worker silent this long is removed.
+    pub forget_after: Duration,
+    pub max_workers: usize,
+}
+
+impl Default for RegistryConfig {
+    /// The gateway's defaults (3 s, 10 s, 3 s, 64 virtual nodes, 300 s, 4096 workers).
+    fn default() -> Self {
+        Self {
+            stale_after: Duration::from_secs(3),
+            dead_after: Duration::from_secs(10),
+            overlay_ttl: Duration::from_secs(3),
+            vnodes: 64,
+            forget_after: Duration::from_secs(300),
+            max_workers: 4096,
+        }
+    }
+}
+
+/// What [`Registry::record_sent`] returns, for [`Registry::record_done`].
+#[derive(Clone, Copy, Debug)]
+pub struct SentTicket {
+    pub idx: usize,
+    pub uid: u64,
+    pub epoch: u64,
+    pub uncached_tokens: u64,
+}
+
+/// Where a worker is: its index now and its unique key (an index can shift when workers are forgotten).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct WorkerRef {
+    pub idx: usize,
+    pub uid: u64,
+}
+
+/// The outcome of [`Registry::ingest`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Ingest {
+    Accepted,
+    /// Older than the latest report of the same process: ignored.
+    OutOfOrder,
+    /// The worker id is held by another URL whose worker is alive.
+    IdConflict {
+        holder_url: String,
+    },
+    /// The registry holds `max_workers` already.
+    Full,
+}
+
+/// All workers.
+#[derive(Debug)]
+pub struct Registry {
+    cfg: RegistryConfig,
+    workers: Vec<Worker>,
+    ring: Ring,
+    next_uid: u64,
+}
+
+impl Registry {
+    pub fn new(cfg: RegistryConfig) -> Self {
+        Self { cfg, workers: Vec::new(), ring: Ring::new([], cfg.vnodes), next_uid: 1 }
+    }
+
+    pub fn workers(&self) -> &[Worker] {
+        &self.workers
+    }
+
+    pub fn ring(&self) -> &Ring {
+        &self.ring
+    }
+
+    fn rebuild_ring(&mut self) {
+        self.ring = Ring::new(self.workers.iter().map(|w| w.id.as_str()), self.cfg.vnodes);
+    }
+
+    fn push(&mut self, id: String, url: String, is_static: bool) -> usize {
+        let uid = self.next_uid;
+        self.next_uid += 1;
+        self.workers.push(Worker::new(uid, id, url, is_static));
+        self.workers.len() - 1
+    }
+
+    /// The worker `r` names, if it still exists.
+    fn find_mut(&mut self, r: WorkerRef) -> Option<&mut Worker> {
+        match self.workers.get(r.idx) {
+            Some(w) if w.uid == r.uid => self.workers.get_mut(r.idx),
+            _ => self.workers.iter_mut().find(|w| w.uid == r.uid),
+        }
+    }
+
+    /// The current index of the worker `r` names, if it still exists.
+    pub fn find(&self, r: WorkerRef) -> Option<usize> {
+        match self.workers.get(r.idx) {
+            Some(w) if w.uid == r.uid => Some(r.idx),
+            _ => self.workers.iter().position(|w| w.uid == r.uid),
+        }
+    }
+
+    /// A reference to worker `idx` (valid as long as the worker exists).
+    pub fn worker_ref(&self, idx: usize) -> Option<WorkerRef> {
+        self.workers.get(idx).map(|w| WorkerRef { idx, uid: w.uid })
+    }
+
+    /// Adds a static worker (id = URL until it tells its id).
+    pub fn add_static(&mut self, url: &str) {
+        let url = url.trim_end_matches('/').to_owned();
+        if self.workers.iter().any(|w| w.url == url) {
+            return;
+        }
+        self.push(url.clone(), url, true);
+        self.rebuild_ring();
+    }
+
+    /// Learns a worker's id, model and context length (from its tokenizer endpoint).
+    pub fn identify(&mut self, url: &str, id: &str, model: &str, max_model_len: u32) {
+        let url = url.trim_end_matches('/');
+        if let Some(i) = self.workers.iter().position(|w| w.url == url) {
+            // Another live entry already holds this id (its reports came first): keep that one.
+            if self.workers.iter().enumerate().any(|(j, w)| j != i && w.id == id) {
+                return;
+            }
+            let changed = self.workers[i].id != id;
+            self.workers[i].id = id.to_owned();
+            self.workers[i].model = Some(model.to_owned());
+            if max_model_len > 0 {
+                self.workers[i].max_model_len = max_model_len;
+            }
+            if changed {
+                self.rebuild_ring();
+            }
+        }
+    }
+
+    fn alive(&self, w: &Worker, now: Instant) -> bool {
+        match w.report_at {
+            Some(r) => now.duration_since(r) < self.cfg.dead_after,
+            None => w.is_static,
+        }
+    }
+
+    /// Takes a report. `expected_fingerprint` is the model's fingerprint at this gateway, if its tokenizer is
+    /// loaded.
+    pub fn ingest(
+        &mut self,
+        report: WorkerReport,
+        expected_fingerprint: Option<u64>,
+        now: Instant,
+    ) -> Ingest {
+        let url = report.advertise_url.trim_end_matches('/').to_owned();
+        let by_id = self.workers.iter().position(|w| w.id == report.worker_id);
+        let by_url = self.workers.iter().position(|w| w.url == url);
+        if let Some(i) = by_id {
+            let holder = &self.workers[i];
+            if holder.url != url && self.alive(holder, now) && holder.report_at.is_some() {
+                return Ingest::IdConflict { holder_url: holder.url.clone() };
+            }
+        }
+        let mut ring_changed = false;
+        let i = match (by_id, by_url) {
+            (Some(i), Some(j)) if i != j => {
+                // The id's old entry is dead (checked above) and this URL has its own entry: keep the URL's.
+                self.workers.remove(i);
+                ring_changed = true;
+                if j > i {
+                    j - 1
+                } else {
+                    j
+                }
+            }
+            (_, Some(j)) => j,
+            (Some(i), None) => i,
+            (None, None) => {
+                if self.workers.len() >= self.cfg.max_workers {
+                    return Ingest::Full;
+                }
+                ring_changed = true;
+                self.push(report.worker_id.clone(), url.clone(), false)
+            }
+        };
+        let dead_after = self.cfg.dead_after;
+        let w = &mut self.workers[i];
+        if let (Some(prev), Some(at)) = (&w.report, w.report_at) {
+            let same_process = prev.instance_id == report.instance_id;
+            let restarted =
+                !same_process || (report.instance_id == 0 && now.duration_since(at) >= dead_after);
+            if !restarted && report.seq <= prev.seq {
+                return Ingest::OutOfOrder;
+            }
+            if !same_process {
+                tracing::info!(worker = %report.worker_id, "worker restarted (new instance id)");
+            }
+        }
+        if report.draining && !w.reported_draining() {
+            tracing::info!(worker = %report.worker_id, "worker reports draining: out of the ring");
+        }
+        ring_changed |= w.id != report.worker_id;
+        w.id = report.worker_id.clone();
+        w.url = url;
+        w.model = Some(report.model_id.clone());
+        if report.max_model_len > 0 {
+            w.max_model_len = report.max_model_len;
+        }
+        w.fingerprint_ok = expected_fingerprint.map(|f| f == report.fingerprint);
+        if w.fingerprint_ok == Some(false) {
+            tracing::warn!(worker = %w.id, "report fingerprint differs from this gateway's tokenizer: no cache score");
+            w.counters.fingerprint_mismatches += 1;
+        }
+        w.report = Some(report);
+        w.report_at = Some(now);
+        w.epoch += 1;
+        w.sent_requests_since_report = 0;
+        w.sent_tokens_since_report = 0;
+        if ring_changed {
+            self.rebuild_ring();
+        }
+        Ingest::Accepted
+    }
+
+    fn healthy(&self, w: &Worker, now: Instant) -> bool {
+        if w.admin_draining || w.reported_draining() || w.busy_until.is_some_and(|u| now < u) {
+            return false;
+        }
+        if w.open_fault().is_some() {
+            return false;
+        }
+        self.alive(w, now)
+    }
+
+    fn summary<'a>(&self, w: &'a Worker, now: Instant) -> Option<&'a CacheSummary> {
+        let fresh = w.report_at.is_some_and(|r| now.duration_since(r) < self.cfg.stale_after);
+        if !fresh || w.fingerprint_ok != Some(true) {
+            return None;
+        }
+        w.report.as_ref()?.tier(Tier::Device)?.summary.as_ref()
+    }
+
+    /// The candidates for a model (workers whose model is unknown yet are candidates too), and their indices.
+    pub fn views(
+        &self,
+        model: &str,
+        hashes: &[BlockHash],
+        now: Instant,
+    ) -> (Vec<WorkerView<'_>>, Vec<usize>) {
+        let mut views = Vec::new();
+        let mut idx = Vec::new();
+        for (i, w) in self.workers.iter().enumerate() {
+            if w.model.as_deref().is_some_and(|m| m != model) {
+                continue;
+            }
+            views.push(WorkerView {
+                id: &w.id,
+                healthy: self.healthy(w, now),
+                summary: self.summary(w, now),
+                overlay_matched_blocks: w.overlay.matched(hashes, now),
+                load: w.load(),
+            });
+            idx.push(i);
+        }
+        (views, idx)
+    }
+
+    /// The context length of a model: the smallest any of its workers reported (`None`: none known).
+    pub fn max_model_len(&self, model: &str) -> Option<u32> {
+        self.workers
+            .iter()
+            .filter(|w| w.model.as_deref() == Some(model) && w.max_model_len > 0)
+            .map(|w| w.max_model_len)
+            .min()
+    }
+
+    /// Records a request sent to worker `i`.
+    pub fn record_sent(
+        &mut self,
+        i: usize,
+        hashes: &[BlockHash],
+        uncached_tokens: u64,
+        now: Instant,
+    ) -> SentTicket {
+        let ttl = self.cfg.overlay_ttl;
+        let w = &mut self.workers[i];
+        w.inflight += 1;
+        w.sent_requests_since_report += 1;
+        w.sent_tokens_since_report += uncached_tokens;
+        w.overlay.insert(hashes, now + ttl, now);
+        SentTicket { idx: i, uid: w.uid, epoch: w.epoch, uncached_tokens }
+    }
+
+    /// Records the end of a request: it no longer counts as load (if no report has counted it since).
+    pub fn record_done(&mut self, t: SentTicket) {
+        if let Some(w) = self.find_mut(WorkerRef { idx: t.idx, uid: t.uid }) {
+            w.inflight = w.inflight.saturating_sub(1);
+            if w.epoch == t.epoch {
+                w.sent_requests_since_report = w.sent_requests_since_report.saturating_sub(1);
+                w.sent_tokens_since_report = w.sent_tokens_since_report.saturating_sub(t.uncached_tokens);
+            }
+        }
+    }
+
+    /// Records a fault: the worker leaves the ring until it reports or answers a probe again.
+    pub fn record_fault(&mut self, r: WorkerRef, fault: Fault, now: Instant) {
+        if let Some(w) = self.find_mut(r) {
+            match fault {
+                Fault::Refused => w.counters.connect_failures += 1,
+                Fault::Timeout => w.counters.timeouts += 1,
+            }
+            w.fault = Some((fault, now));
+        }
+    }
+
+    /// Records a refusal (`queue_full`, `model_loading`, `shutting_down`): out of the ring until `until`.
+    pub fn record_busy(&mut self, r: WorkerRef, until: Instant) {
+        if let Some(w) = self.find_mut(r) {
+            w.counters.refusals += 1;
+            w.busy_until = Some(w.busy_until.map_or(until, |u| u.max(until)));
+        }
+    }
+
+    /// Workers with an open fault, to probe: (reference, URL).
+    pub fn probe_targets(&self) -> Vec<(WorkerRef, String)> {
+        self.workers
+            .iter()
+            .enumerate()
+            .filter(|(_, w)| w.open_fault().is_some())
+            .map(|(idx, w)| (WorkerRef { idx, uid: w.uid }, w.url.clone()))
+            .collect()
+    }
+
+    /// Records a probe that found the worker answering: its fault is closed.
+    pub fn record_probe_ok(&mut self, r: WorkerRef, now: Instant) {
+        if let Some(w) = self.find_mut(r) {
+            w.probe_ok_at = Some(now);
+        }
+    }
+
+    /// Removes reported workers silent for `forget_after` with nothing in flight; returns their ids.
+    pub fn sweep(&mut self, now: Instant) -> Vec<String> {
+        let forget = self.cfg.forget_after;
+        let mut gone = Vec::new();
+        self.workers.retain(|w| {
+            let stale = !w.is_static && w.report_at.is_some_and(|r| now.duration_since(r) >= forget);
+            if stale && w.inflight == 0 {
+                gone.push(w.id.clone());
+                false
+            } else {
+                true
+            }
+        });
+        if !gone.is_empty() {
+            tracing::info!(workers = ?gone, "forgot silent workers");
+            self.rebuild_ring();
+        }
+        gone
+    }
+
+    /// Sets or clears draining; `false` if no such worker.
+    pub fn set_draining(&mut self, id: &str, draining: bool) -> bool {
+        match self.workers.iter_mut().find(|w| w.id == id) {
+            Some(w) => {
+                w.admin_draining = draining;
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Models served by healthy workers.
+    pub fn models(&self, now: Instant) -> Vec<String> {
+        let mut m: Vec<String> =
+            self.workers.iter().filter(|w| self.healthy(w, now)).filter_map(|w| w.model.clone()).collect();
+        m.sort();
+        m.dedup();
+        m
+    }
+
+    pub fn status(&self, now: Instant) -> Vec<WorkerStatus> {
+        self.workers
+            .iter()
+            .map(|w| WorkerStatus {
+                id: w.id.clone(),
+                url: w.url.clone(),
+                model: w.model.clone(),
+                healthy: self.healthy(w, now),
+                summary_fresh: self.summary(w, now).is_some(),
+                fingerprint_ok: w.fingerprint_ok,
+                report_age_s: w.report_at.map(|r| now.duration_since(r).as_secs_f64()),
+                draining: w.admin_draining || w.reported_draining(),
+                suspect: w.open_fault() == Some(Fault::Timeout),
+                refused: w.open_fault() == Some(Fault::Refused),
+                busy_for_s: w.busy_until.filter(|u| *u > now).map(|u| u.duration_since(now).as_secs_f64()),
+                max_model_len: w.max_model_len,
+                inflight: w.inflight,
+                load: w.load(),
+                cached_blocks: w.report.as_ref().and_then(|r| r.tier(Tier::Device)).map(|t| t.blocks_cached),
+                counters: w.counters,
+            })
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests;

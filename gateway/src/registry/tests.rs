@@ -1,0 +1,218 @@
+//! Registry behaviour on an explicit clock: health, staleness, identity, faults, forgetting.
+
+use super::*;
+use crate::routing::Load;
+use kvgate_shared::hashing::{BlockHasher, ExtraKeys, HashScheme};
+use kvgate_shared::report::{BlockBloom, QueueStats, Throughput, TierReport};
+
+fn cfg() -> RegistryConfig {
+    RegistryConfig {
+        stale_after: Duration::from_secs(3),
+        dead_after: Duration::from_secs(10),
+        overlay_ttl: Duration::from_secs(3),
+        vnodes: 16,
+        forget_after: Duration::from_secs(60),
+        max_workers: 3,
+    }
+}
+
+fn report(id: &str, seq: u64, hashes: &[BlockHash], fingerprint: u64) -> WorkerReport {
+    let mut bloom = BlockBloom::with_capacity(64, 0.001);
+    hashes.iter().for_each(|h| bloom.insert(*h));
+    WorkerReport {
+        worker_id: id.into(),
+        advertise_url: format!("http://{id}:8000"),
+        model_id: "m".into(),
+        scheme: HashScheme::new(16, 1),
+        fingerprint,
+        seq,
+        timestamp_ms: 0,
+        instance_id: 1,
+        max_model_len: 4096,
+        draining: false,
+        queue: QueueStats { waiting_requests: 1, waiting_prefill_tokens: 100, running_requests: 2 },
+        throughput: Throughput::default(),
+        tiers: vec![TierReport {
+            tier: Tier::Device,
+            blocks_total: 100,
+            blocks_free: 50,
+            blocks_cached: 10,
+            summary: Some(CacheSummary { granularity: 1, entries: hashes.len() as u64, bloom }),
+        }],
+    }
+}
+
+fn hashes() -> Vec<BlockHash> {
+    BlockHasher::new(&HashScheme::new(16, 1), &ExtraKeys::none()).hash_blocks(&(0..64).collect::<Vec<u32>>())
+}
+
+#[test]
+fn stale_reports_stop_prefix_scoring_and_silence_removes_from_the_ring() {
+    let mut r = Registry::new(cfg());
+    let t0 = Instant::now();
+    let h = hashes();
+    assert_eq!(r.ingest(report("a", 1, &h, 7), Some(7), t0), Ingest::Accepted);
+    let (v, _) = r.views("m", &h, t0 + Duration::from_secs(1));
+    assert!(v[0].healthy);
+    assert_eq!(v[0].matched_blocks(&h), 4);
+    let (v, _) = r.views("m", &h, t0 + Duration::from_secs(4));
+    assert!(v[0].healthy && v[0].summary.is_none(), "stale: no prefix score, still routable");
+    assert_eq!(v[0].matched_blocks(&h), 0);
+    let (v, _) = r.views("m", &h, t0 + Duration::from_secs(11));
+    assert!(!v[0].healthy, "silent past dead_after: out of the ring");
+    // Reporting again brings it back.
+    assert_eq!(r.ingest(report("a", 2, &h, 7), Some(7), t0 + Duration::from_secs(12)), Ingest::Accepted);
+    assert!(r.views("m", &h, t0 + Duration::from_secs(12)).0[0].healthy);
+}
+
+#[test]
+fn fingerprint_mismatch_gets_no_cache_score() {
+    let mut r = Registry::new(cfg());
+    let t0 = Instant::now();
+    let h = hashes();
+    r.ingest(report("a", 1, &h, 8), Some(7), t0);
+    let (v, _) = r.views("m", &h, t0);
+    assert!(v[0].healthy && v[0].summary.is_none());
+    assert_eq!(r.status(t0)[0].fingerprint_ok, Some(false));
+}
+
+#[test]
+fn refusals_overlay_order_and_load() {
+    let mut r = Registry::new(cfg());
+    let t0 = Instant::now();
+    let h = hashes();
+    r.ingest(report("a", 5, &[], 7), Some(7), t0);
+    assert_eq!(
+        r.ingest(report("a", 4, &[], 7), Some(7), t0),
+        Ingest::OutOfOrder,
+        "older reports are ignored"
+    );
+    let ticket = r.record_sent(0, &h, 300, t0);
+    let (v, _) = r.views("m", &h, t0);
+    assert_eq!(v[0].overlay_matched_blocks, 4, "what this gateway routed counts before the next report");
+    assert_eq!(v[0].load, Load { pending_tokens: 400, requests: 4 });
+    r.record_done(ticket);
+    assert_eq!(
+        r.views("m", &h, t0).0[0].load,
+        Load { pending_tokens: 100, requests: 3 },
+        "finished: no load"
+    );
+    assert_eq!(
+        r.views("m", &h, t0 + Duration::from_secs(4)).0[0].overlay_matched_blocks,
+        0,
+        "overlay expires"
+    );
+    let a = r.worker_ref(0).expect("a");
+    r.record_fault(a, Fault::Refused, t0 + Duration::from_millis(10));
+    assert!(!r.views("m", &h, t0 + Duration::from_millis(20)).0[0].healthy);
+    r.ingest(report("a", 6, &[], 7), Some(7), t0 + Duration::from_millis(30));
+    assert!(r.views("m", &h, t0 + Duration::from_millis(40)).0[0].healthy);
+    assert!(r.views("other-model", &h, t0).0.is_empty());
+    r.add_static("http://s:1");
+    assert!(
+        r.views("m", &h, t0).0.iter().any(|w| w.id == "http://s:1" && w.healthy),
+        "unknown model: candidate"
+    );
+    assert!(r.set_draining("a", true));
+    assert!(!r.views("m", &h, t0 + Duration::from_millis(40)).0[0].healthy);
+}
+
+#[test]
+fn a_draining_report_takes_the_worker_out_of_the_ring() {
+    let mut r = Registry::new(cfg());
+    let t0 = Instant::now();
+    r.ingest(report("a", 1, &[], 7), Some(7), t0);
+    let mut d = report("a", 2, &[], 7);
+    d.draining = true;
+    r.ingest(d, Some(7), t0);
+    assert!(!r.views("m", &[], t0).0[0].healthy);
+    let s = &r.status(t0)[0];
+    assert!(s.draining && !s.healthy);
+}
+
+#[test]
+fn a_live_workers_id_cannot_be_claimed_by_another_url() {
+    let mut r = Registry::new(cfg());
+    let t0 = Instant::now();
+    r.ingest(report("a", 1, &[], 7), Some(7), t0);
+    let mut thief = report("a", 50, &[], 7);
+    thief.advertise_url = "http://evil:8000".into();
+    thief.instance_id = 99;
+    assert_eq!(
+        r.ingest(thief.clone(), Some(7), t0 + Duration::from_secs(1)),
+        Ingest::IdConflict { holder_url: "http://a:8000".into() }
+    );
+    assert_eq!(r.workers()[0].url, "http://a:8000");
+    // Once the holder is dead (silent for dead_after), the id may move (a rescheduled pod with a new address).
+    assert_eq!(r.ingest(thief, Some(7), t0 + Duration::from_secs(11)), Ingest::Accepted);
+    assert_eq!(r.workers().len(), 1);
+    assert_eq!(r.workers()[0].url, "http://evil:8000");
+}
+
+#[test]
+fn a_restarted_worker_is_accepted_at_its_first_report() {
+    let mut r = Registry::new(cfg());
+    let t0 = Instant::now();
+    r.ingest(report("a", 500, &[], 7), Some(7), t0);
+    let mut fresh = report("a", 1, &[], 7);
+    fresh.instance_id = 2;
+    assert_eq!(
+        r.ingest(fresh, Some(7), t0 + Duration::from_millis(300)),
+        Ingest::Accepted,
+        "new instance, seq 1"
+    );
+    assert_eq!(
+        r.ingest(report("a", 2, &[], 7), Some(7), t0),
+        Ingest::Accepted,
+        "instance 1 again: a restart too"
+    );
+    let mut old = report("a", 1, &[], 7);
+    old.instance_id = 1;
+    assert_eq!(r.ingest(old, Some(7), t0), Ingest::OutOfOrder, "same instance, older seq");
+}
+
+#[test]
+fn faults_close_on_a_report_or_a_probe_and_refusals_expire() {
+    let mut r = Registry::new(cfg());
+    let t0 = Instant::now();
+    r.add_static("http://s:1");
+    let s = r.worker_ref(0).expect("s");
+    assert!(r.views("m", &[], t0).0[0].healthy, "a static worker is healthy until a fault");
+    r.record_fault(s, Fault::Timeout, t0);
+    assert!(!r.views("m", &[], t0).0[0].healthy);
+    assert!(r.status(t0)[0].suspect);
+    assert_eq!(r.probe_targets(), vec![(s, "http://s:1".to_string())]);
+    r.record_probe_ok(s, t0 + Duration::from_millis(5));
+    assert!(r.views("m", &[], t0 + Duration::from_millis(6)).0[0].healthy, "the probe answered");
+    assert!(r.probe_targets().is_empty());
+    r.record_busy(s, t0 + Duration::from_secs(2));
+    assert!(!r.views("m", &[], t0 + Duration::from_secs(1)).0[0].healthy, "Retry-After honoured");
+    assert!(r.views("m", &[], t0 + Duration::from_secs(2)).0[0].healthy);
+    assert_eq!(r.status(t0)[0].counters.refusals, 1);
+    assert_eq!(r.status(t0)[0].counters.timeouts, 1);
+}
+
+#[test]
+fn silent_workers_are_forgotten_and_the_registry_is_bounded() {
+    let mut r = Registry::new(cfg());
+    let t0 = Instant::now();
+    r.add_static("http://s:1");
+    r.ingest(report("a", 1, &[], 7), Some(7), t0);
+    r.ingest(report("b", 1, &[], 7), Some(7), t0 + Duration::from_secs(30));
+    assert_eq!(r.ingest(report("c", 1, &[], 7), Some(7), t0), Ingest::Full, "max_workers 3");
+    let ticket = r.record_sent(2, &[], 10, t0);
+    assert!(
+        r.sweep(t0 + Duration::from_secs(61)) == vec!["a".to_string()],
+        "a silent 61 s; b 31 s; s static"
+    );
+    // b's index shifted from 2 to 1: its ticket still finds it.
+    assert_eq!(r.workers()[1].id, "b");
+    assert_eq!(r.workers()[1].inflight, 1);
+    r.record_done(ticket);
+    assert_eq!(r.workers()[1].inflight, 0);
+    assert!(r.sweep(t0 + Duration::from_secs(200)) == vec!["b".to_string()]);
+    assert_eq!(r.workers().len(), 1);
+    assert_eq!(r.max_model_len("m"), None);
+    r.ingest(report("d", 1, &[], 7), Some(7), t0);
+    assert_eq!(r.max_model_len("m"), Some(4096));
+}

@@ -1,0 +1,162 @@
+//! One worker as the registry holds it: its latest report, what this gateway did since (requests in flight, the
+//! overlay of routed prefixes), and its troubles (a refused connection or a timeout, a refusal with Retry-After).
+
+use std::collections::HashMap;
+use std::time::Instant;
+
+use kvgate_shared::hashing::BlockHash;
+use kvgate_shared::report::WorkerReport;
+use serde::Serialize;
+
+use crate::routing::Load;
+
+/// Block hashes routed to a worker recently, with their expiry.
+#[derive(Debug, Default)]
+pub struct Overlay {
+    entries: HashMap<BlockHash, Instant>,
+}
+
+impl Overlay {
+    /// Most entries kept per worker (oldest dropped first when exceeded).
+    pub const MAX_ENTRIES: usize = 200_000;
+
+    pub fn insert(&mut self, hashes: &[BlockHash], expires: Instant, now: Instant) {
+        if self.entries.len() + hashes.len() > Self::MAX_ENTRIES {
+            self.entries.retain(|_, e| *e > now);
+        }
+        for h in hashes.iter().take(Self::MAX_ENTRIES) {
+            self.entries.insert(*h, expires);
+        }
+    }
+
+    /// Leading hashes present and unexpired.
+    pub fn matched(&self, hashes: &[BlockHash], now: Instant) -> usize {
+        hashes.iter().take_while(|h| self.entries.get(h).is_some_and(|e| *e > now)).count()
+    }
+}
+
+/// What went wrong with a worker most recently.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Fault {
+    /// A connection was refused or failed before any response byte.
+    Refused,
+    /// No response header within the first-byte timeout, or a stream went silent: the worker is suspect.
+    Timeout,
+}
+
+/// Per-worker event counts (rendered as metric series that disappear with the worker).
+#[derive(Clone, Copy, Debug, Default, Serialize)]
+pub struct WorkerCounters {
+    pub connect_failures: u64,
+    pub timeouts: u64,
+    pub refusals: u64,
+    pub fingerprint_mismatches: u64,
+}
+
+/// One worker.
+#[derive(Debug)]
+pub struct Worker {
+    /// Registry-wide unique key (never reused): tickets and probes name a worker by it.
+    pub uid: u64,
+    pub id: String,
+    pub url: String,
+    pub model: Option<String>,
+    pub is_static: bool,
+    pub report: Option<WorkerReport>,
+    pub report_at: Option<Instant>,
+    /// Whether the latest report's fingerprint matches the model's tokenizer at this gateway (None: unknown yet).
+    pub fingerprint_ok: Option<bool>,
+    /// The latest fault and when; the worker is out of the ring until a report or a probe comes after it.
+    pub fault: Option<(Fault, Instant)>,
+    /// The latest successful probe.
+    pub probe_ok_at: Option<Instant>,
+    /// It refused work (`queue_full`, `model_loading`, `shutting_down`) and asked to be left alone until then.
+    pub busy_until: Option<Instant>,
+    /// Drained by an operator (admin API).
+    pub admin_draining: bool,
+    /// Context length the worker serves (0: unknown).
+    pub max_model_len: u32,
+    pub inflight: u64,
+    /// Bumped by every accepted report: requests sent before it are in the report's queue figures.
+    pub epoch: u64,
+    /// Requests sent since the latest report and not finished yet.
+    pub sent_requests_since_report: u64,
+    /// Their uncached prompt tokens.
+    pub sent_tokens_since_report: u64,
+    pub overlay: Overlay,
+    pub counters: WorkerCounters,
+}
+
+impl Worker {
+    pub(super) fn new(uid: u64, id: String, url: String, is_static: bool) -> Self {
+        Self {
+            uid,
+            id,
+            url,
+            model: None,
+            is_static,
+            report: None,
+            report_at: None,
+            fingerprint_ok: None,
+            fault: None,
+            probe_ok_at: None,
+            busy_until: None,
+            admin_draining: false,
+            max_model_len: 0,
+            inflight: 0,
+            epoch: 0,
+            sent_requests_since_report: 0,
+            sent_tokens_since_report: 0,
+            overlay: Overlay::default(),
+            counters: WorkerCounters::default(),
+        }
+    }
+
+    /// The worker said it is shutting down.
+    pub fn reported_draining(&self) -> bool {
+        self.report.as_ref().is_some_and(|r| r.draining)
+    }
+
+    /// A fault that no report or probe has answered since.
+    pub fn open_fault(&self) -> Option<Fault> {
+        let (fault, at) = self.fault?;
+        let last_ok = self.report_at.max(self.probe_ok_at);
+        last_ok.is_none_or(|ok| ok <= at).then_some(fault)
+    }
+
+    pub(super) fn load(&self) -> Load {
+        let q = self.report.as_ref().map(|r| r.queue).unwrap_or_default();
+        Load {
+            pending_tokens: q.waiting_prefill_tokens + self.sent_tokens_since_report,
+            requests: u64::from(q.waiting_requests)
+                + u64::from(q.running_requests)
+                + self.sent_requests_since_report,
+        }
+    }
+}
+
+/// A worker's state for `GET /admin/v1/workers`, `GET /kvgate/v1/workers` and logs.
+#[derive(Debug, Serialize)]
+pub struct WorkerStatus {
+    pub id: String,
+    pub url: String,
+    pub model: Option<String>,
+    pub healthy: bool,
+    pub summary_fresh: bool,
+    pub fingerprint_ok: Option<bool>,
+    pub report_age_s: Option<f64>,
+    /// The worker reported it is shutting down, or an operator drained it.
+    pub draining: bool,
+    /// A timeout nobody answered since (first byte or stream idle).
+    pub suspect: bool,
+    /// A refused connection nobody answered since.
+    pub refused: bool,
+    /// Seconds it asked to be left alone for (Retry-After), if still running.
+    pub busy_for_s: Option<f64>,
+    pub max_model_len: u32,
+    pub inflight: u64,
+    pub load: Load,
+    pub cached_blocks: Option<u64>,
+    pub counters: WorkerCounters,
+}

@@ -1,0 +1,337 @@
+//! Request bodies as the gateway reads them: only what routing and admission need, parsed straight into typed
+//! structs that borrow from the body (no JSON tree of the whole body; unknown fields are skipped without being
+//! built). The worker parses the same body again with its full types, so a field the gateway ignores is still
+//! validated where it is used.
+//!
+//! Limits: the body is at most `--max-body-bytes` (checked while reading); a completions prompt of token ids costs
+//! 4 bytes per id; the JSON values of a chat's `messages`, `tools` and `chat_template_kwargs` (which the chat
+//! template needs as a tree) are counted while they are built and refused past `--max-chat-json-values`, so a body
+//! of 8 MiB of `{},{},...` costs at most that many small values, not millions.
+
+use std::borrow::Cow;
+use std::cell::Cell;
+
+use kvgate_shared::openai::Prompt;
+use kvgate_shared::prompt::{ChatOptions, PromptInput};
+use serde::de::{DeserializeSeed, Deserializer, MapAccess, SeqAccess, Visitor};
+use serde::Deserialize;
+use serde_json::value::RawValue;
+use serde_json::{Map, Value};
+
+use crate::errors::ApiError;
+
+/// The fields of a request that routing and admission use.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct RoutingFields {
+    pub model: String,
+    /// `max_completion_tokens`, else `max_tokens`.
+    pub max_tokens: Option<u32>,
+    pub stream: bool,
+    /// OpenAI's end-user id (a session key).
+    pub user: Option<String>,
+    pub cache_salt: Option<String>,
+    /// The request carries `reasoning_effort`.
+    pub reasoning: bool,
+}
+
+/// The prompt, ready for the tokenizer.
+#[derive(Clone, Debug)]
+pub enum PromptBody {
+    Chat { messages: Vec<Value>, options: ChatOptions },
+    Text(String),
+    TokenIds(Vec<u32>),
+}
+
+impl PromptBody {
+    pub fn input(&self) -> PromptInput<'_> {
+        match self {
+            PromptBody::Chat { messages, options } => PromptInput::Chat { messages, options },
+            PromptBody::Text(t) => PromptInput::Text(t),
+            PromptBody::TokenIds(ids) => PromptInput::TokenIds(ids),
+        }
+    }
+    /// The request field a prompt error is about.
+    pub fn param(&self) -> &'static str {
+        match self {
+            PromptBody::Chat { .. } => "messages",
+            _ => "prompt",
+        }
+    }
+}
+
+#[derive(Deserialize)]
+struct ChatLean<'a> {
+    #[serde(borrow)]
+    model: Cow<'a, str>,
+    #[serde(borrow)]
+    messages: &'a RawValue,
+    #[serde(default, borrow)]
+    tools: Option<&'a RawValue>,
+    #[serde(default, borrow)]
+    chat_template_kwargs: Option<&'a RawValue>,
+    #[serde(default)]
+    add_generation_prompt: Option<bool>,
+    #[serde(default, borrow)]
+    reasoning_effort: Option<&'a RawValue>,
+    #[serde(default)]
+    max_tokens: Option<u32>,
+    #[serde(default)]
+    max_completion_tokens: Option<u32>,
+    #[serde(default)]
+    stream: Option<bool>,
+    #[serde(default, borrow)]
+    user: Option<Cow<'a, str>>,
+    #[serde(default, borrow)]
+    cache_salt: Option<Cow<'a, str>>,
+}
+
+#[derive(Deserialize)]
+struct CompletionLean<'a> {
+    #[serde(borrow)]
+    model: Cow<'a, str>,
+    prompt: Prompt,
+    #[serde(default)]
+    max_tokens: Option<u32>,
+    #[serde(default)]
+    max_completion_tokens: Option<u32>,
+    #[serde(default)]
+    stream: Option<bool>,
+    #[serde(default, borrow)]
+    user: Option<Cow<'a, str>>,
+    #[serde(default, borrow)]
+    cache_salt: Option<Cow<'a, str>>,
+}
+
+/// The shared fields, whichever struct they came from (no `flatten`: it would buffer every unknown field).
+struct Common<'a> {
+    max_tokens: Option<u32>,
+    max_completion_tokens: Option<u32>,
+    stream: Option<bool>,
+    user: Option<Cow<'a, str>>,
+    cache_salt: Option<Cow<'a, str>>,
+}
+
+macro_rules! common {
+    ($r:expr) => {
+        Common {
+            max_tokens: $r.max_tokens,
+            max_completion_tokens: $r.max_completion_tokens,
+            stream: $r.stream,
+            user: $r.user,
+            cache_salt: $r.cache_salt,
+        }
+    };
+}
+
+/// Parses a chat (`chat`) or completions body.
+pub fn parse(
+    chat: bool,
+    body: &[u8],
+    max_json_values: usize,
+) -> Result<(RoutingFields, PromptBody), ApiError> {
+    if chat {
+        let req: ChatLean<'_> = typed(body)?;
+        let budget = Cell::new(max_json_values);
+        let messages = match bounded(req.messages, &budget, "messages")? {
+            Value::Array(m) => m,
+            _ => return Err(ApiError::invalid("messages", "invalid request: messages: expected an array")),
+        };
+        let tools = req.tools.map(|t| bounded(t, &budget, "tools")).transpose()?.filter(|t| !t.is_null());
+        let extra = match req
+            .chat_template_kwargs
+            .map(|k| bounded(k, &budget, "chat_template_kwargs"))
+            .transpose()?
+        {
+            None | Some(Value::Null) => None,
+            Some(Value::Object(m)) => Some(m),
+            Some(_) => {
+                return Err(ApiError::invalid(
+                    "chat_template_kwargs",
+                    "chat_template_kwargs must be an object",
+                ))
+            }
+        };
+        let options =
+            ChatOptions { add_generation_prompt: req.add_generation_prompt.unwrap_or(true), tools, extra };
+        let reasoning = req.reasoning_effort.is_some_and(|r| r.get() != "null");
+        Ok((fields(req.model, common!(req), reasoning), PromptBody::Chat { messages, options }))
+    } else {
+        let req: CompletionLean<'_> = typed(body)?;
+        // Moved, not copied: a prompt of a million ids is 4 MB once.
+        let prompt = match req.prompt {
+            Prompt::Text(t) => PromptBody::Text(t),
+            Prompt::TokenIds(ids) => PromptBody::TokenIds(ids),
+            Prompt::TextBatch(mut v) if v.len() == 1 => PromptBody::Text(v.pop().unwrap_or_default()),
+            Prompt::TokenIdBatch(mut v) if v.len() == 1 => PromptBody::TokenIds(v.pop().unwrap_or_default()),
+            batch => {
+                let m = batch.single().err().unwrap_or_default();
+                return Err(ApiError::invalid("prompt", &m));
+            }
+        };
+        Ok((fields(req.model, common!(req), false), prompt))
+    }
+}
+
+fn fields(model: Cow<'_, str>, c: Common<'_>, reasoning: bool) -> RoutingFields {
+    RoutingFields {
+        model: model.into_owned(),
+        max_tokens: c.max_completion_tokens.or(c.max_tokens),
+        stream: c.stream.unwrap_or(false),
+        user: c.user.map(Cow::into_owned),
+        cache_salt: c.cache_salt.map(Cow::into_owned).filter(|s| !s.is_empty()),
+        reasoning,
+    }
+}
+
+/// Deserializes a body, naming the offending field (`param`) on error; malformed JSON is `invalid_json`.
+fn typed<'a, T: Deserialize<'a>>(body: &'a [u8]) -> Result<T, ApiError> {
+    let mut de = serde_json::Deserializer::from_slice(body);
+    let v = serde_path_to_error::deserialize(&mut de).map_err(|e| {
+        let path = e.path().to_string();
+        let inner = e.into_inner();
+        if matches!(inner.classify(), serde_json::error::Category::Syntax | serde_json::error::Category::Eof)
+        {
+            return ApiError::bad_json(format!("the body is not valid JSON: {inner}"));
+        }
+        let msg = inner.to_string();
+        let param = if path == "." { msg.split('`').nth(1).unwrap_or("body").to_owned() } else { path };
+        ApiError::invalid(&param, &format!("invalid request: {param}: {msg}"))
+    })?;
+    de.end().map_err(|e| ApiError::bad_json(format!("the body is not valid JSON: {e}")))?;
+    Ok(v)
+}
+
+/// Builds the JSON value of `raw`, spending one unit of `budget` per value; refused when it runs out.
+fn bounded(raw: &RawValue, budget: &Cell<usize>, field: &str) -> Result<Value, ApiError> {
+    let mut de = serde_json::Deserializer::from_str(raw.get());
+    BudgetSeed(budget).deserialize(&mut de).map_err(|e| {
+        if budget.get() == 0 {
+            ApiError::invalid(
+                field,
+                "the request's messages, tools and chat_template_kwargs hold more JSON values than this gateway \
+                 accepts (--max-chat-json-values)",
+            )
+        } else {
+            ApiError::invalid(field, &format!("invalid request: {field}: {e}"))
+        }
+    })
+}
+
+struct BudgetSeed<'b>(&'b Cell<usize>);
+
+impl BudgetSeed<'_> {
+    fn spend<E: serde::de::Error>(&self) -> Result<(), E> {
+        match self.0.get() {
+            0 => Err(E::custom("too many JSON values")),
+            n => {
+                self.0.set(n - 1);
+                Ok(())
+            }
+        }
+    }
+}
+
+impl<'de> DeserializeSeed<'de> for BudgetSeed<'_> {
+    type Value = Value;
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Value, D::Error> {
+        d.deserialize_any(self)
+    }
+}
+
+impl<'de> Visitor<'de> for BudgetSeed<'_> {
+    type Value = Value;
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("any JSON value")
+    }
+    fn visit_bool<E: serde::de::Error>(self, v: bool) -> Result<Value, E> {
+        self.spend()?;
+        Ok(Value::Bool(v))
+    }
+    fn visit_i64<E: serde::de::Error>(self, v: i64) -> Result<Value, E> {
+        self.spend()?;
+        Ok(Value::from(v))
+    }
+    fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<Value, E> {
+        self.spend()?;
+        Ok(Value::from(v))
+    }
+    fn visit_f64<E: serde::de::Error>(self, v: f64) -> Result<Value, E> {
+        self.spend()?;
+        Ok(serde_json::Number::from_f64(v).map_or(Value::Null, Value::Number))
+    }
+    fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<Value, E> {
+        self.spend()?;
+        Ok(Value::String(v.to_owned()))
+    }
+    fn visit_string<E: serde::de::Error>(self, v: String) -> Result<Value, E> {
+        self.spend()?;
+        Ok(Value::String(v))
+    }
+    fn visit_unit<E: serde::de::Error>(self) -> Result<Value, E> {
+        self.spend()?;
+        Ok(Value::Null)
+    }
+    fn visit_none<E: serde::de::Error>(self) -> Result<Value, E> {
+        self.visit_unit()
+    }
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Value, A::Error> {
+        self.spend()?;
+        let mut v = Vec::new();
+        while let Some(x) = seq.next_element_seed(BudgetSeed(self.0))? {
+            v.push(x);
+        }
+        Ok(Value::Array(v))
+    }
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Value, A::Error> {
+        self.spend()?;
+        let mut m = Map::new();
+        while let Some(k) = map.next_key::<String>()? {
+            let v = map.next_value_seed(BudgetSeed(self.0))?;
+            m.insert(k, v);
+        }
+        Ok(Value::Object(m))
+    }
+}
+
+/// `body` with its top-level `cache_salt` set to `salt` (a caller's key forces its tenant's salt). Only the
+/// top-level keys are looked at; every value is copied as it was sent.
+pub fn with_cache_salt(body: &[u8], salt: &str) -> Result<Vec<u8>, ApiError> {
+    struct Entries<'a>(Vec<(Cow<'a, str>, &'a RawValue)>);
+    impl<'de> Deserialize<'de> for Entries<'de> {
+        fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+            struct V;
+            impl<'de> Visitor<'de> for V {
+                type Value = Entries<'de>;
+                fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                    f.write_str("a JSON object")
+                }
+                fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Entries<'de>, A::Error> {
+                    let mut out = Vec::new();
+                    while let Some(k) = map.next_key::<Cow<'de, str>>()? {
+                        out.push((k, map.next_value::<&'de RawValue>()?));
+                    }
+                    Ok(Entries(out))
+                }
+            }
+            d.deserialize_map(V)
+        }
+    }
+    let text = std::str::from_utf8(body).map_err(|_| ApiError::bad_json("the body is not UTF-8".into()))?;
+    let entries: Entries<'_> = serde_json::from_str(text)
+        .map_err(|e| ApiError::bad_json(format!("the body is not valid JSON: {e}")))?;
+    let mut out = Vec::with_capacity(body.len() + salt.len() + 16);
+    out.push(b'{');
+    for (k, v) in entries.0.iter().filter(|(k, _)| k != "cache_salt") {
+        serde_json::to_writer(&mut out, k).map_err(|e| ApiError::internal(e.to_string()))?;
+        out.push(b':');
+        out.extend_from_slice(v.get().as_bytes());
+        out.push(b',');
+    }
+    out.extend_from_slice(b"\"cache_salt\":");
+    serde_json::to_writer(&mut out, salt).map_err(|e| ApiError::internal(e.to_string()))?;
+    out.push(b'}');
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests;

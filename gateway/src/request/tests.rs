@@ -1,0 +1,145 @@
+//! The gateway's request parser: fields, limits, errors, and hostile input (proptest).
+
+use super::*;
+use proptest::prelude::*;
+use serde_json::json;
+
+fn chat(body: &Value) -> Result<(RoutingFields, PromptBody), ApiError> {
+    parse(true, body.to_string().as_bytes(), 1000)
+}
+
+#[test]
+fn chat_fields_and_options() {
+    let (f, p) = chat(&json!({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 5, "max_completion_tokens": 7, "stream": true, "user": "u1", "cache_salt": "s",
+        "reasoning_effort": "high", "tools": [{"type": "function"}], "chat_template_kwargs": {"x": 1},
+        "add_generation_prompt": false, "logit_bias": {"1": 2}, "unknown": [1, 2, 3]}))
+    .expect("parses");
+    assert_eq!(
+        f,
+        RoutingFields {
+            model: "m".into(),
+            max_tokens: Some(7),
+            stream: true,
+            user: Some("u1".into()),
+            cache_salt: Some("s".into()),
+            reasoning: true,
+        }
+    );
+    let PromptBody::Chat { messages, options } = p else { panic!("chat") };
+    assert_eq!(messages, vec![json!({"role": "user", "content": "hi"})]);
+    assert!(!options.add_generation_prompt);
+    assert_eq!(options.tools, Some(json!([{"type": "function"}])));
+    assert_eq!(options.extra.expect("kwargs")["x"], json!(1));
+    let (f, _) = chat(&json!({"model": "m", "messages": [], "reasoning_effort": null, "stream": null}))
+        .expect("nulls are absent");
+    assert!(!f.reasoning && !f.stream);
+}
+
+#[test]
+fn completion_prompt_forms_move_not_copy() {
+    for (prompt, want) in [
+        (json!("text"), PromptBody::Text("text".into())),
+        (json!([1, 2, 3]), PromptBody::TokenIds(vec![1, 2, 3])),
+        (json!(["one"]), PromptBody::Text("one".into())),
+        (json!([[4, 5]]), PromptBody::TokenIds(vec![4, 5])),
+    ] {
+        let (_, p) =
+            parse(false, json!({"model": "m", "prompt": prompt}).to_string().as_bytes(), 10).expect("ok");
+        assert_eq!(format!("{p:?}"), format!("{want:?}"));
+    }
+    let err = parse(false, br#"{"model": "m", "prompt": ["a", "b"]}"#, 10).expect_err("batch");
+    assert_eq!((err.status, err.param.as_deref()), (400, Some("prompt")));
+}
+
+#[test]
+fn errors_name_the_field() {
+    let e = parse(true, b"{oops", 10).expect_err("syntax");
+    assert_eq!((e.status, e.code), (400, "invalid_json"));
+    let e = parse(true, br#"{"model": "m"}"#, 10).expect_err("no messages");
+    assert_eq!(e.param.as_deref(), Some("messages"));
+    let e = parse(true, br#"{"model": 3, "messages": []}"#, 10).expect_err("model type");
+    assert_eq!(e.param.as_deref(), Some("model"));
+    let e = parse(false, br#"{"model": "m", "prompt": [1], "max_tokens": -1}"#, 10).expect_err("negative");
+    assert_eq!(e.param.as_deref(), Some("max_tokens"));
+    let e = parse(false, br#"{"model": "m", "prompt": [1], "max_tokens": 4294967296}"#, 10).expect_err("u32");
+    assert_eq!(e.param.as_deref(), Some("max_tokens"));
+    let e = parse(true, br#"{"model": "m", "messages": {}}"#, 10).expect_err("object");
+    assert_eq!(e.param.as_deref(), Some("messages"));
+    let e = parse(true, br#"{"model": "m", "messages": []} x"#, 10).expect_err("trailing");
+    assert_eq!(e.code, "invalid_json");
+}
+
+#[test]
+fn chat_json_values_are_bounded() {
+    let many: Vec<Value> = (0..600).map(|_| json!({})).collect();
+    let e =
+        parse(true, json!({"model": "m", "messages": many}).to_string().as_bytes(), 500).expect_err("over");
+    assert_eq!((e.status, e.param.as_deref()), (400, Some("messages")));
+    assert!(e.message.contains("--max-chat-json-values"), "{}", e.message);
+    // The budget covers tools too.
+    let body = json!({"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": many});
+    assert_eq!(
+        parse(true, body.to_string().as_bytes(), 500).expect_err("tools").param.as_deref(),
+        Some("tools")
+    );
+    // Just under the budget is fine: 1 array + 3 x (object + 2 strings).
+    let ok = json!({"model": "m", "messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"},
+        {"role": "user", "content": "c"}]});
+    assert!(parse(true, ok.to_string().as_bytes(), 10).is_ok());
+    assert!(parse(true, ok.to_string().as_bytes(), 9).is_err());
+}
+
+#[test]
+fn a_forced_salt_replaces_the_callers_and_keeps_everything_else() {
+    let body = br#"{"model":"m","cache_salt":"mine","prompt":[1,2],"x":{"cache_salt":"nested"},"q\"k":1}"#;
+    let out = with_cache_salt(body, "tenant-a").expect("rewritten");
+    let v: Value = serde_json::from_slice(&out).expect("json");
+    assert_eq!(v["cache_salt"], "tenant-a");
+    assert_eq!(v["prompt"], json!([1, 2]));
+    assert_eq!(v["x"]["cache_salt"], "nested", "only the top level");
+    assert_eq!(v["q\"k"], 1);
+    let out = with_cache_salt(br#"{"model":"m"}"#, "t").expect("added");
+    assert_eq!(serde_json::from_slice::<Value>(&out).expect("json")["cache_salt"], "t");
+    assert!(with_cache_salt(b"[1]", "t").is_err());
+}
+
+fn arb_json() -> impl Strategy<Value = Value> {
+    let leaf = prop_oneof![
+        Just(Value::Null),
+        any::<bool>().prop_map(Value::Bool),
+        any::<i64>().prop_map(Value::from),
+        any::<f64>().prop_filter("finite", |f| f.is_finite()).prop_map(Value::from),
+        ".{0,12}".prop_map(Value::String),
+    ];
+    leaf.prop_recursive(4, 48, 6, |inner| {
+        prop_oneof![
+            prop::collection::vec(inner.clone(), 0..6).prop_map(Value::Array),
+            prop::collection::btree_map("[a-z_]{1,8}", inner, 0..6)
+                .prop_map(|m| Value::Object(m.into_iter().collect())),
+        ]
+    })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 1500, ..ProptestConfig::default() })]
+
+    #[test]
+    fn arbitrary_bytes_never_panic_and_fail_as_4xx(bytes in prop::collection::vec(any::<u8>(), 0..256), chat in any::<bool>()) {
+        if let Err(e) = parse(chat, &bytes, 100) {
+            prop_assert!((400..500).contains(&e.status), "{e:?}");
+        }
+        let _ = with_cache_salt(&bytes, "s");
+    }
+
+    #[test]
+    fn arbitrary_json_bodies_never_panic_and_fail_as_4xx(
+        model in arb_json(), messages in arb_json(), prompt in arb_json(), extra in arb_json(), chat in any::<bool>()
+    ) {
+        let body = json!({"model": model, "messages": messages, "prompt": prompt.clone(), "max_tokens": extra.clone(),
+            "tools": extra.clone(), "chat_template_kwargs": extra, "stream": prompt});
+        if let Err(e) = parse(chat, body.to_string().as_bytes(), 10_000) {
+            prop_assert!((400..500).contains(&e.status), "{e:?}");
+        }
+    }
+}

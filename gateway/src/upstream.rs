@@ -1,0 +1,282 @@
+//! One attempt to serve a request from one worker: send the buffered body, wait for the response header within the
+//! request's first-byte timeout (watching for the client to go away meanwhile), then stream the response back chunk
+//! by chunk with an idle timeout between chunks.
+//!
+//! The outcome says what the caller may do next ([`Outcome`]): before any byte reached the client, a connection
+//! failure, a connection the worker closed without answering, or a refusal (`queue_full`, `model_loading`,
+//! `shutting_down`, with its Retry-After) may be retried on the next-ranked worker; a first-byte timeout is a 504;
+//! after the first byte an upstream failure or an idle stream becomes an SSE error event and the stream ends.
+//! Dropping the upstream response (timeout, client gone) closes that connection, and the worker aborts the
+//! request and frees its KV blocks.
+
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full, Limited};
+use hyper::header::{HeaderName, HeaderValue};
+use pingora::http::ResponseHeader;
+use pingora::proxy::Session;
+
+use crate::errors::ApiError;
+use crate::routing::RouteReason;
+use crate::state::GatewayState;
+
+/// Error codes with which a worker refuses a request it has not started; another worker may serve it.
+pub const REFUSAL_CODES: [&str; 3] = ["queue_full", "model_loading", "shutting_down"];
+/// Largest refusal body read to learn its code.
+const REFUSAL_BODY_LIMIT: usize = 64 * 1024;
+/// Longest wait for a refusal body after its header.
+const REFUSAL_BODY_TIMEOUT: Duration = Duration::from_secs(2);
+/// Retry-After assumed when a refusal carries none.
+const DEFAULT_RETRY_AFTER: Duration = Duration::from_secs(1);
+/// Longest Retry-After honoured (a worker cannot take itself out of the ring for longer per refusal).
+const MAX_RETRY_AFTER: Duration = Duration::from_secs(60);
+
+/// Where one attempt goes and what it sends.
+pub struct Attempt<'a> {
+    pub url: &'a str,
+    pub path: &'a str,
+    pub body: &'a Bytes,
+    pub headers: &'a [(HeaderName, HeaderValue)],
+    pub worker_id: &'a str,
+    pub reason: RouteReason,
+    pub class: &'a str,
+    pub admission_wait: Duration,
+    pub first_byte_timeout: Duration,
+    pub idle_timeout: Duration,
+}
+
+/// How an attempt ended.
+#[derive(Debug)]
+pub enum Outcome {
+    /// A response went to the client.
+    Responded {
+        status: u16,
+        /// `usage` found at the end of the response.
+        usage: Option<UsageSeen>,
+        /// The body ended normally (not cut by the client, a failure or the idle timeout).
+        completed: bool,
+        /// The stream went silent past the idle timeout (the worker is suspect).
+        stalled: bool,
+    },
+    /// Nothing reached the client; the connection failed or closed before a response: try another worker.
+    ConnectFailed(String),
+    /// The worker refused before starting (its code, and how long it asked to be left alone): try another worker.
+    Refused { code: String, retry_after: Duration },
+    /// No response header within the first-byte timeout.
+    TimedOut,
+    /// The client went away before the response started.
+    ClientGone,
+    /// Any other failure before the response started.
+    Failed(ApiError),
+}
+
+/// Resolves when the client closes its connection (or sends bytes it should not, which pingora treats the same).
+async fn client_gone(session: &mut Session) {
+    let _ = session.read_body_or_idle(true).await;
+}
+
+/// Runs `fut` unless the client goes away first (`None` then).
+pub async fn unless_client_leaves<F: std::future::Future>(
+    session: &mut Session,
+    fut: F,
+) -> Option<F::Output> {
+    tokio::select! {
+        out = fut => Some(out),
+        _ = client_gone(session) => None,
+    }
+}
+
+pub async fn forward(state: &GatewayState, session: &mut Session, a: &Attempt<'_>) -> Outcome {
+    let mut req =
+        hyper::Request::post(format!("{}{}", a.url, a.path)).header("content-type", "application/json");
+    for (name, value) in a.headers {
+        req = req.header(name, value);
+    }
+    let req = match req.body(Full::new(a.body.clone())) {
+        Ok(r) => r,
+        Err(e) => return Outcome::Failed(ApiError::internal(e.to_string())),
+    };
+    let sent_at = Instant::now();
+    let waited =
+        unless_client_leaves(session, tokio::time::timeout(a.first_byte_timeout, state.client.request(req)));
+    let resp = match waited.await {
+        None => return Outcome::ClientGone,
+        Some(Err(_)) => return Outcome::TimedOut,
+        // Before any response byte the request had no effect the client saw: another worker may serve it (an LLM
+        // request has no side effects; at worst the first worker computed a prefill for nothing).
+        Some(Ok(Err(e))) => return Outcome::ConnectFailed(e.to_string()),
+        Some(Ok(Ok(r))) => r,
+    };
+    metrics::histogram!("kvgate_gateway_upstream_first_byte_seconds").record(sent_at.elapsed().as_secs_f64());
+    let status = resp.status().as_u16();
+    let (parts, body) = resp.into_parts();
+    let sse = parts
+        .headers
+        .get("content-type")
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.starts_with("text/event-stream"));
+    // A 503 may be a refusal another worker can take: read its (small) body before anything goes to the client.
+    let mut early_body: Option<Bytes> = None;
+    let mut body = Some(body);
+    if status == 503 {
+        let read = Limited::new(body.take().expect("body"), REFUSAL_BODY_LIMIT).collect();
+        let bytes = match tokio::time::timeout(REFUSAL_BODY_TIMEOUT, read).await {
+            Ok(Ok(b)) => b.to_bytes(),
+            _ => return Outcome::ConnectFailed("an unreadable 503 answer".into()),
+        };
+        if let Some(code) = refusal_code(&bytes) {
+            let retry_after = parts
+                .headers
+                .get("retry-after")
+                .and_then(|v| v.to_str().ok())
+                .and_then(|v| v.trim().parse::<u64>().ok())
+                .map_or(DEFAULT_RETRY_AFTER, Duration::from_secs)
+                .clamp(Duration::from_millis(100), MAX_RETRY_AFTER);
+            return Outcome::Refused { code, retry_after };
+        }
+        early_body = Some(bytes);
+    }
+    let io = |e: Box<pingora::Error>| Outcome::Failed(ApiError::internal(e.to_string()));
+    let mut h = match ResponseHeader::build(status, Some(parts.headers.len() + 4)) {
+        Ok(h) => h,
+        Err(e) => return io(e),
+    };
+    for (name, value) in &parts.headers {
+        if !matches!(name.as_str(), "connection" | "keep-alive" | "x-kvgate-worker" | "transfer-encoding") {
+            if let Err(e) = h.append_header(name.clone(), value.clone()) {
+                return io(e);
+            }
+        }
+    }
+    let extra = [
+        ("x-kvgate-worker", a.worker_id.to_owned()),
+        ("x-kvgate-route", a.reason.as_str().to_owned()),
+        ("x-kvgate-class", a.class.to_owned()),
+        ("x-kvgate-admission-wait-ms", format!("{:.3}", a.admission_wait.as_secs_f64() * 1e3)),
+    ];
+    for (k, v) in extra {
+        if let Err(e) = h.insert_header(k, v) {
+            return io(e);
+        }
+    }
+    if session.write_response_header(Box::new(h), false).await.is_err() {
+        return Outcome::ClientGone;
+    }
+    // From here on bytes reached the client: no retry.
+    if let Some(bytes) = early_body {
+        let ok = session.write_response_body(Some(bytes), true).await.is_ok();
+        return Outcome::Responded { status, usage: None, completed: ok, stalled: false };
+    }
+    let mut body = body.take().expect("body");
+    let mut tail: Vec<u8> = Vec::new();
+    let mut stalled = false;
+    let mut completed = true;
+    loop {
+        match tokio::time::timeout(a.idle_timeout, body.frame()).await {
+            Ok(None) => break,
+            Ok(Some(Ok(frame))) => {
+                if let Ok(data) = frame.into_data() {
+                    tail.extend_from_slice(&data);
+                    if tail.len() > 16_384 {
+                        tail.drain(..tail.len() - 8_192);
+                    }
+                    if session.write_response_body(Some(data), false).await.is_err() {
+                        // The client went away: dropping the upstream body closes that connection, and the
+                        // worker aborts the request.
+                        return Outcome::Responded { status, usage: None, completed: false, stalled: false };
+                    }
+                }
+            }
+            Ok(Some(Err(e))) => {
+                tracing::warn!(worker = %a.worker_id, error = %e, "upstream failed mid-response");
+                completed = false;
+                if sse {
+                    let err =
+                        ApiError::bad_gateway(a.worker_id, &format!("the worker failed mid-stream: {e}"));
+                    write_sse_error(session, &err).await;
+                }
+                break;
+            }
+            Err(_) => {
+                tracing::warn!(worker = %a.worker_id, idle = ?a.idle_timeout, "upstream stream went silent");
+                completed = false;
+                stalled = true;
+                if sse {
+                    let mut err = ApiError::upstream_timeout(a.worker_id, a.idle_timeout);
+                    err.message = format!(
+                        "worker {} sent nothing for {:.1?} mid-stream (--stream-idle-timeout)",
+                        a.worker_id, a.idle_timeout
+                    );
+                    write_sse_error(session, &err).await;
+                }
+                break;
+            }
+        }
+    }
+    let _ = session.write_response_body(None, true).await;
+    let usage = if completed { UsageSeen::parse(&tail) } else { None };
+    Outcome::Responded { status, usage, completed, stalled }
+}
+
+async fn write_sse_error(session: &mut Session, err: &ApiError) {
+    metrics::counter!("kvgate_gateway_errors_total", "code" => err.code).increment(1);
+    let event = Bytes::from(format!("data: {}\n\n", err.body().to_json()));
+    let _ = session.write_response_body(Some(event), false).await;
+}
+
+/// The error code of a worker's refusal body, if it is one another worker may take.
+pub fn refusal_code(body: &[u8]) -> Option<String> {
+    let v: serde_json::Value = serde_json::from_slice(body).ok()?;
+    let code = v.get("error")?.get("code")?.as_str()?;
+    REFUSAL_CODES.contains(&code).then(|| code.to_owned())
+}
+
+/// The `usage` numbers found at the end of a response.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct UsageSeen {
+    pub prompt: u64,
+    pub completion: u64,
+    pub cached: u64,
+}
+
+impl UsageSeen {
+    fn parse(tail: &[u8]) -> Option<Self> {
+        Some(Self {
+            prompt: last_number_after(tail, "\"prompt_tokens\":")?,
+            completion: last_number_after(tail, "\"completion_tokens\":")?,
+            cached: last_number_after(tail, "\"cached_tokens\":").unwrap_or(0),
+        })
+    }
+}
+
+/// The last integer following `key` in `buf` (usage is at the end of both response shapes).
+fn last_number_after(buf: &[u8], key: &str) -> Option<u64> {
+    let text = String::from_utf8_lossy(buf);
+    let at = text.rfind(key)? + key.len();
+    let digits: String = text[at..].trim_start().chars().take_while(char::is_ascii_digit).collect();
+    digits.parse().ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn usage_is_found_at_the_end() {
+        let tail = br#"{"usage":{"prompt_tokens":100,"prompt_tokens_details":{"cached_tokens":64}}}"#;
+        assert_eq!(last_number_after(tail, "\"cached_tokens\":"), Some(64));
+        assert_eq!(last_number_after(b"data: [DONE]", "\"cached_tokens\":"), None);
+    }
+
+    #[test]
+    fn only_refusals_are_retried() {
+        let body =
+            |code: &str| format!(r#"{{"error":{{"message":"m","type":"server_error","code":"{code}"}}}}"#);
+        for code in REFUSAL_CODES {
+            assert_eq!(refusal_code(body(code).as_bytes()).as_deref(), Some(code));
+        }
+        assert_eq!(refusal_code(body("engine_stopped").as_bytes()), None);
+        assert_eq!(refusal_code(b"<html>busy</html>"), None);
+    }
+}
