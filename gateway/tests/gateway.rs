@@ -168,14 +168,25 @@ async fn error_cases_are_openai_errors() {
         "request_too_large",
     );
     check(get(&format!("{g}/nowhere")).await, 404, "route_not_found");
-    // Worker errors pass through unchanged (with the worker header).
+    // Over the model's context: refused by the gateway itself, before any budget is charged.
     let r = post(
         &format!("{g}/v1/completions"),
         &json!({"model": MODEL, "prompt": [1], "max_tokens": 100000}),
         &[],
     )
     .await;
-    assert_eq!(r.status, 400);
+    assert_eq!(r.status, 400, "{}", r.body);
+    assert_eq!(r.json()["error"]["code"], "context_length_exceeded");
+    assert_eq!(r.header("x-kvgate-worker"), "", "answered by the gateway");
+    // Worker errors pass through unchanged (with the worker header): the gateway does not check temperature.
+    let r = post(
+        &format!("{g}/v1/completions"),
+        &json!({"model": MODEL, "prompt": [1], "max_tokens": 2, "temperature": -1}),
+        &[],
+    )
+    .await;
+    assert_eq!(r.status, 400, "{}", r.body);
+    assert_eq!(r.json()["error"]["param"], "temperature");
     assert_eq!(r.header("x-kvgate-worker"), "w0");
     let models = get(&format!("{g}/v1/models")).await.json();
     assert_eq!(models["data"][0]["id"], MODEL);
@@ -265,7 +276,9 @@ max_wait_ms = 300
     )
     .expect("write");
     let synth = dir.path().join("tiny");
-    let (g, control) = gateway(&["--config", cfg.to_str().expect("path")]);
+    let keys = keys_file(dir.path(), &["long"], "");
+    let (g, control) =
+        gateway(&["--config", cfg.to_str().expect("path"), "--api-keys-file", keys.to_str().expect("p")]);
     let _w = worker("w0", &synth, Some(&control), &[]);
     wait_healthy(&control, 1).await;
     let long = |seed| json!({"model": MODEL, "prompt": prompt_ids(200, seed), "max_tokens": 2});
@@ -281,9 +294,18 @@ max_wait_ms = 300
         let short = json!({"model": MODEL, "prompt": prompt_ids(20, 50 + i), "max_tokens": 2});
         assert_eq!(post(&format!("{}/v1/completions", g.base), &short, &[]).await.status, 200, "short flows");
     }
-    // An explicit class header wins over the rules.
+    // A class header buys nothing without a key that may choose it (403), and wins over the rules with one.
     let tagged = json!({"model": MODEL, "prompt": prompt_ids(20, 99), "max_tokens": 150});
     let r = post(&format!("{}/v1/completions", g.base), &tagged, &[("x-kvgate-class", "long")]).await;
+    assert_eq!(r.status, 403, "{}", r.body);
+    assert_eq!(r.json()["error"]["code"], "class_not_allowed");
+    let bearer = format!("Bearer {TRUSTED_KEY}");
+    let r = post(
+        &format!("{}/v1/completions", g.base),
+        &tagged,
+        &[("x-kvgate-class", "long"), ("authorization", bearer.as_str())],
+    )
+    .await;
     assert_eq!(r.status, 429, "{}", r.body);
     let m = get(&format!("{control}/metrics")).await.body;
     assert!(m.contains("kvgate_gateway_class_rejected_total"), "per-class metrics");
@@ -321,7 +343,8 @@ async fn offer_until(
             json!({"model": MODEL, "prompt": prompt_ids(prompt_len, seed * 100_000 + i), "max_tokens": 1});
         let class = class.to_owned();
         tasks.push(tokio::spawn(async move {
-            let r = post(&url, &body, &[("x-kvgate-class", &class)]).await;
+            let bearer = format!("Bearer {TRUSTED_KEY}");
+            let r = post(&url, &body, &[("x-kvgate-class", &class), ("authorization", &bearer)]).await;
             let wait: f64 = r.header("x-kvgate-admission-wait-ms").parse().unwrap_or(0.0);
             let tokens =
                 if r.status == 200 { r.json()["usage"]["total_tokens"].as_u64().unwrap_or(0) } else { 0 };
@@ -385,7 +408,9 @@ max_wait_ms = 60000
     )
     .expect("write");
     let synth = dir.path().join("tiny");
-    let (g, control) = gateway(&["--config", cfg.to_str().expect("path")]);
+    let keys = keys_file(dir.path(), &["short", "long", "four", "one"], "");
+    let (g, control) =
+        gateway(&["--config", cfg.to_str().expect("path"), "--api-keys-file", keys.to_str().expect("p")]);
     let _w0 = worker("w0", &synth, Some(&control), &[]);
     let _w1 = worker("w1", &synth, Some(&control), &[]);
     wait_healthy(&control, 2).await;

@@ -386,3 +386,75 @@ async fn sigterm_drains_then_exits() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
+
+#[tokio::test]
+async fn a_dead_engine_fails_both_probes_and_the_worker_exits_non_zero() {
+    let mut w = start_worker_env(&[], &[("KVGATE_FAULT_ENGINE_PANIC_AFTER_STEPS", "3")]);
+    assert_eq!(get(&format!("{}/health", w.base)).await.status, 200);
+    let url = format!("{}/v1/completions", w.base);
+    let body = json!({"model": MODEL, "prompt": ids(20, 11), "max_tokens": 50, "ignore_eos": true});
+    let r = post(&url, &body).await;
+    assert_ne!(r.status, 200, "the engine died under this request: {}", r.body);
+    // Both probes fail before the process goes.
+    let (mut health, mut ready) = (0, 0);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while (health != 503 || ready != 503) && Instant::now() < deadline {
+        let h = request("GET", &format!("{}/health", w.base), None).await;
+        health = h.status;
+        if h.status == 503 {
+            assert_eq!(h.json()["status"], "engine_dead");
+            ready = get(&format!("{}/ready", w.base)).await.status;
+        }
+    }
+    assert_eq!((health, ready), (503, 503), "a dead engine fails /health and /ready");
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        if let Some(status) = w.child.try_wait().expect("wait") {
+            assert_eq!(status.code(), Some(70), "{status}");
+            break;
+        }
+        assert!(Instant::now() < deadline, "the worker did not exit after its engine died");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test]
+async fn sigterm_reports_draining_at_once() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<Vec<u8>>();
+    let app = axum::Router::new().route(
+        "/kvgate/v1/report",
+        axum::routing::post(move |body: axum::body::Bytes| {
+            let tx = tx.clone();
+            async move {
+                let _ = tx.send(body.to_vec());
+                "ok"
+            }
+        }),
+    );
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    // Reports every 10 s: the draining one must not wait for the next interval.
+    let w = start_worker(&["--report-to", &format!("http://{addr}"), "--report-interval", "10s"]);
+    let first = WorkerReport::decode(
+        &tokio::time::timeout(Duration::from_secs(5), rx.recv()).await.expect("report").expect("open"),
+    )
+    .expect("decodes");
+    assert!(!first.draining);
+    assert!(
+        first.instance_id != 0 && first.max_model_len > 0,
+        "{} {}",
+        first.instance_id,
+        first.max_model_len
+    );
+    let pid = w.child.id().to_string();
+    assert!(std::process::Command::new("kill").args(["-TERM", &pid]).status().expect("kill").success());
+    let sent = Instant::now();
+    let next = WorkerReport::decode(
+        &tokio::time::timeout(Duration::from_secs(2), rx.recv()).await.expect("at once").expect("open"),
+    )
+    .expect("decodes");
+    assert!(next.draining, "the report after SIGTERM says draining");
+    assert_eq!(next.instance_id, first.instance_id);
+    assert!(sent.elapsed() < Duration::from_secs(2));
+}

@@ -81,7 +81,18 @@ pub fn wait_for_line(child: &mut Child, needle: &str) {
 
 /// Starts a tiny-model worker reporting to `control` (if any) every 200 ms.
 pub fn worker(id: &str, synth_dir: &std::path::Path, control: Option<&str>, extra: &[&str]) -> Proc {
-    let port = free_port();
+    worker_on(free_port(), id, synth_dir, control, extra, &[])
+}
+
+/// [`worker`] on a given port, with extra environment variables.
+pub fn worker_on(
+    port: u16,
+    id: &str,
+    synth_dir: &std::path::Path,
+    control: Option<&str>,
+    extra: &[&str],
+    env: &[(&str, &str)],
+) -> Proc {
     let mut args: Vec<String> = vec![
         "serve",
         "--synth",
@@ -107,6 +118,7 @@ pub fn worker(id: &str, synth_dir: &std::path::Path, control: Option<&str>, extr
     let mut child = Command::new(bin("kvgate-worker"))
         .args(&args)
         .env("RUST_LOG", "warn")
+        .envs(env.iter().copied())
         .stdout(Stdio::piped())
         .spawn()
         .expect("worker starts");
@@ -190,5 +202,87 @@ pub async fn wait_healthy(control: &str, n: usize) {
         }
         assert!(Instant::now() < deadline, "gateway never saw {n} healthy workers: {}", r.body);
         tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// The API key of the test caller that may choose every class (see [`keys_file`]).
+pub const TRUSTED_KEY: &str = "trusted-caller-key-0123456789";
+
+/// Writes an API key file: `TRUSTED_KEY` (tenant "trusted", may choose `classes`) plus `extra` TOML.
+pub fn keys_file(dir: &std::path::Path, classes: &[&str], extra: &str) -> PathBuf {
+    let path = dir.join("keys.toml");
+    let list: Vec<String> = classes.iter().map(|c| format!("{c:?}")).collect();
+    std::fs::write(
+        &path,
+        format!(
+            "[[keys]]\nkey = \"{TRUSTED_KEY}\"\ntenant = \"trusted\"\nclasses = [{}]\n{extra}",
+            list.join(", ")
+        ),
+    )
+    .expect("write keys");
+    path
+}
+
+/// Writes a simulated-engine timing profile: `decode_step_s` per decode step, `prefill_token_s` per prompt token.
+pub fn sim_profile(dir: &std::path::Path, name: &str, decode_step_s: f64, prefill_token_s: f64) -> PathBuf {
+    let path = dir.join(format!("{name}.toml"));
+    std::fs::write(
+        &path,
+        format!(
+            "name = \"{name}\"\nsource = \"test fixture\"\nmax_model_len = 8192\n[timing]\nprefill_base_s = 0.0\n\
+             prefill_per_token_s = {prefill_token_s}\nprefill_attention_s = 0.0\ndecode_base_s = {decode_step_s}\n\
+             decode_per_seq_s = 0.0\ndecode_per_kv_token_s = 0.0\n"
+        ),
+    )
+    .expect("write profile");
+    path
+}
+
+/// Sends a signal to a process.
+pub fn signal(p: &Proc, sig: i32) {
+    // SAFETY: kill(2) on a child we own; no memory is touched.
+    #[allow(unsafe_code)]
+    let rc = unsafe { libc::kill(p.child.id() as i32, sig) };
+    assert_eq!(rc, 0, "kill({sig})");
+}
+
+/// The value of one Prometheus series (`name{labels}` exactly as exported), if present.
+pub fn metric(text: &str, series: &str) -> Option<f64> {
+    text.lines().find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.trim().parse().ok())
+}
+
+/// Resident memory of a process in KiB.
+pub fn rss_kib(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmRSS:"))
+                .and_then(|l| l.split_whitespace().nth(1).and_then(|v| v.parse().ok()))
+        })
+        .unwrap_or(0)
+}
+
+/// One worker's entry in the gateway's worker list.
+pub async fn worker_state(control: &str, id: &str) -> Option<Value> {
+    let ws = get(&format!("{control}/kvgate/v1/workers")).await.json();
+    ws.as_array().and_then(|a| a.iter().find(|w| w["id"] == id).cloned())
+}
+
+/// Polls `cond` on a worker's state until it holds (panics after `within`).
+pub async fn wait_worker(control: &str, id: &str, within: Duration, cond: impl Fn(&Value) -> bool) -> Value {
+    let deadline = Instant::now() + within;
+    loop {
+        if let Some(w) = worker_state(control, id).await {
+            if cond(&w) {
+                return w;
+            }
+        }
+        assert!(
+            Instant::now() < deadline,
+            "worker {id} never reached the state: {:?}",
+            worker_state(control, id).await
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }

@@ -28,6 +28,11 @@ impl Drop for Worker {
 
 /// Starts `kvgate-worker serve --synth tiny` with extra flags; returns once it prints "ready".
 pub fn start_worker(extra: &[&str]) -> Worker {
+    start_worker_env(extra, &[])
+}
+
+/// [`start_worker`] with extra environment variables.
+pub fn start_worker_env(extra: &[&str], env: &[(&str, &str)]) -> Worker {
     let dir = tempfile::tempdir().expect("tmp");
     let synth_dir = dir.path().join("tiny");
     let mut args: Vec<String> = vec![
@@ -48,6 +53,7 @@ pub fn start_worker(extra: &[&str]) -> Worker {
     let mut child = Command::new(env!("CARGO_BIN_EXE_kvgate-worker"))
         .args(&args)
         .env("RUST_LOG", "warn")
+        .envs(env.iter().copied())
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
         .spawn()
