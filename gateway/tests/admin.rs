@@ -76,6 +76,26 @@ async fn changes_are_validated_versioned_and_survive_a_restart() {
 }
 
 #[tokio::test]
+async fn a_change_that_cannot_be_saved_is_not_applied() {
+    let dir = tempfile::tempdir().expect("tmp");
+    // A state file in a directory that does not exist: every save fails.
+    let state = dir.path().join("missing-dir").join("state.json");
+    let (_g, control) = gateway(&["--admin-token", TOKEN, "--state-file", state.to_str().expect("path")]);
+    let wurl = format!("{control}/admin/v1/weights");
+    let put = admin("PUT", &wurl, Some(json!({"w_prefix": 5.0})), &[]).await;
+    assert_eq!(put.status, 500, "{}", put.body);
+    assert_eq!(put.json()["error"]["code"], "state_file");
+    let now = admin("GET", &wurl, None, &[]).await;
+    assert_eq!(now.json()["w_prefix"], 1.0, "persisted before applied: nothing changed");
+    assert_eq!(now.header("etag"), "\"v1\"");
+    let burl = format!("{control}/admin/v1/budgets");
+    let one = json!([{"name": "all", "refill_tokens_per_s": 5000.0, "burst_tokens": 20000.0}]);
+    assert_eq!(admin("PUT", &burl, Some(one), &[]).await.status, 500);
+    assert_eq!(admin("GET", &burl, None, &[]).await.json().as_array().map(Vec::len), Some(3));
+    assert!(!state.exists());
+}
+
+#[tokio::test]
 async fn drain_and_explain() {
     let dir = tempfile::tempdir().expect("tmp");
     let synth = dir.path().join("tiny");

@@ -56,6 +56,9 @@ VALUE_SETS: dict[str, dict] = {
                                      "max_queued_tokens": 8000000, "max_wait_ms": 5000}]}},
     "monitoring": {"serviceMonitor": {"enabled": True, "labels": {"release": "prom"}},
                    "gateway": {"service": {"type": "LoadBalancer"}, "policy": "least_load",
+                               "advertiseAllow": ["*.kv-kvgate-worker.serving.svc.cluster.local"],
+                               "apiKeysSecret": "team-keys", "forwardAuthorization": True,
+                               "headerReadTimeout": "5s", "maxConnections": 1000,
                                "classes": [{"name": "short", "refill_tokens_per_s": 500000, "burst_tokens": 1000000,
                                             "match": {"max_prompt_tokens": 8192}},
                                            {"name": "long", "refill_tokens_per_s": 250000, "burst_tokens": 4000000,
@@ -75,6 +78,8 @@ BAD_VALUES: dict[str, tuple[dict, str]] = {
     "hotspot ratio under 1": ({"gateway": {"weights": {"hotspotRatio": 0.5}}}, "hotspotRatio"),
     "bad duration": ({"gateway": {"staleAfter": "soon"}}, "staleAfter"),
     "negative gpus": ({"workers": {"gpu": {"count": -1}}}, "count"),
+    "bad header timeout": ({"gateway": {"headerReadTimeout": "slow"}}, "headerReadTimeout"),
+    "zero connections": ({"gateway": {"maxConnections": 0}}, "maxConnections"),
 }
 
 chart = helm.Chart.load(str(CHART))
@@ -137,6 +142,15 @@ for name, extra in VALUE_SETS.items():
     public = [s for s in services if s["metadata"]["name"].endswith("-gateway")]
     check(len(public) == 1 and all(p["name"] != "control" for p in public[0]["spec"]["ports"]),
           f"{name}: the public Service does not expose the control port")
+    g = values["gateway"]
+    gw_toml = next((cm["data"]["gateway.toml"] for cm in find(docs, "ConfigMap") if "gateway.toml" in cm["data"]), "")
+    check(f"max-connections = {g['maxConnections']}" in gw_toml and "header-read-timeout" in gw_toml,
+          f"{name}: connection limits in gateway.toml")
+    check(("advertise-allow" in gw_toml) == bool(g["advertiseAllow"]), f"{name}: advertise-allow follows values")
+    gw_pod = find(docs, "Deployment", "-gateway")[0]["spec"]["template"]["spec"]
+    key_vols = [v for v in gw_pod["volumes"] if v.get("secret", {}).get("secretName") == g["apiKeysSecret"]]
+    check(("api-keys-file" in gw_toml) == bool(g["apiKeysSecret"]) == bool(key_vols),
+          f"{name}: the API key Secret is mounted and named in gateway.toml, or neither")
     for cm in find(docs, "ConfigMap"):
         text = yaml.safe_dump(cm["data"])
         for s in ("r3port", "adm1n", "report-secret", "admin-token"):

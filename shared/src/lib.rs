@@ -11,3 +11,5 @@ pub mod hashing;
 pub mod openai;
 pub mod prompt;
 pub mod report;
+#[cfg(any(test, feature = "test-strategies"))]
+pub mod testing;

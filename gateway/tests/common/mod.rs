@@ -164,12 +164,18 @@ impl Resp {
 }
 
 pub async fn request(method: &str, url: &str, body: Option<String>, headers: &[(&str, &str)]) -> Resp {
-    let mut req =
-        hyper::Request::builder().method(method).uri(url).header("content-type", "application/json");
+    let mut all = vec![("content-type", "application/json")];
+    all.extend_from_slice(headers);
+    request_bytes(method, url, body.unwrap_or_default().into_bytes(), &all).await
+}
+
+/// A request with a raw body and exactly the given headers.
+pub async fn request_bytes(method: &str, url: &str, body: Vec<u8>, headers: &[(&str, &str)]) -> Resp {
+    let mut req = hyper::Request::builder().method(method).uri(url);
     for (k, v) in headers {
         req = req.header(*k, *v);
     }
-    let req = req.body(Full::new(Bytes::from(body.unwrap_or_default()))).expect("request");
+    let req = req.body(Full::new(Bytes::from(body))).expect("request");
     let client: Client<_, Full<Bytes>> = Client::builder(TokioExecutor::new()).build_http();
     let resp = client.request(req).await.expect("response");
     let status = resp.status().as_u16();
@@ -283,6 +289,19 @@ pub async fn wait_worker(control: &str, id: &str, within: Duration, cond: impl F
             "worker {id} never reached the state: {:?}",
             worker_state(control, id).await
         );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Polls `cond` until it holds (panics after `within`).
+pub async fn wait_until<F, Fut>(within: Duration, cond: F)
+where
+    F: Fn() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = Instant::now() + within;
+    while !cond().await {
+        assert!(Instant::now() < deadline, "condition not reached within {within:?}");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }

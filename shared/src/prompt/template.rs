@@ -49,7 +49,11 @@ impl ChatTemplate {
             ErrorKind::InvalidOperation if e.detail().is_some() => {
                 PromptError::InvalidConversation(e.detail().unwrap_or_default().to_owned())
             }
-            _ => PromptError::Template(format!("chat template failed: {e:#}")),
+            // The template compiled at load time; failing now is about these messages (a content of a type the
+            // template does not expect, a missing field it reads): the caller's fault, 400, as in vLLM.
+            _ => PromptError::InvalidConversation(format!(
+                "the chat template cannot render these messages: {e:#}"
+            )),
         })
     }
 }

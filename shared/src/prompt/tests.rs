@@ -232,3 +232,61 @@ fn digest_covers_template_and_tokens() {
     f.eos_token = None;
     assert_ne!(Prompter::from_files(f).expect("ok").digest(), base);
 }
+
+mod hostile {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn arb_json() -> impl Strategy<Value = Json> {
+        crate::testing::arb_json(3, "[a-z{}%# <>|'\"\\\\]{0,12}")
+    }
+
+    fn arb_message() -> impl Strategy<Value = Json> {
+        let role = prop_oneof![
+            Just(json!("user")),
+            Just(json!("assistant")),
+            Just(json!("system")),
+            Just(json!("tool")),
+            arb_json(),
+        ];
+        let content = prop_oneof![
+            ".{0,40}".prop_map(Json::String),
+            Just(json!([{"type": "text", "text": "hi"}])),
+            arb_json(),
+        ];
+        (role, content, arb_json()).prop_map(|(role, content, extra)| {
+            let mut m = serde_json::Map::new();
+            m.insert("role".into(), role);
+            m.insert("content".into(), content);
+            if let Json::Object(x) = extra {
+                m.extend(x);
+            }
+            Json::Object(m)
+        })
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 600, ..ProptestConfig::default() })]
+
+        /// Whatever a client sends as messages, tools or template kwargs, rendering and tokenizing never panic,
+        /// and every failure is the client's (a 400), never a server error.
+        #[test]
+        fn arbitrary_conversations_render_or_are_client_errors(
+            messages in prop::collection::vec(prop_oneof![arb_message(), arb_json()], 0..6),
+            tools in prop::option::of(arb_json()),
+            kwargs in prop::option::of(prop::collection::btree_map("[a-z_]{1,8}", arb_json(), 0..3)),
+            add_generation_prompt in any::<bool>(),
+        ) {
+            static P: OnceLock<Prompter> = OnceLock::new();
+            let p = P.get_or_init(prompter);
+            let options = ChatOptions {
+                add_generation_prompt,
+                tools,
+                extra: kwargs.map(|k| k.into_iter().collect()),
+            };
+            if let Err(e) = p.tokenize(&PromptInput::Chat { messages: &messages, options: &options }) {
+                prop_assert!(e.is_client_error(), "{e}");
+            }
+        }
+    }
+}

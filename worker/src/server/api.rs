@@ -515,3 +515,7 @@ async fn full_response(
         Err(e) => ApiError::internal(e.to_string()).into_response(),
     }
 }
+
+#[cfg(test)]
+#[path = "api_tests.rs"]
+mod tests;
