@@ -130,3 +130,28 @@ async fn insecure_reports_is_an_explicit_choice() {
     assert_eq!(r.status, 204, "{}", r.body);
     drop(g);
 }
+
+#[tokio::test]
+async fn a_workers_tokenizer_is_fetched_within_a_byte_limit() {
+    // A "worker" serving a real worker's tokenizer padded with 4 MiB: taken under the default limit (64 MiB),
+    // refused under a 64 KiB one.
+    let dir = tempfile::tempdir().expect("tmp");
+    let w = worker("w", &dir.path().join("tiny"), None, &[]);
+    let mut tok = get(&format!("{}/kvgate/v1/tokenizer", w.base)).await.json();
+    tok["junk"] = serde_json::Value::String("x".repeat(4 << 20));
+    let padded = tok.to_string();
+    let app =
+        axum::Router::new().route("/kvgate/v1/tokenizer", axum::routing::get(move || async move { padded }));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    let url = format!("http://{addr}");
+    let (_small, small_control) = gateway(&["--worker", &url, "--max-tokenizer-bytes", "65536"]);
+    let (_big, big_control) = gateway(&["--worker", &url]);
+    wait_until(Duration::from_secs(10), || async {
+        get(&format!("{big_control}/kvgate/v1/workers")).await.json()[0]["model"] == MODEL
+    })
+    .await;
+    let ws = get(&format!("{small_control}/kvgate/v1/workers")).await.json();
+    assert_eq!(ws[0]["model"], serde_json::Value::Null, "the oversized tokenizer was refused: {ws}");
+}

@@ -305,8 +305,10 @@ impl Admission {
             (rx, id, name, Duration::from_millis(c.cfg.max_wait_ms))
         };
         self.wake.notify_one();
-        match tokio::time::timeout(max_wait, rx).await {
+        let mut waiting = Queued { admission: self, id, cost, rx, served: false };
+        match tokio::time::timeout(max_wait, &mut waiting.rx).await {
             Ok(Ok(payer)) => {
+                waiting.served = true;
                 let waited = started.elapsed();
                 metrics::counter!("kvgate_gateway_class_admitted_total", "class" => name.clone())
                     .increment(1);
@@ -322,12 +324,11 @@ impl Admission {
                 })
             }
             _ => {
+                drop(waiting);
                 let mut inner = self.lock();
-                let retry = match inner.classes.get_mut(class) {
-                    Some(c) => {
-                        c.remove(id);
-                        retry_after(&mut c.bucket, cost, Instant::now().into_std())
-                    }
+                let now = Instant::now().into_std();
+                let retry = match inner.classes.iter_mut().find(|c| c.cfg.name == name) {
+                    Some(c) => retry_after(&mut c.bucket, cost, now),
                     None => 1,
                 };
                 metrics::counter!("kvgate_gateway_class_rejected_total", "class" => name.clone(), "reason" => "timeout")
@@ -374,6 +375,37 @@ impl Admission {
                 _ = self.wake.notified() => {}
             }
         }
+    }
+}
+
+/// A request waiting in a class queue. If its `admit` future ends without being served (it timed out, or it was
+/// dropped because the client went away), its waiter leaves the queue at once (a dead waiter must not hold a queue
+/// slot), and a payment the pump made in the meantime goes back to the class that paid.
+struct Queued<'a> {
+    admission: &'a Admission,
+    id: u64,
+    cost: f64,
+    rx: oneshot::Receiver<String>,
+    served: bool,
+}
+
+impl Drop for Queued<'_> {
+    fn drop(&mut self) {
+        if self.served {
+            return;
+        }
+        let mut inner = self.admission.lock();
+        for c in &mut inner.classes {
+            c.remove(self.id);
+        }
+        if let Ok(payer) = self.rx.try_recv() {
+            let now = Instant::now().into_std();
+            if let Some(c) = inner.classes.iter_mut().find(|c| c.cfg.name == payer) {
+                c.bucket.adjust(self.cost, now);
+            }
+        }
+        drop(inner);
+        self.admission.wake.notify_one();
     }
 }
 

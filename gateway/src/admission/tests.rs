@@ -206,3 +206,18 @@ async fn tenant_queues_are_bounded() {
     }
     assert!(a.lock().classes[0].queues.is_empty(), "timed-out waiters leave no queue behind");
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_waiter_whose_client_left_frees_its_queue_slot_at_once() {
+    let mut c = class("c", 1.0, 100.0, 60_000);
+    c.max_queued_requests = 1;
+    let a = Admission::new(vec![c]);
+    let _spent = a.admit(0, None, 100.0).await.expect("burst");
+    // A request waits (the only queue slot) and its client goes away: the future is dropped.
+    let gone = tokio::time::timeout(Duration::from_millis(10), a.admit(0, None, 50.0)).await;
+    assert!(gone.is_err(), "it was waiting");
+    assert_eq!(a.lock().classes[0].queued_requests, 0, "the slot is free again");
+    // So the next request can queue (and is served once the budget refills), not 429 queue_full.
+    let next = a.admit(0, None, 50.0).await.expect("queued, then admitted");
+    assert!(next.waited >= Duration::from_secs(49));
+}

@@ -27,7 +27,9 @@ fn a_million_token_ids_parse_without_a_json_tree() {
     assert_eq!(parse_json::<CompletionRequest>(b"{oops").expect_err("syntax").code, "invalid_json");
     let e = parse_json::<CompletionRequest>(br#"{"model": "m", "prompt": [1], "max_tokens": "x"}"#)
         .expect_err("type");
-    assert_eq!((e.code, e.param.as_deref()), ("invalid_value", Some("max_tokens")));
+    assert_eq!((e.status.as_u16(), e.code), (400, "invalid_value"));
+    let e = parse_json::<CompletionRequest>(br#"{"model": "m", "prompt": {"a": 1}}"#).expect_err("shape");
+    assert_eq!(e.param.as_deref(), Some("prompt"));
 }
 
 proptest! {

@@ -66,6 +66,8 @@ pub struct AppState {
     draining: Arc<AtomicBool>,
     /// Wakes the reporter for an immediate report (draining started).
     report_now: Arc<tokio::sync::Notify>,
+    /// Notified by the reporter once a report saying `draining` has been delivered (or has failed) everywhere.
+    draining_reported: Arc<tokio::sync::Notify>,
     prometheus: PrometheusHandle,
     created: u64,
 }
@@ -299,6 +301,7 @@ pub async fn serve(cfg: ServeConfig) -> Result<(), String> {
         loaded: OnceLock::new(),
         draining: Arc::new(AtomicBool::new(false)),
         report_now: Arc::new(tokio::sync::Notify::new()),
+        draining_reported: Arc::new(tokio::sync::Notify::new()),
         prometheus,
         created: std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
@@ -347,6 +350,7 @@ pub async fn serve(cfg: ServeConfig) -> Result<(), String> {
                         secret: c.report_secret.clone(),
                         draining: loader_state.draining.clone(),
                         report_now: loader_state.report_now.clone(),
+                        draining_reported: loader_state.draining_reported.clone(),
                     };
                     tokio::spawn(reporter::run(source, l.engine.clone(), plan));
                 }
@@ -367,8 +371,16 @@ pub async fn serve(cfg: ServeConfig) -> Result<(), String> {
         wait_for_signal().await;
         tracing::info!(grace_s = shutdown_state.cfg.shutdown_grace.as_secs_f64(), "shutting down: draining");
         shutdown_state.draining.store(true, Ordering::Release);
-        // Tell the gateways now rather than at the next interval.
-        shutdown_state.report_now.notify_one();
+        // Tell the gateways now rather than at the next interval, and before the listener closes (an idle worker
+        // exits as soon as it does): new requests meanwhile get `shutting_down`.
+        if shutdown_state.loaded().is_some() && !shutdown_state.cfg.report_to.is_empty() {
+            let reported = shutdown_state.draining_reported.notified();
+            shutdown_state.report_now.notify_one();
+            let wait = shutdown_state.cfg.report_timeout + Duration::from_millis(200);
+            if tokio::time::timeout(wait, reported).await.is_err() {
+                tracing::warn!("the draining report did not go out in time");
+            }
+        }
         let s = shutdown_state.clone();
         tokio::spawn(async move {
             tokio::time::sleep(s.cfg.shutdown_grace).await;

@@ -56,6 +56,8 @@ pub struct ReportPlan {
     pub draining: Arc<AtomicBool>,
     /// Notified for an immediate report (draining started).
     pub report_now: Arc<tokio::sync::Notify>,
+    /// Notified once a draining report has been delivered (or failed) at every destination.
+    pub draining_reported: Arc<tokio::sync::Notify>,
 }
 
 /// Builds the Bloom summary of the pool's cached blocks at a granularity.
@@ -187,7 +189,7 @@ fn fan_out(uri: &hyper::Uri, mut addrs: Vec<std::net::SocketAddr>) -> Option<Vec
 /// Runs forever: builds a report each interval (or at once when `plan.report_now` is notified) and sends it to
 /// every gateway (every address of each `--report-to` host).
 pub async fn run(source: ReportSource, engine: EngineHandle, plan: ReportPlan) {
-    let ReportPlan { targets, interval, timeout, secret, draining, report_now } = plan;
+    let ReportPlan { targets, interval, timeout, secret, draining, report_now, draining_reported } = plan;
     let client: Client<_, Full<Bytes>> = Client::builder(TokioExecutor::new()).build_http();
     let mut busy: HashMap<String, Arc<AtomicBool>> = HashMap::new();
     let mut ticker = tokio::time::interval(interval);
@@ -212,6 +214,7 @@ pub async fn run(source: ReportSource, engine: EngineHandle, plan: ReportPlan) {
         for target in &targets {
             dests.extend(destinations(target).await);
         }
+        let mut sent = Vec::new();
         for dest in dests {
             let flag =
                 busy.entry(dest.url.clone()).or_insert_with(|| Arc::new(AtomicBool::new(false))).clone();
@@ -233,7 +236,7 @@ pub async fn run(source: ReportSource, engine: EngineHandle, plan: ReportPlan) {
                 continue;
             };
             let client = client.clone();
-            tokio::spawn(async move {
+            sent.push(tokio::spawn(async move {
                 let result = match tokio::time::timeout(timeout, client.request(req)).await {
                     Ok(Ok(resp)) if resp.status().is_success() => "ok",
                     Ok(Ok(resp)) => {
@@ -248,7 +251,14 @@ pub async fn run(source: ReportSource, engine: EngineHandle, plan: ReportPlan) {
                 };
                 metrics::counter!("kvgate_worker_reports_total", "result" => result).increment(1);
                 flag.store(false, Ordering::Release);
-            });
+            }));
+        }
+        if draining {
+            // Shutdown waits for this report before it closes the listener.
+            for s in sent {
+                let _ = s.await;
+            }
+            draining_reported.notify_waiters();
         }
     }
 }
