@@ -11,17 +11,6 @@ use serde_json::json;
 
 const WORKERS: usize = 16;
 
-fn rss_kib(pid: u32) -> u64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("VmRSS:"))
-                .and_then(|l| l.split_whitespace().nth(1).and_then(|v| v.parse().ok()))
-        })
-        .unwrap_or(0)
-}
-
 #[tokio::test]
 async fn sixteen_sim_workers_serve_side_by_side_behind_one_gateway() {
     let dir = tempfile::tempdir().expect("tmp");

@@ -21,14 +21,14 @@
 //! Hashes are 64 bits. Among `n` distinct blocks the chance that any two collide is about `n^2 / 2^65`: 1e-9 for
 //! 10^5 blocks, 3e-4 for 10^8 blocks held fleet-wide. That is why the two sides treat a hash differently:
 //! the worker verifies the whole chain on every hit: the block's stored tokens and its parent (the cached block it
-//! extended, or for a first block the 128-bit identity of the root, [`root_identity`]); a mismatch is a miss, so a
+//! extended, or for a first block a second, independent digest of the root, [`root_identity`]); a mismatch is a miss, so a
 //! collision (say two tenants' prefixes with the same last block) can cost a recompute, never another prefix's KV.
 //! The gateway only uses hashes to *score* workers, where a collision (or a Bloom false positive) costs at most one
 //! sub-optimal routing decision.
 //!
 //! The values are pinned by golden-vector tests: changing anything here is a new hash version.
 
-use xxhash_rust::xxh3::{xxh3_128, xxh3_64, Xxh3};
+use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed, Xxh3};
 
 /// The version of the scheme above; part of every fingerprint.
 pub const HASH_VERSION: u32 = 1;
@@ -174,11 +174,15 @@ pub fn root_hash(fingerprint: u64, extra: &ExtraKeys) -> BlockHash {
     BlockHash(xxh3_64(&root_input(fingerprint, extra)))
 }
 
-/// A 128-bit identity of the same root input as [`root_hash`]. The worker's prefix cache stores it with every
-/// first block and compares it on a hit, so two roots whose 64-bit hashes collide (two tenants' salts) still never
-/// share a block (a false match needs a 128-bit collision of two distinct root inputs). Not on the wire.
-pub fn root_identity(fingerprint: u64, extra: &ExtraKeys) -> u128 {
-    xxh3_128(&root_input(fingerprint, extra))
+/// Seed of [`root_identity`]: a second digest of the root input, independent of [`root_hash`].
+const ROOT_IDENTITY_SEED: u64 = 0x6B76_6761_7465_5249; // "kvgateRI"
+
+/// A second, independent 64-bit digest of the same root input as [`root_hash`]. The worker's prefix cache stores it
+/// with every first block and compares it on a hit, so two roots whose 64-bit hashes collide (two tenants' salts)
+/// still do not share a block: a false match needs both digests of two distinct root inputs to collide (about
+/// 2^-128). Not on the wire.
+pub fn root_identity(fingerprint: u64, extra: &ExtraKeys) -> u64 {
+    xxh3_64_with_seed(&root_input(fingerprint, extra), ROOT_IDENTITY_SEED)
 }
 
 /// The hash of one block given its parent's hash (the root for the first block).
@@ -204,7 +208,7 @@ pub fn chain_hash(parent: BlockHash, block_tokens: &[u32]) -> BlockHash {
 pub struct BlockHasher {
     block_size: usize,
     root: BlockHash,
-    root_id: u128,
+    root_id: u64,
     chain: fn(BlockHash, &[u32]) -> BlockHash,
 }
 
@@ -230,7 +234,7 @@ impl BlockHasher {
         Self {
             block_size: scheme.block_size.max(1) as usize,
             root: BlockHash(xxh3_64(&input)),
-            root_id: xxh3_128(&input),
+            root_id: xxh3_64_with_seed(&input, ROOT_IDENTITY_SEED),
             chain,
         }
     }
@@ -251,8 +255,8 @@ impl BlockHasher {
         self.root
     }
 
-    /// The 128-bit identity of the root ([`root_identity`]).
-    pub fn root_id(&self) -> u128 {
+    /// The second digest of the root ([`root_identity`]).
+    pub fn root_id(&self) -> u64 {
         self.root_id
     }
 

@@ -9,7 +9,7 @@
 //!   evicted before its head (the head is the part other requests share).
 //! - A lookup succeeds only when the hash maps to a block **and** the whole chain matches: the block's tokens equal
 //!   the request's, and its parent is the request's parent ([`Parent`]: the identity of the cached block it extended,
-//!   or for a first block the 128-bit identity of the request's root). A collision of the 64-bit chained hash, even
+//!   or for a first block a second, independent 64-bit digest of the request's root). A collision of the 64-bit chained hash, even
 //!   between two prefixes with the same last block (two tenants' salts), costs a recompute, never a wrong block.
 //! - Every cached content gets a fresh `uid` (never reused), so a parent identity cannot point at a block that was
 //!   evicted and refilled.
@@ -23,11 +23,11 @@ pub type BlockId = u32;
 
 const NIL: u32 = u32::MAX;
 
-/// What a cached block extends: the request's root (its 128-bit identity) for a first block, else the cached content
-/// of the block before it (that block's `uid`).
+/// What a cached block extends: the request's root (its second digest, `BlockHasher::root_id`) for a first block,
+/// else the cached content of the block before it (that block's `uid`). 16 bytes: the pool's metadata stays compact.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Parent {
-    Root(u128),
+    Root(u64),
     Block(u64),
 }
 
@@ -41,8 +41,6 @@ struct BlockMeta {
     parent: Parent,
     /// The block's tokens, kept while it is cached, for verification on a hit.
     tokens: Box<[u32]>,
-    /// Index of the block in its sequence (0 = first block), kept while cached: summaries sample by position.
-    index: u32,
     prev: u32,
     next: u32,
     in_free_queue: bool,
@@ -69,7 +67,9 @@ pub struct BlockPool {
     head: u32,
     tail: u32,
     free_len: usize,
-    cached: HashMap<BlockHash, BlockId>,
+    /// The prefix cache: hash -> the block holding it and the block's index in its sequence (0 = first block; reports
+    /// sample by position, and keeping it here lets them walk the map without touching the block metadata).
+    cached: HashMap<BlockHash, (BlockId, u32)>,
     counters: PoolCounters,
     next_uid: u64,
 }
@@ -85,7 +85,6 @@ impl BlockPool {
                 uid: 0,
                 parent: Parent::Root(0),
                 tokens: Box::new([]),
-                index: 0,
                 prev: if i == 0 { NIL } else { i as u32 - 1 },
                 next: if i + 1 == n { NIL } else { i as u32 + 1 },
                 in_free_queue: true,
@@ -132,7 +131,7 @@ impl BlockPool {
 
     /// Every cached hash with its block's index in its sequence.
     pub fn cached_entries(&self) -> impl Iterator<Item = (BlockHash, u32)> + '_ {
-        self.cached.iter().map(|(h, id)| (*h, self.blocks[*id as usize].index))
+        self.cached.iter().map(|(h, (_, index))| (*h, *index))
     }
 
     fn unlink(&mut self, id: BlockId) {
@@ -189,7 +188,7 @@ impl BlockPool {
             if let Some(h) = b.hash.take() {
                 b.tokens = Box::new([]);
                 b.uid = 0;
-                if self.cached.get(&h) == Some(&id) {
+                if self.cached.get(&h).is_some_and(|(c, _)| *c == id) {
                     self.cached.remove(&h);
                 }
                 self.counters.evictions += 1;
@@ -204,7 +203,7 @@ impl BlockPool {
     /// identity of its content (the parent of the next block); `None` on a miss or a collision.
     pub fn lookup(&mut self, hash: BlockHash, parent: Parent, tokens: &[u32]) -> Option<(BlockId, u64)> {
         self.counters.queried_blocks += 1;
-        let id = *self.cached.get(&hash)?;
+        let (id, _) = *self.cached.get(&hash)?;
         let b = &self.blocks[id as usize];
         if b.parent != parent || &*b.tokens != tokens {
             self.counters.collisions += 1;
@@ -221,7 +220,7 @@ impl BlockPool {
 
     /// Whether `hash` is cached as the block extending `parent` with these tokens (no reference, no counters).
     pub fn contains(&self, hash: BlockHash, parent: Parent, tokens: &[u32]) -> bool {
-        self.cached.get(&hash).is_some_and(|id| {
+        self.cached.get(&hash).is_some_and(|(id, _)| {
             let b = &self.blocks[*id as usize];
             b.parent == parent && &*b.tokens == tokens
         })
@@ -241,7 +240,7 @@ impl BlockPool {
         tokens: &[u32],
     ) -> Option<u64> {
         debug_assert_eq!(tokens.len(), self.block_size);
-        if let Some(&other) = self.cached.get(&hash) {
+        if let Some(&(other, _)) = self.cached.get(&hash) {
             let o = &self.blocks[other as usize];
             if o.parent == parent && &*o.tokens == tokens {
                 return Some(o.uid);
@@ -260,8 +259,7 @@ impl BlockPool {
         b.uid = uid;
         b.parent = parent;
         b.tokens = tokens.into();
-        b.index = index.min(u32::MAX as usize) as u32;
-        self.cached.insert(hash, id);
+        self.cached.insert(hash, (id, index.min(u32::MAX as usize) as u32));
         Some(uid)
     }
 
@@ -327,7 +325,7 @@ impl BlockPool {
         if unreferenced != self.free_len {
             return Err(format!("{unreferenced} unreferenced blocks but {} free", self.free_len));
         }
-        for (h, id) in &self.cached {
+        for (h, (id, _)) in &self.cached {
             if self.blocks[*id as usize].hash != Some(*h) {
                 return Err(format!("cached hash {h:?} points at block {id} without it"));
             }

@@ -104,7 +104,7 @@ fn colliding_prefixes_with_the_same_last_block_are_not_reused() {
 
 #[test]
 fn colliding_roots_do_not_share_blocks() {
-    // Two tenants whose 64-bit roots collide (forced): the 128-bit root identity still tells them apart.
+    // Two tenants whose 64-bit roots collide (forced): the second digest of the root still tells them apart.
     let scheme = HashScheme::new(BS as u32, 1);
     let s1 = BlockHasher::new(&scheme, &ExtraKeys::from_salt(Some("tenant-a")));
     let s2 = BlockHasher::new(&scheme, &ExtraKeys::from_salt(Some("tenant-b"))).with_root(s1.root());
