@@ -125,7 +125,8 @@ fn check_if_match(headers: &HeaderMap, version: u64) -> Result<(), Response> {
 /// Saves `next` (the state as it will be) before it is applied; `Err` (500) means nothing changes.
 fn persist(state: &GatewayState, next: &Persisted) -> Result<(), Response> {
     let Some(path) = &state.cfg.state_file else { return Ok(()) };
-    save_state(path, next).map_err(|e| {
+    // fsync may take a while: off the control runtime's only worker thread meanwhile.
+    tokio::task::block_in_place(|| save_state(path, next)).map_err(|e| {
         tracing::error!(error = %e, "cannot save the admin state: change not applied");
         error(StatusCode::INTERNAL_SERVER_ERROR, "state_file", format!("the change was not applied: {e}"))
     })

@@ -117,10 +117,8 @@ pub async fn forward(state: &GatewayState, session: &mut Session, a: &Attempt<'_
         .and_then(|v| v.to_str().ok())
         .is_some_and(|v| v.starts_with("text/event-stream"));
     // A 503 may be a refusal another worker can take: read its (small) body before anything goes to the client.
-    let mut early_body: Option<Bytes> = None;
-    let mut body = Some(body);
-    if status == 503 {
-        let read = Limited::new(body.take().expect("body"), REFUSAL_BODY_LIMIT).collect();
+    let (early_body, body) = if status == 503 {
+        let read = Limited::new(body, REFUSAL_BODY_LIMIT).collect();
         let bytes = match tokio::time::timeout(REFUSAL_BODY_TIMEOUT, read).await {
             Ok(Ok(b)) => b.to_bytes(),
             _ => return Outcome::ConnectFailed("an unreadable 503 answer".into()),
@@ -135,8 +133,10 @@ pub async fn forward(state: &GatewayState, session: &mut Session, a: &Attempt<'_
                 .clamp(Duration::from_millis(100), MAX_RETRY_AFTER);
             return Outcome::Refused { code, retry_after };
         }
-        early_body = Some(bytes);
-    }
+        (Some(bytes), None)
+    } else {
+        (None, Some(body))
+    };
     let io = |e: Box<pingora::Error>| Outcome::Failed(ApiError::internal(e.to_string()));
     let mut h = match ResponseHeader::build(status, Some(parts.headers.len() + 4)) {
         Ok(h) => h,
@@ -164,11 +164,14 @@ pub async fn forward(state: &GatewayState, session: &mut Session, a: &Attempt<'_
         return Outcome::ClientGone;
     }
     // From here on bytes reached the client: no retry.
-    if let Some(bytes) = early_body {
-        let ok = session.write_response_body(Some(bytes), true).await.is_ok();
-        return Outcome::Responded { status, usage: None, completed: ok, stalled: false };
-    }
-    let mut body = body.take().expect("body");
+    let mut body = match body {
+        Some(b) => b,
+        None => {
+            // A 503 that was not a refusal: its body was read already.
+            let ok = session.write_response_body(early_body, true).await.is_ok();
+            return Outcome::Responded { status, usage: None, completed: ok, stalled: false };
+        }
+    };
     let mut tail: Vec<u8> = Vec::new();
     let mut stalled = false;
     let mut completed = true;
