@@ -135,12 +135,13 @@ fn header<'a>(session: &'a Session, name: &str) -> Option<&'a str> {
     session.req_header().headers.get(name).and_then(|v| v.to_str().ok())
 }
 
-/// The caller behind a request's `Authorization` header.
-pub fn caller_of(state: &GatewayState, authorization: Option<&str>) -> Result<Caller, ApiError> {
+/// The caller behind a request's `Authorization` header (shared, not copied per request).
+pub fn caller_of(state: &GatewayState, authorization: Option<&str>) -> Result<Arc<Caller>, ApiError> {
+    static ANONYMOUS: std::sync::OnceLock<Arc<Caller>> = std::sync::OnceLock::new();
     match state.keys.identify(authorization) {
-        Some(c) => Ok((*c).clone()),
+        Some(c) => Ok(c),
         None if state.cfg.require_api_key => Err(ApiError::unauthorized()),
-        None => Ok(Caller::anonymous()),
+        None => Ok(ANONYMOUS.get_or_init(|| Arc::new(Caller::anonymous())).clone()),
     }
 }
 

@@ -84,7 +84,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Simulate(args) => simulate(args),
         Command::Run(a) => block_on(commands::run(a)),
-        Command::Compare(a) => block_on(commands::compare(a)),
+        Command::Compare(a) => block_on(async { commands::compare(a).await.map(|_| ()) }),
         Command::Up(a) => block_on(commands::up(a)),
         Command::Demo(a) => block_on(commands::demo(a)),
     };
