@@ -390,6 +390,7 @@ async fn models(state: &GatewayState, session: &mut Session, ctx: &mut Ctx) -> R
                 created: 0,
                 owned_by: "kvgate".into(),
                 max_model_len,
+                device: None,
             })
             .collect(),
     };

@@ -37,7 +37,7 @@ VALUE_SETS: dict[str, dict] = {
     "defaults": {},
     "sim-workers": {"workers": {"engine": "sim", "simProfile": "cpu-small", "replicas": 4,
                                 "model": {"source": "synth", "synthPreset": "tiny"}}},
-    "gpu-workers": {"workers": {"replicas": 3, "gpu": {"count": 2}, "runtimeClassName": "nvidia",
+    "gpu-workers": {"workers": {"replicas": 3, "gpu": {"count": 2}, "runtimeClassName": "nvidia", "kvCacheTokens": 0,
                                 "nodeSelector": {"nvidia.com/gpu.present": "true"},
                                 "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
                                 "model": {"source": "pvc", "pvc": {"claimName": "models", "subPath": "llama-3.1-8b"}},
@@ -78,6 +78,8 @@ BAD_VALUES: dict[str, tuple[dict, str]] = {
     "hotspot ratio under 1": ({"gateway": {"weights": {"hotspotRatio": 0.5}}}, "hotspotRatio"),
     "bad duration": ({"gateway": {"staleAfter": "soon"}}, "staleAfter"),
     "negative gpus": ({"workers": {"gpu": {"count": -1}}}, "count"),
+    "unknown gpu dtype": ({"workers": {"gpu": {"count": 1, "dtype": "int4"}}}, "dtype"),
+    "gpu memory over 1": ({"workers": {"gpu": {"count": 1, "memoryUtilization": 1.5}}}, "memoryUtilization"),
     "bad header timeout": ({"gateway": {"headerReadTimeout": "slow"}}, "headerReadTimeout"),
     "zero connections": ({"gateway": {"maxConnections": 0}}, "maxConnections"),
 }
@@ -174,12 +176,18 @@ for name, extra in VALUE_SETS.items():
         pod = s["spec"]["template"]["spec"]
         c = pod["containers"][0]
         limits = c["resources"].get("limits", {})
+        args = c["args"]
         if w["gpu"]["count"] > 0:
             check(limits.get("nvidia.com/gpu") == w["gpu"]["count"], f"{name}: GPUs per worker follow values")
             check(pod.get("runtimeClassName") == w["runtimeClassName"], f"{name}: runtimeClassName")
+            check(args[args.index("--device") + 1] == "cuda", f"{name}: GPU workers run --device cuda")
+            check(args[args.index("--dtype") + 1] == w["gpu"]["dtype"], f"{name}: --dtype follows values")
+            check(c["image"].endswith("-gpu") or c["image"] == w["gpu"]["image"], f"{name}: GPU workers use the GPU image")
         else:
             check("nvidia.com/gpu" not in limits, f"{name}: no GPU asked for")
-        args = c["args"]
+            check(args[args.index("--device") + 1] == "cpu", f"{name}: CPU workers run --device cpu")
+        check(("--kv-cache-tokens" in args) == (w["kvCacheTokens"] > 0),
+              f"{name}: --kv-cache-tokens only when set (0: sized from GPU memory)")
         check(("--engine" in args) == (w["engine"] == "sim"), f"{name}: --engine sim follows values")
         check(any(a.startswith("http://kv-kvgate-control.serving.svc.cluster.local:") for a in args),
               f"{name}: --report-to the control Service")

@@ -353,6 +353,9 @@ pub struct ModelCard {
     pub owned_by: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_model_len: Option<u32>,
+    /// kvgate workers: where the engine computes (`cpu`, `cuda:0 (NVIDIA H200, sm_90, bfloat16)`, `sim`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub device: Option<String>,
 }
 
 /// `GET /v1/models`.

@@ -7,6 +7,9 @@
 //!   compute `Backend` trait (CPU model today; a timing-model backend later);
 //! - [`server`]: `kvgate-worker serve`: the OpenAI HTTP API, the engine thread, cache-summary reports, metrics.
 
+// FFI to the CUDA driver, NVRTC and cuBLAS lives here and nowhere else.
+#[allow(unsafe_code)]
+pub mod cuda;
 pub mod engine;
 pub mod kv;
 pub mod model;

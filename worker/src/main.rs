@@ -60,6 +60,56 @@ enum Command {
         /// Fewer, smaller measurements (seconds instead of a minute).
         #[arg(long)]
         quick: bool,
+        /// Engine to measure: `cpu`, or `cuda[:N]` (the model in --dtype on that GPU).
+        #[arg(long, default_value = "cpu")]
+        device: String,
+        /// Storage dtype on CUDA: bfloat16, float16 or float32.
+        #[arg(long, default_value = "bfloat16")]
+        dtype: String,
+        /// On CUDA: measure the built-in Llama-3-8B shape with random weights made on the GPU (no model files).
+        #[arg(long)]
+        llama3_8b: bool,
+        /// Profile name written into the file (default `calibrated-<device>`).
+        #[arg(long)]
+        name: Option<String>,
+    },
+    /// Check every CUDA kernel against its CPU reference on random inputs (f32 and bf16); exits 1 on a failure.
+    GpuSelftest {
+        /// GPU ordinal.
+        #[arg(long, default_value_t = 0)]
+        gpu: usize,
+        /// Also write the results as JSON here.
+        #[arg(long)]
+        json: Option<PathBuf>,
+    },
+    /// Run the logits scenarios (one-shot, decode, chunked, cached prefix, mixed batch) on the GPU and the CPU
+    /// engine; writes logits-<dtype>.{bin,json} for the comparison with HF transformers.
+    GpuLogits {
+        #[arg(long)]
+        model: PathBuf,
+        #[arg(long, default_value = "float32")]
+        dtype: String,
+        #[arg(long)]
+        out: PathBuf,
+        #[arg(long, default_value_t = 0)]
+        gpu: usize,
+    },
+    /// Benchmark the CUDA engine on the Llama-3-8B shape (random bf16 weights made on the GPU); prints JSON.
+    GpuBench {
+        #[arg(long, default_value_t = 0)]
+        gpu: usize,
+        /// Fewer points (up to 8K prefill, batches 1 and 64).
+        #[arg(long)]
+        quick: bool,
+        /// Also write the JSON here.
+        #[arg(long)]
+        json: Option<PathBuf>,
+    },
+    /// Compile every CUDA kernel source with NVRTC (no GPU needed; libnvrtc on the loader path).
+    CompileKernels {
+        /// Target architectures, comma-separated.
+        #[arg(long, default_value = "sm_80,sm_90", value_delimiter = ',')]
+        arch: Vec<String>,
     },
     /// Serve the OpenAI API (flags also from KVGATE_WORKER_* environment variables and a TOML file).
     Serve(Box<ServeArgs>),
@@ -93,7 +143,57 @@ fn main() -> ExitCode {
                 }
             }
         }
-        Command::Calibrate { model, synth, out, quick } => calibrate(model, synth, out, quick),
+        Command::Calibrate { model, synth, out, quick, device, dtype, llama3_8b, name } => {
+            calibrate(CalibrateArgs { model, synth, out, quick, device, dtype, llama3_8b, name })
+        }
+        Command::GpuSelftest { gpu, json } => gpu_selftest(gpu, json),
+        Command::GpuLogits { model, dtype, out, gpu } => {
+            let Some(dt) = kvgate_worker::cuda::DType::parse(&dtype) else {
+                eprintln!("gpu-logits: unknown dtype {dtype}");
+                return ExitCode::from(2);
+            };
+            match kvgate_worker::cuda::check::logits(&model, gpu, dt, &out, true) {
+                Ok(summary) => {
+                    println!("{}", summary["vs_cpu_f32"]);
+                    ExitCode::SUCCESS
+                }
+                Err(e) => {
+                    eprintln!("gpu-logits: {e}");
+                    ExitCode::FAILURE
+                }
+            }
+        }
+        Command::GpuBench { gpu, quick, json } => match kvgate_worker::cuda::check::bench(gpu, quick) {
+            Ok(report) => {
+                let text = serde_json::to_string_pretty(&report).unwrap_or_default();
+                println!("{text}");
+                if let Some(p) = json {
+                    if let Err(e) = std::fs::write(&p, text) {
+                        eprintln!("gpu-bench: {}: {e}", p.display());
+                        return ExitCode::FAILURE;
+                    }
+                }
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("gpu-bench: {e}");
+                ExitCode::FAILURE
+            }
+        },
+        Command::CompileKernels { arch } => {
+            let archs: Vec<&str> = arch.iter().map(String::as_str).collect();
+            let version = kvgate_worker::cuda::compile::nvrtc_version();
+            match (version, kvgate_worker::cuda::compile::compile_all(&archs)) {
+                (Ok((major, minor)), Ok(n)) => {
+                    println!("compiled {n} kernels with NVRTC {major}.{minor} for {}", arch.join(","));
+                    ExitCode::SUCCESS
+                }
+                (Err(e), _) | (_, Err(e)) => {
+                    eprintln!("compile-kernels: {e}");
+                    ExitCode::FAILURE
+                }
+            }
+        }
         Command::Serve(args) => {
             let cfg = match args.resolve() {
                 Ok(c) => c,
@@ -133,23 +233,77 @@ fn init_logging(json: bool) {
     }
 }
 
-fn calibrate(model: Option<PathBuf>, synth: Option<Preset>, out: Option<PathBuf>, quick: bool) -> ExitCode {
+struct CalibrateArgs {
+    model: Option<PathBuf>,
+    synth: Option<Preset>,
+    out: Option<PathBuf>,
+    quick: bool,
+    device: String,
+    dtype: String,
+    llama3_8b: bool,
+    name: Option<String>,
+}
+
+fn gpu_selftest(gpu: usize, json: Option<PathBuf>) -> ExitCode {
+    let cases = match kvgate_worker::cuda::selftest::run(gpu) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("gpu-selftest: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    println!("{:<22} {:<9} {:>11} {:>9} {:>5}  shape", "kernel", "dtype", "rel err", "tol", "ok");
+    for c in &cases {
+        println!(
+            "{:<22} {:<9} {:>11.3e} {:>9.0e} {:>5}  {}",
+            c.kernel,
+            c.dtype,
+            c.rel_err,
+            c.tolerance,
+            if c.pass { "yes" } else { "NO" },
+            c.shape
+        );
+    }
+    let failed = cases.iter().filter(|c| !c.pass).count();
+    println!("{} cases, {failed} failed", cases.len());
+    if let Some(p) = json {
+        let _ = std::fs::write(&p, serde_json::to_string_pretty(&cases).unwrap_or_default());
+    }
+    if failed == 0 {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    }
+}
+
+fn calibrate(a: CalibrateArgs) -> ExitCode {
+    use kvgate_worker::cuda::{backend::Loaded, CudaBackend, DType, DeviceChoice};
+    use kvgate_worker::engine::calibrate::Points;
+    let device = match DeviceChoice::parse(&a.device) {
+        Ok(d) => d.resolve(),
+        Err(e) => {
+            eprintln!("calibrate: {e}");
+            return ExitCode::from(2);
+        }
+    };
     let tmp = std::env::temp_dir().join(format!("kvgate-calibrate-{}", std::process::id()));
-    let (dir, note) = match (model, synth) {
-        (Some(d), None) => (d.clone(), format!("model {}", d.display())),
-        (None, Some(p)) => {
+    let (dir, note) = match (a.model, a.synth, a.llama3_8b) {
+        (Some(d), None, false) => (Some(d.clone()), format!("model {}", d.display())),
+        (None, Some(p), false) => {
             if let Err(e) = synth_model(&tmp, &SynthSpec::new(p, 0)) {
                 eprintln!("calibrate: {e}");
                 return ExitCode::FAILURE;
             }
-            (tmp.clone(), format!("synthetic preset {p:?}"))
+            (Some(tmp.clone()), format!("synthetic preset {p:?}"))
+        }
+        (None, None, true) if matches!(device, DeviceChoice::Cuda(_)) => {
+            (None, "Llama-3-8B shape, random weights".to_string())
         }
         _ => {
-            eprintln!("calibrate: pass --model DIR or --synth tiny|small");
+            eprintln!("calibrate: pass one of --model DIR, --synth tiny|small, or --llama3-8b (CUDA only)");
             return ExitCode::from(2);
         }
     };
-    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
     let date = std::process::Command::new("date")
         .arg("-u")
         .arg("+%Y-%m-%d")
@@ -157,15 +311,51 @@ fn calibrate(model: Option<PathBuf>, synth: Option<Preset>, out: Option<PathBuf>
         .ok()
         .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
         .unwrap_or_default();
-    let result =
-        kvgate_worker::model::llama::LlamaModel::load(&dir).map_err(|e| e.to_string()).and_then(|m| {
-            kvgate_worker::engine::calibrate::calibrate(
-                &m,
-                quick,
-                &format!("{note}, {threads} threads, {date}"),
+    let result = match device {
+        DeviceChoice::Cuda(n) => {
+            let points = Points::gpu(a.quick);
+            let Some(dt) = DType::parse(&a.dtype) else {
+                eprintln!("calibrate: unknown dtype {}", a.dtype);
+                return ExitCode::from(2);
+            };
+            let loaded = match &dir {
+                Some(d) => Loaded::from_dir(d, n, dt),
+                None => Loaded::random(kvgate_worker::cuda::check::llama3_8b(), n, dt, 1),
+            };
+            loaded.and_then(|l| CudaBackend::new(l, points.slots().next_multiple_of(16) + 16, 16)).and_then(
+                |mut b| {
+                    let note = format!("{note}, {}, {date}", b.describe());
+                    let name = a.name.clone().unwrap_or_else(|| "calibrated-cuda".into());
+                    kvgate_worker::engine::calibrate::calibrate(
+                        &mut b,
+                        &points,
+                        if a.quick { 1 } else { 3 },
+                        &name,
+                        &note,
+                    )
+                },
             )
-        });
+        }
+        _ => {
+            let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+            let Some(d) = &dir else { return ExitCode::from(2) };
+            let points = Points::cpu(a.quick);
+            kvgate_worker::model::llama::LlamaModel::load(d).map_err(|e| e.to_string()).and_then(|m| {
+                let mut b = kvgate_worker::engine::CpuBackend::new(m, points.slots());
+                let name = a.name.clone().unwrap_or_else(|| "calibrated-cpu".into());
+                let note = format!("{note}, {threads} threads, {date}");
+                kvgate_worker::engine::calibrate::calibrate(
+                    &mut b,
+                    &points,
+                    if a.quick { 1 } else { 3 },
+                    &name,
+                    &note,
+                )
+            })
+        }
+    };
     let _ = std::fs::remove_dir_all(&tmp);
+    let out = a.out;
     let profile = match result {
         Ok(p) => p,
         Err(e) => {

@@ -27,6 +27,10 @@ async fn endpoints_answer() {
     let models = get(&format!("{}/v1/models", w.base)).await.json();
     assert_eq!(models["data"][0]["id"], MODEL);
     assert_eq!(models["object"], "list");
+    // `--device auto` (the default) on a machine without a CUDA GPU serves on the CPU, and says so.
+    if kvgate_worker::cuda::gpu::driver_gpu_count() == 0 {
+        assert_eq!(models["data"][0]["device"], "cpu");
+    }
     let tok = get(&format!("{}/kvgate/v1/tokenizer", w.base)).await.json();
     let files: TokenizerFiles = serde_json::from_value(tok.clone()).expect("tokenizer files");
     let prompter = Prompter::from_files(files).expect("prompter");
@@ -54,6 +58,7 @@ async fn endpoints_answer() {
         "kvgate_worker_queue_requests",
         "kvgate_worker_kv_evictions",
         "kvgate_worker_preemptions",
+        "kvgate_worker_device_info",
     ] {
         assert!(m.contains(name), "metrics lack {name}");
     }
@@ -457,4 +462,30 @@ async fn sigterm_reports_draining_at_once() {
     assert!(next.draining, "the report after SIGTERM says draining");
     assert_eq!(next.instance_id, first.instance_id);
     assert!(sent.elapsed() < Duration::from_secs(2));
+}
+
+#[test]
+fn device_cuda_without_a_gpu_exits_with_a_clear_error() {
+    if kvgate_worker::cuda::gpu::driver_gpu_count() > 0 {
+        eprintln!("skipped: this machine has a CUDA GPU");
+        return;
+    }
+    let dir = tempfile::tempdir().expect("tmp");
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvgate-worker"))
+        .args(["serve", "--synth", "tiny", "--synth-dir"])
+        .arg(dir.path().join("tiny"))
+        .args(["--host", "127.0.0.1", "--port", "0", "--device", "cuda:0"])
+        .env("RUST_LOG", "warn")
+        .output()
+        .expect("runs");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "served without a GPU: {stderr}");
+    assert!(stderr.contains("--device cuda:0") && stderr.contains("no CUDA GPU"), "{stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    let bad = std::process::Command::new(env!("CARGO_BIN_EXE_kvgate-worker"))
+        .args(["serve", "--synth", "tiny", "--device", "gpu"])
+        .output()
+        .expect("runs");
+    assert_eq!(bad.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("--device"));
 }

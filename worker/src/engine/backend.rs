@@ -1,5 +1,6 @@
-//! The compute behind the engine, behind one trait: the CPU model today; a timing-model backend (issue #7) and a
-//! CUDA one (feature `cuda`) plug in the same way. A backend owns the KV memory the block ids point at.
+//! The compute behind the engine, behind one trait: the CPU model ([`CpuBackend`]), the CUDA model
+//! (`crate::cuda::CudaBackend`) and the timing-model simulation (`sim::SimBackend`). A backend owns the KV memory
+//! the block ids point at.
 
 use crate::model::llama::{KvStore, LlamaModel, SeqChunk};
 
@@ -14,6 +15,8 @@ pub struct BatchItem<'a> {
     pub slots: Vec<usize>,
     /// Produce what the next token is sampled from.
     pub want_next: bool,
+    /// The next token is picked greedily (arg-max): a backend may pick it itself and return [`Next::Token`].
+    pub greedy: bool,
 }
 
 /// What a backend returns for an item that wants a next token.
@@ -21,7 +24,7 @@ pub struct BatchItem<'a> {
 pub enum Next {
     /// Logits to sample from.
     Logits(Vec<f32>),
-    /// The backend chose the token itself (a simulated model).
+    /// The backend chose the token itself (a simulated model, or greedy sampling on the GPU).
     Token(u32),
 }
 

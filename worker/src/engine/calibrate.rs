@@ -1,10 +1,10 @@
-//! `kvgate-worker calibrate`: measures the real CPU engine and fits the simulated engine's timing model to it
+//! `kvgate-worker calibrate`: measures a real engine (the CPU one, or the CUDA one with `--device cuda`) and fits the simulated engine's timing model to it
 //! (least squares on the formula of `timing.rs`), producing a profile file.
 
 use std::time::Instant;
 
 use super::timing::{SimProfile, TimingModel};
-use crate::model::llama::{KvStore, LlamaModel, SeqChunk};
+use super::{Backend, BatchItem};
 
 /// One measurement: the regressors and the seconds it took.
 #[derive(Clone, Debug)]
@@ -67,63 +67,114 @@ fn tokens(n: usize, seed: usize) -> Vec<u32> {
     (0..n).map(|i| ((i * 7919 + seed * 104_729) % 4000) as u32).collect()
 }
 
-/// Measures `model` and fits a profile. `quick` uses fewer and smaller points (tests).
-pub fn calibrate(model: &LlamaModel, quick: bool, source_note: &str) -> Result<SimProfile, String> {
-    let vocab = model.config().vocab_size as u32;
+/// Measurement points: (start, new tokens) of prefill chunks and (batch, context) of decode steps.
+#[derive(Clone, Debug)]
+pub struct Points {
+    pub prefills: Vec<(usize, usize)>,
+    pub decodes: Vec<(usize, usize)>,
+}
+
+impl Points {
+    /// The CPU engine's points (`quick`: small ones for tests).
+    pub fn cpu(quick: bool) -> Self {
+        if quick {
+            Self {
+                prefills: vec![(0, 32), (0, 64), (64, 64), (0, 128)],
+                decodes: vec![(1, 32), (2, 64), (4, 32)],
+            }
+        } else {
+            Self {
+                prefills: vec![
+                    (0, 256),
+                    (0, 512),
+                    (0, 1024),
+                    (0, 2048),
+                    (1024, 512),
+                    (2048, 512),
+                    (2048, 1024),
+                ],
+                decodes: vec![(1, 128), (1, 1024), (8, 128), (8, 1024), (16, 512), (32, 128)],
+            }
+        }
+    }
+
+    /// A GPU engine's points (serving-sized batches and contexts).
+    pub fn gpu(quick: bool) -> Self {
+        if quick {
+            Self {
+                prefills: vec![(0, 256), (0, 1024), (1024, 512)],
+                decodes: vec![(1, 512), (8, 512), (32, 256)],
+            }
+        } else {
+            Self {
+                prefills: vec![(0, 512), (0, 2048), (0, 8192), (8192, 2048), (16_384, 4096), (4096, 4096)],
+                decodes: vec![(1, 1024), (1, 8192), (8, 2048), (64, 2048), (128, 1024), (256, 2048)],
+            }
+        }
+    }
+
+    /// KV slots the points need at once.
+    pub fn slots(&self) -> usize {
+        let p = self.prefills.iter().map(|(s, n)| s + n).max().unwrap_or(1);
+        let d = self.decodes.iter().map(|(b, c)| b * (c + 1)).max().unwrap_or(1);
+        p.max(d)
+    }
+}
+
+/// Measures `backend` (KV memory of at least `points.slots()` positions, block-ordered slots) and fits a profile
+/// named `name`. KV contents do not change a step's time, so decode points run over unwritten contexts.
+pub fn calibrate(
+    backend: &mut dyn Backend,
+    points: &Points,
+    reps: usize,
+    name: &str,
+    source_note: &str,
+) -> Result<SimProfile, String> {
+    let vocab = backend.vocab_size() as u32;
     let tok = |n, s| tokens(n, s).into_iter().map(|t| t % vocab).collect::<Vec<u32>>();
-    // (start, new tokens) of prefill chunks; (batch, context) of decode steps.
-    type Points = Vec<(usize, usize)>;
-    let (prefills, decodes): (Points, Points) = if quick {
-        (vec![(0, 32), (0, 64), (64, 64), (0, 128)], vec![(1, 32), (2, 64), (4, 32)])
-    } else {
-        (
-            vec![(0, 256), (0, 512), (0, 1024), (0, 2048), (1024, 512), (2048, 512), (2048, 1024)],
-            vec![(1, 128), (1, 1024), (8, 128), (8, 1024), (16, 512), (32, 128)],
-        )
-    };
-    let span =
-        prefills.iter().map(|(s, n)| s + n).chain(decodes.iter().map(|(_, c)| c + 1)).max().unwrap_or(1);
-    let reps = if quick { 1 } else { 3 };
     let mut pre = Vec::new();
-    for (i, &(start, n)) in prefills.iter().enumerate() {
+    for (i, &(start, n)) in points.prefills.iter().enumerate() {
         let all = tok(start + n, i);
         let slots: Vec<usize> = (0..start + n).collect();
+        let item = |s: usize, len: usize, want: bool| BatchItem {
+            tokens: &all,
+            start: s,
+            len,
+            slots: slots.clone(),
+            want_next: want,
+            greedy: true,
+        };
         let mut best = f64::INFINITY;
         for _ in 0..reps {
-            let mut kv = model.new_kv_store(span);
             if start > 0 {
-                let c = SeqChunk { tokens: &all[..start], start: 0, slots: &slots, want_logits: false };
-                model.forward(&[c], &mut kv).map_err(|e| e.to_string())?;
+                backend.forward(&[item(0, start, false)])?;
             }
-            let c = SeqChunk { tokens: &all[start..], start, slots: &slots, want_logits: true };
             let t = Instant::now();
-            model.forward(&[c], &mut kv).map_err(|e| e.to_string())?;
+            backend.forward(&[item(start, n, true)])?;
             best = best.min(t.elapsed().as_secs_f64());
         }
         pre.push(Sample { x: [1.0, n as f64, n as f64 * (start as f64 + n as f64 / 2.0)], secs: best });
     }
     let mut dec = Vec::new();
-    for (i, &(batch, ctx)) in decodes.iter().enumerate() {
+    for (i, &(batch, ctx)) in points.decodes.iter().enumerate() {
+        let seqs: Vec<Vec<u32>> = (0..batch).map(|b| tok(ctx + 1, 100 + i * 64 + b)).collect();
+        let slots: Vec<Vec<usize>> =
+            (0..batch).map(|b| (b * (ctx + 1)..(b + 1) * (ctx + 1)).collect()).collect();
+        let step: Vec<BatchItem<'_>> = (0..batch)
+            .map(|b| BatchItem {
+                tokens: &seqs[b],
+                start: ctx,
+                len: 1,
+                slots: slots[b].clone(),
+                want_next: true,
+                greedy: true,
+            })
+            .collect();
+        backend.forward(&step)?; // warm-up
         let mut best = f64::INFINITY;
         for _ in 0..reps {
-            let mut kv: KvStore = model.new_kv_store(batch * (ctx + 1));
-            let seqs: Vec<Vec<u32>> = (0..batch).map(|b| tok(ctx + 1, 100 + i * 64 + b)).collect();
-            let slots: Vec<Vec<usize>> =
-                (0..batch).map(|b| (b * (ctx + 1)..(b + 1) * (ctx + 1)).collect()).collect();
-            let prefill: Vec<SeqChunk<'_>> = (0..batch)
-                .map(|b| SeqChunk { tokens: &seqs[b][..ctx], start: 0, slots: &slots[b], want_logits: false })
-                .collect();
-            model.forward(&prefill, &mut kv).map_err(|e| e.to_string())?;
-            let step: Vec<SeqChunk<'_>> = (0..batch)
-                .map(|b| SeqChunk {
-                    tokens: &seqs[b][ctx..],
-                    start: ctx,
-                    slots: &slots[b],
-                    want_logits: true,
-                })
-                .collect();
             let t = Instant::now();
-            model.forward(&step, &mut kv).map_err(|e| e.to_string())?;
+            backend.forward(&step)?;
             best = best.min(t.elapsed().as_secs_f64());
         }
         dec.push(Sample { x: [1.0, batch as f64, (batch * (ctx + 1)) as f64], secs: best });
@@ -138,16 +189,17 @@ pub fn calibrate(model: &LlamaModel, quick: bool, source_note: &str) -> Result<S
         decode_per_seq_s: d[1],
         decode_per_kv_token_s: d[2],
     };
-    let points: Vec<String> = prefills
+    let described: Vec<String> = points
+        .prefills
         .iter()
         .zip(&pre)
         .map(|((s, n), m)| format!("prefill {n}@{s}: {:.4}s", m.secs))
-        .chain(decodes.iter().zip(&dec).map(|((b, c), m)| format!("decode b{b}@{c}: {:.5}s", m.secs)))
+        .chain(points.decodes.iter().zip(&dec).map(|((b, c), m)| format!("decode b{b}@{c}: {:.5}s", m.secs)))
         .collect();
     Ok(SimProfile {
-        name: "calibrated-cpu".into(),
-        source: format!("kvgate-worker calibrate, {source_note}; best of {reps}: {}", points.join(", ")),
-        max_model_len: model.config().max_position_embeddings,
+        name: name.into(),
+        source: format!("kvgate-worker calibrate, {source_note}; best of {reps}: {}", described.join(", ")),
+        max_model_len: backend.max_model_len(),
         timing,
     })
 }
@@ -184,8 +236,10 @@ mod tests {
             &crate::model::synth::SynthSpec::new(crate::model::synth::Preset::Tiny, 1),
         )
         .expect("synth");
-        let model = LlamaModel::load(dir.path()).expect("model");
-        let p = calibrate(&model, true, "test").expect("calibrates");
+        let model = crate::model::llama::LlamaModel::load(dir.path()).expect("model");
+        let points = Points::cpu(true);
+        let mut backend = super::super::CpuBackend::new(model, points.slots());
+        let p = calibrate(&mut backend, &points, 1, "calibrated-cpu", "test").expect("calibrates");
         assert!(p.timing.validate().is_empty(), "{:?}", p.timing);
         assert!(p.timing.prefill(0, 128) > 0.0);
         let path = dir.path().join("p.toml");

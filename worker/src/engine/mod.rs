@@ -187,7 +187,14 @@ impl<B: Backend> Engine<B> {
                         true => (0..c.start + c.len).map(|p| table.map_or(0, |t| t.slot(p))).collect(),
                         false => Vec::new(),
                     };
-                    BatchItem { tokens: &seq.tokens, start: c.start, len: c.len, slots, want_next: c.sample }
+                    BatchItem {
+                        tokens: &seq.tokens,
+                        start: c.start,
+                        len: c.len,
+                        slots,
+                        want_next: c.sample,
+                        greedy: seq.params.temperature < sampler::GREEDY_BELOW,
+                    }
                 })
                 .collect();
             self.backend.forward(&items)

@@ -18,9 +18,12 @@ pub fn argmax(logits: &[f32]) -> u32 {
     best as u32
 }
 
+/// Temperatures below this sample greedily (arg-max, lowest id on ties).
+pub const GREEDY_BELOW: f32 = 1e-5;
+
 /// Samples one token.
 pub fn sample(logits: &[f32], params: &SamplingParams, rng: &mut SplitMix64) -> u32 {
-    if params.temperature < 1e-5 || logits.len() <= 1 {
+    if params.temperature < GREEDY_BELOW || logits.len() <= 1 {
         return argmax(logits);
     }
     let inv_t = 1.0 / params.temperature;

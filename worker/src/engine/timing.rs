@@ -165,8 +165,15 @@ mod tests {
         assert!((m.decode(4, 10_000) - (0.005 + 0.0004 + 0.001)).abs() < 1e-12);
         let tokens: Vec<u32> = vec![0; 3000];
         let items = [
-            BatchItem { tokens: &tokens, start: 1000, len: 1000, slots: vec![], want_next: true },
-            BatchItem { tokens: &tokens, start: 2000, len: 1, slots: vec![], want_next: true },
+            BatchItem {
+                tokens: &tokens,
+                start: 1000,
+                len: 1000,
+                slots: vec![],
+                want_next: true,
+                greedy: true,
+            },
+            BatchItem { tokens: &tokens, start: 2000, len: 1, slots: vec![], want_next: true, greedy: true },
         ];
         // One base per step: the larger of the two.
         let both = m.prefill(1000, 1000) + m.decode(1, 2001) - m.prefill_base_s.min(m.decode_base_s);

@@ -8,7 +8,11 @@ use std::time::Duration;
 use clap::Args;
 use serde::Deserialize;
 
+use crate::cuda::{DType, DeviceChoice};
 use crate::model::synth::Preset;
+
+/// KV cache tokens of the CPU engine when none are configured.
+pub const CPU_KV_CACHE_TOKENS: usize = 65_536;
 
 /// Flags (and environment) of `serve`. `None` means "not given here": the TOML file or the default applies.
 #[derive(Args, Debug, Default, Clone, Deserialize)]
@@ -35,6 +39,19 @@ pub struct ServeArgs {
     /// the tokenizer still comes from --model / --synth). Default cpu.
     #[arg(long, env = "KVGATE_WORKER_ENGINE")]
     pub engine: Option<String>,
+    /// Where `--engine cpu` (the model's real math) computes: `auto` (CUDA GPU 0 when a driver and a GPU are
+    /// found, else the CPU; the choice is logged and shown in /v1/models and /metrics), `cpu`, `cuda` or `cuda:N`.
+    /// Default auto.
+    #[arg(long, env = "KVGATE_WORKER_DEVICE")]
+    pub device: Option<String>,
+    /// Storage dtype of weights, activations and KV on CUDA: `bfloat16`, `float16` or `float32` (the CPU engine
+    /// always computes in float32). Default bfloat16.
+    #[arg(long, env = "KVGATE_WORKER_DTYPE")]
+    pub dtype: Option<String>,
+    /// On CUDA, without --kv-cache-tokens: the fraction of the GPU memory free after loading the weights that the
+    /// KV pool and the step scratch may take (like vLLM's). Default 0.9.
+    #[arg(long, env = "KVGATE_WORKER_GPU_MEMORY_UTILIZATION")]
+    pub gpu_memory_utilization: Option<f64>,
     /// Timing-model profile of `--engine sim`: a TOML file, or the name of a shipped one (`gpu-h100-llama3-8b`,
     /// `cpu-small`; see worker/profiles/).
     #[arg(long, env = "KVGATE_WORKER_SIM_PROFILE")]
@@ -72,7 +89,7 @@ pub struct ServeArgs {
     /// False-positive rate of the report's Bloom filter. Default 0.01.
     #[arg(long, env = "KVGATE_WORKER_BLOOM_FP_RATE")]
     pub bloom_fp_rate: Option<f64>,
-    /// KV cache size in tokens. Default 65536.
+    /// KV cache size in tokens. Default: 65536 on the CPU; on CUDA, what --gpu-memory-utilization leaves.
     #[arg(long, env = "KVGATE_WORKER_KV_CACHE_TOKENS")]
     pub kv_cache_tokens: Option<usize>,
     /// Tokens per KV block (must equal the gateway's). Default 16.
@@ -117,7 +134,11 @@ pub struct ServeConfig {
     pub report_secret: Option<String>,
     pub summary_granularity: u32,
     pub bloom_fp_rate: f64,
-    pub kv_cache_tokens: usize,
+    /// `None`: the device's default (65536 on the CPU, sized from memory on CUDA).
+    pub kv_cache_tokens: Option<usize>,
+    pub device: DeviceChoice,
+    pub dtype: DType,
+    pub gpu_memory_utilization: f64,
     pub block_size: u32,
     pub max_num_batched_tokens: usize,
     pub max_num_seqs: usize,
@@ -212,7 +233,15 @@ impl ServeArgs {
             report_secret: pick!(report_secret).filter(|s| !s.is_empty()),
             summary_granularity: pick!(summary_granularity).unwrap_or(4),
             bloom_fp_rate: pick!(bloom_fp_rate).unwrap_or(0.01),
-            kv_cache_tokens: pick!(kv_cache_tokens).unwrap_or(65_536),
+            kv_cache_tokens: pick!(kv_cache_tokens),
+            device: DeviceChoice::parse(pick!(device).as_deref().unwrap_or("auto"))
+                .map_err(|e| format!("--device: {e}"))?,
+            dtype: match pick!(dtype) {
+                None => DType::BF16,
+                Some(d) => DType::parse(&d)
+                    .ok_or_else(|| format!("--dtype {d:?} is not bfloat16, float16 or float32"))?,
+            },
+            gpu_memory_utilization: pick!(gpu_memory_utilization).unwrap_or(0.9),
             block_size: pick!(block_size).unwrap_or(16),
             max_num_batched_tokens: pick!(max_num_batched_tokens).unwrap_or(2048),
             max_num_seqs: pick!(max_num_seqs).unwrap_or(64),
@@ -234,8 +263,11 @@ impl ServeConfig {
         if self.block_size == 0 || self.block_size > kvgate_shared::hashing::MAX_BLOCK_SIZE {
             problems.push(format!("block-size {} is not in 1..=4096", self.block_size));
         }
-        if self.kv_cache_tokens < self.block_size as usize {
-            problems.push(format!("kv-cache-tokens {} holds less than one block", self.kv_cache_tokens));
+        if let Some(t) = self.kv_cache_tokens.filter(|t| *t < self.block_size as usize) {
+            problems.push(format!("kv-cache-tokens {t} holds less than one block"));
+        }
+        if !(self.gpu_memory_utilization > 0.0 && self.gpu_memory_utilization <= 1.0) {
+            problems.push(format!("gpu-memory-utilization {} is not in (0, 1]", self.gpu_memory_utilization));
         }
         if self.max_num_batched_tokens == 0 || self.max_num_seqs == 0 {
             problems.push("max-num-batched-tokens and max-num-seqs must be at least 1".into());
@@ -299,7 +331,8 @@ mod tests {
             .resolve()
             .expect("ok");
         assert_eq!(cfg.port, 9100);
-        assert_eq!(cfg.kv_cache_tokens, 4096);
+        assert_eq!(cfg.kv_cache_tokens, Some(4096));
+        assert_eq!(cfg.device, DeviceChoice::Auto);
         assert_eq!(cfg.report_to, vec!["http://g:8081".to_string()]);
         std::fs::write(&path, "synth = \"tiny\"\nbogus = 1\n").expect("write");
         assert!(ServeArgs { config: Some(path), ..ServeArgs::default() }

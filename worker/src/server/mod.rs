@@ -39,6 +39,7 @@ use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use self::config::{EngineKind, ModelSource, ServeConfig};
 use self::engine_thread::EngineHandle;
 use self::errors::ApiError;
+use crate::cuda::DeviceChoice;
 use crate::engine::sim::{SimBackend, SimClock};
 use crate::engine::timing::SimProfile;
 use crate::engine::{CpuBackend, Engine, EngineConfig, SchedulerConfig};
@@ -53,6 +54,8 @@ pub struct Loaded {
     pub worker_id: String,
     pub max_model_len: usize,
     pub scheme: HashScheme,
+    /// Where the engine computes: `cpu`, `cuda:0 (NVIDIA H200, sm_90, bfloat16)`, or `sim`.
+    pub device: String,
 }
 
 /// Exit status of a worker whose engine thread died (EX_SOFTWARE).
@@ -136,38 +139,67 @@ fn load(cfg: &ServeConfig, worker_id: &str) -> Result<Loaded, String> {
     let dir = ensure_model_dir(&cfg.model)?;
     let prompter = Arc::new(Prompter::from_dir(&dir).map_err(|e| e.to_string())?);
     let scheme = HashScheme::new(cfg.block_size, prompter.digest());
-    let num_blocks = cfg.kv_cache_tokens / cfg.block_size as usize;
-    let engine_cfg = EngineConfig {
-        num_blocks,
-        scheme,
-        scheduler: SchedulerConfig {
-            max_num_batched_tokens: cfg.max_num_batched_tokens,
-            max_num_seqs: cfg.max_num_seqs,
-        },
+    let bs = cfg.block_size as usize;
+    let scheduler = SchedulerConfig {
+        max_num_batched_tokens: cfg.max_num_batched_tokens,
+        max_num_seqs: cfg.max_num_seqs,
     };
-    let (handle, max_model_len) = match &cfg.engine {
-        EngineKind::Cpu => {
-            let model = LlamaModel::load(&dir).map_err(|e| e.to_string())?;
-            let max_model_len = model.config().max_position_embeddings;
-            let backend = CpuBackend::new(model, num_blocks * cfg.block_size as usize);
-            let engine = Engine::new(engine_cfg, backend, Some(prompter.clone()));
-            (EngineHandle::spawn(engine, cfg.max_waiting_requests), max_model_len)
-        }
+    let engine_cfg = |num_blocks| EngineConfig { num_blocks, scheme, scheduler: scheduler.clone() };
+    let (handle, max_model_len, device) = match &cfg.engine {
+        EngineKind::Cpu => match cfg.device.resolve() {
+            DeviceChoice::Cuda(ordinal) => {
+                let l = crate::cuda::backend::Loaded::from_dir(&dir, ordinal, cfg.dtype)
+                    .map_err(|e| format!("--device cuda:{ordinal}: {e}"))?;
+                let slots = crate::cuda::backend::kv_slots_for(
+                    &l,
+                    cfg.gpu_memory_utilization,
+                    cfg.kv_cache_tokens,
+                    cfg.max_num_batched_tokens,
+                    cfg.max_num_seqs,
+                    bs,
+                )?;
+                let max_model_len = l.cfg.max_position_embeddings;
+                let backend = crate::cuda::CudaBackend::new(l, slots, bs)?;
+                let device = backend.describe();
+                tracing::info!(device = %device, kv_cache_tokens = slots, "CUDA engine");
+                let engine = Engine::new(engine_cfg(slots / bs), backend, Some(prompter.clone()));
+                (EngineHandle::spawn(engine, cfg.max_waiting_requests), max_model_len, device)
+            }
+            _ => {
+                let tokens = cfg.kv_cache_tokens.unwrap_or(config::CPU_KV_CACHE_TOKENS);
+                let model = LlamaModel::load(&dir).map_err(|e| e.to_string())?;
+                let max_model_len = model.config().max_position_embeddings;
+                let backend = CpuBackend::new(model, tokens / bs * bs);
+                tracing::info!(device = "cpu", requested = %cfg.device, kv_cache_tokens = tokens / bs * bs, "CPU engine");
+                let engine = Engine::new(engine_cfg(tokens / bs), backend, Some(prompter.clone()));
+                (EngineHandle::spawn(engine, cfg.max_waiting_requests), max_model_len, "cpu".to_string())
+            }
+        },
         EngineKind::Sim { profile } => {
             let profile = SimProfile::named_or_file(&profile.to_string_lossy())?;
             let eos: Vec<u32> = prompter.eos_token_id().into_iter().collect();
             let backend = SimBackend::new(prompter.vocab_size(), profile.max_model_len, eos)
                 .with_timing(profile.timing, SimClock::RealTime);
             tracing::info!(profile = %profile.name, "simulated engine");
-            let engine = Engine::new(engine_cfg, backend, Some(prompter.clone()));
-            (EngineHandle::spawn(engine, cfg.max_waiting_requests), profile.max_model_len)
+            let tokens = cfg.kv_cache_tokens.unwrap_or(config::CPU_KV_CACHE_TOKENS);
+            let engine = Engine::new(engine_cfg(tokens / bs), backend, Some(prompter.clone()));
+            (EngineHandle::spawn(engine, cfg.max_waiting_requests), profile.max_model_len, "sim".to_string())
         }
     };
+    metrics::gauge!("kvgate_worker_device_info", "device" => device.clone()).set(1.0);
     let model_id = cfg.model_id.clone().unwrap_or_else(|| match &cfg.model {
         ModelSource::Synth { preset, .. } => format!("kvgate-{}", format!("{preset:?}").to_lowercase()),
         ModelSource::Dir(d) => d.file_name().map_or("model".into(), |n| n.to_string_lossy().into_owned()),
     });
-    Ok(Loaded { engine: handle, prompter, model_id, worker_id: worker_id.to_owned(), max_model_len, scheme })
+    Ok(Loaded {
+        engine: handle,
+        prompter,
+        model_id,
+        worker_id: worker_id.to_owned(),
+        max_model_len,
+        scheme,
+        device,
+    })
 }
 
 /// The HTTP routes over `state`.
@@ -210,6 +242,7 @@ async fn models(State(state): State<Arc<AppState>>) -> Response {
             created: state.created,
             owned_by: "kvgate".into(),
             max_model_len: Some(l.max_model_len as u32),
+            device: Some(l.device.clone()),
         }],
     })
     .into_response()

@@ -1,0 +1,107 @@
+#!/usr/bin/env bash
+# The GPU check: one prepared script for a machine with an NVIDIA driver, CUDA 13, and Python with PyTorch and
+# transformers, but no Rust toolchain and no network. Build the binary on a build machine and bring it along:
+#   cargo build --release -p kvgate-worker && strip -o .gpu/kvgate-worker target/release/kvgate-worker
+#   scripts/gpu-check.sh .gpu/kvgate-worker          # results under $OUT (default /tmp/kvgate-gpu-check)
+# Steps (about 5 minutes on an H200): nvidia-smi and the libraries found; `gpu-selftest` (every kernel against its
+# CPU reference, f32 and bf16); logits of the `small` synthetic model on the GPU against the CPU engine and HF
+# transformers (f32 and bf16; one-shot, decode, chunked, cached prefix, mixed batch); `serve --device cuda` against
+# `--device cpu` end to end; `gpu-bench` on the Llama-3-8B shape; `calibrate --device cuda`. Prints one table.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+BIN=${1:-.gpu/kvgate-worker}
+OUT=${OUT:-/tmp/kvgate-gpu-check}
+PY=${PYTHON:-python3}
+mkdir -p "$OUT"
+WORK=$(mktemp -d)
+export KVGATE_CACHE_DIR="$WORK/cache"
+status=0
+
+# CUDA 13 libraries: the toolkit's first (its NVRTC matches the driver's CUDA version), then the Python wheels'
+# (nvidia-cublas, nvidia-cuda-nvrtc).
+LIBS=$($PY - <<'PY'
+import glob, os
+dirs = [d for d in ("/usr/local/cuda/lib64", "/usr/local/nvidia/lib64") if os.path.isdir(d)]
+try:
+    import nvidia
+    for p in nvidia.__path__:
+        dirs += sorted(glob.glob(os.path.join(p, "*", "lib")))
+except Exception:
+    pass
+print(":".join(dirs))
+PY
+)
+export LD_LIBRARY_PATH="$LIBS${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+
+step() { echo; echo "=== $1 ($(date -u +%H:%M:%S))"; }
+
+step "1. device and libraries"
+nvidia-smi | tee "$OUT/nvidia-smi.txt"
+for lib in libcuda.so.1 libnvrtc.so.13 libcublas.so.13 libcublasLt.so.13; do
+  found=$(for d in ${LD_LIBRARY_PATH//:/ } /usr/lib/x86_64-linux-gnu /usr/local/nvidia/lib64; do [ -e "$d/$lib" ] && echo "$d/$lib" && break; done)
+  echo "$lib: ${found:-not found (loader default path)}"
+done | tee -a "$OUT/nvidia-smi.txt"
+"$BIN" --version
+
+step "2. gpu-selftest"
+timeout 120 "$BIN" gpu-selftest --json "$OUT/selftest.json" || status=1
+
+step "3. logits: GPU vs CPU engine vs HF transformers (small synthetic model)"
+"$BIN" synth-model --preset small --out "$WORK/small" >/dev/null
+for dt in float32 bfloat16; do
+  timeout 120 "$BIN" gpu-logits --model "$WORK/small" --dtype "$dt" --out "$WORK/logits" || status=1
+done
+timeout 180 $PY scripts/gpu_compare_hf.py "$WORK/small" "$WORK/logits" float32 bfloat16 | tee "$OUT/logits.json" || status=1
+
+step "4. serve --device cuda vs --device cpu (greedy, f32)"
+timeout 240 $PY scripts/gpu_serve_check.py "$BIN" "$WORK/small" | tee "$OUT/serve.json" || status=1
+
+step "5. gpu-bench (Llama-3-8B shape, random bf16 weights)"
+timeout 300 "$BIN" gpu-bench --json "$OUT/bench.json" > "$WORK/bench.out" 2>&1 || { status=1; tail -20 "$WORK/bench.out"; }
+
+step "6. calibrate --device cuda (Llama-3-8B shape)"
+name="gpu-$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tr 'A-Z ' 'a-z-' | sed 's/nvidia-//')-llama3-8b-measured"
+timeout 240 "$BIN" calibrate --device cuda --llama3-8b --name "$name" --out "$OUT/$name.toml" || status=1
+
+step "summary"
+$PY - "$OUT" <<'PY'
+import json, os, sys
+out = sys.argv[1]
+def load(n):
+    try:
+        return json.load(open(os.path.join(out, n)))
+    except Exception as e:
+        return None
+st = load("selftest.json") or []
+print(f"selftest: {sum(c['pass'] for c in st)}/{len(st)} kernel cases pass"
+      + "".join(f"\n  FAIL {c['kernel']} {c['dtype']} rel {c['rel_err']:.2e} ({c['shape']})" for c in st if not c["pass"]))
+lg = load("logits.json") or {}
+for dt in ("float32", "bfloat16"):
+    d = lg.get(dt)
+    if d:
+        h, c = d["vs_hf"], d.get("vs_cpu_f32") or {}
+        print(f"logits {dt}: vs HF max rel {h['max_rel_diff']:.2e}, top-1 {h['top1_agree']:.3f} ({h['rows']} rows) "
+              f"{'PASS' if h['pass'] else 'FAIL'} [{h['criterion']}]; vs CPU engine max rel "
+              f"{c.get('max_rel_diff', float('nan')):.2e}, top-1 {c.get('top1_agree', float('nan')):.3f}")
+sv = load("serve.json")
+if sv:
+    print(f"serve: CUDA greedy text identical to CPU: {sv['identical_greedy_text']}; cached tokens {sv['cuda_cached_tokens']}; "
+          f"device {sv['cuda_device']}")
+b = load("bench.json")
+if b:
+    print(f"bench on {b['gpu']}: copy {b['copy_gb_s']:.0f} GB/s, bf16 GEMM 8192^3 {b['gemm_bf16_8192_tflops']:.0f} TFLOP/s")
+    for a in b["decode_attention"]:
+        print(f"  paged decode attention {a['seqs']} x {a['context']} ctx: {a['gb_s']:.0f} GB/s = {a['of_copy']:.0%} of copy")
+    for p in b["prefill"]:
+        print(f"  prefill {p['tokens']:>6} tokens: {p['tokens_per_s']:>9.0f} tok/s, {p['tflops']:.0f} TFLOP/s = "
+              f"{p['of_gemm_peak']:.0%} of measured GEMM, {p['of_datasheet_989']:.0%} of 989")
+    for d in b["decode"]:
+        print(f"  decode batch {d['batch']:>3} @ {d['context']}: {d['step_ms']:.2f} ms/step, {d['tokens_per_s']:.0f} tok/s, "
+              f"{d['of_roofline']:.0%} of roofline ({d['roofline_ms']:.2f} ms)")
+    t = b.get("ttft_32k")
+    if t:
+        print(f"  TTFT 32K: cold {t['cold_ms']:.0f} ms, {t['cached_tokens']} cached {t['cached_ms']:.0f} ms, ratio {t['ratio']:.3f}")
+PY
+echo "gpu-check status $status; files in $OUT"
+rm -rf "$WORK"
+exit $status

@@ -1,0 +1,174 @@
+//! [`CudaBackend`]: the engine's `Backend` on a GPU. It owns the device, the weights, the KV pool in device memory
+//! and the forward pass's scratch; the engine's block ids index its pool exactly as they index the CPU one, so
+//! prefix-cache hits, eviction and reports behave the same.
+//!
+//! KV pool sizing ([`kv_slots_for`]): like vLLM's `--gpu-memory-utilization`, a fraction of the memory free after
+//! the weights are loaded, less the forward pass's scratch for the largest step; or `--kv-cache-tokens` exactly.
+
+use std::path::Path;
+
+use super::forward::{self, GpuChunk, GpuKv, Out, Want, Workspace};
+use super::gpu::{Gpu, GpuResult};
+use super::weights::GpuWeights;
+use super::DType;
+use crate::engine::{Backend, BatchItem, Next};
+use crate::model::{ModelConfig, ModelWeights};
+
+/// The CUDA engine.
+pub struct CudaBackend {
+    gpu: Gpu,
+    cfg: ModelConfig,
+    w: GpuWeights,
+    kv: GpuKv,
+    ws: Workspace,
+    block_size: usize,
+}
+
+impl std::fmt::Debug for CudaBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaBackend").field("gpu", &self.gpu).field("dtype", &self.w.dt).finish()
+    }
+}
+
+/// A model on a GPU before its KV pool is sized.
+pub struct Loaded {
+    pub gpu: Gpu,
+    pub cfg: ModelConfig,
+    pub weights: GpuWeights,
+}
+
+impl Loaded {
+    /// Opens GPU `ordinal` and loads a model directory's weights in `dt`.
+    pub fn from_dir(dir: &Path, ordinal: usize, dt: DType) -> GpuResult<Self> {
+        let cfg = ModelConfig::from_dir(dir).map_err(|e| e.to_string())?;
+        super::weights::check_shape(&cfg)?;
+        let gpu = Gpu::open(ordinal)?;
+        let host = ModelWeights::load(dir, &cfg).map_err(|e| e.to_string())?;
+        let weights = GpuWeights::upload(&gpu, &cfg, &host, dt)?;
+        Ok(Self { gpu, cfg, weights })
+    }
+
+    /// Random weights of `cfg`'s shape (benchmarks).
+    pub fn random(cfg: ModelConfig, ordinal: usize, dt: DType, seed: u64) -> GpuResult<Self> {
+        let gpu = Gpu::open(ordinal)?;
+        let weights = GpuWeights::random(&gpu, &cfg, dt, seed)?;
+        Ok(Self { gpu, cfg, weights })
+    }
+}
+
+/// KV slots (tokens) that fit: `kv_cache_tokens` if given (checked), else `utilization` x free memory less the
+/// scratch of a `max_tokens`-token step with `max_rows` logits rows; rounded down to whole blocks.
+pub fn kv_slots_for(
+    l: &Loaded,
+    utilization: f64,
+    kv_cache_tokens: Option<usize>,
+    max_tokens: usize,
+    max_rows: usize,
+    block_size: usize,
+) -> GpuResult<usize> {
+    let (free, _) = l.gpu.mem_info()?;
+    let per_token = GpuKv::bytes_per_token(&l.cfg, l.weights.dt);
+    let scratch = forward::workspace_bytes(
+        &l.cfg,
+        l.weights.dt,
+        max_tokens,
+        max_rows,
+        l.cfg.max_position_embeddings.min(1 << 17),
+    );
+    let budget = ((free as f64 * utilization) as usize).saturating_sub(scratch);
+    let fits = budget / per_token / block_size * block_size;
+    match kv_cache_tokens {
+        Some(t) if t * per_token > budget => Err(format!(
+            "kv-cache-tokens {t} needs {} MiB of KV; {} MiB fit ({} MiB free x {utilization}, less {} MiB scratch)",
+            (t * per_token) >> 20,
+            budget >> 20,
+            free >> 20,
+            scratch >> 20
+        )),
+        Some(t) => Ok(t / block_size * block_size),
+        None if fits < block_size => Err(format!(
+            "no room for KV blocks: {} MiB free x {utilization} less {} MiB scratch",
+            free >> 20,
+            scratch >> 20
+        )),
+        None => Ok(fits),
+    }
+}
+
+impl CudaBackend {
+    /// A backend with a KV pool of `num_slots` positions (blocks x `block_size`).
+    pub fn new(l: Loaded, num_slots: usize, block_size: usize) -> GpuResult<Self> {
+        let kv = GpuKv::new(&l.gpu, &l.cfg, l.weights.dt, num_slots)?;
+        Ok(Self { gpu: l.gpu, cfg: l.cfg, w: l.weights, kv, ws: Workspace::default(), block_size })
+    }
+
+    pub fn gpu(&self) -> &Gpu {
+        &self.gpu
+    }
+
+    pub fn config(&self) -> &ModelConfig {
+        &self.cfg
+    }
+
+    pub fn dtype(&self) -> DType {
+        self.w.dt
+    }
+
+    pub fn weights(&self) -> &GpuWeights {
+        &self.w
+    }
+
+    pub fn kv(&self) -> &GpuKv {
+        &self.kv
+    }
+
+    /// One batch of chunks.
+    pub fn run(&mut self, chunks: &[GpuChunk<'_>]) -> GpuResult<Vec<Option<Out>>> {
+        forward::forward(&self.gpu, &self.cfg, &self.w, &self.kv, &mut self.ws, self.block_size, chunks)
+    }
+
+    /// "cuda:N (name, sm_XY)" for logs and metadata.
+    pub fn describe(&self) -> String {
+        format!("cuda:{} ({}, {}, {})", self.gpu.ordinal, self.gpu.name, self.gpu.arch, self.w.dt.hf_name())
+    }
+}
+
+impl Backend for CudaBackend {
+    fn forward(&mut self, items: &[BatchItem<'_>]) -> Result<Vec<Option<Next>>, String> {
+        let chunks: Vec<GpuChunk<'_>> = items
+            .iter()
+            .map(|it| GpuChunk {
+                tokens: &it.tokens[it.start..it.start + it.len],
+                start: it.start,
+                slots: &it.slots,
+                want: match (it.want_next, it.greedy) {
+                    (false, _) => Want::Nothing,
+                    (true, true) => Want::Argmax,
+                    (true, false) => Want::Logits,
+                },
+            })
+            .collect();
+        let out = self.run(&chunks)?;
+        Ok(out
+            .into_iter()
+            .map(|o| {
+                o.map(|o| match o {
+                    Out::Logits(l) => Next::Logits(l),
+                    Out::Token(t) => Next::Token(t),
+                })
+            })
+            .collect())
+    }
+
+    fn vocab_size(&self) -> usize {
+        self.cfg.vocab_size
+    }
+
+    fn max_model_len(&self) -> usize {
+        self.cfg.max_position_embeddings
+    }
+
+    fn eos_token_ids(&self) -> Vec<u32> {
+        self.cfg.eos_token_ids.clone()
+    }
+}

@@ -1,0 +1,340 @@
+//! The GPU check's measurements: `gpu-logits` (the CUDA engine's logits against the CPU engine on the same
+//! weights, in the scenarios that exercise every path: one-shot prefill, decode steps, chunked prefill, a cached
+//! prefix, a mixed batch; written out for the comparison with HF transformers) and `gpu-bench` (copy bandwidth,
+//! GEMM rate, paged decode attention bandwidth, prefill and decode throughput, TTFT with a cached prefix).
+
+use std::path::Path;
+
+use serde_json::json;
+
+use super::attention::{self, Heads};
+use super::backend::{CudaBackend, Loaded};
+use super::forward::{as_bytes, GpuChunk, Out, Want};
+use super::gpu::GpuResult;
+use super::DType;
+use crate::engine::CpuBackend;
+use crate::model::llama::LlamaModel;
+use crate::model::ModelConfig;
+
+const BS: usize = 16;
+
+/// One logits vector requested from the engines: which scenario, at which position of the shared token sequence.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct Row {
+    pub scenario: &'static str,
+    pub position: usize,
+}
+
+/// A chunk of the script: tokens `start..start + len` of sequence `seq` (slot table `tables[seq]`).
+struct Step {
+    seq: usize,
+    start: usize,
+    len: usize,
+    want: bool,
+    scenario: &'static str,
+}
+
+/// Slots of a sequence from its block ids.
+fn slots(blocks: &[usize]) -> Vec<usize> {
+    blocks.iter().flat_map(|b| b * BS..(b + 1) * BS).collect()
+}
+
+/// The scenario script over `len` (96) tokens: batches of steps run in order.
+fn script(len: usize) -> (Vec<Vec<usize>>, Vec<Vec<Step>>) {
+    let nb = len / BS; // 6
+    let own = |first: usize| (first..first + nb).collect::<Vec<usize>>();
+    // seq 0 single; 1 decode; 2 chunked; 3 cached (A's first 4 blocks); 4 mixed prefill; 5 mixed decode (A's first 5)
+    let mut cached: Vec<usize> = (0..4).collect();
+    cached.extend(40..40 + nb - 4);
+    let mut shared5: Vec<usize> = (0..5).collect();
+    shared5.extend(60..60 + nb - 5);
+    let tables = vec![own(0), own(10), own(20), cached, own(50), shared5];
+    let s = |seq, start, len, want, scenario| Step { seq, start, len, want, scenario };
+    let mut batches = vec![vec![s(0, 0, len, true, "single")], vec![s(1, 0, 32, true, "decode")]];
+    for p in 32..len {
+        batches.push(vec![s(1, p, 1, true, "decode")]);
+    }
+    for c in 0..len / 24 {
+        batches.push(vec![s(2, c * 24, 24, true, "chunked")]);
+    }
+    batches.push(vec![s(3, 64, len - 64, true, "cached")]);
+    batches.push(vec![s(5, 0, 80, false, "mixed")]);
+    batches.push(vec![s(4, 0, 40, true, "mixed"), s(5, 80, 1, true, "mixed")]);
+    (tables, batches)
+}
+
+/// Runs the script on the GPU (and the CPU engine when `cpu`); writes `logits-<dtype>.bin` (f32 rows) and
+/// `logits-<dtype>.json` under `out`, and returns the JSON summary.
+pub fn logits(dir: &Path, ordinal: usize, dt: DType, out: &Path, cpu: bool) -> GpuResult<serde_json::Value> {
+    let len = 96;
+    let l = Loaded::from_dir(dir, ordinal, dt)?;
+    let vocab = l.cfg.vocab_size;
+    let tokens: Vec<u32> = (0..len).map(|i| ((i * 7919 + 13) % vocab) as u32).collect();
+    let (tables, batches) = script(len);
+    let slot_tables: Vec<Vec<usize>> = tables.iter().map(|t| slots(t)).collect();
+    let num_slots = 80 * BS;
+    let mut gpu = CudaBackend::new(l, num_slots, BS)?;
+    let mut cpu_backend = if cpu {
+        Some(CpuBackend::new(LlamaModel::load(dir).map_err(|e| e.to_string())?, num_slots))
+    } else {
+        None
+    };
+    let mut rows = Vec::new();
+    let mut gpu_rows: Vec<Vec<f32>> = Vec::new();
+    let mut cpu_rows: Vec<Vec<f32>> = Vec::new();
+    for batch in &batches {
+        let chunks: Vec<GpuChunk<'_>> = batch
+            .iter()
+            .map(|s| GpuChunk {
+                tokens: &tokens[s.start..s.start + s.len],
+                start: s.start,
+                slots: &slot_tables[s.seq],
+                want: if s.want { Want::Logits } else { Want::Nothing },
+            })
+            .collect();
+        let got = gpu.run(&chunks)?;
+        let cpu_got = match cpu_backend.as_mut() {
+            Some(c) => {
+                let items: Vec<crate::engine::BatchItem<'_>> = batch
+                    .iter()
+                    .map(|s| crate::engine::BatchItem {
+                        tokens: &tokens,
+                        start: s.start,
+                        len: s.len,
+                        slots: slot_tables[s.seq].clone(),
+                        want_next: s.want,
+                        greedy: false,
+                    })
+                    .collect();
+                Some(crate::engine::Backend::forward(c, &items)?)
+            }
+            None => None,
+        };
+        for (i, s) in batch.iter().enumerate() {
+            if !s.want {
+                continue;
+            }
+            let Some(Out::Logits(v)) = &got[i] else { return Err(format!("no logits for {}", s.scenario)) };
+            rows.push(Row { scenario: s.scenario, position: s.start + s.len - 1 });
+            gpu_rows.push(v.clone());
+            if let Some(c) = &cpu_got {
+                match &c[i] {
+                    Some(crate::engine::Next::Logits(l)) => cpu_rows.push(l.clone()),
+                    _ => return Err("the CPU engine returned no logits".into()),
+                }
+            }
+        }
+    }
+    let flat: Vec<f32> = gpu_rows.iter().flatten().copied().collect();
+    std::fs::create_dir_all(out).map_err(|e| e.to_string())?;
+    let name = dt.hf_name();
+    std::fs::write(out.join(format!("logits-{name}.bin")), as_bytes(&flat)).map_err(|e| e.to_string())?;
+    let vs_cpu = (!cpu_rows.is_empty()).then(|| agreement(&gpu_rows, &cpu_rows));
+    let summary = json!({
+        "model": dir.display().to_string(),
+        "dtype": name,
+        "device": gpu.describe(),
+        "vocab": vocab,
+        "tokens": tokens,
+        "rows": rows,
+        "vs_cpu_f32": vs_cpu,
+    });
+    std::fs::write(out.join(format!("logits-{name}.json")), summary.to_string())
+        .map_err(|e| e.to_string())?;
+    Ok(summary)
+}
+
+/// Max relative difference (max |a-b| over max |b|, per row, worst row) and top-1 agreement.
+pub fn agreement(a: &[Vec<f32>], b: &[Vec<f32>]) -> serde_json::Value {
+    let argmax = |v: &[f32]| crate::engine::sampler::argmax(v);
+    let mut worst = 0f64;
+    let mut same = 0;
+    for (x, y) in a.iter().zip(b) {
+        let scale = y.iter().fold(0f64, |m, v| m.max(v.abs() as f64)).max(1e-12);
+        let err = x.iter().zip(y).fold(0f64, |m, (p, q)| m.max((*p as f64 - *q as f64).abs()));
+        worst = worst.max(err / scale);
+        same += usize::from(argmax(x) == argmax(y));
+    }
+    json!({"rows": a.len(), "max_rel_diff": worst, "top1_agree": same as f64 / a.len().max(1) as f64})
+}
+
+/// Llama-3-8B's shape (random weights are made on the device).
+pub fn llama3_8b() -> ModelConfig {
+    let text = r#"{"architectures":["LlamaForCausalLM"],"hidden_size":4096,"intermediate_size":14336,
+        "num_hidden_layers":32,"num_attention_heads":32,"num_key_value_heads":8,"vocab_size":128256,
+        "rms_norm_eps":1e-5,"rope_theta":500000.0,"max_position_embeddings":131072,"tie_word_embeddings":false,
+        "bos_token_id":128000,"eos_token_id":128001,"torch_dtype":"bfloat16",
+        "rope_scaling":{"rope_type":"llama3","factor":8.0,"low_freq_factor":1.0,"high_freq_factor":4.0,
+        "original_max_position_embeddings":8192}}"#;
+    ModelConfig::from_json(text, "llama3-8b (built in)").expect("the built-in shape is valid")
+}
+
+/// Milliseconds of `f` on the device (median of `reps` after one warm-up).
+fn time_ms(
+    b: &mut CudaBackend,
+    reps: usize,
+    mut f: impl FnMut(&mut CudaBackend) -> GpuResult<()>,
+) -> GpuResult<f64> {
+    f(b)?;
+    let mut t = Vec::new();
+    for _ in 0..reps {
+        let start = b.gpu().event()?;
+        f(b)?;
+        let end = b.gpu().event()?;
+        t.push(end.ms_since(&start)? as f64);
+    }
+    t.sort_by(f64::total_cmp);
+    Ok(t[t.len() / 2])
+}
+
+/// FLOPs of a chunk of `n` tokens after `start` cached ones: the matmuls (2 x params x n) and causal attention.
+fn chunk_flops(cfg: &ModelConfig, start: usize, n: usize, logits_rows: usize) -> f64 {
+    let (h, q, kv, i) =
+        (cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim, cfg.kv_dim(), cfg.intermediate_size);
+    let per_layer = (h * (q + 2 * kv) + q * h + 3 * h * i) as f64;
+    let mm = 2.0 * n as f64 * per_layer * cfg.num_hidden_layers as f64;
+    let keys: f64 = (0..n).map(|t| (start + t + 1) as f64).sum();
+    let att = 4.0 * keys * q as f64 * cfg.num_hidden_layers as f64;
+    mm + att + 2.0 * (logits_rows * h * cfg.vocab_size) as f64
+}
+
+/// `gpu-bench`: everything in one JSON object (and a printed table).
+pub fn bench(ordinal: usize, quick: bool) -> GpuResult<serde_json::Value> {
+    let cfg = llama3_8b();
+    let dt = DType::BF16;
+    let l = Loaded::random(cfg.clone(), ordinal, dt, 1)?;
+    let weights_gb = l.weights.step_bytes() as f64 / 1e9;
+    let kv_tokens = 256 * 2048 + 40 * 1024;
+    let mut b = CudaBackend::new(l, kv_tokens, BS)?;
+    let gpu_name = b.gpu().name.clone();
+    let mut report = json!({"device": b.describe(), "gpu": gpu_name, "model": "llama3-8b shape, random bf16 weights",
+        "weights_gb_read_per_step": weights_gb});
+
+    // Copy bandwidth (read + write bytes) and the GEMM rate, measured now.
+    let copy_bytes = 2usize << 30;
+    let (src, dst) = (b.gpu().zeros(copy_bytes)?, b.gpu().zeros(copy_bytes)?);
+    let (sp, dp) = (src.ptr(), dst.ptr());
+    let copy_ms = time_ms(&mut b, 5, |b| b.gpu().copy(dp, sp, copy_bytes))?;
+    let copy_gbs = 2.0 * copy_bytes as f64 / (copy_ms / 1e3) / 1e9;
+    drop((src, dst));
+    let nmk = 8192usize;
+    let (x, w, y) =
+        (b.gpu().zeros(nmk * nmk * 2)?, b.gpu().zeros(nmk * nmk * 2)?, b.gpu().zeros(nmk * nmk * 2)?);
+    let (xp, wp, yp) = (x.ptr(), w.ptr(), y.ptr());
+    let gemm_ms = time_ms(&mut b, 5, |b| b.gpu().linear(dt, dt, yp, nmk, xp, nmk, wp, nmk, nmk, nmk))?;
+    let gemm_tflops = 2.0 * (nmk as f64).powi(3) / (gemm_ms / 1e3) / 1e12;
+    drop((x, w, y));
+    report["copy_gb_s"] = json!(copy_gbs);
+    report["gemm_bf16_8192_tflops"] = json!(gemm_tflops);
+
+    // Paged decode attention at 32K context (one layer's pool, shuffled blocks).
+    let h = Heads { heads: 32, kv_heads: 8, head_dim: 128, block_size: BS };
+    let mut att = Vec::new();
+    for seqs in [1usize, 8] {
+        let ctx = 32_768usize;
+        let nb = ctx / BS;
+        let tables: Vec<i32> = (0..seqs * nb).map(|i| ((i * 7919) % (seqs * nb)) as i32).collect();
+        let rows: Vec<i32> = (0..seqs as i32).collect();
+        let ctxs = vec![ctx as i32; seqs];
+        let g = b.gpu();
+        let (tb, rb, cb) = (g.upload_new(&tables)?, g.upload_new(&rows)?, g.upload_new(&ctxs)?);
+        let kvd = h.kv_heads * h.head_dim;
+        let (kc, vc) = (g.zeros(seqs * ctx * kvd * 2)?, g.zeros(seqs * ctx * kvd * 2)?);
+        let (q, o) = (g.zeros(seqs * 4096 * 2)?, g.zeros(seqs * 4096 * 2)?);
+        let splits = attention::decode_splits(ctx);
+        let part = g.zeros(attention::decode_part_bytes(h, seqs, splits))?;
+        let ms = time_ms(&mut b, 20, |b| {
+            attention::decode(
+                b.gpu(),
+                dt,
+                h,
+                q.ptr(),
+                o.ptr(),
+                kc.ptr(),
+                vc.ptr(),
+                rb.ptr(),
+                cb.ptr(),
+                tb.ptr(),
+                nb,
+                seqs,
+                splits,
+                part.ptr(),
+            )
+        })?;
+        let bytes = (seqs * ctx * kvd * 2 * 2) as f64;
+        let gbs = bytes / (ms / 1e3) / 1e9;
+        att.push(json!({"seqs": seqs, "context": ctx, "ms": ms, "gb_s": gbs, "of_copy": gbs / copy_gbs}));
+    }
+    report["decode_attention"] = json!(att);
+
+    // Prefill throughput (one cold sequence; chunks of at most 8192 tokens, as --max-num-batched-tokens 8192).
+    let vocab = cfg.vocab_size;
+    let longest = if quick { 8192 } else { 32_768 };
+    let tokens: Vec<u32> = (0..longest).map(|i| ((i * 7919 + 1) % vocab) as u32).collect();
+    let seq_slots: Vec<usize> = (0..longest).collect();
+    let mut pre = Vec::new();
+    let mut cold_32k_ms = None;
+    for n in [2048usize, 8192, 32_768].into_iter().filter(|n| *n <= longest) {
+        let ms = time_ms(&mut b, 2, |b| {
+            let mut s = 0;
+            while s < n {
+                let len = 8192.min(n - s);
+                let want = if s + len == n { Want::Argmax } else { Want::Nothing };
+                b.run(&[GpuChunk { tokens: &tokens[s..s + len], start: s, slots: &seq_slots, want }])?;
+                s += len;
+            }
+            Ok(())
+        })?;
+        let flops: f64 =
+            (0..n.div_ceil(8192)).map(|c| chunk_flops(&cfg, c * 8192, 8192.min(n - c * 8192), 1)).sum();
+        let tflops = flops / (ms / 1e3) / 1e12;
+        pre.push(json!({"tokens": n, "ms": ms, "tokens_per_s": n as f64 / (ms / 1e3), "tflops": tflops,
+            "of_gemm_peak": tflops / gemm_tflops, "of_datasheet_989": tflops / 989.0}));
+        if n == 32_768 {
+            cold_32k_ms = Some(ms);
+        }
+    }
+    report["prefill"] = json!(pre);
+
+    // TTFT with 90% of a 32K prompt cached (whole blocks) vs cold.
+    if let Some(cold) = cold_32k_ms {
+        let cached = (32_768 * 9 / 10) / BS * BS;
+        let ms = time_ms(&mut b, 3, |b| {
+            b.run(&[GpuChunk {
+                tokens: &tokens[cached..],
+                start: cached,
+                slots: &seq_slots,
+                want: Want::Argmax,
+            }])
+            .map(|_| ())
+        })?;
+        report["ttft_32k"] =
+            json!({"cold_ms": cold, "cached_tokens": cached, "cached_ms": ms, "ratio": ms / cold});
+    }
+
+    // Decode throughput at 2K context.
+    let ctx = 2048usize;
+    let step_tokens: Vec<u32> = (0..=ctx).map(|i| ((i * 31 + 7) % vocab) as u32).collect();
+    let per_token_kv = super::forward::GpuKv::bytes_per_token(&cfg, dt) as f64;
+    let mut dec = Vec::new();
+    let batches: &[usize] = if quick { &[1, 64] } else { &[1, 8, 64, 256] };
+    for &batch in batches {
+        let tables: Vec<Vec<usize>> =
+            (0..batch).map(|s| (s * (ctx + BS)..(s + 1) * (ctx + BS)).collect()).collect();
+        let ms = time_ms(&mut b, 10, |b| {
+            let chunks: Vec<GpuChunk<'_>> = tables
+                .iter()
+                .map(|t| GpuChunk { tokens: &step_tokens[ctx..], start: ctx, slots: t, want: Want::Argmax })
+                .collect();
+            b.run(&chunks).map(|_| ())
+        })?;
+        let bytes = weights_gb * 1e9 + batch as f64 * (ctx + 1) as f64 * per_token_kv;
+        let roofline_ms = bytes / (copy_gbs * 1e9) * 1e3;
+        dec.push(
+            json!({"batch": batch, "context": ctx, "step_ms": ms, "tokens_per_s": batch as f64 / (ms / 1e3),
+            "roofline_ms": roofline_ms, "of_roofline": roofline_ms / ms}),
+        );
+    }
+    report["decode"] = json!(dec);
+    Ok(report)
+}

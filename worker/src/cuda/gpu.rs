@@ -1,0 +1,418 @@
+//! The device runtime: a CUDA context on one GPU, its stream, a cuBLAS handle, the compiled kernel modules, device
+//! buffers (freed on `Drop`), kernel launches and the GEMM shapes the model needs. Everything goes through one
+//! stream, so ordering is the stream's and host reads synchronise it.
+
+use std::collections::HashMap;
+use std::ffi::{c_void, CString};
+use std::sync::Arc;
+
+use cudarc::cublas::{result as blas, sys as blas_sys, CudaBlas};
+use cudarc::driver::{result as drv, sys as drv_sys, CudaContext, CudaStream};
+
+use super::compile;
+use super::DType;
+
+/// A failure of the device or a library call (never retried: the step fails, the engine carries on).
+pub type GpuResult<T> = Result<T, String>;
+
+fn derr(what: &str, e: impl std::fmt::Debug) -> String {
+    format!("{what}: {e:?}")
+}
+
+/// Whether a CUDA driver library can be loaded and sees at least one GPU.
+pub fn driver_gpu_count() -> usize {
+    // SAFETY: only tries to open the library.
+    if !unsafe { drv_sys::is_culib_present() } {
+        return 0;
+    }
+    if drv::init().is_err() {
+        return 0;
+    }
+    drv::device::get_count().map_or(0, |n| n.max(0) as usize)
+}
+
+/// One GPU, ready to launch kernels.
+pub struct Gpu {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    blas: CudaBlas,
+    funcs: HashMap<String, drv_sys::CUfunction>,
+    _modules: Vec<drv_sys::CUmodule>,
+    pub ordinal: usize,
+    pub name: String,
+    pub arch: String,
+    pub total_mem: usize,
+}
+
+// SAFETY: the raw function and module handles are plain driver handles valid in the context, which is bound to
+// whichever thread uses the Gpu (`bind`); the Gpu is used by one thread at a time (&mut in the engine).
+unsafe impl Send for Gpu {}
+
+impl std::fmt::Debug for Gpu {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Gpu(cuda:{} {} {})", self.ordinal, self.name, self.arch)
+    }
+}
+
+impl Gpu {
+    /// Opens GPU `ordinal`, compiles (or loads from the cache) every kernel for its architecture.
+    pub fn open(ordinal: usize) -> GpuResult<Self> {
+        if driver_gpu_count() <= ordinal {
+            return Err(format!("no CUDA GPU {ordinal} (driver library missing or fewer GPUs)"));
+        }
+        if !compile::nvrtc_available() {
+            return Err(
+                "libnvrtc.so.13 is not on the loader path (CUDA 13 runtime or the nvidia-cuda-nvrtc wheel)"
+                    .into(),
+            );
+        }
+        let ctx = CudaContext::new(ordinal).map_err(|e| derr("cuda context", e))?;
+        // One stream only: cudarc's per-buffer event tracking is not needed.
+        // SAFETY: no cudarc-managed buffers exist yet.
+        unsafe { ctx.disable_event_tracking() };
+        let stream = ctx.default_stream();
+        let blas = CudaBlas::new(stream.clone())
+            .map_err(|e| derr("cublas (libcublas.so.13 on the loader path?)", e))?;
+        let (major, minor) = ctx.compute_capability().map_err(|e| derr("compute capability", e))?;
+        let arch = format!("sm_{major}{minor}");
+        let name = ctx.name().unwrap_or_else(|_| "unknown GPU".into());
+        let total_mem = ctx.total_mem().unwrap_or(0);
+        let cache = compile::default_cache_dir();
+        let mut funcs = HashMap::new();
+        let mut modules = Vec::new();
+        for (file, src) in compile::KERNEL_FILES {
+            let cubin = compile::compile_cached(file, src, &arch, cache.as_deref())?;
+            // SAFETY: the image is a complete CUBIN for this device; the module lives as long as the Gpu.
+            let module = unsafe { drv::module::load_data(cubin.as_ptr() as *const c_void) }
+                .map_err(|e| derr(&format!("load {file} cubin"), e))?;
+            modules.push(module);
+            for name in kernel_names(&compile::full_source(src)) {
+                let cname = CString::new(name.clone()).map_err(|_| "kernel name".to_string())?;
+                // SAFETY: module is loaded; name is a kernel of it.
+                let f = unsafe { drv::module::get_function(module, cname) }
+                    .map_err(|e| derr(&format!("kernel {name}"), e))?;
+                funcs.insert(name, f);
+            }
+        }
+        Ok(Self { ctx, stream, blas, funcs, _modules: modules, ordinal, name, arch, total_mem })
+    }
+
+    /// Makes the context current on this thread (the engine runs on its own thread).
+    pub fn bind(&self) -> GpuResult<()> {
+        self.ctx.bind_to_thread().map_err(|e| derr("bind context", e))
+    }
+
+    /// (free, total) device memory in bytes.
+    pub fn mem_info(&self) -> GpuResult<(usize, usize)> {
+        self.bind()?;
+        drv::mem_get_info().map_err(|e| derr("mem info", e))
+    }
+
+    pub fn sync(&self) -> GpuResult<()> {
+        self.stream.synchronize().map_err(|e| derr("synchronize", e))
+    }
+
+    fn cu_stream(&self) -> drv_sys::CUstream {
+        self.stream.cu_stream()
+    }
+
+    /// An uninitialised buffer of `bytes`.
+    pub fn alloc(&self, bytes: usize) -> GpuResult<DevBuf> {
+        self.bind()?;
+        // SAFETY: plain device allocation, freed by DevBuf's Drop.
+        let ptr = unsafe { drv::malloc_sync(bytes.max(1)) }
+            .map_err(|e| derr(&format!("allocate {} MiB", bytes >> 20), e))?;
+        Ok(DevBuf { ptr, bytes, ctx: self.ctx.clone() })
+    }
+
+    /// A zeroed buffer of `bytes`.
+    pub fn zeros(&self, bytes: usize) -> GpuResult<DevBuf> {
+        let b = self.alloc(bytes)?;
+        // SAFETY: b is bytes long.
+        unsafe { drv::memset_d8_async(b.ptr, 0, bytes, self.cu_stream()) }.map_err(|e| derr("memset", e))?;
+        Ok(b)
+    }
+
+    /// Copies `src` into `dst` (at its start); `dst` must be large enough.
+    pub fn upload<T: Copy>(&self, dst: &DevBuf, src: &[T]) -> GpuResult<()> {
+        let bytes = std::mem::size_of_val(src);
+        if bytes > dst.bytes {
+            return Err(format!("upload of {bytes} bytes into a {} byte buffer", dst.bytes));
+        }
+        if bytes == 0 {
+            return Ok(());
+        }
+        // SAFETY: sizes checked; synchronous with respect to the host buffer.
+        unsafe { drv::memcpy_htod_sync(dst.ptr, src) }.map_err(|e| derr("upload", e))
+    }
+
+    /// A new buffer holding `src`.
+    pub fn upload_new<T: Copy>(&self, src: &[T]) -> GpuResult<DevBuf> {
+        let b = self.alloc(std::mem::size_of_val(src))?;
+        self.upload(&b, src)?;
+        Ok(b)
+    }
+
+    /// Reads `out.len()` elements from `src + byte_offset` (waits for the stream).
+    pub fn download<T: Copy>(&self, out: &mut [T], src: &DevBuf, byte_offset: usize) -> GpuResult<()> {
+        let bytes = std::mem::size_of_val(out);
+        if byte_offset + bytes > src.bytes {
+            return Err("download past the end of a buffer".into());
+        }
+        self.sync()?;
+        // SAFETY: bounds checked above.
+        unsafe { drv::memcpy_dtoh_sync(out, src.ptr + byte_offset as u64) }.map_err(|e| derr("download", e))
+    }
+
+    /// Device-to-device copy of `bytes`.
+    pub fn copy(&self, dst: u64, src: u64, bytes: usize) -> GpuResult<()> {
+        // SAFETY: callers pass pointers into live buffers of at least `bytes`.
+        unsafe { drv::memcpy_dtod_async(dst, src, bytes, self.cu_stream()) }.map_err(|e| derr("copy", e))
+    }
+
+    /// Launches kernel `name` with `args` (each a pointer to the argument's value).
+    pub fn launch(
+        &self,
+        name: &str,
+        grid: (u32, u32, u32),
+        block: (u32, u32, u32),
+        smem: u32,
+        args: &mut [*mut c_void],
+    ) -> GpuResult<()> {
+        let f = *self.funcs.get(name).ok_or_else(|| format!("no kernel named {name}"))?;
+        if grid.0 == 0 || grid.1 == 0 || grid.2 == 0 {
+            return Ok(());
+        }
+        // SAFETY: args point at values of the kernel's parameter types (checked by the callers' signatures).
+        unsafe { drv::launch_kernel(f, grid, block, smem, self.cu_stream(), args) }
+            .map_err(|e| derr(&format!("launch {name}"), e))
+    }
+
+    /// Allows kernel `name` up to `bytes` of dynamic shared memory.
+    pub fn allow_smem(&self, name: &str, bytes: usize) -> GpuResult<()> {
+        let f = *self.funcs.get(name).ok_or_else(|| format!("no kernel named {name}"))?;
+        // SAFETY: f is a live function handle.
+        unsafe {
+            drv::function::set_function_attribute(
+                f,
+                drv_sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                bytes as i32,
+            )
+        }
+        .map_err(|e| derr("smem attribute", e))
+    }
+
+    /// Row-major `y[m, n] = x[m, k] . w[n, k]^T` (a `Linear` with Hugging Face's `[out, in]` weights). `x`, `w` in
+    /// `dt`; `y` in `y_dt` (the storage type, or f32 for logits); f32 accumulation. `ldx`/`ldy` are row strides.
+    #[allow(clippy::too_many_arguments)]
+    pub fn linear(
+        &self,
+        dt: DType,
+        y_dt: DType,
+        y: u64,
+        ldy: usize,
+        x: u64,
+        ldx: usize,
+        w: u64,
+        m: usize,
+        n: usize,
+        k: usize,
+    ) -> GpuResult<()> {
+        if m == 0 {
+            return Ok(());
+        }
+        // Column-major view: Y^T[n, m] = W^T... i.e. C = op(A) B with A = w (k x n column-major, transposed).
+        self.gemm(dt, y_dt, true, n, m, k, 1.0, w, k, x, ldx, 0.0, y, ldy)
+    }
+
+    /// cuBLAS column-major `C[m, n] = alpha op(A)[m, k] B[k, n] + beta C` (B never transposed).
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemm(
+        &self,
+        dt: DType,
+        c_dt: DType,
+        trans_a: bool,
+        m: usize,
+        n: usize,
+        k: usize,
+        alpha: f32,
+        a: u64,
+        lda: usize,
+        b: u64,
+        ldb: usize,
+        beta: f32,
+        c: u64,
+        ldc: usize,
+    ) -> GpuResult<()> {
+        self.gemm_batched(dt, c_dt, trans_a, m, n, k, alpha, (a, lda, 0), (b, ldb, 0), beta, (c, ldc, 0), 1)
+    }
+
+    /// Strided-batched [`Gpu::gemm`]: each operand is (pointer, leading dimension, element stride between batches).
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemm_batched(
+        &self,
+        dt: DType,
+        c_dt: DType,
+        trans_a: bool,
+        m: usize,
+        n: usize,
+        k: usize,
+        alpha: f32,
+        a: (u64, usize, usize),
+        b: (u64, usize, usize),
+        beta: f32,
+        c: (u64, usize, usize),
+        batch: usize,
+    ) -> GpuResult<()> {
+        if m == 0 || n == 0 || batch == 0 {
+            return Ok(());
+        }
+        let op_a = if trans_a {
+            blas_sys::cublasOperation_t::CUBLAS_OP_T
+        } else {
+            blas_sys::cublasOperation_t::CUBLAS_OP_N
+        };
+        let (alpha, beta) = (alpha, beta);
+        // SAFETY: pointers are live device buffers sized by the callers for these shapes; alpha/beta are host f32
+        // (the handle's default pointer mode) matching the f32 compute type.
+        unsafe {
+            blas::gemm_strided_batched_ex(
+                *self.blas.handle(),
+                op_a,
+                blas_sys::cublasOperation_t::CUBLAS_OP_N,
+                m as i32,
+                n as i32,
+                k as i32,
+                &alpha as *const f32 as *const c_void,
+                a.0 as *const c_void,
+                dt.cuda(),
+                a.1 as i32,
+                a.2 as i64,
+                b.0 as *const c_void,
+                dt.cuda(),
+                b.1 as i32,
+                b.2 as i64,
+                &beta as *const f32 as *const c_void,
+                c.0 as *mut c_void,
+                c_dt.cuda(),
+                c.1 as i32,
+                c.2 as i64,
+                batch as i32,
+                blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        }
+        .map_err(|e| derr("cublas gemm", e))
+    }
+
+    /// A timing event on the stream.
+    pub fn event(&self) -> GpuResult<Event> {
+        let e = drv::event::create(drv_sys::CUevent_flags::CU_EVENT_DEFAULT).map_err(|e| derr("event", e))?;
+        // SAFETY: e was just created; recorded on our stream.
+        unsafe { drv::event::record(e, self.cu_stream()) }.map_err(|e| derr("record", e))?;
+        Ok(Event(e))
+    }
+}
+
+/// A recorded event; [`Event::ms_since`] gives device time between two.
+pub struct Event(drv_sys::CUevent);
+
+impl Event {
+    pub fn ms_since(&self, start: &Event) -> GpuResult<f32> {
+        // SAFETY: both events are live and recorded.
+        unsafe {
+            drv::event::synchronize(self.0).map_err(|e| derr("event sync", e))?;
+            drv::event::elapsed(start.0, self.0).map_err(|e| derr("elapsed", e))
+        }
+    }
+}
+
+impl Drop for Event {
+    fn drop(&mut self) {
+        // SAFETY: owned handle.
+        let _ = unsafe { drv::event::destroy(self.0) };
+    }
+}
+
+/// Device memory, freed on drop.
+pub struct DevBuf {
+    ptr: u64,
+    bytes: usize,
+    ctx: Arc<CudaContext>,
+}
+
+// SAFETY: a device address; freeing binds the context first.
+unsafe impl Send for DevBuf {}
+
+impl std::fmt::Debug for DevBuf {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "DevBuf({} bytes)", self.bytes)
+    }
+}
+
+impl DevBuf {
+    pub fn ptr(&self) -> u64 {
+        self.ptr
+    }
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+}
+
+impl Drop for DevBuf {
+    fn drop(&mut self) {
+        let _ = self.ctx.bind_to_thread();
+        // SAFETY: ptr came from malloc_sync and is freed once.
+        let _ = unsafe { drv::free_sync(self.ptr) };
+    }
+}
+
+/// A grow-only scratch buffer.
+#[derive(Debug, Default)]
+pub struct Scratch(Option<DevBuf>);
+
+impl Scratch {
+    /// At least `bytes`, reallocated (contents lost) when too small.
+    pub fn get(&mut self, gpu: &Gpu, bytes: usize) -> GpuResult<u64> {
+        if self.0.as_ref().is_none_or(|b| b.bytes < bytes) {
+            gpu.sync()?; // queued kernels may still use the old buffer
+            self.0 = None;
+            self.0 = Some(gpu.alloc(bytes.next_multiple_of(1 << 20))?);
+        }
+        Ok(self.0.as_ref().map_or(0, |b| b.ptr))
+    }
+}
+
+/// The names of the `extern "C" __global__` kernels a source defines (after macro expansion, approximated by
+/// expanding `FOR_EACH_DTYPE` over the macro-generated name patterns).
+fn kernel_names(src: &str) -> Vec<String> {
+    let suffixes = ["f32", "bf16", "f16"];
+    let mut names = Vec::new();
+    for line in src.lines() {
+        let Some(i) = line.find("__global__ void ") else { continue };
+        let rest = &line[i + "__global__ void ".len()..];
+        let rest = rest.strip_prefix("__launch_bounds__(DEC_THREADS) ").unwrap_or(rest);
+        let name: String =
+            rest.chars().take_while(|c| c.is_alphanumeric() || *c == '_' || *c == '#').collect();
+        if let Some(base) = name.strip_suffix("_##S") {
+            names.extend(suffixes.iter().map(|s| format!("{base}_{s}")));
+        } else if !name.is_empty() {
+            names.push(name);
+        }
+    }
+    names
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn kernel_names_expand_dtypes() {
+        let all: Vec<String> = super::compile::KERNEL_FILES
+            .iter()
+            .flat_map(|(_, s)| super::kernel_names(&super::compile::full_source(s)))
+            .collect();
+        for n in ["embed_bf16", "rmsnorm_f32", "paged_decode_f16", "causal_softmax_bf16", "argmax_rows"] {
+            assert!(all.iter().any(|x| x == n), "{n} missing from {all:?}");
+        }
+    }
+}
