@@ -98,6 +98,10 @@ if b:
     for d in b["decode"]:
         print(f"  decode batch {d['batch']:>3} @ {d['context']}: {d['step_ms']:.2f} ms/step, {d['tokens_per_s']:.0f} tok/s, "
               f"{d['of_roofline']:.0%} of roofline ({d['roofline_ms']:.2f} ms)")
+    for p in b.get("prefill_attention_layer", []):
+        print(f"  one layer's attention, 8K cold chunk, {p['path']}: {p['ms']:.2f} ms = {p['tflops']:.0f} TFLOP/s")
+    if "prefill_8k_gemm_attention_ms" in b:
+        print(f"  prefill 8192 on the GEMM attention path: {b['prefill_8k_gemm_attention_ms']:.0f} ms (flash: {b['flash_prefill']})")
     t = b.get("ttft_32k")
     if t:
         print(f"  TTFT 32K: cold {t['cold_ms']:.0f} ms, {t['cached_tokens']} cached {t['cached_ms']:.0f} ms, ratio {t['ratio']:.3f}")

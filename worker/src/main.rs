@@ -104,6 +104,9 @@ enum Command {
         /// Also write the JSON here.
         #[arg(long)]
         json: Option<PathBuf>,
+        /// Only the kernels (copy, GEMM, decode and prefill attention); no model.
+        #[arg(long)]
+        kernels_only: bool,
     },
     /// Compile every CUDA kernel source with NVRTC (no GPU needed; libnvrtc on the loader path).
     CompileKernels {
@@ -163,23 +166,25 @@ fn main() -> ExitCode {
                 }
             }
         }
-        Command::GpuBench { gpu, quick, json } => match kvgate_worker::cuda::check::bench(gpu, quick) {
-            Ok(report) => {
-                let text = serde_json::to_string_pretty(&report).unwrap_or_default();
-                println!("{text}");
-                if let Some(p) = json {
-                    if let Err(e) = std::fs::write(&p, text) {
-                        eprintln!("gpu-bench: {}: {e}", p.display());
-                        return ExitCode::FAILURE;
+        Command::GpuBench { gpu, quick, json, kernels_only } => {
+            match kvgate_worker::cuda::check::bench(gpu, quick, kernels_only) {
+                Ok(report) => {
+                    let text = serde_json::to_string_pretty(&report).unwrap_or_default();
+                    println!("{text}");
+                    if let Some(p) = json {
+                        if let Err(e) = std::fs::write(&p, text) {
+                            eprintln!("gpu-bench: {}: {e}", p.display());
+                            return ExitCode::FAILURE;
+                        }
                     }
+                    ExitCode::SUCCESS
                 }
-                ExitCode::SUCCESS
+                Err(e) => {
+                    eprintln!("gpu-bench: {e}");
+                    ExitCode::FAILURE
+                }
             }
-            Err(e) => {
-                eprintln!("gpu-bench: {e}");
-                ExitCode::FAILURE
-            }
-        },
+        }
         Command::CompileKernels { arch } => {
             let archs: Vec<&str> = arch.iter().map(String::as_str).collect();
             let version = kvgate_worker::cuda::compile::nvrtc_version();

@@ -1,6 +1,8 @@
 //! Attention launches over the paged KV pool (kernels in `kernels/attention.cu`): split-K decode for one-token
-//! chunks, and GEMM-based causal prefill (gathered K/V, cuBLAS scores, masked softmax, cuBLAS P.V) for longer
-//! chunks, with or without a cached prefix. Shared by the forward pass and the self-test.
+//! chunks, and GEMM-based causal prefill for longer chunks, with or without a cached prefix: K/V gathered, the
+//! queries of each KV head's group stacked so that one batched GEMM per tile computes every head's scores (in the
+//! storage type, as eager attention does), masked softmax in place, one batched GEMM for P.V, rows scattered back.
+//! Shared by the forward pass and the self-test.
 
 use super::gpu::{Gpu, GpuResult, Scratch};
 use super::weights::ptr;
@@ -8,8 +10,8 @@ use super::DType;
 
 /// Keys per split of the decode kernel.
 pub const DECODE_PART: usize = 512;
-/// Bytes of attention scores (f32) + probabilities of one prefill query tile.
-pub const SCORE_BUDGET: usize = 1 << 30;
+/// Bytes of attention scores of one prefill query tile (probabilities overwrite them).
+pub const SCORE_BUDGET: usize = 2 << 30;
 const DEC_THREADS: u32 = 256;
 
 /// Head layout and pool geometry.
@@ -30,10 +32,21 @@ impl Heads {
     }
 }
 
+/// Most splits the merge kernel takes (`DEC_MAX_SPLITS`).
+const MAX_SPLITS: usize = 1024;
+
+/// Keys per split for a longest context of `max_ctx`: [`DECODE_PART`], larger past 1024 splits.
+pub fn decode_part(max_ctx: usize) -> usize {
+    DECODE_PART.max(max_ctx.div_ceil(MAX_SPLITS).next_multiple_of(32))
+}
+
 /// Splits of the decode kernel for a longest context of `max_ctx`.
 pub fn decode_splits(max_ctx: usize) -> usize {
-    max_ctx.div_ceil(DECODE_PART).max(1)
+    max_ctx.div_ceil(decode_part(max_ctx)).max(1)
 }
+
+/// Dynamic shared memory the kernels may use (opted in at start): flash tiles, decode scores of long splits.
+pub const MAX_DYNAMIC_SMEM: usize = 96 << 10;
 
 /// Bytes of the decode kernel's partial results.
 pub fn decode_part_bytes(h: Heads, seqs: usize, splits: usize) -> usize {
@@ -41,8 +54,8 @@ pub fn decode_part_bytes(h: Heads, seqs: usize, splits: usize) -> usize {
 }
 
 /// Decode attention of `seqs` one-token queries. `q`/`o`: `[rows, heads * hd]`; per sequence its row (`rows`,
-/// i32), its context length (`ctx`, i32) and `max_blocks` block ids (`tables`, i32). `part`: scratch of
-/// [`decode_part_bytes`].
+/// i32), its context length (`ctx`, i32, the longest `max_ctx`) and `max_blocks` block ids (`tables`, i32).
+/// `part`: scratch of [`decode_part_bytes`] for [`decode_splits`]`(max_ctx)`.
 #[allow(clippy::too_many_arguments)]
 pub fn decode(
     gpu: &Gpu,
@@ -57,9 +70,10 @@ pub fn decode(
     tables: u64,
     max_blocks: usize,
     seqs: usize,
-    splits: usize,
+    max_ctx: usize,
     part: u64,
 ) -> GpuResult<()> {
+    let (keys_per_split, splits) = (decode_part(max_ctx), decode_splits(max_ctx));
     let sfx = dt.suffix();
     let (heads, kvh, hd, g) = (h.heads, h.kv_heads, h.head_dim, h.g());
     let pa = part;
@@ -67,10 +81,10 @@ pub fn decode(
     let (mut qq, mut rw, mut k, mut v, mut bt) = (q, rows, kc, vc, tables);
     let (mut mb, mut cx, mut bs) = (max_blocks as i32, ctx, h.block_size as i32);
     let (mut h_, mut kh_, mut hd_, mut sc, mut pt, mut pa_, mut pml_) =
-        (heads as i32, kvh as i32, hd as i32, h.scale(), DECODE_PART as i32, pa, pml);
-    let smem = ((2 * g * hd + g * DECODE_PART) * 4) as u32;
+        (heads as i32, kvh as i32, hd as i32, h.scale(), keys_per_split as i32, pa, pml);
+    let smem = ((g + 1) * keys_per_split * 4) as u32;
     gpu.launch(
-        &format!("paged_decode_{sfx}"),
+        &format!("paged_decode_{sfx}_g{g}"),
         (seqs as u32, kvh as u32, splits as u32),
         (DEC_THREADS, 1, 1),
         smem,
@@ -114,12 +128,16 @@ pub fn decode(
 /// Scratch of the prefill path.
 #[derive(Debug, Default)]
 pub struct PrefillScratch {
-    /// Bytes of scores + probabilities per query tile (0 = [`SCORE_BUDGET`]); tests make it small to force tiles.
+    /// Bytes of scores per query tile (0 = [`SCORE_BUDGET`]); tests make it small to force tiles.
     pub budget: usize,
+    /// Use the tensor-core flash kernel (bf16/f16, head_dim 64 or 128) instead of the GEMM path; the backend
+    /// turns it on once [`flash_agrees`] on this device.
+    pub flash: bool,
     kbuf: Scratch,
     vbuf: Scratch,
     scores: Scratch,
-    probs: Scratch,
+    qs: Scratch,
+    os: Scratch,
 }
 
 /// Causal attention of one chunk: queries at rows `row0..row0 + len` of `q` (positions `start..start + len`) over
@@ -142,6 +160,38 @@ pub fn prefill(
     let sfx = dt.suffix();
     let es = dt.size();
     let (heads, kvh, hd, g) = (h.heads, h.kv_heads, h.head_dim, h.g());
+    if s.flash && flash_supported(dt, hd) {
+        let (mut a, mut b, mut k, mut v, mut t) = (q, o, kc, vc, table);
+        let (mut bs, mut h_, mut kh_, mut r0, mut st, mut l, mut sc) = (
+            h.block_size as i32,
+            heads as i32,
+            kvh as i32,
+            row0 as i32,
+            start as i32,
+            len_all as i32,
+            h.scale(),
+        );
+        return gpu.launch(
+            &format!("flash_prefill_{sfx}_hd{hd}"),
+            (len_all.div_ceil(FLASH_BQ) as u32, heads as u32, 1),
+            (FLASH_THREADS, 1, 1),
+            flash_smem(hd, es) as u32,
+            &mut [
+                ptr(&mut a),
+                ptr(&mut b),
+                ptr(&mut k),
+                ptr(&mut v),
+                ptr(&mut t),
+                ptr(&mut bs),
+                ptr(&mut h_),
+                ptr(&mut kh_),
+                ptr(&mut r0),
+                ptr(&mut st),
+                ptr(&mut l),
+                ptr(&mut sc),
+            ],
+        );
+    }
     let qd = heads * hd;
     let ctx = start + len_all;
     let kbuf = s.kbuf.get(gpu, ctx * kvh * hd * es)?;
@@ -169,32 +219,43 @@ pub fn prefill(
         )?;
     }
     let budget = if s.budget == 0 { SCORE_BUDGET } else { s.budget };
-    let tile = (budget / (heads * ctx * (4 + es))).clamp(1, len_all);
-    let scores = s.scores.get(gpu, heads * tile * ctx * 4)?;
-    let probs = s.probs.get(gpu, heads * tile * ctx * es)?;
+    let tile = (budget / (heads * ctx * es)).clamp(1, len_all);
+    let scores = s.scores.get(gpu, heads * tile * ctx * es)?;
+    let qs = s.qs.get(gpu, tile * qd * es)?;
+    let os = s.os.get(gpu, tile * qd * es)?;
     let mut i0 = 0;
     while i0 < len_all {
         let len = tile.min(len_all - i0);
         let keys = start + i0 + len;
-        let qrow = row0 + i0;
-        for gi in 0..g {
-            gpu.gemm_batched(
-                dt,
-                DType::F32,
-                true,
-                keys,
-                len,
-                hd,
-                h.scale(),
-                (kbuf, hd, ctx * hd),
-                (q + ((qrow * qd + gi * hd) * es) as u64, qd, g * hd),
-                0.0,
-                (scores + (gi * len * keys * 4) as u64, keys, g * len * keys),
-                kvh,
-            )?;
-        }
+        let rows = g * len; // stacked query rows per KV head: (gi, i)
+        let (mut a, mut b, mut r0, mut l, mut h_, mut kh_, mut hd_) =
+            (qs, q, (row0 + i0) as i32, len as i32, heads as i32, kvh as i32, hd as i32);
+        let mut args =
+            [ptr(&mut a), ptr(&mut b), ptr(&mut r0), ptr(&mut l), ptr(&mut h_), ptr(&mut kh_), ptr(&mut hd_)];
+        gpu.launch(
+            &format!("q_stack_{sfx}"),
+            (len as u32, heads as u32, 1),
+            (hd as u32, 1, 1),
+            0,
+            &mut args,
+        )?;
+        // scores[kh][(gi, i)][key] = scale * q . k, in T (as eager attention).
+        gpu.gemm_batched(
+            dt,
+            dt,
+            true,
+            keys,
+            rows,
+            hd,
+            h.scale(),
+            (kbuf, hd, ctx * hd),
+            (qs, hd, rows * hd),
+            0.0,
+            (scores, keys, rows * keys),
+            kvh,
+        )?;
         let (mut p, mut sc, mut l, mut k, mut fp) =
-            (probs, scores, len as i32, keys as i32, (start + i0) as i32);
+            (scores, scores, len as i32, keys as i32, (start + i0) as i32);
         gpu.launch(
             &format!("causal_softmax_{sfx}"),
             ((heads * len) as u32, 1, 1),
@@ -202,23 +263,62 @@ pub fn prefill(
             0,
             &mut [ptr(&mut p), ptr(&mut sc), ptr(&mut l), ptr(&mut k), ptr(&mut fp)],
         )?;
-        for gi in 0..g {
-            gpu.gemm_batched(
-                dt,
-                dt,
-                false,
-                hd,
-                len,
-                keys,
-                1.0,
-                (vbuf, hd, ctx * hd),
-                (probs + ((gi * len * keys) * es) as u64, keys, g * len * keys),
-                0.0,
-                (o + ((qrow * qd + gi * hd) * es) as u64, qd, g * hd),
-                kvh,
-            )?;
-        }
+        // os[kh][(gi, i)][d] = P . V
+        gpu.gemm_batched(
+            dt,
+            dt,
+            false,
+            hd,
+            rows,
+            keys,
+            1.0,
+            (vbuf, hd, ctx * hd),
+            (scores, keys, rows * keys),
+            0.0,
+            (os, hd, rows * hd),
+            kvh,
+        )?;
+        let (mut a, mut b, mut r0, mut l, mut h_, mut kh_, mut hd_) =
+            (o, os, (row0 + i0) as i32, len as i32, heads as i32, kvh as i32, hd as i32);
+        let mut args =
+            [ptr(&mut a), ptr(&mut b), ptr(&mut r0), ptr(&mut l), ptr(&mut h_), ptr(&mut kh_), ptr(&mut hd_)];
+        gpu.launch(
+            &format!("o_scatter_{sfx}"),
+            (len as u32, heads as u32, 1),
+            (hd as u32, 1, 1),
+            0,
+            &mut args,
+        )?;
         i0 += len;
     }
     Ok(())
+}
+
+/// Queries per block of the flash kernel (`FA_BQ` in flash.cu), its threads and its dynamic shared memory.
+const FLASH_BQ: usize = 128;
+const FLASH_THREADS: u32 = 256;
+fn flash_smem(head_dim: usize, es: usize) -> usize {
+    4 * 64 * (head_dim + 8) * es
+}
+
+/// Whether the flash kernel exists for this dtype and head size.
+pub fn flash_supported(dt: DType, head_dim: usize) -> bool {
+    dt != DType::F32 && (head_dim == 64 || head_dim == 128)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn decode_splits_stay_within_the_merge_kernel() {
+        assert_eq!((decode_part(1), decode_splits(1)), (512, 1));
+        assert_eq!((decode_part(2048), decode_splits(2048)), (512, 4));
+        assert_eq!(decode_splits(512 * 1024), 1024);
+        let long = 3 << 20;
+        assert!(decode_splits(long) <= MAX_SPLITS && decode_part(long) * decode_splits(long) >= long);
+        // The largest split's scores and slots fit the opted-in shared memory for 8 query heads per KV head.
+        assert!(9 * decode_part(2 << 20) * 4 <= MAX_DYNAMIC_SMEM);
+        assert!(flash_smem(128, 2) <= MAX_DYNAMIC_SMEM);
+    }
 }

@@ -99,7 +99,27 @@ impl CudaBackend {
     /// A backend with a KV pool of `num_slots` positions (blocks x `block_size`).
     pub fn new(l: Loaded, num_slots: usize, block_size: usize) -> GpuResult<Self> {
         let kv = GpuKv::new(&l.gpu, &l.cfg, l.weights.dt, num_slots)?;
-        Ok(Self { gpu: l.gpu, cfg: l.cfg, w: l.weights, kv, ws: Workspace::default(), block_size })
+        let mut ws = Workspace::default();
+        let dt = l.weights.dt;
+        if super::attention::flash_supported(dt, l.cfg.head_dim) {
+            let h = super::attention::Heads {
+                heads: l.cfg.num_attention_heads,
+                kv_heads: l.cfg.num_key_value_heads,
+                head_dim: l.cfg.head_dim,
+                block_size,
+            };
+            let (ok, err) = super::selftest::flash_agrees(&l.gpu, dt, h)?;
+            if ok {
+                tracing::info!(rel_err = err, "flash prefill attention checked against the GEMM path: on");
+            } else {
+                tracing::warn!(
+                    rel_err = err,
+                    "flash prefill attention disagrees with the GEMM path: using GEMMs"
+                );
+            }
+            ws.set_flash(ok);
+        }
+        Ok(Self { gpu: l.gpu, cfg: l.cfg, w: l.weights, kv, ws, block_size })
     }
 
     pub fn gpu(&self) -> &Gpu {
@@ -120,6 +140,16 @@ impl CudaBackend {
 
     pub fn kv(&self) -> &GpuKv {
         &self.kv
+    }
+
+    /// Whether prefill attention runs on the flash kernel.
+    pub fn flash(&self) -> bool {
+        self.ws.flash()
+    }
+
+    /// Turns the flash prefill kernel off (or back on, where supported): benchmarks compare the two paths.
+    pub fn set_flash(&mut self, on: bool) {
+        self.ws.set_flash(on && super::attention::flash_supported(self.w.dt, self.cfg.head_dim));
     }
 
     /// One batch of chunks.

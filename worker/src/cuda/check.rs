@@ -10,7 +10,7 @@ use serde_json::json;
 use super::attention::{self, Heads};
 use super::backend::{CudaBackend, Loaded};
 use super::forward::{as_bytes, GpuChunk, Out, Want};
-use super::gpu::GpuResult;
+use super::gpu::{Gpu, GpuResult};
 use super::DType;
 use crate::engine::CpuBackend;
 use crate::model::llama::LlamaModel;
@@ -198,30 +198,35 @@ fn chunk_flops(cfg: &ModelConfig, start: usize, n: usize, logits_rows: usize) ->
     mm + att + 2.0 * (logits_rows * h * cfg.vocab_size) as f64
 }
 
-/// `gpu-bench`: everything in one JSON object (and a printed table).
-pub fn bench(ordinal: usize, quick: bool) -> GpuResult<serde_json::Value> {
-    let cfg = llama3_8b();
-    let dt = DType::BF16;
-    let l = Loaded::random(cfg.clone(), ordinal, dt, 1)?;
-    let weights_gb = l.weights.step_bytes() as f64 / 1e9;
-    let kv_tokens = 256 * 2048 + 40 * 1024;
-    let mut b = CudaBackend::new(l, kv_tokens, BS)?;
-    let gpu_name = b.gpu().name.clone();
-    let mut report = json!({"device": b.describe(), "gpu": gpu_name, "model": "llama3-8b shape, random bf16 weights",
-        "weights_gb_read_per_step": weights_gb});
+/// Milliseconds of `f` on the device (median of `reps` after one warm-up).
+fn time_gpu(gpu: &Gpu, reps: usize, mut f: impl FnMut() -> GpuResult<()>) -> GpuResult<f64> {
+    f()?;
+    let mut t = Vec::new();
+    for _ in 0..reps {
+        let start = gpu.event()?;
+        f()?;
+        let end = gpu.event()?;
+        t.push(end.ms_since(&start)? as f64);
+    }
+    t.sort_by(f64::total_cmp);
+    Ok(t[t.len() / 2])
+}
 
+/// The kernels alone, on Llama-3-8B's attention shape: copy bandwidth, the GEMM rate, paged decode attention at
+/// 32K context, and one layer's prefill attention of an 8K chunk (flash kernel and GEMM path).
+pub fn kernel_bench(gpu: &Gpu) -> GpuResult<serde_json::Value> {
+    let dt = DType::BF16;
+    let mut report = json!({"gpu": gpu.name});
     // Copy bandwidth (read + write bytes) and the GEMM rate, measured now.
     let copy_bytes = 2usize << 30;
-    let (src, dst) = (b.gpu().zeros(copy_bytes)?, b.gpu().zeros(copy_bytes)?);
-    let (sp, dp) = (src.ptr(), dst.ptr());
-    let copy_ms = time_ms(&mut b, 5, |b| b.gpu().copy(dp, sp, copy_bytes))?;
+    let (src, dst) = (gpu.zeros(copy_bytes)?, gpu.zeros(copy_bytes)?);
+    let copy_ms = time_gpu(gpu, 5, || gpu.copy(dst.ptr(), src.ptr(), copy_bytes))?;
     let copy_gbs = 2.0 * copy_bytes as f64 / (copy_ms / 1e3) / 1e9;
     drop((src, dst));
     let nmk = 8192usize;
-    let (x, w, y) =
-        (b.gpu().zeros(nmk * nmk * 2)?, b.gpu().zeros(nmk * nmk * 2)?, b.gpu().zeros(nmk * nmk * 2)?);
-    let (xp, wp, yp) = (x.ptr(), w.ptr(), y.ptr());
-    let gemm_ms = time_ms(&mut b, 5, |b| b.gpu().linear(dt, dt, yp, nmk, xp, nmk, wp, nmk, nmk, nmk))?;
+    let (x, w, y) = (gpu.zeros(nmk * nmk * 2)?, gpu.zeros(nmk * nmk * 2)?, gpu.zeros(nmk * nmk * 2)?);
+    let gemm_ms =
+        time_gpu(gpu, 5, || gpu.linear(dt, dt, y.ptr(), nmk, x.ptr(), nmk, w.ptr(), nmk, nmk, nmk))?;
     let gemm_tflops = 2.0 * (nmk as f64).powi(3) / (gemm_ms / 1e3) / 1e12;
     drop((x, w, y));
     report["copy_gb_s"] = json!(copy_gbs);
@@ -229,6 +234,7 @@ pub fn bench(ordinal: usize, quick: bool) -> GpuResult<serde_json::Value> {
 
     // Paged decode attention at 32K context (one layer's pool, shuffled blocks).
     let h = Heads { heads: 32, kv_heads: 8, head_dim: 128, block_size: BS };
+    let kvd = h.kv_heads * h.head_dim;
     let mut att = Vec::new();
     for seqs in [1usize, 8] {
         let ctx = 32_768usize;
@@ -236,16 +242,13 @@ pub fn bench(ordinal: usize, quick: bool) -> GpuResult<serde_json::Value> {
         let tables: Vec<i32> = (0..seqs * nb).map(|i| ((i * 7919) % (seqs * nb)) as i32).collect();
         let rows: Vec<i32> = (0..seqs as i32).collect();
         let ctxs = vec![ctx as i32; seqs];
-        let g = b.gpu();
-        let (tb, rb, cb) = (g.upload_new(&tables)?, g.upload_new(&rows)?, g.upload_new(&ctxs)?);
-        let kvd = h.kv_heads * h.head_dim;
-        let (kc, vc) = (g.zeros(seqs * ctx * kvd * 2)?, g.zeros(seqs * ctx * kvd * 2)?);
-        let (q, o) = (g.zeros(seqs * 4096 * 2)?, g.zeros(seqs * 4096 * 2)?);
-        let splits = attention::decode_splits(ctx);
-        let part = g.zeros(attention::decode_part_bytes(h, seqs, splits))?;
-        let ms = time_ms(&mut b, 20, |b| {
+        let (tb, rb, cb) = (gpu.upload_new(&tables)?, gpu.upload_new(&rows)?, gpu.upload_new(&ctxs)?);
+        let (kc, vc) = (gpu.zeros(seqs * ctx * kvd * 2)?, gpu.zeros(seqs * ctx * kvd * 2)?);
+        let (q, o) = (gpu.zeros(seqs * 4096 * 2)?, gpu.zeros(seqs * 4096 * 2)?);
+        let part = gpu.zeros(attention::decode_part_bytes(h, seqs, attention::decode_splits(ctx)))?;
+        let ms = time_gpu(gpu, 20, || {
             attention::decode(
-                b.gpu(),
+                gpu,
                 dt,
                 h,
                 q.ptr(),
@@ -257,7 +260,7 @@ pub fn bench(ordinal: usize, quick: bool) -> GpuResult<serde_json::Value> {
                 tb.ptr(),
                 nb,
                 seqs,
-                splits,
+                ctx,
                 part.ptr(),
             )
         })?;
@@ -266,6 +269,65 @@ pub fn bench(ordinal: usize, quick: bool) -> GpuResult<serde_json::Value> {
         att.push(json!({"seqs": seqs, "context": ctx, "ms": ms, "gb_s": gbs, "of_copy": gbs / copy_gbs}));
     }
     report["decode_attention"] = json!(att);
+
+    // One layer's causal attention of an 8K cold chunk.
+    let n = 8192usize;
+    let table: Vec<i32> = (0..(n / BS) as i32).rev().collect();
+    let tb = gpu.upload_new(&table)?;
+    let (kc, vc) = (super::weights::upload_as(gpu, dt, &vec![0.01f32; n * kvd])?, gpu.zeros(n * kvd * 2)?);
+    let (q, o) = (gpu.zeros(n * 4096 * 2)?, gpu.zeros(n * 4096 * 2)?);
+    let flops = 4.0 * (n as f64) * (n as f64 + 1.0) / 2.0 * 4096.0;
+    let mut pf = Vec::new();
+    let (flash_ok, _) = super::selftest::flash_agrees(gpu, dt, h)?;
+    for flash in [true, false] {
+        if flash && !flash_ok {
+            continue;
+        }
+        let mut scratch = attention::PrefillScratch::default();
+        scratch.flash = flash;
+        let ms = time_gpu(gpu, 5, || {
+            attention::prefill(
+                gpu,
+                dt,
+                h,
+                q.ptr(),
+                o.ptr(),
+                kc.ptr(),
+                vc.ptr(),
+                tb.ptr(),
+                0,
+                0,
+                n,
+                &mut scratch,
+            )
+        })?;
+        pf.push(json!({"path": if flash { "flash" } else { "gemm" }, "tokens": n, "ms": ms,
+            "tflops": flops / (ms / 1e3) / 1e12}));
+    }
+    report["prefill_attention_layer"] = json!(pf);
+    Ok(report)
+}
+
+/// `gpu-bench`: everything in one JSON object (and a printed table). `kernels_only`: [`kernel_bench`] alone.
+pub fn bench(ordinal: usize, quick: bool, kernels_only: bool) -> GpuResult<serde_json::Value> {
+    let mut report = {
+        let gpu = Gpu::open(ordinal)?;
+        kernel_bench(&gpu)?
+    };
+    if kernels_only {
+        return Ok(report);
+    }
+    let copy_gbs = report["copy_gb_s"].as_f64().unwrap_or(1.0);
+    let gemm_tflops = report["gemm_bf16_8192_tflops"].as_f64().unwrap_or(1.0);
+    let cfg = llama3_8b();
+    let dt = DType::BF16;
+    let l = Loaded::random(cfg.clone(), ordinal, dt, 1)?;
+    let weights_gb = l.weights.step_bytes() as f64 / 1e9;
+    let kv_tokens = 256 * 2048 + 40 * 1024;
+    let mut b = CudaBackend::new(l, kv_tokens, BS)?;
+    report["device"] = json!(b.describe());
+    report["model"] = json!("llama3-8b shape, random bf16 weights");
+    report["weights_gb_read_per_step"] = json!(weights_gb);
 
     // Prefill throughput (one cold sequence; chunks of at most 8192 tokens, as --max-num-batched-tokens 8192).
     let vocab = cfg.vocab_size;
@@ -295,6 +357,17 @@ pub fn bench(ordinal: usize, quick: bool) -> GpuResult<serde_json::Value> {
         }
     }
     report["prefill"] = json!(pre);
+    // The same 8K prefill on the GEMM attention path (the fallback, and f32's path).
+    if b.flash() {
+        b.set_flash(false);
+        let ms = time_ms(&mut b, 2, |b| {
+            b.run(&[GpuChunk { tokens: &tokens[..8192], start: 0, slots: &seq_slots, want: Want::Argmax }])
+                .map(|_| ())
+        })?;
+        b.set_flash(true);
+        report["prefill_8k_gemm_attention_ms"] = json!(ms);
+    }
+    report["flash_prefill"] = json!(b.flash());
 
     // TTFT with 90% of a 32K prompt cached (whole blocks) vs cold.
     if let Some(cold) = cold_32k_ms {

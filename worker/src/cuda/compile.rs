@@ -19,10 +19,18 @@ pub const KERNEL_FILES: &[(&str, &str)] = &[
     ("rope", include_str!("kernels/rope.cu")),
     ("attention", include_str!("kernels/attention.cu")),
     ("sampling", include_str!("kernels/sampling.cu")),
+    ("gemv", include_str!("kernels/gemv.cu")),
+    ("flash", include_str!("kernels/flash.cu")),
 ];
 
 /// NVRTC options besides the architecture (no fast math: kernels are checked against f32 references).
 const OPTIONS: &[&str] = &["--std=c++17", "-DNDEBUG"];
+
+/// Extra NVRTC options from `KVGATE_NVRTC_EXTRA` (space-separated, e.g. `-DDEC_UNROLL=8`): for kernel experiments
+/// on a GPU machine without rebuilding; part of the cache key.
+fn extra_options() -> Vec<String> {
+    std::env::var("KVGATE_NVRTC_EXTRA").unwrap_or_default().split_whitespace().map(str::to_string).collect()
+}
 
 /// Whether `libnvrtc` can be loaded.
 pub fn nvrtc_available() -> bool {
@@ -57,6 +65,7 @@ pub fn compile_cubin(name: &str, src: &str, arch: &str) -> Result<Vec<u8>, Strin
     let cname = CString::new(format!("{name}.cu")).map_err(|_| "bad name".to_string())?;
     let prog = nvrtc::create_program(&source, Some(&cname)).map_err(|e| format!("{name}: create: {e:?}"))?;
     let mut opts: Vec<String> = OPTIONS.iter().map(|s| s.to_string()).collect();
+    opts.extend(extra_options());
     opts.push(format!("--gpu-architecture={arch}"));
     // SAFETY: prog is live until destroy_program below; buffers are sized by NVRTC's own size calls.
     let out = unsafe {
@@ -98,7 +107,7 @@ pub fn default_cache_dir() -> Option<PathBuf> {
 
 /// The cache file of `name` for `arch` under this NVRTC version.
 fn cache_path(dir: &Path, name: &str, src: &str, arch: &str, version: (i32, i32)) -> PathBuf {
-    let key = format!("{}\n{arch}\n{version:?}\n{OPTIONS:?}", full_source(src));
+    let key = format!("{}\n{arch}\n{version:?}\n{OPTIONS:?}\n{:?}", full_source(src), extra_options());
     let h = xxhash_rust::xxh3::xxh3_64(key.as_bytes());
     dir.join(format!("{name}-{arch}-{h:016x}.cubin"))
 }

@@ -86,13 +86,22 @@ pub struct Workspace {
     logits: Scratch,
 }
 
+impl Workspace {
+    pub fn set_flash(&mut self, on: bool) {
+        self.prefill.flash = on;
+    }
+    pub fn flash(&self) -> bool {
+        self.prefill.flash
+    }
+}
+
 /// Bytes of activation scratch for `tokens` tokens per step and `rows` logits rows (for KV sizing).
 pub fn workspace_bytes(cfg: &ModelConfig, dt: DType, tokens: usize, rows: usize, max_ctx: usize) -> usize {
     let (h, qd, kvd, i) =
         (cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim, cfg.kv_dim(), cfg.intermediate_size);
-    let act = tokens * (3 * h + (qd + 2 * kvd) + 2 * qd + 3 * i) * dt.size();
+    let act = tokens * (3 * h + (qd + 2 * kvd) + 4 * qd + 3 * i) * dt.size();
     let kv = 2 * max_ctx * kvd * dt.size();
-    act + kv + SCORE_BUDGET + rows * cfg.vocab_size * 4 + (64 << 20)
+    act + kv + SCORE_BUDGET + rows * cfg.vocab_size * 4 + (256 << 20)
 }
 
 fn bad(reason: String) -> String {
@@ -225,7 +234,8 @@ pub fn forward(
     )?;
     rmsnorm(gpu, sfx, xn, x, w.layers[0].input_norm.ptr(), n, hidden, eps)?;
 
-    let splits = attention::decode_splits(dec.ctx.iter().map(|c| *c as usize).max().unwrap_or(1));
+    let max_dec_ctx = dec.ctx.iter().map(|c| *c as usize).max().unwrap_or(1);
+    let splits = attention::decode_splits(max_dec_ctx);
     let heads_ = Heads { heads, kv_heads: kvh, head_dim: hd, block_size };
     let part = match dec_items.is_empty() {
         true => 0,
@@ -273,7 +283,7 @@ pub fn forward(
                 m(o_dtab),
                 dec.max_blocks,
                 dec_items.len(),
-                splits,
+                max_dec_ctx,
                 part,
             )?;
         }
@@ -326,10 +336,11 @@ pub fn forward(
         return Ok(out);
     }
     let r = rows.len();
-    let logits = ws.logits.get(gpu, r * vocab * 4 + r * hidden * es + r * 4 + 4096)?;
-    let last = logits + (r * vocab * 4) as u64;
-    let rows_ptr = last + (r * hidden * es) as u64;
-    let rows_ptr = rows_ptr.next_multiple_of(16);
+    let last_at = (r * vocab * 4).next_multiple_of(256);
+    let rows_at = (last_at + r * hidden * es).next_multiple_of(256);
+    let logits = ws.logits.get(gpu, rows_at + r * 4 + 256)?;
+    let last = logits + last_at as u64;
+    let rows_ptr = logits + rows_at as u64;
     upload_raw(gpu, rows_ptr, as_bytes(&rows))?;
     {
         let (mut a, mut b, mut c, mut h_) = (last, xn, rows_ptr, hidden as i32);

@@ -12,6 +12,10 @@ use cudarc::driver::{result as drv, sys as drv_sys, CudaContext, CudaStream};
 use super::compile;
 use super::DType;
 
+/// Decode-sized products (at most this many rows) run on the GEMV kernel instead of cuBLAS. Measured on an H200
+/// (BENCHMARKS.md): at 8 rows the kernel was slower than cuBLAS, at 1 row faster.
+pub const GEMV_MAX_ROWS: usize = 2;
+
 /// A failure of the device or a library call (never retried: the step fails, the engine carries on).
 pub type GpuResult<T> = Result<T, String>;
 
@@ -94,7 +98,18 @@ impl Gpu {
                 funcs.insert(name, f);
             }
         }
-        Ok(Self { ctx, stream, blas, funcs, _modules: modules, ordinal, name, arch, total_mem })
+        let gpu = Self { ctx, stream, blas, funcs, _modules: modules, ordinal, name, arch, total_mem };
+        // Kernels with large tiles (flash prefill) or long splits (decode) opt in to more shared memory.
+        let names: Vec<String> = gpu
+            .funcs
+            .keys()
+            .filter(|n| n.starts_with("flash_prefill") || n.starts_with("paged_decode"))
+            .cloned()
+            .collect();
+        for n in names {
+            gpu.allow_smem(&n, super::attention::MAX_DYNAMIC_SMEM)?;
+        }
+        Ok(gpu)
     }
 
     /// Makes the context current on this thread (the engine runs on its own thread).
@@ -220,6 +235,25 @@ impl Gpu {
     ) -> GpuResult<()> {
         if m == 0 {
             return Ok(());
+        }
+        if m <= GEMV_MAX_ROWS && k % 8 == 0 && ldx % 8 == 0 {
+            let name = match y_dt == dt {
+                true => format!("gemv_{}_m{m}", dt.suffix()),
+                false if y_dt == DType::F32 => format!("gemv_{}_f32out_m{m}", dt.suffix()),
+                false => return Err(format!("no GEMV from {dt:?} to {y_dt:?}")),
+            };
+            let (mut a, mut b, mut c, mut d, mut e, mut f, mut g) =
+                (y, ldy as i32, x, ldx as i32, w, n as i32, k as i32);
+            let args: &mut [*mut c_void] = &mut [
+                &mut a as *mut u64 as *mut c_void,
+                &mut b as *mut i32 as *mut c_void,
+                &mut c as *mut u64 as *mut c_void,
+                &mut d as *mut i32 as *mut c_void,
+                &mut e as *mut u64 as *mut c_void,
+                &mut f as *mut i32 as *mut c_void,
+                &mut g as *mut i32 as *mut c_void,
+            ];
+            return self.launch(&name, (n.div_ceil(8) as u32, 1, 1), (256, 1, 1), 0, args);
         }
         // Column-major view: Y^T[n, m] = W^T... i.e. C = op(A) B with A = w (k x n column-major, transposed).
         self.gemm(dt, y_dt, true, n, m, k, 1.0, w, k, x, ldx, 0.0, y, ldy)
@@ -383,22 +417,50 @@ impl Scratch {
     }
 }
 
-/// The names of the `extern "C" __global__` kernels a source defines (after macro expansion, approximated by
-/// expanding `FOR_EACH_DTYPE` over the macro-generated name patterns).
+/// The names of the `extern "C" __global__` kernels a source defines: macro-generated names are expanded over the
+/// dtype suffixes (`##S`), the decode kernel's group sizes (`_g##G`) and the GEMV row counts (`_m##M`), 1..=8.
 fn kernel_names(src: &str) -> Vec<String> {
     let suffixes = ["f32", "bf16", "f16"];
     let mut names = Vec::new();
-    for line in src.lines() {
-        let Some(i) = line.find("__global__ void ") else { continue };
-        let rest = &line[i + "__global__ void ".len()..];
-        let rest = rest.strip_prefix("__launch_bounds__(DEC_THREADS) ").unwrap_or(rest);
+    let mut pending = false;
+    for raw in src.lines() {
+        let line = if pending {
+            pending = false;
+            format!("__global__ void {}", raw.trim_start())
+        } else {
+            raw.to_string()
+        };
+        let Some(i) = line.find("__global__ void") else { continue };
+        let mut rest = line[i + "__global__ void".len()..].trim_start();
+        if let Some(after) = rest.strip_prefix("__launch_bounds__(") {
+            rest = after.split_once(')').map_or("", |(_, r)| r).trim_start();
+        }
+        if rest.is_empty() {
+            // The name is on the next line.
+            pending = true;
+            continue;
+        }
         let name: String =
             rest.chars().take_while(|c| c.is_alphanumeric() || *c == '_' || *c == '#').collect();
-        if let Some(base) = name.strip_suffix("_##S") {
-            names.extend(suffixes.iter().map(|s| format!("{base}_{s}")));
-        } else if !name.is_empty() {
-            names.push(name);
+        if name.is_empty() || name == "##" {
+            continue;
         }
+        let mut expanded = vec![name];
+        for (pat, values) in [
+            ("##S##", suffixes.iter().map(|s| s.to_string()).collect::<Vec<_>>()),
+            ("##S", suffixes.iter().map(|s| s.to_string()).collect()),
+            ("##G", (1..=8).map(|g| g.to_string()).collect()),
+            ("##M", (1..=8).map(|m| m.to_string()).collect()),
+        ] {
+            expanded = expanded
+                .into_iter()
+                .flat_map(|n| match n.contains(pat) {
+                    true => values.iter().map(|v| n.replacen(pat, v, 1)).collect::<Vec<_>>(),
+                    false => vec![n],
+                })
+                .collect();
+        }
+        names.extend(expanded);
     }
     names
 }
@@ -411,7 +473,18 @@ mod tests {
             .iter()
             .flat_map(|(_, s)| super::kernel_names(&super::compile::full_source(s)))
             .collect();
-        for n in ["embed_bf16", "rmsnorm_f32", "paged_decode_f16", "causal_softmax_bf16", "argmax_rows"] {
+        for n in [
+            "embed_bf16",
+            "rmsnorm_f32",
+            "paged_decode_f16_g7",
+            "causal_softmax_bf16",
+            "argmax_rows",
+            "gemv_bf16_m1",
+            "gemv_f32_f32out_m8",
+            "q_stack_bf16",
+            "flash_prefill_bf16_hd128",
+            "flash_prefill_f16_hd64",
+        ] {
             assert!(all.iter().any(|x| x == n), "{n} missing from {all:?}");
         }
     }

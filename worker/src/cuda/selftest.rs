@@ -90,24 +90,22 @@ pub fn run(ordinal: usize) -> GpuResult<Vec<Case>> {
     for dt in [DType::F32, DType::BF16] {
         let mut rng = Rng(7 + dt.size() as u64);
         cases.push(linear(&gpu, dt, &mut rng, 37, 300, 256, dt)?);
-        cases.push(linear(&gpu, dt, &mut rng, 3, 1000, 128, DType::F32)?);
+        cases.push(linear(&gpu, dt, &mut rng, 37, 1000, 128, DType::F32)?);
+        // m <= 8: the GEMV kernel (k not a multiple of its unrolled span, to test the tail)
+        cases.push(linear(&gpu, dt, &mut rng, 1, 300, 4096 + 264, dt)?);
+        cases.push(linear(&gpu, dt, &mut rng, 2, 1000, 128, DType::F32)?);
+        cases.push(linear(&gpu, dt, &mut rng, 8, 77, 1032, dt)?);
         cases.extend(norms(&gpu, dt, &mut rng)?);
         cases.push(silu(&gpu, dt, &mut rng)?);
         cases.push(embed(&gpu, dt, &mut rng)?);
         cases.extend(rope(&gpu, dt, &mut rng)?);
-        for (heads, kvh, hd) in [(8, 2, 128), (8, 4, 32), (4, 4, 64)] {
-            cases.push(decode(
-                &gpu,
-                dt,
-                &mut rng,
-                Heads { heads, kv_heads: kvh, head_dim: hd, block_size: 16 },
-            )?);
-            cases.push(prefill(
-                &gpu,
-                dt,
-                &mut rng,
-                Heads { heads, kv_heads: kvh, head_dim: hd, block_size: 16 },
-            )?);
+        for (heads, kvh, hd) in [(8, 2, 128), (8, 4, 32), (4, 4, 64), (14, 2, 64)] {
+            let h = Heads { heads, kv_heads: kvh, head_dim: hd, block_size: 16 };
+            cases.push(decode(&gpu, dt, &mut rng, h)?);
+            cases.push(prefill(&gpu, dt, &mut rng, h, false)?);
+            if attention::flash_supported(dt, hd) {
+                cases.push(prefill(&gpu, dt, &mut rng, h, true)?);
+            }
         }
     }
     cases.push(argmax(&gpu)?);
@@ -135,7 +133,12 @@ fn linear(
             want[i * n + j] = bf16_round(s as f32, out_dt);
         }
     }
-    let name = if out_dt == DType::F32 && dt != DType::F32 { "linear (f32 logits)" } else { "linear" };
+    let name = match (m <= super::gpu::GEMV_MAX_ROWS, out_dt == DType::F32 && dt != DType::F32) {
+        (false, false) => "linear (cuBLAS)",
+        (false, true) => "linear (cuBLAS, f32 out)",
+        (true, false) => "linear (GEMV)",
+        (true, true) => "linear (GEMV, f32 out)",
+    };
     Ok(compare(name, dt, format!("{m}x{k} . {n}x{k}^T"), &got, &want))
 }
 
@@ -410,7 +413,7 @@ fn decode(gpu: &Gpu, dt: DType, rng: &mut Rng, h: Heads) -> GpuResult<Case> {
         tb.ptr(),
         max_blocks,
         ctxs.len(),
-        splits,
+        *ctxs.iter().max().unwrap_or(&1),
         part.ptr(),
     )?;
     let got = download_f32(gpu, dt, o.ptr(), ctxs.len() * qd)?;
@@ -431,9 +434,16 @@ fn decode(gpu: &Gpu, dt: DType, rng: &mut Rng, h: Heads) -> GpuResult<Case> {
     ))
 }
 
-fn prefill(gpu: &Gpu, dt: DType, rng: &mut Rng, h: Heads) -> GpuResult<Case> {
+/// Whether the flash prefill kernel matches the GEMM path on this device (random inputs, both chunk kinds).
+pub fn flash_agrees(gpu: &Gpu, dt: DType, h: Heads) -> GpuResult<(bool, f64)> {
+    let mut rng = Rng(31);
+    let c = prefill(gpu, dt, &mut rng, h, true)?;
+    Ok((c.pass, c.rel_err))
+}
+
+fn prefill(gpu: &Gpu, dt: DType, rng: &mut Rng, h: Heads, flash: bool) -> GpuResult<Case> {
     // Two chunks: a cold one and one after a cached prefix, in one q buffer; a small budget forces query tiles.
-    let chunks = [(0usize, 70usize), (37usize, 50usize)];
+    let chunks = [(0usize, 70usize), (37usize, 50usize), (130usize, 150usize)];
     let ctxs: Vec<usize> = chunks.iter().map(|(s, n)| s + n).collect();
     let pool = pool(gpu, dt, rng, h, &ctxs)?;
     let qd = h.heads * h.head_dim;
@@ -441,7 +451,8 @@ fn prefill(gpu: &Gpu, dt: DType, rng: &mut Rng, h: Heads) -> GpuResult<Case> {
     let (q, qv) = input(gpu, dt, rng, rows * qd, 1.0)?;
     let o = gpu.zeros(rows * qd * dt.size())?;
     let mut scratch = PrefillScratch::default();
-    scratch.budget = h.heads * 100 * 24 * (4 + dt.size());
+    scratch.budget = h.heads * 100 * 24 * dt.size();
+    scratch.flash = flash;
     let mut row0 = 0;
     let mut want = vec![0f32; rows * qd];
     for (ci, (start, n)) in chunks.iter().enumerate() {
@@ -480,7 +491,7 @@ fn prefill(gpu: &Gpu, dt: DType, rng: &mut Rng, h: Heads) -> GpuResult<Case> {
     }
     let got = download_f32(gpu, dt, o.ptr(), rows * qd)?;
     Ok(compare(
-        "prefill_attention",
+        if flash { "prefill_attn (flash)" } else { "prefill_attn (GEMM)" },
         dt,
         format!("chunks (start, len) {chunks:?}, {}/{} heads x {}", h.heads, h.kv_heads, h.head_dim),
         &got,
