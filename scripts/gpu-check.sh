@@ -91,7 +91,7 @@ b = load("bench.json")
 if b:
     print(f"bench on {b['gpu']}: copy {b['copy_gb_s']:.0f} GB/s, bf16 GEMM 8192^3 {b['gemm_bf16_8192_tflops']:.0f} TFLOP/s")
     for a in b["decode_attention"]:
-        print(f"  paged decode attention {a['seqs']} x {a['context']} ctx: {a['gb_s']:.0f} GB/s = {a['of_copy']:.0%} of copy")
+        print(f"  paged decode attention ({a.get('kernel', 'simt')}) {a['seqs']} x {a['context']} ctx: {a['gb_s']:.0f} GB/s = {a['of_copy']:.0%} of copy")
     for p in b["prefill"]:
         print(f"  prefill {p['tokens']:>6} tokens: {p['tokens_per_s']:>9.0f} tok/s, {p['tflops']:.0f} TFLOP/s = "
               f"{p['of_gemm_peak']:.0%} of measured GEMM, {p['of_datasheet_989']:.0%} of 989")

@@ -72,6 +72,7 @@ pub fn decode(
     seqs: usize,
     max_ctx: usize,
     part: u64,
+    tensor_cores: bool,
 ) -> GpuResult<()> {
     let (keys_per_split, splits) = (decode_part(max_ctx), decode_splits(max_ctx));
     let sfx = dt.suffix();
@@ -82,30 +83,58 @@ pub fn decode(
     let (mut mb, mut cx, mut bs) = (max_blocks as i32, ctx, h.block_size as i32);
     let (mut h_, mut kh_, mut hd_, mut sc, mut pt, mut pa_, mut pml_) =
         (heads as i32, kvh as i32, hd as i32, h.scale(), keys_per_split as i32, pa, pml);
-    let smem = ((g + 1) * keys_per_split * 4) as u32;
-    gpu.launch(
-        &format!("paged_decode_{sfx}_g{g}"),
-        (seqs as u32, kvh as u32, splits as u32),
-        (DEC_THREADS, 1, 1),
-        smem,
-        &mut [
-            ptr(&mut qq),
-            ptr(&mut rw),
-            ptr(&mut k),
-            ptr(&mut v),
-            ptr(&mut bt),
-            ptr(&mut mb),
-            ptr(&mut cx),
-            ptr(&mut bs),
-            ptr(&mut h_),
-            ptr(&mut kh_),
-            ptr(&mut hd_),
-            ptr(&mut sc),
-            ptr(&mut pt),
-            ptr(&mut pa_),
-            ptr(&mut pml_),
-        ],
-    )?;
+    let grid = (seqs as u32, kvh as u32, splits as u32);
+    if tensor_cores && flash_supported(dt, hd) {
+        // Same arguments as paged_decode less head_dim (a template parameter).
+        let smem = (keys_per_split + 4 * 8 * (hd + 2)) * 4;
+        gpu.launch(
+            &format!("flash_decode_{sfx}_hd{hd}"),
+            grid,
+            (128, 1, 1),
+            smem as u32,
+            &mut [
+                ptr(&mut qq),
+                ptr(&mut rw),
+                ptr(&mut k),
+                ptr(&mut v),
+                ptr(&mut bt),
+                ptr(&mut mb),
+                ptr(&mut cx),
+                ptr(&mut bs),
+                ptr(&mut h_),
+                ptr(&mut kh_),
+                ptr(&mut sc),
+                ptr(&mut pt),
+                ptr(&mut pa_),
+                ptr(&mut pml_),
+            ],
+        )?;
+    } else {
+        let smem = (g + 1) * keys_per_split * 4;
+        gpu.launch(
+            &format!("paged_decode_{sfx}_g{g}"),
+            grid,
+            (DEC_THREADS, 1, 1),
+            smem as u32,
+            &mut [
+                ptr(&mut qq),
+                ptr(&mut rw),
+                ptr(&mut k),
+                ptr(&mut v),
+                ptr(&mut bt),
+                ptr(&mut mb),
+                ptr(&mut cx),
+                ptr(&mut bs),
+                ptr(&mut h_),
+                ptr(&mut kh_),
+                ptr(&mut hd_),
+                ptr(&mut sc),
+                ptr(&mut pt),
+                ptr(&mut pa_),
+                ptr(&mut pml_),
+            ],
+        )?;
+    }
     let (mut oo, mut rw, mut pa_, mut pml_, mut h_, mut hd_, mut sp) =
         (o, rows, pa, pml, heads as i32, hd as i32, splits as i32);
     gpu.launch(
@@ -301,7 +330,7 @@ fn flash_smem(head_dim: usize, es: usize) -> usize {
     4 * 64 * (head_dim + 8) * es
 }
 
-/// Whether the flash kernel exists for this dtype and head size.
+/// Whether the flash kernels (prefill and tensor-core decode) exist for this dtype and head size.
 pub fn flash_supported(dt: DType, head_dim: usize) -> bool {
     dt != DType::F32 && (head_dim == 64 || head_dim == 128)
 }

@@ -118,6 +118,19 @@ impl CudaBackend {
                 );
             }
             ws.set_flash(ok);
+            let (ok, err) = super::selftest::decode_tc_agrees(&l.gpu, dt, h)?;
+            if ok {
+                tracing::info!(
+                    rel_err = err,
+                    "tensor-core decode attention checked against the reference: on"
+                );
+            } else {
+                tracing::warn!(
+                    rel_err = err,
+                    "tensor-core decode attention disagrees with the reference: off"
+                );
+            }
+            ws.set_decode_tc(ok);
         }
         Ok(Self { gpu: l.gpu, cfg: l.cfg, w: l.weights, kv, ws, block_size })
     }
@@ -145,6 +158,16 @@ impl CudaBackend {
     /// Whether prefill attention runs on the flash kernel.
     pub fn flash(&self) -> bool {
         self.ws.flash()
+    }
+
+    /// Whether decode attention runs on the tensor-core kernel.
+    pub fn decode_tc(&self) -> bool {
+        self.ws.decode_tc()
+    }
+
+    /// Turns the tensor-core decode kernel off (or back on, where supported).
+    pub fn set_decode_tc(&mut self, on: bool) {
+        self.ws.set_decode_tc(on && super::attention::flash_supported(self.w.dt, self.cfg.head_dim));
     }
 
     /// Turns the flash prefill kernel off (or back on, where supported): benchmarks compare the two paths.

@@ -236,6 +236,7 @@ pub fn kernel_bench(gpu: &Gpu) -> GpuResult<serde_json::Value> {
     let h = Heads { heads: 32, kv_heads: 8, head_dim: 128, block_size: BS };
     let kvd = h.kv_heads * h.head_dim;
     let mut att = Vec::new();
+    let (tc_ok, _) = super::selftest::decode_tc_agrees(gpu, dt, h)?;
     for seqs in [1usize, 8] {
         let ctx = 32_768usize;
         let nb = ctx / BS;
@@ -246,27 +247,36 @@ pub fn kernel_bench(gpu: &Gpu) -> GpuResult<serde_json::Value> {
         let (kc, vc) = (gpu.zeros(seqs * ctx * kvd * 2)?, gpu.zeros(seqs * ctx * kvd * 2)?);
         let (q, o) = (gpu.zeros(seqs * 4096 * 2)?, gpu.zeros(seqs * 4096 * 2)?);
         let part = gpu.zeros(attention::decode_part_bytes(h, seqs, attention::decode_splits(ctx)))?;
-        let ms = time_gpu(gpu, 20, || {
-            attention::decode(
-                gpu,
-                dt,
-                h,
-                q.ptr(),
-                o.ptr(),
-                kc.ptr(),
-                vc.ptr(),
-                rb.ptr(),
-                cb.ptr(),
-                tb.ptr(),
-                nb,
-                seqs,
-                ctx,
-                part.ptr(),
-            )
-        })?;
-        let bytes = (seqs * ctx * kvd * 2 * 2) as f64;
-        let gbs = bytes / (ms / 1e3) / 1e9;
-        att.push(json!({"seqs": seqs, "context": ctx, "ms": ms, "gb_s": gbs, "of_copy": gbs / copy_gbs}));
+        for tc in [true, false] {
+            if tc && !tc_ok {
+                continue;
+            }
+            let ms = time_gpu(gpu, 20, || {
+                attention::decode(
+                    gpu,
+                    dt,
+                    h,
+                    q.ptr(),
+                    o.ptr(),
+                    kc.ptr(),
+                    vc.ptr(),
+                    rb.ptr(),
+                    cb.ptr(),
+                    tb.ptr(),
+                    nb,
+                    seqs,
+                    ctx,
+                    part.ptr(),
+                    tc,
+                )
+            })?;
+            let bytes = (seqs * ctx * kvd * 2 * 2) as f64;
+            let gbs = bytes / (ms / 1e3) / 1e9;
+            att.push(
+                json!({"kernel": if tc { "tensor-cores" } else { "simt" }, "seqs": seqs, "context": ctx,
+                "ms": ms, "gb_s": gbs, "of_copy": gbs / copy_gbs}),
+            );
+        }
     }
     report["decode_attention"] = json!(att);
 
@@ -368,6 +378,7 @@ pub fn bench(ordinal: usize, quick: bool, kernels_only: bool) -> GpuResult<serde
         report["prefill_8k_gemm_attention_ms"] = json!(ms);
     }
     report["flash_prefill"] = json!(b.flash());
+    report["tensor_core_decode"] = json!(b.decode_tc());
 
     // TTFT with 90% of a 32K prompt cached (whole blocks) vs cold.
     if let Some(cold) = cold_32k_ms {

@@ -82,6 +82,8 @@ pub struct Workspace {
     gu: Scratch,
     act: Scratch,
     part: Scratch,
+    /// Decode attention on the tensor-core kernel (checked against the CPU reference at start).
+    decode_tc: bool,
     prefill: PrefillScratch,
     logits: Scratch,
 }
@@ -92,6 +94,12 @@ impl Workspace {
     }
     pub fn flash(&self) -> bool {
         self.prefill.flash
+    }
+    pub fn set_decode_tc(&mut self, on: bool) {
+        self.decode_tc = on;
+    }
+    pub fn decode_tc(&self) -> bool {
+        self.decode_tc
     }
 }
 
@@ -285,6 +293,7 @@ pub fn forward(
                 dec_items.len(),
                 max_dec_ctx,
                 part,
+                ws.decode_tc,
             )?;
         }
         for (pi, (row0, c)) in prefills.iter().enumerate() {
@@ -333,6 +342,8 @@ pub fn forward(
         }
     }
     if rows.is_empty() {
+        // A step is done when forward returns (the engine times and accounts steps).
+        gpu.sync()?;
         return Ok(out);
     }
     let r = rows.len();

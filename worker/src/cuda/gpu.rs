@@ -103,7 +103,7 @@ impl Gpu {
         let names: Vec<String> = gpu
             .funcs
             .keys()
-            .filter(|n| n.starts_with("flash_prefill") || n.starts_with("paged_decode"))
+            .filter(|n| n.starts_with("flash_") || n.starts_with("paged_decode"))
             .cloned()
             .collect();
         for n in names {
@@ -484,6 +484,7 @@ mod tests {
             "q_stack_bf16",
             "flash_prefill_bf16_hd128",
             "flash_prefill_f16_hd64",
+            "flash_decode_bf16_hd128",
         ] {
             assert!(all.iter().any(|x| x == n), "{n} missing from {all:?}");
         }

@@ -101,7 +101,10 @@ pub fn run(ordinal: usize) -> GpuResult<Vec<Case>> {
         cases.extend(rope(&gpu, dt, &mut rng)?);
         for (heads, kvh, hd) in [(8, 2, 128), (8, 4, 32), (4, 4, 64), (14, 2, 64)] {
             let h = Heads { heads, kv_heads: kvh, head_dim: hd, block_size: 16 };
-            cases.push(decode(&gpu, dt, &mut rng, h)?);
+            cases.push(decode(&gpu, dt, &mut rng, h, false)?);
+            if attention::flash_supported(dt, hd) {
+                cases.push(decode(&gpu, dt, &mut rng, h, true)?);
+            }
             cases.push(prefill(&gpu, dt, &mut rng, h, false)?);
             if attention::flash_supported(dt, hd) {
                 cases.push(prefill(&gpu, dt, &mut rng, h, true)?);
@@ -384,7 +387,14 @@ fn attend_ref(
     out
 }
 
-fn decode(gpu: &Gpu, dt: DType, rng: &mut Rng, h: Heads) -> GpuResult<Case> {
+/// Whether the tensor-core decode kernel matches the CPU reference on this device.
+pub fn decode_tc_agrees(gpu: &Gpu, dt: DType, h: Heads) -> GpuResult<(bool, f64)> {
+    let mut rng = Rng(37);
+    let c = decode(gpu, dt, &mut rng, h, true)?;
+    Ok((c.pass, c.rel_err))
+}
+
+fn decode(gpu: &Gpu, dt: DType, rng: &mut Rng, h: Heads, tc: bool) -> GpuResult<Case> {
     let ctxs = [1usize, 17, 513, 1500, 4097];
     let pool = pool(gpu, dt, rng, h, &ctxs)?;
     let qd = h.heads * h.head_dim;
@@ -415,6 +425,7 @@ fn decode(gpu: &Gpu, dt: DType, rng: &mut Rng, h: Heads) -> GpuResult<Case> {
         ctxs.len(),
         *ctxs.iter().max().unwrap_or(&1),
         part.ptr(),
+        tc,
     )?;
     let got = download_f32(gpu, dt, o.ptr(), ctxs.len() * qd)?;
     let mut want = vec![0f32; ctxs.len() * qd];
@@ -426,7 +437,7 @@ fn decode(gpu: &Gpu, dt: DType, rng: &mut Rng, h: Heads) -> GpuResult<Case> {
         }
     }
     Ok(compare(
-        "paged_decode",
+        if tc { "paged_decode (tensor c.)" } else { "paged_decode (SIMT)" },
         dt,
         format!("ctx {ctxs:?}, {}/{} heads x {}", h.heads, h.kv_heads, h.head_dim),
         &got,

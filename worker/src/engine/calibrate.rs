@@ -13,9 +13,18 @@ struct Sample {
     secs: f64,
 }
 
-/// Solves the 3x3 least-squares problem `min |X w - y|` (normal equations, Gaussian elimination); coefficients
-/// that come out negative are refitted as zero.
+/// Solves the 3x3 least-squares problem in relative error, `min sum ((x.w - y) / y)^2` (normal equations, Gaussian
+/// elimination), so that millisecond steps weigh as much as second-long prefills; coefficients that come out
+/// negative are refitted as zero.
 fn fit(samples: &[Sample]) -> [f64; 3] {
+    let samples: Vec<Sample> = samples
+        .iter()
+        .map(|s| {
+            let w = 1.0 / s.secs.max(1e-9);
+            Sample { x: [s.x[0] * w, s.x[1] * w, s.x[2] * w], secs: 1.0 }
+        })
+        .collect();
+    let samples = &samples[..];
     let solve = |cols: &[usize]| -> Vec<f64> {
         let k = cols.len();
         let mut a = vec![vec![0.0; k + 1]; k];
