@@ -72,6 +72,16 @@ enum Command {
         /// Profile name written into the file (default `calibrated-<device>`).
         #[arg(long)]
         name: Option<String>,
+        /// Refit from recorded measurements instead of measuring (`prefill 2048@0: 0.0595s, decode b8@2048:
+        /// 0.00653s, ...`, as a profile's `source` lists them); with --max-model-len and --note.
+        #[arg(long)]
+        points: Option<String>,
+        /// With --points: the model's context length.
+        #[arg(long, default_value_t = 131_072)]
+        max_model_len: usize,
+        /// With --points: where the measurements came from (written to the profile's source).
+        #[arg(long, default_value = "")]
+        note: String,
     },
     /// Check every CUDA kernel against its CPU reference on random inputs (f32 and bf16); exits 1 on a failure.
     GpuSelftest {
@@ -146,7 +156,18 @@ fn main() -> ExitCode {
                 }
             }
         }
-        Command::Calibrate { model, synth, out, quick, device, dtype, llama3_8b, name } => {
+        Command::Calibrate { points: Some(points), name, out, max_model_len, note, .. } => {
+            let profile = kvgate_worker::engine::calibrate::fit_points(&points).map(|timing| {
+                kvgate_worker::engine::timing::SimProfile {
+                    name: name.unwrap_or_else(|| "refit".into()),
+                    source: format!("kvgate-worker calibrate --points, {note}; points: {points}"),
+                    max_model_len,
+                    timing,
+                }
+            });
+            write_profile(profile, out)
+        }
+        Command::Calibrate { model, synth, out, quick, device, dtype, llama3_8b, name, .. } => {
             calibrate(CalibrateArgs { model, synth, out, quick, device, dtype, llama3_8b, name })
         }
         Command::GpuSelftest { gpu, json } => gpu_selftest(gpu, json),
@@ -283,7 +304,7 @@ fn gpu_selftest(gpu: usize, json: Option<PathBuf>) -> ExitCode {
 
 fn calibrate(a: CalibrateArgs) -> ExitCode {
     use kvgate_worker::cuda::{backend::Loaded, CudaBackend, DType, DeviceChoice};
-    use kvgate_worker::engine::calibrate::Points;
+    use kvgate_worker::engine::calibrate::{self, Points};
     let device = match DeviceChoice::parse(&a.device) {
         Ok(d) => d.resolve(),
         Err(e) => {
@@ -316,6 +337,7 @@ fn calibrate(a: CalibrateArgs) -> ExitCode {
         .ok()
         .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
         .unwrap_or_default();
+    let reps = if a.quick { 1 } else { 3 };
     let result = match device {
         DeviceChoice::Cuda(n) => {
             let points = Points::gpu(a.quick);
@@ -331,13 +353,7 @@ fn calibrate(a: CalibrateArgs) -> ExitCode {
                 |mut b| {
                     let note = format!("{note}, {}, {date}", b.describe());
                     let name = a.name.clone().unwrap_or_else(|| "calibrated-cuda".into());
-                    kvgate_worker::engine::calibrate::calibrate(
-                        &mut b,
-                        &points,
-                        if a.quick { 1 } else { 3 },
-                        &name,
-                        &note,
-                    )
+                    calibrate::calibrate(&mut b, &points, reps, &name, &note)
                 },
             )
         }
@@ -348,19 +364,24 @@ fn calibrate(a: CalibrateArgs) -> ExitCode {
             kvgate_worker::model::llama::LlamaModel::load(d).map_err(|e| e.to_string()).and_then(|m| {
                 let mut b = kvgate_worker::engine::CpuBackend::new(m, points.slots());
                 let name = a.name.clone().unwrap_or_else(|| "calibrated-cpu".into());
-                let note = format!("{note}, {threads} threads, {date}");
-                kvgate_worker::engine::calibrate::calibrate(
+                calibrate::calibrate(
                     &mut b,
                     &points,
-                    if a.quick { 1 } else { 3 },
+                    reps,
                     &name,
-                    &note,
+                    &format!("{note}, {threads} threads, {date}"),
                 )
             })
         }
     };
     let _ = std::fs::remove_dir_all(&tmp);
-    let out = a.out;
+    write_profile(result, a.out)
+}
+
+fn write_profile(
+    result: Result<kvgate_worker::engine::timing::SimProfile, String>,
+    out: Option<PathBuf>,
+) -> ExitCode {
     let profile = match result {
         Ok(p) => p,
         Err(e) => {

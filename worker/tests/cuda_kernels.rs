@@ -39,3 +39,23 @@ fn cuda_kernels_compile() {
     let n = kvgate_worker::cuda::compile::KERNEL_FILES.len() * 2;
     assert!(stdout.contains(&format!("compiled {n} kernels with NVRTC 13.0")), "{stdout}");
 }
+
+/// On a machine with a CUDA GPU, every kernel matches its CPU reference (`gpu-selftest`); elsewhere the test says
+/// why it has nothing to run (the GPU check, scripts/gpu-check.sh, runs it on a GPU machine).
+#[test]
+fn gpu_selftest_passes_where_a_gpu_is_present() {
+    if kvgate_worker::cuda::gpu::driver_gpu_count() == 0 {
+        eprintln!("skipped: no CUDA driver or GPU on this machine");
+        return;
+    }
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvgate-worker"));
+    cmd.arg("gpu-selftest");
+    if let Some(dir) = nvrtc_lib_dir() {
+        let path = std::env::var("LD_LIBRARY_PATH").unwrap_or_default();
+        cmd.env("LD_LIBRARY_PATH", format!("{}:{path}", dir.display()));
+    }
+    let out = cmd.output().expect("run gpu-selftest");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    println!("{stdout}");
+    assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+}

@@ -53,90 +53,73 @@ pub fn decode_part_bytes(h: Heads, seqs: usize, splits: usize) -> usize {
     seqs * h.heads * splits * (h.head_dim + 2) * 4
 }
 
-/// Decode attention of `seqs` one-token queries. `q`/`o`: `[rows, heads * hd]`; per sequence its row (`rows`,
-/// i32), its context length (`ctx`, i32, the longest `max_ctx`) and `max_blocks` block ids (`tables`, i32).
-/// `part`: scratch of [`decode_part_bytes`] for [`decode_splits`]`(max_ctx)`.
-#[allow(clippy::too_many_arguments)]
+/// One layer's attention operands: queries and output `[rows, heads * head_dim]`, and the layer's K and V pool.
+#[derive(Clone, Copy, Debug)]
+pub struct Layer {
+    pub q: u64,
+    pub o: u64,
+    pub kc: u64,
+    pub vc: u64,
+}
+
+/// A decode launch's sequences: per sequence its row of q/o (`rows`, i32), its context length (`ctx`, i32; the
+/// longest is `max_ctx`) and `max_blocks` block ids (`tables`, i32).
+#[derive(Clone, Copy, Debug)]
+pub struct DecodeBatch {
+    pub rows: u64,
+    pub ctx: u64,
+    pub tables: u64,
+    pub max_blocks: usize,
+    pub seqs: usize,
+    pub max_ctx: usize,
+}
+
+/// Decode attention of one-token queries. `part`: scratch of [`decode_part_bytes`] for
+/// [`decode_splits`]`(max_ctx)`. `tensor_cores`: the mma kernel where [`flash_supported`], else the SIMT one.
 pub fn decode(
     gpu: &Gpu,
     dt: DType,
     h: Heads,
-    q: u64,
-    o: u64,
-    kc: u64,
-    vc: u64,
-    rows: u64,
-    ctx: u64,
-    tables: u64,
-    max_blocks: usize,
-    seqs: usize,
-    max_ctx: usize,
+    l: Layer,
+    d: DecodeBatch,
     part: u64,
     tensor_cores: bool,
 ) -> GpuResult<()> {
-    let (keys_per_split, splits) = (decode_part(max_ctx), decode_splits(max_ctx));
+    let (keys_per_split, splits) = (decode_part(d.max_ctx), decode_splits(d.max_ctx));
     let sfx = dt.suffix();
     let (heads, kvh, hd, g) = (h.heads, h.kv_heads, h.head_dim, h.g());
+    let seqs = d.seqs;
     let pa = part;
     let pml = part + (seqs * heads * splits * hd * 4) as u64;
-    let (mut qq, mut rw, mut k, mut v, mut bt) = (q, rows, kc, vc, tables);
-    let (mut mb, mut cx, mut bs) = (max_blocks as i32, ctx, h.block_size as i32);
+    let (mut qq, mut rw, mut k, mut v, mut bt) = (l.q, d.rows, l.kc, l.vc, d.tables);
+    let (mut mb, mut cx, mut bs) = (d.max_blocks as i32, d.ctx, h.block_size as i32);
     let (mut h_, mut kh_, mut hd_, mut sc, mut pt, mut pa_, mut pml_) =
         (heads as i32, kvh as i32, hd as i32, h.scale(), keys_per_split as i32, pa, pml);
-    let grid = (seqs as u32, kvh as u32, splits as u32);
-    if tensor_cores && flash_supported(dt, hd) {
-        // Same arguments as paged_decode less head_dim (a template parameter).
-        let smem = (keys_per_split + 4 * 8 * (hd + 2)) * 4;
-        gpu.launch(
-            &format!("flash_decode_{sfx}_hd{hd}"),
-            grid,
-            (128, 1, 1),
-            smem as u32,
-            &mut [
-                ptr(&mut qq),
-                ptr(&mut rw),
-                ptr(&mut k),
-                ptr(&mut v),
-                ptr(&mut bt),
-                ptr(&mut mb),
-                ptr(&mut cx),
-                ptr(&mut bs),
-                ptr(&mut h_),
-                ptr(&mut kh_),
-                ptr(&mut sc),
-                ptr(&mut pt),
-                ptr(&mut pa_),
-                ptr(&mut pml_),
-            ],
-        )?;
-    } else {
-        let smem = (g + 1) * keys_per_split * 4;
-        gpu.launch(
-            &format!("paged_decode_{sfx}_g{g}"),
-            grid,
-            (DEC_THREADS, 1, 1),
-            smem as u32,
-            &mut [
-                ptr(&mut qq),
-                ptr(&mut rw),
-                ptr(&mut k),
-                ptr(&mut v),
-                ptr(&mut bt),
-                ptr(&mut mb),
-                ptr(&mut cx),
-                ptr(&mut bs),
-                ptr(&mut h_),
-                ptr(&mut kh_),
-                ptr(&mut hd_),
-                ptr(&mut sc),
-                ptr(&mut pt),
-                ptr(&mut pa_),
-                ptr(&mut pml_),
-            ],
-        )?;
+    let tc = tensor_cores && flash_supported(dt, hd);
+    // The mma kernel takes the same arguments less head_dim (a template parameter there).
+    let (name, threads, smem) = match tc {
+        true => (format!("flash_decode_{sfx}_hd{hd}"), 128, (keys_per_split + 4 * 8 * (hd + 2)) * 4),
+        false => (format!("paged_decode_{sfx}_g{g}"), DEC_THREADS, (g + 1) * keys_per_split * 4),
+    };
+    let mut args = vec![
+        ptr(&mut qq),
+        ptr(&mut rw),
+        ptr(&mut k),
+        ptr(&mut v),
+        ptr(&mut bt),
+        ptr(&mut mb),
+        ptr(&mut cx),
+        ptr(&mut bs),
+        ptr(&mut h_),
+        ptr(&mut kh_),
+    ];
+    if !tc {
+        args.push(ptr(&mut hd_));
     }
+    args.extend([ptr(&mut sc), ptr(&mut pt), ptr(&mut pa_), ptr(&mut pml_)]);
+    gpu.launch(&name, (seqs as u32, kvh as u32, splits as u32), (threads, 1, 1), smem as u32, &mut args)?;
     let (mut oo, mut rw, mut pa_, mut pml_, mut h_, mut hd_, mut sp) =
-        (o, rows, pa, pml, heads as i32, hd as i32, splits as i32);
+        (l.o, d.rows, pa, pml, heads as i32, hd as i32, splits as i32);
     gpu.launch(
         &format!("decode_reduce_{sfx}"),
         (seqs as u32, heads as u32, 1),
@@ -176,10 +159,7 @@ pub fn prefill(
     gpu: &Gpu,
     dt: DType,
     h: Heads,
-    q: u64,
-    o: u64,
-    kc: u64,
-    vc: u64,
+    l: Layer,
     table: u64,
     row0: usize,
     start: usize,
@@ -189,6 +169,7 @@ pub fn prefill(
     let sfx = dt.suffix();
     let es = dt.size();
     let (heads, kvh, hd, g) = (h.heads, h.kv_heads, h.head_dim, h.g());
+    let Layer { q, o, kc, vc } = l;
     if s.flash && flash_supported(dt, hd) {
         let (mut a, mut b, mut k, mut v, mut t) = (q, o, kc, vc, table);
         let (mut bs, mut h_, mut kh_, mut r0, mut st, mut l, mut sc) = (

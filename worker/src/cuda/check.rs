@@ -251,25 +251,16 @@ pub fn kernel_bench(gpu: &Gpu) -> GpuResult<serde_json::Value> {
             if tc && !tc_ok {
                 continue;
             }
-            let ms = time_gpu(gpu, 20, || {
-                attention::decode(
-                    gpu,
-                    dt,
-                    h,
-                    q.ptr(),
-                    o.ptr(),
-                    kc.ptr(),
-                    vc.ptr(),
-                    rb.ptr(),
-                    cb.ptr(),
-                    tb.ptr(),
-                    nb,
-                    seqs,
-                    ctx,
-                    part.ptr(),
-                    tc,
-                )
-            })?;
+            let l = attention::Layer { q: q.ptr(), o: o.ptr(), kc: kc.ptr(), vc: vc.ptr() };
+            let d = attention::DecodeBatch {
+                rows: rb.ptr(),
+                ctx: cb.ptr(),
+                tables: tb.ptr(),
+                max_blocks: nb,
+                seqs,
+                max_ctx: ctx,
+            };
+            let ms = time_gpu(gpu, 20, || attention::decode(gpu, dt, h, l, d, part.ptr(), tc))?;
             let bytes = (seqs * ctx * kvd * 2 * 2) as f64;
             let gbs = bytes / (ms / 1e3) / 1e9;
             att.push(
@@ -295,22 +286,8 @@ pub fn kernel_bench(gpu: &Gpu) -> GpuResult<serde_json::Value> {
         }
         let mut scratch = attention::PrefillScratch::default();
         scratch.flash = flash;
-        let ms = time_gpu(gpu, 5, || {
-            attention::prefill(
-                gpu,
-                dt,
-                h,
-                q.ptr(),
-                o.ptr(),
-                kc.ptr(),
-                vc.ptr(),
-                tb.ptr(),
-                0,
-                0,
-                n,
-                &mut scratch,
-            )
-        })?;
+        let l = attention::Layer { q: q.ptr(), o: o.ptr(), kc: kc.ptr(), vc: vc.ptr() };
+        let ms = time_gpu(gpu, 5, || attention::prefill(gpu, dt, h, l, tb.ptr(), 0, 0, n, &mut scratch))?;
         pf.push(json!({"path": if flash { "flash" } else { "gemm" }, "tokens": n, "ms": ms,
             "tflops": flops / (ms / 1e3) / 1e12}));
     }

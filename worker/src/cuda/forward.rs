@@ -277,35 +277,26 @@ pub fn forward(
                 ],
             )?;
         }
+        let layer_ops = attention::Layer { q, o, kc: kv.k[li].ptr(), vc: kv.v[li].ptr() };
         if !dec_items.is_empty() {
-            attention::decode(
-                gpu,
-                dt,
-                heads_,
-                q,
-                o,
-                kv.k[li].ptr(),
-                kv.v[li].ptr(),
-                m(o_drows),
-                m(o_dctx),
-                m(o_dtab),
-                dec.max_blocks,
-                dec_items.len(),
-                max_dec_ctx,
-                part,
-                ws.decode_tc,
-            )?;
+            let d = attention::DecodeBatch {
+                rows: m(o_drows),
+                ctx: m(o_dctx),
+                tables: m(o_dtab),
+                max_blocks: dec.max_blocks,
+                seqs: dec_items.len(),
+                max_ctx: max_dec_ctx,
+            };
+            attention::decode(gpu, dt, heads_, layer_ops, d, part, ws.decode_tc)?;
         }
         for (pi, (row0, c)) in prefills.iter().enumerate() {
+            let table = pf_meta + (pf_table_at[pi] * 4) as u64;
             attention::prefill(
                 gpu,
                 dt,
                 heads_,
-                q,
-                o,
-                kv.k[li].ptr(),
-                kv.v[li].ptr(),
-                pf_meta + (pf_table_at[pi] * 4) as u64,
+                layer_ops,
+                table,
                 *row0,
                 c.start,
                 c.tokens.len(),

@@ -256,32 +256,11 @@ impl Gpu {
             return self.launch(&name, (n.div_ceil(8) as u32, 1, 1), (256, 1, 1), 0, args);
         }
         // Column-major view: Y^T[n, m] = W^T... i.e. C = op(A) B with A = w (k x n column-major, transposed).
-        self.gemm(dt, y_dt, true, n, m, k, 1.0, w, k, x, ldx, 0.0, y, ldy)
+        self.gemm_batched(dt, y_dt, true, n, m, k, 1.0, (w, k, 0), (x, ldx, 0), 0.0, (y, ldy, 0), 1)
     }
 
-    /// cuBLAS column-major `C[m, n] = alpha op(A)[m, k] B[k, n] + beta C` (B never transposed).
-    #[allow(clippy::too_many_arguments)]
-    pub fn gemm(
-        &self,
-        dt: DType,
-        c_dt: DType,
-        trans_a: bool,
-        m: usize,
-        n: usize,
-        k: usize,
-        alpha: f32,
-        a: u64,
-        lda: usize,
-        b: u64,
-        ldb: usize,
-        beta: f32,
-        c: u64,
-        ldc: usize,
-    ) -> GpuResult<()> {
-        self.gemm_batched(dt, c_dt, trans_a, m, n, k, alpha, (a, lda, 0), (b, ldb, 0), beta, (c, ldc, 0), 1)
-    }
-
-    /// Strided-batched [`Gpu::gemm`]: each operand is (pointer, leading dimension, element stride between batches).
+    /// cuBLAS column-major `C[m, n] = alpha op(A)[m, k] B[k, n] + beta C` (B never transposed), strided-batched:
+    /// each operand is (pointer, leading dimension, element stride between batches).
     #[allow(clippy::too_many_arguments)]
     pub fn gemm_batched(
         &self,

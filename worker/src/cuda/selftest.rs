@@ -410,23 +410,17 @@ fn decode(gpu: &Gpu, dt: DType, rng: &mut Rng, h: Heads, tc: bool) -> GpuResult<
     let (rb, cb, tb) = (gpu.upload_new(&rows)?, gpu.upload_new(&ctx32)?, gpu.upload_new(&tables)?);
     let splits = attention::decode_splits(*ctxs.iter().max().unwrap_or(&1));
     let part = gpu.zeros(attention::decode_part_bytes(h, ctxs.len(), splits))?;
-    attention::decode(
-        gpu,
-        dt,
-        h,
-        q.ptr(),
-        o.ptr(),
-        pool.kc.ptr(),
-        pool.vc.ptr(),
-        rb.ptr(),
-        cb.ptr(),
-        tb.ptr(),
+    let l = attention::Layer { q: q.ptr(), o: o.ptr(), kc: pool.kc.ptr(), vc: pool.vc.ptr() };
+    let max_ctx = *ctxs.iter().max().unwrap_or(&1);
+    let d = attention::DecodeBatch {
+        rows: rb.ptr(),
+        ctx: cb.ptr(),
+        tables: tb.ptr(),
         max_blocks,
-        ctxs.len(),
-        *ctxs.iter().max().unwrap_or(&1),
-        part.ptr(),
-        tc,
-    )?;
+        seqs: ctxs.len(),
+        max_ctx,
+    };
+    attention::decode(gpu, dt, h, l, d, part.ptr(), tc)?;
     let got = download_f32(gpu, dt, o.ptr(), ctxs.len() * qd)?;
     let mut want = vec![0f32; ctxs.len() * qd];
     for (b, c) in ctxs.iter().enumerate() {
@@ -468,20 +462,8 @@ fn prefill(gpu: &Gpu, dt: DType, rng: &mut Rng, h: Heads, flash: bool) -> GpuRes
     let mut want = vec![0f32; rows * qd];
     for (ci, (start, n)) in chunks.iter().enumerate() {
         let tb = gpu.upload_new(&pool.tables[ci])?;
-        attention::prefill(
-            gpu,
-            dt,
-            h,
-            q.ptr(),
-            o.ptr(),
-            pool.kc.ptr(),
-            pool.vc.ptr(),
-            tb.ptr(),
-            row0,
-            *start,
-            *n,
-            &mut scratch,
-        )?;
+        let l = attention::Layer { q: q.ptr(), o: o.ptr(), kc: pool.kc.ptr(), vc: pool.vc.ptr() };
+        attention::prefill(gpu, dt, h, l, tb.ptr(), row0, *start, *n, &mut scratch)?;
         gpu.sync()?;
         for i in 0..*n {
             let r = row0 + i;

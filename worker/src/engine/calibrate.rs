@@ -162,7 +162,7 @@ pub fn calibrate(
             backend.forward(&[item(start, n, true)])?;
             best = best.min(t.elapsed().as_secs_f64());
         }
-        pre.push(Sample { x: [1.0, n as f64, n as f64 * (start as f64 + n as f64 / 2.0)], secs: best });
+        pre.push(prefill_sample(start, n, best));
     }
     let mut dec = Vec::new();
     for (i, &(batch, ctx)) in points.decodes.iter().enumerate() {
@@ -186,18 +186,9 @@ pub fn calibrate(
             backend.forward(&step)?;
             best = best.min(t.elapsed().as_secs_f64());
         }
-        dec.push(Sample { x: [1.0, batch as f64, (batch * (ctx + 1)) as f64], secs: best });
+        dec.push(decode_sample(batch, ctx, best));
     }
-    let p = fit(&pre);
-    let d = fit(&dec);
-    let timing = TimingModel {
-        prefill_base_s: p[0],
-        prefill_per_token_s: p[1],
-        prefill_attention_s: p[2],
-        decode_base_s: d[0],
-        decode_per_seq_s: d[1],
-        decode_per_kv_token_s: d[2],
-    };
+    let timing = fit_model(&pre, &dec);
     let described: Vec<String> = points
         .prefills
         .iter()
@@ -213,9 +204,89 @@ pub fn calibrate(
     })
 }
 
+fn prefill_sample(start: usize, n: usize, secs: f64) -> Sample {
+    Sample { x: [1.0, n as f64, n as f64 * (start as f64 + n as f64 / 2.0)], secs }
+}
+
+fn decode_sample(batch: usize, ctx: usize, secs: f64) -> Sample {
+    Sample { x: [1.0, batch as f64, (batch * (ctx + 1)) as f64], secs }
+}
+
+fn fit_model(pre: &[Sample], dec: &[Sample]) -> TimingModel {
+    let p = fit(pre);
+    let d = fit(dec);
+    TimingModel {
+        prefill_base_s: p[0],
+        prefill_per_token_s: p[1],
+        prefill_attention_s: p[2],
+        decode_base_s: d[0],
+        decode_per_seq_s: d[1],
+        decode_per_kv_token_s: d[2],
+    }
+}
+
+/// Fits a timing model to recorded measurements, in the format a profile's `source` lists them
+/// (`prefill 2048@0: 0.0595s, decode b8@2048: 0.00653s, ...`; `calibrate --points`): a profile can be refitted
+/// from what a GPU machine measured without the machine.
+pub fn fit_points(text: &str) -> Result<TimingModel, String> {
+    let (mut pre, mut dec) = (Vec::new(), Vec::new());
+    for item in text.split(',').map(str::trim).filter(|i| !i.is_empty()) {
+        let bad = || format!("point {item:?} is not `prefill N@START: SECSs` or `decode bBATCH@CTX: SECSs`");
+        let (what, secs) = item.split_once(':').ok_or_else(bad)?;
+        let secs: f64 = secs.trim().trim_end_matches('s').parse().map_err(|_| bad())?;
+        let (kind, at) = what.trim().split_once(' ').ok_or_else(bad)?;
+        let (a, b) = at.trim().trim_start_matches('b').split_once('@').ok_or_else(bad)?;
+        let (a, b): (usize, usize) = (a.parse().map_err(|_| bad())?, b.parse().map_err(|_| bad())?);
+        if !(secs.is_finite() && secs > 0.0) {
+            return Err(bad());
+        }
+        match kind {
+            "prefill" => pre.push(prefill_sample(b, a, secs)),
+            "decode" => dec.push(decode_sample(a, b, secs)),
+            _ => return Err(bad()),
+        }
+    }
+    if pre.len() < 3 || dec.len() < 3 {
+        return Err("need at least 3 prefill and 3 decode points".into());
+    }
+    Ok(fit_model(&pre, &dec))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn points_refit_the_model_they_came_from() {
+        let truth = TimingModel {
+            prefill_base_s: 0.002,
+            prefill_per_token_s: 3e-5,
+            prefill_attention_s: 2e-9,
+            decode_base_s: 0.005,
+            decode_per_seq_s: 2e-5,
+            decode_per_kv_token_s: 4e-8,
+        };
+        let mut items = Vec::new();
+        for (s, n) in [(0usize, 512usize), (0, 2048), (0, 8192), (4096, 4096)] {
+            items.push(format!("prefill {n}@{s}: {:.9}s", truth.prefill(s, n)));
+        }
+        for (b, c) in [(1usize, 1024usize), (8, 2048), (64, 2048), (256, 2048)] {
+            let secs = truth.decode_base_s
+                + truth.decode_per_seq_s * b as f64
+                + truth.decode_per_kv_token_s * (b * (c + 1)) as f64;
+            items.push(format!("decode b{b}@{c}: {secs:.9}s"));
+        }
+        let got = fit_points(&items.join(", ")).expect("fits");
+        for (a, b) in [
+            (got.prefill_base_s, truth.prefill_base_s),
+            (got.prefill_per_token_s, truth.prefill_per_token_s),
+            (got.decode_per_kv_token_s, truth.decode_per_kv_token_s),
+        ] {
+            assert!((a - b).abs() <= b * 1e-3, "{got:?}");
+        }
+        assert!(fit_points("prefill 1@0: 1s").is_err());
+        assert!(fit_points("prefill x@0: 1s, a, b").is_err());
+    }
 
     #[test]
     fn least_squares_recovers_a_known_model() {

@@ -136,8 +136,9 @@ impl SimProfile {
 }
 
 /// The profiles shipped with the worker, by name (usable without the source tree).
-pub const SHIPPED_PROFILES: [(&str, &str); 2] = [
+pub const SHIPPED_PROFILES: [(&str, &str); 3] = [
     ("gpu-h100-llama3-8b", include_str!("../../profiles/gpu-h100-llama3-8b.toml")),
+    ("gpu-h200-llama3-8b-measured", include_str!("../../profiles/gpu-h200-llama3-8b-measured.toml")),
     ("cpu-small", include_str!("../../profiles/cpu-small.toml")),
 ];
 

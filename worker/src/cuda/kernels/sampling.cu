@@ -1,6 +1,19 @@
 // Greedy sampling on the device: the arg-max of each logits row (lowest index on ties, as the CPU sampler), so a
 // greedy step copies 4 bytes per sequence back instead of the vocabulary's logits. grid: rows; block: 1024.
 
+// Warp-wide arg-max of (best, idx) pairs; every lane gets the winner.
+__device__ __forceinline__ void warp_argmax(float& best, int& idx) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    float ov = __shfl_xor_sync(0xffffffffu, best, o);
+    int oi = __shfl_xor_sync(0xffffffffu, idx, o);
+    if (ov > best || (ov == best && oi < idx)) {
+      best = ov;
+      idx = oi;
+    }
+  }
+}
+
 extern "C" __global__ void argmax_rows(u32* out, const float* logits, int vocab) {
   const float* row = logits + (i64)blockIdx.x * vocab;
   float best = NEG_INF;
@@ -14,15 +27,7 @@ extern "C" __global__ void argmax_rows(u32* out, const float* logits, int vocab)
   }
   __shared__ float bv[32];
   __shared__ int bi[32];
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
-    float ov = __shfl_xor_sync(0xffffffffu, best, o);
-    int oi = __shfl_xor_sync(0xffffffffu, idx, o);
-    if (ov > best || (ov == best && oi < idx)) {
-      best = ov;
-      idx = oi;
-    }
-  }
+  warp_argmax(best, idx);
   int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   if (lane == 0) {
     bv[warp] = best;
@@ -33,15 +38,7 @@ extern "C" __global__ void argmax_rows(u32* out, const float* logits, int vocab)
     int nw = blockDim.x >> 5;
     best = lane < nw ? bv[lane] : NEG_INF;
     idx = lane < nw ? bi[lane] : 0x7fffffff;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-      float ov = __shfl_xor_sync(0xffffffffu, best, o);
-      int oi = __shfl_xor_sync(0xffffffffu, idx, o);
-      if (ov > best || (ov == best && oi < idx)) {
-        best = ov;
-        idx = oi;
-      }
-    }
+    warp_argmax(best, idx);
     if (lane == 0) out[blockIdx.x] = idx == 0x7fffffff ? 0u : (u32)idx;
   }
 }
