@@ -149,7 +149,7 @@ fn load(cfg: &ServeConfig, worker_id: &str) -> Result<Loaded, String> {
         EngineKind::Cpu => match cfg.device.resolve() {
             DeviceChoice::Cuda(ordinal) => {
                 let l = crate::cuda::backend::Loaded::from_dir(&dir, ordinal, cfg.dtype)
-                    .map_err(|e| format!("--device cuda:{ordinal}: {e}"))?;
+                    .map_err(|e| format!("--device cuda:{ordinal}: {e} (--device cpu serves on the CPU)"))?;
                 let slots = crate::cuda::backend::kv_slots_for(
                     &l,
                     cfg.gpu_memory_utilization,
