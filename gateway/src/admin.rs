@@ -244,7 +244,9 @@ async fn explain(State(state): State<Arc<GatewayState>>, headers: HeaderMap, bod
         Err(e) => return api_error(e),
     };
     let prep = PrepHeaders { session: header(SESSION_HEADER), cache_salt: header(CACHE_SALT_HEADER) };
-    let p = match crate::proxy::prepare_on_pool(&state, chat, body, prep, caller.cache_salt.clone()).await {
+    let p = match crate::proxy::prepare_on_pool(&state, chat, body, prep, caller.cache_salt.clone(), false)
+        .await
+    {
         Ok(p) => p,
         Err(e) => return api_error(e),
     };

@@ -82,6 +82,13 @@ pub struct GatewayArgs {
     /// Default 200000.
     #[arg(long, env = "KVGATE_GATEWAY_MAX_CHAT_JSON_VALUES")]
     pub max_chat_json_values: Option<usize>,
+    /// Ring key: a prompt block followed by this many distinct next blocks recently is a hub (a shared system
+    /// prompt's end); the key is the block after a prompt's last hub (2..=8). Default 4.
+    #[arg(long, env = "KVGATE_GATEWAY_RING_HUB_FANOUT")]
+    pub ring_hub_fanout: Option<usize>,
+    /// Blocks the ring-key sketch remembers per generation (two generations; about 40 bytes each). Default 65536.
+    #[arg(long, env = "KVGATE_GATEWAY_RING_SKETCH_ENTRIES")]
+    pub ring_sketch_entries: Option<usize>,
     /// Most open client connections; beyond it a new connection gets 503 and is closed. Default 4096.
     #[arg(long, env = "KVGATE_GATEWAY_MAX_CONNECTIONS")]
     pub max_connections: Option<usize>,
@@ -192,6 +199,8 @@ pub struct GatewayConfig {
     pub vnodes: u32,
     pub max_body_bytes: usize,
     pub max_chat_json_values: usize,
+    pub ring_hub_fanout: usize,
+    pub ring_sketch_entries: usize,
     pub max_connections: usize,
     pub header_read_timeout: Duration,
     pub keepalive_timeout: Duration,
@@ -287,6 +296,8 @@ impl GatewayArgs {
             vnodes: pick!(vnodes).unwrap_or(64),
             max_body_bytes: pick!(max_body_bytes).unwrap_or(8 << 20),
             max_chat_json_values: pick!(max_chat_json_values).unwrap_or(200_000),
+            ring_hub_fanout: pick!(ring_hub_fanout).unwrap_or(4),
+            ring_sketch_entries: pick!(ring_sketch_entries).unwrap_or(65_536),
             max_connections: pick!(max_connections).unwrap_or(4096),
             header_read_timeout: duration(pick!(header_read_timeout), "10s", "header-read-timeout")?,
             keepalive_timeout: duration(pick!(keepalive_timeout), "60s", "keepalive-timeout")?,
@@ -373,6 +384,7 @@ impl GatewayConfig {
             ("max-attempts", self.max_attempts),
             ("max-workers", self.max_workers),
             ("max-chat-json-values", self.max_chat_json_values),
+            ("ring-sketch-entries", self.ring_sketch_entries),
         ] {
             if v == 0 {
                 p.push(format!("{name} must be at least 1"));
@@ -390,6 +402,9 @@ impl GatewayConfig {
             if d.is_zero() {
                 p.push(format!("{name} must be more than 0"));
             }
+        }
+        if !(2..=crate::routing::ring_key::MAX_HUB_FANOUT).contains(&self.ring_hub_fanout) {
+            p.push(format!("ring-hub-fanout {} is not in 2..=8", self.ring_hub_fanout));
         }
         if self.first_byte.cap < self.first_byte.floor {
             p.push("first-byte-timeout-cap must not be below first-byte-timeout".into());

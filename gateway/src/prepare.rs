@@ -38,13 +38,15 @@ pub struct Prepared {
     pub max_model_len: Option<u32>,
 }
 
-/// Parses a chat (`chat`) or completions body, tokenizes and hashes it. `forced_salt` is the caller's key's salt.
+/// Parses a chat (`chat`) or completions body, tokenizes and hashes it. `forced_salt` is the caller's key's salt;
+/// `learn`: record the prompt in the ring-key sketch (false for dry runs).
 pub fn prepare(
     state: &GatewayState,
     chat: bool,
     body: Bytes,
     headers: &PrepHeaders,
     forced_salt: Option<&str>,
+    learn: bool,
 ) -> Result<Prepared, ApiError> {
     let (fields, prompt) = parse(chat, &body, state.cfg.max_chat_json_values)?;
     let Some(tok) = state.tokenizer(&fields.model) else {
@@ -64,7 +66,7 @@ pub fn prepare(
     }
     let hashes = BlockHasher::new(&tok.scheme, &ExtraKeys::from_salt(salt.as_deref())).hash_blocks(&ids);
     let explicit = headers.session.clone().or_else(|| fields.user.clone());
-    let session_key = crate::routing::session_key(explicit.as_deref(), &hashes, &ids);
+    let session_key = state.ring_keys().key(explicit.as_deref(), &hashes, &ids, learn);
     Ok(Prepared {
         fields,
         ids,

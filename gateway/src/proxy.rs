@@ -166,16 +166,18 @@ pub fn choose_class(
     }
 }
 
-/// Parses, tokenizes and hashes a request on the tokenize pool.
+/// Parses, tokenizes and hashes a request on the tokenize pool. `learn`: teach the ring-key sketch this prompt
+/// (requests that are routed; explain's dry runs pass false).
 pub async fn prepare_on_pool(
     state: &Arc<GatewayState>,
     chat: bool,
     body: Bytes,
     headers: PrepHeaders,
     forced_salt: Option<String>,
+    learn: bool,
 ) -> Result<Prepared, ApiError> {
     let s = state.clone();
-    match state.tokenize.run(move || prepare(&s, chat, body, &headers, forced_salt.as_deref())).await {
+    match state.tokenize.run(move || prepare(&s, chat, body, &headers, forced_salt.as_deref(), learn)).await {
         Ok(r) => r,
         Err(PoolError::Busy) => Err(ApiError::tokenizer_busy()),
         Err(PoolError::Failed) => Err(ApiError::internal("preparing the request failed".into())),
@@ -208,7 +210,7 @@ async fn handle(state: &Arc<GatewayState>, session: &mut Session, ctx: &mut Ctx)
         session: header(session, SESSION_HEADER).map(str::to_owned),
         cache_salt: header(session, CACHE_SALT_HEADER).map(str::to_owned),
     };
-    let p = prepare_on_pool(state, chat, body, prep_headers, caller.cache_salt.clone()).await?;
+    let p = prepare_on_pool(state, chat, body, prep_headers, caller.cache_salt.clone(), true).await?;
     let decided_at = Instant::now();
     let model = p.fields.model.clone();
     let nonce = state.nonce.fetch_add(1, Ordering::Relaxed).wrapping_mul(0x9E37_79B9_7F4A_7C15);

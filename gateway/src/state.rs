@@ -21,7 +21,7 @@ use crate::admission::Admission;
 use crate::config::GatewayConfig;
 use crate::keys::KeyTable;
 use crate::registry::{Registry, RegistryConfig};
-use crate::routing::{policy_by_name, RoutingPolicy, Weights};
+use crate::routing::{policy_by_name, RingKeys, RoutingPolicy, Weights};
 use crate::tokenize::TokenizePool;
 
 /// HTTP client to workers.
@@ -49,6 +49,8 @@ pub struct GatewayState {
     pub client: HttpClient,
     pub prometheus: PrometheusHandle,
     pub nonce: AtomicU64,
+    /// The ring-key chooser and its fan-out sketch (routing/ring_key.rs).
+    ring_keys: Mutex<RingKeys>,
     /// Current weights and their version (the admin API's ETag).
     weights: RwLock<(Weights, u64)>,
     classes_version: AtomicU64,
@@ -91,6 +93,7 @@ impl GatewayState {
         };
         policy.set_weights(weights);
         let admission = Admission::new(classes);
+        let cfg_ring = (cfg.ring_sketch_entries, cfg.ring_hub_fanout);
         Ok(Self {
             cfg,
             registry: Mutex::new(registry),
@@ -103,10 +106,16 @@ impl GatewayState {
             client,
             prometheus,
             nonce: AtomicU64::new(0x5EED),
+            ring_keys: Mutex::new(RingKeys::new(cfg_ring.0, cfg_ring.1)),
             weights: RwLock::new((weights, weights_version)),
             classes_version: AtomicU64::new(classes_version),
             admin: Mutex::new(()),
         })
+    }
+
+    /// The ring-key chooser (held briefly: one prompt's block chain).
+    pub fn ring_keys(&self) -> MutexGuard<'_, RingKeys> {
+        self.ring_keys.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Serialises admin writes (check-version-then-write must not interleave).

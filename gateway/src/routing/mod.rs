@@ -9,6 +9,7 @@ pub mod cache_aware;
 pub mod consistent_hash;
 pub mod least_load;
 pub mod ring;
+pub mod ring_key;
 pub mod round_robin;
 
 use kvgate_shared::hashing::BlockHash;
@@ -17,6 +18,7 @@ use serde::{Deserialize, Serialize};
 
 pub use cache_aware::{CacheAware, Weights};
 pub use ring::Ring;
+pub use ring_key::RingKeys;
 
 /// What the policies know about a request.
 #[derive(Clone, Debug)]
@@ -25,7 +27,7 @@ pub struct RequestView<'a> {
     pub hashes: &'a [BlockHash],
     /// Prompt length in tokens.
     pub prompt_tokens: usize,
-    /// Session key for the ring (`x-session-id`, `user`, or a hash of the first blocks).
+    /// Session key for the ring (`x-session-id`, `user`, or the block where prompts diverge: `ring_key.rs`).
     pub session_key: u64,
     /// Per-request entropy for tie-breaking.
     pub nonce: u64,
@@ -153,18 +155,6 @@ pub fn policy_by_name(name: &str, weights: Weights) -> Option<Box<dyn RoutingPol
         "least_load" => Some(Box::new(least_load::LeastLoad::new(weights.per_request_tokens))),
         "consistent_hash" => Some(Box::new(consistent_hash::ConsistentHash)),
         _ => None,
-    }
-}
-
-/// The ring key of a request: the explicit session (`x-session-id` header, else the `user` field) if any, else
-/// the hash of the prompt's 4th full block (or its last, if shorter), so requests sharing a system prompt and
-/// first turns land together; prompts under one block hash their tokens.
-pub fn session_key(explicit: Option<&str>, hashes: &[BlockHash], ids: &[u32]) -> u64 {
-    use xxhash_rust::xxh3::xxh3_64;
-    match (explicit, hashes.get(hashes.len().min(4).saturating_sub(1))) {
-        (Some(s), _) => xxh3_64(s.as_bytes()),
-        (None, Some(h)) => h.0,
-        (None, None) => xxh3_64(&ids.iter().flat_map(|t| t.to_le_bytes()).collect::<Vec<u8>>()),
     }
 }
 

@@ -18,7 +18,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::time::{Duration, Instant};
 
 use kvgate_gateway::registry::{Registry, SentTicket};
-use kvgate_gateway::routing::{session_key, RequestView, RoutingPolicy};
+use kvgate_gateway::routing::{RequestView, RingKeys, RoutingPolicy};
 use kvgate_shared::hashing::{BlockHasher, ExtraKeys};
 use kvgate_shared::report::Throughput;
 use kvgate_worker::engine::sim::{SimBackend, SimClock};
@@ -81,6 +81,8 @@ struct Fleet<'a> {
     base: Instant,
     inflight: HashMap<u64, InFlight>,
     nonce: u64,
+    /// The gateway's ring-key chooser (its defaults: hubs at 4 continuations, 65,536 blocks a generation).
+    ring_keys: RingKeys,
     out: Outcome,
 }
 
@@ -127,6 +129,7 @@ impl<'a> Fleet<'a> {
             base: Instant::now(),
             inflight: HashMap::new(),
             nonce: 0x5EED,
+            ring_keys: RingKeys::new(65_536, 4),
             out: Outcome { busy_s: vec![0.0; n], ..Outcome::default() },
         }
     }
@@ -171,12 +174,13 @@ impl<'a> Fleet<'a> {
         let now = self.instant(t);
         self.nonce = self.nonce.wrapping_add(1);
         let block_size = self.cfg.block_size as usize;
+        let session_key = self.ring_keys.key(None, &hashes, &tokens, true);
         let decision = {
             let (views, idx) = self.registry.views(SIM_MODEL, &hashes, now);
             let req = RequestView {
                 hashes: &hashes,
                 prompt_tokens: tokens.len(),
-                session_key: session_key(None, &hashes, &tokens),
+                session_key,
                 nonce: self.nonce.wrapping_mul(0x9E37_79B9_7F4A_7C15),
             };
             self.policy

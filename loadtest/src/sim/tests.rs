@@ -75,3 +75,56 @@ fn target_load_scales_arrivals_and_oversized_requests_are_refused() {
     let err = prepare(&t, &bad, Pace::TimeScale(1.0)).expect_err("invalid");
     assert!(err.contains("workers") && err.contains("kv-tokens-per-worker"), "{err}");
 }
+
+/// A multi-turn trace whose every request starts with the same `shared` 512-token blocks (a system prompt):
+/// `convs` conversations of `turns` turns, each turn one more 512-token block of the conversation's own.
+fn shared_prefix_trace(shared: u64, convs: u64, turns: u64) -> Trace {
+    let mut ids: Vec<Vec<u64>> = Vec::new();
+    let mut rows_meta = Vec::new();
+    for turn in 0..turns {
+        for c in 0..convs {
+            let mut h: Vec<u64> = (0..shared).collect();
+            h.extend((0..=turn).map(|t| 1_000_000 + c * 1_000 + t));
+            rows_meta.push((turn * convs + c) * 50);
+            ids.push(h);
+        }
+    }
+    let rows: Vec<(u64, usize, usize, &[u64])> =
+        ids.iter().zip(&rows_meta).map(|(h, ts)| (*ts, h.len() * 512, 16, h.as_slice())).collect();
+    trace(&rows)
+}
+
+#[test]
+fn a_shared_system_prompt_does_not_collapse_the_ring() {
+    // 512, 2K and 8K shared tokens; 8 workers with room for every distinct block; paced to 70% offered load.
+    for shared in [1u64, 4, 16] {
+        let t = shared_prefix_trace(shared, 256, 3);
+        let kv = (t.distinct_blocks() * 512 / 8 * 2).next_multiple_of(16);
+        let mut cfg =
+            SimConfig::new(8, kv, SimProfile::named_or_file("gpu-h100-llama3-8b").expect("profile"));
+        cfg.profile.max_model_len = 65_536;
+        let prep = prepare(&t, &cfg, Pace::TargetLoad(0.7)).expect("prepare");
+        let ch = simulate(&t, &cfg, &prep, "consistent_hash").expect("consistent_hash");
+        assert_eq!((ch.completed, ch.rejected), (768, 0), "{ch:?}");
+        eprintln!(
+            "shared {shared}: consistent_hash max/mean {:.2} hit {:.3} oracle {:.3}; cache_aware follows",
+            ch.max_mean_load, ch.hit_rate, ch.oracle_hit_rate
+        );
+        assert!(ch.max_mean_load <= 1.3, "shared {shared}: consistent_hash max/mean {:.2}", ch.max_mean_load);
+        // Turns of a conversation stay together: later turns hit their own history (the oracle's rate is the
+        // best any placement gets).
+        assert!(
+            ch.hit_rate >= 0.9 * ch.oracle_hit_rate,
+            "shared {shared}: hit rate {:.3} vs oracle {:.3}",
+            ch.hit_rate,
+            ch.oracle_hit_rate
+        );
+        let ca = simulate(&t, &cfg, &prep, "cache_aware").expect("cache_aware");
+        eprintln!(
+            "shared {shared}: cache_aware max/mean {:.2} hit {:.3} p99 {:.0} ms",
+            ca.max_mean_load, ca.hit_rate, ca.ttft_p99_ms
+        );
+        assert!(ca.max_mean_load <= 1.3, "shared {shared}: cache_aware max/mean {:.2}", ca.max_mean_load);
+        assert!(ca.hit_rate >= 0.9 * ca.oracle_hit_rate, "shared {shared}: {ca:?}");
+    }
+}
