@@ -30,7 +30,7 @@ fn report(id: &str, seq: u64, hashes: &[BlockHash], fingerprint: u64) -> WorkerR
         instance_id: 1,
         max_model_len: 4096,
         draining: false,
-        queue: QueueStats { waiting_requests: 1, waiting_prefill_tokens: 100, running_requests: 2 },
+        queue: QueueStats { waiting_requests: 1, prefill_tokens: 100, running_requests: 2 },
         throughput: Throughput::default(),
         tiers: vec![TierReport {
             tier: Tier::Device,

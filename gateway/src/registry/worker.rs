@@ -128,7 +128,7 @@ impl Worker {
     pub(super) fn load(&self) -> Load {
         let q = self.report.as_ref().map(|r| r.queue).unwrap_or_default();
         Load {
-            pending_tokens: q.waiting_prefill_tokens + self.sent_tokens_since_report,
+            pending_tokens: q.prefill_tokens + self.sent_tokens_since_report,
             requests: u64::from(q.waiting_requests)
                 + u64::from(q.running_requests)
                 + self.sent_requests_since_report,

@@ -9,7 +9,9 @@
 //!                     (at its granularity) or in this gateway's overlay of what it routed to w since that report
 //! ring(w)             = 1 if w is the session's primary, 0.5 if its backup, else 0
 //! cost(w)             = pending_tokens(w) + per_request_tokens * requests(w)
-//!     pending_tokens: reported waiting prefill tokens + uncached prompt tokens sent since the report
+//!     pending_tokens: reported prefill tokens (uncomputed prompt tokens of waiting sequences, less what the
+//!                     worker's cache holds for them, and of running ones still in prefill) + uncached prompt tokens
+//!                     this gateway sent since the report
 //!     requests:       reported waiting + running + sent since the report
 //! normalized_load(w)  = cost(w) / max(max cost over healthy workers, load_floor_tokens)
 //!     (the floor keeps a few hundred queued tokens from outweighing a session's ring affinity)

@@ -36,7 +36,8 @@ pub struct RequestView<'a> {
 /// Load as the gateway sees it: the worker's last report plus what this gateway sent since.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
 pub struct Load {
-    /// Waiting prefill tokens reported + uncached prompt tokens sent since the report.
+    /// Prefill tokens reported (waiting less cached, and running still in prefill) + uncached prompt tokens sent
+    /// since the report.
     pub pending_tokens: u64,
     /// Waiting + running requests reported + requests in flight through this gateway since the report.
     pub requests: u64,

@@ -8,7 +8,7 @@
 //! block_size u32 | hash_version u32 | tokenizer_digest u64 | fingerprint u64
 //! seq u64 | timestamp_ms u64
 //! instance_id u64 | max_model_len u32                          (version 2 only)
-//! waiting_requests u32 | waiting_prefill_tokens u64 | running_requests u32
+//! waiting_requests u32 | prefill_tokens u64 | running_requests u32
 //! prefill_tokens_per_s f64 | decode_tokens_per_s f64
 //! tier count u8 (<= 3), then per tier:
 //!   tier u8 (0 device, 1 host, 2 disk) | blocks_total u64 | blocks_free u64 | blocks_cached u64
@@ -89,7 +89,10 @@ impl Tier {
 #[derive(Clone, Copy, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct QueueStats {
     pub waiting_requests: u32,
-    pub waiting_prefill_tokens: u64,
+    /// Prompt tokens still to prefill, over waiting and running sequences, less what the prefix cache holds for the
+    /// waiting ones (the work ahead of a new request, in tokens). Running sequences that only decode count 0 here;
+    /// they are in `running_requests`.
+    pub prefill_tokens: u64,
     pub running_requests: u32,
 }
 
@@ -224,7 +227,7 @@ impl WorkerReport {
         put_u64(&mut w, self.instance_id);
         put_u32(&mut w, self.max_model_len);
         put_u32(&mut w, self.queue.waiting_requests);
-        put_u64(&mut w, self.queue.waiting_prefill_tokens);
+        put_u64(&mut w, self.queue.prefill_tokens);
         put_u32(&mut w, self.queue.running_requests);
         put_u64(&mut w, self.throughput.prefill_tokens_per_s.to_bits());
         put_u64(&mut w, self.throughput.decode_tokens_per_s.to_bits());
@@ -286,7 +289,7 @@ impl WorkerReport {
             if version >= 2 { (r.u64("instance_id")?, r.u32("max_model_len")?) } else { (0, 0) };
         let queue = QueueStats {
             waiting_requests: r.u32("waiting_requests")?,
-            waiting_prefill_tokens: r.u64("waiting_prefill_tokens")?,
+            prefill_tokens: r.u64("prefill_tokens")?,
             running_requests: r.u32("running_requests")?,
         };
         let throughput = Throughput {

@@ -21,7 +21,7 @@ fn sample(n_hashes: u64, granularity: u32) -> WorkerReport {
         instance_id: 0xDEAD_BEEF_0123,
         max_model_len: 131_072,
         draining: false,
-        queue: QueueStats { waiting_requests: 3, waiting_prefill_tokens: 4096, running_requests: 5 },
+        queue: QueueStats { waiting_requests: 3, prefill_tokens: 4096, running_requests: 5 },
         throughput: Throughput { prefill_tokens_per_s: 5000.5, decode_tokens_per_s: 120.25 },
         tiers: vec![
             TierReport {

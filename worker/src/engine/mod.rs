@@ -51,7 +51,8 @@ pub struct EngineConfig {
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct EngineStats {
     pub waiting_requests: usize,
-    pub waiting_prefill_tokens: u64,
+    /// Prompt tokens still to prefill, waiting (less cached) and running (`Scheduler::prefill_tokens`).
+    pub prefill_tokens: u64,
     pub running_requests: usize,
     pub blocks_total: usize,
     pub blocks_free: usize,
@@ -117,7 +118,7 @@ impl<B: Backend> Engine<B> {
         let c = pool.counters();
         EngineStats {
             waiting_requests: self.sched.num_waiting(),
-            waiting_prefill_tokens: self.sched.waiting_prefill_tokens(),
+            prefill_tokens: self.sched.prefill_tokens(),
             running_requests: self.sched.running().len(),
             blocks_total: pool.num_blocks(),
             blocks_free: pool.num_free(),
@@ -160,7 +161,9 @@ impl<B: Backend> Engine<B> {
             return Err(AdmitError::DuplicateId(req.id));
         }
         let hasher = BlockHasher::new(&self.scheme, &req.extra_keys);
-        self.sched.add(Sequence::new(req.id, req.prompt, req.params, hasher));
+        let mut seq = Sequence::new(req.id, req.prompt, req.params, hasher);
+        seq.cached_estimate = self.sched.kv().cached_prefix_tokens(&seq.hasher, &seq.tokens);
+        self.sched.add(seq);
         Ok(())
     }
 

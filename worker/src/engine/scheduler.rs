@@ -54,6 +54,8 @@ pub struct Sequence {
     pub num_computed: usize,
     /// Prompt tokens served from the prefix cache at first admission (what `usage` reports).
     pub cached_prompt_tokens: Option<usize>,
+    /// While waiting: prompt tokens the prefix cache held when the request arrived (load reports count the rest).
+    pub cached_estimate: usize,
     pub rng: SplitMix64,
     pub preemptions: u32,
 }
@@ -71,6 +73,7 @@ impl Sequence {
             table: None,
             num_computed: 0,
             cached_prompt_tokens: None,
+            cached_estimate: 0,
             preemptions: 0,
         }
     }
@@ -150,9 +153,14 @@ impl Scheduler {
     pub fn has_work(&self) -> bool {
         !self.waiting.is_empty() || !self.running.is_empty()
     }
-    /// Tokens waiting sequences still have to prefill (before cache hits).
-    pub fn waiting_prefill_tokens(&self) -> u64 {
-        self.waiting.iter().map(|s| s.remaining() as u64).sum()
+    /// Prompt tokens still to prefill: waiting sequences' uncomputed tokens less their cached estimate, plus running
+    /// sequences' uncomputed prompt (a running sequence with one token left is decoding and counts 0).
+    pub fn prefill_tokens(&self) -> u64 {
+        let waiting: u64 =
+            self.waiting.iter().map(|s| s.remaining().saturating_sub(s.cached_estimate) as u64).sum();
+        let running: u64 =
+            self.running.iter().map(|s| s.remaining()).filter(|r| *r > 1).map(|r| r as u64).sum();
+        waiting + running
     }
     pub fn contains(&self, id: RequestId) -> bool {
         self.waiting.iter().chain(&self.running).any(|s| s.id == id)

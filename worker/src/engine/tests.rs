@@ -328,3 +328,28 @@ fn a_request_alone_equals_it_inside_a_batch() {
         assert!(rel_err(y, x) <= 1e-4);
     }
 }
+
+#[test]
+fn the_load_signal_counts_running_prefill_and_not_what_is_cached() {
+    // Chunks of 16 tokens, room for two sequences.
+    let mut e = sim_engine(256, 16, 2);
+    let prompt: Vec<u32> = (0..100).map(|i| i % 900 + 1).collect();
+    e.add_request(req(1, prompt.clone(), 2)).expect("admit");
+    assert_eq!(e.stats().prefill_tokens, 100, "waiting, nothing cached");
+    e.step();
+    // Running, one 16-token chunk done: its remaining prompt still counts (it used to count as one request only).
+    assert_eq!(e.stats().prefill_tokens, 84);
+    drain(&mut e);
+    assert_eq!(e.stats().prefill_tokens, 0);
+    // The same prompt again with a new tail: its cached whole blocks (all 100 tokens: 25 blocks of 4) do not count.
+    let mut again = prompt.clone();
+    again.extend([7, 8, 9, 10]);
+    e.add_request(req(2, again, 2)).expect("admit");
+    assert_eq!(e.stats().prefill_tokens, 104 - 100);
+    drain(&mut e);
+    // Decoding sequences add nothing to the prefill figure.
+    e.add_request(req(3, vec![5, 6, 7], 50)).expect("admit");
+    e.step();
+    e.step();
+    assert_eq!((e.stats().prefill_tokens, e.stats().running_requests), (0, 1));
+}

@@ -130,6 +130,26 @@ impl KvManager {
         }
     }
 
+    /// Prompt tokens `start` would find cached now (the same whole-block, token-verified walk, read-only: nothing
+    /// referenced, no counters).
+    pub fn cached_prefix_tokens(&self, hasher: &BlockHasher, tokens: &[u32]) -> usize {
+        let hashes = hasher.hash_blocks(tokens);
+        let max_hit = tokens.len().saturating_sub(1) / self.block_size;
+        let pool = self.pool.lock();
+        let mut parent = Parent::Root(hasher.root_id());
+        let mut n = 0;
+        for (i, h) in hashes.iter().enumerate().take(max_hit) {
+            match pool.probe(*h, parent, &tokens[i * self.block_size..(i + 1) * self.block_size]) {
+                Some(uid) => {
+                    parent = Parent::Block(uid);
+                    n += 1;
+                }
+                None => break,
+            }
+        }
+        n * self.block_size
+    }
+
     /// Grows `table` to hold `n_positions`; `false` (and no change) when the pool lacks free blocks.
     pub fn reserve(&self, table: &mut BlockTable, n_positions: usize) -> bool {
         let need = self.blocks_for(n_positions).saturating_sub(table.blocks.len());

@@ -218,6 +218,14 @@ impl BlockPool {
         Some((id, uid))
     }
 
+    /// The content identity of the cached block for `hash` extending `parent` with exactly `tokens` (the parent of
+    /// the next block), without referencing it or counting a query: for estimates such as load reports.
+    pub fn probe(&self, hash: BlockHash, parent: Parent, tokens: &[u32]) -> Option<u64> {
+        let (id, _) = *self.cached.get(&hash)?;
+        let b = &self.blocks[id as usize];
+        (b.parent == parent && &*b.tokens == tokens).then_some(b.uid)
+    }
+
     /// Whether `hash` is cached as the block extending `parent` with these tokens (no reference, no counters).
     pub fn contains(&self, hash: BlockHash, parent: Parent, tokens: &[u32]) -> bool {
         self.cached.get(&hash).is_some_and(|(id, _)| {

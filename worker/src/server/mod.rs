@@ -287,7 +287,7 @@ async fn metrics_text(State(state): State<Arc<AppState>>) -> Response {
         metrics::gauge!("kvgate_worker_preemptions").set(s.preemptions as f64);
         metrics::gauge!("kvgate_worker_queue_requests", "state" => "waiting").set(s.waiting_requests as f64);
         metrics::gauge!("kvgate_worker_queue_requests", "state" => "running").set(s.running_requests as f64);
-        metrics::gauge!("kvgate_worker_waiting_prefill_tokens").set(s.waiting_prefill_tokens as f64);
+        metrics::gauge!("kvgate_worker_prefill_tokens").set(s.prefill_tokens as f64);
         metrics::gauge!("kvgate_worker_prefix_cache_hit_blocks").set(s.hit_blocks as f64);
         metrics::gauge!("kvgate_worker_prefix_cache_queried_blocks").set(s.queried_blocks as f64);
     }

@@ -118,7 +118,7 @@ impl ReportSource {
             draining,
             queue: QueueStats {
                 waiting_requests: s.waiting_requests as u32,
-                waiting_prefill_tokens: s.waiting_prefill_tokens,
+                prefill_tokens: s.prefill_tokens,
                 running_requests: s.running_requests as u32,
             },
             throughput,
