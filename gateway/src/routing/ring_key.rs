@@ -11,7 +11,8 @@
 //!
 //! The sketch is bounded: at most `2 x entries` blocks are remembered (two generations; when the current one is
 //! full it becomes the old one and the oldest is dropped), each with at most `hub_fanout` continuation
-//! fingerprints. Learning is O(prompt blocks) map operations per request; explain-style dry runs do not learn.
+//! fingerprints. Learning is O(prompt blocks) map operations per request, at most [`MAX_LEARN_BLOCKS`]; explain-style
+//! dry runs do not learn.
 
 use std::collections::HashMap;
 
@@ -20,6 +21,10 @@ use xxhash_rust::xxh3::xxh3_64;
 
 /// Largest `hub_fanout` (continuations kept per block).
 pub const MAX_HUB_FANOUT: usize = 8;
+
+/// Blocks of one prompt the sketch learns (its first 64K tokens at 16 tokens a block): bounds the work and the lock
+/// time of one request, and how much of the sketch one huge prompt can push out.
+pub const MAX_LEARN_BLOCKS: usize = 4096;
 
 /// Continuation fingerprints seen after one block.
 #[derive(Clone, Copy, Debug, Default)]
@@ -90,7 +95,7 @@ impl RingKeys {
     }
 
     fn learn(&mut self, hashes: &[BlockHash]) {
-        for pair in hashes.windows(2) {
+        for pair in hashes[..hashes.len().min(MAX_LEARN_BLOCKS)].windows(2) {
             self.add(pair[0].0, pair[1].0 as u32);
         }
     }
