@@ -16,7 +16,6 @@
 // Handlers return `Result<_, Response>` so an early answer (401, 412, 400) reads as `?`; axum's Response is large.
 #![allow(clippy::result_large_err)]
 
-use std::path::Path;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -26,57 +25,17 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use serde::{Deserialize, Serialize};
+use serde::Serialize;
 
 use crate::admission::{ClassConfig, CLASS_HEADER};
-use crate::control::secrets_equal;
+use crate::auth::secrets_equal;
+use crate::persist::{save_state, Persisted};
 use crate::prepare::{PrepHeaders, CACHE_SALT_HEADER, SESSION_HEADER};
 use crate::routing::{RequestView, Weights};
 use crate::state::GatewayState;
 
-/// What the state file holds.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct Persisted {
-    pub weights: Weights,
-    pub weights_version: u64,
-    pub classes: Vec<ClassConfig>,
-    pub classes_version: u64,
-}
-
-/// Reads a state file (missing: `None`; unreadable or invalid: an error naming the file).
-pub fn load_state(path: &Path) -> Result<Option<Persisted>, String> {
-    if !path.exists() {
-        return Ok(None);
-    }
-    let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
-    let p: Persisted = serde_json::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))?;
-    let mut problems = p.weights.validate();
-    problems.extend(crate::admission::classes::validate(&p.classes));
-    if problems.is_empty() {
-        Ok(Some(p))
-    } else {
-        Err(format!("{}: {}", path.display(), problems.join("; ")))
-    }
-}
-
-/// Writes the state file atomically and durably: temporary file, fsync, rename, fsync of the directory.
-pub fn save_state(path: &Path, p: &Persisted) -> Result<(), String> {
-    use std::io::Write;
-    let tmp = path.with_extension("tmp");
-    let text = serde_json::to_string_pretty(p).map_err(|e| e.to_string())?;
-    let write = || -> std::io::Result<()> {
-        let mut f = std::fs::File::create(&tmp)?;
-        f.write_all(text.as_bytes())?;
-        f.sync_all()
-    };
-    write().map_err(|e| format!("{}: {e}", tmp.display()))?;
-    std::fs::rename(&tmp, path).map_err(|e| format!("{}: {e}", path.display()))?;
-    let dir = path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
-    std::fs::File::open(dir).and_then(|d| d.sync_all()).map_err(|e| format!("{}: {e}", dir.display()))
-}
-
 fn error(status: StatusCode, code: &str, message: String) -> Response {
-    crate::control::err(status, code, message)
+    crate::auth::error_response(status, code, message)
 }
 
 /// Checks the bearer token; `Err` is the response to send.

@@ -26,6 +26,7 @@ use axum::{Extension, Json, Router};
 use kvgate_shared::report::{WorkerReport, MAX_REPORT_BYTES};
 use tokio::sync::oneshot;
 
+use crate::auth::{bearer, error_response as err, secrets_equal};
 use crate::registry::Ingest;
 use crate::state::GatewayState;
 use crate::trust::AdvertiseCheck;
@@ -34,30 +35,6 @@ use crate::trust::AdvertiseCheck;
 pub const ADMIN_BODY_LIMIT: usize = 1 << 20;
 /// Reports waiting for the ingest thread.
 pub const INGEST_QUEUE: usize = 64;
-
-pub(crate) fn err(status: StatusCode, code: &str, msg: String) -> Response {
-    let kind = match status {
-        StatusCode::UNAUTHORIZED => "authentication_error",
-        StatusCode::FORBIDDEN => "permission_error",
-        s if s.is_server_error() => "server_error",
-        _ => "invalid_request_error",
-    };
-    let body = kvgate_shared::openai::ErrorBody::new(kind, code, msg, None);
-    (status, [("content-type", "application/json")], body.to_json()).into_response()
-}
-
-/// Constant-time comparison of secrets.
-pub fn secrets_equal(a: &[u8], b: &[u8]) -> bool {
-    if a.len() != b.len() {
-        return false;
-    }
-    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
-}
-
-/// The bearer token of a request, if any.
-pub fn bearer(headers: &HeaderMap) -> Option<&str> {
-    headers.get("authorization").and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer "))
-}
 
 /// 413 if the request declares a body over `limit`.
 fn declared_too_large(headers: &HeaderMap, limit: usize) -> Option<Response> {

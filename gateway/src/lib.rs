@@ -13,16 +13,19 @@
 //! - [`trust`]: which `advertise_url`s a report may register;
 //! - [`state`]: shared state (registry, per-model tokenizers fetched from workers, policy, client, metrics);
 //! - [`control`]: the control listener (report ingest on its own thread, metrics, worker states, upkeep);
-//! - [`admin`]: the admin REST API (weights, budgets, drain, route/explain; bearer auth, ETags, state file);
+//! - [`admin`]: the admin REST API (weights, budgets, drain, route/explain; bearer auth, ETags);
+//! - [`persist`]: the admin state file; [`auth`]: bearer tokens, constant-time comparison, control-port errors;
 //! - [`config`], [`errors`].
 
 pub mod admin;
 pub mod admission;
+pub mod auth;
 pub mod config;
 pub mod control;
 pub mod errors;
 pub mod keys;
 pub mod listener;
+pub mod persist;
 pub mod prepare;
 pub mod proxy;
 pub mod registry;

@@ -84,7 +84,7 @@ impl GatewayState {
         }
         // Admin changes persisted by an earlier run win over the configuration.
         let persisted = match &cfg.state_file {
-            Some(path) => crate::admin::load_state(path)?,
+            Some(path) => crate::persist::load_state(path)?,
             None => None,
         };
         let (weights, weights_version, classes, classes_version) = match persisted {
@@ -147,10 +147,10 @@ impl GatewayState {
     }
 
     /// What the state file keeps.
-    pub fn persisted(&self) -> crate::admin::Persisted {
+    pub fn persisted(&self) -> crate::persist::Persisted {
         let (weights, weights_version) = self.weights();
         let (classes, classes_version) = self.classes();
-        crate::admin::Persisted { weights, weights_version, classes, classes_version }
+        crate::persist::Persisted { weights, weights_version, classes, classes_version }
     }
 
     /// The registry (locks are short and never held across an await).
