@@ -23,7 +23,7 @@ use kvgate_shared::hashing::{BlockHasher, ExtraKeys};
 use kvgate_shared::report::Throughput;
 use kvgate_worker::engine::sim::{SimBackend, SimClock};
 use kvgate_worker::engine::{Engine, EngineConfig, EngineRequest, FinishReason, SamplingParams, StepOutput};
-use kvgate_worker::server::reporter::{summarise, ReportSource};
+use kvgate_worker::kv::summary::{summarise, ReportSource};
 
 use super::SimConfig;
 use crate::trace::{expand_prompt, Trace};

@@ -1,7 +1,9 @@
-//! Paged KV bookkeeping: the block pool with its prefix cache ([`pool`]), and per-sequence block tables that give
-//! their blocks back when dropped, so every path that ends a sequence (finish, abort, preempt, error) frees them.
+//! Paged KV bookkeeping: the block pool with its prefix cache ([`pool`]), what reports say of it ([`summary`]), and
+//! per-sequence block tables that give their blocks back when dropped, so every path that ends a sequence (finish,
+//! abort, preempt, error) frees them.
 
 pub mod pool;
+pub mod summary;
 
 use std::sync::{Arc, Mutex, MutexGuard};
 

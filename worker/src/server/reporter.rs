@@ -8,9 +8,8 @@
 //! A `--report-to` host that resolves to several addresses (a Kubernetes headless Service in front of several gateway
 //! replicas) gets the report at every address, re-resolved each interval, so every replica keeps its own registry.
 //!
-//! Size: only every `granularity`-th block's chained hash is summarised (block `i` iff `(i + 1) % k == 0`). Because
-//! hashes chain, the k-th block's hash stands for the whole prefix up to it; the gateway matches at the same
-//! granularity and loses at most `k - 1` blocks of predicted match. Measured trade-off in BENCHMARKS.md.
+//! What a report holds (the Bloom summary at `--summary-granularity`, queue and KV figures) is built by the pure
+//! `kv::summary` module, which the fleet simulator uses too.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -21,28 +20,10 @@ use bytes::Bytes;
 use http_body_util::Full;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
-use kvgate_shared::hashing::HashScheme;
-use kvgate_shared::report::{
-    BlockBloom, CacheSummary, QueueStats, Throughput, Tier, TierReport, WorkerReport, REPORT_CONTENT_TYPE,
-};
+use kvgate_shared::report::{Throughput, WorkerReport, REPORT_CONTENT_TYPE};
 
 use super::engine_thread::{EngineHandle, Published};
-use crate::engine::EngineStats;
-use crate::kv::SharedPool;
-
-/// What a report is built from.
-pub struct ReportSource {
-    pub worker_id: String,
-    pub advertise_url: String,
-    pub model_id: String,
-    pub scheme: HashScheme,
-    pub granularity: u32,
-    pub fp_rate: f64,
-    /// Random per process (see `WorkerReport::instance_id`).
-    pub instance_id: u64,
-    /// The model's context length.
-    pub max_model_len: u32,
-}
+pub use crate::kv::summary::{summarise, ReportSource};
 
 /// Where and how often reports go, and what can make one go at once.
 pub struct ReportPlan {
@@ -58,20 +39,6 @@ pub struct ReportPlan {
     pub report_now: Arc<tokio::sync::Notify>,
     /// Notified once a draining report has been delivered (or failed) at every destination.
     pub draining_reported: Arc<tokio::sync::Notify>,
-}
-
-/// Builds the Bloom summary of the pool's cached blocks at a granularity.
-pub fn summarise(pool: &SharedPool, granularity: u32, fp_rate: f64) -> CacheSummary {
-    let g = granularity.max(1);
-    let hashes: Vec<_> = {
-        let pool = pool.lock();
-        pool.cached_entries().filter(|(_, i)| (i + 1) % g == 0).map(|(h, _)| h).collect()
-    };
-    let mut bloom = BlockBloom::with_capacity(hashes.len(), fp_rate);
-    for h in &hashes {
-        bloom.insert(*h);
-    }
-    CacheSummary { granularity: g, entries: hashes.len() as u64, bloom }
 }
 
 impl ReportSource {
@@ -93,43 +60,6 @@ impl ReportSource {
         let summary = summarise(engine.pool(), self.granularity, self.fp_rate);
         let timestamp_ms = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64);
         self.assemble(seq, timestamp_ms, &now.stats, throughput, summary, draining)
-    }
-
-    /// A report from its parts (pure: the fleet simulator builds its reports with this too).
-    pub fn assemble(
-        &self,
-        seq: u64,
-        timestamp_ms: u64,
-        s: &EngineStats,
-        throughput: Throughput,
-        summary: CacheSummary,
-        draining: bool,
-    ) -> WorkerReport {
-        WorkerReport {
-            worker_id: self.worker_id.clone(),
-            advertise_url: self.advertise_url.clone(),
-            model_id: self.model_id.clone(),
-            scheme: self.scheme,
-            fingerprint: self.scheme.fingerprint(),
-            seq,
-            timestamp_ms,
-            instance_id: self.instance_id,
-            max_model_len: self.max_model_len,
-            draining,
-            queue: QueueStats {
-                waiting_requests: s.waiting_requests as u32,
-                prefill_tokens: s.prefill_tokens,
-                running_requests: s.running_requests as u32,
-            },
-            throughput,
-            tiers: vec![TierReport {
-                tier: Tier::Device,
-                blocks_total: s.blocks_total as u64,
-                blocks_free: s.blocks_free as u64,
-                blocks_cached: s.blocks_cached as u64,
-                summary: Some(summary),
-            }],
-        }
     }
 }
 

@@ -1,0 +1,82 @@
+//! What a worker report says, built from pure parts: the Bloom summary of the prefix cache at a granularity, and the
+//! report assembled from engine statistics. The server's reporter sends these every interval; the fleet simulator
+//! builds its reports with the same functions (so it links no server code).
+//!
+//! Size: only every `granularity`-th block's chained hash is summarised (block `i` iff `(i + 1) % k == 0`). Because
+//! hashes chain, the k-th block's hash stands for the whole prefix up to it; the gateway matches at the same
+//! granularity and loses at most `k - 1` blocks of predicted match. Measured trade-off in BENCHMARKS.md.
+
+use kvgate_shared::hashing::HashScheme;
+use kvgate_shared::report::{
+    BlockBloom, CacheSummary, QueueStats, Throughput, Tier, TierReport, WorkerReport,
+};
+
+use super::SharedPool;
+use crate::engine::EngineStats;
+
+/// What a report is built from.
+pub struct ReportSource {
+    pub worker_id: String,
+    pub advertise_url: String,
+    pub model_id: String,
+    pub scheme: HashScheme,
+    pub granularity: u32,
+    pub fp_rate: f64,
+    /// Random per process (see `WorkerReport::instance_id`).
+    pub instance_id: u64,
+    /// The model's context length.
+    pub max_model_len: u32,
+}
+
+/// Builds the Bloom summary of the pool's cached blocks at a granularity.
+pub fn summarise(pool: &SharedPool, granularity: u32, fp_rate: f64) -> CacheSummary {
+    let g = granularity.max(1);
+    let hashes: Vec<_> = {
+        let pool = pool.lock();
+        pool.cached_entries().filter(|(_, i)| (i + 1) % g == 0).map(|(h, _)| h).collect()
+    };
+    let mut bloom = BlockBloom::with_capacity(hashes.len(), fp_rate);
+    for h in &hashes {
+        bloom.insert(*h);
+    }
+    CacheSummary { granularity: g, entries: hashes.len() as u64, bloom }
+}
+
+impl ReportSource {
+    /// A report from its parts (pure: the fleet simulator builds its reports with this too).
+    pub fn assemble(
+        &self,
+        seq: u64,
+        timestamp_ms: u64,
+        s: &EngineStats,
+        throughput: Throughput,
+        summary: CacheSummary,
+        draining: bool,
+    ) -> WorkerReport {
+        WorkerReport {
+            worker_id: self.worker_id.clone(),
+            advertise_url: self.advertise_url.clone(),
+            model_id: self.model_id.clone(),
+            scheme: self.scheme,
+            fingerprint: self.scheme.fingerprint(),
+            seq,
+            timestamp_ms,
+            instance_id: self.instance_id,
+            max_model_len: self.max_model_len,
+            draining,
+            queue: QueueStats {
+                waiting_requests: s.waiting_requests as u32,
+                prefill_tokens: s.prefill_tokens,
+                running_requests: s.running_requests as u32,
+            },
+            throughput,
+            tiers: vec![TierReport {
+                tier: Tier::Device,
+                blocks_total: s.blocks_total as u64,
+                blocks_free: s.blocks_free as u64,
+                blocks_cached: s.blocks_cached as u64,
+                summary: Some(summary),
+            }],
+        }
+    }
+}
