@@ -1,5 +1,9 @@
-//! kvgate-loadtest: trace replay and the virtual-time fleet simulator (load generation and the demo: issue #8).
+//! kvgate-loadtest: load generation against OpenAI-compatible endpoints, local fleets, the demo, trace replay and the
+//! virtual-time fleet simulator.
 //!
+//! - [`workload`]: the workloads (multi-turn, shared prefix, long bursts, ...); [`client`]: the streaming client;
+//!   [`runner`]: runs a workload against a target; [`fleet`]: local gateway + worker processes;
+//!   [`commands`]: `run`, `compare`, `up`, `demo`; [`report`]: the HTML report with plots;
 //! - [`trace`]: Mooncake traces and their expansion into token ids;
 //! - [`sim`]: `simulate`: the virtual-time fleet over the real routing, scheduler and prefix-cache code;
 //! - [`stats`]: percentiles for the reports.

@@ -4,7 +4,8 @@
 //!   pass over paged KV;
 //! - [`kv`]: block pool, prefix cache and per-sequence block tables (pure bookkeeping);
 //! - [`engine`]: requests, the continuous-batching scheduler with chunked prefill and preemption, sampling, and the
-//!   compute `Backend` trait (CPU model today; a timing-model backend later);
+//!   compute `Backend` trait (the CPU model, the CUDA model in [`cuda`], the timing-model simulation);
+//! - [`cuda`]: the CUDA backend (NVRTC kernels, cuBLAS; loaded at run time);
 //! - [`server`]: `kvgate-worker serve`: the OpenAI HTTP API, the engine thread, cache-summary reports, metrics.
 
 // FFI to the CUDA driver, NVRTC and cuBLAS lives here and nowhere else.

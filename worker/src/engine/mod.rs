@@ -1,4 +1,4 @@
-//! The engine core: a library with no sockets and no clocks. The server (issue #4) feeds it requests and calls
+//! The engine core: a library with no sockets and no clocks. The server (`server/`) feeds it requests and calls
 //! [`Engine::step`] in a loop; each step schedules a batch, runs it on the [`Backend`], samples, and reports.
 //!
 //! - `request`: requests, sampling parameters, step outputs, admission errors;
