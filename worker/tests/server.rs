@@ -456,12 +456,13 @@ async fn sigterm_reports_draining_at_once() {
     assert!(std::process::Command::new("kill").args(["-TERM", &pid]).status().expect("kill").success());
     let sent = Instant::now();
     let next = WorkerReport::decode(
-        &tokio::time::timeout(Duration::from_secs(2), rx.recv()).await.expect("at once").expect("open"),
+        // Well under the 10 s interval; loose enough for a loaded 2-core CI machine (NVRTC compiles alongside).
+        &tokio::time::timeout(Duration::from_secs(5), rx.recv()).await.expect("at once").expect("open"),
     )
     .expect("decodes");
     assert!(next.draining, "the report after SIGTERM says draining");
     assert_eq!(next.instance_id, first.instance_id);
-    assert!(sent.elapsed() < Duration::from_secs(2));
+    assert!(sent.elapsed() < Duration::from_secs(5));
 }
 
 #[test]
