@@ -112,10 +112,6 @@ pub fn workspace_bytes(cfg: &ModelConfig, dt: DType, tokens: usize, rows: usize,
     act + kv + SCORE_BUDGET + rows * cfg.vocab_size * 4 + (256 << 20)
 }
 
-fn bad(reason: String) -> String {
-    reason
-}
-
 /// Metadata of one decode launch.
 struct Decodes {
     rows: Vec<i32>,
@@ -154,13 +150,13 @@ pub fn forward(
     for c in chunks {
         let end = c.start + c.tokens.len();
         if c.slots.len() < end || end > cfg.max_position_embeddings {
-            return Err(bad(format!("chunk needs {end} positions, has {} slots", c.slots.len())));
+            return Err(format!("chunk needs {end} positions, has {} slots", c.slots.len()));
         }
         if let Some(t) = c.tokens.iter().find(|t| **t as usize >= vocab) {
-            return Err(bad(format!("token id {t} is outside the vocabulary ({vocab})")));
+            return Err(format!("token id {t} is outside the vocabulary ({vocab})"));
         }
         if c.slots[..end].iter().any(|s| *s >= kv.num_slots) {
-            return Err(bad("slot outside the KV store".into()));
+            return Err("slot outside the KV store".into());
         }
         ids.extend_from_slice(c.tokens);
         pos.extend((c.start..end).map(|p| p as i32));
