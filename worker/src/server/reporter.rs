@@ -148,7 +148,9 @@ pub async fn run(source: ReportSource, engine: EngineHandle, plan: ReportPlan) {
         for dest in dests {
             let flag =
                 busy.entry(dest.url.clone()).or_insert_with(|| Arc::new(AtomicBool::new(false))).clone();
-            if flag.swap(true, Ordering::AcqRel) {
+            // A draining report is sent even while an older one is still in flight to a slow gateway: skipping
+            // it would let the worker exit without saying so (gateways keep the report with the highest `seq`).
+            if flag.swap(true, Ordering::AcqRel) && !draining {
                 metrics::counter!("kvgate_worker_reports_total", "result" => "skipped_in_flight")
                     .increment(1);
                 continue;
