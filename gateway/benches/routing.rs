@@ -50,7 +50,7 @@ fn bench(c: &mut Criterion) {
                     load: Load { pending_tokens: i as u64 * 100, requests: 1 },
                 })
                 .collect();
-            let req = RequestView { hashes: &hashes, prompt_tokens: tokens.len(), session_key: 42, nonce: 7 };
+            let req = RequestView { hashes: &hashes, prompt_tokens: tokens.len(), session_key: 42, seq: 7 };
             policy.choose(&req, &views, &ring, 16).map(|d| d.ranked[0])
         })
     });
@@ -71,7 +71,7 @@ fn bench(c: &mut Criterion) {
                 hashes: black_box(&hashes),
                 prompt_tokens: tokens.len(),
                 session_key: 42,
-                nonce: 7,
+                seq: 7,
             };
             policy.choose(&req, &views, &ring, 16).map(|d| d.ranked[0])
         })

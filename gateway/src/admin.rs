@@ -31,7 +31,7 @@ use crate::admission::{ClassConfig, CLASS_HEADER};
 use crate::auth::secrets_equal;
 use crate::persist::{save_state, Persisted};
 use crate::prepare::{PrepHeaders, CACHE_SALT_HEADER, SESSION_HEADER};
-use crate::routing::{RequestView, Weights};
+use crate::routing::Weights;
 use crate::state::GatewayState;
 
 fn error(status: StatusCode, code: &str, message: String) -> Response {
@@ -213,24 +213,22 @@ async fn explain(State(state): State<Arc<GatewayState>>, headers: HeaderMap, bod
         Ok(c) => c,
         Err(e) => return api_error(e),
     };
-    let now = Instant::now();
-    let reg = state.registry();
-    let (views, _) = reg.views(&p.fields.model, &p.hashes, now);
-    let req =
-        RequestView { hashes: &p.hashes, prompt_tokens: p.ids.len(), session_key: p.session_key, nonce: 0 };
-    let decision = state.policy.choose(&req, &views, reg.ring(), p.block_size);
     let max_tokens = p.fields.max_tokens.map(u64::from);
     let (_, class, expected) = class;
+    let decision = {
+        let reg = state.registry();
+        state.router.dry_run(&reg, &p.route_input(), usize::MAX, Instant::now())
+    };
     let predicted = decision.as_ref().map_or(0, |d| d.predicted_cached_tokens);
     let cost = (p.ids.len().saturating_sub(predicted) as u64) + max_tokens.unwrap_or(expected);
     Json(serde_json::json!({
         "model": p.fields.model,
-        "policy": state.policy.name(),
+        "policy": state.router.policy().name(),
         "prompt_tokens": p.ids.len(),
         "blocks": p.hashes.len(),
-        "pick": decision.as_ref().and_then(|d| d.ranked.first()).map(|i| views[*i].id),
+        "pick": decision.as_ref().and_then(|d| d.candidates.first()).map(|c| c.id.as_str()),
         "reason": decision.as_ref().map(|d| d.reason),
-        "ranked": decision.as_ref().map(|d| d.ranked.iter().map(|i| views[*i].id).collect::<Vec<_>>()),
+        "ranked": decision.as_ref().map(|d| d.candidates.iter().map(|c| c.id.as_str()).collect::<Vec<_>>()),
         "predicted_cached_tokens": predicted,
         "class": class,
         "tenant": caller.tenant,

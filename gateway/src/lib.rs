@@ -7,9 +7,8 @@
 //! - [`request`]: the lean, bounded request parser; [`prepare`]: parse + tokenize + hash + context check;
 //!   [`tokenize`]: the bounded pool that runs it off the proxy threads;
 //! - [`keys`]: API keys -> tenant, classes a caller may choose, forced cache salt;
-//! - [`admission`]: per-class token budgets with bounded, tenant-fair wait queues;
-//! - [`routing`]: the policies (pure; shared with the simulator) and the ring;
-//! - [`registry`]: worker states from the config and from reports (health, faults, staleness, overlay, load);
+//! - [`admission`], [`registry`], [`routing`], [`route`]: the pure routing core, re-exported from the
+//!   `kvgate-router` crate (the simulator links it without the HTTP stack);
 //! - [`trust`]: which `advertise_url`s a report may register;
 //! - [`state`]: shared state (registry, per-model tokenizers fetched from workers, policy, client, metrics);
 //! - [`control`]: the control listener (report ingest on its own thread, metrics, worker states, upkeep);
@@ -18,7 +17,6 @@
 //! - [`config`], [`errors`].
 
 pub mod admin;
-pub mod admission;
 pub mod auth;
 pub mod config;
 pub mod control;
@@ -28,10 +26,10 @@ pub mod listener;
 pub mod persist;
 pub mod prepare;
 pub mod proxy;
-pub mod registry;
 pub mod request;
-pub mod routing;
 pub mod state;
 pub mod tokenize;
 pub mod trust;
 pub mod upstream;
+
+pub use kvgate_router::{admission, registry, route, routing};

@@ -8,6 +8,7 @@ use kvgate_shared::hashing::{BlockHash, BlockHasher, ExtraKeys};
 
 use crate::errors::ApiError;
 use crate::request::{parse, with_cache_salt, RoutingFields};
+use crate::route::RouteInput;
 use crate::state::GatewayState;
 
 /// Header carrying a session id for the ring.
@@ -36,6 +37,19 @@ pub struct Prepared {
     pub body: Bytes,
     /// The model's context length, when a worker told it.
     pub max_model_len: Option<u32>,
+}
+
+impl Prepared {
+    /// What the router needs to know about this request.
+    pub fn route_input(&self) -> RouteInput<'_> {
+        RouteInput {
+            model: &self.fields.model,
+            hashes: &self.hashes,
+            prompt_tokens: self.ids.len(),
+            session_key: self.session_key,
+            block_size: self.block_size,
+        }
+    }
 }
 
 /// Parses a chat (`chat`) or completions body, tokenizes and hashes it. `forced_salt` is the caller's key's salt;

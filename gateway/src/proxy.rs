@@ -13,14 +13,15 @@
 //! 2. the caller, from its API key (`keys.rs`; unknown: the anonymous tenant, or 401 with `--require-api-key`);
 //! 3. parse, render, tokenize and hash on the tokenize pool (`prepare.rs`; 400, 404 `model_not_found`, 503
 //!    `tokenizer_busy`), refusing over-long requests (400 `context_length_exceeded`) before anything is charged;
-//! 4. rank the workers (the routing policy), pick the class (server rules; `x-kvgate-class` only for callers allowed
-//!    to choose it, else 403) and wait for its budget (429), noticing a client that leaves meanwhile;
+//! 4. pick the class (server rules; `x-kvgate-class` only for callers allowed to choose it, else 403), price the
+//!    request with a dry run of the routing decision and wait for the class budget (429), noticing a client that
+//!    leaves meanwhile; then route on the state as it is after the wait (`kvgate_router::route`: decide and record
+//!    the send under one lock);
 //! 5. up to `--max-attempts` workers in rank order: a worker that refuses before any byte is skipped (and left alone
 //!    for its Retry-After); a first-byte timeout is 504 and the worker turns suspect.
 //!
 //! The class budget is reconciled with the usage of a completed response and refunded on every other ending.
 
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -36,8 +37,8 @@ use crate::admission::{ClassInput, CLASS_HEADER};
 use crate::errors::ApiError;
 use crate::keys::Caller;
 use crate::prepare::{prepare, PrepHeaders, Prepared, CACHE_SALT_HEADER, SESSION_HEADER};
-use crate::registry::{Fault, WorkerRef};
-use crate::routing::{RequestView, RouteReason};
+use crate::registry::Fault;
+use crate::routing::RouteReason;
 use crate::state::GatewayState;
 use crate::tokenize::PoolError;
 use crate::upstream::{forward, unless_client_leaves, Attempt, Outcome};
@@ -89,7 +90,7 @@ impl ProxyHttp for Gateway {
     }
 
     async fn logging(&self, _session: &mut Session, _e: Option<&pingora::Error>, ctx: &mut Ctx) {
-        metrics::counter!("kvgate_gateway_requests_total", "policy" => self.state.policy.name(),
+        metrics::counter!("kvgate_gateway_requests_total", "policy" => self.state.router.policy().name(),
             "route" => ctx.route, "status" => ctx.status.to_string(), "class" => ctx.class.clone())
         .increment(1);
         metrics::histogram!("kvgate_gateway_request_seconds").record(ctx.started.elapsed().as_secs_f64());
@@ -184,13 +185,6 @@ pub async fn prepare_on_pool(
     }
 }
 
-/// A worker a request may go to.
-struct Target {
-    wref: WorkerRef,
-    id: String,
-    url: String,
-}
-
 async fn handle(state: &Arc<GatewayState>, session: &mut Session, ctx: &mut Ctx) -> Result<(), ApiError> {
     let method = session.req_header().method.clone();
     let path = session.req_header().uri.path().to_owned();
@@ -211,37 +205,20 @@ async fn handle(state: &Arc<GatewayState>, session: &mut Session, ctx: &mut Ctx)
         cache_salt: header(session, CACHE_SALT_HEADER).map(str::to_owned),
     };
     let p = prepare_on_pool(state, chat, body, prep_headers, caller.cache_salt.clone(), true).await?;
-    let decided_at = Instant::now();
     let model = p.fields.model.clone();
-    let nonce = state.nonce.fetch_add(1, Ordering::Relaxed).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-    // Decide under one short lock.
-    let (targets, reason, predicted) = {
-        let reg = state.registry();
-        let (views, idx) = reg.views(&model, &p.hashes, Instant::now());
-        let req =
-            RequestView { hashes: &p.hashes, prompt_tokens: p.ids.len(), session_key: p.session_key, nonce };
-        let Some(d) = state.policy.choose(&req, &views, reg.ring(), p.block_size) else {
-            return Err(ApiError::no_worker(&model));
-        };
-        let targets: Vec<Target> = d
-            .ranked
-            .iter()
-            .take(state.cfg.max_attempts)
-            .filter_map(|r| {
-                let i = idx[*r];
-                let w = &reg.workers()[i];
-                Some(Target { wref: reg.worker_ref(i)?, id: w.id.clone(), url: w.url.clone() })
-            })
-            .collect();
-        (targets, d.reason, d.predicted_cached_tokens)
-    };
-    metrics::histogram!("kvgate_gateway_decision_seconds").record(decided_at.elapsed().as_secs_f64());
     let (class, class_name, expected_output) =
         choose_class(state, &p, &caller, header(session, CLASS_HEADER))?;
-    // Admission: cost = predicted uncached prompt tokens + max_tokens (or the class's expected output).
+    // Admission prices the request with a dry run of the routing decision: cost = predicted uncached prompt
+    // tokens + max_tokens (or the class's expected output).
+    let priced = {
+        let reg = state.registry();
+        state.router.dry_run(&reg, &p.route_input(), 1, Instant::now())
+    };
+    let Some(priced) = priced else {
+        return Err(ApiError::no_worker(&model));
+    };
     let max_tokens = p.fields.max_tokens.map(u64::from);
-    let uncached = p.ids.len().saturating_sub(predicted) as u64;
-    let cost = (uncached + max_tokens.unwrap_or(expected_output)) as f64;
+    let cost = (priced.uncached_tokens + max_tokens.unwrap_or(expected_output)) as f64;
     ctx.class = class_name.clone();
     let admitted =
         unless_client_leaves(session, state.admission.admit(class, Some(&caller.tenant), cost)).await;
@@ -251,22 +228,36 @@ async fn handle(state: &Arc<GatewayState>, session: &mut Session, ctx: &mut Ctx)
     };
     let permit = permit.map_err(ApiError::rejected)?;
     ctx.admission_wait = permit.waited;
+    // Decide on the registry as it is after the wait, and record the send to the pick, under one short lock.
+    let decided_at = Instant::now();
+    let routed = {
+        let mut reg = state.registry();
+        state.router.route(&mut reg, &p.route_input(), state.cfg.max_attempts, Instant::now())
+    };
+    metrics::histogram!("kvgate_gateway_decision_seconds").record(decided_at.elapsed().as_secs_f64());
+    let Some(routed) = routed else {
+        return Err(ApiError::no_worker(&model));
+    };
+    // The pick's in-flight slot is given back on every path from here on.
+    let mut first_guard = routed.ticket.map(|ticket| InflightGuard { state: state.clone(), ticket });
+    let (uncached, predicted) = (routed.uncached_tokens, routed.predicted_cached_tokens);
     let forwarded = forwarded_headers(state, session, caller.cache_salt.is_some());
     let first_byte =
         state.cfg.first_byte.for_request(uncached, max_tokens.unwrap_or(expected_output), p.fields.stream);
-    let mut reason = reason;
+    let mut reason = routed.reason;
     let mut refused_for: Option<Duration> = None;
-    for (attempt, t) in targets.iter().enumerate() {
-        if attempt > 0 {
+    for (attempt, t) in routed.candidates.iter().enumerate() {
+        let guard = if attempt == 0 {
+            first_guard.take()
+        } else {
             reason = RouteReason::Fallback;
-        }
-        let Some(ticket) = ({
             let mut reg = state.registry();
-            reg.find(t.wref).map(|i| reg.record_sent(i, &p.hashes, uncached, Instant::now()))
-        }) else {
+            let ticket = reg.find(t.wref).map(|i| reg.record_sent(i, &p.hashes, uncached, Instant::now()));
+            ticket.map(|ticket| InflightGuard { state: state.clone(), ticket })
+        };
+        let Some(guard) = guard else {
             continue; // forgotten since the decision
         };
-        let guard = InflightGuard { state: state.clone(), ticket };
         ctx.route = reason.as_str();
         let a = Attempt {
             url: &t.url,

@@ -21,7 +21,8 @@ use crate::admission::Admission;
 use crate::config::GatewayConfig;
 use crate::keys::KeyTable;
 use crate::registry::{Registry, RegistryConfig};
-use crate::routing::{policy_by_name, RingKeys, RoutingPolicy, Weights};
+use crate::route::Router;
+use crate::routing::{policy_by_name, RingKeys, Weights};
 use crate::tokenize::TokenizePool;
 
 /// HTTP client to workers.
@@ -42,13 +43,13 @@ pub struct GatewayState {
     registry: Mutex<Registry>,
     tokenizers: RwLock<HashMap<String, Arc<ModelTokenizer>>>,
     fetching: Mutex<HashSet<String>>,
-    pub policy: Box<dyn RoutingPolicy>,
+    /// The routing policy behind the one `route()` (`kvgate_router::route`).
+    pub router: Router,
     pub admission: Admission,
     pub keys: KeyTable,
     pub tokenize: TokenizePool,
     pub client: HttpClient,
     pub prometheus: PrometheusHandle,
-    pub nonce: AtomicU64,
     /// The ring-key chooser and its fan-out sketch (routing/ring_key.rs).
     ring_keys: Mutex<RingKeys>,
     /// Current weights and their version (the admin API's ETag).
@@ -99,13 +100,12 @@ impl GatewayState {
             registry: Mutex::new(registry),
             tokenizers: RwLock::new(HashMap::new()),
             fetching: Mutex::new(HashSet::new()),
-            policy,
+            router: Router::new(policy),
             admission,
             keys,
             tokenize,
             client,
             prometheus,
-            nonce: AtomicU64::new(0x5EED),
             ring_keys: Mutex::new(RingKeys::new(cfg_ring.0, cfg_ring.1)),
             weights: RwLock::new((weights, weights_version)),
             classes_version: AtomicU64::new(classes_version),
@@ -130,7 +130,7 @@ impl GatewayState {
     /// Applies new weights live; returns the new version.
     pub fn set_weights(&self, w: Weights) -> u64 {
         let mut g = self.weights.write().unwrap_or_else(|e| e.into_inner());
-        self.policy.set_weights(w);
+        self.router.policy().set_weights(w);
         g.0 = w;
         g.1 += 1;
         g.1

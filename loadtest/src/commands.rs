@@ -334,10 +334,10 @@ pub struct CompareArgs {
 /// `compare`: one fresh fleet per policy, the same workload against each; returns each run's summary.
 pub async fn compare(a: CompareArgs) -> Result<Vec<Summary>, String> {
     for p in &a.policies {
-        if !kvgate_gateway::routing::POLICIES.contains(&p.as_str()) {
+        if !kvgate_router::routing::POLICIES.contains(&p.as_str()) {
             return Err(format!(
                 "unknown policy {p:?}; expected {}",
-                kvgate_gateway::routing::POLICIES.join(", ")
+                kvgate_router::routing::POLICIES.join(", ")
             ));
         }
     }

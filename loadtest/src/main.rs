@@ -5,10 +5,10 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Args, Parser, Subcommand};
-use kvgate_gateway::routing::{Weights, POLICIES};
 use kvgate_loadtest::commands::{self, CompareArgs, DemoArgs, RunArgs, UpArgs};
 use kvgate_loadtest::sim::{self, Pace, SimConfig, SimResult};
 use kvgate_loadtest::trace::{Trace, TRACE_BLOCK_TOKENS};
+use kvgate_router::routing::{Weights, POLICIES};
 use kvgate_worker::engine::timing::SimProfile;
 
 #[derive(Parser)]
@@ -71,6 +71,14 @@ struct SimulateArgs {
     /// hotspot_abs_tokens, hotspot_ratio. Defaults: the gateway's.
     #[arg(long = "weight", value_name = "NAME=VALUE")]
     weights: Vec<String>,
+    /// Run the gateway's admission with its default classes (short / long / reasoning budgets): requests wait
+    /// for their class budget before they are routed, as in the gateway. Default off (every request is routed on
+    /// arrival).
+    #[arg(long)]
+    admission: bool,
+    /// Run admission with these classes: a TOML file with `[[classes]]` tables, the gateway config's syntax.
+    #[arg(long, value_name = "FILE")]
+    classes: Option<PathBuf>,
     /// Print one JSON object per policy (one line each) instead of a table.
     #[arg(long, conflicts_with = "markdown")]
     json: bool,
@@ -148,6 +156,11 @@ fn simulate(a: SimulateArgs) -> Result<(), String> {
     cfg.scheduler.max_num_batched_tokens = a.max_num_batched_tokens;
     cfg.scheduler.max_num_seqs = a.max_num_seqs;
     cfg.weights = parse_weights(&a.weights)?;
+    cfg.classes = match (&a.classes, a.admission) {
+        (Some(path), _) => load_classes(path)?,
+        (None, true) => kvgate_router::admission::default_classes(),
+        (None, false) => Vec::new(),
+    };
     let pace = match (a.time_scale, a.target_load) {
         (_, Some(f)) => Pace::TargetLoad(f),
         (Some(x), None) => Pace::TimeScale(x),
@@ -173,6 +186,18 @@ fn simulate(a: SimulateArgs) -> Result<(), String> {
         print_table(&trace, &cfg, &results);
     }
     Ok(())
+}
+
+/// Classes from a TOML file of `[[classes]]` tables.
+fn load_classes(path: &std::path::Path) -> Result<Vec<kvgate_router::admission::ClassConfig>, String> {
+    #[derive(serde::Deserialize)]
+    #[serde(deny_unknown_fields)]
+    struct File {
+        classes: Vec<kvgate_router::admission::ClassConfig>,
+    }
+    let text = std::fs::read_to_string(path).map_err(|e| format!("--classes {}: {e}", path.display()))?;
+    let f: File = toml::from_str(&text).map_err(|e| format!("--classes {}: {e}", path.display()))?;
+    Ok(f.classes)
 }
 
 fn run_parallel(
@@ -231,6 +256,12 @@ fn print_table(trace: &Trace, cfg: &SimConfig, results: &[SimResult]) {
             r.busy_fraction,
             r.rejected
         );
+        for (name, c) in &r.classes {
+            println!(
+                "  class {:<10} completed {:>6}  refused {:>5}  timed out {:>5}  ttft p50 {:>9.1} ms  p99 {:>9.1} ms  wait p99 {:>9.1} ms",
+                name, c.completed, c.refused, c.timed_out, c.ttft_p50_ms, c.ttft_p99_ms, c.wait_p99_ms
+            );
+        }
     }
 }
 

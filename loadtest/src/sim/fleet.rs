@@ -3,8 +3,8 @@
 //!
 //! Three kinds of event, in virtual seconds, earliest first (at equal times: step ends, then reports, then
 //! arrivals):
-//! - **arrival**: the gateway hashes the prompt, builds the worker views from its registry, asks the policy, records
-//!   the send (load + overlay, as the proxy does) and the chosen worker queues the request;
+//! - **arrival**: the gateway hashes the prompt and routes it through the gateway's own `Router::route` (views from
+//!   its registry, the policy, the send recorded: load + overlay) and the chosen worker queues the request;
 //! - **step end**: a worker's outputs are delivered (first tokens give TTFT; finished requests leave the gateway's
 //!   in-flight count) and it starts its next step, which takes the time the timing model says;
 //! - **report**: every interval, at its own phase, a worker's queue figures and the Bloom summary of its cache are
@@ -17,14 +17,16 @@
 use std::collections::{BTreeMap, HashMap};
 use std::time::{Duration, Instant};
 
-use kvgate_gateway::registry::{Registry, SentTicket};
-use kvgate_gateway::routing::{RequestView, RingKeys, RoutingPolicy};
-use kvgate_shared::hashing::{BlockHasher, ExtraKeys};
+use kvgate_router::registry::{Registry, SentTicket};
+use kvgate_router::route::{RouteInput, Router};
+use kvgate_router::routing::{RingKeys, RoutingPolicy};
+use kvgate_shared::hashing::{BlockHash, BlockHasher, ExtraKeys};
 use kvgate_shared::report::Throughput;
 use kvgate_worker::engine::sim::{SimBackend, SimClock};
 use kvgate_worker::engine::{Engine, EngineConfig, EngineRequest, FinishReason, SamplingParams, StepOutput};
 use kvgate_worker::kv::summary::{summarise, ReportSource};
 
+use super::admission::{Admitted, Pumped, Ready, Reservation, SimAdmission};
 use super::SimConfig;
 use crate::trace::{expand_prompt, Trace};
 
@@ -49,6 +51,22 @@ pub struct Outcome {
     pub routes: BTreeMap<String, u64>,
     pub preemptions: u64,
     pub evictions: u64,
+    /// Per admission class (empty without classes).
+    pub classes: BTreeMap<String, ClassOutcome>,
+}
+
+/// One admission class's requests.
+#[derive(Clone, Debug, Default)]
+pub struct ClassOutcome {
+    pub completed: u64,
+    /// Refused at arrival: the class queue was full (the gateway answers 429 `class_budget_exceeded`).
+    pub refused: u64,
+    /// Waited `max_wait` without budget (429 `class_budget_exceeded` too).
+    pub timed_out: u64,
+    /// Seconds from arrival (admission wait included) to first token.
+    pub ttft_s: Vec<f64>,
+    /// Seconds waited for the class budget, per admitted request.
+    pub wait_s: Vec<f64>,
 }
 
 struct SimWorker {
@@ -65,31 +83,36 @@ struct InFlight {
     arrival: f64,
     ticket: SentTicket,
     first_token: bool,
+    /// The admission class and reservation (with classes).
+    class: Option<(String, Reservation)>,
 }
 
 /// Replays `trace` (arrival `i` at `(timestamp_i - timestamp_0) * time_scale` seconds) through the fleet.
-pub fn replay(trace: &Trace, cfg: &SimConfig, time_scale: f64, policy: &dyn RoutingPolicy) -> Outcome {
-    Fleet::new(cfg, policy).run(trace, time_scale)
+pub fn replay(trace: &Trace, cfg: &SimConfig, time_scale: f64, policy: Box<dyn RoutingPolicy>) -> Outcome {
+    Fleet::new(cfg, Router::new(policy)).run(trace, time_scale)
 }
 
 struct Fleet<'a> {
     cfg: &'a SimConfig,
-    policy: &'a dyn RoutingPolicy,
+    /// The gateway's one routing entry point (`kvgate_router::route`).
+    router: Router,
     registry: Registry,
     workers: Vec<SimWorker>,
     hasher: BlockHasher,
     base: Instant,
     inflight: HashMap<u64, InFlight>,
-    nonce: u64,
     /// The gateway's ring-key chooser (its defaults: hubs at 4 continuations, 65,536 blocks a generation).
     ring_keys: RingKeys,
+    /// The gateway's admission classes (`None`: no admission, every request routed at arrival).
+    admission: Option<SimAdmission>,
     out: Outcome,
 }
 
 impl<'a> Fleet<'a> {
-    fn new(cfg: &'a SimConfig, policy: &'a dyn RoutingPolicy) -> Self {
+    fn new(cfg: &'a SimConfig, router: Router) -> Self {
         let scheme = cfg.scheme();
         let n = cfg.workers;
+        let base = Instant::now();
         let workers = (0..n)
             .map(|i| {
                 let backend = SimBackend::new(cfg.vocab as usize, cfg.profile.max_model_len, Vec::new())
@@ -122,14 +145,14 @@ impl<'a> Fleet<'a> {
             .collect();
         Self {
             cfg,
-            policy,
+            router,
             registry: Registry::new(cfg.registry),
             workers,
             hasher: BlockHasher::new(&scheme, &ExtraKeys::none()),
-            base: Instant::now(),
+            base,
             inflight: HashMap::new(),
-            nonce: 0x5EED,
             ring_keys: RingKeys::new(65_536, 4),
+            admission: (!cfg.classes.is_empty()).then(|| SimAdmission::new(cfg.classes.clone(), base)),
             out: Outcome { busy_s: vec![0.0; n], ..Outcome::default() },
         }
     }
@@ -145,15 +168,19 @@ impl<'a> Fleet<'a> {
         loop {
             let t_arr = if next < trace.requests.len() { arrival(next) } else { f64::INFINITY };
             let step = argmin(self.workers.iter().map(|w| w.busy_until.unwrap_or(f64::INFINITY)));
-            let idle = step.1.is_infinite() && self.workers.iter().all(|w| !w.engine.has_work());
+            let waiting = self.admission.as_ref().is_some_and(|a| a.waiting() > 0);
+            let idle = step.1.is_infinite() && !waiting && self.workers.iter().all(|w| !w.engine.has_work());
             if t_arr.is_infinite() && idle {
                 break;
             }
             let report = argmin(self.workers.iter().map(|w| w.next_report));
-            if step.1 <= report.1 && step.1 <= t_arr {
+            let t_adm = self.admission.as_ref().map_or(f64::INFINITY, SimAdmission::next_event);
+            if step.1 <= report.1 && step.1 <= t_adm && step.1 <= t_arr {
                 self.finish_step(step.0, step.1);
-            } else if report.1 <= t_arr {
+            } else if report.1 <= t_adm && report.1 <= t_arr {
                 self.report(report.0, report.1);
+            } else if t_adm <= t_arr {
+                self.pump_admission(t_adm);
             } else {
                 self.arrive(trace, next, t_arr);
                 next += 1;
@@ -167,43 +194,118 @@ impl<'a> Fleet<'a> {
         self.out
     }
 
+    /// A request arrives at the gateway: prepared (hashes, ring key), then admitted by its class budget (priced
+    /// by a dry run of the routing decision, as the proxy does) or, without classes, routed at once.
     fn arrive(&mut self, trace: &Trace, i: usize, t: f64) {
         let r = &trace.requests[i];
         let tokens = expand_prompt(r, self.cfg.vocab);
         let hashes = self.hasher.hash_blocks(&tokens);
-        let now = self.instant(t);
-        self.nonce = self.nonce.wrapping_add(1);
-        let block_size = self.cfg.block_size as usize;
         let session_key = self.ring_keys.key(None, &hashes, &tokens, true);
-        let decision = {
-            let (views, idx) = self.registry.views(SIM_MODEL, &hashes, now);
-            let req = RequestView {
-                hashes: &hashes,
-                prompt_tokens: tokens.len(),
-                session_key,
-                nonce: self.nonce.wrapping_mul(0x9E37_79B9_7F4A_7C15),
-            };
-            self.policy
-                .choose(&req, &views, self.registry.ring(), block_size)
-                .map(|d| (idx[d.ranked[0]], d.reason, d.predicted_cached_tokens))
+        let max_tokens = r.output_length.max(1) as u32;
+        let Some(adm) = &self.admission else {
+            self.dispatch(i, t, t, &tokens, &hashes, session_key, max_tokens, None);
+            return;
         };
-        let Some((w, reason, predicted)) = decision else {
+        let (class_idx, class) = adm.classify(tokens.len(), max_tokens, SIM_MODEL);
+        let input = self.route_input(&tokens, &hashes, session_key);
+        let Some(priced) = self.router.dry_run(&self.registry, &input, 1, self.instant(t)) else {
             self.out.rejected += 1;
             return;
         };
-        *self.out.routes.entry(reason.as_str().to_owned()).or_default() += 1;
-        let uncached = tokens.len().saturating_sub(predicted) as u64;
-        let ticket = self.registry.record_sent(w, &hashes, uncached, now);
-        let params = SamplingParams {
-            max_tokens: r.output_length.max(1) as u32,
-            temperature: 0.0,
-            ignore_eos: true,
-            ..SamplingParams::default()
+        let cost = (priced.uncached_tokens + u64::from(max_tokens)) as f64;
+        let ready = Ready {
+            request: i,
+            arrival: t,
+            tokens,
+            hashes,
+            session_key,
+            max_tokens,
+            class: class.clone(),
+            cost,
         };
-        let req = EngineRequest { id: i as u64, prompt: tokens, params, extra_keys: ExtraKeys::none() };
+        let Some(adm) = self.admission.as_mut() else { return };
+        match adm.offer(class_idx, ready, t) {
+            Admitted::Now(ready, reservation) => self.dispatch_ready(ready, reservation, t),
+            Admitted::Waiting => self.pump_admission(t),
+            Admitted::Refused => {
+                self.out.rejected += 1;
+                self.out.classes.entry(class).or_default().refused += 1;
+            }
+        }
+    }
+
+    fn route_input<'h>(&self, tokens: &[u32], hashes: &'h [BlockHash], session_key: u64) -> RouteInput<'h> {
+        RouteInput {
+            model: SIM_MODEL,
+            hashes,
+            prompt_tokens: tokens.len(),
+            session_key,
+            block_size: self.cfg.block_size as usize,
+        }
+    }
+
+    /// Serves the class queues at `t` and refuses waiters past their deadline.
+    fn pump_admission(&mut self, t: f64) {
+        let Some(adm) = self.admission.as_mut() else { return };
+        let Pumped { served, timed_out } = adm.pump(t);
+        for ready in timed_out {
+            self.out.rejected += 1;
+            self.out.classes.entry(ready.class).or_default().timed_out += 1;
+        }
+        for (ready, reservation) in served {
+            self.dispatch_ready(ready, reservation, t);
+        }
+    }
+
+    fn dispatch_ready(&mut self, ready: Ready, reservation: Reservation, t: f64) {
+        let class = Some((ready.class, reservation));
+        let (tokens, hashes) = (ready.tokens, ready.hashes);
+        self.dispatch(
+            ready.request,
+            ready.arrival,
+            t,
+            &tokens,
+            &hashes,
+            ready.session_key,
+            ready.max_tokens,
+            class,
+        );
+    }
+
+    /// Routes request `i` (arrived at `arrival`) at `t` on the registry as it is now, and queues it on the pick.
+    #[allow(clippy::too_many_arguments)]
+    fn dispatch(
+        &mut self,
+        i: usize,
+        arrival: f64,
+        t: f64,
+        tokens: &[u32],
+        hashes: &[BlockHash],
+        session_key: u64,
+        max_tokens: u32,
+        class: Option<(String, Reservation)>,
+    ) {
+        if let Some((name, _)) = &class {
+            self.out.classes.entry(name.clone()).or_default().wait_s.push(t - arrival);
+        }
+        let now = self.instant(t);
+        let input = self.route_input(tokens, hashes, session_key);
+        let routed = self.router.route(&mut self.registry, &input, 1, now);
+        let Some(ticket) = routed.as_ref().and_then(|r| r.ticket) else {
+            self.refuse(class, t);
+            return;
+        };
+        let reason = routed.map_or("none", |r| r.reason.as_str());
+        // Registry indices are worker indices: every simulated worker registers at t = 0 and none is forgotten.
+        let w = ticket.idx;
+        *self.out.routes.entry(reason.to_owned()).or_default() += 1;
+        let params =
+            SamplingParams { max_tokens, temperature: 0.0, ignore_eos: true, ..SamplingParams::default() };
+        let req =
+            EngineRequest { id: i as u64, prompt: tokens.to_vec(), params, extra_keys: ExtraKeys::none() };
         match self.workers[w].engine.add_request(req) {
             Ok(()) => {
-                self.inflight.insert(i as u64, InFlight { arrival: t, ticket, first_token: false });
+                self.inflight.insert(i as u64, InFlight { arrival, ticket, first_token: false, class });
                 if self.workers[w].busy_until.is_none() {
                     self.start_step(w, t);
                 }
@@ -211,8 +313,17 @@ impl<'a> Fleet<'a> {
             Err(e) => {
                 tracing::debug!(request = i, error = %e, "simulated worker refused the request");
                 self.registry.record_done(ticket);
-                self.out.rejected += 1;
+                self.refuse(class, t);
             }
+        }
+    }
+
+    /// A request that got no worker: counted, and its reservation refunded.
+    fn refuse(&mut self, class: Option<(String, Reservation)>, t: f64) {
+        self.out.rejected += 1;
+        if let (Some((_, r)), Some(adm)) = (class, self.admission.as_mut()) {
+            adm.settle(&r, 0.0, t);
+            self.pump_admission(t);
         }
     }
 
@@ -230,10 +341,21 @@ impl<'a> Fleet<'a> {
         if o.token.is_some() && !f.first_token {
             f.first_token = true;
             self.out.ttft_s.push(t - f.arrival);
+            if let Some((class, _)) = &f.class {
+                self.out.classes.entry(class.clone()).or_default().ttft_s.push(t - f.arrival);
+            }
         }
         if let Some(reason) = o.finished {
             if let Some(f) = self.inflight.remove(&o.id) {
                 self.registry.record_done(f.ticket);
+                if let (Some((class, r)), Some(adm)) = (f.class, self.admission.as_mut()) {
+                    // The real cost, as the proxy reconciles it from the response's usage.
+                    let actual =
+                        (o.prompt_tokens.saturating_sub(o.cached_tokens) + o.completion_tokens) as f64;
+                    adm.settle(&r, actual, t);
+                    self.out.classes.entry(class).or_default().completed += 1;
+                    self.pump_admission(t);
+                }
             }
             if matches!(reason, FinishReason::Error(_)) {
                 self.out.errors += 1;

@@ -2,18 +2,21 @@
 //! and each worker's real scheduler, block manager and prefix cache, with a timing model for the math. A whole
 //! trace takes seconds. Also computes the oracle (one global LRU of the fleet's capacity) and the offered load.
 //!
-//! - `fleet`: the event loop (arrivals, step ends, 1 s reports);
+//! - `fleet`: the event loop (arrivals, admission, step ends, 1 s reports);
+//! - `admission`: the gateway's class budgets in virtual time (with `SimConfig::classes`);
 //! - `oracle`: the global-LRU upper bound;
 //! - `workload`: offered work per request (what `--target-load` scales by).
 
+mod admission;
 pub mod fleet;
 pub mod oracle;
 pub mod workload;
 
 use std::collections::BTreeMap;
 
-use kvgate_gateway::registry::RegistryConfig;
-use kvgate_gateway::routing::{policy_by_name, Weights, POLICIES};
+use kvgate_router::admission::ClassConfig;
+use kvgate_router::registry::RegistryConfig;
+use kvgate_router::routing::{policy_by_name, Weights, POLICIES};
 use kvgate_shared::hashing::HashScheme;
 use kvgate_worker::engine::timing::SimProfile;
 use kvgate_worker::engine::SchedulerConfig;
@@ -43,6 +46,8 @@ pub struct SimConfig {
     pub block_size: u32,
     /// Token ids the expanded prompts use.
     pub vocab: u32,
+    /// The gateway's admission classes (empty: no admission, every request routed on arrival).
+    pub classes: Vec<ClassConfig>,
 }
 
 impl SimConfig {
@@ -68,6 +73,7 @@ impl SimConfig {
             bloom_fp_rate: 0.01,
             block_size: 16,
             vocab: 32_000,
+            classes: Vec::new(),
         }
     }
 
@@ -88,6 +94,9 @@ impl SimConfig {
             p.push("report interval must be > 0".into());
         }
         p.extend(self.weights.validate());
+        if !self.classes.is_empty() {
+            p.extend(kvgate_router::admission::classes::validate(&self.classes));
+        }
         p.extend(self.profile.timing.validate());
         p
     }
@@ -175,13 +184,29 @@ pub struct SimResult {
     pub evictions: u64,
     /// Requests per route reason.
     pub routes: BTreeMap<String, u64>,
+    /// Per admission class (empty without `SimConfig::classes`).
+    pub classes: BTreeMap<String, ClassResult>,
+}
+
+/// One admission class's figures.
+#[derive(Clone, Debug, Serialize)]
+pub struct ClassResult {
+    pub completed: u64,
+    /// Refused at arrival (queue full).
+    pub refused: u64,
+    /// Waited `max_wait` without budget.
+    pub timed_out: u64,
+    /// From arrival, admission wait included.
+    pub ttft_p50_ms: f64,
+    pub ttft_p99_ms: f64,
+    pub wait_p99_ms: f64,
 }
 
 /// Replays the trace under one policy.
 pub fn simulate(trace: &Trace, cfg: &SimConfig, prep: &Prepared, policy: &str) -> Result<SimResult, String> {
     let p = policy_by_name(policy, cfg.weights)
         .ok_or_else(|| format!("unknown policy {policy:?}; expected one of {}", POLICIES.join(", ")))?;
-    let o = fleet::replay(trace, cfg, prep.time_scale, p.as_ref());
+    let o = fleet::replay(trace, cfg, prep.time_scale, p);
     let mean_busy = o.busy_s.iter().sum::<f64>() / o.busy_s.len().max(1) as f64;
     let max_busy = o.busy_s.iter().copied().fold(0.0, f64::max);
     let ms = |q: f64| percentile(&o.ttft_s, q) * 1000.0;
@@ -207,6 +232,22 @@ pub fn simulate(trace: &Trace, cfg: &SimConfig, prep: &Prepared, policy: &str) -
         preemptions: o.preemptions,
         evictions: o.evictions,
         routes: o.routes,
+        classes: o
+            .classes
+            .into_iter()
+            .map(|(name, c)| {
+                let ms = |v: &[f64], q: f64| percentile(v, q) * 1000.0;
+                let r = ClassResult {
+                    completed: c.completed,
+                    refused: c.refused,
+                    timed_out: c.timed_out,
+                    ttft_p50_ms: ms(&c.ttft_s, 0.50),
+                    ttft_p99_ms: ms(&c.ttft_s, 0.99),
+                    wait_p99_ms: ms(&c.wait_s, 0.99),
+                };
+                (name, r)
+            })
+            .collect(),
     })
 }
 

@@ -128,3 +128,70 @@ fn a_shared_system_prompt_does_not_collapse_the_ring() {
         assert!(ca.hit_rate >= 0.9 * ca.oracle_hit_rate, "shared {shared}: {ca:?}");
     }
 }
+
+/// Steady short requests (1K tokens, one every 50 ms) and, every 10 s, a burst of `burst` long ones (48K tokens,
+/// each its own document), for 60 s.
+fn long_burst_trace(burst: u64) -> Trace {
+    let mut rows: Vec<(u64, Vec<u64>)> = Vec::new();
+    for i in 0..1200u64 {
+        rows.push((i * 50, vec![10_000_000 + i * 2, 10_000_000 + i * 2 + 1]));
+    }
+    for b in 0..6u64 {
+        for j in 0..burst {
+            let doc = 20_000_000 + (b * burst + j) * 1_000;
+            rows.push((b * 10_000 + 1_000 + j, (doc..doc + 94).collect()));
+        }
+    }
+    rows.sort_by_key(|r| r.0);
+    let rows: Vec<(u64, usize, usize, &[u64])> =
+        rows.iter().map(|(ts, h)| (*ts, h.len() * 512, 16, h.as_slice())).collect();
+    trace(&rows)
+}
+
+fn class(name: &str, max_prompt: Option<u64>, rate: f64, burst: f64) -> ClassConfig {
+    ClassConfig {
+        name: name.into(),
+        rule: kvgate_router::admission::MatchRule { max_prompt_tokens: max_prompt, ..Default::default() },
+        refill_tokens_per_s: rate,
+        burst_tokens: burst,
+        max_queued_requests: 1024,
+        max_queued_tokens: 1e9,
+        max_wait_ms: 60_000,
+        expected_output_tokens: 16,
+        borrow_idle: false,
+        max_tenant_queues: 1024,
+    }
+}
+
+#[test]
+fn class_budgets_keep_a_long_burst_from_starving_short_requests() {
+    let t = long_burst_trace(16);
+    let mut cfg =
+        SimConfig::new(4, 262_144, SimProfile::named_or_file("gpu-h100-llama3-8b").expect("profile"));
+    cfg.profile.max_model_len = 65_536;
+    let prep = prepare(&t, &cfg, Pace::TimeScale(1.0)).expect("prepare");
+    assert!(simulate(&t, &cfg, &prep, "cache_aware").expect("no admission").classes.is_empty());
+    // The same two classes, first with budgets nothing exceeds (figures per class, no gating), then with a
+    // long-class budget of 60K tokens/s.
+    cfg.classes = vec![class("short", Some(8192), 1e9, 1e9), class("long", None, 1e9, 1e9)];
+    let open = simulate(&t, &cfg, &prep, "cache_aware").expect("open");
+    cfg.classes = vec![class("short", Some(8192), 1e6, 1e6), class("long", None, 60_000.0, 100_000.0)];
+    let gated = simulate(&t, &cfg, &prep, "cache_aware").expect("gated");
+    let (short0, long0) = (&open.classes["short"], &open.classes["long"]);
+    let (short, long) = (&gated.classes["short"], &gated.classes["long"]);
+    eprintln!("open: short {short0:?}, long {long0:?}\ngated: short {short:?}, long {long:?}");
+    for r in [&open, &gated] {
+        assert_eq!((r.completed, r.rejected), (1296, 0), "{r:?}");
+        assert_eq!((r.classes["short"].completed, r.classes["long"].completed), (1200, 96));
+    }
+    assert!(long0.wait_p99_ms < 1.0 && short0.wait_p99_ms < 1.0, "open budgets never make anyone wait");
+    assert!(long.wait_p99_ms > 1000.0, "the long class waited for its budget: {long:?}");
+    assert!(short.wait_p99_ms < 1.0, "short requests never wait: {short:?}");
+    // The burst, spread over time by its budget, no longer stalls the short requests behind it.
+    assert!(
+        short.ttft_p99_ms < 0.5 * short0.ttft_p99_ms,
+        "short p99 {:.0} ms with the long budget vs {:.0} ms without",
+        short.ttft_p99_ms,
+        short0.ttft_p99_ms
+    );
+}

@@ -29,8 +29,17 @@ pub struct RequestView<'a> {
     pub prompt_tokens: usize,
     /// Session key for the ring (`x-session-id`, `user`, or the block where prompts diverge: `ring_key.rs`).
     pub session_key: u64,
-    /// Per-request entropy for tie-breaking.
-    pub nonce: u64,
+    /// The request's number at this router ([`crate::route::Router`] counts them): round robin's turn, and hashed
+    /// for tie-breaks ([`RequestView::nonce`]), so a dry run that peeks at the next number decides as the request
+    /// routed next will.
+    pub seq: u64,
+}
+
+impl RequestView<'_> {
+    /// Per-request entropy for tie-breaking, a pure function of `seq`.
+    pub fn nonce(&self) -> u64 {
+        self.seq.wrapping_mul(0x9E37_79B9_7F4A_7C15)
+    }
 }
 
 /// Load as the gateway sees it: the worker's last report plus what this gateway sent since.
@@ -152,7 +161,7 @@ pub const POLICIES: [&str; 4] = ["cache_aware", "round_robin", "least_load", "co
 pub fn policy_by_name(name: &str, weights: Weights) -> Option<Box<dyn RoutingPolicy>> {
     match name {
         "cache_aware" => Some(Box::new(CacheAware::new(weights))),
-        "round_robin" => Some(Box::new(round_robin::RoundRobin::default())),
+        "round_robin" => Some(Box::new(round_robin::RoundRobin)),
         "least_load" => Some(Box::new(least_load::LeastLoad::new(weights.per_request_tokens))),
         "consistent_hash" => Some(Box::new(consistent_hash::ConsistentHash)),
         _ => None,

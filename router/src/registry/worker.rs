@@ -125,7 +125,8 @@ impl Worker {
         last_ok.is_none_or(|ok| ok <= at).then_some(fault)
     }
 
-    pub(super) fn load(&self) -> Load {
+    /// Load as this gateway sees it: the last report plus the sends since.
+    pub fn load(&self) -> Load {
         let q = self.report.as_ref().map(|r| r.queue).unwrap_or_default();
         Load {
             pending_tokens: q.prefill_tokens + self.sent_tokens_since_report,

@@ -1,13 +1,10 @@
 //! `round_robin`: each request to the next healthy worker in turn; ignores caches and load (a baseline).
 
-use std::sync::atomic::{AtomicUsize, Ordering};
-
 use super::{Decision, RequestView, Ring, RouteReason, RoutingPolicy, WorkerView};
 
+/// Stateless: the turn is the request's `seq`.
 #[derive(Default)]
-pub struct RoundRobin {
-    next: AtomicUsize,
-}
+pub struct RoundRobin;
 
 impl RoutingPolicy for RoundRobin {
     fn name(&self) -> &'static str {
@@ -25,7 +22,7 @@ impl RoutingPolicy for RoundRobin {
         if healthy.is_empty() {
             return None;
         }
-        let start = self.next.fetch_add(1, Ordering::Relaxed) % healthy.len();
+        let start = (req.seq % healthy.len() as u64) as usize;
         let ranked: Vec<usize> = healthy[start..].iter().chain(&healthy[..start]).copied().collect();
         let predicted = workers[ranked[0]].matched_blocks(req.hashes) * block_size;
         Some(Decision {

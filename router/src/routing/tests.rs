@@ -74,7 +74,7 @@ fn cache_aware_follows_the_prefix() {
     let p = CacheAware::new(Weights::default());
     let d = p
         .choose(
-            &RequestView { hashes: &req_hashes, prompt_tokens: 640, session_key: 7, nonce: 1 },
+            &RequestView { hashes: &req_hashes, prompt_tokens: 640, session_key: 7, seq: 1 },
             &ws,
             &ring(),
             16,
@@ -98,7 +98,7 @@ fn cache_aware_uses_the_ring_without_a_prefix_and_skips_unhealthy_workers() {
         let (primary, backup) = r.primary_backup(key, |_| true);
         let d = p
             .choose(
-                &RequestView { hashes: &req_hashes, prompt_tokens: 64, session_key: key, nonce: key },
+                &RequestView { hashes: &req_hashes, prompt_tokens: 64, session_key: key, seq: key },
                 &ws,
                 &r,
                 16,
@@ -113,7 +113,7 @@ fn cache_aware_uses_the_ring_without_a_prefix_and_skips_unhealthy_workers() {
         let ws = views(&summaries, &[0; 5], &healthy);
         let d = p
             .choose(
-                &RequestView { hashes: &req_hashes, prompt_tokens: 64, session_key: key, nonce: key },
+                &RequestView { hashes: &req_hashes, prompt_tokens: 64, session_key: key, seq: key },
                 &ws,
                 &r,
                 16,
@@ -125,7 +125,7 @@ fn cache_aware_uses_the_ring_without_a_prefix_and_skips_unhealthy_workers() {
     let none = views(&summaries, &[0; 5], &[false; 5]);
     assert!(p
         .choose(
-            &RequestView { hashes: &req_hashes, prompt_tokens: 64, session_key: 1, nonce: 1 },
+            &RequestView { hashes: &req_hashes, prompt_tokens: 64, session_key: 1, seq: 1 },
             &none,
             &r,
             16
@@ -143,7 +143,7 @@ fn hot_spot_guard_overrides_the_prefix() {
     let ws = views(&summaries, &[100, 100_000, 200, 300, 100], &[true; 5]);
     let d = p
         .choose(
-            &RequestView { hashes: &req_hashes, prompt_tokens: 640, session_key: 9, nonce: 2 },
+            &RequestView { hashes: &req_hashes, prompt_tokens: 640, session_key: 9, seq: 2 },
             &ws,
             &ring(),
             16,
@@ -156,7 +156,7 @@ fn hot_spot_guard_overrides_the_prefix() {
     let ws = views(&summaries, &[100, 1_500, 200, 300, 100], &[true; 5]);
     let d = p
         .choose(
-            &RequestView { hashes: &req_hashes, prompt_tokens: 640, session_key: 9, nonce: 2 },
+            &RequestView { hashes: &req_hashes, prompt_tokens: 640, session_key: 9, seq: 2 },
             &ws,
             &ring(),
             16,
@@ -169,7 +169,7 @@ fn hot_spot_guard_overrides_the_prefix() {
     let mut summaries: Vec<Option<CacheSummary>> = vec![None; 5];
     summaries[1] = Some(summary_of(&long));
     let ws = views(&summaries, &[100, 100_000, 200, 300, 100], &[true; 5]);
-    let req = RequestView { hashes: &long, prompt_tokens: 200_000, session_key: 9, nonce: 2 };
+    let req = RequestView { hashes: &long, prompt_tokens: 200_000, session_key: 9, seq: 2 };
     let d = p.choose(&req, &ws, &ring(), 16).expect("decision");
     assert_eq!((ws[d.ranked[0]].id, d.reason), ("w1", RouteReason::Prefix));
 }
@@ -179,12 +179,15 @@ fn baselines() {
     let req_hashes = hashes(2, 4);
     let summaries: Vec<Option<CacheSummary>> = vec![None; 5];
     let ws = views(&summaries, &[50, 10, 30, 40, 20], &[true, true, true, false, true]);
-    let req = RequestView { hashes: &req_hashes, prompt_tokens: 32, session_key: 3, nonce: 0 };
+    let req = RequestView { hashes: &req_hashes, prompt_tokens: 32, session_key: 3, seq: 0 };
     let ll = least_load::LeastLoad::new(256);
     assert_eq!(ws[ll.choose(&req, &ws, &ring(), 16).expect("d").ranked[0]].id, "w1");
-    let rr = round_robin::RoundRobin::default();
-    let picks: Vec<&str> =
-        (0..8).map(|_| ws[rr.choose(&req, &ws, &ring(), 16).expect("d").ranked[0]].id).collect();
+    let rr = round_robin::RoundRobin;
+    let picks: Vec<&str> = (0..8)
+        .map(|seq| {
+            ws[rr.choose(&RequestView { seq, ..req.clone() }, &ws, &ring(), 16).expect("d").ranked[0]].id
+        })
+        .collect();
     assert_eq!(picks, ["w0", "w1", "w2", "w4", "w0", "w1", "w2", "w4"]);
     let ch = consistent_hash::ConsistentHash;
     let (p, _) = ring().primary_backup(3, |id| id != "w3");

@@ -33,7 +33,7 @@ impl RoutingPolicy for LeastLoad {
         let best = workers[ranked[0]].load.cost(self.per_request_tokens);
         let ties =
             ranked.iter().take_while(|i| workers[**i].load.cost(self.per_request_tokens) == best).count();
-        ranked[..ties].rotate_left((req.nonce % ties as u64) as usize);
+        ranked[..ties].rotate_left((req.nonce() % ties as u64) as usize);
         let predicted = workers[ranked[0]].matched_blocks(req.hashes) * block_size;
         Some(Decision {
             ranked,

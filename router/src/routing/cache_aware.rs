@@ -17,7 +17,7 @@
 //!     (the floor keeps a few hundred queued tokens from outweighing a session's ring affinity)
 //! score(w)            = w_prefix * matched_fraction(w) + w_ring * ring(w) - w_load * normalized_load(w)
 //! ```
-//! The best score wins; exact ties are broken by the request's nonce (random).
+//! The best score wins; exact ties are broken by the request's nonce (a hash of its number at the router).
 //!
 //! **Hot-spot guard**: with `ahead(w) = cost(w) + prompt_tokens - matched_blocks(w) * block_size` (the queue plus
 //! the prefill the request would still need there, in tokens), if the winner's `ahead` exceeds the smallest
@@ -152,7 +152,7 @@ impl RoutingPolicy for CacheAware {
             );
             if wk.healthy {
                 // Tie-break key: a per-request permutation of workers.
-                let tie = (i as u64 ^ req.nonce).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+                let tie = (i as u64 ^ req.nonce()).wrapping_mul(0x9E37_79B9_7F4A_7C15);
                 scored.push((score, tie, i));
             }
             terms.push(ScoreTerms {

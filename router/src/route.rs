@@ -1,0 +1,219 @@
+//! The one routing entry point. The gateway's proxy, `POST /admin/v1/route/explain` and the simulator all decide
+//! through [`Router`], so a decision explained, simulated or served is the same function of the same state.
+//!
+//! A request is routed in two steps around admission:
+//! 1. [`Router::dry_run`] prices it: the decision the request would get now, nothing recorded (its predicted
+//!    cached tokens give the admission cost); explain shows exactly this, with the tie-break the next routed
+//!    request will get;
+//! 2. after admission (which may wait), [`Router::route`] decides again on fresh state and records the send
+//!    (in-flight count, uncached tokens, overlay) to the pick, under the caller's one registry lock, so requests
+//!    released together see each other's sends.
+//!
+//! A fallback attempt after a refused connection records its own send with [`Registry::record_sent`].
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Instant;
+
+use kvgate_shared::hashing::BlockHash;
+
+use crate::registry::{Registry, SentTicket, WorkerRef};
+use crate::routing::{RequestView, RouteReason, RoutingPolicy, ScoreTerms};
+
+/// What routing needs to know about one request.
+#[derive(Clone, Copy, Debug)]
+pub struct RouteInput<'a> {
+    pub model: &'a str,
+    /// Chained hashes of the prompt's full blocks.
+    pub hashes: &'a [BlockHash],
+    pub prompt_tokens: usize,
+    /// The ring key (`routing::RingKeys`).
+    pub session_key: u64,
+    /// Tokens per block of the model's hash scheme.
+    pub block_size: usize,
+}
+
+/// A worker the request may go to.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Candidate {
+    pub wref: WorkerRef,
+    pub id: String,
+    pub url: String,
+}
+
+/// A routing decision.
+#[derive(Clone, Debug)]
+pub struct Routed {
+    /// Best first: the pick, then the fallbacks (at most the `max_candidates` asked for).
+    pub candidates: Vec<Candidate>,
+    pub reason: RouteReason,
+    /// Predicted cached prompt tokens on the pick.
+    pub predicted_cached_tokens: usize,
+    /// Uncached prompt tokens on the pick (the admission cost's prompt part and the load the send adds).
+    pub uncached_tokens: u64,
+    /// Every candidate worker's score terms (policies that score).
+    pub terms: Vec<ScoreTerms>,
+    /// The request's number at this router (its tie-break).
+    pub seq: u64,
+    /// The send recorded to the pick ([`Router::route`] only); hand it to [`Registry::record_done`] at the end.
+    pub ticket: Option<SentTicket>,
+}
+
+/// A routing policy and the request counter that feeds its tie-breaks.
+pub struct Router {
+    policy: Box<dyn RoutingPolicy>,
+    next_seq: AtomicU64,
+}
+
+impl Router {
+    pub fn new(policy: Box<dyn RoutingPolicy>) -> Self {
+        Self { policy, next_seq: AtomicU64::new(0) }
+    }
+
+    pub fn policy(&self) -> &dyn RoutingPolicy {
+        self.policy.as_ref()
+    }
+
+    /// The decision `input` would get now, with the tie-break of the next routed request; nothing is recorded.
+    pub fn dry_run(
+        &self,
+        reg: &Registry,
+        input: &RouteInput<'_>,
+        max_candidates: usize,
+        now: Instant,
+    ) -> Option<Routed> {
+        decide(self.policy.as_ref(), reg, input, self.next_seq.load(Ordering::Relaxed), max_candidates, now)
+    }
+
+    /// Decides on the registry as it is now and records the send to the pick. `None`: no healthy worker serves
+    /// the model.
+    pub fn route(
+        &self,
+        reg: &mut Registry,
+        input: &RouteInput<'_>,
+        max_candidates: usize,
+        now: Instant,
+    ) -> Option<Routed> {
+        let seq = self.next_seq.fetch_add(1, Ordering::Relaxed);
+        let mut routed = decide(self.policy.as_ref(), reg, input, seq, max_candidates, now)?;
+        let pick = reg.find(routed.candidates.first()?.wref)?;
+        routed.ticket = Some(reg.record_sent(pick, input.hashes, routed.uncached_tokens, now));
+        Some(routed)
+    }
+}
+
+fn decide(
+    policy: &dyn RoutingPolicy,
+    reg: &Registry,
+    input: &RouteInput<'_>,
+    seq: u64,
+    max_candidates: usize,
+    now: Instant,
+) -> Option<Routed> {
+    let (views, idx) = reg.views(input.model, input.hashes, now);
+    let req = RequestView {
+        hashes: input.hashes,
+        prompt_tokens: input.prompt_tokens,
+        session_key: input.session_key,
+        seq,
+    };
+    let d = policy.choose(&req, &views, reg.ring(), input.block_size)?;
+    let candidates: Vec<Candidate> = d
+        .ranked
+        .iter()
+        .take(max_candidates.max(1))
+        .filter_map(|&r| {
+            let i = idx[r];
+            let w = &reg.workers()[i];
+            Some(Candidate { wref: reg.worker_ref(i)?, id: w.id.clone(), url: w.url.clone() })
+        })
+        .collect();
+    if candidates.is_empty() {
+        return None;
+    }
+    Some(Routed {
+        candidates,
+        reason: d.reason,
+        predicted_cached_tokens: d.predicted_cached_tokens,
+        uncached_tokens: input.prompt_tokens.saturating_sub(d.predicted_cached_tokens) as u64,
+        terms: d.terms,
+        seq,
+        ticket: None,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::registry::RegistryConfig;
+    use crate::routing::{policy_by_name, Weights};
+
+    fn registry(n: usize) -> Registry {
+        let mut reg = Registry::new(RegistryConfig::default());
+        for i in 0..n {
+            reg.add_static(&format!("http://w{i}.invalid"));
+        }
+        reg
+    }
+
+    fn input(hashes: &[BlockHash]) -> RouteInput<'_> {
+        RouteInput { model: "m", hashes, prompt_tokens: hashes.len() * 16, session_key: 0, block_size: 16 }
+    }
+
+    #[test]
+    fn a_dry_run_decides_as_the_next_routed_request_and_records_nothing() {
+        for policy in ["cache_aware", "round_robin", "least_load", "consistent_hash"] {
+            let router = Router::new(policy_by_name(policy, Weights::default()).expect("policy"));
+            let mut reg = registry(4);
+            let now = Instant::now();
+            let hashes: Vec<BlockHash> = (1..=8).map(BlockHash).collect();
+            for _ in 0..3 {
+                let dry = router.dry_run(&reg, &input(&hashes), 4, now).expect("dry");
+                assert!(dry.ticket.is_none());
+                let loads: Vec<_> = reg.workers().iter().map(|w| w.load()).collect();
+                let again = router.dry_run(&reg, &input(&hashes), 4, now).expect("dry");
+                assert_eq!(again.candidates, dry.candidates, "{policy}: a dry run changes nothing");
+                assert_eq!(loads, reg.workers().iter().map(|w| w.load()).collect::<Vec<_>>());
+                let real = router.route(&mut reg, &input(&hashes), 4, now).expect("route");
+                assert_eq!(
+                    real.candidates, dry.candidates,
+                    "{policy}: same state, same tie-break, same pick"
+                );
+                assert_eq!(real.seq, dry.seq);
+                assert!(real.ticket.is_some());
+            }
+        }
+    }
+
+    #[test]
+    fn requests_routed_together_see_each_others_sends() {
+        // Four cold requests released at the same instant (e.g. by admission): each decision sees the sends
+        // before it, so least_load spreads them instead of sending all four to the one idle-looking worker.
+        let router = Router::new(policy_by_name("least_load", Weights::default()).expect("policy"));
+        let mut reg = registry(4);
+        let now = Instant::now();
+        let mut picks: Vec<String> = (0..4u64)
+            .map(|i| {
+                let hashes: Vec<BlockHash> = (0..64).map(|b| BlockHash(b * 1000 + i)).collect();
+                let r = router.route(&mut reg, &input(&hashes), 1, now).expect("route");
+                r.candidates[0].id.clone()
+            })
+            .collect();
+        picks.sort();
+        picks.dedup();
+        assert_eq!(picks.len(), 4, "{picks:?}");
+        let inflight: u64 = reg.workers().iter().map(|w| w.load().requests).sum();
+        assert_eq!(inflight, 4);
+        for t in reg.workers().iter().map(|w| w.load().pending_tokens) {
+            assert_eq!(t, 64 * 16, "every send counted its uncached tokens");
+        }
+    }
+
+    #[test]
+    fn no_worker_no_decision() {
+        let router = Router::new(policy_by_name("cache_aware", Weights::default()).expect("policy"));
+        let mut reg = registry(0);
+        let hashes: Vec<BlockHash> = (1..=4).map(BlockHash).collect();
+        assert!(router.dry_run(&reg, &input(&hashes), 4, Instant::now()).is_none());
+        assert!(router.route(&mut reg, &input(&hashes), 4, Instant::now()).is_none());
+    }
+}
