@@ -108,6 +108,10 @@ pub struct GatewayArgs {
     /// Requests waiting for a tokenize thread; beyond it 503 `tokenizer_busy`. Default 256.
     #[arg(long, env = "KVGATE_GATEWAY_TOKENIZE_QUEUE")]
     pub tokenize_queue: Option<usize>,
+    /// Token ids of recent chat messages kept per model, so a conversation's history is tokenized once (pieces
+    /// between special tokens; exact). 0 turns the cache off. Default 4194304 (about 16 MiB per model).
+    #[arg(long, env = "KVGATE_GATEWAY_TOKENIZE_CACHE_TOKENS")]
+    pub tokenize_cache_tokens: Option<usize>,
     /// Timeout to connect to a worker. Default 1s.
     #[arg(long, env = "KVGATE_GATEWAY_CONNECT_TIMEOUT")]
     pub connect_timeout: Option<String>,
@@ -207,6 +211,7 @@ pub struct GatewayConfig {
     pub request_read_timeout: Duration,
     pub tokenize_threads: usize,
     pub tokenize_queue: usize,
+    pub tokenize_cache_tokens: usize,
     pub connect_timeout: Duration,
     pub first_byte: FirstByteTimeout,
     pub stream_idle_timeout: Duration,
@@ -305,6 +310,8 @@ impl GatewayArgs {
             tokenize_threads: pick!(tokenize_threads)
                 .unwrap_or_else(|| std::thread::available_parallelism().map_or(2, |n| n.get())),
             tokenize_queue: pick!(tokenize_queue).unwrap_or(256),
+            tokenize_cache_tokens: pick!(tokenize_cache_tokens)
+                .unwrap_or(kvgate_shared::prompt::segments::DEFAULT_CACHE_TOKENS),
             connect_timeout: duration(pick!(connect_timeout), "1s", "connect-timeout")?,
             first_byte: FirstByteTimeout {
                 floor: duration(pick!(first_byte_timeout), "30s", "first-byte-timeout")?,

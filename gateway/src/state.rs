@@ -191,7 +191,12 @@ impl GatewayState {
             serde_json::from_value(json["scheme"].clone()).map_err(|e| format!("{uri}: scheme: {e}"))?;
         let files: TokenizerFiles = serde_json::from_value(json).map_err(|e| format!("{uri}: {e}"))?;
         if self.tokenizer(&model).is_none() {
-            let prompter = Prompter::from_files(files).map_err(|e| format!("{uri}: {e}"))?;
+            let prompter = Prompter::from_files(files)
+                .map_err(|e| format!("{uri}: {e}"))?
+                .with_segment_cache_tokens(self.cfg.tokenize_cache_tokens);
+            if let Some(why) = prompter.segment_cache_off() {
+                tracing::info!(%uri, %why, "chat prompts of this model are tokenized whole (no segment cache)");
+            }
             if prompter.digest() != scheme.tokenizer_digest {
                 return Err(format!("{uri}: tokenizer digest does not match the advertised scheme"));
             }

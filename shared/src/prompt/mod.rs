@@ -3,18 +3,25 @@
 //!
 //! A prompt is a chat conversation (rendered with the model's chat template, then tokenized without adding
 //! special tokens, since the template writes them), a text (tokenized with the tokenizer's post-processor, which
-//! adds BOS for Llama-style tokenizers), or token ids given directly (used as they are).
+//! adds BOS for Llama-style tokenizers), or token ids given directly (used as they are). A rendered chat is
+//! tokenized piece by piece between added tokens, earlier messages' pieces from a bounded cache (`segments.rs`;
+//! exact by construction and checked at start, else the whole text is encoded).
 
+pub mod segments;
 mod synth;
 mod template;
 
+pub use segments::CacheStats;
 pub use synth::{
     byte_to_char, synth_text, synth_tokenizer, SplitMix64, SynthTokenizer, BOS_TOKEN, CHAT_TEMPLATE,
     EOT_TOKEN, SPECIAL_TOKENS,
 };
 pub use template::ChatTemplate;
 
+use segments::{SegmentCache, Segmenter, DEFAULT_CACHE_TOKENS};
+
 use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use serde::{Deserialize, Serialize};
 use serde_json::Value as Json;
@@ -138,6 +145,12 @@ pub struct Prompter {
     template: Option<ChatTemplate>,
     files: TokenizerFiles,
     digest: u64,
+    /// Splits rendered chats at added tokens (`None`: plain encoding; `segments_off` says why).
+    segmenter: Option<Segmenter>,
+    segments_off: Option<String>,
+    segment_cache: SegmentCache,
+    segment_hits: AtomicU64,
+    segment_misses: AtomicU64,
 }
 
 impl std::fmt::Debug for Prompter {
@@ -158,7 +171,41 @@ impl Prompter {
             .map_err(|e| PromptError::Tokenizer(format!("tokenizer.json: {e}")))?;
         let template = files.chat_template.as_deref().map(ChatTemplate::new).transpose()?;
         let digest = Self::digest_of(&files);
-        Ok(Self { tokenizer, template, files, digest })
+        let (segmenter, segments_off) = match Segmenter::new(&tokenizer) {
+            Ok(s) => (Some(s), None),
+            Err(why) => (None, Some(why)),
+        };
+        Ok(Self {
+            tokenizer,
+            template,
+            files,
+            digest,
+            segmenter,
+            segments_off,
+            segment_cache: SegmentCache::new(DEFAULT_CACHE_TOKENS),
+            segment_hits: AtomicU64::new(0),
+            segment_misses: AtomicU64::new(0),
+        })
+    }
+
+    /// Sets the chat-segment cache's capacity in token ids (0: no cache; the split still applies). Default
+    /// [`segments::DEFAULT_CACHE_TOKENS`].
+    pub fn with_segment_cache_tokens(mut self, capacity_tokens: usize) -> Self {
+        self.segment_cache = SegmentCache::new(capacity_tokens);
+        self
+    }
+
+    /// Why rendered chats are tokenized whole instead of piece by piece through the cache (`None`: they are not).
+    pub fn segment_cache_off(&self) -> Option<&str> {
+        self.segments_off.as_deref()
+    }
+
+    /// Chat-segment cache hits and misses so far.
+    pub fn segment_cache_stats(&self) -> CacheStats {
+        CacheStats {
+            hits: self.segment_hits.load(Ordering::Relaxed),
+            misses: self.segment_misses.load(Ordering::Relaxed),
+        }
     }
 
     /// xxh3-64 over every part that influences token ids, length-prefixed.
@@ -260,7 +307,15 @@ impl Prompter {
             }
             PromptInput::Chat { messages, options } => {
                 let text = self.render_chat(messages, options)?;
-                self.encode(&text, false)
+                let Some(seg) = &self.segmenter else { return self.encode(&text, false) };
+                let mut stats = CacheStats::default();
+                let ids = self
+                    .segment_cache
+                    .encode(seg, &self.tokenizer, &text, &mut stats)
+                    .map_err(|e| PromptError::InvalidPrompt(format!("cannot tokenize: {e}")))?;
+                self.segment_hits.fetch_add(stats.hits, Ordering::Relaxed);
+                self.segment_misses.fetch_add(stats.misses, Ordering::Relaxed);
+                Ok(ids)
             }
         }
     }

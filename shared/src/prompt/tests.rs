@@ -233,9 +233,102 @@ fn digest_covers_template_and_tokens() {
     assert_ne!(Prompter::from_files(f).expect("ok").digest(), base);
 }
 
+/// A conversation of `turns` user/assistant exchanges with long synthetic messages.
+fn long_chat(turns: usize) -> Vec<Json> {
+    let mut m = vec![json!({"role": "system", "content": synth_text(1, 200)})];
+    for t in 0..turns {
+        m.push(json!({"role": "user", "content": synth_text(10 + t as u64, 120)}));
+        m.push(json!({"role": "assistant", "content": synth_text(100 + t as u64, 80)}));
+    }
+    m.push(json!({"role": "user", "content": "and now?"}));
+    m
+}
+
+#[test]
+fn chats_are_tokenized_piece_by_piece_with_the_history_from_the_cache() {
+    let p = prompter();
+    assert_eq!(p.segment_cache_off(), None, "the synthetic tokenizer passes the self-check");
+    for turns in 0..6 {
+        let m = long_chat(turns);
+        let ids = p.tokenize(&PromptInput::Chat { messages: &m, options: &gen() }).expect("tokenizes");
+        let text = p.render_chat(&m, &gen()).expect("renders");
+        assert_eq!(
+            ids,
+            p.encode(&text, false).expect("whole"),
+            "turn {turns}: identical to whole-text encoding"
+        );
+    }
+    // Each turn tokenized only its new messages: the system prompt and earlier turns were hits.
+    let s = p.segment_cache_stats();
+    assert_eq!(s.misses, 1 + 2 * 5, "{s:?}");
+    // Turn t (t >= 1) finds the system prompt and the 2(t - 1) messages of the turns before it.
+    assert_eq!(s.hits, (1..6).map(|t| 2 * t - 1).sum::<u64>(), "{s:?}");
+}
+
+#[test]
+fn the_segment_cache_is_bounded_and_capacity_zero_still_splits_exactly() {
+    let p = prompter().with_segment_cache_tokens(2_000);
+    for i in 0..50u64 {
+        let m = vec![json!({"role": "user", "content": synth_text(1_000 + i, 100)})];
+        p.tokenize(&PromptInput::Chat { messages: &m, options: &gen() }).expect("tokenizes");
+    }
+    assert!(p.segment_cache.tokens() <= 2_000, "{}", p.segment_cache.tokens());
+    let off = prompter().with_segment_cache_tokens(0);
+    let m = long_chat(2);
+    let ids = off.tokenize(&PromptInput::Chat { messages: &m, options: &gen() }).expect("tokenizes");
+    assert_eq!(ids, off.encode(&off.render_chat(&m, &gen()).expect("renders"), false).expect("whole"));
+    assert_eq!(off.segment_cache_stats(), CacheStats::default());
+}
+
+#[test]
+fn a_tokenizer_whose_added_tokens_strip_whitespace_is_encoded_whole() {
+    let mut f = files();
+    let mut tj: Json = serde_json::from_str(&f.tokenizer_json).expect("json");
+    for t in tj["added_tokens"].as_array_mut().expect("added tokens") {
+        t["lstrip"] = json!(true);
+    }
+    f.tokenizer_json = tj.to_string();
+    let p = Prompter::from_files(f).expect("loads");
+    assert!(
+        p.segment_cache_off().is_some_and(|w| w.contains("strips whitespace")),
+        "{:?}",
+        p.segment_cache_off()
+    );
+    let m = long_chat(1);
+    let ids = p.tokenize(&PromptInput::Chat { messages: &m, options: &gen() }).expect("tokenizes");
+    assert_eq!(ids, p.encode(&p.render_chat(&m, &gen()).expect("renders"), false).expect("whole"));
+}
+
 mod hostile {
     use super::*;
     use proptest::prelude::*;
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 300, ..ProptestConfig::default() })]
+
+        /// Piece-by-piece tokenization through the cache equals whole-text encoding for any message text,
+        /// special-token look-alikes and all, repeated so that pieces come from the cache.
+        #[test]
+        fn split_tokenization_equals_whole_text_encoding(
+            contents in prop::collection::vec(
+                prop_oneof![
+                    ".{0,80}",
+                    "( ?<\\|(eot_id|start_header_id|end_header_id|begin_of_text)\\|> ?[a-z \n]{0,70}){1,3}",
+                    "[ \n\t]{0,4}[a-zé日🎉0-9 ]{60,120}[ \n]{0,3}",
+                ],
+                1..5,
+            ),
+        ) {
+            static P: OnceLock<Prompter> = OnceLock::new();
+            let p = P.get_or_init(prompter);
+            let m: Vec<Json> = contents.iter().map(|c| json!({"role": "user", "content": c})).collect();
+            for _ in 0..2 {
+                let ids = p.tokenize(&PromptInput::Chat { messages: &m, options: &gen() }).expect("tokenizes");
+                let whole = p.encode(&p.render_chat(&m, &gen()).expect("renders"), false).expect("whole");
+                prop_assert_eq!(ids, whole);
+            }
+        }
+    }
 
     fn arb_json() -> impl Strategy<Value = Json> {
         crate::testing::arb_json(3, "[a-z{}%# <>|'\"\\\\]{0,12}")
