@@ -54,6 +54,10 @@ pub struct GatewayArgs {
     /// gateway, not to the workers).
     #[arg(long, env = "KVGATE_GATEWAY_FORWARD_AUTHORIZATION", num_args = 0..=1, default_missing_value = "true")]
     pub forward_authorization: Option<bool>,
+    /// Hand the prompt's token ids to kvgate workers (body field `kvgate_prompt_ids`, authenticated with the
+    /// report secret) so they do not tokenize again. Needs `--report-secret`. Default true.
+    #[arg(long, env = "KVGATE_GATEWAY_PROMPT_HANDOFF", num_args = 0..=1, default_missing_value = "true")]
+    pub prompt_handoff: Option<bool>,
     /// API key table (TOML `[[keys]]`: `key` or `key_sha256`, `tenant`, `classes`, `cache_salt`; see keys.rs).
     /// Default none: every caller is the anonymous tenant and no caller may choose its class.
     #[arg(long, env = "KVGATE_GATEWAY_API_KEYS_FILE")]
@@ -195,6 +199,7 @@ pub struct GatewayConfig {
     pub insecure_reports: bool,
     pub advertise_allow: Vec<String>,
     pub forward_authorization: bool,
+    pub prompt_handoff: bool,
     pub api_keys_file: Option<PathBuf>,
     pub require_api_key: bool,
     pub stale_after: Duration,
@@ -293,6 +298,7 @@ impl GatewayArgs {
                 .filter(|a| !a.is_empty())
                 .collect(),
             forward_authorization: pick!(forward_authorization).unwrap_or(false),
+            prompt_handoff: pick!(prompt_handoff).unwrap_or(true),
             api_keys_file: pick!(api_keys_file),
             require_api_key: pick!(require_api_key).unwrap_or(false),
             stale_after: duration(pick!(stale_after), "3s", "stale-after")?,

@@ -189,14 +189,24 @@ async fn workers(State(state): State<Arc<GatewayState>>) -> Response {
     Json(state.registry().status(Instant::now())).into_response()
 }
 
-/// Readiness: 200 once at least one worker is healthy (in the ring), else 503, so an orchestrator sends no traffic
-/// to a gateway that could only answer "no worker".
+/// Readiness: 200 once at least one worker is healthy (in the ring) and its model's tokenizer is loaded here,
+/// else 503, so an orchestrator sends no traffic to a gateway that could only answer "no worker" or "unknown
+/// model".
 async fn ready(State(state): State<Arc<GatewayState>>) -> Response {
-    let healthy = state.registry().status(Instant::now()).iter().filter(|w| w.healthy).count();
-    let body = Json(
-        serde_json::json!({"status": if healthy > 0 { "ready" } else { "no healthy worker" }, "healthy_workers": healthy}),
-    );
-    if healthy > 0 {
+    let statuses = state.registry().status(Instant::now());
+    let healthy = statuses.iter().filter(|w| w.healthy).count();
+    let serving = statuses
+        .iter()
+        .filter(|w| w.healthy && w.model.as_deref().is_some_and(|m| state.tokenizer(m).is_some()))
+        .count();
+    let status = match (healthy, serving) {
+        (0, _) => "no healthy worker",
+        (_, 0) => "no tokenizer loaded yet",
+        _ => "ready",
+    };
+    let body =
+        Json(serde_json::json!({"status": status, "healthy_workers": healthy, "serving_workers": serving}));
+    if serving > 0 {
         body.into_response()
     } else {
         (StatusCode::SERVICE_UNAVAILABLE, body).into_response()

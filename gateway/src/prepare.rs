@@ -7,7 +7,7 @@ use bytes::Bytes;
 use kvgate_shared::hashing::{BlockHash, BlockHasher, ExtraKeys};
 
 use crate::errors::ApiError;
-use crate::request::{parse, with_cache_salt, RoutingFields};
+use crate::request::{parse, with_cache_salt, PromptBody, RoutingFields};
 use crate::route::RouteInput;
 use crate::state::GatewayState;
 
@@ -37,6 +37,8 @@ pub struct Prepared {
     pub body: Bytes,
     /// The model's context length, when a worker told it.
     pub max_model_len: Option<u32>,
+    /// The gateway rendered and tokenized the prompt (chat or text; a prompt of token ids was given as ids).
+    pub tokenized: bool,
 }
 
 impl Prepared {
@@ -67,6 +69,7 @@ pub fn prepare(
         return Err(ApiError::model_not_found(&fields.model));
     };
     let ids = tok.prompter.tokenize(&prompt.input()).map_err(|e| ApiError::prompt(e, prompt.param()))?;
+    let tokenized = !matches!(prompt, PromptBody::TokenIds(_));
     drop(prompt);
     let (salt, body) = match forced_salt {
         Some(s) => (Some(s.to_owned()), Bytes::from(with_cache_salt(&body, s)?)),
@@ -90,6 +93,7 @@ pub fn prepare(
         salt,
         body,
         max_model_len,
+        tokenized,
     })
 }
 

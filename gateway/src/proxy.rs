@@ -28,6 +28,7 @@ use std::time::{Duration, Instant};
 use async_trait::async_trait;
 use bytes::Bytes;
 use hyper::header::{HeaderName, HeaderValue};
+use kvgate_shared::handoff;
 use kvgate_shared::openai::{ModelCard, ModelList};
 use pingora::http::ResponseHeader;
 use pingora::prelude::*;
@@ -242,6 +243,15 @@ async fn handle(state: &Arc<GatewayState>, session: &mut Session, ctx: &mut Ctx)
     let mut first_guard = routed.ticket.map(|ticket| InflightGuard { state: state.clone(), ticket });
     let (uncached, predicted) = (routed.uncached_tokens, routed.predicted_cached_tokens);
     let forwarded = forwarded_headers(state, session, caller.cache_salt.is_some());
+    // The prompt handoff for kvgate workers: the ids computed here, so the worker does not tokenize again.
+    let handoff = handoff(state, &p);
+    let with_auth = handoff.as_ref().map(|(_, auth)| {
+        let mut h = forwarded.clone();
+        if let Ok(v) = HeaderValue::from_str(auth) {
+            h.push((HeaderName::from_static(handoff::PROMPT_AUTH_HEADER), v));
+        }
+        h
+    });
     let first_byte =
         state.cfg.first_byte.for_request(uncached, max_tokens.unwrap_or(expected_output), p.fields.stream);
     let mut reason = routed.reason;
@@ -259,11 +269,15 @@ async fn handle(state: &Arc<GatewayState>, session: &mut Session, ctx: &mut Ctx)
             continue; // forgotten since the decision
         };
         ctx.route = reason.as_str();
+        let (body, headers) = match (&handoff, &with_auth) {
+            (Some((body, _)), Some(headers)) if t.reports => (body, headers),
+            _ => (&p.body, &forwarded),
+        };
         let a = Attempt {
             url: &t.url,
             path: &path,
-            body: &p.body,
-            headers: &forwarded,
+            body,
+            headers,
             worker_id: &t.id,
             reason,
             class: &class_name,
@@ -318,6 +332,22 @@ async fn handle(state: &Arc<GatewayState>, session: &mut Session, ctx: &mut Ctx)
         Some(r) => Err(ApiError::all_refused(&model, r.as_secs_f64().ceil() as u32)),
         None => Err(ApiError::no_worker(&model)),
     }
+}
+
+/// The body with the handoff field and its authentication code, when the handoff is on (`--prompt-handoff`), the
+/// gateway has a report secret (shared with its workers), the prompt was tokenized here (chat or text) and the body stays within `--max-body-bytes`
+/// (workers are expected to allow at least as much).
+fn handoff(state: &GatewayState, p: &Prepared) -> Option<(Bytes, String)> {
+    let secret = state.cfg.report_secret.as_deref()?;
+    if !state.cfg.prompt_handoff || !p.tokenized || p.ids.is_empty() {
+        return None;
+    }
+    let encoded = handoff::encode_ids(&p.ids);
+    if p.body.len() + encoded.len() + 32 > state.cfg.max_body_bytes {
+        return None;
+    }
+    let body = handoff::with_ids_field(&p.body, &encoded)?;
+    Some((Bytes::from(body), handoff::sign(secret, &encoded)))
 }
 
 /// The client headers workers get: the session id, the cache salt (unless the caller's key forces one; the body

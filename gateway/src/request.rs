@@ -83,6 +83,9 @@ struct ChatLean<'a> {
     user: Option<Cow<'a, str>>,
     #[serde(default, borrow)]
     cache_salt: Option<Cow<'a, str>>,
+    /// Reserved for the gateway's prompt handoff: a client body carrying it is refused.
+    #[serde(default, borrow)]
+    kvgate_prompt_ids: Option<&'a RawValue>,
 }
 
 #[derive(Deserialize)]
@@ -100,6 +103,8 @@ struct CompletionLean<'a> {
     user: Option<Cow<'a, str>>,
     #[serde(default, borrow)]
     cache_salt: Option<Cow<'a, str>>,
+    #[serde(default, borrow)]
+    kvgate_prompt_ids: Option<&'a RawValue>,
 }
 
 /// The shared fields, whichever struct they came from (no `flatten`: it would buffer every unknown field).
@@ -123,6 +128,17 @@ macro_rules! common {
     };
 }
 
+/// Refuses the handoff field in a client body: only the gateway sets it (`kvgate_shared::handoff`).
+fn reserved(field: Option<&RawValue>) -> Result<(), ApiError> {
+    match field {
+        None => Ok(()),
+        Some(_) => Err(ApiError::invalid(
+            kvgate_shared::handoff::PROMPT_IDS_FIELD,
+            "kvgate_prompt_ids is set by the gateway, not by clients",
+        )),
+    }
+}
+
 /// Parses a chat (`chat`) or completions body.
 pub fn parse(
     chat: bool,
@@ -131,6 +147,7 @@ pub fn parse(
 ) -> Result<(RoutingFields, PromptBody), ApiError> {
     if chat {
         let req: ChatLean<'_> = typed(body)?;
+        reserved(req.kvgate_prompt_ids)?;
         let budget = Cell::new(max_json_values);
         let messages = match bounded(req.messages, &budget, "messages")? {
             Value::Array(m) => m,
@@ -157,6 +174,7 @@ pub fn parse(
         Ok((fields(req.model, common!(req), reasoning), PromptBody::Chat { messages, options }))
     } else {
         let req: CompletionLean<'_> = typed(body)?;
+        reserved(req.kvgate_prompt_ids)?;
         // Moved, not copied: a prompt of a million ids is 4 MB once.
         let prompt = match req.prompt {
             Prompt::Text(t) => PromptBody::Text(t),

@@ -38,6 +38,8 @@ pub struct Candidate {
     pub wref: WorkerRef,
     pub id: String,
     pub url: String,
+    /// A kvgate worker (it has reported): it understands the prompt handoff.
+    pub reports: bool,
 }
 
 /// A routing decision.
@@ -124,7 +126,12 @@ fn decide(
         .filter_map(|&r| {
             let i = idx[r];
             let w = &reg.workers()[i];
-            Some(Candidate { wref: reg.worker_ref(i)?, id: w.id.clone(), url: w.url.clone() })
+            Some(Candidate {
+                wref: reg.worker_ref(i)?,
+                id: w.id.clone(),
+                url: w.url.clone(),
+                reports: w.report.is_some(),
+            })
         })
         .collect();
     if candidates.is_empty() {

@@ -4,9 +4,11 @@
 //! - [`report`]: the summary a worker pushes to gateways every second, with its Bloom filter of cached blocks;
 //! - [`prompt`]: chat-template rendering and tokenization, identical on both sides;
 //! - [`openai`]: the OpenAI API types and error body;
+//! - [`handoff`]: token ids the gateway computed, passed to the worker (authenticated) so it skips tokenizing;
 //! - [`duration`]: configuration durations (`1s`, `500ms`).
 
 pub mod duration;
+pub mod handoff;
 pub mod hashing;
 pub mod openai;
 pub mod prompt;

@@ -197,6 +197,10 @@ pub struct CompletionRequest {
     pub echo: Option<bool>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub logprobs: Option<u32>,
+    /// Token ids the gateway computed for this prompt (`handoff.rs`); used only with a valid
+    /// `x-kvgate-prompt-auth` header, else ignored.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kvgate_prompt_ids: Option<String>,
     /// Fields this type does not model, kept as sent.
     #[serde(flatten)]
     pub extra: Map<String, Value>,
@@ -218,6 +222,10 @@ pub struct ChatCompletionRequest {
     /// Defaults to true, as in vLLM.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub add_generation_prompt: Option<bool>,
+    /// Token ids the gateway computed for this prompt (`handoff.rs`); used only with a valid
+    /// `x-kvgate-prompt-auth` header, else ignored.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kvgate_prompt_ids: Option<String>,
     #[serde(flatten)]
     pub extra: Map<String, Value>,
 }

@@ -202,7 +202,8 @@ pub async fn wait_healthy(control: &str, n: usize) {
             let ok = ws.as_array().map_or(0, |a| {
                 a.iter().filter(|w| w["healthy"] == true && w["summary_fresh"] == true).count()
             });
-            if ok >= n {
+            // And the gateway is ready: a healthy worker's tokenizer is loaded (else a request gets 404).
+            if ok >= n && get(&format!("{control}/ready")).await.status == 200 {
                 return;
             }
         }

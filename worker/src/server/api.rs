@@ -10,6 +10,7 @@ use axum::extract::State;
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use futures_util::stream;
+use kvgate_shared::handoff;
 use kvgate_shared::hashing::ExtraKeys;
 use kvgate_shared::openai::{
     sse_data, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
@@ -152,9 +153,11 @@ pub async fn completions(State(state): State<Arc<AppState>>, headers: HeaderMap,
                 "not supported",
             ));
         }
-        let ids = match req.prompt.single().map_err(|m| ApiError::invalid("prompt", m))? {
-            SinglePrompt::Text(t) => l.prompter.tokenize(&PromptInput::Text(t)),
-            SinglePrompt::TokenIds(ids) => l.prompter.tokenize(&PromptInput::TokenIds(ids)),
+        let handed = handed_off_ids(&state, &headers, req.kvgate_prompt_ids.as_deref());
+        let ids = match (handed, req.prompt.single().map_err(|m| ApiError::invalid("prompt", m))?) {
+            (Some(ids), SinglePrompt::Text(_)) => Ok(ids),
+            (_, SinglePrompt::Text(t)) => l.prompter.tokenize(&PromptInput::Text(t)),
+            (_, SinglePrompt::TokenIds(ids)) => l.prompter.tokenize(&PromptInput::TokenIds(ids)),
         }
         .map_err(|e| prompt_error(e, "prompt"))?;
         let params = sampling(&req.sampling, 16)?;
@@ -188,10 +191,13 @@ pub async fn chat_completions(
             tools: req.tools.clone(),
             extra: req.chat_template_kwargs.clone(),
         };
-        let ids = l
-            .prompter
-            .tokenize(&PromptInput::Chat { messages: &req.messages, options: &options })
-            .map_err(|e| prompt_error(e, "messages"))?;
+        let ids = match handed_off_ids(&state, &headers, req.kvgate_prompt_ids.as_deref()) {
+            Some(ids) => ids,
+            None => l
+                .prompter
+                .tokenize(&PromptInput::Chat { messages: &req.messages, options: &options })
+                .map_err(|e| prompt_error(e, "messages"))?,
+        };
         // Without max_tokens a chat may use the rest of the context, up to --default-max-tokens.
         let room = l.max_model_len.saturating_sub(ids.len()).max(1) as u32;
         let params = sampling(&req.sampling, state.cfg.default_max_tokens.min(room))?;
@@ -203,6 +209,26 @@ pub async fn chat_completions(
         Ok((l, ids, params, extra, fields)) => run(l, Kind::Chat, ids, params, extra, &fields, started).await,
         Err(e) => e.into_response(),
     }
+}
+
+/// The prompt's token ids as the gateway handed them over (`kvgate_shared::handoff`): `Some` only when the field is
+/// present, authenticated under this worker's `--report-secret` and well formed; otherwise the worker tokenizes
+/// the prompt itself.
+fn handed_off_ids(state: &AppState, headers: &HeaderMap, field: Option<&str>) -> Option<Vec<u32>> {
+    let encoded = field?;
+    let auth = headers.get(handoff::PROMPT_AUTH_HEADER).and_then(|v| v.to_str().ok());
+    let verified = match (&state.cfg.report_secret, auth) {
+        (Some(secret), Some(auth)) => handoff::verify(secret, encoded, auth),
+        _ => false,
+    };
+    let ids = if verified { handoff::decode_ids(encoded).filter(|ids| !ids.is_empty()) } else { None };
+    let result = match (verified, &ids) {
+        (false, _) => "unverified",
+        (true, None) => "invalid",
+        (true, Some(_)) => "used",
+    };
+    metrics::counter!("kvgate_worker_prompt_handoff_total", "result" => result).increment(1);
+    ids
 }
 
 fn refusal(r: Refusal) -> ApiError {

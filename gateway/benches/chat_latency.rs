@@ -1,0 +1,157 @@
+//! Long multi-turn chats, direct vs through the gateway, side by side in one run: what the gateway's
+//! tokenization costs a conversation's turns, and what the segment cache and the prompt handoff give back.
+//!
+//! One simulated worker (`--engine sim`, GPU timing profile, real time; the synthetic tokenizer and chat template)
+//! and three gateways in front of it: `plain` (no segment cache, no handoff: every turn renders and tokenizes the
+//! whole conversation, and the worker does it again), `cached` (segment cache only) and `handoff` (segment cache +
+//! the token ids handed to the worker, the default). Each path runs its own conversations (its own texts, so no
+//! path finds another's pieces in a cache); turns are sent path after path in rotating order, with `max_tokens` 1,
+//! and the time to the whole answer is recorded (prefill of the new message + one token, as in TTFT). Turns 2..
+//! are measured: the history is in the worker's KV cache on every path.
+//!
+//! `cargo bench -p kvgate-gateway --bench chat_latency` (builds the release binaries it needs).
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::{http, pct, port, release_bins, start, timed, Kill};
+use kvgate_shared::prompt::{synth_text, ChatOptions, PromptInput, Prompter};
+use serde_json::json;
+
+const TURNS: usize = 12;
+const CONVERSATIONS: u64 = 6;
+
+fn gateway(bin: &str, extra: &[&str]) -> (Kill, String, String) {
+    let (gp, cp) = (port(), port());
+    let mut args: Vec<String> = vec![
+        "--listen".into(),
+        format!("127.0.0.1:{gp}"),
+        "--control-listen".into(),
+        format!("127.0.0.1:{cp}"),
+        "--report-secret".into(),
+        "bench-secret".into(),
+    ];
+    args.extend(extra.iter().map(|s| s.to_string()));
+    (start(bin, &args, "listening on"), format!("http://127.0.0.1:{gp}"), format!("http://127.0.0.1:{cp}"))
+}
+
+/// The messages of turn `turn` of conversation `conv` on path `path`: a system prompt of `system_words` words,
+/// then `turn` exchanges of ~60-word messages, then the new question.
+fn messages(path: u64, conv: u64, turn: usize, system_words: usize) -> Vec<serde_json::Value> {
+    let seed = path * 1_000_000 + conv * 1_000;
+    let mut m = vec![json!({"role": "system", "content": synth_text(seed, system_words)})];
+    for t in 0..turn as u64 {
+        m.push(json!({"role": "user", "content": synth_text(seed + 2 * t + 1, 60)}));
+        m.push(json!({"role": "assistant", "content": synth_text(seed + 2 * t + 2, 60)}));
+    }
+    m.push(json!({"role": "user", "content": synth_text(seed + 999, 40)}));
+    m
+}
+
+fn main() {
+    let bin = release_bins();
+    let dir = std::env::temp_dir().join("kvgate-chat-latency-bench");
+    let gw_bin = bin("kvgate-gateway");
+    let paths = [
+        ("plain", gateway(&gw_bin, &["--tokenize-cache-tokens", "0", "--prompt-handoff", "false"])),
+        ("cached", gateway(&gw_bin, &["--prompt-handoff", "false"])),
+        ("handoff", gateway(&gw_bin, &[])),
+    ];
+    let wp = port();
+    let report_to: Vec<String> = paths.iter().map(|(_, (_, _, control))| control.clone()).collect();
+    let _w = start(
+        &bin("kvgate-worker"),
+        &[
+            "serve".into(),
+            "--synth".into(),
+            "tiny".into(),
+            "--synth-dir".into(),
+            dir.display().to_string(),
+            "--engine".into(),
+            "sim".into(),
+            "--sim-profile".into(),
+            "gpu-h100-llama3-8b".into(),
+            "--kv-cache-tokens".into(),
+            "1048576".into(),
+            "--max-body-bytes".into(),
+            (32 << 20).to_string(),
+            "--host".into(),
+            "127.0.0.1".into(),
+            "--port".into(),
+            wp.to_string(),
+            "--report-to".into(),
+            report_to.join(","),
+            "--report-interval".into(),
+            "200ms".into(),
+            "--report-secret".into(),
+            "bench-secret".into(),
+        ],
+        " ready ",
+    );
+    let direct = format!("http://127.0.0.1:{wp}");
+    let prompter = Prompter::from_dir(&dir).expect("the worker wrote its synthetic model");
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().expect("rt");
+    rt.block_on(async move {
+        let client = http();
+        let send = |base: String, body: String| {
+            let client = client.clone();
+            async move { timed(&client, "POST", &format!("{base}/v1/chat/completions"), body).await }
+        };
+        let probe = json!({"model": "kvgate-tiny", "max_tokens": 1,
+            "messages": [{"role": "user", "content": "hi"}]})
+        .to_string();
+        for (_, (_, base, _)) in &paths {
+            let deadline = Instant::now() + Duration::from_secs(30);
+            while send(base.clone(), probe.clone()).await.0 != 200 {
+                assert!(Instant::now() < deadline, "gateway never became ready");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+        let bases: Vec<(&str, String)> = std::iter::once(("direct", direct.clone()))
+            .chain(paths.iter().map(|(name, (_, base, _))| (*name, base.clone())))
+            .collect();
+        println!(
+            "{CONVERSATIONS} conversations x {TURNS} turns per path and size, max_tokens 1, one sim worker \
+             (gpu-h100-llama3-8b timing), turns 2..{TURNS} measured\n"
+        );
+        println!("| prompt at the last turn | path | p50 ms | p90 ms | added vs direct (p50) ms |");
+        println!("|---|---|---|---|---|");
+        for (label, system_words) in [("2K class", 150usize), ("16K class", 2_600)] {
+            let mut times: Vec<Vec<f64>> = vec![Vec::new(); bases.len()];
+            let mut tokens = 0usize;
+            for conv in 0..CONVERSATIONS {
+                for turn in 0..TURNS {
+                    for k in 0..bases.len() {
+                        // Rotate the order so no path always goes first.
+                        let p = (k + turn + conv as usize) % bases.len();
+                        let conv_id = conv + 100 * system_words as u64;
+                        let body = json!({"model": "kvgate-tiny", "max_tokens": 1, "temperature": 0,
+                            "messages": messages(p as u64, conv_id, turn, system_words)})
+                        .to_string();
+                        let (status, ms) = send(bases[p].1.clone(), body.clone()).await;
+                        assert_eq!(status, 200, "{}", bases[p].0);
+                        if turn > 0 {
+                            times[p].push(ms);
+                        }
+                        if turn == TURNS - 1 && p == 0 {
+                            let m = messages(p as u64, conv_id, turn, system_words);
+                            let options =
+                                ChatOptions { add_generation_prompt: true, ..ChatOptions::default() };
+                            let ids = prompter
+                                .tokenize(&PromptInput::Chat { messages: &m, options: &options })
+                                .expect("tokenizes");
+                            tokens = tokens.max(ids.len());
+                        }
+                    }
+                }
+            }
+            let d50 = pct(&mut times[0].clone(), 0.5);
+            for (k, (name, _)) in bases.iter().enumerate() {
+                let (p50, p90) = (pct(&mut times[k], 0.5), pct(&mut times[k], 0.9));
+                let added = if k == 0 { "-".to_owned() } else { format!("{:+.2}", p50 - d50) };
+                println!("| {tokens} tokens ({label}) | {name} | {p50:.2} | {p90:.2} | {added} |");
+            }
+        }
+    });
+}
