@@ -1,10 +1,11 @@
 //! Long multi-turn chats, direct vs through the gateway, side by side in one run: what the gateway's
 //! tokenization costs a conversation's turns, and what the segment cache and the prompt handoff give back.
 //!
-//! One simulated worker (`--engine sim`, GPU timing profile, real time; the synthetic tokenizer and chat template)
-//! and three gateways in front of it: `plain` (no segment cache, no handoff: every turn renders and tokenizes the
+//! One simulated worker (`--engine sim`, GPU timing profile, real time; the synthetic tokenizer and chat template),
+//! called directly, and three gateways in front of it: `plain` (no segment cache, no handoff: every turn renders and tokenizes the
 //! whole conversation, and the worker does it again), `cached` (segment cache only) and `handoff` (segment cache +
-//! the token ids handed to the worker, the default). Each path runs its own conversations (its own texts, so no
+//! the token ids handed to the worker, the default). A second worker without its own segment cache (as workers were
+//! before it) is called directly too, for reference. Each path runs its own conversations (its own texts, so no
 //! path finds another's pieces in a cache); turns are sent path after path in rotating order, with `max_tokens` 1,
 //! and the time to the whole answer is recorded (prefill of the new message + one token, as in TTFT). Turns 2..
 //! are measured: the history is in the worker's KV cache on every path.
@@ -37,13 +38,13 @@ fn gateway(bin: &str, extra: &[&str]) -> (Kill, String, String) {
 }
 
 /// The messages of turn `turn` of conversation `conv` on path `path`: a system prompt of `system_words` words,
-/// then `turn` exchanges of ~60-word messages, then the new question.
+/// then `turn` exchanges of 30-word messages, then a 40-word question.
 fn messages(path: u64, conv: u64, turn: usize, system_words: usize) -> Vec<serde_json::Value> {
     let seed = path * 1_000_000 + conv * 1_000;
     let mut m = vec![json!({"role": "system", "content": synth_text(seed, system_words)})];
     for t in 0..turn as u64 {
-        m.push(json!({"role": "user", "content": synth_text(seed + 2 * t + 1, 60)}));
-        m.push(json!({"role": "assistant", "content": synth_text(seed + 2 * t + 2, 60)}));
+        m.push(json!({"role": "user", "content": synth_text(seed + 2 * t + 1, 30)}));
+        m.push(json!({"role": "assistant", "content": synth_text(seed + 2 * t + 2, 30)}));
     }
     m.push(json!({"role": "user", "content": synth_text(seed + 999, 40)}));
     m
@@ -90,6 +91,32 @@ fn main() {
         " ready ",
     );
     let direct = format!("http://127.0.0.1:{wp}");
+    // The same worker without its own segment cache, as workers were before it (no reports: no gateway uses it).
+    let up = port();
+    let _u = start(
+        &bin("kvgate-worker"),
+        &[
+            "serve".into(),
+            "--synth".into(),
+            "tiny".into(),
+            "--synth-dir".into(),
+            dir.display().to_string(),
+            "--engine".into(),
+            "sim".into(),
+            "--sim-profile".into(),
+            "gpu-h100-llama3-8b".into(),
+            "--kv-cache-tokens".into(),
+            "1048576".into(),
+            "--tokenize-cache-tokens".into(),
+            "0".into(),
+            "--host".into(),
+            "127.0.0.1".into(),
+            "--port".into(),
+            up.to_string(),
+        ],
+        " ready ",
+    );
+    let uncached = format!("http://127.0.0.1:{up}");
     let prompter = Prompter::from_dir(&dir).expect("the worker wrote its synthetic model");
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().expect("rt");
     rt.block_on(async move {
@@ -108,16 +135,18 @@ fn main() {
                 tokio::time::sleep(Duration::from_millis(100)).await;
             }
         }
-        let bases: Vec<(&str, String)> = std::iter::once(("direct", direct.clone()))
-            .chain(paths.iter().map(|(name, (_, base, _))| (*name, base.clone())))
-            .collect();
+        let bases: Vec<(&str, String)> =
+            [("direct, worker without segment cache", uncached), ("direct", direct.clone())]
+                .into_iter()
+                .chain(paths.iter().map(|(name, (_, base, _))| (*name, base.clone())))
+                .collect();
         println!(
             "{CONVERSATIONS} conversations x {TURNS} turns per path and size, max_tokens 1, one sim worker \
              (gpu-h100-llama3-8b timing), turns 2..{TURNS} measured\n"
         );
         println!("| prompt at the last turn | path | p50 ms | p90 ms | added vs direct (p50) ms |");
         println!("|---|---|---|---|---|");
-        for (label, system_words) in [("2K class", 150usize), ("16K class", 2_600)] {
+        for (label, system_words) in [("2K class", 170usize), ("16K class", 6_300)] {
             let mut times: Vec<Vec<f64>> = vec![Vec::new(); bases.len()];
             let mut tokens = 0usize;
             for conv in 0..CONVERSATIONS {
@@ -146,10 +175,10 @@ fn main() {
                     }
                 }
             }
-            let d50 = pct(&mut times[0].clone(), 0.5);
+            let d50 = pct(&mut times[1].clone(), 0.5);
             for (k, (name, _)) in bases.iter().enumerate() {
                 let (p50, p90) = (pct(&mut times[k], 0.5), pct(&mut times[k], 0.9));
-                let added = if k == 0 { "-".to_owned() } else { format!("{:+.2}", p50 - d50) };
+                let added = if k == 1 { "-".to_owned() } else { format!("{:+.2}", p50 - d50) };
                 println!("| {tokens} tokens ({label}) | {name} | {p50:.2} | {p90:.2} | {added} |");
             }
         }

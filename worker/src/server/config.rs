@@ -110,6 +110,10 @@ pub struct ServeArgs {
     /// `max_tokens` of chat requests that give none (capped by the context). Default 1024.
     #[arg(long, env = "KVGATE_WORKER_DEFAULT_MAX_TOKENS")]
     pub default_max_tokens: Option<u32>,
+    /// Token ids of recent chat pieces kept (text between special tokens tokenizes independently, so earlier
+    /// messages are tokenized once and reused exactly). 0 turns the cache off. Default 4194304.
+    #[arg(long, env = "KVGATE_WORKER_TOKENIZE_CACHE_TOKENS")]
+    pub tokenize_cache_tokens: Option<usize>,
     /// After SIGTERM: time running requests get to finish before they are aborted. Default 30s.
     #[arg(long, env = "KVGATE_WORKER_SHUTDOWN_GRACE")]
     pub shutdown_grace: Option<String>,
@@ -145,6 +149,7 @@ pub struct ServeConfig {
     pub max_waiting_requests: usize,
     pub max_body_bytes: usize,
     pub default_max_tokens: u32,
+    pub tokenize_cache_tokens: usize,
     pub shutdown_grace: Duration,
     pub log_json: bool,
 }
@@ -248,6 +253,8 @@ impl ServeArgs {
             max_waiting_requests: pick!(max_waiting_requests).unwrap_or(256),
             max_body_bytes: pick!(max_body_bytes).unwrap_or(8 << 20),
             default_max_tokens: pick!(default_max_tokens).unwrap_or(1024),
+            tokenize_cache_tokens: pick!(tokenize_cache_tokens)
+                .unwrap_or(kvgate_shared::prompt::segments::DEFAULT_CACHE_TOKENS),
             shutdown_grace: dur(pick!(shutdown_grace), "30s", "shutdown-grace")?,
             log_json: pick!(log_json).unwrap_or(false),
         };

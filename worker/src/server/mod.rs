@@ -137,7 +137,13 @@ fn ensure_model_dir(src: &ModelSource) -> Result<std::path::PathBuf, String> {
 
 fn load(cfg: &ServeConfig, worker_id: &str) -> Result<Loaded, String> {
     let dir = ensure_model_dir(&cfg.model)?;
-    let prompter = Arc::new(Prompter::from_dir(&dir).map_err(|e| e.to_string())?);
+    let prompter = Prompter::from_dir(&dir)
+        .map_err(|e| e.to_string())?
+        .with_segment_cache_tokens(cfg.tokenize_cache_tokens);
+    if let Some(why) = prompter.segment_cache_off() {
+        tracing::info!(%why, "chat prompts are tokenized whole (no segment cache)");
+    }
+    let prompter = Arc::new(prompter);
     let scheme = HashScheme::new(cfg.block_size, prompter.digest());
     let bs = cfg.block_size as usize;
     let scheduler = SchedulerConfig {

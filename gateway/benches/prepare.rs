@@ -1,0 +1,69 @@
+//! What preparing a long multi-turn chat costs the gateway, step by step: parse the body, render the template,
+//! tokenize (whole, and piece by piece with the history cached), hash the blocks, and build the prompt handoff.
+//! A ~15K-token conversation (synthetic tokenizer and template, 12 turns).
+//!
+//! `cargo bench -p kvgate-gateway --bench prepare`
+
+use criterion::{criterion_group, criterion_main, Criterion};
+use kvgate_gateway::request::parse;
+use kvgate_shared::handoff;
+use kvgate_shared::hashing::{BlockHasher, ExtraKeys, HashScheme};
+use kvgate_shared::prompt::{synth_text, synth_tokenizer, ChatOptions, PromptInput, Prompter, TokenizerFiles};
+use serde_json::json;
+use std::hint::black_box;
+
+fn bench(c: &mut Criterion) {
+    let t = synth_tokenizer(512, 0);
+    let files = TokenizerFiles {
+        tokenizer_json: t.tokenizer_json.clone(),
+        chat_template: Some(kvgate_shared::prompt::CHAT_TEMPLATE.into()),
+        bos_token: Some(kvgate_shared::prompt::BOS_TOKEN.into()),
+        eos_token: Some(kvgate_shared::prompt::EOT_TOKEN.into()),
+    };
+    let prompter = Prompter::from_files(files).expect("prompter");
+    let mut messages = vec![json!({"role": "system", "content": synth_text(1, 6_300)})];
+    for turn in 0..11u64 {
+        messages.push(json!({"role": "user", "content": synth_text(10 + turn, 30)}));
+        messages.push(json!({"role": "assistant", "content": synth_text(100 + turn, 30)}));
+    }
+    messages.push(json!({"role": "user", "content": synth_text(999, 40)}));
+    let body = json!({"model": "m", "max_tokens": 1, "messages": messages}).to_string();
+    let options = ChatOptions { add_generation_prompt: true, ..ChatOptions::default() };
+    let input = PromptInput::Chat { messages: &messages, options: &options };
+    let ids = prompter.tokenize(&input).expect("tokenizes");
+    let text = prompter.render_chat(&messages, &options).expect("renders");
+    eprintln!("{} tokens, body {} bytes", ids.len(), body.len());
+    let hasher = BlockHasher::new(&HashScheme::new(16, prompter.digest()), &ExtraKeys::none());
+
+    c.bench_function("parse_body", |b| b.iter(|| parse(true, black_box(body.as_bytes()), 100_000).expect("parses")));
+    c.bench_function("render_template", |b| {
+        b.iter(|| prompter.render_chat(black_box(&messages), &options).expect("renders"))
+    });
+    c.bench_function("tokenize_whole", |b| b.iter(|| prompter.encode(black_box(&text), false).expect("encodes")));
+    c.bench_function("tokenize_with_history_cached", |b| {
+        b.iter(|| prompter.tokenize(black_box(&input)).expect("tokenizes"))
+    });
+    c.bench_function("hash_blocks", |b| b.iter(|| hasher.hash_blocks(black_box(&ids))));
+    c.bench_function("handoff_encode_and_sign", |b| {
+        b.iter(|| {
+            let enc = handoff::encode_ids(black_box(&ids));
+            let body = handoff::with_ids_field(body.as_bytes(), &enc).expect("object");
+            (body.len(), handoff::sign("secret", &enc))
+        })
+    });
+    let enc = handoff::encode_ids(&ids);
+    let auth = handoff::sign("secret", &enc);
+    c.bench_function("handoff_verify_and_decode", |b| {
+        b.iter(|| {
+            assert!(handoff::verify("secret", black_box(&enc), &auth));
+            handoff::decode_ids(&enc).expect("decodes").len()
+        })
+    });
+}
+
+criterion_group! {
+    name = benches;
+    config = Criterion::default().sample_size(20).measurement_time(std::time::Duration::from_secs(3));
+    targets = bench
+}
+criterion_main!(benches);
