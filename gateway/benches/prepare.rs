@@ -8,7 +8,9 @@ use criterion::{criterion_group, criterion_main, Criterion};
 use kvgate_gateway::request::parse;
 use kvgate_shared::handoff;
 use kvgate_shared::hashing::{BlockHasher, ExtraKeys, HashScheme};
-use kvgate_shared::prompt::{synth_text, synth_tokenizer, ChatOptions, PromptInput, Prompter, TokenizerFiles};
+use kvgate_shared::prompt::{
+    synth_text, synth_tokenizer, ChatOptions, PromptInput, Prompter, TokenizerFiles,
+};
 use serde_json::json;
 use std::hint::black_box;
 
@@ -35,11 +37,15 @@ fn bench(c: &mut Criterion) {
     eprintln!("{} tokens, body {} bytes", ids.len(), body.len());
     let hasher = BlockHasher::new(&HashScheme::new(16, prompter.digest()), &ExtraKeys::none());
 
-    c.bench_function("parse_body", |b| b.iter(|| parse(true, black_box(body.as_bytes()), 100_000).expect("parses")));
+    c.bench_function("parse_body", |b| {
+        b.iter(|| parse(true, black_box(body.as_bytes()), 100_000).expect("parses"))
+    });
     c.bench_function("render_template", |b| {
         b.iter(|| prompter.render_chat(black_box(&messages), &options).expect("renders"))
     });
-    c.bench_function("tokenize_whole", |b| b.iter(|| prompter.encode(black_box(&text), false).expect("encodes")));
+    c.bench_function("tokenize_whole", |b| {
+        b.iter(|| prompter.encode(black_box(&text), false).expect("encodes"))
+    });
     c.bench_function("tokenize_with_history_cached", |b| {
         b.iter(|| prompter.tokenize(black_box(&input)).expect("tokenizes"))
     });

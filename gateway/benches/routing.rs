@@ -48,9 +48,17 @@ fn bench(c: &mut Criterion) {
                     summary: Some(s),
                     overlay_matched_blocks: 0,
                     load: Load { pending_tokens: i as u64 * 100, requests: 1 },
+                    sessions: 0,
+                    holds_session: false,
                 })
                 .collect();
-            let req = RequestView { hashes: &hashes, prompt_tokens: tokens.len(), session_key: 42, seq: 7 };
+            let req = RequestView {
+                hashes: &hashes,
+                prompt_tokens: tokens.len(),
+                session_key: 42,
+                shared_blocks: 0,
+                seq: 7,
+            };
             policy.choose(&req, &views, &ring, 16).map(|d| d.ranked[0])
         })
     });
@@ -63,6 +71,8 @@ fn bench(c: &mut Criterion) {
             summary: Some(s),
             overlay_matched_blocks: 0,
             load: Load::default(),
+            sessions: 0,
+            holds_session: false,
         })
         .collect();
     c.bench_function("score_16_workers_only", |b| {
@@ -71,6 +81,7 @@ fn bench(c: &mut Criterion) {
                 hashes: black_box(&hashes),
                 prompt_tokens: tokens.len(),
                 session_key: 42,
+                shared_blocks: 0,
                 seq: 7,
             };
             policy.choose(&req, &views, &ring, 16).map(|d| d.ranked[0])

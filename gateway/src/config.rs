@@ -87,7 +87,7 @@ pub struct GatewayArgs {
     #[arg(long, env = "KVGATE_GATEWAY_MAX_CHAT_JSON_VALUES")]
     pub max_chat_json_values: Option<usize>,
     /// Ring key: a prompt block followed by this many distinct next blocks recently is a hub (a shared system
-    /// prompt's end); the key is the block after a prompt's last hub (2..=8). Default 4.
+    /// prompt's end); the key is the block after a prompt's last hub (2..=8). Default 2.
     #[arg(long, env = "KVGATE_GATEWAY_RING_HUB_FANOUT")]
     pub ring_hub_fanout: Option<usize>,
     /// Blocks the ring-key sketch remembers per generation (two generations; about 40 bytes each). Default 65536.
@@ -307,8 +307,9 @@ impl GatewayArgs {
             vnodes: pick!(vnodes).unwrap_or(64),
             max_body_bytes: pick!(max_body_bytes).unwrap_or(8 << 20),
             max_chat_json_values: pick!(max_chat_json_values).unwrap_or(200_000),
-            ring_hub_fanout: pick!(ring_hub_fanout).unwrap_or(4),
-            ring_sketch_entries: pick!(ring_sketch_entries).unwrap_or(65_536),
+            ring_hub_fanout: pick!(ring_hub_fanout).unwrap_or(crate::routing::ring_key::DEFAULT_HUB_FANOUT),
+            ring_sketch_entries: pick!(ring_sketch_entries)
+                .unwrap_or(crate::routing::ring_key::DEFAULT_SKETCH_ENTRIES),
             max_connections: pick!(max_connections).unwrap_or(4096),
             header_read_timeout: duration(pick!(header_read_timeout), "10s", "header-read-timeout")?,
             keepalive_timeout: duration(pick!(keepalive_timeout), "60s", "keepalive-timeout")?,

@@ -30,6 +30,8 @@ pub struct Prepared {
     pub ids: Vec<u32>,
     pub hashes: Vec<BlockHash>,
     pub session_key: u64,
+    /// Leading blocks other conversations share (`RingKey::shared_blocks`).
+    pub shared_blocks: usize,
     pub block_size: usize,
     /// The salt the worker will use (a caller's forced salt, else the body's, else the header's).
     pub salt: Option<String>,
@@ -49,6 +51,7 @@ impl Prepared {
             hashes: &self.hashes,
             prompt_tokens: self.ids.len(),
             session_key: self.session_key,
+            shared_blocks: self.shared_blocks,
             block_size: self.block_size,
         }
     }
@@ -83,12 +86,13 @@ pub fn prepare(
     }
     let hashes = BlockHasher::new(&tok.scheme, &ExtraKeys::from_salt(salt.as_deref())).hash_blocks(&ids);
     let explicit = headers.session.clone().or_else(|| fields.user.clone());
-    let session_key = state.ring_keys().key(explicit.as_deref(), &hashes, &ids, learn);
+    let ring = state.ring_keys().route_key(explicit.as_deref(), &hashes, &ids, learn);
     Ok(Prepared {
         fields,
         ids,
         hashes,
-        session_key,
+        session_key: ring.key,
+        shared_blocks: ring.shared_blocks,
         block_size: tok.scheme.block_size as usize,
         salt,
         body,

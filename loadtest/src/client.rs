@@ -57,6 +57,30 @@ pub enum Prompt {
     Tokens(Vec<u32>),
     /// `/v1/chat/completions` with these messages.
     Chat(Vec<Value>),
+    /// `/v1/completions` with a text prompt.
+    Text(String),
+}
+
+/// A token-id prompt as text: one word per id, the same word for the same id, so prompts that share a prefix of
+/// ids share a prefix of text (for servers that refuse token-id prompts, and routers that match text).
+pub fn ids_as_text(ids: &[u32]) -> String {
+    const SYLLABLES: [&str; 16] =
+        ["ka", "ri", "to", "ne", "sa", "lo", "mi", "du", "ve", "po", "ta", "ke", "ru", "mo", "ni", "zu"];
+    let mut s = String::with_capacity(ids.len() * 7);
+    for (i, id) in ids.iter().enumerate() {
+        if i > 0 {
+            s.push(' ');
+        }
+        let mut v = *id;
+        loop {
+            s.push_str(SYLLABLES[(v % 16) as usize]);
+            v /= 16;
+            if v == 0 {
+                break;
+            }
+        }
+    }
+    s
 }
 
 /// A client of one OpenAI-compatible endpoint.
@@ -128,6 +152,7 @@ impl Client {
         let (path, mut body) = match prompt {
             Prompt::Tokens(ids) => ("/v1/completions", json!({"prompt": ids})),
             Prompt::Chat(messages) => ("/v1/chat/completions", json!({"messages": messages})),
+            Prompt::Text(text) => ("/v1/completions", json!({"prompt": text})),
         };
         body["model"] = json!(self.model);
         body["max_tokens"] = json!(max_tokens);
@@ -216,6 +241,15 @@ mod tests {
         assert_eq!(find_event_end(b"data: 1\n\ndata: 2\n\n"), Some((7, 9)));
         assert_eq!(find_event_end(b"data: 1\r\n\r\n"), Some((7, 11)));
         assert_eq!(find_event_end(b"data: partial"), None);
+    }
+
+    #[test]
+    fn ids_as_text_keeps_shared_prefixes_and_tells_ids_apart() {
+        assert_eq!(ids_as_text(&[0, 1, 16, 255]), "ka ri kari zuzu");
+        let a = ids_as_text(&[5, 6, 7, 8]);
+        let b = ids_as_text(&[5, 6, 7, 9]);
+        assert_eq!(a[..a.len() - 2], b[..b.len() - 2]);
+        assert_ne!(a, b);
     }
 
     #[test]

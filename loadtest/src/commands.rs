@@ -97,6 +97,10 @@ pub struct WorkloadArgs {
     /// long-burst: seconds of traffic to generate.
     #[arg(long, default_value_t = 30.0)]
     pub burst_duration: f64,
+    /// Send token-id prompts (shared-prefix, long-burst, mooncake) as text, one word per id, for servers that
+    /// refuse token ids (SMG). Default off.
+    #[arg(long)]
+    pub text_prompts: bool,
 }
 
 impl WorkloadArgs {
@@ -197,6 +201,7 @@ impl RunLimits {
             max_requests: self.requests.unwrap_or(usize::MAX),
             progress: !self.no_progress,
             request_timeout,
+            text_prompts: false,
         };
         Ok((opts, Slo { ttft_ms: self.slo_ttft_ms, tpot_ms: self.slo_tpot_ms }))
     }
@@ -251,7 +256,8 @@ fn finish(report: &Report, out: &std::path::Path) -> Result<(), String> {
 /// `run`: one workload against the target.
 pub async fn run(a: RunArgs) -> Result<(), String> {
     let plan = a.workload.plan()?;
-    let (opts, slo) = a.limits.options(a.workload.mode())?;
+    let (mut opts, slo) = a.limits.options(a.workload.mode())?;
+    opts.text_prompts = a.workload.text_prompts;
     let timeout = opts.request_timeout;
     let model = match &a.model {
         Some(m) => m.clone(),
@@ -342,7 +348,8 @@ pub async fn compare(a: CompareArgs) -> Result<Vec<Summary>, String> {
         }
     }
     let plan = a.workload.plan()?;
-    let (opts, slo) = a.limits.options(a.workload.mode())?;
+    let (mut opts, slo) = a.limits.options(a.workload.mode())?;
+    opts.text_prompts = a.workload.text_prompts;
     let mut runs = Vec::new();
     for policy in &a.policies {
         let spec = a.fleet.spec(policy, a.limits.out.join("logs").join(policy))?;
@@ -478,6 +485,7 @@ pub async fn demo(a: DemoArgs) -> Result<(), String> {
         burst_every: 1.0,
         burst_size: 0,
         burst_duration: 0.0,
+        text_prompts: false,
     };
     let limits = RunLimits {
         duration: "90s".into(),

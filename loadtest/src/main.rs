@@ -68,9 +68,12 @@ struct SimulateArgs {
     #[arg(long, default_value_t = 64)]
     max_num_seqs: usize,
     /// A routing weight, NAME=VALUE (repeatable): w_prefix, w_ring, w_load, per_request_tokens, load_floor_tokens,
-    /// hotspot_abs_tokens, hotspot_ratio. Defaults: the gateway's.
+    /// hotspot_abs_tokens, hotspot_ratio, free_shared_tokens, ring_session_bound. Defaults: the gateway's.
     #[arg(long = "weight", value_name = "NAME=VALUE")]
     weights: Vec<String>,
+    /// The gateway's `--ring-hub-fanout`: a block followed by this many distinct blocks is a shared prefix's end.
+    #[arg(long, default_value_t = kvgate_router::routing::ring_key::DEFAULT_HUB_FANOUT)]
+    ring_hub_fanout: usize,
     /// Run the gateway's admission with its default classes (short / long / reasoning budgets): requests wait
     /// for their class budget before they are routed, as in the gateway. Default off (every request is routed on
     /// arrival).
@@ -156,6 +159,7 @@ fn simulate(a: SimulateArgs) -> Result<(), String> {
     cfg.scheduler.max_num_batched_tokens = a.max_num_batched_tokens;
     cfg.scheduler.max_num_seqs = a.max_num_seqs;
     cfg.weights = parse_weights(&a.weights)?;
+    cfg.ring_hub_fanout = a.ring_hub_fanout;
     cfg.classes = match (&a.classes, a.admission) {
         (Some(path), _) => load_classes(path)?,
         (None, true) => kvgate_router::admission::default_classes(),

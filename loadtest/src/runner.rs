@@ -35,6 +35,8 @@ pub struct RunOptions {
     pub progress: bool,
     /// Grace for requests in flight at the deadline.
     pub request_timeout: Duration,
+    /// Send token-id prompts as text, one word per id (`client::ids_as_text`), for servers that refuse token ids.
+    pub text_prompts: bool,
 }
 
 /// Every request's record and the run's wall time.
@@ -49,6 +51,7 @@ struct Shared {
     start: Instant,
     deadline: Instant,
     max_requests: usize,
+    text_prompts: bool,
     issued: AtomicUsize,
     next_id: AtomicU64,
     done: AtomicUsize,
@@ -99,7 +102,11 @@ impl Shared {
         match job {
             Job::Single(s) => {
                 let Some(id) = self.take_slot() else { return };
-                let prompt = Prompt::Tokens(s.prompt.clone());
+                let prompt = if self.text_prompts {
+                    Prompt::Text(crate::client::ids_as_text(&s.prompt))
+                } else {
+                    Prompt::Tokens(s.prompt.clone())
+                };
                 self.send(id, &prompt, s.max_tokens, s.user.as_deref(), &s.tag, None).await;
             }
             Job::Session(s) => {
@@ -130,6 +137,7 @@ pub async fn run(client: Client, plan: &Plan, opts: RunOptions) -> RunOutput {
         start,
         deadline: start + opts.duration,
         max_requests: opts.max_requests,
+        text_prompts: opts.text_prompts,
         issued: AtomicUsize::new(0),
         next_id: AtomicU64::new(0),
         done: AtomicUsize::new(0),

@@ -28,6 +28,8 @@ pub struct RouteInput<'a> {
     pub prompt_tokens: usize,
     /// The ring key (`routing::RingKeys`).
     pub session_key: u64,
+    /// Leading blocks other conversations share (`routing::RingKey::shared_blocks`).
+    pub shared_blocks: usize,
     /// Tokens per block of the model's hash scheme.
     pub block_size: usize,
 }
@@ -99,6 +101,7 @@ impl Router {
         let mut routed = decide(self.policy.as_ref(), reg, input, seq, max_candidates, now)?;
         let pick = reg.find(routed.candidates.first()?.wref)?;
         routed.ticket = Some(reg.record_sent(pick, input.hashes, routed.uncached_tokens, now));
+        reg.record_session(pick, input.session_key, now);
         Some(routed)
     }
 }
@@ -111,11 +114,12 @@ fn decide(
     max_candidates: usize,
     now: Instant,
 ) -> Option<Routed> {
-    let (views, idx) = reg.views(input.model, input.hashes, now);
+    let (views, idx) = reg.views(input.model, input.hashes, Some(input.session_key), now);
     let req = RequestView {
         hashes: input.hashes,
         prompt_tokens: input.prompt_tokens,
         session_key: input.session_key,
+        shared_blocks: input.shared_blocks,
         seq,
     };
     let d = policy.choose(&req, &views, reg.ring(), input.block_size)?;
@@ -163,7 +167,14 @@ mod tests {
     }
 
     fn input(hashes: &[BlockHash]) -> RouteInput<'_> {
-        RouteInput { model: "m", hashes, prompt_tokens: hashes.len() * 16, session_key: 0, block_size: 16 }
+        RouteInput {
+            model: "m",
+            hashes,
+            prompt_tokens: hashes.len() * 16,
+            session_key: 0,
+            shared_blocks: 0,
+            block_size: 16,
+        }
     }
 
     #[test]

@@ -7,6 +7,7 @@ use std::collections::{BTreeSet, HashMap};
 use std::time::{Duration, Instant};
 
 use kvgate_router::admission::{ClassConfig, ClassInput, VirtualAdmission, VirtualOffer};
+use kvgate_router::routing::RingKey;
 use kvgate_shared::hashing::BlockHash;
 
 /// A request prepared for routing (the gateway's view), kept while it waits for its class budget.
@@ -15,7 +16,7 @@ pub struct Ready {
     pub arrival: f64,
     pub tokens: Vec<u32>,
     pub hashes: Vec<BlockHash>,
-    pub session_key: u64,
+    pub ring: RingKey,
     pub max_tokens: u32,
     pub class: String,
     /// Tokens reserved at admission (predicted uncached prompt + output).

@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 
 use kvgate_router::registry::{Registry, SentTicket};
 use kvgate_router::route::{RouteInput, Router};
-use kvgate_router::routing::{RingKeys, RoutingPolicy};
+use kvgate_router::routing::{RingKey, RingKeys, RoutingPolicy};
 use kvgate_shared::hashing::{BlockHash, BlockHasher, ExtraKeys};
 use kvgate_shared::report::Throughput;
 use kvgate_worker::engine::sim::{SimBackend, SimClock};
@@ -101,7 +101,7 @@ struct Fleet<'a> {
     hasher: BlockHasher,
     base: Instant,
     inflight: HashMap<u64, InFlight>,
-    /// The gateway's ring-key chooser (its defaults: hubs at 4 continuations, 65,536 blocks a generation).
+    /// The gateway's ring-key chooser.
     ring_keys: RingKeys,
     /// The gateway's admission classes (`None`: no admission, every request routed at arrival).
     admission: Option<SimAdmission>,
@@ -151,7 +151,7 @@ impl<'a> Fleet<'a> {
             hasher: BlockHasher::new(&scheme, &ExtraKeys::none()),
             base,
             inflight: HashMap::new(),
-            ring_keys: RingKeys::new(65_536, 4),
+            ring_keys: RingKeys::new(cfg.ring_sketch_entries, cfg.ring_hub_fanout),
             admission: (!cfg.classes.is_empty()).then(|| SimAdmission::new(cfg.classes.clone(), base)),
             out: Outcome { busy_s: vec![0.0; n], ..Outcome::default() },
         }
@@ -200,29 +200,21 @@ impl<'a> Fleet<'a> {
         let r = &trace.requests[i];
         let tokens = expand_prompt(r, self.cfg.vocab);
         let hashes = self.hasher.hash_blocks(&tokens);
-        let session_key = self.ring_keys.key(None, &hashes, &tokens, true);
+        let ring = self.ring_keys.route_key(None, &hashes, &tokens, true);
         let max_tokens = r.output_length.max(1) as u32;
         let Some(adm) = &self.admission else {
-            self.dispatch(i, t, t, &tokens, &hashes, session_key, max_tokens, None);
+            self.dispatch(i, t, t, &tokens, &hashes, ring, max_tokens, None);
             return;
         };
         let (class_idx, class) = adm.classify(tokens.len(), max_tokens, SIM_MODEL);
-        let input = self.route_input(&tokens, &hashes, session_key);
+        let input = self.route_input(&tokens, &hashes, ring);
         let Some(priced) = self.router.dry_run(&self.registry, &input, 1, self.instant(t)) else {
             self.out.rejected += 1;
             return;
         };
         let cost = (priced.uncached_tokens + u64::from(max_tokens)) as f64;
-        let ready = Ready {
-            request: i,
-            arrival: t,
-            tokens,
-            hashes,
-            session_key,
-            max_tokens,
-            class: class.clone(),
-            cost,
-        };
+        let ready =
+            Ready { request: i, arrival: t, tokens, hashes, ring, max_tokens, class: class.clone(), cost };
         let Some(adm) = self.admission.as_mut() else { return };
         match adm.offer(class_idx, ready, t) {
             Admitted::Now(ready, reservation) => self.dispatch_ready(ready, reservation, t),
@@ -234,12 +226,13 @@ impl<'a> Fleet<'a> {
         }
     }
 
-    fn route_input<'h>(&self, tokens: &[u32], hashes: &'h [BlockHash], session_key: u64) -> RouteInput<'h> {
+    fn route_input<'h>(&self, tokens: &[u32], hashes: &'h [BlockHash], ring: RingKey) -> RouteInput<'h> {
         RouteInput {
             model: SIM_MODEL,
             hashes,
             prompt_tokens: tokens.len(),
-            session_key,
+            session_key: ring.key,
+            shared_blocks: ring.shared_blocks,
             block_size: self.cfg.block_size as usize,
         }
     }
@@ -260,16 +253,7 @@ impl<'a> Fleet<'a> {
     fn dispatch_ready(&mut self, ready: Ready, reservation: Reservation, t: f64) {
         let class = Some((ready.class, reservation));
         let (tokens, hashes) = (ready.tokens, ready.hashes);
-        self.dispatch(
-            ready.request,
-            ready.arrival,
-            t,
-            &tokens,
-            &hashes,
-            ready.session_key,
-            ready.max_tokens,
-            class,
-        );
+        self.dispatch(ready.request, ready.arrival, t, &tokens, &hashes, ready.ring, ready.max_tokens, class);
     }
 
     /// Routes request `i` (arrived at `arrival`) at `t` on the registry as it is now, and queues it on the pick.
@@ -281,7 +265,7 @@ impl<'a> Fleet<'a> {
         t: f64,
         tokens: &[u32],
         hashes: &[BlockHash],
-        session_key: u64,
+        ring: RingKey,
         max_tokens: u32,
         class: Option<(String, Reservation)>,
     ) {
@@ -289,7 +273,7 @@ impl<'a> Fleet<'a> {
             self.out.classes.entry(name.clone()).or_default().wait_s.push(t - arrival);
         }
         let now = self.instant(t);
-        let input = self.route_input(tokens, hashes, session_key);
+        let input = self.route_input(tokens, hashes, ring);
         let routed = self.router.route(&mut self.registry, &input, 1, now);
         let Some(ticket) = routed.as_ref().and_then(|r| r.ticket) else {
             self.refuse(class, t);

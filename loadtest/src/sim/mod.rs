@@ -48,6 +48,9 @@ pub struct SimConfig {
     pub vocab: u32,
     /// The gateway's admission classes (empty: no admission, every request routed on arrival).
     pub classes: Vec<ClassConfig>,
+    /// The gateway's ring-key sketch (`--ring-hub-fanout`, `--ring-sketch-entries`; defaults: the gateway's).
+    pub ring_hub_fanout: usize,
+    pub ring_sketch_entries: usize,
 }
 
 impl SimConfig {
@@ -74,6 +77,8 @@ impl SimConfig {
             block_size: 16,
             vocab: 32_000,
             classes: Vec::new(),
+            ring_hub_fanout: kvgate_router::routing::ring_key::DEFAULT_HUB_FANOUT,
+            ring_sketch_entries: kvgate_router::routing::ring_key::DEFAULT_SKETCH_ENTRIES,
         }
     }
 
@@ -94,6 +99,9 @@ impl SimConfig {
             p.push("report interval must be > 0".into());
         }
         p.extend(self.weights.validate());
+        if !(2..=kvgate_router::routing::ring_key::MAX_HUB_FANOUT).contains(&self.ring_hub_fanout) {
+            p.push(format!("ring-hub-fanout {} is not in 2..=8", self.ring_hub_fanout));
+        }
         if !self.classes.is_empty() {
             p.extend(kvgate_router::admission::classes::validate(&self.classes));
         }

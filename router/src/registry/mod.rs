@@ -23,7 +23,7 @@ use kvgate_shared::report::{CacheSummary, Tier, WorkerReport};
 
 use crate::routing::{Ring, WorkerView};
 
-pub use worker::{Fault, Overlay, Worker, WorkerCounters, WorkerStatus};
+pub use worker::{Fault, Overlay, Sessions, Worker, WorkerCounters, WorkerStatus};
 
 /// Timing and size knobs.
 #[derive(Clone, Copy, Debug)]
@@ -269,10 +269,12 @@ impl Registry {
     }
 
     /// The candidates for a model (workers whose model is unknown yet are candidates too), and their indices.
+    /// `session`: the request's ring key, to say which worker holds its conversation.
     pub fn views(
         &self,
         model: &str,
         hashes: &[BlockHash],
+        session: Option<u64>,
         now: Instant,
     ) -> (Vec<WorkerView<'_>>, Vec<usize>) {
         let mut views = Vec::new();
@@ -287,6 +289,8 @@ impl Registry {
                 summary: self.summary(w, now),
                 overlay_matched_blocks: w.overlay.matched(hashes, now),
                 load: w.load(),
+                sessions: w.sessions.active(),
+                holds_session: session.is_some_and(|k| w.sessions.holds(k, now)),
             });
             idx.push(i);
         }
@@ -317,6 +321,13 @@ impl Registry {
         w.sent_tokens_since_report += uncached_tokens;
         w.overlay.insert(hashes, now + ttl, now);
         SentTicket { idx: i, uid: w.uid, epoch: w.epoch, uncached_tokens }
+    }
+
+    /// Records that conversation `session` (a ring key) was routed to worker `i`.
+    pub fn record_session(&mut self, i: usize, session: u64, now: Instant) {
+        if let Some(w) = self.workers.get_mut(i) {
+            w.sessions.touch(session, now);
+        }
     }
 
     /// Records the end of a request: it no longer counts as load (if no report has counted it since).

@@ -52,17 +52,17 @@ fn stale_reports_stop_prefix_scoring_and_silence_removes_from_the_ring() {
     let t0 = Instant::now();
     let h = hashes();
     assert_eq!(r.ingest(report("a", 1, &h, 7), Some(7), t0), Ingest::Accepted);
-    let (v, _) = r.views("m", &h, t0 + Duration::from_secs(1));
+    let (v, _) = r.views("m", &h, None, t0 + Duration::from_secs(1));
     assert!(v[0].healthy);
     assert_eq!(v[0].matched_blocks(&h), 4);
-    let (v, _) = r.views("m", &h, t0 + Duration::from_secs(4));
+    let (v, _) = r.views("m", &h, None, t0 + Duration::from_secs(4));
     assert!(v[0].healthy && v[0].summary.is_none(), "stale: no prefix score, still routable");
     assert_eq!(v[0].matched_blocks(&h), 0);
-    let (v, _) = r.views("m", &h, t0 + Duration::from_secs(11));
+    let (v, _) = r.views("m", &h, None, t0 + Duration::from_secs(11));
     assert!(!v[0].healthy, "silent past dead_after: out of the ring");
     // Reporting again brings it back.
     assert_eq!(r.ingest(report("a", 2, &h, 7), Some(7), t0 + Duration::from_secs(12)), Ingest::Accepted);
-    assert!(r.views("m", &h, t0 + Duration::from_secs(12)).0[0].healthy);
+    assert!(r.views("m", &h, None, t0 + Duration::from_secs(12)).0[0].healthy);
 }
 
 #[test]
@@ -71,7 +71,7 @@ fn fingerprint_mismatch_gets_no_cache_score() {
     let t0 = Instant::now();
     let h = hashes();
     r.ingest(report("a", 1, &h, 8), Some(7), t0);
-    let (v, _) = r.views("m", &h, t0);
+    let (v, _) = r.views("m", &h, None, t0);
     assert!(v[0].healthy && v[0].summary.is_none());
     assert_eq!(r.status(t0)[0].fingerprint_ok, Some(false));
 }
@@ -88,33 +88,33 @@ fn refusals_overlay_order_and_load() {
         "older reports are ignored"
     );
     let ticket = r.record_sent(0, &h, 300, t0);
-    let (v, _) = r.views("m", &h, t0);
+    let (v, _) = r.views("m", &h, None, t0);
     assert_eq!(v[0].overlay_matched_blocks, 4, "what this gateway routed counts before the next report");
     assert_eq!(v[0].load, Load { pending_tokens: 400, requests: 4 });
     r.record_done(ticket);
     assert_eq!(
-        r.views("m", &h, t0).0[0].load,
+        r.views("m", &h, None, t0).0[0].load,
         Load { pending_tokens: 100, requests: 3 },
         "finished: no load"
     );
     assert_eq!(
-        r.views("m", &h, t0 + Duration::from_secs(4)).0[0].overlay_matched_blocks,
+        r.views("m", &h, None, t0 + Duration::from_secs(4)).0[0].overlay_matched_blocks,
         0,
         "overlay expires"
     );
     let a = r.worker_ref(0).expect("a");
     r.record_fault(a, Fault::Refused, t0 + Duration::from_millis(10));
-    assert!(!r.views("m", &h, t0 + Duration::from_millis(20)).0[0].healthy);
+    assert!(!r.views("m", &h, None, t0 + Duration::from_millis(20)).0[0].healthy);
     r.ingest(report("a", 6, &[], 7), Some(7), t0 + Duration::from_millis(30));
-    assert!(r.views("m", &h, t0 + Duration::from_millis(40)).0[0].healthy);
-    assert!(r.views("other-model", &h, t0).0.is_empty());
+    assert!(r.views("m", &h, None, t0 + Duration::from_millis(40)).0[0].healthy);
+    assert!(r.views("other-model", &h, None, t0).0.is_empty());
     r.add_static("http://s:1");
     assert!(
-        r.views("m", &h, t0).0.iter().any(|w| w.id == "http://s:1" && w.healthy),
+        r.views("m", &h, None, t0).0.iter().any(|w| w.id == "http://s:1" && w.healthy),
         "unknown model: candidate"
     );
     assert!(r.set_draining("a", true));
-    assert!(!r.views("m", &h, t0 + Duration::from_millis(40)).0[0].healthy);
+    assert!(!r.views("m", &h, None, t0 + Duration::from_millis(40)).0[0].healthy);
 }
 
 #[test]
@@ -125,7 +125,7 @@ fn a_draining_report_takes_the_worker_out_of_the_ring() {
     let mut d = report("a", 2, &[], 7);
     d.draining = true;
     r.ingest(d, Some(7), t0);
-    assert!(!r.views("m", &[], t0).0[0].healthy);
+    assert!(!r.views("m", &[], None, t0).0[0].healthy);
     let s = &r.status(t0)[0];
     assert!(s.draining && !s.healthy);
 }
@@ -177,17 +177,17 @@ fn faults_close_on_a_report_or_a_probe_and_refusals_expire() {
     let t0 = Instant::now();
     r.add_static("http://s:1");
     let s = r.worker_ref(0).expect("s");
-    assert!(r.views("m", &[], t0).0[0].healthy, "a static worker is healthy until a fault");
+    assert!(r.views("m", &[], None, t0).0[0].healthy, "a static worker is healthy until a fault");
     r.record_fault(s, Fault::Timeout, t0);
-    assert!(!r.views("m", &[], t0).0[0].healthy);
+    assert!(!r.views("m", &[], None, t0).0[0].healthy);
     assert!(r.status(t0)[0].suspect);
     assert_eq!(r.probe_targets(), vec![(s, "http://s:1".to_string())]);
     r.record_probe_ok(s, t0 + Duration::from_millis(5));
-    assert!(r.views("m", &[], t0 + Duration::from_millis(6)).0[0].healthy, "the probe answered");
+    assert!(r.views("m", &[], None, t0 + Duration::from_millis(6)).0[0].healthy, "the probe answered");
     assert!(r.probe_targets().is_empty());
     r.record_busy(s, t0 + Duration::from_secs(2));
-    assert!(!r.views("m", &[], t0 + Duration::from_secs(1)).0[0].healthy, "Retry-After honoured");
-    assert!(r.views("m", &[], t0 + Duration::from_secs(2)).0[0].healthy);
+    assert!(!r.views("m", &[], None, t0 + Duration::from_secs(1)).0[0].healthy, "Retry-After honoured");
+    assert!(r.views("m", &[], None, t0 + Duration::from_secs(2)).0[0].healthy);
     assert_eq!(r.status(t0)[0].counters.refusals, 1);
     assert_eq!(r.status(t0)[0].counters.timeouts, 1);
 }

@@ -2,13 +2,49 @@
 //! overlay of routed prefixes), and its troubles (a refused connection or a timeout, a refusal with Retry-After).
 
 use std::collections::HashMap;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use kvgate_shared::hashing::BlockHash;
 use kvgate_shared::report::WorkerReport;
 use serde::Serialize;
 
 use crate::routing::Load;
+
+/// Conversations (ring keys) routed to a worker recently: the load that bounded-load ring placement counts
+/// (`cache_aware`'s `ring_session_bound`).
+#[derive(Debug, Default)]
+pub struct Sessions {
+    last: HashMap<u64, Instant>,
+    touches: u32,
+}
+
+impl Sessions {
+    /// Most conversations kept per worker (expired ones are dropped first; past it the map is cleared).
+    pub const MAX_ENTRIES: usize = 65_536;
+    /// A conversation counts for this long after its latest request.
+    pub const WINDOW: Duration = Duration::from_secs(120);
+
+    pub fn touch(&mut self, key: u64, now: Instant) {
+        self.touches = self.touches.wrapping_add(1);
+        if self.touches % 256 == 0 || self.last.len() >= Self::MAX_ENTRIES {
+            self.last.retain(|_, t| now.saturating_duration_since(*t) < Self::WINDOW);
+            if self.last.len() >= Self::MAX_ENTRIES {
+                self.last.clear();
+            }
+        }
+        self.last.insert(key, now);
+    }
+
+    /// Conversations counted now (those expired since the last pruning included, at most 255 touches old).
+    pub fn active(&self) -> usize {
+        self.last.len()
+    }
+
+    /// Whether conversation `key` was routed here within the window.
+    pub fn holds(&self, key: u64, now: Instant) -> bool {
+        self.last.get(&key).is_some_and(|t| now.saturating_duration_since(*t) < Self::WINDOW)
+    }
+}
 
 /// Block hashes routed to a worker recently, with their expiry.
 #[derive(Debug, Default)]
@@ -85,6 +121,7 @@ pub struct Worker {
     /// Their uncached prompt tokens.
     pub sent_tokens_since_report: u64,
     pub overlay: Overlay,
+    pub sessions: Sessions,
     pub counters: WorkerCounters,
 }
 
@@ -109,6 +146,7 @@ impl Worker {
             sent_requests_since_report: 0,
             sent_tokens_since_report: 0,
             overlay: Overlay::default(),
+            sessions: Sessions::default(),
             counters: WorkerCounters::default(),
         }
     }

@@ -4,10 +4,21 @@
 //! # Formula
 //! For each healthy worker `w` serving the model:
 //! ```text
-//! matched_fraction(w) = matched_blocks(w) / request_blocks          (0 when the prompt has no full block)
+//! matched_fraction(w) = credited(w) / request_blocks                (0 when the prompt has no full block)
 //!     matched_blocks: longest run of the request's block hashes, from the first, in w's latest Bloom summary
 //!                     (at its granularity) or in this gateway's overlay of what it routed to w since that report
+//!     credited:       matched_blocks, less the prompt's shared prefix when that prefix is cheap: if the leading
+//!                     blocks other conversations share (a common system prompt, found by the ring-key sketch)
+//!                     are at most free_shared_tokens long, they earn no credit. Every worker holds such a prefix
+//!                     after its first request with it, so it must not pull every new conversation to the first
+//!                     worker that cached it; a long shared document (over the threshold) is worth routing to.
 //! ring(w)             = 1 if w is the session's primary, 0.5 if its backup, else 0
+//!     primary/backup: the first two workers on the ring walk from the session key that are healthy and either
+//!                     hold the conversation already or have fewer than
+//!                     cap = ceil(ring_session_bound * (conversations routed recently over all workers + 1) / workers)
+//!                     (consistent hashing with bounded loads: a few unlucky keys cannot pile conversations on one
+//!                     worker); a conversation routed recently keeps that worker as its primary while it is
+//!                     healthy
 //! cost(w)             = pending_tokens(w) + per_request_tokens * requests(w)
 //!     pending_tokens: reported prefill tokens (uncomputed prompt tokens of waiting sequences, less what the
 //!                     worker's cache holds for them, and of running ones still in prefill) + uncached prompt tokens
@@ -26,7 +37,8 @@
 //! and a cached prefix counts for what it saves.
 //!
 //! Knobs ([`Weights`], live-changeable): `w_prefix` 1.0, `w_ring` 0.3, `w_load` 0.5, `per_request_tokens` 256,
-//! `load_floor_tokens` 8192, `hotspot_abs_tokens` 1024, `hotspot_ratio` 3.0 (chosen on the Mooncake replay and the
+//! `load_floor_tokens` 8192, `hotspot_abs_tokens` 1024, `hotspot_ratio` 3.0, `free_shared_tokens` 4096,
+//! `ring_session_bound` 1.1 (chosen on the Mooncake replay and the
 //! multi-turn demo, BENCHMARKS.md: with 16384 / 4.0 users sharing a system prompt all piled onto the first worker that
 //! cached it). Every term is logged at debug.
 
@@ -47,6 +59,11 @@ pub struct Weights {
     pub load_floor_tokens: u64,
     pub hotspot_abs_tokens: u64,
     pub hotspot_ratio: f64,
+    /// A prefix shared by other conversations earns no prefix credit up to this many tokens (0: always credited).
+    pub free_shared_tokens: u64,
+    /// A ring primary holds at most this times the mean number of recent conversations (>= 1; a large value turns
+    /// the bound off).
+    pub ring_session_bound: f64,
 }
 
 impl Default for Weights {
@@ -59,6 +76,8 @@ impl Default for Weights {
             load_floor_tokens: 8192,
             hotspot_abs_tokens: 1024,
             hotspot_ratio: 3.0,
+            free_shared_tokens: 4096,
+            ring_session_bound: 1.1,
         }
     }
 }
@@ -74,6 +93,12 @@ impl Weights {
         }
         if !self.hotspot_ratio.is_finite() || self.hotspot_ratio < 1.0 {
             p.push(format!("hotspot_ratio must be >= 1, got {}", self.hotspot_ratio));
+        }
+        if !self.ring_session_bound.is_finite() || self.ring_session_bound < 1.0 {
+            p.push(format!(
+                "ring_session_bound must be a finite number >= 1, got {}",
+                self.ring_session_bound
+            ));
         }
         p
     }
@@ -115,8 +140,21 @@ impl RoutingPolicy for CacheAware {
         if healthy.is_empty() {
             return None;
         }
-        let (primary, backup) =
-            ring.primary_backup(req.session_key, |id| workers.iter().any(|x| x.healthy && x.id == id));
+        // Bounded loads: a primary or backup holds the conversation already or has room under the cap.
+        let conversations: usize = healthy.iter().map(|i| workers[*i].sessions).sum();
+        let cap = (w.ring_session_bound * (conversations + 1) as f64 / healthy.len() as f64).ceil() as usize;
+        let (bounded, next) = ring.primary_backup(req.session_key, |id| {
+            workers.iter().any(|x| x.healthy && x.id == id && (x.holds_session || x.sessions < cap))
+        });
+        // A conversation keeps its home while that worker is healthy, even where the cap has since moved the
+        // ring walk's first choice elsewhere.
+        let (held, _) = ring.primary_backup(req.session_key, |id| {
+            workers.iter().any(|x| x.healthy && x.id == id && x.holds_session)
+        });
+        let (primary, backup) = match held {
+            Some(h) if bounded.as_deref() != Some(&*h) => (Some(h), bounded),
+            _ => (bounded, next),
+        };
         let max_cost = healthy
             .iter()
             .map(|i| workers[*i].load.cost(w.per_request_tokens))
@@ -124,11 +162,18 @@ impl RoutingPolicy for CacheAware {
             .unwrap_or(0)
             .max(w.load_floor_tokens);
         let n_blocks = req.hashes.len();
+        // Blocks of a cheap shared prefix: matched, but not credited (see the formula).
+        let free_blocks = if req.shared_blocks * block_size <= w.free_shared_tokens as usize {
+            req.shared_blocks
+        } else {
+            0
+        };
         let mut terms = Vec::with_capacity(workers.len());
         let mut scored: Vec<(f64, u64, usize)> = Vec::with_capacity(healthy.len());
         for (i, wk) in workers.iter().enumerate() {
             let matched = if wk.healthy { wk.matched_blocks(req.hashes) } else { 0 };
-            let matched_fraction = if n_blocks == 0 { 0.0 } else { matched as f64 / n_blocks as f64 };
+            let credited = matched.saturating_sub(free_blocks);
+            let matched_fraction = if n_blocks == 0 { 0.0 } else { credited as f64 / n_blocks as f64 };
             let ring_term = if primary.as_deref() == Some(wk.id) {
                 1.0
             } else if backup.as_deref() == Some(wk.id) {
@@ -169,7 +214,7 @@ impl RoutingPolicy for CacheAware {
         scored.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
         let mut ranked: Vec<usize> = scored.iter().map(|s| s.2).collect();
         let winner = ranked[0];
-        let mut reason = if terms[winner].matched_blocks > 0
+        let mut reason = if terms[winner].matched_fraction > 0.0
             && terms[winner].matched_fraction * w.w_prefix >= terms[winner].ring * w.w_ring
         {
             RouteReason::Prefix

@@ -18,7 +18,7 @@ use serde::{Deserialize, Serialize};
 
 pub use cache_aware::{CacheAware, Weights};
 pub use ring::Ring;
-pub use ring_key::RingKeys;
+pub use ring_key::{RingKey, RingKeys};
 
 /// What the policies know about a request.
 #[derive(Clone, Debug)]
@@ -29,6 +29,8 @@ pub struct RequestView<'a> {
     pub prompt_tokens: usize,
     /// Session key for the ring (`x-session-id`, `user`, or the block where prompts diverge: `ring_key.rs`).
     pub session_key: u64,
+    /// Leading blocks other conversations share (a common system prompt; `ring_key.rs`), 0 if none known.
+    pub shared_blocks: usize,
     /// The request's number at this router ([`crate::route::Router`] counts them): round robin's turn, and hashed
     /// for tie-breaks ([`RequestView::nonce`]), so a dry run that peeks at the next number decides as the request
     /// routed next will.
@@ -70,6 +72,10 @@ pub struct WorkerView<'a> {
     /// Leading blocks this gateway routed to the worker since its last report (the overlay).
     pub overlay_matched_blocks: usize,
     pub load: Load,
+    /// Conversations routed here recently (`registry::Sessions`).
+    pub sessions: usize,
+    /// The request's conversation is one of them.
+    pub holds_session: bool,
 }
 
 impl WorkerView<'_> {

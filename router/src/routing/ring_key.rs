@@ -22,6 +22,10 @@ use xxhash_rust::xxh3::xxh3_64;
 /// Largest `hub_fanout` (continuations kept per block).
 pub const MAX_HUB_FANOUT: usize = 8;
 
+/// The gateway's defaults (`--ring-hub-fanout`, `--ring-sketch-entries`), which the simulator uses too.
+pub const DEFAULT_HUB_FANOUT: usize = 2;
+pub const DEFAULT_SKETCH_ENTRIES: usize = 65_536;
+
 /// Blocks of one prompt the sketch learns (its first 64K tokens at 16 tokens a block): bounds the work and the lock
 /// time of one request, and how much of the sketch one huge prompt can push out.
 pub const MAX_LEARN_BLOCKS: usize = 4096;
@@ -31,6 +35,14 @@ pub const MAX_LEARN_BLOCKS: usize = 4096;
 struct Fanout {
     next: [u32; MAX_HUB_FANOUT],
     n: u8,
+}
+
+/// A request's ring key and the length of the prefix it shares with other conversations.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RingKey {
+    pub key: u64,
+    /// Leading blocks up to and including the prompt's last hub (0: none known).
+    pub shared_blocks: usize,
 }
 
 /// The ring-key chooser with its fan-out sketch.
@@ -56,24 +68,41 @@ impl RingKeys {
     /// The ring key of a request (see the module doc). `learn`: record the prompt's block chain (the real path;
     /// dry runs such as explain pass false).
     pub fn key(&mut self, explicit: Option<&str>, hashes: &[BlockHash], ids: &[u32], learn: bool) -> u64 {
-        if let Some(s) = explicit {
-            return xxh3_64(s.as_bytes());
-        }
-        if hashes.is_empty() {
-            return xxh3_64(&ids.iter().flat_map(|t| t.to_le_bytes()).collect::<Vec<u8>>());
-        }
-        let at = self.key_block(hashes);
-        if learn {
+        self.route_key(explicit, hashes, ids, learn).key
+    }
+
+    /// [`RingKeys::key`] and how many leading blocks of the prompt other conversations share (up to and including
+    /// its last hub; 0 when none is known), which `cache_aware` does not credit when they are cheap to recompute.
+    pub fn route_key(
+        &mut self,
+        explicit: Option<&str>,
+        hashes: &[BlockHash],
+        ids: &[u32],
+        learn: bool,
+    ) -> RingKey {
+        let last_hub = self.last_hub(hashes);
+        let shared_blocks = last_hub.map_or(0, |i| i + 1);
+        let key = if let Some(s) = explicit {
+            xxh3_64(s.as_bytes())
+        } else if hashes.is_empty() {
+            xxh3_64(&ids.iter().flat_map(|t| t.to_le_bytes()).collect::<Vec<u8>>())
+        } else {
+            hashes[last_hub.map_or(hashes.len().min(4) - 1, |i| i + 1)].0
+        };
+        if learn && !hashes.is_empty() {
             self.learn(hashes);
         }
-        hashes[at].0
+        RingKey { key, shared_blocks }
+    }
+
+    /// Index of the prompt's last hub block that is not its last block.
+    fn last_hub(&self, hashes: &[BlockHash]) -> Option<usize> {
+        (0..hashes.len().saturating_sub(1)).rev().find(|i| self.fanout(hashes[*i].0) >= self.hub_fanout)
     }
 
     /// Index of the key block: right after the last hub, else the 4th block (or the last, if fewer).
     pub fn key_block(&self, hashes: &[BlockHash]) -> usize {
-        let last_hub =
-            (0..hashes.len().saturating_sub(1)).rev().find(|i| self.fanout(hashes[*i].0) >= self.hub_fanout);
-        match last_hub {
+        match self.last_hub(hashes) {
             Some(i) => i + 1,
             None => hashes.len().min(4) - 1,
         }

@@ -33,6 +33,8 @@ fn views<'a>(summaries: &'a [Option<CacheSummary>], loads: &[u64], healthy: &[bo
             summary: summaries[i].as_ref(),
             overlay_matched_blocks: 0,
             load: Load { pending_tokens: loads[i], requests: 0 },
+            sessions: 0,
+            holds_session: false,
         })
         .collect()
 }
@@ -74,7 +76,13 @@ fn cache_aware_follows_the_prefix() {
     let p = CacheAware::new(Weights::default());
     let d = p
         .choose(
-            &RequestView { hashes: &req_hashes, prompt_tokens: 640, session_key: 7, seq: 1 },
+            &RequestView {
+                hashes: &req_hashes,
+                prompt_tokens: 640,
+                session_key: 7,
+                shared_blocks: 0,
+                seq: 1,
+            },
             &ws,
             &ring(),
             16,
@@ -98,7 +106,13 @@ fn cache_aware_uses_the_ring_without_a_prefix_and_skips_unhealthy_workers() {
         let (primary, backup) = r.primary_backup(key, |_| true);
         let d = p
             .choose(
-                &RequestView { hashes: &req_hashes, prompt_tokens: 64, session_key: key, seq: key },
+                &RequestView {
+                    hashes: &req_hashes,
+                    prompt_tokens: 64,
+                    session_key: key,
+                    shared_blocks: 0,
+                    seq: key,
+                },
                 &ws,
                 &r,
                 16,
@@ -113,7 +127,13 @@ fn cache_aware_uses_the_ring_without_a_prefix_and_skips_unhealthy_workers() {
         let ws = views(&summaries, &[0; 5], &healthy);
         let d = p
             .choose(
-                &RequestView { hashes: &req_hashes, prompt_tokens: 64, session_key: key, seq: key },
+                &RequestView {
+                    hashes: &req_hashes,
+                    prompt_tokens: 64,
+                    session_key: key,
+                    shared_blocks: 0,
+                    seq: key,
+                },
                 &ws,
                 &r,
                 16,
@@ -125,7 +145,7 @@ fn cache_aware_uses_the_ring_without_a_prefix_and_skips_unhealthy_workers() {
     let none = views(&summaries, &[0; 5], &[false; 5]);
     assert!(p
         .choose(
-            &RequestView { hashes: &req_hashes, prompt_tokens: 64, session_key: 1, seq: 1 },
+            &RequestView { hashes: &req_hashes, prompt_tokens: 64, session_key: 1, shared_blocks: 0, seq: 1 },
             &none,
             &r,
             16
@@ -143,7 +163,13 @@ fn hot_spot_guard_overrides_the_prefix() {
     let ws = views(&summaries, &[100, 100_000, 200, 300, 100], &[true; 5]);
     let d = p
         .choose(
-            &RequestView { hashes: &req_hashes, prompt_tokens: 640, session_key: 9, seq: 2 },
+            &RequestView {
+                hashes: &req_hashes,
+                prompt_tokens: 640,
+                session_key: 9,
+                shared_blocks: 0,
+                seq: 2,
+            },
             &ws,
             &ring(),
             16,
@@ -156,7 +182,13 @@ fn hot_spot_guard_overrides_the_prefix() {
     let ws = views(&summaries, &[100, 1_500, 200, 300, 100], &[true; 5]);
     let d = p
         .choose(
-            &RequestView { hashes: &req_hashes, prompt_tokens: 640, session_key: 9, seq: 2 },
+            &RequestView {
+                hashes: &req_hashes,
+                prompt_tokens: 640,
+                session_key: 9,
+                shared_blocks: 0,
+                seq: 2,
+            },
             &ws,
             &ring(),
             16,
@@ -169,7 +201,7 @@ fn hot_spot_guard_overrides_the_prefix() {
     let mut summaries: Vec<Option<CacheSummary>> = vec![None; 5];
     summaries[1] = Some(summary_of(&long));
     let ws = views(&summaries, &[100, 100_000, 200, 300, 100], &[true; 5]);
-    let req = RequestView { hashes: &long, prompt_tokens: 200_000, session_key: 9, seq: 2 };
+    let req = RequestView { hashes: &long, prompt_tokens: 200_000, session_key: 9, shared_blocks: 0, seq: 2 };
     let d = p.choose(&req, &ws, &ring(), 16).expect("decision");
     assert_eq!((ws[d.ranked[0]].id, d.reason), ("w1", RouteReason::Prefix));
 }
@@ -179,7 +211,8 @@ fn baselines() {
     let req_hashes = hashes(2, 4);
     let summaries: Vec<Option<CacheSummary>> = vec![None; 5];
     let ws = views(&summaries, &[50, 10, 30, 40, 20], &[true, true, true, false, true]);
-    let req = RequestView { hashes: &req_hashes, prompt_tokens: 32, session_key: 3, seq: 0 };
+    let req =
+        RequestView { hashes: &req_hashes, prompt_tokens: 32, session_key: 3, shared_blocks: 0, seq: 0 };
     let ll = least_load::LeastLoad::new(256);
     assert_eq!(ws[ll.choose(&req, &ws, &ring(), 16).expect("d").ranked[0]].id, "w1");
     let rr = round_robin::RoundRobin;
@@ -203,4 +236,36 @@ fn weights_validation_lists_problems() {
     let w = Weights { w_prefix: -1.0, hotspot_ratio: 0.5, ..Weights::default() };
     assert_eq!(w.validate().len(), 2);
     assert!(Weights::default().validate().is_empty());
+}
+
+#[test]
+fn a_ring_primary_with_more_than_its_share_of_conversations_passes_new_ones_on() {
+    let summaries: Vec<Option<CacheSummary>> = vec![None; IDS.len()];
+    let healthy = vec![true; IDS.len()];
+    let policy = CacheAware::new(Weights::default());
+    let req_hashes = hashes(2, 9);
+    // Find a key whose primary is IDS[0], then give that worker 10 recent conversations and the others none.
+    let key = (0u64..)
+        .find(|k| ring().primary_backup(*k, |_| true).0.as_deref() == Some(IDS[0]))
+        .expect("some key lands on the first worker");
+    let req =
+        RequestView { hashes: &req_hashes, prompt_tokens: 32, session_key: key, shared_blocks: 0, seq: 1 };
+    let mut ws = views(&summaries, &vec![0; IDS.len()], &healthy);
+    let d = policy.choose(&req, &ws, &ring(), 16).expect("decision");
+    assert_eq!(ws[d.ranked[0]].id, IDS[0], "an even fleet: the ring primary");
+    ws[0].sessions = 10;
+    let d = policy.choose(&req, &ws, &ring(), 16).expect("decision");
+    assert_ne!(
+        ws[d.ranked[0]].id, IDS[0],
+        "over its cap: a new conversation goes to the next worker on the ring"
+    );
+    assert_eq!(d.reason, RouteReason::Primary);
+    // A conversation it already holds stays.
+    ws[0].holds_session = true;
+    let d = policy.choose(&req, &ws, &ring(), 16).expect("decision");
+    assert_eq!(ws[d.ranked[0]].id, IDS[0]);
+    // A bound large enough turns it off.
+    let off = CacheAware::new(Weights { ring_session_bound: 1e9, ..Weights::default() });
+    ws[0].holds_session = false;
+    assert_eq!(ws[off.choose(&req, &ws, &ring(), 16).expect("decision").ranked[0]].id, IDS[0]);
 }

@@ -1,0 +1,103 @@
+#!/usr/bin/env bash
+# kvgate vs the peer router SMG (PyPI `smg`, cache_aware and round_robin) in front of the same simulated workers,
+# same workloads and seeds, one run. Each (router, workload) pair gets a fresh fleet (`kvgate-loadtest up`: 4
+# `kvgate-worker serve --engine sim` workers, gpu-h100-llama3-8b timing, real time), so no run finds another's
+# cache. Token-id workloads are sent as text (`--text-prompts`: SMG refuses token-id prompts). Requests per worker
+# come from the workers' own counters (SMG sets no worker header). Everything listens on 127.0.0.1 and stops by
+# itself.
+#
+#   scripts/peer-bench.sh [OUT_DIR]      (default target/peer-bench; prints a Markdown table)
+#
+# Needs: cargo, python3 with venv and network access to PyPI for the first run (SMG goes into $OUT_DIR/venv).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT="${1:-target/peer-bench}"
+SMG_VERSION="${SMG_VERSION:-1.13.0}"
+WORKERS="${WORKERS:-4}"
+TRACE="${TRACE:-../shared/traces/synthetic_trace.jsonl}"
+mkdir -p "$OUT"
+OUT="$(cd "$OUT" && pwd)"
+
+cargo build --release -q -p kvgate-loadtest -p kvgate-gateway -p kvgate-worker
+BIN="$PWD/target/release"
+if [ ! -x "$OUT/venv/bin/smg" ]; then
+  python3 -m venv "$OUT/venv"
+  "$OUT/venv/bin/pip" install -q "smg==$SMG_VERSION"
+fi
+SMG="$OUT/venv/bin/smg"
+
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+
+PIDS=()
+cleanup() {
+  for p in "${PIDS[@]:-}"; do [ -n "$p" ] && kill "$p" 2>/dev/null || true; done
+  for p in "${PIDS[@]:-}"; do [ -n "$p" ] && wait "$p" 2>/dev/null || true; done
+  PIDS=()
+}
+trap cleanup EXIT
+
+# workload name -> loadtest arguments
+declare -A WORKLOAD=(
+  [multi-turn]="--workload multi-turn --users 16 --turns 5 --rate 2 --system-words 1024 --output-tokens 64"
+  [shared-prefix]="--workload shared-prefix --groups 16 --prompts-per-group 8 --system-tokens 2048 --question-tokens 128 --rate 8 --output-tokens 64 --text-prompts"
+  [mooncake]="--workload mooncake --trace $TRACE --limit 120 --text-prompts"
+)
+ROUTERS=(kvgate:cache_aware smg:cache_aware smg:round_robin)
+
+run_one() { # router policy workload
+  local router=$1 policy=$2 workload=$3 tag="$1-$2-$3"
+  local log="$OUT/$tag"
+  rm -rf "$log" && mkdir -p "$log"
+  "$BIN/kvgate-loadtest" up --workers "$WORKERS" --engine sim --policy cache_aware --kv-cache-tokens 262144 \
+    --log-dir "$log/fleet" >"$log/up.out" 2>"$log/up.err" &
+  PIDS+=($!)
+  for _ in $(seq 1 600); do grep -q '^workers:' "$log/up.out" 2>/dev/null && break; sleep 0.2; done
+  grep -q '^workers:' "$log/up.out" || { echo "fleet did not start: $(cat "$log/up.err")" >&2; exit 1; }
+  local gateway workers target
+  gateway=$(sed -n 's/^kvgate is up: gateway \([^ ]*\) .*/\1/p' "$log/up.out")
+  workers=$(sed -n 's/^workers: //p' "$log/up.out")
+  target=$gateway
+  if [ "$router" = smg ]; then
+    local port mport
+    port=$(free_port); mport=$(free_port)
+    # shellcheck disable=SC2086
+    "$SMG" launch --host 127.0.0.1 --port "$port" --prometheus-port "$mport" --policy "$policy" \
+      --worker-urls $workers >"$log/smg.log" 2>&1 &
+    PIDS+=($!)
+    target="http://127.0.0.1:$port"
+    for _ in $(seq 1 300); do
+      curl -sf "$target/v1/models" >/dev/null 2>&1 && break; sleep 0.2
+    done
+    curl -sf "$target/v1/models" >/dev/null || { echo "smg did not start: $(tail -5 "$log/smg.log")" >&2; exit 1; }
+    sleep 2 # let SMG's health checks admit every worker
+  fi
+  # shellcheck disable=SC2086
+  "$BIN/kvgate-loadtest" run --target "$target" --model kvgate-tiny ${WORKLOAD[$workload]} --seed 42 \
+    --duration 240s --no-progress --out "$log/run" >"$log/run.out" 2>&1 || { cat "$log/run.out" >&2; exit 1; }
+  for w in $workers; do
+    curl -s "$w/metrics" | awk '/^kvgate_worker_requests_total/ {n += $2} END {print n + 0}'
+  done >"$log/per-worker"
+  cleanup
+}
+
+for workload in multi-turn shared-prefix mooncake; do
+  for r in "${ROUTERS[@]}"; do
+    run_one "${r%%:*}" "${r##*:}" "$workload"
+    echo "done: $r $workload" >&2
+  done
+done
+
+python3 - "$OUT" <<'EOF'
+import json, sys, os
+out = sys.argv[1]
+print("| workload | router | policy | requests | errors | hit rate | TTFT p50 ms | TTFT p99 ms | max/mean requests per worker |")
+print("|---|---|---|---|---|---|---|---|---|")
+for workload in ["multi-turn", "shared-prefix", "mooncake"]:
+    for router, policy in [("kvgate", "cache_aware"), ("smg", "cache_aware"), ("smg", "round_robin")]:
+        d = os.path.join(out, f"{router}-{policy}-{workload}")
+        s = json.load(open(os.path.join(d, "run", "results.json")))["runs"][0]["summary"]
+        per = [float(x) for x in open(os.path.join(d, "per-worker")).read().split()]
+        mm = max(per) / (sum(per) / len(per)) if sum(per) > 0 else 0.0
+        print(f"| {workload} | {router} | {policy} | {s['requests']} | {s['errors']} | {s['hit_rate']:.3f} | "
+              f"{s['ttft_p50_ms']:.1f} | {s['ttft_p99_ms']:.1f} | {mm:.2f} |")
+EOF
