@@ -14,7 +14,8 @@ cd "$(dirname "$0")/.."
 OUT="${1:-target/peer-bench}"
 SMG_VERSION="${SMG_VERSION:-1.13.0}"
 WORKERS="${WORKERS:-4}"
-TRACE="${TRACE:-../shared/traces/synthetic_trace.jsonl}"
+TRACE="${TRACE:-loadtest/traces/mooncake-synthetic.jsonl}"
+WORKLOADS="${WORKLOADS:-multi-turn shared-prefix mooncake}"
 mkdir -p "$OUT"
 OUT="$(cd "$OUT" && pwd)"
 
@@ -40,7 +41,7 @@ trap cleanup EXIT
 declare -A WORKLOAD=(
   [multi-turn]="--workload multi-turn --users 16 --turns 5 --rate 2 --system-words 1024 --output-tokens 64"
   [shared-prefix]="--workload shared-prefix --groups 16 --prompts-per-group 8 --system-tokens 2048 --question-tokens 128 --rate 8 --output-tokens 64 --text-prompts"
-  [mooncake]="--workload mooncake --trace $TRACE --limit 120 --text-prompts"
+  [mooncake]="--workload mooncake --trace $TRACE --limit 60 --time-scale 3 --text-prompts"
 )
 ROUTERS=(kvgate:cache_aware smg:cache_aware smg:round_robin)
 
@@ -80,19 +81,19 @@ run_one() { # router policy workload
   cleanup
 }
 
-for workload in multi-turn shared-prefix mooncake; do
+for workload in $WORKLOADS; do
   for r in "${ROUTERS[@]}"; do
     run_one "${r%%:*}" "${r##*:}" "$workload"
     echo "done: $r $workload" >&2
   done
 done
 
-python3 - "$OUT" <<'EOF'
+python3 - "$OUT" $WORKLOADS <<'EOF'
 import json, sys, os
 out = sys.argv[1]
 print("| workload | router | policy | requests | errors | hit rate | TTFT p50 ms | TTFT p99 ms | max/mean requests per worker |")
 print("|---|---|---|---|---|---|---|---|---|")
-for workload in ["multi-turn", "shared-prefix", "mooncake"]:
+for workload in sys.argv[2:]:
     for router, policy in [("kvgate", "cache_aware"), ("smg", "cache_aware"), ("smg", "round_robin")]:
         d = os.path.join(out, f"{router}-{policy}-{workload}")
         s = json.load(open(os.path.join(d, "run", "results.json")))["runs"][0]["summary"]

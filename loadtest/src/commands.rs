@@ -371,9 +371,18 @@ pub fn demo_explanation(rr: &Summary, ca: &Summary) -> String {
     let hit = compare(ca.hit_rate, rr.hit_rate, "lower than", "higher than");
     let ttft = compare(ca.ttft_p50_ms, rr.ttft_p50_ms, "lower", "not lower");
     let balance = if ca.max_mean_worker <= 1.25 {
-        "close to even".to_owned()
+        format!("close to even (the busiest worker served {:.2}x the mean)", ca.max_mean_worker)
     } else {
-        format!("uneven (the busiest worker served {:.2}x the mean)", ca.max_mean_worker)
+        format!(
+            "uneven (the busiest worker served {:.2}x the mean), the price of following the cache",
+            ca.max_mean_worker
+        )
+    };
+    let tpot = if ca.tpot_p50_ms > rr.tpot_p50_ms {
+        "higher: on CPU workers batched decodes are not free, so a worker decoding for more users at once is slower \
+         per token"
+    } else {
+        "not higher"
     };
     format!(
         "What the numbers mean: hit_rate is the share of prompt tokens the workers served from their prefix cache \
@@ -381,8 +390,8 @@ pub fn demo_explanation(rr: &Summary, ca: &Summary) -> String {
          round_robin's {:.3}, because it sends each turn where the conversation's blocks are, so only the new question \
          is prefilled, while round_robin scatters a user's turns. Its TTFT p50 ({:.0} ms vs {:.0} ms) is {ttft}. \
          goodput counts completion tokens/s of requests within the SLO (TTFT <= 1 s, TPOT <= 200 ms). max/mean is \
-         the busiest worker's request count over the mean: here cache_aware's load was {balance}, the price of \
-         following the cache on CPU workers where batched decodes are not free (TPOT p50 {:.1} ms vs {:.1} ms).",
+         the busiest worker's request count over the mean: here cache_aware's load was {balance}. Its TPOT p50 \
+         ({:.1} ms vs {:.1} ms) is {tpot}.",
         ca.hit_rate, rr.hit_rate, ca.ttft_p50_ms, rr.ttft_p50_ms, ca.tpot_p50_ms, rr.tpot_p50_ms
     )
 }
@@ -548,11 +557,19 @@ mod tests {
         let uneven = demo_explanation(&row(0.6, 180.0, 1.0), &row(0.78, 120.0, 1.88));
         assert!(uneven.contains("0.780 is higher than") && uneven.contains("is lower"), "{uneven}");
         assert!(uneven.contains("uneven (the busiest worker served 1.88x the mean)"), "{uneven}");
+        assert!(uneven.contains("is not higher."), "equal TPOTs: {uneven}");
         assert!(!uneven.contains("near 1"));
         let even = demo_explanation(&row(0.6, 100.0, 1.0), &row(0.5, 150.0, 1.1));
         assert!(
-            even.contains("lower than") && even.contains("not lower") && even.contains("close to even"),
+            even.contains("lower than")
+                && even.contains("not lower")
+                && even.contains("close to even (the busiest worker served 1.10x"),
             "{even}"
+        );
+        let mut slow = row(0.78, 120.0, 1.5);
+        slow.tpot_p50_ms = 9.0;
+        assert!(
+            demo_explanation(&row(0.6, 180.0, 1.0), &slow).contains("(9.0 ms vs 5.0 ms) is higher: on CPU")
         );
     }
 }
