@@ -59,64 +59,41 @@ fn main() {
         ("cached", gateway(&gw_bin, &["--prompt-handoff", "false"])),
         ("handoff", gateway(&gw_bin, &[])),
     ];
-    let wp = port();
     let report_to: Vec<String> = paths.iter().map(|(_, (_, _, control))| control.clone()).collect();
-    let _w = start(
-        &bin("kvgate-worker"),
-        &[
-            "serve".into(),
-            "--synth".into(),
-            "tiny".into(),
-            "--synth-dir".into(),
-            dir.display().to_string(),
-            "--engine".into(),
-            "sim".into(),
-            "--sim-profile".into(),
-            "gpu-h100-llama3-8b".into(),
-            "--kv-cache-tokens".into(),
-            "1048576".into(),
-            "--max-body-bytes".into(),
-            (32 << 20).to_string(),
-            "--host".into(),
-            "127.0.0.1".into(),
-            "--port".into(),
-            wp.to_string(),
-            "--report-to".into(),
-            report_to.join(","),
-            "--report-interval".into(),
-            "200ms".into(),
-            "--report-secret".into(),
-            "bench-secret".into(),
-        ],
-        " ready ",
-    );
-    let direct = format!("http://127.0.0.1:{wp}");
+    let worker = |extra: &[String]| -> (Kill, String) {
+        let p = port();
+        let mut args: Vec<String> = [
+            "serve",
+            "--synth",
+            "tiny",
+            "--engine",
+            "sim",
+            "--sim-profile",
+            "gpu-h100-llama3-8b",
+            "--kv-cache-tokens",
+            "1048576",
+            "--host",
+            "127.0.0.1",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        args.extend(["--synth-dir".into(), dir.display().to_string(), "--port".into(), p.to_string()]);
+        args.extend(extra.iter().cloned());
+        (start(&bin("kvgate-worker"), &args, " ready "), format!("http://127.0.0.1:{p}"))
+    };
+    let (_w, direct) = worker(&[
+        "--max-body-bytes".into(),
+        (32 << 20).to_string(),
+        "--report-to".into(),
+        report_to.join(","),
+        "--report-interval".into(),
+        "200ms".into(),
+        "--report-secret".into(),
+        "bench-secret".into(),
+    ]);
     // The same worker without its own segment cache, as workers were before it (no reports: no gateway uses it).
-    let up = port();
-    let _u = start(
-        &bin("kvgate-worker"),
-        &[
-            "serve".into(),
-            "--synth".into(),
-            "tiny".into(),
-            "--synth-dir".into(),
-            dir.display().to_string(),
-            "--engine".into(),
-            "sim".into(),
-            "--sim-profile".into(),
-            "gpu-h100-llama3-8b".into(),
-            "--kv-cache-tokens".into(),
-            "1048576".into(),
-            "--tokenize-cache-tokens".into(),
-            "0".into(),
-            "--host".into(),
-            "127.0.0.1".into(),
-            "--port".into(),
-            up.to_string(),
-        ],
-        " ready ",
-    );
-    let uncached = format!("http://127.0.0.1:{up}");
+    let (_u, uncached) = worker(&["--tokenize-cache-tokens".into(), "0".into()]);
     let prompter = Prompter::from_dir(&dir).expect("the worker wrote its synthetic model");
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().expect("rt");
     rt.block_on(async move {

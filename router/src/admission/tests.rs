@@ -2,7 +2,7 @@
 
 use super::*;
 
-fn class(name: &str, rate: f64, burst: f64, max_wait_ms: u64) -> ClassConfig {
+pub(super) fn class(name: &str, rate: f64, burst: f64, max_wait_ms: u64) -> ClassConfig {
     ClassConfig {
         name: name.into(),
         rule: MatchRule::default(),

@@ -99,21 +99,10 @@ mod tests {
     use std::time::Duration;
 
     use super::*;
-    use crate::admission::MatchRule;
 
+    /// The admission tests' class, with a queue of two.
     fn class(name: &str, rate: f64, burst: f64, max_wait_ms: u64) -> ClassConfig {
-        ClassConfig {
-            name: name.into(),
-            rule: MatchRule::default(),
-            refill_tokens_per_s: rate,
-            burst_tokens: burst,
-            max_queued_requests: 2,
-            max_queued_tokens: 1e9,
-            max_wait_ms,
-            expected_output_tokens: 0,
-            borrow_idle: false,
-            max_tenant_queues: 1024,
-        }
+        ClassConfig { max_queued_requests: 2, ..crate::admission::tests::class(name, rate, burst, max_wait_ms) }
     }
 
     #[test]
