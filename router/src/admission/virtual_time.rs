@@ -102,7 +102,10 @@ mod tests {
 
     /// The admission tests' class, with a queue of two.
     fn class(name: &str, rate: f64, burst: f64, max_wait_ms: u64) -> ClassConfig {
-        ClassConfig { max_queued_requests: 2, ..crate::admission::tests::class(name, rate, burst, max_wait_ms) }
+        ClassConfig {
+            max_queued_requests: 2,
+            ..crate::admission::tests::class(name, rate, burst, max_wait_ms)
+        }
     }
 
     #[test]
