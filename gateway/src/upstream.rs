@@ -1,6 +1,8 @@
 //! One attempt to serve a request from one worker: send the buffered body, wait for the response header within the
 //! request's first-byte timeout (watching for the client to go away meanwhile), then stream the response back chunk
-//! by chunk with an idle timeout between chunks.
+//! by chunk with an idle timeout between chunks. A streamed response's headers come at once and its first chunk with
+//! the first token, so the first chunk may take what is left of the first-byte budget (if that is longer than the
+//! idle timeout): a request queued at a busy worker is not cut off as a silent stream.
 //!
 //! The outcome says what the caller may do next ([`Outcome`]): before any byte reached the client, a connection
 //! failure, a connection the worker closed without answering, or a refusal (`queue_full`, `model_loading`,
@@ -175,10 +177,19 @@ pub async fn forward(state: &GatewayState, session: &mut Session, a: &Attempt<'_
     let mut tail: Vec<u8> = Vec::new();
     let mut stalled = false;
     let mut completed = true;
+    let mut first = true;
     loop {
-        match tokio::time::timeout(a.idle_timeout, body.frame()).await {
+        // A worker sends a stream's headers at once and its first chunk with the first token: until then the
+        // request may still be queued or in prefill, which the first-byte budget covers, not the idle timeout.
+        let wait = if first {
+            a.idle_timeout.max(a.first_byte_timeout.saturating_sub(sent_at.elapsed()))
+        } else {
+            a.idle_timeout
+        };
+        match tokio::time::timeout(wait, body.frame()).await {
             Ok(None) => break,
             Ok(Some(Ok(frame))) => {
+                first = false;
                 if let Ok(data) = frame.into_data() {
                     tail.extend_from_slice(&data);
                     if tail.len() > 16_384 {
@@ -202,15 +213,23 @@ pub async fn forward(state: &GatewayState, session: &mut Session, a: &Attempt<'_
                 break;
             }
             Err(_) => {
-                tracing::warn!(worker = %a.worker_id, idle = ?a.idle_timeout, "upstream stream went silent");
+                tracing::warn!(worker = %a.worker_id, waited = ?wait, first, "upstream stream went silent");
                 completed = false;
                 stalled = true;
                 if sse {
-                    let mut err = ApiError::upstream_timeout(a.worker_id, a.idle_timeout);
-                    err.message = format!(
-                        "worker {} sent nothing for {:.1?} mid-stream (--stream-idle-timeout)",
-                        a.worker_id, a.idle_timeout
-                    );
+                    let mut err = ApiError::upstream_timeout(a.worker_id, wait);
+                    err.message = if first {
+                        format!(
+                            "worker {} sent no token within {:.1?} of the request (the first-byte timeout)",
+                            a.worker_id,
+                            sent_at.elapsed()
+                        )
+                    } else {
+                        format!(
+                            "worker {} sent nothing for {:.1?} mid-stream (--stream-idle-timeout)",
+                            a.worker_id, wait
+                        )
+                    };
                     write_sse_error(session, &err).await;
                 }
                 break;

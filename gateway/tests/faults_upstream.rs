@@ -306,3 +306,35 @@ async fn a_static_worker_out_after_a_refused_connect_comes_back_when_it_answers_
     .await;
     assert!(restarted.elapsed() < Duration::from_secs(3));
 }
+
+#[tokio::test]
+async fn a_stream_queued_past_the_idle_timeout_is_not_cut_off_before_its_first_token() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let synth = dir.path().join("tiny");
+    // 5 ms per prompt token: a 400-token prompt takes 2 s of prefill before the first token; the worker sends the
+    // stream's headers at once.
+    let profile = sim_profile(dir.path(), "slow-prefill", 0.001, 0.005);
+    let (g, control) = gateway(&[
+        "--stream-idle-timeout",
+        "500ms",
+        "--first-byte-timeout",
+        "10s",
+        "--first-byte-per-prompt-token",
+        "0s",
+    ]);
+    let _w = worker("w", &synth, Some(&control), &strs(&sim_args(&profile)));
+    wait_healthy(&control, 1).await;
+    let started = Instant::now();
+    let r = post(
+        &format!("{}/v1/completions", g.base),
+        &json!({"model": MODEL, "prompt": ids(400, 7), "max_tokens": 3, "stream": true}),
+        &[],
+    )
+    .await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert!(started.elapsed() >= Duration::from_millis(1500), "the prefill took {:?}", started.elapsed());
+    assert!(!r.body.contains("\"error\""), "the stream ended with an error: {}", r.body);
+    assert!(r.body.contains("[DONE]"), "{}", r.body);
+    let state = worker_state(&control, "w").await.expect("w");
+    assert_eq!(state["suspect"], false, "{state}");
+}
