@@ -148,9 +148,15 @@ impl RoutingPolicy for CacheAware {
         });
         // A conversation keeps its home while that worker is healthy, even where the cap has since moved the
         // ring walk's first choice elsewhere.
-        let (held, _) = ring.primary_backup(req.session_key, |id| {
-            workers.iter().any(|x| x.healthy && x.id == id && x.holds_session)
-        });
+        // (Only when some worker holds it: a ring walk for a new conversation would visit every node.)
+        let held = if healthy.iter().any(|i| workers[*i].holds_session) {
+            ring.primary_backup(req.session_key, |id| {
+                workers.iter().any(|x| x.healthy && x.id == id && x.holds_session)
+            })
+            .0
+        } else {
+            None
+        };
         let (primary, backup) = match held {
             Some(h) if bounded.as_deref() != Some(&*h) => (Some(h), bounded),
             _ => (bounded, next),
