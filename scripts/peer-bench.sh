@@ -4,7 +4,8 @@
 # `kvgate-worker serve --engine sim` workers, gpu-h100-llama3-8b timing, real time), so no run finds another's
 # cache. Token-id workloads are sent as text (`--text-prompts`: SMG refuses token-id prompts). Requests per worker
 # come from the workers' own counters (SMG sets no worker header). Everything listens on 127.0.0.1 and stops by
-# itself.
+# itself. mooncake replays the trace's 10 largest prefix families (`--top-roots`, 189 requests that reuse 94% of
+# their blocks; a window of consecutive requests has almost no reuse) at 0.1x their recorded gaps (about 100 s).
 #
 #   scripts/peer-bench.sh [OUT_DIR]      (default target/peer-bench; prints a Markdown table)
 #
@@ -41,7 +42,7 @@ trap cleanup EXIT
 declare -A WORKLOAD=(
   [multi-turn]="--workload multi-turn --users 16 --turns 5 --rate 2 --system-words 1024 --output-tokens 64"
   [shared-prefix]="--workload shared-prefix --groups 16 --prompts-per-group 8 --system-tokens 2048 --question-tokens 128 --rate 8 --output-tokens 64 --text-prompts"
-  [mooncake]="--workload mooncake --trace $TRACE --limit 60 --time-scale 3 --text-prompts"
+  [mooncake]="--workload mooncake --trace $TRACE --top-roots ${TOP_ROOTS:-10} --time-scale ${TIME_SCALE:-0.1} --text-prompts"
 )
 ROUTERS=(kvgate:cache_aware smg:cache_aware smg:round_robin)
 

@@ -10,6 +10,10 @@
 //! and the time to the whole answer is recorded (prefill of the new message + one token, as in TTFT). Turns 2..
 //! are measured: the history is in the worker's KV cache on every path.
 //!
+//! The peer router SMG (PyPI `smg`, `smg launch --policy cache_aware`) in front of the same worker is a path too when
+//! its binary is found: `$KVGATE_SMG`, else `target/peer-bench/venv/bin/smg` (where `scripts/peer-bench.sh` installs
+//! it); without it the table says so.
+//!
 //! `cargo bench -p kvgate-gateway --bench chat_latency` (builds the release binaries it needs).
 
 mod common;
@@ -48,6 +52,42 @@ fn messages(path: u64, conv: u64, turn: usize, system_words: usize) -> Vec<serde
     }
     m.push(json!({"role": "user", "content": synth_text(seed + 999, 40)}));
     m
+}
+
+/// SMG (cache_aware) in front of `worker`, when its binary is found.
+fn smg(worker: &str) -> Option<(Kill, String)> {
+    let root = concat!(env!("CARGO_MANIFEST_DIR"), "/..");
+    let bin =
+        std::env::var("KVGATE_SMG").unwrap_or_else(|_| format!("{root}/target/peer-bench/venv/bin/smg"));
+    if !std::path::Path::new(&bin).exists() {
+        println!("SMG not found at {bin} (set KVGATE_SMG or run scripts/peer-bench.sh once): no SMG path\n");
+        return None;
+    }
+    let (p, mp) = (port(), port());
+    // Wrapped in `Kill` (killed and waited on drop) at once.
+    #[allow(clippy::zombie_processes)]
+    let child = std::process::Command::new(bin)
+        .args([
+            "launch",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            &p.to_string(),
+            "--prometheus-port",
+            &mp.to_string(),
+        ])
+        .args(["--policy", "cache_aware", "--worker-urls", worker])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("spawn smg");
+    let child = Kill(child);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while std::net::TcpStream::connect(("127.0.0.1", p)).is_err() {
+        assert!(Instant::now() < deadline, "SMG never listened");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    Some((child, format!("http://127.0.0.1:{p}")))
 }
 
 fn main() {
@@ -94,6 +134,7 @@ fn main() {
     ]);
     // The same worker without its own segment cache, as workers were before it (no reports: no gateway uses it).
     let (_u, uncached) = worker(&["--tokenize-cache-tokens".into(), "0".into()]);
+    let peer = smg(&direct);
     let prompter = Prompter::from_dir(&dir).expect("the worker wrote its synthetic model");
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().expect("rt");
     rt.block_on(async move {
@@ -105,8 +146,9 @@ fn main() {
         let probe = json!({"model": "kvgate-tiny", "max_tokens": 1,
             "messages": [{"role": "user", "content": "hi"}]})
         .to_string();
-        for (_, (_, base, _)) in &paths {
-            let deadline = Instant::now() + Duration::from_secs(30);
+        let proxies = paths.iter().map(|(_, (_, base, _))| base).chain(peer.iter().map(|(_, base)| base));
+        for base in proxies {
+            let deadline = Instant::now() + Duration::from_secs(60);
             while send(base.clone(), probe.clone()).await.0 != 200 {
                 assert!(Instant::now() < deadline, "gateway never became ready");
                 tokio::time::sleep(Duration::from_millis(100)).await;
@@ -116,6 +158,7 @@ fn main() {
             [("direct, worker without segment cache", uncached), ("direct", direct.clone())]
                 .into_iter()
                 .chain(paths.iter().map(|(name, (_, base, _))| (*name, base.clone())))
+                .chain(peer.iter().map(|(_, base)| ("SMG cache_aware", base.clone())))
                 .collect();
         println!(
             "{CONVERSATIONS} conversations x {TURNS} turns per path and size, max_tokens 1, one sim worker \

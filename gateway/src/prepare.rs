@@ -4,7 +4,8 @@
 //! explains is what the proxy does.
 
 use bytes::Bytes;
-use kvgate_shared::hashing::{BlockHash, BlockHasher, ExtraKeys};
+use kvgate_shared::hashing::{BlockHash, BlockHasher};
+use kvgate_shared::prompt::RequestPrompt;
 
 use crate::errors::ApiError;
 use crate::request::{parse, with_cache_salt, PromptBody, RoutingFields};
@@ -13,8 +14,7 @@ use crate::state::GatewayState;
 
 /// Header carrying a session id for the ring.
 pub const SESSION_HEADER: &str = "x-session-id";
-/// Header carrying the tenant's cache salt (also accepted in the body as `cache_salt`).
-pub const CACHE_SALT_HEADER: &str = "x-kvgate-cache-salt";
+pub use kvgate_shared::prompt::CACHE_SALT_HEADER;
 
 /// The request headers preparation reads.
 #[derive(Clone, Debug, Default)]
@@ -25,7 +25,7 @@ pub struct PrepHeaders {
 
 /// A request parsed, tokenized and hashed exactly like the worker will.
 #[derive(Debug)]
-pub struct Prepared {
+pub struct PreparedRequest {
     pub fields: RoutingFields,
     pub ids: Vec<u32>,
     pub hashes: Vec<BlockHash>,
@@ -33,7 +33,7 @@ pub struct Prepared {
     /// Leading blocks other conversations share (`RingKey::shared_blocks`).
     pub shared_blocks: usize,
     pub block_size: usize,
-    /// The salt the worker will use (a caller's forced salt, else the body's, else the header's).
+    /// The salt the worker will use (a caller's forced salt, else the body's, else the header's; `RequestPrompt`).
     pub salt: Option<String>,
     /// The body to forward (rewritten when a forced salt replaced the caller's).
     pub body: Bytes,
@@ -43,7 +43,7 @@ pub struct Prepared {
     pub tokenized: bool,
 }
 
-impl Prepared {
+impl PreparedRequest {
     /// What the router needs to know about this request.
     pub fn route_input(&self) -> RouteInput<'_> {
         RouteInput {
@@ -66,28 +66,34 @@ pub fn prepare(
     headers: &PrepHeaders,
     forced_salt: Option<&str>,
     learn: bool,
-) -> Result<Prepared, ApiError> {
+) -> Result<PreparedRequest, ApiError> {
     let (fields, prompt) = parse(chat, &body, state.cfg.max_chat_json_values)?;
     let Some(tok) = state.tokenizer(&fields.model) else {
         return Err(ApiError::model_not_found(&fields.model));
     };
-    let ids = tok.prompter.tokenize(&prompt.input()).map_err(|e| ApiError::prompt(e, prompt.param()))?;
     let tokenized = !matches!(prompt, PromptBody::TokenIds(_));
-    drop(prompt);
-    let (salt, body) = match forced_salt {
-        Some(s) => (Some(s.to_owned()), Bytes::from(with_cache_salt(&body, s)?)),
-        None => {
-            (fields.cache_salt.clone().or_else(|| headers.cache_salt.clone()).filter(|s| !s.is_empty()), body)
-        }
+    // A caller key's forced salt replaces the body's: the body is rewritten to carry it.
+    let body = match forced_salt {
+        Some(s) => Bytes::from(with_cache_salt(&body, s)?),
+        None => body,
     };
+    let request = RequestPrompt {
+        input: prompt.input(),
+        body_salt: forced_salt.or(fields.cache_salt.as_deref()),
+        header_salt: headers.cache_salt.as_deref(),
+    };
+    let ids = request.token_ids(&tok.prompter, None).map_err(|e| ApiError::prompt(e, request.param()))?;
+    let salt = request.salt().map(str::to_owned);
+    let extra = request.extra_keys();
+    drop(prompt);
     let max_model_len = state.registry().max_model_len(&fields.model);
     if let Some(limit) = max_model_len {
         check_context(ids.len(), fields.max_tokens, limit)?;
     }
-    let hashes = BlockHasher::new(&tok.scheme, &ExtraKeys::from_salt(salt.as_deref())).hash_blocks(&ids);
+    let hashes = BlockHasher::new(&tok.scheme, &extra).hash_blocks(&ids);
     let explicit = headers.session.clone().or_else(|| fields.user.clone());
     let ring = state.ring_keys().route_key(explicit.as_deref(), &hashes, &ids, learn);
-    Ok(Prepared {
+    Ok(PreparedRequest {
         fields,
         ids,
         hashes,

@@ -37,7 +37,7 @@ use pingora::proxy::{ProxyHttp, Session};
 use crate::admission::{ClassInput, CLASS_HEADER};
 use crate::errors::ApiError;
 use crate::keys::Caller;
-use crate::prepare::{prepare, PrepHeaders, Prepared, CACHE_SALT_HEADER, SESSION_HEADER};
+use crate::prepare::{prepare, PrepHeaders, PreparedRequest, CACHE_SALT_HEADER, SESSION_HEADER};
 use crate::registry::Fault;
 use crate::routing::RouteReason;
 use crate::state::GatewayState;
@@ -150,7 +150,7 @@ pub fn caller_of(state: &GatewayState, authorization: Option<&str>) -> Result<Ar
 /// A request's class: the server's rules, or the one named in `x-kvgate-class` if the caller may choose it.
 pub fn choose_class(
     state: &GatewayState,
-    p: &Prepared,
+    p: &PreparedRequest,
     caller: &Caller,
     header_class: Option<&str>,
 ) -> Result<(usize, String, u64), ApiError> {
@@ -177,7 +177,7 @@ pub async fn prepare_on_pool(
     headers: PrepHeaders,
     forced_salt: Option<String>,
     learn: bool,
-) -> Result<Prepared, ApiError> {
+) -> Result<PreparedRequest, ApiError> {
     let s = state.clone();
     match state.tokenize.run(move || prepare(&s, chat, body, &headers, forced_salt.as_deref(), learn)).await {
         Ok(r) => r,
@@ -337,7 +337,7 @@ async fn handle(state: &Arc<GatewayState>, session: &mut Session, ctx: &mut Ctx)
 /// The body with the handoff field and its authentication code, when the handoff is on (`--prompt-handoff`), the
 /// gateway has a report secret (shared with its workers), the prompt was tokenized here (chat or text) and the body stays within `--max-body-bytes`
 /// (workers are expected to allow at least as much).
-fn handoff(state: &GatewayState, p: &Prepared) -> Option<(Bytes, String)> {
+fn handoff(state: &GatewayState, p: &PreparedRequest) -> Option<(Bytes, String)> {
     let secret = state.cfg.report_secret.as_deref()?;
     if !state.cfg.prompt_handoff || !p.tokenized || p.ids.is_empty() {
         return None;

@@ -12,7 +12,7 @@ use std::borrow::Cow;
 use std::cell::Cell;
 
 use kvgate_shared::openai::Prompt;
-use kvgate_shared::prompt::{ChatOptions, PromptInput};
+use kvgate_shared::prompt::{chat_options, ChatOptions, PromptInput};
 use serde::de::{DeserializeSeed, Deserializer, MapAccess, SeqAccess, Visitor};
 use serde::Deserialize;
 use serde_json::value::RawValue;
@@ -48,13 +48,6 @@ impl PromptBody {
             PromptBody::Chat { messages, options } => PromptInput::Chat { messages, options },
             PromptBody::Text(t) => PromptInput::Text(t),
             PromptBody::TokenIds(ids) => PromptInput::TokenIds(ids),
-        }
-    }
-    /// The request field a prompt error is about.
-    pub fn param(&self) -> &'static str {
-        match self {
-            PromptBody::Chat { .. } => "messages",
-            _ => "prompt",
         }
     }
 }
@@ -168,8 +161,7 @@ pub fn parse(
                 ))
             }
         };
-        let options =
-            ChatOptions { add_generation_prompt: req.add_generation_prompt.unwrap_or(true), tools, extra };
+        let options = chat_options(req.add_generation_prompt, tools, extra);
         let reasoning = req.reasoning_effort.is_some_and(|r| r.get() != "null");
         Ok((fields(req.model, common!(req), reasoning), PromptBody::Chat { messages, options }))
     } else {

@@ -46,6 +46,10 @@ pub struct WorkloadArgs {
     /// mooncake: the trace file.
     #[arg(long)]
     pub trace: Option<PathBuf>,
+    /// mooncake: keep only the requests of the K prefix families (same first block) with the most requests, before
+    /// --skip/--limit (a short replay that still has the trace's reuse; see `Trace::top_roots`). Default: all.
+    #[arg(long)]
+    pub top_roots: Option<usize>,
     /// mooncake: skip the trace's first N requests.
     #[arg(long, default_value_t = 0)]
     pub skip: usize,
@@ -140,6 +144,9 @@ impl WorkloadArgs {
             "mooncake" => {
                 let path = self.trace.as_ref().ok_or("--workload mooncake needs --trace FILE")?;
                 let mut trace = Trace::load(path)?;
+                if let Some(k) = self.top_roots {
+                    trace.top_roots(k);
+                }
                 trace.window(self.skip, self.limit);
                 if !(self.time_scale > 0.0 && self.time_scale.is_finite()) {
                     return Err(format!("--time-scale must be a number > 0, got {}", self.time_scale));
@@ -477,6 +484,7 @@ pub async fn demo(a: DemoArgs) -> Result<(), String> {
         vocab: 256,
         output_tokens: Some(32),
         trace: None,
+        top_roots: None,
         skip: 0,
         limit: None,
         time_scale: 1.0,

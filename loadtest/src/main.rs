@@ -207,7 +207,7 @@ fn load_classes(path: &std::path::Path) -> Result<Vec<kvgate_router::admission::
 fn run_parallel(
     trace: &Trace,
     cfg: &SimConfig,
-    prep: &sim::Prepared,
+    prep: &sim::ReplayPlan,
     policies: &[String],
     jobs: usize,
 ) -> Result<Vec<SimResult>, String> {

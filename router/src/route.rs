@@ -114,7 +114,7 @@ fn decide(
     max_candidates: usize,
     now: Instant,
 ) -> Option<Routed> {
-    let (views, idx) = reg.views(input.model, input.hashes, Some(input.session_key), now);
+    let (views, registry_index) = reg.views(input.model, input.hashes, Some(input.session_key), now);
     let req = RequestView {
         hashes: input.hashes,
         prompt_tokens: input.prompt_tokens,
@@ -127,8 +127,8 @@ fn decide(
         .ranked
         .iter()
         .take(max_candidates.max(1))
-        .filter_map(|&r| {
-            let i = idx[r];
+        .filter_map(|&view| {
+            let i = registry_index[view];
             let w = &reg.workers()[i];
             Some(Candidate {
                 wref: reg.worker_ref(i)?,

@@ -2,15 +2,16 @@
 //! does not render and tokenize the prompt a second time.
 //!
 //! Wire format: the gateway adds the body field `kvgate_prompt_ids` (a string: base64 of the ids as little-endian
-//! u32) and the header `x-kvgate-prompt-auth` (hex HMAC-SHA256 of that string under a key derived from the shared
-//! report secret). A worker uses the ids only when the header verifies under its own `--report-secret`; otherwise
-//! it ignores them and tokenizes the prompt itself, so a client cannot choose ids that differ from its messages
-//! (the gateway also refuses a client body that carries the field). Both sides tokenize with the same `Prompter`
+//! u32) and the header `x-kvgate-prompt-auth` (hex keyed BLAKE3 of that string, under a key derived from the shared
+//! report secret with BLAKE3's key derivation; BLAKE3 rather than HMAC-SHA256 because it is several times faster on
+//! the 100 KB of a long prompt's ids, and this is on every request's path, twice). A worker uses the ids only when
+//! the header verifies under its own `--report-secret`; otherwise it ignores them and tokenizes the prompt itself,
+//! so a client cannot choose ids that differ from its messages (the gateway also refuses a client body that carries
+//! the field). Both sides tokenize with the same `Prompter`
 //! (same tokenizer digest), so the ids are the ones the worker would compute.
 
 use base64::engine::general_purpose::STANDARD;
 use base64::Engine as _;
-use sha2::{Digest, Sha256};
 
 /// The body field carrying the ids.
 pub const PROMPT_IDS_FIELD: &str = "kvgate_prompt_ids";
@@ -32,36 +33,23 @@ pub fn decode_ids(s: &str) -> Option<Vec<u32>> {
     Some(bytes.chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())
 }
 
-fn hmac_sha256(key: &[u8], msg: &[u8]) -> [u8; 32] {
-    let mut k = [0u8; 64];
-    if key.len() > 64 {
-        k[..32].copy_from_slice(&Sha256::digest(key));
-    } else {
-        k[..key.len()].copy_from_slice(key);
-    }
-    let (mut ipad, mut opad) = ([0x36u8; 64], [0x5cu8; 64]);
-    for i in 0..64 {
-        ipad[i] ^= k[i];
-        opad[i] ^= k[i];
-    }
-    let inner = Sha256::new().chain_update(ipad).chain_update(msg).finalize();
-    Sha256::new().chain_update(opad).chain_update(inner).finalize().into()
+/// The handoff key: the report secret, separated from its other use by BLAKE3's key derivation.
+fn key(secret: &str) -> [u8; 32] {
+    blake3::derive_key("kvgate 2026-11 prompt handoff ids v2", secret.as_bytes())
 }
 
-/// The handoff key: the report secret, separated from its other use.
-fn key(secret: &str) -> [u8; 32] {
-    hmac_sha256(secret.as_bytes(), b"kvgate/prompt-ids/v1")
+fn mac(secret: &str, encoded: &str) -> blake3::Hash {
+    blake3::keyed_hash(&key(secret), encoded.as_bytes())
 }
 
 /// The authentication code of `encoded` (the field's value) under `secret`, as hex.
 pub fn sign(secret: &str, encoded: &str) -> String {
-    hmac_sha256(&key(secret), encoded.as_bytes()).iter().map(|b| format!("{b:02x}")).collect()
+    mac(secret, encoded).to_hex().to_string()
 }
 
-/// Whether `auth` is the code of `encoded` under `secret` (constant time in the code).
+/// Whether `auth` is the code of `encoded` under `secret` (`blake3::Hash` compares in constant time).
 pub fn verify(secret: &str, encoded: &str, auth: &str) -> bool {
-    let want = sign(secret, encoded);
-    want.len() == auth.len() && want.bytes().zip(auth.bytes()).fold(0u8, |acc, (a, b)| acc | (a ^ b)) == 0
+    blake3::Hash::from_hex(auth).is_ok_and(|given| given == mac(secret, encoded))
 }
 
 /// `body` (a JSON object) with the field added as its first member; `None` if `body` does not start with an
@@ -92,15 +80,12 @@ mod tests {
     use super::*;
 
     #[test]
-    fn hmac_matches_rfc_4231() {
-        // RFC 4231 test case 2.
-        let mac = hmac_sha256(b"Jefe", b"what do ya want for nothing?");
-        let hex: String = mac.iter().map(|b| format!("{b:02x}")).collect();
-        assert_eq!(hex, "5bdcc146bf60754e6a042426089575c75a003f089d2739839dec58b964ec3843");
-        // Test case 6: a key longer than the block.
-        let mac = hmac_sha256(&[0xaa; 131], b"Test Using Larger Than Block-Size Key - Hash Key First");
-        let hex: String = mac.iter().map(|b| format!("{b:02x}")).collect();
-        assert_eq!(hex, "60e431591ee0b67f0d8a26aacbf5b77f8e0bc6213728c5140546040f0ee37f54");
+    fn the_code_is_keyed_blake3_under_a_derived_key() {
+        // BLAKE3's keyed mode of the field's text under the derived key: an independent computation of both steps.
+        let key = blake3::derive_key("kvgate 2026-11 prompt handoff ids v2", b"s3cret");
+        assert_eq!(sign("s3cret", "AAAA"), blake3::keyed_hash(&key, b"AAAA").to_hex().to_string());
+        assert_eq!(sign("s3cret", "AAAA").len(), 64);
+        assert_ne!(sign("s3cret", "AAAA"), blake3::hash(b"AAAA").to_hex().to_string(), "keyed");
     }
 
     #[test]

@@ -7,8 +7,8 @@ use std::time::Instant;
 
 use kvgate_shared::hashing::{BlockHasher, ExtraKeys, HashScheme};
 use kvgate_shared::report::{QueueStats, Throughput, Tier, TierReport, WorkerReport};
-use kvgate_worker::kv::summary::summarise;
 use kvgate_worker::kv::{BlockPool, Parent, SharedPool};
+use kvgate_worker::report::summarise;
 
 fn main() {
     let block = 16usize;

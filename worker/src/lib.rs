@@ -14,4 +14,5 @@ pub mod cuda;
 pub mod engine;
 pub mod kv;
 pub mod model;
+pub mod report;
 pub mod server;

@@ -303,7 +303,7 @@ fn gpu_selftest(gpu: usize, json: Option<PathBuf>) -> ExitCode {
 }
 
 fn calibrate(a: CalibrateArgs) -> ExitCode {
-    use kvgate_worker::cuda::{backend::Loaded, CudaBackend, DType, DeviceChoice};
+    use kvgate_worker::cuda::{backend::GpuModel, CudaBackend, DType, DeviceChoice};
     use kvgate_worker::engine::calibrate::{self, Points};
     let device = match DeviceChoice::parse(&a.device) {
         Ok(d) => d.resolve(),
@@ -346,8 +346,8 @@ fn calibrate(a: CalibrateArgs) -> ExitCode {
                 return ExitCode::from(2);
             };
             let loaded = match &dir {
-                Some(d) => Loaded::from_dir(d, n, dt),
-                None => Loaded::random(kvgate_worker::cuda::check::llama3_8b(), n, dt, 1),
+                Some(d) => GpuModel::from_dir(d, n, dt),
+                None => GpuModel::random(kvgate_worker::cuda::check::llama3_8b(), n, dt, 1),
             };
             loaded.and_then(|l| CudaBackend::new(l, points.slots().next_multiple_of(16) + 16, 16)).and_then(
                 |mut b| {

@@ -24,7 +24,7 @@ use kvgate_shared::hashing::{BlockHash, BlockHasher, ExtraKeys};
 use kvgate_shared::report::Throughput;
 use kvgate_worker::engine::sim::{SimBackend, SimClock};
 use kvgate_worker::engine::{Engine, EngineConfig, EngineRequest, FinishReason, SamplingParams, StepOutput};
-use kvgate_worker::kv::summary::{summarise, ReportSource};
+use kvgate_worker::report::{summarise, ReportSource};
 
 use super::admission::{Admitted, Pumped, Ready, Reservation, SimAdmission};
 use super::SimConfig;

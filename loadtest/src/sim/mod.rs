@@ -121,7 +121,7 @@ pub enum Pace {
 
 /// What every policy's replay shares: the oracle, the offered work and the resolved pace.
 #[derive(Clone, Debug)]
-pub struct Prepared {
+pub struct ReplayPlan {
     pub oracle: Oracle,
     pub offered_work_s: f64,
     pub time_scale: f64,
@@ -129,7 +129,7 @@ pub struct Prepared {
 }
 
 /// Computes the oracle and resolves the pace.
-pub fn prepare(trace: &Trace, cfg: &SimConfig, pace: Pace) -> Result<Prepared, String> {
+pub fn prepare(trace: &Trace, cfg: &SimConfig, pace: Pace) -> Result<ReplayPlan, String> {
     let problems = cfg.validate();
     if !problems.is_empty() {
         return Err(problems.join("; "));
@@ -160,7 +160,7 @@ pub fn prepare(trace: &Trace, cfg: &SimConfig, pace: Pace) -> Result<Prepared, S
         Pace::TargetLoad(f) => offered_work_s / (fleet_s * f),
     };
     let offered_load = if fleet_s > 0.0 { offered_work_s / (fleet_s * time_scale) } else { f64::INFINITY };
-    Ok(Prepared { oracle, offered_work_s, time_scale, offered_load })
+    Ok(ReplayPlan { oracle, offered_work_s, time_scale, offered_load })
 }
 
 /// One policy's figures (`--json` prints these).
@@ -211,7 +211,12 @@ pub struct ClassResult {
 }
 
 /// Replays the trace under one policy.
-pub fn simulate(trace: &Trace, cfg: &SimConfig, prep: &Prepared, policy: &str) -> Result<SimResult, String> {
+pub fn simulate(
+    trace: &Trace,
+    cfg: &SimConfig,
+    prep: &ReplayPlan,
+    policy: &str,
+) -> Result<SimResult, String> {
     let p = policy_by_name(policy, cfg.weights)
         .ok_or_else(|| format!("unknown policy {policy:?}; expected one of {}", POLICIES.join(", ")))?;
     let o = fleet::replay(trace, cfg, prep.time_scale, p);

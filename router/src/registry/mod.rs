@@ -268,7 +268,8 @@ impl Registry {
         w.report.as_ref()?.tier(Tier::Device)?.summary.as_ref()
     }
 
-    /// The candidates for a model (workers whose model is unknown yet are candidates too), and their indices.
+    /// The candidates for a model (workers whose model is unknown yet are candidates too), and for each view the
+    /// worker's index in the registry (a decision's `ranked` indexes the views; this maps them back).
     /// `session`: the request's ring key, to say which worker holds its conversation.
     pub fn views(
         &self,
@@ -278,7 +279,7 @@ impl Registry {
         now: Instant,
     ) -> (Vec<WorkerView<'_>>, Vec<usize>) {
         let mut views = Vec::new();
-        let mut idx = Vec::new();
+        let mut registry_index = Vec::new();
         for (i, w) in self.workers.iter().enumerate() {
             if w.model.as_deref().is_some_and(|m| m != model) {
                 continue;
@@ -292,9 +293,9 @@ impl Registry {
                 sessions: w.sessions.active(),
                 holds_session: session.is_some_and(|k| w.sessions.holds(k, now)),
             });
-            idx.push(i);
+            registry_index.push(i);
         }
-        (views, idx)
+        (views, registry_index)
     }
 
     /// The context length of a model: the smallest any of its workers reported (`None`: none known).

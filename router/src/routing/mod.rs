@@ -181,9 +181,9 @@ pub(crate) fn healthy_indices(workers: &[WorkerView<'_>]) -> Vec<usize> {
 
 /// Indices of healthy workers ordered by load, lightest first (ties by index).
 pub(crate) fn by_load(workers: &[WorkerView<'_>], per_request_tokens: u64) -> Vec<usize> {
-    let mut idx = healthy_indices(workers);
-    idx.sort_by_key(|i| (workers[*i].load.cost(per_request_tokens), *i));
-    idx
+    let mut order = healthy_indices(workers);
+    order.sort_by_key(|i| (workers[*i].load.cost(per_request_tokens), *i));
+    order
 }
 
 #[cfg(test)]

@@ -16,6 +16,8 @@
 
 use std::collections::HashMap;
 
+use foldhash::fast::RandomState;
+
 use kvgate_shared::hashing::BlockHash;
 use xxhash_rust::xxh3::xxh3_64;
 
@@ -45,11 +47,15 @@ pub struct RingKey {
     pub shared_blocks: usize,
 }
 
+/// Block hash -> fan-out. The keys are xxh3 hashes of client-chosen tokens, so the map is seeded per process
+/// (foldhash's `RandomState`: a few times faster than SipHash on a u64, and not predictable from outside).
+type Map = HashMap<u64, Fanout, RandomState>;
+
 /// The ring-key chooser with its fan-out sketch.
 #[derive(Debug)]
 pub struct RingKeys {
-    cur: HashMap<u64, Fanout>,
-    old: HashMap<u64, Fanout>,
+    cur: Map,
+    old: Map,
     entries: usize,
     hub_fanout: usize,
 }
@@ -58,8 +64,8 @@ impl RingKeys {
     /// A sketch of at most `2 x entries` blocks; a block with `hub_fanout` (2..=8) distinct continuations is a hub.
     pub fn new(entries: usize, hub_fanout: usize) -> Self {
         Self {
-            cur: HashMap::new(),
-            old: HashMap::new(),
+            cur: Map::default(),
+            old: Map::default(),
             entries: entries.max(1),
             hub_fanout: hub_fanout.clamp(2, MAX_HUB_FANOUT),
         }
@@ -110,7 +116,7 @@ impl RingKeys {
 
     /// Distinct continuations seen after `block` (capped at `hub_fanout`).
     pub fn fanout(&self, block: u64) -> usize {
-        let n = |m: &HashMap<u64, Fanout>| m.get(&block).map_or(0, |f| f.n as usize);
+        let n = |m: &Map| m.get(&block).map_or(0, |f| f.n as usize);
         n(&self.cur).max(n(&self.old))
     }
 

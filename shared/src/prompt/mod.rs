@@ -7,10 +7,12 @@
 //! tokenized piece by piece between added tokens, earlier messages' pieces from a bounded cache (`segments.rs`;
 //! exact by construction and checked at start, else the whole text is encoded).
 
+pub mod request;
 pub mod segments;
 mod synth;
 mod template;
 
+pub use request::{chat_options, RequestPrompt, CACHE_SALT_HEADER};
 pub use segments::CacheStats;
 pub use synth::{
     byte_to_char, synth_text, synth_tokenizer, SplitMix64, SynthTokenizer, BOS_TOKEN, CHAT_TEMPLATE,

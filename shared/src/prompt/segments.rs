@@ -15,7 +15,9 @@
 //!
 //! Cache bounds: at most `capacity_tokens` ids in all (two generations of half each: a hit in the older one is
 //! promoted; when the newer one fills, the older one is dropped), keyed by the 128-bit xxh3 of the stretch's
-//! bytes. Stretches shorter than [`MIN_CACHED_BYTES`] are tokenized without the cache (cheap either way).
+//! bytes. Short stretches are cached too: a role name between two header tokens is a few bytes, but every message
+//! has one and a call into the tokenizer costs microseconds however short its input, so a long conversation's
+//! short stretches cost more to re-tokenize than its long ones cost to look up.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -23,9 +25,6 @@ use std::sync::{Arc, Mutex};
 use aho_corasick::{AhoCorasick, AhoCorasickBuilder, MatchKind};
 use tokenizers::Tokenizer;
 use xxhash_rust::xxh3::xxh3_128;
-
-/// Stretches shorter than this are tokenized directly.
-pub const MIN_CACHED_BYTES: usize = 64;
 
 /// Default capacity of the cache in token ids (about 16 MiB of ids).
 pub const DEFAULT_CACHE_TOKENS: usize = 4 << 20;
@@ -207,7 +206,7 @@ impl SegmentCache {
         for piece in seg.split(text) {
             match piece {
                 Piece::Added(id) => out.push(id),
-                Piece::Text(t) if t.len() < MIN_CACHED_BYTES || self.capacity_tokens == 0 => {
+                Piece::Text(t) if self.capacity_tokens == 0 => {
                     out.extend_from_slice(tokenizer.encode(t, false).map_err(|e| e.to_string())?.get_ids());
                 }
                 Piece::Text(t) => {

@@ -258,11 +258,14 @@ fn chats_are_tokenized_piece_by_piece_with_the_history_from_the_cache() {
             "turn {turns}: identical to whole-text encoding"
         );
     }
-    // Each turn tokenized only its new messages: the system prompt and earlier turns were hits.
+    // The stretches between added tokens: each message's role and its "\n\n" + content, and the generation
+    // prompt's role and "\n\n". Turn 0 meets six new ones (the three roles, the system prompt, the question, the
+    // final "\n\n"); each later turn only its two new messages. Everything else is a hit.
     let s = p.segment_cache_stats();
-    assert_eq!(s.misses, 1 + 2 * 5, "{s:?}");
-    // Turn t (t >= 1) finds the system prompt and the 2(t - 1) messages of the turns before it.
-    assert_eq!(s.hits, (1..6).map(|t| 2 * t - 1).sum::<u64>(), "{s:?}");
+    assert_eq!(s.misses, 6 + 2 * 5, "{s:?}");
+    // Turn t has 2t + 3 role stretches, 2t + 2 contents and the final "\n\n".
+    let stretches: u64 = (0..6).map(|t| 4 * t + 6).sum();
+    assert_eq!(s.hits, stretches - s.misses, "{s:?}");
 }
 
 #[test]
@@ -382,4 +385,17 @@ mod hostile {
             }
         }
     }
+}
+
+#[test]
+fn handed_ids_replace_tokenizing_but_not_a_prompt_of_ids() {
+    use super::request::RequestPrompt;
+    let p = prompter();
+    let text = RequestPrompt { input: PromptInput::Text("hello there"), body_salt: None, header_salt: None };
+    let own = text.token_ids(&p, None).expect("tokenizes");
+    assert_eq!(own, p.tokenize(&PromptInput::Text("hello there")).expect("tokenizes"));
+    assert_eq!(text.token_ids(&p, Some(vec![7, 8])).expect("handed"), vec![7, 8]);
+    let given = [own[0]];
+    let ids = RequestPrompt { input: PromptInput::TokenIds(&given), body_salt: None, header_salt: None };
+    assert_eq!(ids.token_ids(&p, Some(vec![9])).expect("ids"), given.to_vec());
 }

@@ -31,13 +31,13 @@ impl std::fmt::Debug for CudaBackend {
 }
 
 /// A model on a GPU before its KV pool is sized.
-pub struct Loaded {
+pub struct GpuModel {
     pub gpu: Gpu,
     pub cfg: ModelConfig,
     pub weights: GpuWeights,
 }
 
-impl Loaded {
+impl GpuModel {
     /// Opens GPU `ordinal` and loads a model directory's weights in `dt`.
     pub fn from_dir(dir: &Path, ordinal: usize, dt: DType) -> GpuResult<Self> {
         let cfg = ModelConfig::from_dir(dir).map_err(|e| e.to_string())?;
@@ -59,7 +59,7 @@ impl Loaded {
 /// KV slots (tokens) that fit: `kv_cache_tokens` if given (checked), else `utilization` x free memory less the
 /// scratch of a `max_tokens`-token step with `max_rows` logits rows; rounded down to whole blocks.
 pub fn kv_slots_for(
-    l: &Loaded,
+    l: &GpuModel,
     utilization: f64,
     kv_cache_tokens: Option<usize>,
     max_tokens: usize,
@@ -97,7 +97,7 @@ pub fn kv_slots_for(
 
 impl CudaBackend {
     /// A backend with a KV pool of `num_slots` positions (blocks x `block_size`).
-    pub fn new(l: Loaded, num_slots: usize, block_size: usize) -> GpuResult<Self> {
+    pub fn new(l: GpuModel, num_slots: usize, block_size: usize) -> GpuResult<Self> {
         let kv = GpuKv::new(&l.gpu, &l.cfg, l.weights.dt, num_slots)?;
         let mut ws = Workspace::default();
         let dt = l.weights.dt;

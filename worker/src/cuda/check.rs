@@ -8,7 +8,7 @@ use std::path::Path;
 use serde_json::json;
 
 use super::attention::{self, Heads};
-use super::backend::{CudaBackend, Loaded};
+use super::backend::{CudaBackend, GpuModel};
 use super::forward::{as_bytes, GpuChunk, Out, Want};
 use super::gpu::{Gpu, GpuResult};
 use super::DType;
@@ -67,7 +67,7 @@ fn script(len: usize) -> (Vec<Vec<usize>>, Vec<Vec<Step>>) {
 /// `logits-<dtype>.json` under `out`, and returns the JSON summary.
 pub fn logits(dir: &Path, ordinal: usize, dt: DType, out: &Path, cpu: bool) -> GpuResult<serde_json::Value> {
     let len = 96;
-    let l = Loaded::from_dir(dir, ordinal, dt)?;
+    let l = GpuModel::from_dir(dir, ordinal, dt)?;
     let vocab = l.cfg.vocab_size;
     let tokens: Vec<u32> = (0..len).map(|i| ((i * 7919 + 13) % vocab) as u32).collect();
     let (tables, batches) = script(len);
@@ -308,7 +308,7 @@ pub fn bench(ordinal: usize, quick: bool, kernels_only: bool) -> GpuResult<serde
     let gemm_tflops = report["gemm_bf16_8192_tflops"].as_f64().unwrap_or(1.0);
     let cfg = llama3_8b();
     let dt = DType::BF16;
-    let l = Loaded::random(cfg.clone(), ordinal, dt, 1)?;
+    let l = GpuModel::random(cfg.clone(), ordinal, dt, 1)?;
     let weights_gb = l.weights.step_bytes() as f64 / 1e9;
     let kv_tokens = 256 * 2048 + 40 * 1024;
     let mut b = CudaBackend::new(l, kv_tokens, BS)?;

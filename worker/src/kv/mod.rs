@@ -1,9 +1,8 @@
-//! Paged KV bookkeeping: the block pool with its prefix cache ([`pool`]), what reports say of it ([`summary`]), and
-//! per-sequence block tables that give their blocks back when dropped, so every path that ends a sequence (finish,
-//! abort, preempt, error) frees them.
+//! Paged KV bookkeeping: the block pool with its prefix cache ([`pool`]) and per-sequence block tables that give
+//! their blocks back when dropped, so every path that ends a sequence (finish, abort, preempt, error) frees them.
+//! What reports say of the pool is `crate::report`.
 
 pub mod pool;
-pub mod summary;
 
 use std::sync::{Arc, Mutex, MutexGuard};
 

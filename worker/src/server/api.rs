@@ -17,23 +17,21 @@ use kvgate_shared::openai::{
     ChatCompletionResponse, ChatDelta, ChatMessage, CompletionChoice, CompletionRequest, CompletionResponse,
     FinishReason as ApiFinish, SamplingFields, SinglePrompt, Usage, SSE_DONE,
 };
-use kvgate_shared::prompt::{ChatOptions, PromptError, PromptInput};
+use kvgate_shared::prompt::{chat_options, PromptError, PromptInput, RequestPrompt, CACHE_SALT_HEADER};
 use serde::de::DeserializeOwned;
 use tokio::sync::mpsc::UnboundedReceiver;
 
 use super::engine_thread::{EngineHandle, Refusal};
 use super::errors::ApiError;
 use super::text::TextStream;
-use super::{AppState, Loaded};
+use super::{AppState, ServingModel};
 use crate::engine::{AdmitError, EngineRequest, FinishReason, RequestId, SamplingParams, StepOutput};
 
-/// Header that can carry the tenant's cache salt instead of the body field.
-pub const CACHE_SALT_HEADER: &str = "x-kvgate-cache-salt";
 /// Most stop strings per request.
 pub const MAX_STOP_STRINGS: usize = 16;
 
 #[derive(Clone, Copy, PartialEq)]
-enum Kind {
+enum Endpoint {
     Completion,
     Chat,
 }
@@ -78,17 +76,14 @@ fn unix_now() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
 }
 
-fn salt(headers: &HeaderMap, body: &SamplingFields) -> Result<ExtraKeys, ApiError> {
-    let header = headers.get(CACHE_SALT_HEADER).map(|v| v.to_str().map(str::to_owned));
-    let salt = match (body.cache_salt.clone(), header) {
-        (Some(s), _) => Some(s),
-        (None, Some(Ok(s))) => Some(s),
-        (None, Some(Err(_))) => {
-            return Err(ApiError::invalid(CACHE_SALT_HEADER, "the cache salt header is not text"))
-        }
-        (None, None) => None,
-    };
-    Ok(ExtraKeys::from_salt(salt.as_deref().filter(|s| !s.is_empty())))
+/// The cache salt header's value; a header that is not text is refused (the salt keys the KV blocks).
+fn header_salt(headers: &HeaderMap) -> Result<Option<&str>, ApiError> {
+    headers
+        .get(CACHE_SALT_HEADER)
+        .map(|v| {
+            v.to_str().map_err(|_| ApiError::invalid(CACHE_SALT_HEADER, "the cache salt header is not text"))
+        })
+        .transpose()
 }
 
 /// OpenAI sampling fields -> engine parameters.
@@ -131,7 +126,7 @@ fn prompt_error(e: PromptError, param: &str) -> ApiError {
     }
 }
 
-fn loaded(state: &AppState) -> Result<Arc<Loaded>, ApiError> {
+fn loaded(state: &AppState) -> Result<Arc<ServingModel>, ApiError> {
     if state.draining() {
         return Err(ApiError::unavailable("shutting_down", "the worker is shutting down"));
     }
@@ -153,21 +148,25 @@ pub async fn completions(State(state): State<Arc<AppState>>, headers: HeaderMap,
                 "not supported",
             ));
         }
+        let input = match req.prompt.single().map_err(|m| ApiError::invalid("prompt", m))? {
+            SinglePrompt::Text(t) => PromptInput::Text(t),
+            SinglePrompt::TokenIds(ids) => PromptInput::TokenIds(ids),
+        };
+        let prompt = RequestPrompt {
+            input,
+            body_salt: req.sampling.cache_salt.as_deref(),
+            header_salt: header_salt(&headers)?,
+        };
         let handed = handed_off_ids(&state, &headers, req.kvgate_prompt_ids.as_deref());
-        let ids = match (handed, req.prompt.single().map_err(|m| ApiError::invalid("prompt", m))?) {
-            (Some(ids), SinglePrompt::Text(_)) => Ok(ids),
-            (_, SinglePrompt::Text(t)) => l.prompter.tokenize(&PromptInput::Text(t)),
-            (_, SinglePrompt::TokenIds(ids)) => l.prompter.tokenize(&PromptInput::TokenIds(ids)),
-        }
-        .map_err(|e| prompt_error(e, "prompt"))?;
+        let ids = prompt.token_ids(&l.prompter, handed).map_err(|e| prompt_error(e, prompt.param()))?;
+        let extra = prompt.extra_keys();
         let params = sampling(&req.sampling, 16)?;
-        let extra = salt(&headers, &req.sampling)?;
         Ok((l, ids, params, extra, req.sampling))
     }
     .await;
     match result {
         Ok((l, ids, params, extra, fields)) => {
-            run(l, Kind::Completion, ids, params, extra, &fields, started).await
+            run(l, Endpoint::Completion, ids, params, extra, &fields, started).await
         }
         Err(e) => e.into_response(),
     }
@@ -186,27 +185,26 @@ pub async fn chat_completions(
         if req.model != l.model_id {
             return Err(ApiError::model_not_found(&req.model, &l.model_id));
         }
-        let options = ChatOptions {
-            add_generation_prompt: req.add_generation_prompt.unwrap_or(true),
-            tools: req.tools.clone(),
-            extra: req.chat_template_kwargs.clone(),
+        let options =
+            chat_options(req.add_generation_prompt, req.tools.clone(), req.chat_template_kwargs.clone());
+        let prompt = RequestPrompt {
+            input: PromptInput::Chat { messages: &req.messages, options: &options },
+            body_salt: req.sampling.cache_salt.as_deref(),
+            header_salt: header_salt(&headers)?,
         };
-        let ids = match handed_off_ids(&state, &headers, req.kvgate_prompt_ids.as_deref()) {
-            Some(ids) => ids,
-            None => l
-                .prompter
-                .tokenize(&PromptInput::Chat { messages: &req.messages, options: &options })
-                .map_err(|e| prompt_error(e, "messages"))?,
-        };
+        let handed = handed_off_ids(&state, &headers, req.kvgate_prompt_ids.as_deref());
+        let ids = prompt.token_ids(&l.prompter, handed).map_err(|e| prompt_error(e, prompt.param()))?;
+        let extra = prompt.extra_keys();
         // Without max_tokens a chat may use the rest of the context, up to --default-max-tokens.
         let room = l.max_model_len.saturating_sub(ids.len()).max(1) as u32;
         let params = sampling(&req.sampling, state.cfg.default_max_tokens.min(room))?;
-        let extra = salt(&headers, &req.sampling)?;
         Ok((l, ids, params, extra, req.sampling))
     }
     .await;
     match result {
-        Ok((l, ids, params, extra, fields)) => run(l, Kind::Chat, ids, params, extra, &fields, started).await,
+        Ok((l, ids, params, extra, fields)) => {
+            run(l, Endpoint::Chat, ids, params, extra, &fields, started).await
+        }
         Err(e) => e.into_response(),
     }
 }
@@ -280,8 +278,8 @@ impl Timing {
         }
         self.last = Some(now);
     }
-    fn finish(&self, out: &StepOutput, kind: Kind, status: &'static str) {
-        let endpoint = if kind == Kind::Chat { "chat" } else { "completions" };
+    fn finish(&self, out: &StepOutput, kind: Endpoint, status: &'static str) {
+        let endpoint = if kind == Endpoint::Chat { "chat" } else { "completions" };
         metrics::counter!("kvgate_worker_requests_total", "endpoint" => endpoint, "status" => status)
             .increment(1);
         metrics::counter!("kvgate_worker_prompt_tokens_total").increment(out.prompt_tokens as u64);
@@ -306,8 +304,8 @@ fn api_finish(r: &FinishReason) -> ApiFinish {
 }
 
 async fn run(
-    l: Arc<Loaded>,
-    kind: Kind,
+    l: Arc<ServingModel>,
+    kind: Endpoint,
     ids: Vec<u32>,
     params: SamplingParams,
     extra_keys: ExtraKeys,
@@ -324,7 +322,7 @@ async fn run(
     let guard = AbortGuard { engine: l.engine.clone(), id, done: false };
     let text = TextStream::new(l.prompter.clone(), stops);
     let timing = Timing { started, first: None, last: None };
-    let prefix = if kind == Kind::Chat { "chatcmpl" } else { "cmpl" };
+    let prefix = if kind == Endpoint::Chat { "chatcmpl" } else { "cmpl" };
     let ctx = Ctx {
         kind,
         id: format!("{prefix}-{}-{id}", l.worker_id),
@@ -340,7 +338,7 @@ async fn run(
 }
 
 struct Ctx {
-    kind: Kind,
+    kind: Endpoint,
     id: String,
     model: String,
     created: u64,
@@ -355,7 +353,7 @@ impl Ctx {
         usage_null: bool,
     ) -> String {
         let json = match self.kind {
-            Kind::Chat => serde_json::to_string(&ChatCompletionChunk {
+            Endpoint::Chat => serde_json::to_string(&ChatCompletionChunk {
                 id: self.id.clone(),
                 object: "chat.completion.chunk".into(),
                 created: self.created,
@@ -368,7 +366,7 @@ impl Ctx {
                 }],
                 usage: None,
             }),
-            Kind::Completion => serde_json::to_string(&CompletionResponse {
+            Endpoint::Completion => serde_json::to_string(&CompletionResponse {
                 id: self.id.clone(),
                 object: "text_completion".into(),
                 created: self.created,
@@ -384,14 +382,14 @@ impl Ctx {
         }
         .unwrap_or_default();
         // Completions chunks carry `usage` only when asked for; keep `"usage": null` off otherwise.
-        if !usage_null && self.kind == Kind::Chat {
+        if !usage_null && self.kind == Endpoint::Chat {
             return json.replacen(",\"usage\":null", "", 1);
         }
         json
     }
 
     fn usage_chunk(&self, usage: Usage) -> String {
-        let object = if self.kind == Kind::Chat { "chat.completion.chunk" } else { "text_completion" };
+        let object = if self.kind == Endpoint::Chat { "chat.completion.chunk" } else { "text_completion" };
         serde_json::json!({"id": self.id, "object": object, "created": self.created, "model": self.model,
             "choices": [], "usage": usage})
         .to_string()
@@ -427,7 +425,7 @@ fn stream_response(
             return None;
         }
         let mut out = String::new();
-        if !st.sent_role && st.ctx.kind == Kind::Chat {
+        if !st.sent_role && st.ctx.kind == Endpoint::Chat {
             st.sent_role = true;
             out.push_str(&sse_data(&st.ctx.chunk(Some(String::new()), true, None, st.include_usage)));
         }
@@ -514,7 +512,7 @@ async fn full_response(
     let usage = Some(usage_of(&last));
     let finish_reason = Some(api_finish(&reason));
     let json = match ctx.kind {
-        Kind::Chat => serde_json::to_string(&ChatCompletionResponse {
+        Endpoint::Chat => serde_json::to_string(&ChatCompletionResponse {
             id: ctx.id,
             object: "chat.completion".into(),
             created: ctx.created,
@@ -527,7 +525,7 @@ async fn full_response(
             }],
             usage,
         }),
-        Kind::Completion => serde_json::to_string(&CompletionResponse {
+        Endpoint::Completion => serde_json::to_string(&CompletionResponse {
             id: ctx.id,
             object: "text_completion".into(),
             created: ctx.created,

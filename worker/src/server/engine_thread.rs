@@ -41,7 +41,7 @@ pub enum Refusal {
 
 /// Statistics the engine thread publishes after every step.
 #[derive(Debug, Clone, Copy, Default)]
-pub struct Published {
+pub struct EngineSnapshot {
     pub stats: EngineStats,
     /// Prompt tokens computed (not served from cache) since start.
     pub prefill_tokens: u64,
@@ -54,7 +54,7 @@ pub struct Published {
 #[derive(Clone)]
 pub struct EngineHandle {
     tx: mpsc::UnboundedSender<Cmd>,
-    published: Arc<Mutex<Published>>,
+    snapshot: Arc<Mutex<EngineSnapshot>>,
     pool: SharedPool,
     next_id: Arc<AtomicU64>,
     alive: watch::Receiver<bool>,
@@ -73,9 +73,9 @@ impl EngineHandle {
     /// Starts the thread that owns `engine`.
     pub fn spawn<B: Backend + 'static>(engine: Engine<B>, max_waiting: usize) -> Self {
         let (tx, rx) = mpsc::unbounded_channel();
-        let published = Arc::new(Mutex::new(Published::default()));
+        let snapshot = Arc::new(Mutex::new(EngineSnapshot::default()));
         let pool = engine.scheduler().kv().pool().clone();
-        let p = published.clone();
+        let p = snapshot.clone();
         let (alive_tx, alive) = watch::channel(true);
         let panic_after =
             std::env::var("KVGATE_FAULT_ENGINE_PANIC_AFTER_STEPS").ok().and_then(|v| v.parse().ok());
@@ -87,7 +87,7 @@ impl EngineHandle {
                 tracing::error!("the engine thread ended");
             })
             .unwrap_or_else(|e| panic!("cannot start the engine thread: {e}"));
-        Self { tx, published, pool, next_id: Arc::new(AtomicU64::new(1)), alive }
+        Self { tx, snapshot, pool, next_id: Arc::new(AtomicU64::new(1)), alive }
     }
 
     /// Whether the engine thread still runs.
@@ -125,8 +125,8 @@ impl EngineHandle {
         let _ = self.tx.send(Cmd::AbortAll);
     }
 
-    pub fn published(&self) -> Published {
-        *self.published.lock().unwrap_or_else(|e| e.into_inner())
+    pub fn snapshot(&self) -> EngineSnapshot {
+        *self.snapshot.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// The block pool (reports read its cached hashes).
@@ -138,12 +138,12 @@ impl EngineHandle {
 fn run<B: Backend>(
     mut engine: Engine<B>,
     mut rx: mpsc::UnboundedReceiver<Cmd>,
-    published: Arc<Mutex<Published>>,
+    snapshot: Arc<Mutex<EngineSnapshot>>,
     max_waiting: usize,
     panic_after_steps: Option<u64>,
 ) {
     let mut senders: HashMap<RequestId, mpsc::UnboundedSender<StepOutput>> = HashMap::new();
-    let mut totals = Published::default();
+    let mut totals = EngineSnapshot::default();
     loop {
         if !engine.has_work() {
             match rx.blocking_recv() {
@@ -160,7 +160,7 @@ fn run<B: Backend>(
         }
         if !engine.has_work() {
             // Commands alone (an abort that emptied the engine) change the figures too.
-            publish(&engine, &mut totals, &published);
+            publish(&engine, &mut totals, &snapshot);
             continue;
         }
         if panic_after_steps.is_some_and(|n| totals.steps >= n) {
@@ -174,8 +174,8 @@ fn run<B: Backend>(
         totals.decode_tokens += generated;
         totals.prefill_tokens += computed.saturating_sub(generated);
         totals.steps += 1;
-        // Published before the outputs go out: a client that reads the metrics after its response sees this step.
-        publish(&engine, &mut totals, &published);
+        // EngineSnapshot before the outputs go out: a client that reads the metrics after its response sees this step.
+        publish(&engine, &mut totals, &snapshot);
         let mut aborted = false;
         for o in outputs {
             let done = o.finished.is_some();
@@ -191,7 +191,7 @@ fn run<B: Backend>(
             }
         }
         if aborted {
-            publish(&engine, &mut totals, &published);
+            publish(&engine, &mut totals, &snapshot);
         }
         tracing::trace!(
             computed,
@@ -202,9 +202,9 @@ fn run<B: Backend>(
     }
 }
 
-fn publish<B: Backend>(engine: &Engine<B>, totals: &mut Published, published: &Mutex<Published>) {
+fn publish<B: Backend>(engine: &Engine<B>, totals: &mut EngineSnapshot, snapshot: &Mutex<EngineSnapshot>) {
     totals.stats = engine.stats();
-    *published.lock().unwrap_or_else(|e| e.into_inner()) = *totals;
+    *snapshot.lock().unwrap_or_else(|e| e.into_inner()) = *totals;
 }
 
 fn handle<B: Backend>(

@@ -47,7 +47,7 @@ use crate::model::llama::LlamaModel;
 use crate::model::synth::{synth_model, SynthSpec};
 
 /// Everything that exists once the model is loaded.
-pub struct Loaded {
+pub struct ServingModel {
     pub engine: EngineHandle,
     pub prompter: Arc<Prompter>,
     pub model_id: String,
@@ -65,7 +65,7 @@ pub const EXIT_ENGINE_DEAD: i32 = 70;
 pub struct AppState {
     pub cfg: ServeConfig,
     pub worker_id: String,
-    loaded: OnceLock<Arc<Loaded>>,
+    loaded: OnceLock<Arc<ServingModel>>,
     draining: Arc<AtomicBool>,
     /// Wakes the reporter for an immediate report (draining started).
     report_now: Arc<tokio::sync::Notify>,
@@ -76,7 +76,7 @@ pub struct AppState {
 }
 
 impl AppState {
-    pub fn loaded(&self) -> Option<Arc<Loaded>> {
+    pub fn loaded(&self) -> Option<Arc<ServingModel>> {
         self.loaded.get().cloned()
     }
     pub fn draining(&self) -> bool {
@@ -135,7 +135,7 @@ fn ensure_model_dir(src: &ModelSource) -> Result<std::path::PathBuf, String> {
     }
 }
 
-fn load(cfg: &ServeConfig, worker_id: &str) -> Result<Loaded, String> {
+fn load(cfg: &ServeConfig, worker_id: &str) -> Result<ServingModel, String> {
     let dir = ensure_model_dir(&cfg.model)?;
     let prompter = Prompter::from_dir(&dir)
         .map_err(|e| e.to_string())?
@@ -154,7 +154,7 @@ fn load(cfg: &ServeConfig, worker_id: &str) -> Result<Loaded, String> {
     let (handle, max_model_len, device) = match &cfg.engine {
         EngineKind::Cpu => match cfg.device.resolve() {
             DeviceChoice::Cuda(ordinal) => {
-                let l = crate::cuda::backend::Loaded::from_dir(&dir, ordinal, cfg.dtype)
+                let l = crate::cuda::backend::GpuModel::from_dir(&dir, ordinal, cfg.dtype)
                     .map_err(|e| format!("--device cuda:{ordinal}: {e} (--device cpu serves on the CPU)"))?;
                 let slots = crate::cuda::backend::kv_slots_for(
                     &l,
@@ -197,7 +197,7 @@ fn load(cfg: &ServeConfig, worker_id: &str) -> Result<Loaded, String> {
         ModelSource::Synth { preset, .. } => format!("kvgate-{}", format!("{preset:?}").to_lowercase()),
         ModelSource::Dir(d) => d.file_name().map_or("model".into(), |n| n.to_string_lossy().into_owned()),
     });
-    Ok(Loaded {
+    Ok(ServingModel {
         engine: handle,
         prompter,
         model_id,
@@ -282,7 +282,7 @@ async fn ready(State(state): State<Arc<AppState>>) -> Response {
 
 async fn metrics_text(State(state): State<Arc<AppState>>) -> Response {
     if let Some(l) = state.loaded() {
-        let p = l.engine.published();
+        let p = l.engine.snapshot();
         let s = p.stats;
         metrics::gauge!("kvgate_worker_kv_blocks", "state" => "total").set(s.blocks_total as f64);
         metrics::gauge!("kvgate_worker_kv_blocks", "state" => "free").set(s.blocks_free as f64);

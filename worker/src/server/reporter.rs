@@ -9,7 +9,7 @@
 //! replicas) gets the report at every address, re-resolved each interval, so every replica keeps its own registry.
 //!
 //! What a report holds (the Bloom summary at `--summary-granularity`, queue and KV figures) is built by the pure
-//! `kv::summary` module, which the fleet simulator uses too.
+//! `report` module (next to `kv`, not in the server), which the fleet simulator uses too.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -22,8 +22,8 @@ use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use kvgate_shared::report::{Throughput, WorkerReport, REPORT_CONTENT_TYPE};
 
-use super::engine_thread::{EngineHandle, Published};
-pub use crate::kv::summary::{summarise, ReportSource};
+use super::engine_thread::{EngineHandle, EngineSnapshot};
+pub use crate::report::{summarise, ReportSource};
 
 /// Where and how often reports go, and what can make one go at once.
 pub struct ReportPlan {
@@ -47,8 +47,8 @@ impl ReportSource {
         &self,
         engine: &EngineHandle,
         seq: u64,
-        prev: &Published,
-        now: &Published,
+        prev: &EngineSnapshot,
+        now: &EngineSnapshot,
         dt: Duration,
         draining: bool,
     ) -> WorkerReport {
@@ -125,14 +125,14 @@ pub async fn run(source: ReportSource, engine: EngineHandle, plan: ReportPlan) {
     let mut ticker = tokio::time::interval(interval);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut seq = 0u64;
-    let mut prev = engine.published();
+    let mut prev = engine.snapshot();
     let mut prev_at = Instant::now();
     loop {
         tokio::select! {
             _ = ticker.tick() => {}
             _ = report_now.notified() => {}
         }
-        let now = engine.published();
+        let now = engine.snapshot();
         seq += 1;
         let draining = draining.load(Ordering::Acquire);
         let report = source.build(&engine, seq, &prev, &now, prev_at.elapsed(), draining);

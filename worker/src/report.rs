@@ -11,8 +11,8 @@ use kvgate_shared::report::{
     BlockBloom, CacheSummary, QueueStats, Throughput, Tier, TierReport, WorkerReport,
 };
 
-use super::SharedPool;
 use crate::engine::EngineStats;
+use crate::kv::SharedPool;
 
 /// What a report is built from.
 pub struct ReportSource {
