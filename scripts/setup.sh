@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs what a fresh Debian 12 + Rust machine lacks for building and testing kvgate. Idempotent; safe to rerun.
 #  - cmake, a C/C++ toolchain and pkg-config (native parts of the dependency tree);
+#  - redis-server: the tests of the gateway replicas' shared state start their own on a free port;
 #  - .venv: a Python venv with the reference libraries the tests compare against (transformers, jinja2).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -9,6 +10,7 @@ need_apt=()
 command -v cmake >/dev/null 2>&1 || need_apt+=(cmake)
 command -v c++ >/dev/null 2>&1 || need_apt+=(g++)
 command -v pkg-config >/dev/null 2>&1 || need_apt+=(pkg-config)
+command -v redis-server >/dev/null 2>&1 || need_apt+=(redis-server)
 if [ ${#need_apt[@]} -gt 0 ]; then
   echo "setup: installing ${need_apt[*]}"
   SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"

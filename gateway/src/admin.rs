@@ -11,6 +11,10 @@
 //!   temporary file, fsynced, renamed over the old one, directory fsynced: a crash leaves the old or the new state,
 //!   never a torn one, and a change that could not be saved is not applied: 500), then applied at once and written
 //!   to the log as an audit line.
+//! - With `--redis-url` a change is a compare-and-set in Redis instead (one version order across all replicas; a
+//!   stale `If-Match` on any replica is 412; 503 `shared_state_unavailable` while Redis is unreachable), applied
+//!   here at once and by the other replicas within a second (`shared_state/`); the state file keeps this replica's
+//!   copy.
 //! - The token is checked by the control listener before any body byte is read (`control.rs`).
 
 // Handlers return `Result<_, Response>` so an early answer (401, 412, 400) reads as `?`; axum's Response is large.
@@ -32,6 +36,7 @@ use crate::auth::secrets_equal;
 use crate::persist::{save_state, Persisted};
 use crate::prepare::{PrepHeaders, CACHE_SALT_HEADER, SESSION_HEADER};
 use crate::routing::Weights;
+use crate::shared_state::{Commit, IfMatch, RedisStore, Resource};
 use crate::state::GatewayState;
 
 fn error(status: StatusCode, code: &str, message: String) -> Response {
@@ -91,6 +96,54 @@ fn persist(state: &GatewayState, next: &Persisted) -> Result<(), Response> {
     })
 }
 
+/// With Redis: the change as a compare-and-set there, so every replica sees one order of versions; `Ok` is the new
+/// version (then applied here; the others apply it from Redis), `Err` the response: 412 for a stale `If-Match`
+/// (from whichever replica), 503 while Redis is unreachable (nothing changed anywhere).
+async fn commit_shared(
+    state: &GatewayState,
+    store: &RedisStore,
+    r: Resource,
+    headers: &HeaderMap,
+    value: String,
+) -> Result<u64, Response> {
+    let given = headers.get("if-match").map(|v| v.to_str().unwrap_or("?"));
+    let mismatch = |current: String| {
+        error(
+            StatusCode::PRECONDITION_FAILED,
+            "version_mismatch",
+            format!(
+                "If-Match {} does not match the current version {current}; GET it again",
+                given.unwrap_or("")
+            ),
+        )
+    };
+    let expected = match IfMatch::parse(given) {
+        IfMatch::Any => None,
+        IfMatch::Version(v) => Some(v),
+        IfMatch::Invalid => return Err(mismatch("(not comparable: that is not an ETag of this API)".into())),
+    };
+    let audit = serde_json::json!({
+        "replica": state.shared.replica_id(),
+        "resource": r.name(),
+        "expected": expected,
+        "value": serde_json::from_str::<serde_json::Value>(&value).unwrap_or_default(),
+    })
+    .to_string();
+    match store.commit(r, expected, &value, &audit).await {
+        Ok(Commit::Done(v)) => Ok(v),
+        Ok(Commit::Stale(current)) => Err(mismatch(etag(current))),
+        Err(e) => {
+            state.shared.lost();
+            tracing::error!(error = %e, resource = r.name(), "admin change refused: Redis is unreachable");
+            Err(error(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "shared_state_unavailable",
+                format!("the change was not applied: the replicas' shared state (Redis) is unreachable ({e}); retry"),
+            ))
+        }
+    }
+}
+
 async fn get_weights(State(state): State<Arc<GatewayState>>, headers: HeaderMap) -> Response {
     if let Err(r) = authorize(&state, &headers) {
         return r;
@@ -110,6 +163,19 @@ async fn put_weights(State(state): State<Arc<GatewayState>>, headers: HeaderMap,
     let problems = w.validate();
     if !problems.is_empty() {
         return error(StatusCode::BAD_REQUEST, "invalid_value", problems.join("; "));
+    }
+    if let Some(store) = state.shared.store() {
+        let old = state.weights().0;
+        let value = serde_json::to_string(&w).unwrap_or_default();
+        let version = match commit_shared(&state, store, Resource::Weights, &headers, value).await {
+            Ok(v) => v,
+            Err(r) => return r,
+        };
+        state.apply_weights(w, version);
+        state.save_local_copy();
+        let replica = state.shared.replica_id();
+        tracing::info!(target: "audit", resource = "weights", old = ?old, new = ?w, version, replica, "admin change");
+        return versioned(&w, version);
     }
     let version = {
         let _guard = state.admin_lock();
@@ -147,6 +213,19 @@ async fn put_budgets(State(state): State<Arc<GatewayState>>, headers: HeaderMap,
     let problems = crate::admission::classes::validate(&classes);
     if !problems.is_empty() {
         return error(StatusCode::BAD_REQUEST, "invalid_value", problems.join("; "));
+    }
+    if let Some(store) = state.shared.store() {
+        let old = state.classes().0;
+        let value = serde_json::to_string(&classes).unwrap_or_default();
+        let version = match commit_shared(&state, store, Resource::Budgets, &headers, value).await {
+            Ok(v) => v,
+            Err(r) => return r,
+        };
+        state.apply_classes(classes.clone(), version);
+        state.save_local_copy();
+        let replica = state.shared.replica_id();
+        tracing::info!(target: "audit", resource = "budgets", old = ?old, new = ?classes, version, replica, "admin change");
+        return versioned(&classes, version);
     }
     let version = {
         let _guard = state.admin_lock();

@@ -178,10 +178,23 @@ pub struct GatewayArgs {
     /// Bearer token of the admin API (control listener). Default none: the admin routes are off (404).
     #[arg(long, env = "KVGATE_ADMIN_TOKEN", hide_env_values = true)]
     pub admin_token: Option<String>,
-    /// File where admin changes (weights, budgets) are kept across restarts. Default none (changes are lost on
-    /// restart; the Helm chart sets one).
+    /// File where admin changes (weights, budgets) are kept across restarts, written before a change takes effect.
+    /// Default, when the admin API is on: `gateway-state.json` under `$KVGATE_DATA_DIR`, else
+    /// `$XDG_STATE_HOME/kvgate`, else `~/.local/state/kvgate`. `off`: changes last until restart. A file that
+    /// cannot be used at start is moved aside (`.corrupt-<time>`) and the gateway starts from this configuration.
     #[arg(long, env = "KVGATE_GATEWAY_STATE_FILE")]
     pub state_file: Option<PathBuf>,
+    /// Redis shared by the gateway replicas (`redis://[:password@]host:port[/db]`; `rediss://` for TLS): admin
+    /// state is kept and announced there (see shared_state/). Default none: one replica, state in the state file.
+    #[arg(long, env = "KVGATE_GATEWAY_REDIS_URL", hide_env_values = true)]
+    pub redis_url: Option<String>,
+    /// Prefix of every Redis key and channel (gateways of different fleets can share one Redis). Default `kvgate`.
+    #[arg(long, env = "KVGATE_GATEWAY_REDIS_PREFIX")]
+    pub redis_prefix: Option<String>,
+    /// This replica's name in Redis heartbeats and audit lines. Default: `$HOSTNAME` (the pod name), else
+    /// `gateway-<pid>`.
+    #[arg(long, env = "KVGATE_GATEWAY_REPLICA_ID")]
+    pub replica_id: Option<String>,
     /// Request classes and their token budgets (TOML `[[classes]]`; default: short / long / reasoning, see
     /// admission/classes.rs).
     #[arg(skip)]
@@ -232,6 +245,9 @@ pub struct GatewayConfig {
     pub classes: Vec<ClassConfig>,
     pub admin_token: Option<String>,
     pub state_file: Option<PathBuf>,
+    pub redis_url: Option<String>,
+    pub redis_prefix: String,
+    pub replica_id: String,
 }
 
 /// The first-byte timeout of a request: `floor + uncached prompt tokens x per_prompt_token` (+ `max_tokens x
@@ -285,7 +301,7 @@ impl GatewayArgs {
         if let Some(v) = self.w_load {
             weights.w_load = v;
         }
-        let cfg = GatewayConfig {
+        let mut cfg = GatewayConfig {
             listen: pick!(listen).unwrap_or_else(|| "0.0.0.0:8080".into()),
             control_listen: pick!(control_listen).unwrap_or_else(|| "0.0.0.0:8081".into()),
             workers: pick!(workers).unwrap_or_default().into_iter().filter(|w| !w.is_empty()).collect(),
@@ -346,11 +362,38 @@ impl GatewayArgs {
             log_json: pick!(log_json).unwrap_or(false),
             classes: pick!(classes).unwrap_or_else(default_classes),
             admin_token: pick!(admin_token).filter(|t| !t.is_empty()),
-            state_file: pick!(state_file),
+            state_file: None,
+            redis_url: pick!(redis_url).filter(|u| !u.is_empty()),
+            redis_prefix: pick!(redis_prefix).unwrap_or_else(|| "kvgate".into()),
+            replica_id: pick!(replica_id)
+                .or_else(|| std::env::var("HOSTNAME").ok())
+                .filter(|r| !r.is_empty())
+                .unwrap_or_else(|| format!("gateway-{}", std::process::id())),
         };
+        cfg.state_file = state_file(pick!(state_file), cfg.admin_token.is_some());
         cfg.validate()?;
         Ok(cfg)
     }
+}
+
+/// The state file: the one given (`off`: none), else the default path when the admin API is on (without it nothing
+/// changes at run time, so there is nothing to keep, and no file from an earlier run overrides the configuration).
+fn state_file(given: Option<PathBuf>, admin_on: bool) -> Option<PathBuf> {
+    match given {
+        Some(p) if p.as_os_str() == "off" || p.as_os_str().is_empty() => None,
+        Some(p) => Some(p),
+        None if admin_on => Some(default_data_dir().join("gateway-state.json")),
+        None => None,
+    }
+}
+
+/// `$KVGATE_DATA_DIR`, else `$XDG_STATE_HOME/kvgate`, else `~/.local/state/kvgate`, else `./kvgate-state`.
+pub fn default_data_dir() -> PathBuf {
+    let env = |k: &str| std::env::var_os(k).filter(|v| !v.is_empty()).map(PathBuf::from);
+    env("KVGATE_DATA_DIR")
+        .or_else(|| env("XDG_STATE_HOME").map(|d| d.join("kvgate")))
+        .or_else(|| env("HOME").map(|h| h.join(".local/state/kvgate")))
+        .unwrap_or_else(|| PathBuf::from("kvgate-state"))
 }
 
 impl GatewayConfig {
@@ -375,6 +418,20 @@ impl GatewayConfig {
         }
         if self.vnodes == 0 || self.threads == 0 {
             p.push("vnodes and threads must be at least 1".into());
+        }
+        if let Some(url) = &self.redis_url {
+            if !["redis://", "rediss://", "redis+unix://", "unix://"].iter().any(|p| url.starts_with(p)) {
+                p.push("redis-url must start with redis://, rediss:// or unix://".into());
+            }
+        }
+        let prefix_ok = |s: &str| {
+            !s.is_empty() && s.len() <= 64 && s.chars().all(|c| c.is_ascii_graphic() && c != '*' && c != '?')
+        };
+        if !prefix_ok(&self.redis_prefix) {
+            p.push("redis-prefix must be 1-64 printable characters without spaces, * or ?".into());
+        }
+        if !prefix_ok(&self.replica_id) || self.replica_id.len() > 64 {
+            p.push("replica-id must be 1-64 printable characters without spaces, * or ?".into());
         }
         if self.max_body_bytes < 1024 {
             p.push("max-body-bytes must be at least 1024".into());

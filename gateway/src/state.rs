@@ -23,6 +23,7 @@ use crate::keys::KeyTable;
 use crate::registry::{Registry, RegistryConfig};
 use crate::route::Router;
 use crate::routing::{policy_by_name, RingKeys, Weights};
+use crate::shared_state::{Resource, SharedState};
 use crate::tokenize::TokenizePool;
 
 /// HTTP client to workers.
@@ -56,6 +57,8 @@ pub struct GatewayState {
     weights: RwLock<(Weights, u64)>,
     classes_version: AtomicU64,
     admin: Mutex<()>,
+    /// What the replicas share through Redis (`shared_state/`), and the mode.
+    pub shared: SharedState,
 }
 
 impl GatewayState {
@@ -84,16 +87,25 @@ impl GatewayState {
             registry.add_static(w);
         }
         // Admin changes persisted by an earlier run win over the configuration.
-        let persisted = match &cfg.state_file {
-            Some(path) => crate::persist::load_state(path)?,
-            None => None,
-        };
+        let persisted = cfg.state_file.as_deref().and_then(crate::persist::load_or_set_aside);
+        if let (Some(path), Some(p)) = (&cfg.state_file, &persisted) {
+            tracing::warn!(
+                "admin changes kept in {} override the configured weights and classes (versions {} and {})",
+                path.display(),
+                p.weights_version,
+                p.classes_version
+            );
+        }
         let (weights, weights_version, classes, classes_version) = match persisted {
             Some(p) => (p.weights, p.weights_version, p.classes, p.classes_version),
             None => (cfg.weights, 1, cfg.classes.clone(), 1),
         };
         policy.set_weights(weights);
         let admission = Admission::new(classes);
+        let shared = SharedState::new(
+            cfg.redis_url.as_deref().map(|u| (u, cfg.redis_prefix.as_str())),
+            cfg.replica_id.clone(),
+        )?;
         let cfg_ring = (cfg.ring_sketch_entries, cfg.ring_hub_fanout);
         Ok(Self {
             cfg,
@@ -109,6 +121,7 @@ impl GatewayState {
             ring_keys: Mutex::new(RingKeys::new(cfg_ring.0, cfg_ring.1)),
             weights: RwLock::new((weights, weights_version)),
             classes_version: AtomicU64::new(classes_version),
+            shared,
             admin: Mutex::new(()),
         })
     }
@@ -134,6 +147,53 @@ impl GatewayState {
         g.0 = w;
         g.1 += 1;
         g.1
+    }
+
+    /// Applies weights at `version` if it is newer than the current one (from Redis); true when applied.
+    pub fn apply_weights(&self, w: Weights, version: u64) -> bool {
+        let mut g = self.weights.write().unwrap_or_else(|e| e.into_inner());
+        if version <= g.1 {
+            return false;
+        }
+        self.router.policy().set_weights(w);
+        *g = (w, version);
+        true
+    }
+
+    /// Applies a class set at `version` if it is newer than the current one (from Redis); true when applied.
+    pub fn apply_classes(&self, classes: Vec<crate::admission::ClassConfig>, version: u64) -> bool {
+        let _guard = self.admin_lock();
+        if version <= self.classes_version.load(Ordering::Acquire) {
+            return false;
+        }
+        self.admission.set_classes(classes);
+        self.classes_version.store(version, Ordering::Release);
+        true
+    }
+
+    /// A resource as the admin API shows it, with its version.
+    pub fn resource_json(&self, r: Resource) -> (u64, String) {
+        let text = |v: Result<String, serde_json::Error>| v.unwrap_or_else(|_| "null".into());
+        match r {
+            Resource::Weights => {
+                let (w, v) = self.weights();
+                (v, text(serde_json::to_string(&w)))
+            }
+            Resource::Budgets => {
+                let (c, v) = self.classes();
+                (v, text(serde_json::to_string(&c)))
+            }
+        }
+    }
+
+    /// Keeps the current admin state in the state file (with Redis, the replica's copy for a restart while Redis
+    /// is down); a failure is logged, not fatal.
+    pub fn save_local_copy(&self) {
+        if let Some(path) = &self.cfg.state_file {
+            if let Err(e) = crate::persist::save_state(path, &self.persisted()) {
+                tracing::error!(error = %e, "cannot keep a local copy of the admin state");
+            }
+        }
     }
 
     pub fn classes(&self) -> (Vec<crate::admission::ClassConfig>, u64) {

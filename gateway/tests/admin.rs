@@ -76,10 +76,51 @@ async fn changes_are_validated_versioned_and_survive_a_restart() {
 }
 
 #[tokio::test]
+async fn by_default_changes_persist_under_the_data_dir_and_a_bad_file_is_set_aside() {
+    // No --state-file: a new user's gateway with the admin API on keeps its changes.
+    let data = tempfile::tempdir().expect("tmp");
+    let root = data.path().to_owned();
+    let (mut g, control) = gateway_in(&["--admin-token", TOKEN], data);
+    let wurl = format!("{control}/admin/v1/weights");
+    assert_eq!(admin("PUT", &wurl, Some(json!({"w_prefix": 2.5})), &[]).await.status, 200);
+    assert!(root.join("gateway-state.json").exists());
+    let data = g.data.take().expect("data dir");
+    g.kill();
+    let (mut g, control) = gateway_in(&["--admin-token", TOKEN], data);
+    let w = admin("GET", &format!("{control}/admin/v1/weights"), None, &[]).await;
+    assert_eq!((w.json()["w_prefix"].as_f64(), w.header("etag")), (Some(2.5), "\"v2\"".to_owned()));
+    // A corrupt file: moved aside, the gateway starts from its configuration and keeps working.
+    let data = g.data.take().expect("data dir");
+    g.kill();
+    std::fs::write(root.join("gateway-state.json"), "{\"weights\": ").expect("corrupt");
+    let (_g, control) = gateway_in(&["--admin-token", TOKEN], data);
+    let w = admin("GET", &format!("{control}/admin/v1/weights"), None, &[]).await;
+    assert_eq!((w.json()["w_prefix"].as_f64(), w.header("etag")), (Some(1.0), "\"v1\"".to_owned()));
+    let names: Vec<String> = std::fs::read_dir(&root)
+        .expect("dir")
+        .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
+        .collect();
+    assert!(names.iter().any(|n| n.starts_with("gateway-state.json.corrupt-")), "{names:?}");
+    assert!(!names.contains(&"gateway-state.json".to_owned()), "{names:?}");
+    // `--state-file off`: nothing is written.
+    let off = tempfile::tempdir().expect("tmp");
+    let off_root = off.path().to_owned();
+    let (_g, control) = gateway_in(&["--admin-token", TOKEN, "--state-file", "off"], off);
+    assert_eq!(
+        admin("PUT", &format!("{control}/admin/v1/weights"), Some(json!({"w_prefix": 3.0})), &[])
+            .await
+            .status,
+        200
+    );
+    assert_eq!(std::fs::read_dir(&off_root).expect("dir").count(), 0);
+}
+
+#[tokio::test]
 async fn a_change_that_cannot_be_saved_is_not_applied() {
     let dir = tempfile::tempdir().expect("tmp");
-    // A state file in a directory that does not exist: every save fails.
-    let state = dir.path().join("missing-dir").join("state.json");
+    // A state file under a path whose "directory" is a file: every save fails.
+    std::fs::write(dir.path().join("not-a-dir"), "").expect("write");
+    let state = dir.path().join("not-a-dir").join("state.json");
     let (_g, control) = gateway(&["--admin-token", TOKEN, "--state-file", state.to_str().expect("path")]);
     let wurl = format!("{control}/admin/v1/weights");
     let put = admin("PUT", &wurl, Some(json!({"w_prefix": 5.0})), &[]).await;

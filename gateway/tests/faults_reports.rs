@@ -124,7 +124,7 @@ async fn insecure_reports_is_an_explicit_choice() {
         .spawn()
         .expect("starts");
     wait_for_line(&mut child, "listening on");
-    let g = Proc { child, base: format!("http://127.0.0.1:{port}"), port };
+    let g = Proc { child, base: format!("http://127.0.0.1:{port}"), port, data: None };
     let control = format!("http://127.0.0.1:{cport}");
     let r = send_report(&control, forged("open", "http://127.0.0.1:9", 1), None).await;
     assert_eq!(r.status, 204, "{}", r.body);

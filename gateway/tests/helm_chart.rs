@@ -71,12 +71,13 @@ async fn what_the_chart_renders_runs_on_the_real_binaries() {
         .args(&gw_args)
         .env("KVGATE_REPORT_SECRET", "chart-secret")
         .env("KVGATE_ADMIN_TOKEN", "chart-admin")
+        .env("KVGATE_DATA_DIR", dir.path())
         .env("RUST_LOG", "warn")
         .stdout(Stdio::piped())
         .spawn()
         .expect("gateway");
     wait_for_line(&mut gw, "listening on");
-    let gw = Proc { child: gw, base: format!("http://127.0.0.1:{port}"), port };
+    let gw = Proc { child: gw, base: format!("http://127.0.0.1:{port}"), port, data: None };
     let control = format!("http://127.0.0.1:{cport}");
     // No worker yet: not ready (the readiness probe keeps traffic away).
     assert_eq!(get(&format!("{control}/ready")).await.status, 503);
@@ -122,7 +123,7 @@ async fn what_the_chart_renders_runs_on_the_real_binaries() {
         .stdout(Stdio::null())
         .spawn()
         .expect("worker");
-    let _worker = Proc { child: worker, base: format!("http://127.0.0.1:{wport}"), port: wport };
+    let _worker = Proc { child: worker, base: format!("http://127.0.0.1:{wport}"), port: wport, data: None };
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
         let r = get(&format!("{control}/ready")).await;

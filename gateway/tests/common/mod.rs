@@ -20,6 +20,8 @@ pub struct Proc {
     pub child: Child,
     pub base: String,
     pub port: u16,
+    /// The process's own data directory (`KVGATE_DATA_DIR`), removed with it.
+    pub data: Option<tempfile::TempDir>,
 }
 
 impl Drop for Proc {
@@ -123,11 +125,18 @@ pub fn worker_on(
         .spawn()
         .expect("worker starts");
     wait_for_line(&mut child, " ready ");
-    Proc { child, base: format!("http://127.0.0.1:{port}"), port }
+    Proc { child, base: format!("http://127.0.0.1:{port}"), port, data: None }
 }
 
-/// A gateway; returns (process, control base URL).
+/// A gateway; returns (process, control base URL). Each gets its own data directory (where the admin state file
+/// goes by default), so tests never share one.
 pub fn gateway(extra: &[&str]) -> (Proc, String) {
+    let data = tempfile::tempdir().expect("data dir");
+    gateway_in(extra, data)
+}
+
+/// A gateway whose data directory is `data` (a restart can reuse it).
+pub fn gateway_in(extra: &[&str], data: tempfile::TempDir) -> (Proc, String) {
     let (port, cport) = (free_port(), free_port());
     let mut args: Vec<String> = vec![
         "--listen".into(),
@@ -141,11 +150,13 @@ pub fn gateway(extra: &[&str]) -> (Proc, String) {
     let mut child = Command::new(bin("kvgate-gateway"))
         .args(&args)
         .env("RUST_LOG", "warn")
+        .env("KVGATE_DATA_DIR", data.path())
         .stdout(Stdio::piped())
         .spawn()
         .expect("gateway starts");
     wait_for_line(&mut child, "listening on");
-    (Proc { child, base: format!("http://127.0.0.1:{port}"), port }, format!("http://127.0.0.1:{cport}"))
+    let base = format!("http://127.0.0.1:{port}");
+    (Proc { child, base, port, data: Some(data) }, format!("http://127.0.0.1:{cport}"))
 }
 
 pub struct Resp {

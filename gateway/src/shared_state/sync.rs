@@ -1,0 +1,115 @@
+//! The replica's side of the shared state's upkeep: the sync loop (heartbeat, seed what Redis lacks, apply what is
+//! newer) and the change subscription that wakes it. Spawned on the control runtime for the life of the gateway.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures_util::StreamExt;
+
+use super::redis_store::{RedisStore, Resource, COMMAND_TIMEOUT};
+use super::{now_ms, SYNC_INTERVAL};
+use crate::admission::ClassConfig;
+use crate::routing::Weights;
+use crate::state::GatewayState;
+
+/// Applies a resource read from Redis when it is newer than what this replica has. Values are validated like an
+/// admin PUT (Redis is shared infrastructure; a bad value is logged and skipped, never applied).
+pub fn apply_remote(state: &GatewayState, r: Resource, version: u64, value: &str) {
+    match r {
+        Resource::Weights => {
+            if version <= state.weights().1 {
+                return;
+            }
+            match serde_json::from_str::<Weights>(value) {
+                Ok(w) if w.validate().is_empty() => {
+                    if state.apply_weights(w, version) {
+                        tracing::info!(version, "shared state: weights from another replica applied");
+                        state.save_local_copy();
+                    }
+                }
+                _ => tracing::error!(version, "shared state: invalid weights in Redis, ignored"),
+            }
+        }
+        Resource::Budgets => {
+            if version <= state.classes().1 {
+                return;
+            }
+            match serde_json::from_str::<Vec<ClassConfig>>(value) {
+                Ok(c) if crate::admission::classes::validate(&c).is_empty() => {
+                    if state.apply_classes(c, version) {
+                        tracing::info!(version, "shared state: budgets from another replica applied");
+                        state.save_local_copy();
+                    }
+                }
+                _ => tracing::error!(version, "shared state: invalid budgets in Redis, ignored"),
+            }
+        }
+    }
+}
+
+/// One pass: heartbeat, seed what Redis lacks, apply what is newer.
+async fn sync_once(state: &GatewayState, store: &RedisStore) -> Result<(), redis::RedisError> {
+    let shared = &state.shared;
+    let live = store.heartbeat(shared.replica_id(), now_ms()).await?;
+    shared.set_live(live);
+    for r in Resource::ALL {
+        match store.get(r).await? {
+            Some((version, value)) => apply_remote(state, r, version, &value),
+            None => {
+                let (version, value) = state.resource_json(r);
+                if store.seed(r, version, &value).await? {
+                    tracing::info!(
+                        resource = r.name(),
+                        version,
+                        "shared state: seeded Redis from this replica"
+                    );
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The sync loop and the change subscription; runs for the life of the gateway (spawned on the control runtime).
+pub async fn run(state: Arc<GatewayState>) {
+    let Some(store) = state.shared.store() else { return };
+    let sub = state.clone();
+    tokio::spawn(async move { subscribe(sub).await });
+    loop {
+        let up = sync_once(&state, store).await;
+        if let Err(e) = &up {
+            tracing::debug!(error = %e, "shared state: sync failed");
+        }
+        state.shared.set_up(up.is_ok());
+        state.shared.wait(SYNC_INTERVAL).await;
+    }
+}
+
+/// Listens on the change channel and wakes the sync loop at each announcement; reconnects with backoff (0.5 s
+/// doubling to 8 s).
+async fn subscribe(state: Arc<GatewayState>) {
+    let Some(store) = state.shared.store() else { return };
+    let mut backoff = Duration::from_millis(500);
+    loop {
+        let attempt = async {
+            let mut pubsub = store.client().get_async_pubsub().await?;
+            pubsub.subscribe(store.channel()).await?;
+            Ok::<_, redis::RedisError>(pubsub)
+        };
+        match tokio::time::timeout(COMMAND_TIMEOUT, attempt).await {
+            Ok(Ok(mut pubsub)) => {
+                backoff = Duration::from_millis(500);
+                let mut messages = pubsub.on_message();
+                while let Some(m) = messages.next().await {
+                    let payload: String = m.get_payload().unwrap_or_default();
+                    tracing::debug!(change = %payload, "shared state: change announced");
+                    state.shared.wake();
+                }
+            }
+            Ok(Err(e)) => tracing::debug!(error = %e, "shared state: cannot subscribe"),
+            Err(_) => tracing::debug!("shared state: subscribing timed out"),
+        }
+        tokio::time::sleep(backoff).await;
+        backoff = (backoff * 2).min(Duration::from_secs(8));
+    }
+}

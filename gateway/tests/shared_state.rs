@@ -1,0 +1,212 @@
+//! Gateway replicas sharing their admin state through a real `redis-server` (started here on a free port in a
+//! temporary directory, stopped at the end; `scripts/setup.sh` installs it): a change on one replica reaches the
+//! others within a second, a stale `If-Match` on any replica is 412, losing Redis fails no request, and the state
+//! outlives every gateway's restart and Redis's.
+
+mod common;
+
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::*;
+use serde_json::json;
+
+const TOKEN: &str = "admin-t0ken";
+
+/// A `redis-server` on `port`, without persistence, killed on drop.
+struct Redis {
+    child: Child,
+    port: u16,
+    _dir: tempfile::TempDir,
+}
+
+impl Redis {
+    fn start(port: u16) -> Self {
+        let dir = tempfile::tempdir().expect("tmp");
+        let child = Command::new("redis-server")
+            .args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+            .arg("--dir")
+            .arg(dir.path())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("redis-server is installed (scripts/setup.sh)");
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(Instant::now() < deadline, "redis-server did not listen");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Self { child, port, _dir: dir }
+    }
+
+    fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+}
+
+impl Drop for Redis {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+async fn admin(method: &str, url: &str, body: Option<serde_json::Value>, extra: &[(&str, &str)]) -> Resp {
+    let auth = format!("Bearer {TOKEN}");
+    let mut headers: Vec<(&str, &str)> = vec![("authorization", auth.as_str())];
+    headers.extend_from_slice(extra);
+    request(method, url, body.map(|b| b.to_string()), &headers).await
+}
+
+/// A replica with the admin API on, sharing `redis`, with its own data directory.
+fn replica(redis: &str, id: &str, data: tempfile::TempDir) -> (Proc, String) {
+    gateway_in(&["--admin-token", TOKEN, "--redis-url", redis, "--replica-id", id], data)
+}
+
+async fn mode(control: &str) -> (Option<f64>, Option<f64>) {
+    let m = get(&format!("{control}/metrics")).await.body;
+    (
+        metric(&m, "kvgate_gateway_shared_state_mode{mode=\"redis\"}"),
+        metric(&m, "kvgate_gateway_shared_state_mode{mode=\"local\"}"),
+    )
+}
+
+/// Polls until the replica's weights show `w_prefix` at `etag` (panics after `within`).
+async fn wait_weights(control: &str, w_prefix: f64, etag: &str, within: Duration) -> Duration {
+    let t0 = Instant::now();
+    loop {
+        let r = admin("GET", &format!("{control}/admin/v1/weights"), None, &[]).await;
+        if r.json()["w_prefix"].as_f64() == Some(w_prefix) && r.header("etag") == etag {
+            return t0.elapsed();
+        }
+        assert!(t0.elapsed() < within, "{control} still shows {} {}", r.header("etag"), r.body);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test]
+async fn replicas_share_admin_changes_through_redis() {
+    let redis = Redis::start(free_port());
+    let mut replicas: Vec<(Proc, String)> = ["a", "b", "c"]
+        .iter()
+        .map(|id| replica(&redis.url(), id, tempfile::tempdir().expect("tmp")))
+        .collect();
+    for (_, control) in &replicas {
+        wait_until(Duration::from_secs(10), || async { mode(control).await == (Some(1.0), Some(0.0)) }).await;
+    }
+    let (a, b, c) = (replicas[0].1.clone(), replicas[1].1.clone(), replicas[2].1.clone());
+    // A change on A is visible on B and C within a second.
+    let put = admin(
+        "PUT",
+        &format!("{a}/admin/v1/weights"),
+        Some(json!({"w_prefix": 2.0, "w_ring": 0.1})),
+        &[("if-match", "\"v1\"")],
+    )
+    .await;
+    assert_eq!((put.status, put.header("etag")), (200, "\"v2\"".to_owned()), "{}", put.body);
+    for control in [&b, &c] {
+        let took = wait_weights(control, 2.0, "\"v2\"", Duration::from_secs(1)).await;
+        eprintln!("{control}: the change arrived after {took:?}");
+    }
+    // C still holding v1 is refused, although C itself never saw a write.
+    let stale = admin(
+        "PUT",
+        &format!("{c}/admin/v1/weights"),
+        Some(json!({"w_prefix": 3.0})),
+        &[("if-match", "\"v1\"")],
+    )
+    .await;
+    assert_eq!(stale.status, 412, "{}", stale.body);
+    assert!(stale.body.contains("\\\"v2\\\""), "names the current version: {}", stale.body);
+    // Budgets travel the same way.
+    let one = json!([{"name": "all", "refill_tokens_per_s": 5000.0, "burst_tokens": 20000.0}]);
+    let put = admin("PUT", &format!("{b}/admin/v1/budgets"), Some(one), &[]).await;
+    assert_eq!(put.status, 200, "{}", put.body);
+    for control in [&a, &c] {
+        wait_until(Duration::from_secs(1), || async {
+            admin("GET", &format!("{control}/admin/v1/budgets"), None, &[]).await.json()[0]["name"] == "all"
+        })
+        .await;
+    }
+    // Restart every gateway (new data directories: nothing local survives): the state comes from Redis.
+    for (p, _) in &mut replicas {
+        p.kill();
+    }
+    let (_a2, a2) = replica(&redis.url(), "a", tempfile::tempdir().expect("tmp"));
+    wait_weights(&a2, 2.0, "\"v2\"", Duration::from_secs(5)).await;
+    let b = admin("GET", &format!("{a2}/admin/v1/budgets"), None, &[]).await;
+    assert_eq!((b.json()[0]["name"].clone(), b.header("etag")), (json!("all"), "\"v2\"".to_owned()));
+}
+
+#[tokio::test]
+async fn losing_redis_fails_no_request_and_the_state_comes_back() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let synth = dir.path().join("tiny");
+    let redis_port = free_port();
+    let mut redis = Redis::start(redis_port);
+    let url = redis.url();
+    let (_a, a) = replica(&url, "a", tempfile::tempdir().expect("tmp"));
+    let (_b, b) = replica(&url, "b", tempfile::tempdir().expect("tmp"));
+    let _w = worker("w0", &synth, Some(&format!("{a},{b}")), &[]);
+    for control in [&a, &b] {
+        wait_healthy(control, 1).await;
+        wait_until(Duration::from_secs(10), || async { mode(control).await == (Some(1.0), Some(0.0)) }).await;
+    }
+    let public = format!("http://127.0.0.1:{}", _a.port);
+    let put = admin("PUT", &format!("{a}/admin/v1/weights"), Some(json!({"w_prefix": 2.0})), &[]).await;
+    assert_eq!(put.status, 200, "{}", put.body);
+    wait_weights(&b, 2.0, "\"v2\"", Duration::from_secs(1)).await;
+
+    // Requests keep flowing while Redis goes away and comes back.
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let traffic = {
+        let (stop, public) = (stop.clone(), public.clone());
+        tokio::spawn(async move {
+            let (mut ok, mut failed) = (0u32, Vec::new());
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let body = json!({"model": "kvgate-tiny", "prompt": "hello redis", "max_tokens": 2});
+                let r = post(&format!("{public}/v1/completions"), &body, &[]).await;
+                if r.status == 200 {
+                    ok += 1;
+                } else {
+                    failed.push(format!("{} {}", r.status, r.body));
+                }
+            }
+            (ok, failed)
+        })
+    };
+    drop(redis);
+    for control in [&a, &b] {
+        wait_until(Duration::from_secs(5), || async { mode(control).await == (Some(0.0), Some(1.0)) }).await;
+    }
+    // Writes cannot be made durable for the other replica: 503; reads serve the last state.
+    let down = admin("PUT", &format!("{a}/admin/v1/weights"), Some(json!({"w_prefix": 4.0})), &[]).await;
+    assert_eq!((down.status, down.json()["error"]["code"].clone()), (503, json!("shared_state_unavailable")));
+    let last = admin("GET", &format!("{b}/admin/v1/weights"), None, &[]).await;
+    assert_eq!((last.json()["w_prefix"].as_f64(), last.header("etag")), (Some(2.0), "\"v2\"".to_owned()));
+    // Redis returns empty (no persistence): the replicas seed it with their state and go back to redis mode.
+    redis = Redis::start(redis_port);
+    for control in [&a, &b] {
+        wait_until(Duration::from_secs(10), || async { mode(control).await == (Some(1.0), Some(0.0)) }).await;
+    }
+    let put = admin(
+        "PUT",
+        &format!("{b}/admin/v1/weights"),
+        Some(json!({"w_prefix": 5.0})),
+        &[("if-match", "\"v2\"")],
+    )
+    .await;
+    assert_eq!((put.status, put.header("etag")), (200, "\"v3\"".to_owned()), "{}", put.body);
+    wait_weights(&a, 5.0, "\"v3\"", Duration::from_secs(1)).await;
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let (ok, failed) = traffic.await.expect("traffic");
+    assert!(
+        failed.is_empty(),
+        "{} of {} requests failed: {:?}",
+        failed.len(),
+        ok as usize + failed.len(),
+        failed
+    );
+    assert!(ok > 5, "traffic ran ({ok} requests)");
+    drop(redis);
+}
