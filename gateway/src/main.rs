@@ -104,6 +104,7 @@ fn main() -> ExitCode {
                 });
                 tokio::spawn(kvgate_gateway::control::upkeep(control_state.clone()));
                 tokio::spawn(kvgate_gateway::shared_state::sync::run(control_state.clone()));
+                tokio::spawn(kvgate_gateway::shared_state::budgets::run(control_state.clone()));
                 let app = kvgate_gateway::control::router(control_state, queue)
                     .into_make_service_with_connect_info::<std::net::SocketAddr>();
                 if let Err(e) = axum::serve(listener, app).await {

@@ -210,3 +210,96 @@ async fn losing_redis_fails_no_request_and_the_state_comes_back() {
     assert!(ok > 5, "traffic ran ({ok} requests)");
     drop(redis);
 }
+
+/// One class for everything, 2,000 tokens/s with a 2,000-token burst, waiting up to 2 s.
+const ONE_CLASS: &str = r#"
+[[classes]]
+name = "all"
+refill_tokens_per_s = 2000
+burst_tokens = 2000
+max_wait_ms = 2000
+"#;
+
+#[tokio::test]
+async fn three_replicas_admit_one_class_budget_between_them() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let redis = Redis::start(free_port());
+    let cfg = dir.path().join("gateway.toml");
+    std::fs::write(&cfg, ONE_CLASS).expect("write");
+    let replicas: Vec<(Proc, String)> = ["a", "b", "c"]
+        .iter()
+        .map(|id| {
+            gateway_in(
+                &["--redis-url", &redis.url(), "--replica-id", id, "--config", cfg.to_str().expect("p")],
+                tempfile::tempdir().expect("tmp"),
+            )
+        })
+        .collect();
+    let controls: Vec<String> = replicas.iter().map(|(_, c)| c.clone()).collect();
+    let profile = sim_profile(dir.path(), "instant", 0.0, 0.0);
+    let _w = worker(
+        "w",
+        &dir.path().join("tiny"),
+        Some(&controls.join(",")),
+        &["--engine", "sim", "--sim-profile", profile.to_str().expect("p")],
+    );
+    for control in &controls {
+        wait_healthy(control, 1).await;
+        wait_until(Duration::from_secs(10), || async { mode(control).await == (Some(1.0), Some(0.0)) }).await;
+    }
+    // Saturate the class from every replica for 30 s: 4 clients per replica, each request ~200 uncached tokens.
+    let run_for = Duration::from_secs(30);
+    let started = Instant::now();
+    let mut clients = Vec::new();
+    for (r, (p, _)) in replicas.iter().enumerate() {
+        for k in 0..4u32 {
+            let url = format!("{}/v1/completions", p.base);
+            clients.push(tokio::spawn(async move {
+                let (mut ok, mut refused, mut i) = (0u32, 0u32, 0u32);
+                let mut waited = 0u32;
+                while started.elapsed() < run_for {
+                    // Distinct prompts: nothing is cached, the cost is the whole prompt + max_tokens.
+                    let seed = (r as u32) * 1_000_000 + k * 100_000 + i;
+                    let prompt: Vec<u32> = (0..190).map(|j| (seed.wrapping_mul(31).wrapping_add(j * 7)) % 500).collect();
+                    let body = json!({"model": "kvgate-tiny", "prompt": prompt, "max_tokens": 10, "ignore_eos": true});
+                    let r = post(&url, &body, &[]).await;
+                    match r.status {
+                        200 => ok += 1,
+                        429 => refused += 1,
+                        s => panic!("unexpected status {s}: {}", r.body),
+                    }
+                    // Waited for budget: the class was the bottleneck, not the worker or the client.
+                    if r.header("x-kvgate-admission-wait-ms").parse::<f64>().is_ok_and(|ms| ms > 10.0) {
+                        waited += 1;
+                    }
+                    i += 1;
+                }
+                (ok, refused, waited)
+            }));
+        }
+    }
+    let (mut ok, mut refused, mut waited) = (0u32, 0u32, 0u32);
+    for c in clients {
+        let (o, r, w) = c.await.expect("client");
+        ok += o;
+        refused += r;
+        waited += w;
+    }
+    let elapsed = started.elapsed().as_secs_f64();
+    let mut charged = 0.0;
+    for control in &controls {
+        let m = get(&format!("{control}/metrics")).await.body;
+        charged += metric(&m, "kvgate_gateway_class_tokens_charged_total{class=\"all\"}").unwrap_or(0.0);
+    }
+    let budget = 2000.0 * elapsed + 2000.0;
+    eprintln!(
+        "{ok} admitted ({waited} after waiting for budget), {refused} refused over {elapsed:.1} s: {charged:.0} tokens charged across 3 replicas, budget \
+         {budget:.0} ({:+.1}%)",
+        (charged / budget - 1.0) * 100.0
+    );
+    assert!(waited + refused > ok / 2, "the class was saturated: most requests waited for budget");
+    assert!(
+        charged <= budget * 1.05 && charged >= budget * 0.90,
+        "{charged:.0} tokens vs a budget of {budget:.0}"
+    );
+}

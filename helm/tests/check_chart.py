@@ -45,6 +45,8 @@ VALUE_SETS: dict[str, dict] = {
     "host-model": {"workers": {"model": {"source": "hostPath", "hostPath": {"path": "/data/models/qwen2"}, "id": "qwen2"},
                                "kvSsd": {"enabled": True}}},
     "redis-on": {"redis": {"enabled": True}},
+    "single-replica": {"gateway": {"replicas": 1}, "redis": {"enabled": False}},
+    "redis-url-secret": {"redis": {"enabled": True, "mode": "external", "urlSecret": "redis-auth"}},
     "redis-external": {"redis": {"enabled": True, "mode": "external", "url": "redis://redis.shared:6379/0"}},
     "hpa-on": {"gateway": {"hpa": {"enabled": True, "minReplicas": 3, "maxReplicas": 12}, "antiAffinity": "hard"}},
     "existing-secret": {"secrets": {"existingSecret": "my-kvgate-secrets"}},
@@ -74,6 +76,8 @@ BAD_VALUES: dict[str, tuple[dict, str]] = {
     "unknown engine": ({"workers": {"engine": "tpu"}}, "engine"),
     "pvc without a claim": ({"workers": {"model": {"source": "pvc"}}}, "claimName"),
     "external redis without a url": ({"redis": {"enabled": True, "mode": "external"}}, "url"),
+    "two replicas without redis": ({"redis": {"enabled": False}}, "/redis/enabled"),
+    "an hpa without redis": ({"gateway": {"replicas": 1, "hpa": {"enabled": True}}, "redis": {"enabled": False}}, "/redis/enabled"),
     "typo in a key": ({"gateway": {"replica": 3}}, "replica"),
     "hotspot ratio under 1": ({"gateway": {"weights": {"hotspotRatio": 0.5}}}, "hotspotRatio"),
     "bad duration": ({"gateway": {"staleAfter": "soon"}}, "staleAfter"),
@@ -214,6 +218,18 @@ for name, extra in VALUE_SETS.items():
         check(bool(find(docs, "HorizontalPodAutoscaler")) == hpa, f"{name}: HPA only when enabled")
         redis_url = [e for e in c["env"] if e["name"] == "KVGATE_GATEWAY_REDIS_URL"]
         check(bool(redis_url) == values["redis"]["enabled"], f"{name}: Redis URL only with Redis on")
+        if redis_url and values["redis"]["urlSecret"] and values["redis"]["mode"] == "external":
+            check(redis_url[0]["valueFrom"]["secretKeyRef"] == {"name": values["redis"]["urlSecret"], "key": "redis-url"},
+                  f"{name}: the Redis URL from its Secret")
+        data_dir = [e for e in c["env"] if e["name"] == "KVGATE_DATA_DIR"]
+        mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
+        check(bool(data_dir) and mounts.get("state") == data_dir[0]["value"], f"{name}: the data dir is a mounted volume")
+        state_vol = {v["name"]: v for v in pod["volumes"]}["state"]
+        persisted = not values["redis"]["enabled"] and g["persistence"]["enabled"]
+        check(("persistentVolumeClaim" in state_vol) == persisted, f"{name}: state on a PVC only for a lone replica")
+        check(bool(find(docs, "PersistentVolumeClaim", "-state")) == persisted, f"{name}: the state PVC")
+        if persisted:
+            check(spec.get("strategy", {}).get("type") == "Recreate", f"{name}: Recreate with a ReadWriteOnce volume")
     check(bool(find(docs, "Deployment", "-redis")) == (values["redis"]["enabled"] and values["redis"]["mode"] == "internal"),
           f"{name}: in-chart Redis only in internal mode")
     check(bool(find(docs, "PodDisruptionBudget")) == values["gateway"]["pdb"]["enabled"], f"{name}: PDB")

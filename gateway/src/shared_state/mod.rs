@@ -11,11 +11,14 @@
 //!   `kvgate_gateway_shared_state_mode{mode}` says `redis` or `local`; the sync loop keeps trying (the connection is
 //!   re-made at each attempt, at most every [`SYNC_INTERVAL`]) and, when Redis answers again, seeds what it lost
 //!   (a Redis that restarted empty gets this replica's state back) and applies what is newer.
+//! - **Class budgets**: one token bucket per class in Redis, leased out in chunks (`budgets.rs`); while Redis is
+//!   lost each replica refills its own buckets at rate/N (N: live replicas at the last heartbeat).
 //! - **Heartbeats**: every sync records this replica in a sorted set and counts the live ones
 //!   ([`SharedState::live_replicas`]).
 //!
 //! Without `--redis-url` the mode is `local` for good and the admin state lives in the state file only.
 
+pub mod budgets;
 pub mod redis_store;
 pub mod sync;
 

@@ -7,7 +7,8 @@
 //!   as the admin API shows it; never decoded in Lua, so no float is re-formatted);
 //! - `{p}:admin:changes`: pub/sub channel, one message `resource:version` per change;
 //! - `{p}:admin:audit`: stream of audit lines (capped at about [`AUDIT_MAX_LEN`] entries);
-//! - `{p}:replicas`: sorted set, replica id -> last heartbeat (unix ms); members silent for a minute are removed.
+//! - `{p}:replicas`: sorted set, replica id -> last heartbeat (unix ms); members silent for a minute are removed;
+//! - `{p}:budget:{class}`: hashes `{level, t}`, a class's shared token bucket (`budgets.rs`).
 
 use std::time::Duration;
 
@@ -130,6 +131,18 @@ impl RedisStore {
             *self.conn.lock().await = None;
         }
         r
+    }
+
+    /// Runs a Lua script (`EVAL`) over `keys` and `args`.
+    pub async fn eval<T: redis::FromRedisValue>(
+        &self,
+        script: &str,
+        keys: &[String],
+        args: &[String],
+    ) -> Result<T, RedisError> {
+        let mut cmd = redis::cmd("EVAL");
+        cmd.arg(script).arg(keys.len()).arg(keys).arg(args);
+        self.query(&cmd).await
     }
 
     /// `PING`.

@@ -41,6 +41,21 @@ pub enum Rejection {
     Timeout { class: String, retry_after_s: u32 },
 }
 
+/// One class's budget as seen by the replica: what a lease decision needs (`gateway/src/shared_state/budgets.rs`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct ClassBudget {
+    pub name: String,
+    /// Configured refill, tokens/s (before any rate scale).
+    pub rate: f64,
+    pub burst: f64,
+    /// Tokens in the local bucket now (negative: debt).
+    pub level: f64,
+    /// Tokens of the requests waiting in the class queue.
+    pub queued_tokens: f64,
+    /// Cost of the request at the head of the queue (0: none).
+    pub head_cost: f64,
+}
+
 /// The admission controller (cheap to clone).
 #[derive(Clone)]
 pub struct Admission {
@@ -130,6 +145,25 @@ impl Admission {
         // Their senders dropped: those `admit` calls end with a timeout rejection at once.
         drop(released);
         self.wake.notify_one();
+    }
+
+    /// Scales every class's refill rate (`Queues::set_rate_scale`): 0 while budgets are leased from Redis.
+    pub fn set_rate_scale(&self, scale: f64) {
+        self.lock().set_rate_scale(scale, Instant::now().into_std());
+        self.wake.notify_one();
+    }
+
+    /// Adds leased tokens to a class's bucket (negative: gives them up); waiters are served at once.
+    pub fn credit(&self, class: &str, tokens: f64) {
+        self.lock().credit(class, tokens, Instant::now().into_std());
+        if tokens > 0.0 {
+            self.wake.notify_one();
+        }
+    }
+
+    /// Every class's budget now.
+    pub fn budgets(&self) -> Vec<ClassBudget> {
+        self.lock().budgets(Instant::now().into_std())
     }
 
     /// Picks the class of a request by the server's rules: (index, name, expected output tokens).

@@ -87,11 +87,56 @@ pub(crate) enum Offer {
 pub(crate) struct Queues<T> {
     pub classes: Vec<ClassState<T>>,
     next_id: u64,
+    /// Multiplies every class's refill rate (see [`Queues::set_rate_scale`]).
+    rate_scale: f64,
 }
 
 impl<T> Queues<T> {
     pub fn new(classes: Vec<ClassConfig>, now: Instant) -> Self {
-        Self { classes: classes.into_iter().map(|cfg| ClassState::new(cfg, now)).collect(), next_id: 0 }
+        Self {
+            classes: classes.into_iter().map(|cfg| ClassState::new(cfg, now)).collect(),
+            next_id: 0,
+            rate_scale: 1.0,
+        }
+    }
+
+    /// Scales every class's refill: 1 refills at the configured rate (one replica); 0 refills only through
+    /// [`Queues::credit`] (budgets leased from a bucket the replicas share); 1/N while that bucket is unreachable.
+    pub fn set_rate_scale(&mut self, scale: f64, now: Instant) {
+        let scale = if scale.is_finite() { scale.clamp(0.0, 1.0) } else { 1.0 };
+        if scale == self.rate_scale {
+            return;
+        }
+        self.rate_scale = scale;
+        for c in &mut self.classes {
+            c.bucket.reconfigure(c.cfg.refill_tokens_per_s * scale, c.cfg.burst_tokens, now);
+        }
+    }
+
+    /// Adds `tokens` (negative: removes) to class `name`'s bucket, capped at its burst; false if no such class.
+    pub fn credit(&mut self, name: &str, tokens: f64, now: Instant) -> bool {
+        match self.classes.iter_mut().find(|c| c.cfg.name == name) {
+            Some(c) => {
+                c.bucket.adjust(tokens, now);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Each class's budget as a lease decision needs it.
+    pub fn budgets(&mut self, now: Instant) -> Vec<super::ClassBudget> {
+        self.classes
+            .iter_mut()
+            .map(|c| super::ClassBudget {
+                name: c.cfg.name.clone(),
+                rate: c.cfg.refill_tokens_per_s,
+                burst: c.cfg.burst_tokens,
+                level: c.bucket.level(now),
+                queued_tokens: c.queued_tokens,
+                head_cost: c.head_cost().unwrap_or(0.0),
+            })
+            .collect()
     }
 
     /// Replaces the class set; classes kept by name keep their bucket level and queue. Waiters of removed classes
@@ -103,11 +148,19 @@ impl<T> Queues<T> {
             .map(|cfg| match old.iter().position(|o| o.cfg.name == cfg.name) {
                 Some(i) => {
                     let mut s = old.swap_remove(i);
-                    s.bucket.reconfigure(cfg.refill_tokens_per_s, cfg.burst_tokens, now);
+                    s.bucket.reconfigure(cfg.refill_tokens_per_s * self.rate_scale, cfg.burst_tokens, now);
                     s.cfg = cfg;
                     s
                 }
-                None => ClassState::new(cfg, now),
+                None => {
+                    let mut s = ClassState::new(cfg, now);
+                    s.bucket.reconfigure(
+                        s.cfg.refill_tokens_per_s * self.rate_scale,
+                        s.cfg.burst_tokens,
+                        now,
+                    );
+                    s
+                }
             })
             .collect();
         old.into_iter().flat_map(|mut c| std::iter::from_fn(move || c.pop_head())).collect()

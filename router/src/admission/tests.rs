@@ -221,3 +221,30 @@ async fn a_waiter_whose_client_left_frees_its_queue_slot_at_once() {
     let next = a.admit(0, None, 50.0).await.expect("queued, then admitted");
     assert!(next.waited >= Duration::from_secs(49));
 }
+
+#[tokio::test(start_paused = true)]
+async fn with_rate_scale_zero_only_credits_refill_and_they_serve_the_queue() {
+    let a = Admission::new(vec![class("c", 1000.0, 1000.0, 5_000)]);
+    a.set_rate_scale(0.0);
+    a.credit("c", -1000.0);
+    let b = &a.budgets()[0];
+    assert_eq!((b.name.as_str(), b.level, b.queued_tokens), ("c", 0.0, 0.0));
+    let waiter = {
+        let a = a.clone();
+        tokio::spawn(async move { a.admit(0, None, 300.0).await })
+    };
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    // Two seconds at a configured 1,000 tokens/s refilled nothing: only credits do.
+    let b = &a.budgets()[0];
+    assert_eq!((b.level, b.queued_tokens, b.head_cost), (0.0, 300.0, 300.0));
+    assert!(!waiter.is_finished());
+    a.credit("c", 300.0);
+    let p = waiter.await.expect("task").expect("served by the credit");
+    assert!(p.waited >= Duration::from_secs(2));
+    p.reconcile(100.0);
+    assert_eq!(a.budgets()[0].level, 200.0, "the refund stays in the local bucket");
+    // Back to scale 1 (Redis lost, one replica): refills by the clock again, capped at the burst.
+    a.set_rate_scale(1.0);
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(a.budgets()[0].level, 1000.0);
+}
