@@ -258,6 +258,50 @@ async fn drain(state: Arc<GatewayState>, headers: HeaderMap, id: String, drainin
     if !state.registry().set_draining(&id, draining) {
         return error(StatusCode::NOT_FOUND, "worker_not_found", format!("no worker {id:?}"));
     }
+    if let Some(store) = state.shared.store() {
+        // Every replica drains it: a compare-and-set of the shared drain set, retried when another replica changed
+        // it in between (its version moved).
+        let mut attempt = 0;
+        loop {
+            let (mut ids, version) = state.drains();
+            ids.retain(|i| *i != id);
+            if draining {
+                ids.push(id.clone());
+            }
+            ids.sort();
+            let value = serde_json::to_string(&ids).unwrap_or_default();
+            let audit = serde_json::json!({"replica": state.shared.replica_id(), "resource": "drains",
+                "worker": id, "draining": draining})
+            .to_string();
+            match store.commit(Resource::Drains, Some(version), &value, &audit).await {
+                Ok(Commit::Done(v)) => {
+                    state.set_drains(ids, v);
+                    break;
+                }
+                Ok(Commit::Stale(_)) if attempt < 5 => {
+                    attempt += 1;
+                    if let Ok(Some((v, value))) = store.get(Resource::Drains).await {
+                        crate::shared_state::sync::apply_remote(&state, Resource::Drains, v, &value);
+                    }
+                }
+                Ok(Commit::Stale(_)) => {
+                    return error(
+                        StatusCode::CONFLICT,
+                        "version_mismatch",
+                        "drained here, but the shared drain set kept changing under this call; retry".into(),
+                    );
+                }
+                Err(e) => {
+                    state.shared.lost();
+                    return error(
+                        StatusCode::SERVICE_UNAVAILABLE,
+                        "shared_state_unavailable",
+                        format!("drained here, but the other replicas could not be told (Redis unreachable: {e}); retry"),
+                    );
+                }
+            }
+        }
+    }
     tracing::info!(target: "audit", resource = "worker", worker = %id, draining, "admin change");
     Json(serde_json::json!({"worker": id, "draining": draining})).into_response()
 }

@@ -59,6 +59,8 @@ pub struct GatewayState {
     admin: Mutex<()>,
     /// What the replicas share through Redis (`shared_state/`), and the mode.
     pub shared: SharedState,
+    /// Workers drained through the admin API, as shared through Redis, with the version (sorted ids).
+    drains: RwLock<(Vec<String>, u64)>,
 }
 
 impl GatewayState {
@@ -122,6 +124,7 @@ impl GatewayState {
             weights: RwLock::new((weights, weights_version)),
             classes_version: AtomicU64::new(classes_version),
             shared,
+            drains: RwLock::new((Vec::new(), 1)),
             admin: Mutex::new(()),
         })
     }
@@ -183,6 +186,40 @@ impl GatewayState {
                 let (c, v) = self.classes();
                 (v, text(serde_json::to_string(&c)))
             }
+            Resource::Drains => {
+                let (d, v) = self.drains();
+                (v, text(serde_json::to_string(&d)))
+            }
+        }
+    }
+
+    /// The shared drain set and its version.
+    pub fn drains(&self) -> (Vec<String>, u64) {
+        self.drains.read().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// Takes a drain set at `version` if it is newer (from Redis); true when taken. The registry follows at the
+    /// next [`Self::apply_drains`].
+    pub fn set_drains(&self, mut ids: Vec<String>, version: u64) -> bool {
+        let mut g = self.drains.write().unwrap_or_else(|e| e.into_inner());
+        if version <= g.1 {
+            return false;
+        }
+        ids.sort();
+        ids.dedup();
+        *g = (ids, version);
+        true
+    }
+
+    /// Marks exactly the workers of the shared drain set as drained by an operator (a worker that registers later
+    /// is marked at the next call; the sync loop calls this every pass).
+    pub fn apply_drains(&self) {
+        let (ids, _) = self.drains();
+        let mut reg = self.registry();
+        let known: Vec<String> = reg.workers().iter().map(|w| w.id.clone()).collect();
+        for id in known {
+            let drained = ids.binary_search(&id).is_ok();
+            reg.set_draining(&id, drained);
         }
     }
 

@@ -128,6 +128,22 @@ async fn replicas_share_admin_changes_through_redis() {
         })
         .await;
     }
+    // A drain on A drains the worker on every replica (the worker reports to all three).
+    let dir = tempfile::tempdir().expect("tmp");
+    let all = [a.clone(), b.clone(), c.clone()].join(",");
+    let _w = worker("w0", &dir.path().join("tiny"), Some(&all), &[]);
+    for control in [&a, &b, &c] {
+        wait_healthy(control, 1).await;
+    }
+    let d = admin("POST", &format!("{a}/admin/v1/workers/w0/drain"), None, &[]).await;
+    assert_eq!(d.status, 200, "{}", d.body);
+    for control in [&b, &c] {
+        wait_until(Duration::from_secs(1), || async {
+            let ws = admin("GET", &format!("{control}/admin/v1/workers"), None, &[]).await.json();
+            ws.as_array().is_some_and(|a| a.iter().any(|w| w["id"] == "w0" && w["draining"] == true))
+        })
+        .await;
+    }
     // Restart every gateway (new data directories: nothing local survives): the state comes from Redis.
     for (p, _) in &mut replicas {
         p.kill();

@@ -8,6 +8,7 @@ it); exits non-zero with every failure listed.
 
 import base64
 import copy
+import json
 import sys
 from pathlib import Path
 
@@ -45,6 +46,7 @@ VALUE_SETS: dict[str, dict] = {
     "host-model": {"workers": {"model": {"source": "hostPath", "hostPath": {"path": "/data/models/qwen2"}, "id": "qwen2"},
                                "kvSsd": {"enabled": True}}},
     "redis-on": {"redis": {"enabled": True}},
+    "dashboard": {"grafana": {"dashboard": {"enabled": True, "annotations": {"grafana_folder": "kvgate"}}}},
     "single-replica": {"gateway": {"replicas": 1}, "redis": {"enabled": False}},
     "redis-url-secret": {"redis": {"enabled": True, "mode": "external", "urlSecret": "redis-auth"}},
     "redis-external": {"redis": {"enabled": True, "mode": "external", "url": "redis://redis.shared:6379/0"}},
@@ -239,6 +241,13 @@ for name, extra in VALUE_SETS.items():
     check(f'policy = "{values["gateway"]["policy"]}"' in conf, f"{name}: policy in the gateway config")
     if values["gateway"]["classes"]:
         check(conf.count("[[classes]]") == len(values["gateway"]["classes"]), f"{name}: classes in the gateway config")
+    dash = find(docs, "ConfigMap", "-dashboard")
+    check(bool(dash) == values["grafana"]["dashboard"]["enabled"], f"{name}: the dashboard ConfigMap only when enabled")
+    if dash:
+        check(dash[0]["metadata"]["labels"].get("grafana_dashboard") == "1", f"{name}: the sidecar's label")
+        board = json.loads(dash[0]["data"]["kvgate.json"])
+        check(len(board["panels"]) >= 10 and all(t["expr"] for p in board["panels"] for t in p["targets"]),
+              f"{name}: the dashboard's panels came through")
     print(f"ok: {name} ({len(docs)} manifests)")
 
 for name, (extra, word) in BAD_VALUES.items():

@@ -3,7 +3,7 @@
 //! change channel, the audit stream and the replicas' heartbeats.
 //!
 //! Keys (all under `--redis-prefix`, default `kvgate`):
-//! - `{p}:admin:weights`, `{p}:admin:budgets`: hashes `{version, value}` (`value`: the resource as JSON, exactly
+//! - `{p}:admin:weights`, `{p}:admin:budgets`, `{p}:admin:drains`: hashes `{version, value}` (`value`: the resource as JSON, exactly
 //!   as the admin API shows it; never decoded in Lua, so no float is re-formatted);
 //! - `{p}:admin:changes`: pub/sub channel, one message `resource:version` per change;
 //! - `{p}:admin:audit`: stream of audit lines (capped at about [`AUDIT_MAX_LEN`] entries);
@@ -28,15 +28,18 @@ pub const LIVE_WINDOW_MS: u64 = 3_000;
 pub enum Resource {
     Weights,
     Budgets,
+    /// Worker ids an operator drained through the admin API (a sorted JSON array).
+    Drains,
 }
 
 impl Resource {
-    pub const ALL: [Resource; 2] = [Resource::Weights, Resource::Budgets];
+    pub const ALL: [Resource; 3] = [Resource::Weights, Resource::Budgets, Resource::Drains];
 
     pub fn name(self) -> &'static str {
         match self {
             Resource::Weights => "weights",
             Resource::Budgets => "budgets",
+            Resource::Drains => "drains",
         }
     }
 

@@ -30,6 +30,14 @@ pub fn apply_remote(state: &GatewayState, r: Resource, version: u64, value: &str
                 _ => tracing::error!(version, "shared state: invalid weights in Redis, ignored"),
             }
         }
+        Resource::Drains => match serde_json::from_str::<Vec<String>>(value) {
+            Ok(ids) if ids.len() <= state.cfg.max_workers && ids.iter().all(|i| i.len() <= 256) => {
+                if state.set_drains(ids, version) {
+                    tracing::info!(version, "shared state: drained workers from another replica applied");
+                }
+            }
+            _ => tracing::error!(version, "shared state: invalid drain set in Redis, ignored"),
+        },
         Resource::Budgets => {
             if version <= state.classes().1 {
                 return;
@@ -67,6 +75,7 @@ async fn sync_once(state: &GatewayState, store: &RedisStore) -> Result<(), redis
             }
         }
     }
+    state.apply_drains();
     Ok(())
 }
 
