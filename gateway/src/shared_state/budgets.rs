@@ -24,36 +24,27 @@ pub const LEASE_INTERVAL: Duration = Duration::from_millis(50);
 /// Seconds of a class's rate an idle replica keeps in its local bucket.
 pub const FLOAT_S: f64 = 0.1;
 
-/// Takes up to `want` tokens: KEYS = bucket; ARGV = want, rate, burst. Returns the tokens granted. A missing bucket
-/// starts full.
-const TAKE: &str = r"
+/// A class's bucket in Redis, refilled on Redis's clock (`TIME`) up to the burst; a missing bucket starts full.
+/// KEYS = bucket; ARGV = op (`take` or `give`), n, rate, burst. `take` grants up to n tokens (what is there, never
+/// below zero) and returns the grant; `give` puts n back (capped at the burst) and returns 0.
+const BUCKET: &str = r"
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local b = redis.call('HMGET', KEYS[1], 'level', 't')
-local want, rate, burst = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+local n, rate, burst = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
 local level = tonumber(b[1]) or burst
 local last = tonumber(b[2]) or now
 if now > last then level = math.min(burst, level + (now - last) * rate / 1000) end
-local grant = math.floor(math.min(want, math.max(level, 0)))
-level = level - grant
+local out = 0
+if ARGV[1] == 'take' then
+  out = math.floor(math.min(n, math.max(level, 0)))
+  level = level - out
+else
+  level = math.min(burst, level + n)
+end
 redis.call('HSET', KEYS[1], 'level', tostring(level), 't', tostring(now))
 redis.call('PEXPIRE', KEYS[1], 3600000)
-return grant
-";
-
-/// Gives `n` tokens back: KEYS = bucket; ARGV = n, rate, burst.
-const GIVE: &str = r"
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local b = redis.call('HMGET', KEYS[1], 'level', 't')
-local n, rate, burst = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
-local level = tonumber(b[1]) or burst
-local last = tonumber(b[2]) or now
-if now > last then level = math.min(burst, level + (now - last) * rate / 1000) end
-level = math.min(burst, level + n)
-redis.call('HSET', KEYS[1], 'level', tostring(level), 't', tostring(now))
-redis.call('PEXPIRE', KEYS[1], 3600000)
-return 1
+return out
 ";
 
 /// What a replica should do with one class's lease: positive, take that many tokens; negative, give that many back.
@@ -76,22 +67,18 @@ fn bucket_key(store: &RedisStore, class: &str) -> String {
     store.key(&format!("budget:{class}"))
 }
 
+async fn bucket(store: &RedisStore, b: &ClassBudget, op: &str, n: f64) -> Result<f64, RedisError> {
+    let args = [op.to_owned(), n.to_string(), b.rate.to_string(), b.burst.to_string()];
+    let out: i64 = store.eval(BUCKET, &[bucket_key(store, &b.name)], &args).await?;
+    Ok(out.max(0) as f64)
+}
+
 async fn take(store: &RedisStore, b: &ClassBudget, want: f64) -> Result<f64, RedisError> {
-    let granted: i64 = store
-        .eval(
-            TAKE,
-            &[bucket_key(store, &b.name)],
-            &[want.to_string(), b.rate.to_string(), b.burst.to_string()],
-        )
-        .await?;
-    Ok(granted.max(0) as f64)
+    bucket(store, b, "take", want).await
 }
 
 async fn give(store: &RedisStore, b: &ClassBudget, n: f64) -> Result<(), RedisError> {
-    let _: i64 = store
-        .eval(GIVE, &[bucket_key(store, &b.name)], &[n.to_string(), b.rate.to_string(), b.burst.to_string()])
-        .await?;
-    Ok(())
+    bucket(store, b, "give", n).await.map(|_| ())
 }
 
 /// One round over the classes while Redis is up.
