@@ -74,6 +74,14 @@ struct SimulateArgs {
     /// The gateway's `--ring-hub-fanout`: a block followed by this many distinct blocks is a shared prefix's end.
     #[arg(long, default_value_t = kvgate_router::routing::ring_key::DEFAULT_HUB_FANOUT)]
     ring_hub_fanout: usize,
+    /// Gateway replicas: request i goes to replica i mod N, each with its own registry and ring-key sketch
+    /// (what each knows of its own sends); every worker reports to all. Default 1.
+    #[arg(long, default_value_t = 1)]
+    gateway_replicas: usize,
+    /// With --gateway-replicas: every replica records every replica's sends at once (an ideal shared routing
+    /// overlay: the upper bound of what sharing it could give).
+    #[arg(long)]
+    share_sends: bool,
     /// Run the gateway's admission with its default classes (short / long / reasoning budgets): requests wait
     /// for their class budget before they are routed, as in the gateway. Default off (every request is routed on
     /// arrival).
@@ -160,6 +168,8 @@ fn simulate(a: SimulateArgs) -> Result<(), String> {
     cfg.scheduler.max_num_seqs = a.max_num_seqs;
     cfg.weights = parse_weights(&a.weights)?;
     cfg.ring_hub_fanout = a.ring_hub_fanout;
+    cfg.gateway_replicas = a.gateway_replicas;
+    cfg.share_sends = a.share_sends;
     cfg.classes = match (&a.classes, a.admission) {
         (Some(path), _) => load_classes(path)?,
         (None, true) => kvgate_router::admission::default_classes(),

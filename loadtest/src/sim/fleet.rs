@@ -10,6 +10,10 @@
 //! - **report**: every interval, at its own phase, a worker's queue figures and the Bloom summary of its cache are
 //!   ingested by the registry exactly as a `POST /kvgate/v1/report` would be. The gateway never reads live state.
 //!
+//! With several gateway replicas (`SimConfig::gateway_replicas`) each has its own registry and ring-key sketch,
+//! requests are spread over them in turn, and every worker reports to all of them; `share_sends` lets every
+//! replica record every send at once (the ideal shared overlay).
+//!
 //! A step's effects on the cache are applied when it starts (the engine is a library call), its outputs delivered
 //! when it ends; a report taken during a step sees the step's blocks already cached, which is what a real worker's
 //! report, built between steps, shows one step later.
@@ -81,7 +85,8 @@ struct SimWorker {
 
 struct InFlight {
     arrival: f64,
-    ticket: SentTicket,
+    /// The send as recorded by each replica that recorded it: (replica, ticket).
+    tickets: Vec<(usize, SentTicket)>,
     first_token: bool,
     /// The admission class and reservation (with classes).
     class: Option<(String, Reservation)>,
@@ -96,13 +101,14 @@ struct Fleet<'a> {
     cfg: &'a SimConfig,
     /// The gateway's one routing entry point (`kvgate_router::route`).
     router: Router,
-    registry: Registry,
+    /// One registry per gateway replica (`SimConfig::gateway_replicas`).
+    registries: Vec<Registry>,
     workers: Vec<SimWorker>,
     hasher: BlockHasher,
     base: Instant,
     inflight: HashMap<u64, InFlight>,
-    /// The gateway's ring-key chooser.
-    ring_keys: RingKeys,
+    /// Each replica's ring-key chooser.
+    ring_keys: Vec<RingKeys>,
     /// The gateway's admission classes (`None`: no admission, every request routed at arrival).
     admission: Option<SimAdmission>,
     out: Outcome,
@@ -146,12 +152,14 @@ impl<'a> Fleet<'a> {
         Self {
             cfg,
             router,
-            registry: Registry::new(cfg.registry),
+            registries: (0..cfg.gateway_replicas.max(1)).map(|_| Registry::new(cfg.registry)).collect(),
             workers,
             hasher: BlockHasher::new(&scheme, &ExtraKeys::none()),
             base,
             inflight: HashMap::new(),
-            ring_keys: RingKeys::new(cfg.ring_sketch_entries, cfg.ring_hub_fanout),
+            ring_keys: (0..cfg.gateway_replicas.max(1))
+                .map(|_| RingKeys::new(cfg.ring_sketch_entries, cfg.ring_hub_fanout))
+                .collect(),
             admission: (!cfg.classes.is_empty()).then(|| SimAdmission::new(cfg.classes.clone(), base)),
             out: Outcome { busy_s: vec![0.0; n], ..Outcome::default() },
         }
@@ -200,7 +208,8 @@ impl<'a> Fleet<'a> {
         let r = &trace.requests[i];
         let tokens = expand_prompt(r, self.cfg.vocab);
         let hashes = self.hasher.hash_blocks(&tokens);
-        let ring = self.ring_keys.route_key(None, &hashes, &tokens, true);
+        let replica = self.replica(i);
+        let ring = self.ring_keys[replica].route_key(None, &hashes, &tokens, true);
         let max_tokens = r.output_length.max(1) as u32;
         let Some(adm) = &self.admission else {
             self.dispatch(i, t, t, &tokens, &hashes, ring, max_tokens, None);
@@ -208,7 +217,7 @@ impl<'a> Fleet<'a> {
         };
         let (class_idx, class) = adm.classify(tokens.len(), max_tokens, SIM_MODEL);
         let input = self.route_input(&tokens, &hashes, ring);
-        let Some(priced) = self.router.dry_run(&self.registry, &input, 1, self.instant(t)) else {
+        let Some(priced) = self.router.dry_run(&self.registries[replica], &input, 1, self.instant(t)) else {
             self.out.rejected += 1;
             return;
         };
@@ -224,6 +233,11 @@ impl<'a> Fleet<'a> {
                 self.out.classes.entry(class).or_default().refused += 1;
             }
         }
+    }
+
+    /// The gateway replica request `i` reaches (a load balancer spreading requests evenly).
+    fn replica(&self, i: usize) -> usize {
+        i % self.registries.len()
     }
 
     fn route_input<'h>(&self, tokens: &[u32], hashes: &'h [BlockHash], ring: RingKey) -> RouteInput<'h> {
@@ -274,14 +288,23 @@ impl<'a> Fleet<'a> {
         }
         let now = self.instant(t);
         let input = self.route_input(tokens, hashes, ring);
-        let routed = self.router.route(&mut self.registry, &input, 1, now);
+        let replica = self.replica(i);
+        let routed = self.router.route(&mut self.registries[replica], &input, 1, now);
         let Some(ticket) = routed.as_ref().and_then(|r| r.ticket) else {
             self.refuse(class, t);
             return;
         };
+        let uncached = routed.as_ref().map_or(0, |r| r.uncached_tokens);
         let reason = routed.map_or("none", |r| r.reason.as_str());
         // Registry indices are worker indices: every simulated worker registers at t = 0 and none is forgotten.
         let w = ticket.idx;
+        let mut tickets = vec![(replica, ticket)];
+        if self.cfg.share_sends {
+            for (q, reg) in self.registries.iter_mut().enumerate().filter(|(q, _)| *q != replica) {
+                tickets.push((q, reg.record_sent(w, hashes, uncached, now)));
+                reg.record_session(w, ring.key, now);
+            }
+        }
         *self.out.routes.entry(reason.to_owned()).or_default() += 1;
         let params =
             SamplingParams { max_tokens, temperature: 0.0, ignore_eos: true, ..SamplingParams::default() };
@@ -289,14 +312,16 @@ impl<'a> Fleet<'a> {
             EngineRequest { id: i as u64, prompt: tokens.to_vec(), params, extra_keys: ExtraKeys::none() };
         match self.workers[w].engine.add_request(req) {
             Ok(()) => {
-                self.inflight.insert(i as u64, InFlight { arrival, ticket, first_token: false, class });
+                self.inflight.insert(i as u64, InFlight { arrival, tickets, first_token: false, class });
                 if self.workers[w].busy_until.is_none() {
                     self.start_step(w, t);
                 }
             }
             Err(e) => {
                 tracing::debug!(request = i, error = %e, "simulated worker refused the request");
-                self.registry.record_done(ticket);
+                for (q, ticket) in tickets {
+                    self.registries[q].record_done(ticket);
+                }
                 self.refuse(class, t);
             }
         }
@@ -331,7 +356,9 @@ impl<'a> Fleet<'a> {
         }
         if let Some(reason) = o.finished {
             if let Some(f) = self.inflight.remove(&o.id) {
-                self.registry.record_done(f.ticket);
+                for (q, ticket) in f.tickets {
+                    self.registries[q].record_done(ticket);
+                }
                 if let (Some((class, r)), Some(adm)) = (f.class, self.admission.as_mut()) {
                     // The real cost, as the proxy reconciles it from the response's usage.
                     let actual =
@@ -396,9 +423,11 @@ impl<'a> Fleet<'a> {
         // The first report registers the worker at t = 0; later ones come at phase w / n of the interval.
         worker.next_report =
             if worker.seq == 1 { interval * (1.0 + w as f64 / n) } else { worker.next_report + interval };
-        self.registry.ingest(report, Some(fingerprint), now);
-        if worker.seq == 1 {
-            debug_assert_eq!(self.registry.workers()[w].id, worker.source.worker_id);
+        for reg in &mut self.registries {
+            reg.ingest(report.clone(), Some(fingerprint), now);
+            if worker.seq == 1 {
+                debug_assert_eq!(reg.workers()[w].id, worker.source.worker_id);
+            }
         }
     }
 }

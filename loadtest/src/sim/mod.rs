@@ -51,6 +51,12 @@ pub struct SimConfig {
     /// The gateway's ring-key sketch (`--ring-hub-fanout`, `--ring-sketch-entries`; defaults: the gateway's).
     pub ring_hub_fanout: usize,
     pub ring_sketch_entries: usize,
+    /// Gateway replicas (`--gateway-replicas`, default 1): request `i` goes to replica `i mod n`, each with its own
+    /// registry (load and overlay of its own sends) and ring-key sketch; every worker reports to every replica.
+    pub gateway_replicas: usize,
+    /// Every replica records every replica's sends at once (`--share-sends`): the ideal of a shared routing
+    /// overlay (no delay, no cost), an upper bound on what sharing it could give.
+    pub share_sends: bool,
 }
 
 impl SimConfig {
@@ -79,6 +85,8 @@ impl SimConfig {
             classes: Vec::new(),
             ring_hub_fanout: kvgate_router::routing::ring_key::DEFAULT_HUB_FANOUT,
             ring_sketch_entries: kvgate_router::routing::ring_key::DEFAULT_SKETCH_ENTRIES,
+            gateway_replicas: 1,
+            share_sends: false,
         }
     }
 
@@ -91,6 +99,9 @@ impl SimConfig {
         let mut p = Vec::new();
         if self.workers == 0 {
             p.push("workers must be at least 1".into());
+        }
+        if !(1..=64).contains(&self.gateway_replicas) {
+            p.push(format!("gateway-replicas {} is not in 1..=64", self.gateway_replicas));
         }
         if self.kv_tokens_per_worker < self.block_size as usize {
             p.push(format!("kv-tokens-per-worker {} holds less than one block", self.kv_tokens_per_worker));

@@ -195,3 +195,26 @@ fn class_budgets_keep_a_long_burst_from_starving_short_requests() {
         short0.ttft_p99_ms
     );
 }
+
+#[test]
+fn a_replica_knows_another_replicas_sends_only_when_they_are_shared() {
+    // Turn 2 arrives 0.5 s after turn 1: no report since registration at t = 0, so only the sending replica's
+    // overlay knows where turn 1 went. Request i goes to replica i mod n: with two replicas, turn 2 reaches the
+    // replica that did not send turn 1.
+    let t = trace(&[(0, 2000, 2, &[1, 2, 3, 4]), (500, 3000, 2, &[1, 2, 3, 4, 5, 6])]);
+    let prefix_routes = |replicas: usize, share: bool| {
+        let mut cfg = SimConfig::new(4, 65_536, profile());
+        cfg.gateway_replicas = replicas;
+        cfg.share_sends = share;
+        let prep = prepare(&t, &cfg, Pace::TimeScale(1.0)).expect("prepare");
+        let r = simulate(&t, &cfg, &prep, "cache_aware").expect("runs");
+        assert_eq!((r.completed, r.rejected), (2, 0));
+        r.routes.get("prefix").copied().unwrap_or(0)
+    };
+    assert_eq!(prefix_routes(1, false), 1, "one replica: its overlay routes turn 2 to turn 1's worker");
+    assert_eq!(prefix_routes(2, false), 0, "the other replica has not heard of turn 1");
+    assert_eq!(prefix_routes(2, true), 1, "with sends shared it has");
+    let mut bad = SimConfig::new(4, 65_536, profile());
+    bad.gateway_replicas = 0;
+    assert!(bad.validate().iter().any(|p| p.contains("gateway-replicas")));
+}
