@@ -201,10 +201,18 @@ async fn handle(state: &Arc<GatewayState>, session: &mut Session, ctx: &mut Ctx)
         .map_err(|_| ApiError::read_timeout(read_limit))??;
     let caller = caller_of(state, header(session, "authorization"))?;
     let chat = path == "/v1/chat/completions";
-    let prep_headers = PrepHeaders {
-        session: header(session, SESSION_HEADER).map(str::to_owned),
-        cache_salt: header(session, CACHE_SALT_HEADER).map(str::to_owned),
+    // The salt keys the KV blocks: a header that is not text is refused here, as the worker would refuse it,
+    // rather than routed unsalted and refused after admission.
+    let cache_salt = match session.req_header().headers.get(CACHE_SALT_HEADER) {
+        None => None,
+        Some(v) => Some(
+            v.to_str()
+                .map_err(|_| ApiError::invalid(CACHE_SALT_HEADER, "the cache salt header is not text"))?
+                .to_owned(),
+        ),
     };
+    let prep_headers =
+        PrepHeaders { session: header(session, SESSION_HEADER).map(str::to_owned), cache_salt };
     let p = prepare_on_pool(state, chat, body, prep_headers, caller.cache_salt.clone(), true).await?;
     let model = p.fields.model.clone();
     let (class, class_name, expected_output) =

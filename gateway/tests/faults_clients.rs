@@ -314,3 +314,21 @@ async fn a_body_slower_than_the_read_deadline_gets_408() {
     assert!(answer.contains("request_timeout"));
     assert!(started.elapsed() < Duration::from_secs(3));
 }
+
+#[tokio::test]
+async fn a_cache_salt_header_that_is_not_text_gets_400_from_the_gateway() {
+    let (g, _control) = gateway(&[]);
+    let mut s = TcpStream::connect(addr(&g.base)).await.expect("connect");
+    let body = br#"{"model":"m","prompt":[1,2,3],"max_tokens":1}"#;
+    let mut req = format!(
+        "POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\nx-kvgate-cache-salt: ",
+        body.len()
+    )
+    .into_bytes();
+    req.extend_from_slice(b"\xff\xfe\r\n\r\n");
+    req.extend_from_slice(body);
+    s.write_all(&req).await.expect("write");
+    let (resp, _) = read_to_close(&mut s, Duration::from_secs(10)).await.expect("an answer");
+    assert!(resp.starts_with("HTTP/1.1 400"), "{resp}");
+    assert!(resp.contains("x-kvgate-cache-salt") && resp.contains("invalid_request_error"), "{resp}");
+}
