@@ -226,10 +226,14 @@ impl GatewayState {
     /// Keeps the current admin state in the state file (with Redis, the replica's copy for a restart while Redis
     /// is down); a failure is logged, not fatal.
     pub fn save_local_copy(&self) {
-        if let Some(path) = &self.cfg.state_file {
-            if let Err(e) = crate::persist::save_state(path, &self.persisted()) {
-                tracing::error!(error = %e, "cannot keep a local copy of the admin state");
-            }
+        let Some(path) = &self.cfg.state_file else { return };
+        let save = || crate::persist::save_state(path, &self.persisted());
+        // fsync may take a while: off the (multi-threaded) control runtime's worker thread meanwhile.
+        let multi_thread = tokio::runtime::Handle::try_current()
+            .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread);
+        let saved = if multi_thread { tokio::task::block_in_place(save) } else { save() };
+        if let Err(e) = saved {
+            tracing::error!(error = %e, "cannot keep a local copy of the admin state");
         }
     }
 

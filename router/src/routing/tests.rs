@@ -102,22 +102,16 @@ fn cache_aware_uses_the_ring_without_a_prefix_and_skips_unhealthy_workers() {
     let p = CacheAware::new(Weights::default());
     let r = ring();
     for key in 0..50u64 {
+        let req = RequestView {
+            hashes: &req_hashes,
+            prompt_tokens: 64,
+            session_key: key,
+            shared_blocks: 0,
+            seq: key,
+        };
         let ws = views(&summaries, &[0; 5], &[true; 5]);
         let (primary, backup) = r.primary_backup(key, |_| true);
-        let d = p
-            .choose(
-                &RequestView {
-                    hashes: &req_hashes,
-                    prompt_tokens: 64,
-                    session_key: key,
-                    shared_blocks: 0,
-                    seq: key,
-                },
-                &ws,
-                &r,
-                16,
-            )
-            .expect("decision");
+        let d = p.choose(&req, &ws, &r, 16).expect("decision");
         assert_eq!(Some(ws[d.ranked[0]].id), primary.as_deref());
         assert_eq!(d.reason, RouteReason::Primary);
         // Primary down: its backup, and the dead one is never ranked.
@@ -125,20 +119,7 @@ fn cache_aware_uses_the_ring_without_a_prefix_and_skips_unhealthy_workers() {
         let mut healthy = [true; 5];
         healthy[pi] = false;
         let ws = views(&summaries, &[0; 5], &healthy);
-        let d = p
-            .choose(
-                &RequestView {
-                    hashes: &req_hashes,
-                    prompt_tokens: 64,
-                    session_key: key,
-                    shared_blocks: 0,
-                    seq: key,
-                },
-                &ws,
-                &r,
-                16,
-            )
-            .expect("decision");
+        let d = p.choose(&req, &ws, &r, 16).expect("decision");
         assert_eq!(Some(ws[d.ranked[0]].id), backup.as_deref());
         assert!(!d.ranked.contains(&pi));
     }
