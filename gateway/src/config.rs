@@ -195,6 +195,11 @@ pub struct GatewayArgs {
     /// `gateway-<pid>`.
     #[arg(long, env = "KVGATE_GATEWAY_REPLICA_ID")]
     pub replica_id: Option<String>,
+    /// With `--redis-url`: publish every send (worker, the prompt's overlay points, uncached tokens, ring key) to
+    /// the other replicas, which count it as load and overlay until the worker's next report (see
+    /// shared_state/sends.rs). Default true.
+    #[arg(long, env = "KVGATE_GATEWAY_SHARE_SENDS", num_args = 0..=1, default_missing_value = "true")]
+    pub share_sends: Option<bool>,
     /// Request classes and their token budgets (TOML `[[classes]]`; default: short / long / reasoning, see
     /// admission/classes.rs).
     #[arg(skip)]
@@ -248,6 +253,7 @@ pub struct GatewayConfig {
     pub redis_url: Option<String>,
     pub redis_prefix: String,
     pub replica_id: String,
+    pub share_sends: bool,
 }
 
 /// The first-byte timeout of a request: `floor + uncached prompt tokens x per_prompt_token` (+ `max_tokens x
@@ -369,6 +375,7 @@ impl GatewayArgs {
                 .or_else(|| std::env::var("HOSTNAME").ok())
                 .filter(|r| !r.is_empty())
                 .unwrap_or_else(|| format!("gateway-{}", std::process::id())),
+            share_sends: pick!(share_sends).unwrap_or(true),
         };
         cfg.state_file = state_file(pick!(state_file), cfg.admin_token.is_some());
         cfg.validate()?;

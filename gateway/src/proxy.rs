@@ -247,6 +247,9 @@ async fn handle(state: &Arc<GatewayState>, session: &mut Session, ctx: &mut Ctx)
     let Some(routed) = routed else {
         return Err(ApiError::no_worker(&model));
     };
+    if let Some(t) = routed.candidates.first() {
+        state.share_send(&t.id, &p.hashes, routed.uncached_tokens, p.session_key);
+    }
     // The pick's in-flight slot is given back on every path from here on.
     let mut first_guard = routed.ticket.map(|ticket| InflightGuard { state: state.clone(), ticket });
     let (uncached, predicted) = (routed.uncached_tokens, routed.predicted_cached_tokens);
@@ -271,6 +274,10 @@ async fn handle(state: &Arc<GatewayState>, session: &mut Session, ctx: &mut Ctx)
             reason = RouteReason::Fallback;
             let mut reg = state.registry();
             let ticket = reg.find(t.wref).map(|i| reg.record_sent(i, &p.hashes, uncached, Instant::now()));
+            drop(reg);
+            if ticket.is_some() {
+                state.share_send(&t.id, &p.hashes, uncached, p.session_key);
+            }
             ticket.map(|ticket| InflightGuard { state: state.clone(), ticket })
         };
         let Some(guard) = guard else {

@@ -13,16 +13,17 @@ use http_body_util::{BodyExt, Full, Limited};
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
-use kvgate_shared::hashing::HashScheme;
+use kvgate_shared::hashing::{BlockHash, HashScheme};
 use kvgate_shared::prompt::{Prompter, TokenizerFiles};
 use metrics_exporter_prometheus::PrometheusHandle;
 
 use crate::admission::Admission;
 use crate::config::GatewayConfig;
 use crate::keys::KeyTable;
-use crate::registry::{Registry, RegistryConfig};
+use crate::registry::{Registry, RegistryConfig, SharedSend};
 use crate::route::Router;
 use crate::routing::{policy_by_name, RingKeys, Weights};
+use crate::shared_state::sends::SendSharer;
 use crate::shared_state::{Resource, SharedState};
 use crate::tokenize::TokenizePool;
 
@@ -59,6 +60,8 @@ pub struct GatewayState {
     admin: Mutex<()>,
     /// What the replicas share through Redis (`shared_state/`), and the mode.
     pub shared: SharedState,
+    /// The replicas' shared sends (`--share-sends` with `--redis-url`; `shared_state/sends.rs`).
+    pub sends: Option<SendSharer>,
     /// Workers drained through the admin API, as shared through Redis, with the version (sorted ids).
     drains: RwLock<(Vec<String>, u64)>,
 }
@@ -109,6 +112,7 @@ impl GatewayState {
             cfg.replica_id.clone(),
         )?;
         let cfg_ring = (cfg.ring_sketch_entries, cfg.ring_hub_fanout);
+        let cfg_share_sends = cfg.share_sends && cfg.redis_url.is_some();
         Ok(Self {
             cfg,
             registry: Mutex::new(registry),
@@ -123,6 +127,7 @@ impl GatewayState {
             ring_keys: Mutex::new(RingKeys::new(cfg_ring.0, cfg_ring.1)),
             weights: RwLock::new((weights, weights_version)),
             classes_version: AtomicU64::new(classes_version),
+            sends: (cfg_share_sends).then(SendSharer::new),
             shared,
             drains: RwLock::new((Vec::new(), 1)),
             admin: Mutex::new(()),
@@ -255,6 +260,13 @@ impl GatewayState {
     }
 
     /// The registry (locks are short and never held across an await).
+    /// Tells the other replicas of a send to worker `worker` (with `--share-sends` and Redis; never waits).
+    pub fn share_send(&self, worker: &str, hashes: &[BlockHash], uncached_tokens: u64, session: u64) {
+        if let Some(s) = &self.sends {
+            s.share(SharedSend::new(worker, hashes, uncached_tokens, Some(session)));
+        }
+    }
+
     pub fn registry(&self) -> MutexGuard<'_, Registry> {
         self.registry.lock().unwrap_or_else(|e| e.into_inner())
     }

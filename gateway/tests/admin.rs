@@ -157,6 +157,12 @@ async fn drain_and_explain() {
     let ej = ex.json();
     assert_eq!(ej["terms"].as_array().map(Vec::len), Some(2));
     assert!(ej["terms"][0]["score"].is_number() && ej["terms"][0]["ring"].is_number());
+    // Matched blocks by tier (these workers report only their device pool: every figure is the device match).
+    for t in ej["terms"].as_array().expect("terms") {
+        let tiers = &t["tiers"];
+        assert!(tiers["device"].is_u64() && tiers["through_host"] == tiers["device"], "{t}");
+        assert_eq!(tiers["through_disk"], t["matched_blocks"], "{t}");
+    }
     assert_eq!(ej["class"], "short");
     let pick = ej["pick"].as_str().expect("pick").to_owned();
     // Nothing was sent upstream by explain: no requests in flight or counted.

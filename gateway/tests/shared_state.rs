@@ -99,7 +99,7 @@ async fn replicas_share_admin_changes_through_redis() {
     let put = admin(
         "PUT",
         &format!("{a}/admin/v1/weights"),
-        Some(json!({"w_prefix": 2.0, "w_ring": 0.1})),
+        Some(json!({"w_prefix": 2.0, "w_ring": 0.1, "credit_host": 0.5})),
         &[("if-match", "\"v1\"")],
     )
     .await;
@@ -107,6 +107,9 @@ async fn replicas_share_admin_changes_through_redis() {
     for control in [&b, &c] {
         let took = wait_weights(control, 2.0, "\"v2\"", Duration::from_secs(1)).await;
         eprintln!("{control}: the change arrived after {took:?}");
+        // The tier credits are part of the weights: they travel with them.
+        let w = admin("GET", &format!("{control}/admin/v1/weights"), None, &[]).await.json();
+        assert_eq!((w["credit_host"].as_f64(), w["credit_disk"].as_f64()), (Some(0.5), Some(0.3)), "{w}");
     }
     // C still holding v1 is refused, although C itself never saw a write.
     let stale = admin(
@@ -322,4 +325,71 @@ async fn three_replicas_admit_one_class_budget_between_them() {
         charged <= budget * 1.05 && charged >= budget * 0.90,
         "{charged:.0} tokens vs a budget of {budget:.0}"
     );
+}
+
+#[tokio::test]
+async fn a_replica_routes_by_what_another_replica_sent() {
+    // Two static workers that never report: the only thing a gateway knows of their caches is its overlay of what
+    // was routed there. A and B share their sends; C has --share-sends false.
+    let dir = tempfile::tempdir().expect("tmp");
+    let synth = dir.path().join("tiny");
+    let redis = Redis::start(free_port());
+    let w0 = worker("w0", &synth, None, &[]);
+    let w1 = worker("w1", &synth, None, &[]);
+    let (workers, url) = (format!("{},{}", w0.base, w1.base), redis.url());
+    let start = |id: &str, extra: &[&str]| {
+        let mut args = vec!["--redis-url", url.as_str(), "--replica-id", id, "--worker", workers.as_str()];
+        args.extend_from_slice(extra);
+        gateway_in(&args, tempfile::tempdir().expect("tmp"))
+    };
+    let (a, ca) = start("a", &[]);
+    let (b, cb) = start("b", &[]);
+    let (c, cc) = start("c", &["--share-sends", "false"]);
+    for control in [&ca, &cb, &cc] {
+        wait_until(Duration::from_secs(10), || async {
+            let ws = get(&format!("{control}/kvgate/v1/workers")).await.json();
+            ws.as_array().is_some_and(|a| a.iter().filter(|w| w["model"] == MODEL).count() == 2)
+        })
+        .await;
+        wait_until(Duration::from_secs(10), || async { mode(control).await == (Some(1.0), Some(0.0)) }).await;
+    }
+    let applied = |control: String| async move {
+        let m = get(&format!("{control}/metrics")).await.body;
+        metric(&m, "kvgate_gateway_shared_sends_total{event=\"applied\"}").unwrap_or(0.0)
+    };
+    let mut latest = Duration::ZERO;
+    for k in 0..6u32 {
+        // A conversation's first turn through A, its second through B and through C.
+        let turn1: Vec<u32> = (0..200).map(|j| (k * 997 + j * 13) % 400 + 1).collect();
+        let mut turn2 = turn1.clone();
+        turn2.extend((0..40).map(|j| (k + j) % 50 + 1));
+        let body = |p: &Vec<u32>| json!({"model": MODEL, "prompt": p, "max_tokens": 2});
+        let first = post(&format!("{}/v1/completions", a.base), &body(&turn1), &[]).await;
+        assert_eq!(first.status, 200, "{}", first.body);
+        let sent_at = Instant::now();
+        let want = f64::from(k + 1);
+        wait_until(Duration::from_secs(1), || {
+            let n = applied(cb.clone());
+            async move { n.await >= want }
+        })
+        .await;
+        latest = latest.max(sent_at.elapsed());
+        let via_b = post(&format!("{}/v1/completions", b.base), &body(&turn2), &[]).await;
+        assert_eq!(via_b.status, 200, "{}", via_b.body);
+        assert_eq!(
+            (via_b.header("x-kvgate-worker"), via_b.header("x-kvgate-route")),
+            (first.header("x-kvgate-worker"), "prefix".to_owned()),
+            "B knows where A sent turn 1"
+        );
+        let via_c = post(&format!("{}/v1/completions", c.base), &body(&turn2), &[]).await;
+        assert_eq!(via_c.status, 200, "{}", via_c.body);
+        assert_ne!(via_c.header("x-kvgate-route"), "prefix", "C does not share sends: it cannot know");
+    }
+    eprintln!("a send reached the other replica within {latest:?}");
+    let m = get(&format!("{ca}/metrics")).await.body;
+    assert!(
+        metric(&m, "kvgate_gateway_shared_sends_total{event=\"published\"}").unwrap_or(0.0) >= 6.0,
+        "{m}"
+    );
+    assert_eq!(applied(cc.clone()).await, 0.0, "C applies none");
 }

@@ -1,7 +1,9 @@
 //! One streamed OpenAI request and what it measured: TTFT, inter-token latencies, end-to-end time, token counts and
 //! `cached_tokens` from the final `usage` chunk, the `x-kvgate-worker` / `x-kvgate-route` headers, status and error.
-//! Plain HTTP/1.1 over hyper; the only address it talks to is the target it is given.
+//! Plain HTTP/1.1 over hyper; the only addresses it talks to are the targets it is given.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -83,22 +85,48 @@ pub fn ids_as_text(ids: &[u32]) -> String {
     s
 }
 
-/// A client of one OpenAI-compatible endpoint.
+/// A client of one OpenAI-compatible endpoint, or of several taken in turn (gateway replicas behind a
+/// round-robin load balancer).
 #[derive(Clone)]
 pub struct Client {
     http: HyperClient<HttpConnector, Full<Bytes>>,
     base: String,
+    /// Every endpoint (`base` is the first); requests go to them in turn.
+    bases: Arc<Vec<String>>,
+    turn: Arc<AtomicUsize>,
     pub model: String,
     timeout: Duration,
 }
 
 impl Client {
-    /// A client of `base` (e.g. `http://127.0.0.1:8080`); each request gives up after `timeout`.
+    /// A client of `base` (e.g. `http://127.0.0.1:8080`; several comma-separated: requests go to them in turn);
+    /// each request gives up after `timeout`.
     pub fn new(base: &str, model: &str, timeout: Duration) -> Self {
         let mut connector = HttpConnector::new();
         connector.set_nodelay(true);
         let http = HyperClient::builder(TokioExecutor::new()).pool_max_idle_per_host(1024).build(connector);
-        Self { http, base: base.trim_end_matches('/').to_owned(), model: model.to_owned(), timeout }
+        let bases: Vec<String> = base
+            .split(',')
+            .map(|b| b.trim().trim_end_matches('/').to_owned())
+            .filter(|b| !b.is_empty())
+            .collect();
+        let first = bases.first().cloned().unwrap_or_default();
+        Self {
+            http,
+            base: first,
+            bases: Arc::new(bases),
+            turn: Arc::new(AtomicUsize::new(0)),
+            model: model.to_owned(),
+            timeout,
+        }
+    }
+
+    /// The endpoint of the next request.
+    fn next_base(&self) -> &str {
+        match self.bases.len() {
+            0 | 1 => &self.base,
+            n => &self.bases[self.turn.fetch_add(1, Ordering::Relaxed) % n],
+        }
     }
 
     /// The first model `GET /v1/models` lists.
@@ -163,7 +191,7 @@ impl Client {
         if let Some(u) = user {
             body["user"] = json!(u);
         }
-        let url = format!("{}{path}", self.base);
+        let url = format!("{}{path}", self.next_base());
         let req = hyper::Request::post(&url)
             .header(hyper::header::CONTENT_TYPE, "application/json")
             .body(Full::new(Bytes::from(body.to_string())))

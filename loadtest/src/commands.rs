@@ -218,6 +218,7 @@ impl RunLimits {
 #[derive(Args, Clone, Debug)]
 pub struct RunArgs {
     /// The OpenAI-compatible endpoint (a kvgate gateway, or a worker directly), e.g. http://127.0.0.1:8080.
+    /// Several comma-separated (gateway replicas): requests go to them in turn.
     #[arg(long)]
     pub target: String,
     /// Model name. Default: the first one GET /v1/models lists.

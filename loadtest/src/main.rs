@@ -78,10 +78,14 @@ struct SimulateArgs {
     /// (what each knows of its own sends); every worker reports to all. Default 1.
     #[arg(long, default_value_t = 1)]
     gateway_replicas: usize,
-    /// With --gateway-replicas: every replica records every replica's sends at once (an ideal shared routing
-    /// overlay: the upper bound of what sharing it could give).
+    /// With --gateway-replicas: replicas share their sends as the gateway's --share-sends does (overlay points,
+    /// uncached tokens and ring key, applied by the others --share-delay-ms later). Default off.
     #[arg(long)]
     share_sends: bool,
+    /// How long a shared send takes to reach the other replicas, in ms. Default 1 (measured between real
+    /// replicas on one host: about 1 ms).
+    #[arg(long, default_value_t = 1.0)]
+    share_delay_ms: f64,
     /// Run the gateway's admission with its default classes (short / long / reasoning budgets): requests wait
     /// for their class budget before they are routed, as in the gateway. Default off (every request is routed on
     /// arrival).
@@ -170,6 +174,7 @@ fn simulate(a: SimulateArgs) -> Result<(), String> {
     cfg.ring_hub_fanout = a.ring_hub_fanout;
     cfg.gateway_replicas = a.gateway_replicas;
     cfg.share_sends = a.share_sends;
+    cfg.share_delay_s = a.share_delay_ms / 1000.0;
     cfg.classes = match (&a.classes, a.admission) {
         (Some(path), _) => load_classes(path)?,
         (None, true) => kvgate_router::admission::default_classes(),

@@ -13,6 +13,8 @@
 //!   (a Redis that restarted empty gets this replica's state back) and applies what is newer.
 //! - **Class budgets**: one token bucket per class in Redis, leased out in chunks (`budgets.rs`); while Redis is
 //!   lost each replica refills its own buckets at rate/N (N: live replicas at the last heartbeat).
+//! - **Sends** (`--share-sends`): each replica publishes what it routed where, and the others count it as load and
+//!   routed prefix until the worker's next report (`sends.rs`).
 //! - **Heartbeats**: every sync records this replica in a sorted set and counts the live ones
 //!   ([`SharedState::live_replicas`]).
 //!
@@ -20,6 +22,7 @@
 
 pub mod budgets;
 pub mod redis_store;
+pub mod sends;
 pub mod sync;
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};

@@ -8,7 +8,8 @@
 //! - `{p}:admin:changes`: pub/sub channel, one message `resource:version` per change;
 //! - `{p}:admin:audit`: stream of audit lines (capped at about [`AUDIT_MAX_LEN`] entries);
 //! - `{p}:replicas`: sorted set, replica id -> last heartbeat (unix ms); members silent for a minute are removed;
-//! - `{p}:budget:{class}`: hashes `{level, t}`, a class's shared token bucket (`budgets.rs`).
+//! - `{p}:budget:{class}`: hashes `{level, t}`, a class's shared token bucket (`budgets.rs`);
+//! - `{p}:sends`: pub/sub channel of the replicas' sends (`sends.rs`).
 
 use std::time::Duration;
 
@@ -146,6 +147,11 @@ impl RedisStore {
         let mut cmd = redis::cmd("EVAL");
         cmd.arg(script).arg(keys.len()).arg(keys).arg(args);
         self.query(&cmd).await
+    }
+
+    /// `PUBLISH channel payload`.
+    pub async fn publish(&self, channel: &str, payload: &str) -> Result<(), RedisError> {
+        self.query::<Value>(redis::cmd("PUBLISH").arg(channel).arg(payload)).await.map(|_| ())
     }
 
     /// `PING`.

@@ -84,6 +84,7 @@ pub async fn run(state: Arc<GatewayState>) {
     let Some(store) = state.shared.store() else { return };
     let sub = state.clone();
     tokio::spawn(async move { subscribe(sub).await });
+    tokio::spawn(super::sends::publish(state.clone()));
     loop {
         let up = sync_once(&state, store).await;
         if let Err(e) = &up {
@@ -94,15 +95,19 @@ pub async fn run(state: Arc<GatewayState>) {
     }
 }
 
-/// Listens on the change channel and wakes the sync loop at each announcement; reconnects with backoff (0.5 s
-/// doubling to 8 s).
+/// Listens on the change channel (and wakes the sync loop at each announcement) and on the sends channel (applies
+/// the other replicas' sends); reconnects with backoff (0.5 s doubling to 8 s).
 async fn subscribe(state: Arc<GatewayState>) {
     let Some(store) = state.shared.store() else { return };
+    let sends_channel = store.key("sends");
     let mut backoff = Duration::from_millis(500);
     loop {
         let attempt = async {
             let mut pubsub = store.client().get_async_pubsub().await?;
             pubsub.subscribe(store.channel()).await?;
+            if state.sends.is_some() {
+                pubsub.subscribe(&sends_channel).await?;
+            }
             Ok::<_, redis::RedisError>(pubsub)
         };
         match tokio::time::timeout(COMMAND_TIMEOUT, attempt).await {
@@ -110,6 +115,10 @@ async fn subscribe(state: Arc<GatewayState>) {
                 backoff = Duration::from_millis(500);
                 let mut messages = pubsub.on_message();
                 while let Some(m) = messages.next().await {
+                    if m.get_channel_name() == sends_channel {
+                        super::sends::apply(&state, m.get_payload_bytes());
+                        continue;
+                    }
                     let payload: String = m.get_payload().unwrap_or_default();
                     tracing::debug!(change = %payload, "shared state: change announced");
                     state.shared.wake();

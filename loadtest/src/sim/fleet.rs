@@ -11,17 +11,18 @@
 //!   ingested by the registry exactly as a `POST /kvgate/v1/report` would be. The gateway never reads live state.
 //!
 //! With several gateway replicas (`SimConfig::gateway_replicas`) each has its own registry and ring-key sketch,
-//! requests are spread over them in turn, and every worker reports to all of them; `share_sends` lets every
-//! replica record every send at once (the ideal shared overlay).
+//! requests are spread over them in turn, and every worker reports to all of them; with `share_sends` each send
+//! reaches the other replicas `share_delay_s` later as the gateway shares it (a fourth kind of event, applied before
+//! an arrival at the same time).
 //!
 //! A step's effects on the cache are applied when it starts (the engine is a library call), its outputs delivered
 //! when it ends; a report taken during a step sees the step's blocks already cached, which is what a real worker's
 //! report, built between steps, shows one step later.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::time::{Duration, Instant};
 
-use kvgate_router::registry::{Registry, SentTicket};
+use kvgate_router::registry::{Registry, SentTicket, SharedSend};
 use kvgate_router::route::{RouteInput, Router};
 use kvgate_router::routing::{RingKey, RingKeys, RoutingPolicy};
 use kvgate_shared::hashing::{BlockHash, BlockHasher, ExtraKeys};
@@ -111,6 +112,9 @@ struct Fleet<'a> {
     ring_keys: Vec<RingKeys>,
     /// The gateway's admission classes (`None`: no admission, every request routed at arrival).
     admission: Option<SimAdmission>,
+    /// Sends on their way to the other replicas (`share_sends`): (when they arrive, sending replica, send), in
+    /// time order (one delay for all).
+    shared: VecDeque<(f64, usize, SharedSend)>,
     out: Outcome,
 }
 
@@ -161,6 +165,7 @@ impl<'a> Fleet<'a> {
                 .map(|_| RingKeys::new(cfg.ring_sketch_entries, cfg.ring_hub_fanout))
                 .collect(),
             admission: (!cfg.classes.is_empty()).then(|| SimAdmission::new(cfg.classes.clone(), base)),
+            shared: VecDeque::new(),
             out: Outcome { busy_s: vec![0.0; n], ..Outcome::default() },
         }
     }
@@ -177,13 +182,19 @@ impl<'a> Fleet<'a> {
             let t_arr = if next < trace.requests.len() { arrival(next) } else { f64::INFINITY };
             let step = argmin(self.workers.iter().map(|w| w.busy_until.unwrap_or(f64::INFINITY)));
             let waiting = self.admission.as_ref().is_some_and(|a| a.waiting() > 0);
-            let idle = step.1.is_infinite() && !waiting && self.workers.iter().all(|w| !w.engine.has_work());
+            let idle = step.1.is_infinite()
+                && !waiting
+                && self.shared.is_empty()
+                && self.workers.iter().all(|w| !w.engine.has_work());
             if t_arr.is_infinite() && idle {
                 break;
             }
             let report = argmin(self.workers.iter().map(|w| w.next_report));
             let t_adm = self.admission.as_ref().map_or(f64::INFINITY, SimAdmission::next_event);
-            if step.1 <= report.1 && step.1 <= t_adm && step.1 <= t_arr {
+            let t_share = self.shared.front().map_or(f64::INFINITY, |s| s.0);
+            if t_share <= step.1 && t_share <= report.1 && t_share <= t_adm && t_share <= t_arr {
+                self.apply_shared(t_share);
+            } else if step.1 <= report.1 && step.1 <= t_adm && step.1 <= t_arr {
                 self.finish_step(step.0, step.1);
             } else if report.1 <= t_adm && report.1 <= t_arr {
                 self.report(report.0, report.1);
@@ -298,12 +309,10 @@ impl<'a> Fleet<'a> {
         let reason = routed.map_or("none", |r| r.reason.as_str());
         // Registry indices are worker indices: every simulated worker registers at t = 0 and none is forgotten.
         let w = ticket.idx;
-        let mut tickets = vec![(replica, ticket)];
-        if self.cfg.share_sends {
-            for (q, reg) in self.registries.iter_mut().enumerate().filter(|(q, _)| *q != replica) {
-                tickets.push((q, reg.record_sent(w, hashes, uncached, now)));
-                reg.record_session(w, ring.key, now);
-            }
+        let tickets = vec![(replica, ticket)];
+        if self.cfg.share_sends && self.registries.len() > 1 {
+            let send = SharedSend::new(&self.workers[w].source.worker_id, hashes, uncached, Some(ring.key));
+            self.shared.push_back((t + self.cfg.share_delay_s, replica, send));
         }
         *self.out.routes.entry(reason.to_owned()).or_default() += 1;
         let params =
@@ -324,6 +333,15 @@ impl<'a> Fleet<'a> {
                 }
                 self.refuse(class, t);
             }
+        }
+    }
+
+    /// The oldest send in flight between replicas reaches the others.
+    fn apply_shared(&mut self, t: f64) {
+        let Some((_, from, send)) = self.shared.pop_front() else { return };
+        let now = self.instant(t);
+        for (_, reg) in self.registries.iter_mut().enumerate().filter(|(q, _)| *q != from) {
+            reg.record_shared_send(&send, now);
         }
     }
 

@@ -54,9 +54,13 @@ pub struct SimConfig {
     /// Gateway replicas (`--gateway-replicas`, default 1): request `i` goes to replica `i mod n`, each with its own
     /// registry (load and overlay of its own sends) and ring-key sketch; every worker reports to every replica.
     pub gateway_replicas: usize,
-    /// Every replica records every replica's sends at once (`--share-sends`): the ideal of a shared routing
-    /// overlay (no delay, no cost), an upper bound on what sharing it could give.
+    /// Replicas share their sends as the gateway's `--share-sends` does (`--share-sends`): each send, as a
+    /// `SharedSend` (overlay points, uncached tokens, ring key), reaches the other replicas `share_delay_s` later
+    /// and counts there until the worker's next report.
     pub share_sends: bool,
+    /// How long a shared send takes to reach the other replicas (`--share-delay-ms`, default 1 ms: what the
+    /// gateway's shared_state test measures between real replicas and a local Redis).
+    pub share_delay_s: f64,
 }
 
 impl SimConfig {
@@ -87,6 +91,7 @@ impl SimConfig {
             ring_sketch_entries: kvgate_router::routing::ring_key::DEFAULT_SKETCH_ENTRIES,
             gateway_replicas: 1,
             share_sends: false,
+            share_delay_s: 0.001,
         }
     }
 
@@ -102,6 +107,9 @@ impl SimConfig {
         }
         if !(1..=64).contains(&self.gateway_replicas) {
             p.push(format!("gateway-replicas {} is not in 1..=64", self.gateway_replicas));
+        }
+        if !(self.share_delay_s >= 0.0 && self.share_delay_s <= 60.0) {
+            p.push(format!("share delay {} s is not in 0..=60 s", self.share_delay_s));
         }
         if self.kv_tokens_per_worker < self.block_size as usize {
             p.push(format!("kv-tokens-per-worker {} holds less than one block", self.kv_tokens_per_worker));

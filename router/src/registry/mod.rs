@@ -51,6 +51,43 @@ impl Default for RegistryConfig {
     }
 }
 
+/// A send another gateway replica made, as the replicas share them (the gateway's `--share-sends`, over Redis):
+/// which worker, the prompt's overlay points ([`Overlay::points`]), its uncached tokens and its ring key. A replica
+/// that applies it counts the send as load on the worker until the worker's next report (whose queue figures
+/// include it) and the points in the worker's overlay; the sender's own completion is not shared, so a request that
+/// finishes before that report is counted a little too long, at most one report interval.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct SharedSend {
+    pub worker: String,
+    pub points: Vec<BlockHash>,
+    pub uncached_tokens: u64,
+    pub session: Option<u64>,
+}
+
+impl SharedSend {
+    /// Most points one send carries (4,096 points x 8 blocks: 512K tokens at 16 tokens a block); longer prompts
+    /// are shared by their first points.
+    pub const MAX_POINTS: usize = 4096;
+    /// Longest worker id accepted.
+    pub const MAX_WORKER_ID: usize = 256;
+    /// Largest uncached-token count accepted (more is a corrupt or hostile message).
+    pub const MAX_TOKENS: u64 = 1 << 24;
+
+    pub fn new(worker: &str, hashes: &[BlockHash], uncached_tokens: u64, session: Option<u64>) -> Self {
+        let mut points = Overlay::points(hashes);
+        points.truncate(Self::MAX_POINTS);
+        Self { worker: worker.to_owned(), points, uncached_tokens, session }
+    }
+
+    /// Whether it is within the limits above (a received message is checked before it is applied).
+    pub fn valid(&self) -> bool {
+        self.points.len() <= Self::MAX_POINTS
+            && !self.worker.is_empty()
+            && self.worker.len() <= Self::MAX_WORKER_ID
+            && self.uncached_tokens <= Self::MAX_TOKENS
+    }
+}
+
 /// What [`Registry::record_sent`] returns, for [`Registry::record_done`].
 #[derive(Clone, Copy, Debug)]
 pub struct SentTicket {
@@ -260,12 +297,13 @@ impl Registry {
         self.alive(w, now)
     }
 
-    fn summary<'a>(&self, w: &'a Worker, now: Instant) -> Option<&'a CacheSummary> {
+    /// The summary of a worker's `tier`, if its report is fresh and of the expected hash scheme.
+    fn summary<'a>(&self, w: &'a Worker, tier: Tier, now: Instant) -> Option<&'a CacheSummary> {
         let fresh = w.report_at.is_some_and(|r| now.duration_since(r) < self.cfg.stale_after);
         if !fresh || w.fingerprint_ok != Some(true) {
             return None;
         }
-        w.report.as_ref()?.tier(Tier::Device)?.summary.as_ref()
+        w.report.as_ref()?.tier(tier)?.summary.as_ref()
     }
 
     /// The candidates for a model (workers whose model is unknown yet are candidates too), and for each view the
@@ -287,7 +325,9 @@ impl Registry {
             views.push(WorkerView {
                 id: &w.id,
                 healthy: self.healthy(w, now),
-                summary: self.summary(w, now),
+                summary: self.summary(w, Tier::Device, now),
+                host_summary: self.summary(w, Tier::Host, now),
+                disk_summary: self.summary(w, Tier::Disk, now),
                 overlay_matched_blocks: w.overlay.matched(hashes, now),
                 load: w.load(),
                 sessions: w.sessions.active(),
@@ -322,6 +362,21 @@ impl Registry {
         w.sent_tokens_since_report += uncached_tokens;
         w.overlay.insert(hashes, now + ttl, now);
         SentTicket { idx: i, uid: w.uid, epoch: w.epoch, uncached_tokens }
+    }
+
+    /// Applies another replica's send ([`SharedSend`]); false if no worker has its id here.
+    pub fn record_shared_send(&mut self, s: &SharedSend, now: Instant) -> bool {
+        let ttl = self.cfg.overlay_ttl;
+        let Some(w) = self.workers.iter_mut().find(|w| w.id == s.worker) else {
+            return false;
+        };
+        w.sent_requests_since_report += 1;
+        w.sent_tokens_since_report += s.uncached_tokens.min(SharedSend::MAX_TOKENS);
+        w.overlay.insert_points(&s.points, now + ttl, now);
+        if let Some(k) = s.session {
+            w.sessions.touch(k, now);
+        }
+        true
     }
 
     /// Records that conversation `session` (a ring key) was routed to worker `i`.
@@ -426,7 +481,7 @@ impl Registry {
                 url: w.url.clone(),
                 model: w.model.clone(),
                 healthy: self.healthy(w, now),
-                summary_fresh: self.summary(w, now).is_some(),
+                summary_fresh: self.summary(w, Tier::Device, now).is_some(),
                 fingerprint_ok: w.fingerprint_ok,
                 report_age_s: w.report_at.map(|r| now.duration_since(r).as_secs_f64()),
                 draining: w.admin_draining || w.reported_draining(),

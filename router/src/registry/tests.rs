@@ -216,3 +216,68 @@ fn silent_workers_are_forgotten_and_the_registry_is_bounded() {
     r.ingest(report("d", 1, &[], 7), Some(7), t0);
     assert_eq!(r.max_model_len("m"), Some(4096));
 }
+
+/// Chained hashes of `n` blocks whose first `shared` blocks are common to every `family` and the rest its own.
+fn family_prompt(shared: usize, n: usize, family: u32) -> Vec<BlockHash> {
+    let tokens: Vec<u32> = (0..n * 16)
+        .map(|i| if i < shared * 16 { i as u32 } else { 100_000 + family * 10_000 + i as u32 })
+        .collect();
+    BlockHasher::new(&HashScheme::new(16, 1), &ExtraKeys::none()).hash_blocks(&tokens)
+}
+
+#[test]
+fn the_sparse_overlay_is_exact_at_its_points_and_never_overcounts() {
+    let t0 = Instant::now();
+    let later = t0 + Duration::from_secs(1);
+    for sent_len in [1, 7, 8, 9, 16, 20, 33] {
+        let mut o = Overlay::default();
+        o.insert(&family_prompt(sent_len, sent_len, 0), t0 + Duration::from_secs(3), t0);
+        for shared in 0..=sent_len {
+            for req_len in [shared, shared + 1, shared + 9] {
+                if req_len == 0 {
+                    continue;
+                }
+                let req = family_prompt(shared, req_len, 1);
+                let got = o.matched(&req, later);
+                assert!(got <= shared, "sent {sent_len}, shared {shared}, len {req_len}: {got} overcounts");
+                // Exact when the shared prefix ends at a point: a multiple of the stride, or the sent prompt's end.
+                if shared % Overlay::STRIDE == 0 || shared == sent_len {
+                    assert_eq!(got, shared, "sent {sent_len}, shared {shared}, len {req_len}");
+                } else {
+                    assert!(shared - got < Overlay::STRIDE, "sent {sent_len}, shared {shared}: {got}");
+                }
+            }
+        }
+        assert_eq!(
+            o.matched(&family_prompt(sent_len, sent_len, 0), t0 + Duration::from_secs(3)),
+            0,
+            "expired"
+        );
+    }
+    assert!(Overlay::points(&family_prompt(20, 20, 0)).len() == 3, "blocks 8, 16 and the last");
+}
+
+#[test]
+fn another_replicas_send_counts_as_load_and_overlay_until_the_next_report() {
+    let mut r = Registry::new(cfg());
+    let t0 = Instant::now();
+    let h = hashes();
+    r.ingest(report("a", 1, &[], 7), Some(7), t0);
+    let send = SharedSend::new("a", &h, 500, Some(42));
+    assert!(send.valid());
+    assert!(r.record_shared_send(&send, t0));
+    assert!(!r.record_shared_send(&SharedSend::new("nobody", &h, 1, None), t0), "unknown worker: ignored");
+    let (v, _) = r.views("m", &h, Some(42), t0);
+    assert_eq!(v[0].overlay_matched_blocks, 4);
+    assert_eq!(v[0].load, Load { pending_tokens: 600, requests: 4 });
+    assert!(v[0].holds_session);
+    assert_eq!(r.status(t0)[0].inflight, 0, "another replica's request is not in flight here");
+    r.ingest(report("a", 2, &[], 7), Some(7), t0 + Duration::from_secs(1));
+    let (v, _) = r.views("m", &h, None, t0 + Duration::from_secs(1));
+    assert_eq!(v[0].load, Load { pending_tokens: 100, requests: 3 }, "the report's queue includes it now");
+    let mut bad = SharedSend::new("a", &h, SharedSend::MAX_TOKENS + 1, None);
+    assert!(!bad.valid());
+    bad.uncached_tokens = 1;
+    bad.points = vec![BlockHash(1); SharedSend::MAX_POINTS + 1];
+    assert!(!bad.valid());
+}

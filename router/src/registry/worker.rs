@@ -46,28 +46,66 @@ impl Sessions {
     }
 }
 
-/// Block hashes routed to a worker recently, with their expiry.
+/// Block hashes routed to a worker recently, with their expiry, kept sparse: a chained hash stands for its whole
+/// prefix, so a prompt is remembered by its hashes at every [`Overlay::STRIDE`]th block plus its last one, and a
+/// match is found by walking those points (then the few blocks past the last one that matched). The result is
+/// exact at the remembered points; between them it undercounts by less than a stride, never overcounts. The same
+/// points are what replicas share of each other's sends ([`super::SharedSend`]).
 #[derive(Debug, Default)]
 pub struct Overlay {
     entries: HashMap<BlockHash, Instant>,
 }
 
 impl Overlay {
-    /// Most entries kept per worker (oldest dropped first when exceeded).
+    /// Most entries kept per worker (expired ones dropped first; past it the map is cleared).
     pub const MAX_ENTRIES: usize = 200_000;
+    /// Blocks between two remembered points.
+    pub const STRIDE: usize = 8;
 
-    pub fn insert(&mut self, hashes: &[BlockHash], expires: Instant, now: Instant) {
-        if self.entries.len() + hashes.len() > Self::MAX_ENTRIES {
-            self.entries.retain(|_, e| *e > now);
+    /// The remembered points of a prompt's chained `hashes`: every [`Self::STRIDE`]th block's hash and the last.
+    pub fn points(hashes: &[BlockHash]) -> Vec<BlockHash> {
+        let mut p: Vec<BlockHash> =
+            hashes.iter().skip(Self::STRIDE - 1).step_by(Self::STRIDE).copied().collect();
+        if hashes.len() % Self::STRIDE != 0 {
+            p.extend(hashes.last());
         }
-        for h in hashes.iter().take(Self::MAX_ENTRIES) {
+        p
+    }
+
+    /// Remembers a prompt routed here until `expires`.
+    pub fn insert(&mut self, hashes: &[BlockHash], expires: Instant, now: Instant) {
+        self.insert_points(&Self::points(hashes), expires, now);
+    }
+
+    /// Remembers the points of a prompt (from [`Self::points`], possibly another replica's) until `expires`.
+    pub fn insert_points(&mut self, points: &[BlockHash], expires: Instant, now: Instant) {
+        if self.entries.len() + points.len() > Self::MAX_ENTRIES {
+            self.entries.retain(|_, e| *e > now);
+            if self.entries.len() + points.len() > Self::MAX_ENTRIES {
+                self.entries.clear();
+            }
+        }
+        for h in points.iter().take(Self::MAX_ENTRIES) {
             self.entries.insert(*h, expires);
         }
     }
 
-    /// Leading hashes present and unexpired.
+    fn holds(&self, h: &BlockHash, now: Instant) -> bool {
+        self.entries.get(h).is_some_and(|e| *e > now)
+    }
+
+    /// Leading blocks of `hashes` routed here and unexpired: `len/STRIDE + STRIDE` lookups at most.
     pub fn matched(&self, hashes: &[BlockHash], now: Instant) -> usize {
-        hashes.iter().take_while(|h| self.entries.get(h).is_some_and(|e| *e > now)).count()
+        if self.entries.is_empty() {
+            return 0;
+        }
+        let mut m = 0;
+        while m + Self::STRIDE <= hashes.len() && self.holds(&hashes[m + Self::STRIDE - 1], now) {
+            m += Self::STRIDE;
+        }
+        // A prompt that ended between two points was remembered by its last block.
+        let end = (m + Self::STRIDE - 1).min(hashes.len());
+        (m..end).rev().find(|&j| self.holds(&hashes[j], now)).map_or(m, |j| j + 1)
     }
 }
 

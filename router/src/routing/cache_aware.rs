@@ -5,9 +5,14 @@
 //! For each healthy worker `w` serving the model:
 //! ```text
 //! matched_fraction(w) = credited(w) / request_blocks                (0 when the prompt has no full block)
-//!     matched_blocks: longest run of the request's block hashes, from the first, in w's latest Bloom summary
-//!                     (at its granularity) or in this gateway's overlay of what it routed to w since that report
-//!     credited:       matched_blocks, less the prompt's shared prefix when that prefix is cheap: if the leading
+//!     device:         longest run of the request's block hashes, from the first, in w's latest device-tier Bloom
+//!                     summary (at its granularity) or in this gateway's overlay of what it routed to w since that
+//!                     report
+//!     host, disk:     the blocks after that run which w reports in its host DRAM tier, then its SSD tier (the run
+//!                     continues through any tier that holds each block; `TierMatch`); matched_blocks = all three
+//!     credited:       device + credit_host * host + credit_disk * disk (a block loaded from a lower tier is
+//!                     worth less than one in the device pool: loading takes time), less the prompt's shared
+//!                     prefix when that prefix is cheap: if the leading
 //!                     blocks other conversations share (a common system prompt, found by the ring-key sketch)
 //!                     are at most free_shared_tokens long, they earn no credit. Every worker holds such a prefix
 //!                     after its first request with it, so it must not pull every new conversation to the first
@@ -38,13 +43,14 @@
 //!
 //! Knobs ([`Weights`], live-changeable): `w_prefix` 1.0, `w_ring` 0.3, `w_load` 0.5, `per_request_tokens` 256,
 //! `load_floor_tokens` 8192, `hotspot_abs_tokens` 1024, `hotspot_ratio` 3.0, `free_shared_tokens` 4096,
-//! `ring_session_bound` 1.1 (chosen on the Mooncake replay and the
+//! `credit_host` 0.7, `credit_disk` 0.3 (the tier credits: roughly what a load from that tier saves against a
+//! device hit, before the load-vs-recompute measurements of the KV tiers tune them), `ring_session_bound` 1.1 (chosen on the Mooncake replay and the
 //! multi-turn demo, BENCHMARKS.md: with 16384 / 4.0 users sharing a system prompt all piled onto the first worker that
 //! cached it). Every term is logged at debug.
 
 use serde::{Deserialize, Serialize};
 
-use super::{Decision, RequestView, Ring, RouteReason, RoutingPolicy, ScoreTerms, WorkerView};
+use super::{Decision, RequestView, Ring, RouteReason, RoutingPolicy, ScoreTerms, TierMatch, WorkerView};
 
 /// Scoring weights and thresholds.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
@@ -64,6 +70,10 @@ pub struct Weights {
     /// A ring primary holds at most this times the mean number of recent conversations (>= 1; a large value turns
     /// the bound off).
     pub ring_session_bound: f64,
+    /// What a matched block in the worker's host DRAM tier counts for, against 1 in its device pool (0..=1).
+    pub credit_host: f64,
+    /// The same for its SSD tier (0..=1).
+    pub credit_disk: f64,
 }
 
 impl Default for Weights {
@@ -78,6 +88,8 @@ impl Default for Weights {
             hotspot_ratio: 3.0,
             free_shared_tokens: 4096,
             ring_session_bound: 1.1,
+            credit_host: 0.7,
+            credit_disk: 0.3,
         }
     }
 }
@@ -89,6 +101,11 @@ impl Weights {
         for (name, v) in [("w_prefix", self.w_prefix), ("w_ring", self.w_ring), ("w_load", self.w_load)] {
             if !v.is_finite() || v < 0.0 {
                 p.push(format!("{name} must be a finite number >= 0, got {v}"));
+            }
+        }
+        for (name, v) in [("credit_host", self.credit_host), ("credit_disk", self.credit_disk)] {
+            if !(0.0..=1.0).contains(&v) {
+                p.push(format!("{name} must be a number in 0..=1, got {v}"));
             }
         }
         if !self.hotspot_ratio.is_finite() || self.hotspot_ratio < 1.0 {
@@ -177,9 +194,14 @@ impl RoutingPolicy for CacheAware {
         let mut terms = Vec::with_capacity(workers.len());
         let mut scored: Vec<(f64, u64, usize)> = Vec::with_capacity(healthy.len());
         for (i, wk) in workers.iter().enumerate() {
-            let matched = if wk.healthy { wk.matched_blocks(req.hashes) } else { 0 };
-            let credited = matched.saturating_sub(free_blocks);
-            let matched_fraction = if n_blocks == 0 { 0.0 } else { credited as f64 / n_blocks as f64 };
+            let tiers = if wk.healthy { wk.tier_match(req.hashes) } else { TierMatch::default() };
+            let matched = tiers.through_disk;
+            // Blocks of [from, to) past the free shared prefix.
+            let past_free = |from: usize, to: usize| to.saturating_sub(from.max(free_blocks)) as f64;
+            let credited = past_free(0, tiers.device)
+                + w.credit_host * past_free(tiers.device, tiers.through_host)
+                + w.credit_disk * past_free(tiers.through_host, tiers.through_disk);
+            let matched_fraction = if n_blocks == 0 { 0.0 } else { credited / n_blocks as f64 };
             let ring_term = if primary.as_deref() == Some(wk.id) {
                 1.0
             } else if backup.as_deref() == Some(wk.id) {
@@ -194,6 +216,9 @@ impl RoutingPolicy for CacheAware {
                 worker = wk.id,
                 healthy = wk.healthy,
                 matched,
+                device = tiers.device,
+                host = tiers.host(),
+                disk = tiers.disk(),
                 matched_fraction,
                 ring = ring_term,
                 cost,
@@ -210,6 +235,7 @@ impl RoutingPolicy for CacheAware {
                 worker: wk.id.to_owned(),
                 healthy: wk.healthy,
                 matched_blocks: matched,
+                tiers,
                 matched_fraction,
                 ring: ring_term,
                 load: wk.load,

@@ -30,7 +30,7 @@ impl RoutingPolicy for ConsistentHash {
         if ranked.is_empty() {
             return None;
         }
-        let predicted = workers[ranked[0]].matched_blocks(req.hashes) * block_size;
+        let predicted = workers[ranked[0]].tier_match(req.hashes).through_disk * block_size;
         Some(Decision {
             ranked,
             reason: RouteReason::Primary,

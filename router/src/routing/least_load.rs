@@ -34,7 +34,7 @@ impl RoutingPolicy for LeastLoad {
         let ties =
             ranked.iter().take_while(|i| workers[**i].load.cost(self.per_request_tokens) == best).count();
         ranked[..ties].rotate_left((req.nonce() % ties as u64) as usize);
-        let predicted = workers[ranked[0]].matched_blocks(req.hashes) * block_size;
+        let predicted = workers[ranked[0]].tier_match(req.hashes).through_disk * block_size;
         Some(Decision {
             ranked,
             reason: RouteReason::Load,

@@ -67,8 +67,11 @@ pub struct WorkerView<'a> {
     pub id: &'a str,
     /// Fresh enough to be in the ring and receive traffic.
     pub healthy: bool,
-    /// The latest cache summary, if fresh and of the same hash scheme.
+    /// The latest cache summary of the device tier, if fresh and of the same hash scheme.
     pub summary: Option<&'a CacheSummary>,
+    /// The same of the lower tiers the worker reports: host DRAM, SSD (`None`: no such tier, or no summary).
+    pub host_summary: Option<&'a CacheSummary>,
+    pub disk_summary: Option<&'a CacheSummary>,
     /// Leading blocks this gateway routed to the worker since its last report (the overlay).
     pub overlay_matched_blocks: usize,
     pub load: Load,
@@ -78,11 +81,80 @@ pub struct WorkerView<'a> {
     pub holds_session: bool,
 }
 
+/// Leading blocks of a request a worker holds, by the tier they would come from (cumulative: `device <=
+/// through_host <= through_disk`). A block is taken from the highest tier that holds it; blocks past the device
+/// prefix found in the host tier are loaded from host DRAM, and so on.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct TierMatch {
+    /// In the device pool (Bloom summary or this gateway's overlay).
+    pub device: usize,
+    /// In device or host DRAM.
+    pub through_host: usize,
+    /// In any tier (the prefix the worker need not recompute).
+    pub through_disk: usize,
+}
+
+impl TierMatch {
+    /// Blocks from host DRAM.
+    pub fn host(&self) -> usize {
+        self.through_host - self.device
+    }
+
+    /// Blocks from SSD.
+    pub fn disk(&self) -> usize {
+        self.through_disk - self.through_host
+    }
+}
+
+/// Extends a matched prefix `from` through the tiers in `tiers`: block `i` is held if some tier whose summary
+/// represents block `i` (its granularity) has it; a block no summary represents is taken on trust, and kept only if
+/// a later represented block confirms the run. Stops at the first represented block no tier has.
+fn extend_through(hashes: &[BlockHash], from: usize, tiers: &[&CacheSummary]) -> usize {
+    if tiers.is_empty() {
+        return from;
+    }
+    let mut confirmed = from;
+    for (i, h) in hashes.iter().enumerate().skip(from) {
+        let covering: Vec<&&CacheSummary> = tiers.iter().filter(|t| t.covers_block(i)).collect();
+        if covering.is_empty() {
+            continue;
+        }
+        if covering.iter().any(|t| t.bloom.contains(*h)) {
+            confirmed = i + 1;
+        } else {
+            break;
+        }
+    }
+    confirmed
+}
+
 impl WorkerView<'_> {
-    /// Leading blocks of the request this worker is believed to hold (Bloom summary or overlay).
+    /// Leading blocks of the request this worker is believed to hold in its device pool (Bloom summary or
+    /// overlay).
     pub fn matched_blocks(&self, hashes: &[BlockHash]) -> usize {
         let bloom = self.summary.map_or(0, |s| s.matched_blocks_fast(hashes));
         bloom.max(self.overlay_matched_blocks).min(hashes.len())
+    }
+
+    /// Leading blocks of the request this worker holds, by tier ([`TierMatch`]). Without lower-tier summaries
+    /// every figure is the device match (no walk).
+    pub fn tier_match(&self, hashes: &[BlockHash]) -> TierMatch {
+        let device = self.matched_blocks(hashes);
+        if self.host_summary.is_none() && self.disk_summary.is_none() {
+            return TierMatch { device, through_host: device, through_disk: device };
+        }
+        let upper: Vec<&CacheSummary> = self.summary.into_iter().collect();
+        let with_host: Vec<&CacheSummary> = upper.iter().copied().chain(self.host_summary).collect();
+        let through_host = match self.host_summary {
+            Some(_) => extend_through(hashes, device, &with_host),
+            None => device,
+        };
+        let all: Vec<&CacheSummary> = with_host.iter().copied().chain(self.disk_summary).collect();
+        let through_disk = match self.disk_summary {
+            Some(_) => extend_through(hashes, through_host, &all),
+            None => through_host,
+        };
+        TierMatch { device, through_host, through_disk }
     }
 }
 
@@ -122,7 +194,11 @@ impl RouteReason {
 pub struct ScoreTerms {
     pub worker: String,
     pub healthy: bool,
+    /// Leading blocks held in any tier (`tiers.through_disk`).
     pub matched_blocks: usize,
+    /// The same by tier.
+    pub tiers: TierMatch,
+    /// Credited blocks (tier credits applied, a cheap shared prefix taken off) over the request's blocks.
     pub matched_fraction: f64,
     /// 1 primary, 0.5 backup, 0 otherwise.
     pub ring: f64,

@@ -24,7 +24,7 @@ impl RoutingPolicy for RoundRobin {
         }
         let start = (req.seq % healthy.len() as u64) as usize;
         let ranked: Vec<usize> = healthy[start..].iter().chain(&healthy[..start]).copied().collect();
-        let predicted = workers[ranked[0]].matched_blocks(req.hashes) * block_size;
+        let predicted = workers[ranked[0]].tier_match(req.hashes).through_disk * block_size;
         Some(Decision {
             ranked,
             reason: RouteReason::RoundRobin,

@@ -31,6 +31,8 @@ fn views<'a>(summaries: &'a [Option<CacheSummary>], loads: &[u64], healthy: &[bo
             id,
             healthy: healthy[i],
             summary: summaries[i].as_ref(),
+            host_summary: None,
+            disk_summary: None,
             overlay_matched_blocks: 0,
             load: Load { pending_tokens: loads[i], requests: 0 },
             sessions: 0,
@@ -249,4 +251,74 @@ fn a_ring_primary_with_more_than_its_share_of_conversations_passes_new_ones_on()
     let off = CacheAware::new(Weights { ring_session_bound: 1e9, ..Weights::default() });
     ws[0].holds_session = false;
     assert_eq!(ws[off.choose(&req, &ws, &ring(), 16).expect("decision").ranked[0]].id, IDS[0]);
+}
+
+/// A summary of `hashes` at granularity `g` (every g-th block's hash).
+fn summary_at(hashes: &[BlockHash], g: u32) -> CacheSummary {
+    let mut bloom = BlockBloom::with_capacity(hashes.len().max(1), 0.001);
+    let mut entries = 0;
+    for (i, h) in hashes.iter().enumerate() {
+        if (i + 1) % g as usize == 0 {
+            bloom.insert(*h);
+            entries += 1;
+        }
+    }
+    CacheSummary { granularity: g, entries, bloom }
+}
+
+#[test]
+fn lower_tiers_extend_the_match_and_earn_their_credit() {
+    // 32 blocks. w0: blocks 0..8 on device. w1: 0..24 in host DRAM only. w2: all 32 on SSD only. w3: 0..8 device,
+    // 8..16 host, 16..32 SSD. Summaries at granularity 4, as workers send them.
+    let h = hashes(32, 9);
+    let (dev, host, disk) = (vec![summary_at(&h[..8], 4)], summary_at(&h[..24], 4), summary_at(&h, 4));
+    let w3_host = summary_at(&h[..16], 4);
+    let mut ws = views(&[None, None, None, None, None], &[0; 5], &[true; 5]);
+    ws[0].summary = Some(&dev[0]);
+    ws[1].host_summary = Some(&host);
+    ws[2].disk_summary = Some(&disk);
+    ws[3].summary = Some(&dev[0]);
+    ws[3].host_summary = Some(&w3_host);
+    ws[3].disk_summary = Some(&disk);
+    let m = |i: usize| ws[i].tier_match(&h);
+    assert_eq!(m(0), TierMatch { device: 8, through_host: 8, through_disk: 8 });
+    assert_eq!(m(1), TierMatch { device: 0, through_host: 24, through_disk: 24 });
+    assert_eq!(m(2), TierMatch { device: 0, through_host: 0, through_disk: 32 });
+    assert_eq!(m(3), TierMatch { device: 8, through_host: 16, through_disk: 32 });
+    assert_eq!((m(3).host(), m(3).disk()), (8, 16));
+    // A block past the last represented one is not taken on trust: 30 blocks at granularity 4 match 28.
+    assert_eq!(ws[2].tier_match(&h[..30]).through_disk, 28);
+
+    let req = RequestView { hashes: &h, prompt_tokens: 512, session_key: 5, shared_blocks: 0, seq: 3 };
+    let score = |weights: Weights| {
+        let d = CacheAware::new(weights).choose(&req, &ws, &ring(), 16).expect("decision");
+        let fractions: Vec<f64> = d.terms.iter().map(|t| t.matched_fraction).collect();
+        (ws[d.ranked[0]].id, fractions, d)
+    };
+    // Golden values with the default credits (0.7 host, 0.3 SSD) and the ring off: credited blocks 8, 16.8, 9.6,
+    // 8 + 5.6 + 4.8 = 18.4 of 32.
+    let (pick, f, d) = score(Weights { w_ring: 0.0, ..Weights::default() });
+    for (got, want) in f.iter().zip([8.0 / 32.0, 16.8 / 32.0, 9.6 / 32.0, 18.4 / 32.0, 0.0]) {
+        assert!((got - want).abs() < 1e-12, "{f:?}");
+    }
+    assert_eq!(pick, "w3");
+    assert_eq!(d.reason, RouteReason::Prefix);
+    assert_eq!(d.predicted_cached_tokens, 32 * 16, "what any tier holds is not recomputed");
+    assert_eq!(d.terms[3].tiers, m(3));
+    // Device-only credit (lower tiers worth nothing): the device copy wins.
+    let (pick, ..) = score(Weights { w_ring: 0.0, credit_host: 0.0, credit_disk: 0.0, ..Weights::default() });
+    assert_eq!(pick, "w0");
+    // A cheap shared prefix of 8 blocks earns nothing in any tier.
+    let shared = RequestView { shared_blocks: 8, ..req.clone() };
+    let d = CacheAware::new(Weights { w_ring: 0.0, ..Weights::default() })
+        .choose(&shared, &ws, &ring(), 16)
+        .expect("decision");
+    assert!((d.terms[3].matched_fraction - (5.6 + 4.8) / 32.0).abs() < 1e-12, "{:?}", d.terms[3]);
+    assert!((d.terms[1].matched_fraction - 16.0 * 0.7 / 32.0).abs() < 1e-12);
+    let bad = Weights { credit_host: 1.5, credit_disk: f64::NAN, ..Weights::default() };
+    let problems = bad.validate();
+    assert!(
+        problems.iter().any(|p| p.contains("credit_host"))
+            && problems.iter().any(|p| p.contains("credit_disk"))
+    );
 }

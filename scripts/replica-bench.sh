@@ -1,0 +1,123 @@
+#!/usr/bin/env bash
+# Gateway replicas with and without shared sends, real processes, one run: a local redis-server, N kvgate gateways
+# (`--redis-url`, `--share-sends true|false`) and 4 `kvgate-worker serve --engine sim` workers (gpu-h100-llama3-8b
+# timing, real time) that report to every replica. The load generator spreads requests over the replicas in turn
+# (`kvgate-loadtest run --target g1,g2,...`, what a round-robin Service does). Each configuration gets a fresh
+# Redis, gateways and workers, so no run finds another's cache. Everything listens on 127.0.0.1 and stops by itself.
+#
+#   scripts/replica-bench.sh [OUT_DIR]   (default target/replica-bench; prints a Markdown table)
+#
+# CONFIGS (default "1:- 2:false 2:true 3:false 3:true"): replicas:share-sends. WORKLOADS (default "shared-prefix
+# mooncake"). Needs: cargo, redis-server (scripts/setup.sh installs it), curl, python3.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT="${1:-target/replica-bench}"
+WORKERS="${WORKERS:-4}"
+TRACE="${TRACE:-loadtest/traces/mooncake-synthetic.jsonl}"
+WORKLOADS="${WORKLOADS:-shared-prefix mooncake}"
+CONFIGS="${CONFIGS:-1:- 2:false 2:true 3:false 3:true}"
+mkdir -p "$OUT"
+OUT="$(cd "$OUT" && pwd)"
+
+cargo build --release -q -p kvgate-loadtest -p kvgate-gateway -p kvgate-worker
+BIN="$PWD/target/release"
+SECRET="replica-bench-$$"
+
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+wait_http() { # url what
+  for _ in $(seq 1 600); do curl -sf "$1" >/dev/null 2>&1 && return 0; sleep 0.2; done
+  echo "$2 did not start ($1)" >&2; exit 1
+}
+
+PIDS=()
+cleanup() {
+  for p in "${PIDS[@]:-}"; do [ -n "$p" ] && kill "$p" 2>/dev/null || true; done
+  for p in "${PIDS[@]:-}"; do [ -n "$p" ] && wait "$p" 2>/dev/null || true; done
+  PIDS=()
+}
+trap cleanup EXIT
+
+declare -A WORKLOAD=(
+  [shared-prefix]="--workload shared-prefix --groups 16 --prompts-per-group 8 --system-tokens 2048 --question-tokens 128 --rate 8 --output-tokens 64"
+  [multi-turn]="--workload multi-turn --users 16 --turns 5 --rate 2 --system-words 1024 --output-tokens 64"
+  [mooncake]="--workload mooncake --trace $TRACE --top-roots ${TOP_ROOTS:-10} --time-scale ${TIME_SCALE:-0.1}"
+)
+
+run_one() { # replicas share workload
+  local n=$1 share=$2 workload=$3 tag="$1-$2-$3" c w i
+  local log="$OUT/$tag"
+  rm -rf "$log" && mkdir -p "$log"
+  local rport
+  rport=$(free_port)
+  redis-server --port "$rport" --bind 127.0.0.1 --save "" --appendonly no --dir "$log" >"$log/redis.log" 2>&1 &
+  PIDS+=($!)
+  local targets=() controls=()
+  for i in $(seq 1 "$n"); do
+    local port cport
+    port=$(free_port); cport=$(free_port)
+    local share_args=()
+    [ "$share" != "-" ] && share_args=(--redis-url "redis://127.0.0.1:$rport" --share-sends "$share")
+    RUST_LOG=warn "$BIN/kvgate-gateway" --listen "127.0.0.1:$port" --control-listen "127.0.0.1:$cport" \
+      --report-secret "$SECRET" --replica-id "g$i" --state-file off "${share_args[@]}" >"$log/gateway-$i.log" 2>&1 &
+    PIDS+=($!)
+    targets+=("http://127.0.0.1:$port"); controls+=("http://127.0.0.1:$cport")
+  done
+  local report_to
+  report_to=$(IFS=,; echo "${controls[*]}")
+  local workers=()
+  for i in $(seq 0 $((WORKERS - 1))); do
+    local wport
+    wport=$(free_port)
+    RUST_LOG=warn "$BIN/kvgate-worker" serve --synth tiny --synth-dir "$OUT/synth" --engine sim \
+      --sim-profile gpu-h100-llama3-8b --host 127.0.0.1 --port "$wport" --worker-id "w$i" \
+      --kv-cache-tokens 262144 --report-to "$report_to" --report-secret "$SECRET" >"$log/worker-$i.log" 2>&1 &
+    PIDS+=($!)
+    workers+=("http://127.0.0.1:$wport")
+    [ "$i" = 0 ] && wait_http "http://127.0.0.1:$wport/ready" "worker w0"
+  done
+  for w in "${workers[@]}"; do wait_http "$w/ready" "worker $w"; done
+  for c in "${controls[@]}"; do
+    for _ in $(seq 1 300); do
+      [ "$(curl -s "$c/kvgate/v1/workers" | python3 -c 'import json,sys; print(sum(1 for w in json.load(sys.stdin) if w["healthy"] and w["summary_fresh"]))' 2>/dev/null)" = "$WORKERS" ] && break
+      sleep 0.2
+    done
+  done
+  wait_http "${targets[0]}/v1/models" "gateway"
+  local target
+  target=$(IFS=,; echo "${targets[*]}")
+  # shellcheck disable=SC2086
+  "$BIN/kvgate-loadtest" run --target "$target" --model kvgate-tiny ${WORKLOAD[$workload]} --seed 42 \
+    --duration 240s --no-progress --out "$log/run" >"$log/run.out" 2>&1 || { cat "$log/run.out" >&2; exit 1; }
+  for w in "${workers[@]}"; do
+    curl -s "$w/metrics" | awk '/^kvgate_worker_requests_total/ {n += $2} END {print n + 0}'
+  done >"$log/per-worker"
+  for c in "${controls[@]}"; do
+    curl -s "$c/metrics" | awk '/^kvgate_gateway_shared_sends_total\{event="applied"\}/ {n += $2} END {print n + 0}'
+  done >"$log/applied"
+  cleanup
+}
+
+for workload in $WORKLOADS; do
+  for c in $CONFIGS; do
+    run_one "${c%%:*}" "${c##*:}" "$workload"
+    echo "done: $c $workload" >&2
+  done
+done
+
+python3 - "$OUT" "$CONFIGS" $WORKLOADS <<'EOF'
+import json, sys, os
+out, configs = sys.argv[1], sys.argv[2].split()
+print("| workload | replicas | sends shared | requests | errors | hit rate | TTFT p50 ms | TTFT p99 ms | max/mean requests per worker | sends applied by other replicas |")
+print("|---|---|---|---|---|---|---|---|---|---|")
+for workload in sys.argv[3:]:
+    for c in configs:
+        n, share = c.split(":")
+        d = os.path.join(out, f"{n}-{share}-{workload}")
+        s = json.load(open(os.path.join(d, "run", "results.json")))["runs"][0]["summary"]
+        per = [float(x) for x in open(os.path.join(d, "per-worker")).read().split()]
+        applied = int(sum(float(x) for x in open(os.path.join(d, "applied")).read().split()))
+        mm = max(per) / (sum(per) / len(per)) if sum(per) > 0 else 0.0
+        shared = {"-": "-", "true": "yes", "false": "no"}[share]
+        print(f"| {workload} | {n} | {shared} | {s['requests']} | {s['errors']} | {s['hit_rate']:.3f} | "
+              f"{s['ttft_p50_ms']:.1f} | {s['ttft_p99_ms']:.1f} | {mm:.2f} | {applied} |")
+EOF
