@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use kvgate_shared::hashing::{BlockHasher, ExtraKeys, HashScheme};
 use kvgate_shared::report::{QueueStats, Throughput, Tier, TierReport, WorkerReport};
-use kvgate_worker::kv::{BlockPool, Parent, SharedPool};
+use kvgate_worker::kv::{BlockKey, BlockPool, Parent, SharedPool};
 use kvgate_worker::report::summarise;
 
 fn main() {
@@ -27,8 +27,10 @@ fn main() {
         let ids = pool.allocate(per_seq).expect("room");
         let mut parent = Parent::Root(hasher.root_id());
         for (i, (id, h)) in ids.iter().zip(&hashes).enumerate() {
-            let uid =
-                pool.register(*id, i, *h, parent, &tokens[i * block..(i + 1) * block]).expect("no collision");
+            let key = BlockKey { hash: *h, check: 0, parent_hash: i.checked_sub(1).map(|j| hashes[j]) };
+            let uid = pool
+                .register(*id, i, key, parent, &tokens[i * block..(i + 1) * block])
+                .expect("no collision");
             parent = Parent::Block(uid);
         }
         seqs.push(hashes);

@@ -12,7 +12,7 @@ use kvgate_shared::report::{
 };
 
 use crate::engine::EngineStats;
-use crate::kv::SharedPool;
+use crate::kv::{SharedHost, SharedPool};
 
 /// What a report is built from.
 pub struct ReportSource {
@@ -28,6 +28,12 @@ pub struct ReportSource {
     pub max_model_len: u32,
 }
 
+/// The Bloom summaries of a report: the device pool's, and the host tier's when there is one.
+pub struct Summaries {
+    pub device: CacheSummary,
+    pub host: Option<CacheSummary>,
+}
+
 /// Builds the Bloom summary of the pool's cached blocks at a granularity.
 pub fn summarise(pool: &SharedPool, granularity: u32, fp_rate: f64) -> CacheSummary {
     let g = granularity.max(1);
@@ -35,6 +41,30 @@ pub fn summarise(pool: &SharedPool, granularity: u32, fp_rate: f64) -> CacheSumm
         let pool = pool.lock();
         pool.cached_entries().filter(|(_, i)| (i + 1) % g == 0).map(|(h, _)| h).collect()
     };
+    bloom_of(hashes, g, fp_rate)
+}
+
+/// The same for the host tier's blocks.
+pub fn summarise_host(host: &SharedHost, granularity: u32, fp_rate: f64) -> CacheSummary {
+    let g = granularity.max(1);
+    let hashes: Vec<_> = host.lock().entries().filter(|(_, i)| (i + 1) % g == 0).map(|(h, _)| h).collect();
+    bloom_of(hashes, g, fp_rate)
+}
+
+/// Both summaries of a pool and its host tier.
+pub fn summarise_tiers(
+    pool: &SharedPool,
+    host: Option<&SharedHost>,
+    granularity: u32,
+    fp_rate: f64,
+) -> Summaries {
+    Summaries {
+        device: summarise(pool, granularity, fp_rate),
+        host: host.map(|h| summarise_host(h, granularity, fp_rate)),
+    }
+}
+
+fn bloom_of(hashes: Vec<kvgate_shared::hashing::BlockHash>, g: u32, fp_rate: f64) -> CacheSummary {
     let mut bloom = BlockBloom::with_capacity(hashes.len(), fp_rate);
     for h in &hashes {
         bloom.insert(*h);
@@ -50,9 +80,25 @@ impl ReportSource {
         timestamp_ms: u64,
         s: &EngineStats,
         throughput: Throughput,
-        summary: CacheSummary,
+        summaries: Summaries,
         draining: bool,
     ) -> WorkerReport {
+        let mut tiers = vec![TierReport {
+            tier: Tier::Device,
+            blocks_total: s.blocks_total as u64,
+            blocks_free: s.blocks_free as u64,
+            blocks_cached: s.blocks_cached as u64,
+            summary: Some(summaries.device),
+        }];
+        if let Some(host) = summaries.host {
+            tiers.push(TierReport {
+                tier: Tier::Host,
+                blocks_total: s.host_blocks_total as u64,
+                blocks_free: s.host_blocks_total.saturating_sub(s.host_blocks_cached) as u64,
+                blocks_cached: s.host_blocks_cached as u64,
+                summary: Some(host),
+            });
+        }
         WorkerReport {
             worker_id: self.worker_id.clone(),
             advertise_url: self.advertise_url.clone(),
@@ -70,13 +116,7 @@ impl ReportSource {
                 running_requests: s.running_requests as u32,
             },
             throughput,
-            tiers: vec![TierReport {
-                tier: Tier::Device,
-                blocks_total: s.blocks_total as u64,
-                blocks_free: s.blocks_free as u64,
-                blocks_cached: s.blocks_cached as u64,
-                summary: Some(summary),
-            }],
+            tiers,
         }
     }
 }

@@ -95,22 +95,16 @@ pub fn worker_on(
     extra: &[&str],
     env: &[(&str, &str)],
 ) -> Proc {
-    let mut args: Vec<String> = vec![
-        "serve",
-        "--synth",
-        "tiny",
-        "--host",
-        "127.0.0.1",
-        "--kv-cache-tokens",
-        "8192",
-        "--report-interval",
-        "200ms",
-        "--summary-granularity",
-        "1",
-    ]
-    .into_iter()
-    .map(String::from)
-    .collect();
+    let mut args: Vec<String> =
+        ["serve", "--synth", "tiny", "--host", "127.0.0.1"].map(String::from).to_vec();
+    // Defaults that `extra` may set otherwise.
+    for (flag, value) in
+        [("--kv-cache-tokens", "8192"), ("--report-interval", "200ms"), ("--summary-granularity", "1")]
+    {
+        if !extra.contains(&flag) {
+            args.extend([flag.to_owned(), value.to_owned()]);
+        }
+    }
     args.extend(["--synth-dir".into(), synth_dir.display().to_string(), "--port".into(), port.to_string()]);
     args.extend(["--worker-id".into(), id.to_owned()]);
     if let Some(c) = control {

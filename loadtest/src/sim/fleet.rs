@@ -29,7 +29,7 @@ use kvgate_shared::hashing::{BlockHash, BlockHasher, ExtraKeys};
 use kvgate_shared::report::Throughput;
 use kvgate_worker::engine::sim::{SimBackend, SimClock};
 use kvgate_worker::engine::{Engine, EngineConfig, EngineRequest, FinishReason, SamplingParams, StepOutput};
-use kvgate_worker::report::{summarise, ReportSource};
+use kvgate_worker::report::{summarise_tiers, ReportSource};
 
 use super::admission::{Admitted, Pumped, Ready, Reservation, SimAdmission};
 use super::SimConfig;
@@ -424,17 +424,15 @@ impl<'a> Fleet<'a> {
         let worker = &mut self.workers[w];
         worker.seq += 1;
         let stats = worker.engine.stats();
-        let summary = summarise(
-            worker.engine.scheduler().kv().pool(),
-            worker.source.granularity,
-            worker.source.fp_rate,
-        );
+        let kv = worker.engine.scheduler().kv();
+        let summaries =
+            summarise_tiers(kv.pool(), kv.host(), worker.source.granularity, worker.source.fp_rate);
         let report = worker.source.assemble(
             worker.seq,
             (t * 1000.0) as u64,
             &stats,
             Throughput::default(),
-            summary,
+            summaries,
             false,
         );
         let fingerprint = worker.source.scheme.fingerprint();

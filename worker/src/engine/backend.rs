@@ -48,6 +48,23 @@ pub trait Backend: Send {
     fn needs_slots(&self) -> bool {
         true
     }
+
+    /// Bytes of one KV block (K and V of every layer) as [`Backend::read_kv_blocks`] returns them, which lower
+    /// tiers count against their capacity; `None` (the default): this backend cannot copy blocks out, so it gets
+    /// no lower tiers.
+    fn kv_block_bytes(&self, _block_size: usize) -> Option<usize> {
+        None
+    }
+
+    /// The K/V bytes of blocks `ids` (a block holds slots `id * block_size..(id + 1) * block_size`).
+    fn read_kv_blocks(&mut self, _ids: &[u32], _block_size: usize) -> Result<Vec<Vec<u8>>, String> {
+        Err("this backend cannot copy KV blocks".into())
+    }
+
+    /// Writes blocks' K/V bytes (as read by [`Backend::read_kv_blocks`]) into blocks of this pool.
+    fn write_kv_blocks(&mut self, _blocks: &[(u32, &[u8])], _block_size: usize) -> Result<(), String> {
+        Err("this backend cannot copy KV blocks".into())
+    }
 }
 
 /// The CPU engine: the Llama-family model with an in-memory KV store.
@@ -94,5 +111,20 @@ impl Backend for CpuBackend {
 
     fn eos_token_ids(&self) -> Vec<u32> {
         self.model.config().eos_token_ids.clone()
+    }
+
+    fn kv_block_bytes(&self, block_size: usize) -> Option<usize> {
+        Some(self.kv.bytes_for(block_size))
+    }
+
+    fn read_kv_blocks(&mut self, ids: &[u32], block_size: usize) -> Result<Vec<Vec<u8>>, String> {
+        ids.iter().map(|id| self.kv.read_slots(*id as usize * block_size, block_size)).collect()
+    }
+
+    fn write_kv_blocks(&mut self, blocks: &[(u32, &[u8])], block_size: usize) -> Result<(), String> {
+        for (id, bytes) in blocks {
+            self.kv.write_slots(*id as usize * block_size, block_size, bytes)?;
+        }
+        Ok(())
     }
 }

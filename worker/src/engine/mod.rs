@@ -24,7 +24,7 @@ pub use backend::{Backend, BatchItem, CpuBackend, Next};
 pub use request::{AdmitError, EngineRequest, FinishReason, RequestId, SamplingParams, StepOutput};
 pub use scheduler::{Scheduler, SchedulerConfig, Sequence};
 
-use crate::kv::KvManager;
+use crate::kv::{Evicted, HostCounters, HostInsert, HostTier, KvManager, PendingLoad, WritePolicy};
 
 /// Turns output ids into text, to find stop strings.
 pub trait Detokenizer: Send + Sync {
@@ -61,6 +61,10 @@ pub struct EngineStats {
     pub preemptions: u64,
     pub hit_blocks: u64,
     pub queried_blocks: u64,
+    /// The host DRAM tier (all 0 without one).
+    pub host_blocks_total: usize,
+    pub host_blocks_cached: usize,
+    pub host: HostCounters,
 }
 
 /// Scheduler + backend + sampling.
@@ -102,6 +106,106 @@ impl<B: Backend> Engine<B> {
         self.sched.has_work()
     }
 
+    /// Puts a host DRAM tier of `bytes` under the KV pool (`--host-kv-bytes`; 0: none). Fails when the backend
+    /// cannot copy KV blocks out (the CUDA backend, for now).
+    pub fn with_host_tier(mut self, bytes: usize, policy: WritePolicy) -> Result<Self, String> {
+        if bytes == 0 {
+            return Ok(self);
+        }
+        let block_size = self.scheme.block_size as usize;
+        let Some(block_bytes) = self.backend.kv_block_bytes(block_size) else {
+            return Err(
+                "this backend cannot copy KV blocks to a host tier (--host-kv-bytes must be 0)".into()
+            );
+        };
+        if bytes < block_bytes {
+            return Err(format!(
+                "--host-kv-bytes {bytes} holds less than one KV block ({block_bytes} bytes)"
+            ));
+        }
+        self.sched.kv_mut().set_host(HostTier::new(bytes, block_bytes), policy);
+        Ok(self)
+    }
+
+    /// Copies blocks down to the host tier while their memory holds their K/V: the pool's evictions (before the
+    /// forward overwrites them) or, write-through, the blocks this step completed (after the forward). Parents
+    /// go before children; a block the tier already holds is not read again.
+    fn copy_down(&mut self, mut blocks: Vec<Evicted>) {
+        let kv = self.sched.kv().clone();
+        let Some(host) = kv.host() else { return };
+        if blocks.is_empty() {
+            return;
+        }
+        let block_size = self.scheme.block_size as usize;
+        blocks.sort_by_key(|e| e.index);
+        let (known, new): (Vec<Evicted>, Vec<Evicted>) =
+            blocks.into_iter().partition(|e| host.lock().contains(e.hash));
+        let ids: Vec<u32> = new.iter().map(|e| e.id).collect();
+        let payloads =
+            if ids.is_empty() { Ok(Vec::new()) } else { self.backend.read_kv_blocks(&ids, block_size) };
+        let pool = kv.pool().lock();
+        let mut host = host.lock();
+        let keep = |host: &mut HostTier, e: Evicted, payload: Vec<u8>| {
+            let on_device = e.parent_hash.is_some_and(|p| pool.is_cached(p));
+            let b = HostInsert {
+                hash: e.hash,
+                check: e.check,
+                index: e.index,
+                tokens: e.tokens,
+                payload: Arc::from(payload),
+                parent: e.parent_hash,
+            };
+            host.insert(b, on_device);
+        };
+        for e in known {
+            keep(&mut host, e, Vec::new());
+        }
+        match payloads {
+            Ok(payloads) => {
+                for (e, payload) in new.into_iter().zip(payloads) {
+                    keep(&mut host, e, payload);
+                }
+            }
+            Err(err) => {
+                tracing::error!(error = %err, blocks = new.len(), "copying KV blocks to host failed");
+                for e in new {
+                    host.drop_descendants(e.hash);
+                }
+            }
+        }
+    }
+
+    /// Copies the blocks the pool just evicted down to the host tier (their memory is intact until the forward),
+    /// then writes the host blocks promoted by this step's lookups into their device blocks. Runs between
+    /// scheduling and the forward. An error writing a promotion drops those blocks from the cache and fails the
+    /// step's batch (it would read them).
+    fn move_blocks(&mut self) -> Result<(), String> {
+        let kv = self.sched.kv().clone();
+        if kv.host().is_none() {
+            return Ok(());
+        }
+        let block_size = self.scheme.block_size as usize;
+        let evicted = kv.pool().lock().take_evicted();
+        self.copy_down(evicted);
+        let loads = kv.take_loads();
+        if loads.is_empty() {
+            return Ok(());
+        }
+        let live: Vec<PendingLoad> = {
+            let pool = kv.pool().lock();
+            loads.into_iter().filter(|l| pool.uid(l.id) == l.uid).collect()
+        };
+        let writes: Vec<(u32, &[u8])> = live.iter().map(|l| (l.id, &*l.payload)).collect();
+        if let Err(err) = self.backend.write_kv_blocks(&writes, block_size) {
+            let mut pool = kv.pool().lock();
+            for l in &live {
+                pool.invalidate(l.id);
+            }
+            return Err(format!("loading KV blocks from host: {err}"));
+        }
+        Ok(())
+    }
+
     /// Tokens the KV pool holds.
     pub fn kv_capacity_tokens(&self) -> usize {
         let kv = self.sched.kv();
@@ -114,9 +218,19 @@ impl<B: Backend> Engine<B> {
     }
 
     pub fn stats(&self) -> EngineStats {
+        let (host_blocks_total, host_blocks_cached, host) = match self.sched.kv().host() {
+            Some(h) => {
+                let h = h.lock();
+                (h.capacity_blocks(), h.len(), h.counters())
+            }
+            None => (0, 0, HostCounters::default()),
+        };
         let pool = self.sched.kv().pool().lock();
         let c = pool.counters();
         EngineStats {
+            host_blocks_total,
+            host_blocks_cached,
+            host,
             waiting_requests: self.sched.num_waiting(),
             prefill_tokens: self.sched.prefill_tokens(),
             running_requests: self.sched.running().len(),
@@ -175,10 +289,13 @@ impl<B: Backend> Engine<B> {
     /// Runs one step; returns what each scheduled request produced.
     pub fn step(&mut self) -> Vec<StepOutput> {
         let plan = self.sched.schedule();
+        let moved = self.move_blocks();
         if plan.is_empty() {
             return Vec::new();
         }
-        let result = {
+        let result = if let Err(e) = moved {
+            Err(e)
+        } else {
             let running = self.sched.running();
             let with_slots = self.backend.needs_slots();
             let items: Vec<BatchItem<'_>> = plan
@@ -241,6 +358,10 @@ impl<B: Backend> Engine<B> {
             }
         }
         self.sched.retire(&finished);
+        if self.sched.kv().host().is_some() {
+            let registered = self.sched.kv().pool().lock().take_registered();
+            self.copy_down(registered);
+        }
         outputs
     }
 
@@ -279,3 +400,5 @@ fn output(seq: &Sequence, token: Option<u32>, finished: Option<FinishReason>) ->
 
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod tier_tests;

@@ -132,6 +132,9 @@ impl Scheduler {
     pub fn kv(&self) -> &KvManager {
         &self.kv
     }
+    pub fn kv_mut(&mut self) -> &mut KvManager {
+        &mut self.kv
+    }
     pub fn config(&self) -> &SchedulerConfig {
         &self.cfg
     }

@@ -27,6 +27,9 @@ pub struct SimBackend {
     pub eos_token_ids: Vec<u32>,
     pub timing: Option<TimingModel>,
     pub clock: SimClock,
+    /// K/V bytes one token would take (lower tiers count simulated blocks at this size). Default 131,072: a
+    /// Llama-3-8B token in bf16 (32 layers x 8 KV heads x 128 x 2 x 2 bytes).
+    pub kv_bytes_per_token: usize,
     elapsed: f64,
 }
 
@@ -39,6 +42,7 @@ impl SimBackend {
             eos_token_ids,
             timing: None,
             clock: SimClock::Instant,
+            kv_bytes_per_token: 131_072,
             elapsed: 0.0,
         }
     }
@@ -91,5 +95,18 @@ impl Backend for SimBackend {
     }
     fn needs_slots(&self) -> bool {
         false
+    }
+
+    /// No KV memory: blocks copy as empty payloads, counted at [`SimBackend::kv_bytes_per_token`] a token.
+    fn kv_block_bytes(&self, block_size: usize) -> Option<usize> {
+        Some(self.kv_bytes_per_token * block_size)
+    }
+
+    fn read_kv_blocks(&mut self, ids: &[u32], _block_size: usize) -> Result<Vec<Vec<u8>>, String> {
+        Ok(vec![Vec::new(); ids.len()])
+    }
+
+    fn write_kv_blocks(&mut self, _blocks: &[(u32, &[u8])], _block_size: usize) -> Result<(), String> {
+        Ok(())
     }
 }

@@ -24,7 +24,7 @@ fn sim_engine(num_blocks: usize, max_batched: usize, max_seqs: usize) -> Engine<
     Engine::new(cfg, backend, None)
 }
 
-fn req(id: u64, prompt: Vec<u32>, max_tokens: u32) -> EngineRequest {
+pub(super) fn req(id: u64, prompt: Vec<u32>, max_tokens: u32) -> EngineRequest {
     EngineRequest {
         id,
         prompt,
@@ -34,7 +34,7 @@ fn req(id: u64, prompt: Vec<u32>, max_tokens: u32) -> EngineRequest {
 }
 
 /// Runs until idle; returns each request's output tokens and finish reason.
-fn drain<B: Backend>(e: &mut Engine<B>) -> HashMap<u64, (Vec<u32>, FinishReason, usize)> {
+pub(super) fn drain<B: Backend>(e: &mut Engine<B>) -> HashMap<u64, (Vec<u32>, FinishReason, usize)> {
     let mut out: HashMap<u64, (Vec<u32>, FinishReason, usize)> = HashMap::new();
     let mut steps = 0;
     while e.has_work() {
@@ -221,10 +221,10 @@ fn thousands_of_random_requests_leak_nothing() {
 }
 
 /// Logits returned, with the position they follow.
-type LogitLog = Arc<Mutex<Vec<(usize, Vec<f32>)>>>;
+pub(super) type LogitLog = Arc<Mutex<Vec<(usize, Vec<f32>)>>>;
 
 /// A real CPU backend that records the logits it returns.
-struct Recording {
+pub(super) struct Recording {
     inner: CpuBackend,
     log: LogitLog,
 }
@@ -249,12 +249,28 @@ impl Backend for Recording {
     fn eos_token_ids(&self) -> Vec<u32> {
         self.inner.eos_token_ids()
     }
+    fn kv_block_bytes(&self, block_size: usize) -> Option<usize> {
+        self.inner.kv_block_bytes(block_size)
+    }
+    fn read_kv_blocks(&mut self, ids: &[u32], block_size: usize) -> Result<Vec<Vec<u8>>, String> {
+        self.inner.read_kv_blocks(ids, block_size)
+    }
+    fn write_kv_blocks(&mut self, blocks: &[(u32, &[u8])], block_size: usize) -> Result<(), String> {
+        self.inner.write_kv_blocks(blocks, block_size)
+    }
 }
 
 fn cpu_engine(dir: &std::path::Path, chunk: usize) -> (Engine<Recording>, LogitLog) {
+    cpu_engine_with(dir, chunk, 64)
+}
+
+pub(super) fn cpu_engine_with(
+    dir: &std::path::Path,
+    chunk: usize,
+    num_blocks: usize,
+) -> (Engine<Recording>, LogitLog) {
     let model = LlamaModel::load(dir).expect("model");
     let log = Arc::new(Mutex::new(Vec::new()));
-    let num_blocks = 64;
     let backend = Recording { inner: CpuBackend::new(model, num_blocks * 16), log: log.clone() };
     let cfg = EngineConfig {
         num_blocks,

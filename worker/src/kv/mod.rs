@@ -1,14 +1,84 @@
-//! Paged KV bookkeeping: the block pool with its prefix cache ([`pool`]) and per-sequence block tables that give
-//! their blocks back when dropped, so every path that ends a sequence (finish, abort, preempt, error) frees them.
-//! What reports say of the pool is `crate::report`.
+//! Paged KV bookkeeping: the block pool with its prefix cache ([`pool`]), the host DRAM tier under it ([`host`]),
+//! and per-sequence block tables that give their blocks back when dropped, so every path that ends a sequence
+//! (finish, abort, preempt, error) frees them. What reports say of the pool is `crate::report`.
+//!
+//! Tiers: a prefix lookup ([`KvManager::start`]) walks the request's blocks from the first through the device pool,
+//! then the host tier; host hits are promoted (device blocks allocated and registered at once, their K/V bytes
+//! queued as [`PendingLoad`]s that the engine writes before the next forward). Evictions from the pool are copied
+//! down by the engine between scheduling and the forward (write-back), while the evicted memory is intact.
 
+pub mod host;
 pub mod pool;
 
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use kvgate_shared::hashing::{BlockHash, BlockHasher};
+use xxhash_rust::xxh3::xxh3_64_with_seed;
 
-pub use pool::{BlockId, BlockPool, Parent, PoolCounters};
+pub use host::{HostCounters, HostInsert, HostTier, Stored};
+pub use pool::{BlockId, BlockKey, BlockPool, Evicted, Parent, PoolCounters};
+
+/// Seed of the chain check (any constant other than the block hash's).
+const CHECK_SEED: u64 = 0x6b76_6761_7465_2d63;
+
+/// The chain check of a block: an independent 64-bit digest of the whole prefix (`prev`: the previous block's
+/// check, or the request's `BlockHasher::root_id` for a first block). The lower tiers serve a block only if its
+/// chained hash **and** this check match, so a wrong block needs two independent 64-bit collisions.
+pub fn chain_check(prev: u64, tokens: &[u32]) -> u64 {
+    let mut bytes = Vec::with_capacity(8 + tokens.len() * 4);
+    bytes.extend_from_slice(&prev.to_le_bytes());
+    bytes.extend(tokens.iter().flat_map(|t| t.to_le_bytes()));
+    xxh3_64_with_seed(&bytes, CHECK_SEED)
+}
+
+/// Chain checks of `tokens`' first `n_blocks` full blocks, after `checks` already computed.
+fn extend_checks(root: u64, checks: &mut Vec<u64>, tokens: &[u32], block_size: usize, n_blocks: usize) {
+    while checks.len() < n_blocks {
+        let i = checks.len();
+        let prev = checks.last().copied().unwrap_or(root);
+        checks.push(chain_check(prev, &tokens[i * block_size..(i + 1) * block_size]));
+    }
+}
+
+/// When blocks are copied down to the host tier (`--kv-write-policy`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum WritePolicy {
+    /// Only when the pool evicts it (the default: a block that is reused before it is evicted is never written).
+    #[default]
+    WriteBack,
+    /// Every completed block at once (more bytes written; the tier holds everything, kept for comparison).
+    WriteThrough,
+}
+
+impl WritePolicy {
+    pub fn parse(s: &str) -> Result<Self, String> {
+        match s {
+            "write-back" => Ok(WritePolicy::WriteBack),
+            "write-through" => Ok(WritePolicy::WriteThrough),
+            o => Err(format!("kv-write-policy {o}: expected write-back or write-through")),
+        }
+    }
+}
+
+/// A host block promoted into the device pool, to be written before the next forward.
+#[derive(Clone, Debug)]
+pub struct PendingLoad {
+    pub id: BlockId,
+    /// The block's content identity at promotion: the write is skipped if the block was evicted since.
+    pub uid: u64,
+    pub payload: Arc<[u8]>,
+}
+
+/// The host tier, shared like the pool.
+#[derive(Clone, Debug)]
+pub struct SharedHost(Arc<Mutex<HostTier>>);
+
+impl SharedHost {
+    pub fn lock(&self) -> MutexGuard<'_, HostTier> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
 
 /// The pool, shared between the engine loop and readers (the reporter lists cached hashes once a second).
 #[derive(Clone, Debug)]
@@ -35,6 +105,8 @@ pub struct BlockTable {
     blocks: Vec<BlockId>,
     /// Chained hashes of the sequence's full blocks known so far (may run ahead of `blocks`).
     hashes: Vec<BlockHash>,
+    /// Their chain checks ([`chain_check`]), as far as computed.
+    checks: Vec<u64>,
     /// Leading blocks already registered in (or served from) the prefix cache.
     committed: usize,
     /// Cache identities of the leading blocks whose chain is in the cache (the parent of the next block). Shorter
@@ -42,6 +114,7 @@ pub struct BlockTable {
     chain: Vec<u64>,
     /// Prompt tokens served from the cache when the sequence started.
     cached_tokens: usize,
+    host_tokens: usize,
 }
 
 impl BlockTable {
@@ -52,9 +125,13 @@ impl BlockTable {
     pub fn capacity(&self) -> usize {
         self.blocks.len() * self.block_size
     }
-    /// Prompt tokens whose KV came from the prefix cache.
+    /// Prompt tokens whose KV came from the prefix cache (device pool or host tier).
     pub fn cached_tokens(&self) -> usize {
         self.cached_tokens
+    }
+    /// Of those, the tokens promoted from the host tier.
+    pub fn host_tokens(&self) -> usize {
+        self.host_tokens
     }
     /// Pool slot of a position (`block * block_size + offset`).
     pub fn slot(&self, pos: usize) -> usize {
@@ -78,15 +155,46 @@ impl Drop for BlockTable {
 pub struct KvManager {
     pool: SharedPool,
     block_size: usize,
+    host: Option<SharedHost>,
+    loads: Arc<Mutex<Vec<PendingLoad>>>,
 }
 
 impl KvManager {
     pub fn new(num_blocks: usize, block_size: usize) -> Self {
-        Self { pool: SharedPool::new(BlockPool::new(num_blocks, block_size)), block_size }
+        Self {
+            pool: SharedPool::new(BlockPool::new(num_blocks, block_size)),
+            block_size,
+            host: None,
+            loads: Arc::new(Mutex::new(Vec::new())),
+        }
+    }
+
+    /// Adds a host tier under the pool (the pool then records its evictions for the engine to copy down).
+    pub fn with_host(mut self, host: HostTier) -> Self {
+        self.set_host(host, WritePolicy::WriteBack);
+        self
+    }
+
+    /// [`Self::with_host`] in place, with a write policy.
+    pub fn set_host(&mut self, host: HostTier, policy: WritePolicy) {
+        let mut pool = self.pool.lock();
+        pool.set_record_evictions(true);
+        pool.set_record_registrations(policy == WritePolicy::WriteThrough);
+        drop(pool);
+        self.host = Some(SharedHost(Arc::new(Mutex::new(host))));
     }
 
     pub fn pool(&self) -> &SharedPool {
         &self.pool
+    }
+
+    pub fn host(&self) -> Option<&SharedHost> {
+        self.host.as_ref()
+    }
+
+    /// The promotions queued since the last call (the engine writes them before the next forward).
+    pub fn take_loads(&self) -> Vec<PendingLoad> {
+        std::mem::take(&mut *self.loads.lock().unwrap_or_else(|e| e.into_inner()))
     }
     pub fn block_size(&self) -> usize {
         self.block_size
@@ -100,14 +208,18 @@ impl KvManager {
     /// A table for a new (or recomputed) sequence, holding the longest cached prefix of `tokens` (whole blocks,
     /// token-verified). At least one token is always left to compute, so the model produces logits.
     pub fn start(&self, hasher: BlockHasher, tokens: &[u32]) -> BlockTable {
+        let bs = self.block_size;
         let hashes = hasher.hash_blocks(tokens);
-        let max_hit = tokens.len().saturating_sub(1) / self.block_size;
+        let mut checks = Vec::new();
+        extend_checks(hasher.root_id(), &mut checks, tokens, bs, hashes.len());
+        let max_hit = tokens.len().saturating_sub(1) / bs;
         let mut blocks = Vec::new();
         let mut chain = Vec::new();
+        let mut host_blocks = 0;
         {
             let mut pool = self.pool.lock();
             for (i, h) in hashes.iter().enumerate().take(max_hit) {
-                let block_tokens = &tokens[i * self.block_size..(i + 1) * self.block_size];
+                let block_tokens = &tokens[i * bs..(i + 1) * bs];
                 let parent = chain.last().map_or(Parent::Root(hasher.root_id()), |u| Parent::Block(*u));
                 match pool.lookup(*h, parent, block_tokens) {
                     Some((id, uid)) => {
@@ -117,30 +229,73 @@ impl KvManager {
                     None => break,
                 }
             }
+            if let Some(host) = &self.host {
+                // The prefix continues in host DRAM: promote what the pool has room for.
+                let mut host = host.lock();
+                let from = blocks.len();
+                let found = (from..max_hit)
+                    .take_while(|&i| {
+                        host.holds(hashes[i], checks[i], i as u32, &tokens[i * bs..(i + 1) * bs])
+                    })
+                    .count();
+                let room = found.min(pool.num_free());
+                let ids = pool.allocate(room).unwrap_or_default();
+                let mut loads = self.loads.lock().unwrap_or_else(|e| e.into_inner());
+                for (k, id) in ids.iter().enumerate() {
+                    let i = from + k;
+                    let block_tokens = &tokens[i * bs..(i + 1) * bs];
+                    let Some(payload) = host.get(hashes[i], checks[i], i as u32, block_tokens) else {
+                        pool.release(&ids[k..]);
+                        break;
+                    };
+                    let parent = chain.last().map_or(Parent::Root(hasher.root_id()), |u| Parent::Block(*u));
+                    let key = BlockKey {
+                        hash: hashes[i],
+                        check: checks[i],
+                        parent_hash: i.checked_sub(1).map(|j| hashes[j]),
+                    };
+                    match pool.register(*id, i, key, parent, block_tokens) {
+                        Some(uid) => {
+                            loads.push(PendingLoad { id: *id, uid: pool.uid(*id), payload });
+                            blocks.push(*id);
+                            chain.push(uid);
+                            host_blocks += 1;
+                        }
+                        None => {
+                            // A collision in the pool: stop here, give back what is left.
+                            pool.release(&ids[k..]);
+                            break;
+                        }
+                    }
+                }
+            }
         }
         let n = blocks.len();
         BlockTable {
             pool: self.pool.clone(),
-            block_size: self.block_size,
+            block_size: bs,
             hasher,
             blocks,
             hashes,
+            checks,
             committed: n,
             chain,
-            cached_tokens: n * self.block_size,
+            cached_tokens: n * bs,
+            host_tokens: host_blocks * bs,
         }
     }
 
     /// Prompt tokens `start` would find cached now (the same whole-block, token-verified walk, read-only: nothing
     /// referenced, no counters).
     pub fn cached_prefix_tokens(&self, hasher: &BlockHasher, tokens: &[u32]) -> usize {
+        let bs = self.block_size;
         let hashes = hasher.hash_blocks(tokens);
-        let max_hit = tokens.len().saturating_sub(1) / self.block_size;
+        let max_hit = tokens.len().saturating_sub(1) / bs;
         let pool = self.pool.lock();
         let mut parent = Parent::Root(hasher.root_id());
         let mut n = 0;
         for (i, h) in hashes.iter().enumerate().take(max_hit) {
-            match pool.probe(*h, parent, &tokens[i * self.block_size..(i + 1) * self.block_size]) {
+            match pool.probe(*h, parent, &tokens[i * bs..(i + 1) * bs]) {
                 Some(uid) => {
                     parent = Parent::Block(uid);
                     n += 1;
@@ -148,7 +303,16 @@ impl KvManager {
                 None => break,
             }
         }
-        n * self.block_size
+        if let Some(host) = &self.host {
+            // A host hit is a load, not a prefill: it does not count as work ahead.
+            let host = host.lock();
+            let mut checks = Vec::new();
+            extend_checks(hasher.root_id(), &mut checks, tokens, bs, max_hit);
+            while n < max_hit && host.holds(hashes[n], checks[n], n as u32, &tokens[n * bs..(n + 1) * bs]) {
+                n += 1;
+            }
+        }
+        n * bs
     }
 
     /// Grows `table` to hold `n_positions`; `false` (and no change) when the pool lacks free blocks.
@@ -183,6 +347,7 @@ impl KvManager {
             let hasher = table.hasher;
             hasher.extend_hashes(&mut table.hashes, &tokens[start..full * self.block_size]);
         }
+        extend_checks(table.hasher.root_id(), &mut table.checks, tokens, self.block_size, full);
         let mut pool = self.pool.lock();
         for i in table.committed..full {
             if table.chain.len() != i {
@@ -191,7 +356,12 @@ impl KvManager {
             let parent =
                 table.chain.last().map_or(Parent::Root(table.hasher.root_id()), |u| Parent::Block(*u));
             let block_tokens = &tokens[i * self.block_size..(i + 1) * self.block_size];
-            if let Some(uid) = pool.register(table.blocks[i], i, table.hashes[i], parent, block_tokens) {
+            let key = BlockKey {
+                hash: table.hashes[i],
+                check: table.checks[i],
+                parent_hash: i.checked_sub(1).map(|j| table.hashes[j]),
+            };
+            if let Some(uid) = pool.register(table.blocks[i], i, key, parent, block_tokens) {
                 table.chain.push(uid);
             }
         }

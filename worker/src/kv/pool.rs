@@ -13,6 +13,9 @@
 //!   between two prefixes with the same last block (two tenants' salts), costs a recompute, never a wrong block.
 //! - Every cached content gets a fresh `uid` (never reused), so a parent identity cannot point at a block that was
 //!   evicted and refilled.
+//! - With a lower tier below the pool ([`BlockPool::set_record_evictions`]), every eviction of cached content is
+//!   recorded ([`Evicted`]: block, hash, chain check, position, tokens) for the engine to copy the block down before
+//!   its memory is written again (write-back).
 
 use std::collections::HashMap;
 
@@ -41,6 +44,10 @@ struct BlockMeta {
     parent: Parent,
     /// The block's tokens, kept while it is cached, for verification on a hit.
     tokens: Box<[u32]>,
+    /// The cached content's chain check (`super::chain_check`) and its parent's chained hash (`None`: a first
+    /// block), kept for the lower tiers.
+    check: u64,
+    parent_hash: Option<BlockHash>,
     prev: u32,
     next: u32,
     in_free_queue: bool,
@@ -59,6 +66,26 @@ pub struct PoolCounters {
     pub collisions: u64,
 }
 
+/// What names a block's content across tiers: its chained hash, its chain check, its parent's chained hash.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BlockKey {
+    pub hash: BlockHash,
+    pub check: u64,
+    pub parent_hash: Option<BlockHash>,
+}
+
+/// Cached content the pool just evicted, for a lower tier to keep (its memory is intact until the next forward).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Evicted {
+    pub id: BlockId,
+    pub hash: BlockHash,
+    pub check: u64,
+    pub parent_hash: Option<BlockHash>,
+    /// The block's position in its sequence (0: first).
+    pub index: u32,
+    pub tokens: Box<[u32]>,
+}
+
 /// The pool of KV blocks.
 #[derive(Debug)]
 pub struct BlockPool {
@@ -72,6 +99,12 @@ pub struct BlockPool {
     cached: HashMap<BlockHash, (BlockId, u32)>,
     counters: PoolCounters,
     next_uid: u64,
+    /// Evictions since the last [`BlockPool::take_evicted`] (recorded only when a lower tier wants them).
+    evicted: Vec<Evicted>,
+    record_evictions: bool,
+    /// Registrations since the last [`BlockPool::take_registered`] (recorded only for write-through).
+    registered: Vec<Evicted>,
+    record_registrations: bool,
 }
 
 impl BlockPool {
@@ -85,6 +118,8 @@ impl BlockPool {
                 uid: 0,
                 parent: Parent::Root(0),
                 tokens: Box::new([]),
+                check: 0,
+                parent_hash: None,
                 prev: if i == 0 { NIL } else { i as u32 - 1 },
                 next: if i + 1 == n { NIL } else { i as u32 + 1 },
                 in_free_queue: true,
@@ -99,7 +134,43 @@ impl BlockPool {
             cached: HashMap::new(),
             counters: PoolCounters::default(),
             next_uid: 1,
+            evicted: Vec::new(),
+            record_evictions: false,
+            registered: Vec::new(),
+            record_registrations: false,
         }
+    }
+
+    /// Records every new registration for [`Self::take_registered`] (write-through: each completed block is
+    /// copied down at once).
+    pub fn set_record_registrations(&mut self, on: bool) {
+        self.record_registrations = on;
+        if !on {
+            self.registered.clear();
+        }
+    }
+
+    /// The blocks registered since the last call (their memory holds their K/V now).
+    pub fn take_registered(&mut self) -> Vec<Evicted> {
+        std::mem::take(&mut self.registered)
+    }
+
+    /// Records evictions of cached content for [`Self::take_evicted`] (a lower tier is configured).
+    pub fn set_record_evictions(&mut self, on: bool) {
+        self.record_evictions = on;
+        if !on {
+            self.evicted.clear();
+        }
+    }
+
+    /// The evictions since the last call.
+    pub fn take_evicted(&mut self) -> Vec<Evicted> {
+        std::mem::take(&mut self.evicted)
+    }
+
+    /// The identity of a block's cached content (0: uncached); it changes when the block is evicted.
+    pub fn uid(&self, id: BlockId) -> u64 {
+        self.blocks[id as usize].uid
     }
 
     pub fn block_size(&self) -> usize {
@@ -186,10 +257,20 @@ impl BlockPool {
             self.unlink(id);
             let b = &mut self.blocks[id as usize];
             if let Some(h) = b.hash.take() {
-                b.tokens = Box::new([]);
+                let tokens = std::mem::take(&mut b.tokens);
                 b.uid = 0;
-                if self.cached.get(&h).is_some_and(|(c, _)| *c == id) {
-                    self.cached.remove(&h);
+                let index = match self.cached.get(&h) {
+                    Some((c, index)) if *c == id => {
+                        let index = *index;
+                        self.cached.remove(&h);
+                        Some(index)
+                    }
+                    _ => None,
+                };
+                if let (true, Some(index)) = (self.record_evictions, index) {
+                    let e =
+                        Evicted { id, hash: h, check: b.check, parent_hash: b.parent_hash, index, tokens };
+                    self.evicted.push(e);
                 }
                 self.counters.evictions += 1;
             }
@@ -226,6 +307,28 @@ impl BlockPool {
         (b.parent == parent && &*b.tokens == tokens).then_some(b.uid)
     }
 
+    /// The block caching `hash`, if any (tests and tier checks).
+    pub fn block_of(&self, hash: BlockHash) -> Option<BlockId> {
+        self.cached.get(&hash).map(|(id, _)| *id)
+    }
+
+    /// Whether some block caches `hash` (no verification: the lower tiers' "is the parent on the device" test).
+    pub fn is_cached(&self, hash: BlockHash) -> bool {
+        self.cached.contains_key(&hash)
+    }
+
+    /// Drops block `id`'s cached content without counting an eviction (its memory could not be filled).
+    pub fn invalidate(&mut self, id: BlockId) {
+        let b = &mut self.blocks[id as usize];
+        if let Some(h) = b.hash.take() {
+            b.tokens = Box::new([]);
+            b.uid = 0;
+            if self.cached.get(&h).is_some_and(|(c, _)| *c == id) {
+                self.cached.remove(&h);
+            }
+        }
+    }
+
     /// Whether `hash` is cached as the block extending `parent` with these tokens (no reference, no counters).
     pub fn contains(&self, hash: BlockHash, parent: Parent, tokens: &[u32]) -> bool {
         self.cached.get(&hash).is_some_and(|(id, _)| {
@@ -243,10 +346,11 @@ impl BlockPool {
         &mut self,
         id: BlockId,
         index: usize,
-        hash: BlockHash,
+        key: BlockKey,
         parent: Parent,
         tokens: &[u32],
     ) -> Option<u64> {
+        let hash = key.hash;
         debug_assert_eq!(tokens.len(), self.block_size);
         if let Some(&(other, _)) = self.cached.get(&hash) {
             let o = &self.blocks[other as usize];
@@ -266,7 +370,21 @@ impl BlockPool {
         b.hash = Some(hash);
         b.uid = uid;
         b.parent = parent;
+        b.check = key.check;
+        b.parent_hash = key.parent_hash;
         b.tokens = tokens.into();
+        if self.record_registrations {
+            let index = index.min(u32::MAX as usize) as u32;
+            let r = Evicted {
+                id,
+                hash,
+                check: key.check,
+                parent_hash: key.parent_hash,
+                index,
+                tokens: tokens.into(),
+            };
+            self.registered.push(r);
+        }
         self.cached.insert(hash, (id, index.min(u32::MAX as usize) as u32));
         Some(uid)
     }

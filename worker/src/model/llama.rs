@@ -47,6 +47,49 @@ impl KvStore {
         self.num_slots
     }
 
+    /// Bytes [`Self::read_slots`] returns for `n` slots.
+    pub fn bytes_for(&self, n: usize) -> usize {
+        Self::bytes_per_token(self.k.len(), self.kv_dim) * n
+    }
+
+    /// The K and V of slots `first..first + n`, every layer (K then V per layer, little-endian f32): a KV block's
+    /// bytes for a lower tier.
+    pub fn read_slots(&self, first: usize, n: usize) -> Result<Vec<u8>, String> {
+        let d = self.kv_dim;
+        if first + n > self.num_slots {
+            return Err(format!("slots {first}..{} past {}", first + n, self.num_slots));
+        }
+        let mut out = Vec::with_capacity(self.bytes_for(n));
+        for layer in 0..self.k.len() {
+            for rows in [&self.k[layer], &self.v[layer]] {
+                out.extend(rows[first * d..(first + n) * d].iter().flat_map(|x| x.to_le_bytes()));
+            }
+        }
+        Ok(out)
+    }
+
+    /// Writes what [`Self::read_slots`] returned back into slots `first..first + n`.
+    pub fn write_slots(&mut self, first: usize, n: usize, bytes: &[u8]) -> Result<(), String> {
+        let d = self.kv_dim;
+        if first + n > self.num_slots || bytes.len() != self.bytes_for(n) {
+            return Err(format!(
+                "{} bytes for slots {first}..{} (want {})",
+                bytes.len(),
+                first + n,
+                self.bytes_for(n)
+            ));
+        }
+        let mut chunks = bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]));
+        for layer in 0..self.k.len() {
+            for rows in [&mut self.k[layer], &mut self.v[layer]] {
+                for x in &mut rows[first * d..(first + n) * d] {
+                    *x = chunks.next().unwrap_or(0.0);
+                }
+            }
+        }
+        Ok(())
+    }
+
     fn write(&mut self, layer: usize, slots: &[usize], k_rows: &[f32], v_rows: &[f32]) {
         let d = self.kv_dim;
         for (i, &s) in slots.iter().enumerate() {

@@ -9,6 +9,7 @@ use clap::Args;
 use serde::Deserialize;
 
 use crate::cuda::{DType, DeviceChoice};
+use crate::kv::WritePolicy;
 use crate::model::synth::Preset;
 
 /// KV cache tokens of the CPU engine when none are configured.
@@ -92,6 +93,14 @@ pub struct ServeArgs {
     /// KV cache size in tokens. Default: 65536 on the CPU; on CUDA, what --gpu-memory-utilization leaves.
     #[arg(long, env = "KVGATE_WORKER_KV_CACHE_TOKENS")]
     pub kv_cache_tokens: Option<usize>,
+    /// Host DRAM tier under the KV pool, in bytes: blocks evicted from the pool are copied here and served back on
+    /// a prefix hit. Default 0 (off). Not on CUDA yet.
+    #[arg(long, env = "KVGATE_WORKER_HOST_KV_BYTES")]
+    pub host_kv_bytes: Option<usize>,
+    /// When blocks are copied to the host tier: `write-back` (when the pool evicts them) or `write-through`
+    /// (every completed block at once). Default write-back.
+    #[arg(long, env = "KVGATE_WORKER_KV_WRITE_POLICY")]
+    pub kv_write_policy: Option<String>,
     /// Tokens per KV block (must equal the gateway's). Default 16.
     #[arg(long, env = "KVGATE_WORKER_BLOCK_SIZE")]
     pub block_size: Option<u32>,
@@ -140,6 +149,8 @@ pub struct ServeConfig {
     pub bloom_fp_rate: f64,
     /// `None`: the device's default (65536 on the CPU, sized from memory on CUDA).
     pub kv_cache_tokens: Option<usize>,
+    pub host_kv_bytes: usize,
+    pub kv_write_policy: WritePolicy,
     pub device: DeviceChoice,
     pub dtype: DType,
     pub gpu_memory_utilization: f64,
@@ -239,6 +250,8 @@ impl ServeArgs {
             summary_granularity: pick!(summary_granularity).unwrap_or(4),
             bloom_fp_rate: pick!(bloom_fp_rate).unwrap_or(0.01),
             kv_cache_tokens: pick!(kv_cache_tokens),
+            host_kv_bytes: pick!(host_kv_bytes).unwrap_or(0),
+            kv_write_policy: WritePolicy::parse(pick!(kv_write_policy).as_deref().unwrap_or("write-back"))?,
             device: DeviceChoice::parse(pick!(device).as_deref().unwrap_or("auto"))
                 .map_err(|e| format!("--device: {e}"))?,
             dtype: match pick!(dtype) {

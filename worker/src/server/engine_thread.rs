@@ -19,7 +19,7 @@ use std::time::Instant;
 use tokio::sync::{mpsc, oneshot, watch};
 
 use crate::engine::{AdmitError, Backend, Engine, EngineRequest, EngineStats, RequestId, StepOutput};
-use crate::kv::SharedPool;
+use crate::kv::{SharedHost, SharedPool};
 
 enum Cmd {
     Add {
@@ -56,6 +56,7 @@ pub struct EngineHandle {
     tx: mpsc::UnboundedSender<Cmd>,
     snapshot: Arc<Mutex<EngineSnapshot>>,
     pool: SharedPool,
+    host: Option<SharedHost>,
     next_id: Arc<AtomicU64>,
     alive: watch::Receiver<bool>,
 }
@@ -75,6 +76,7 @@ impl EngineHandle {
         let (tx, rx) = mpsc::unbounded_channel();
         let snapshot = Arc::new(Mutex::new(EngineSnapshot::default()));
         let pool = engine.scheduler().kv().pool().clone();
+        let host = engine.scheduler().kv().host().cloned();
         let p = snapshot.clone();
         let (alive_tx, alive) = watch::channel(true);
         let panic_after =
@@ -87,7 +89,7 @@ impl EngineHandle {
                 tracing::error!("the engine thread ended");
             })
             .unwrap_or_else(|e| panic!("cannot start the engine thread: {e}"));
-        Self { tx, snapshot, pool, next_id: Arc::new(AtomicU64::new(1)), alive }
+        Self { tx, snapshot, pool, host, next_id: Arc::new(AtomicU64::new(1)), alive }
     }
 
     /// Whether the engine thread still runs.
@@ -132,6 +134,11 @@ impl EngineHandle {
     /// The block pool (reports read its cached hashes).
     pub fn pool(&self) -> &SharedPool {
         &self.pool
+    }
+
+    /// The host tier, if the engine has one.
+    pub fn host(&self) -> Option<&SharedHost> {
+        self.host.as_ref()
     }
 }
 

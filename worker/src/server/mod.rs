@@ -168,7 +168,8 @@ fn load(cfg: &ServeConfig, worker_id: &str) -> Result<ServingModel, String> {
                 let backend = crate::cuda::CudaBackend::new(l, slots, bs)?;
                 let device = backend.describe();
                 tracing::info!(device = %device, kv_cache_tokens = slots, "CUDA engine");
-                let engine = Engine::new(engine_cfg(slots / bs), backend, Some(prompter.clone()));
+                let engine = Engine::new(engine_cfg(slots / bs), backend, Some(prompter.clone()))
+                    .with_host_tier(cfg.host_kv_bytes, cfg.kv_write_policy)?;
                 (EngineHandle::spawn(engine, cfg.max_waiting_requests), max_model_len, device)
             }
             _ => {
@@ -177,7 +178,8 @@ fn load(cfg: &ServeConfig, worker_id: &str) -> Result<ServingModel, String> {
                 let max_model_len = model.config().max_position_embeddings;
                 let backend = CpuBackend::new(model, tokens / bs * bs);
                 tracing::info!(device = "cpu", requested = %cfg.device, kv_cache_tokens = tokens / bs * bs, "CPU engine");
-                let engine = Engine::new(engine_cfg(tokens / bs), backend, Some(prompter.clone()));
+                let engine = Engine::new(engine_cfg(tokens / bs), backend, Some(prompter.clone()))
+                    .with_host_tier(cfg.host_kv_bytes, cfg.kv_write_policy)?;
                 (EngineHandle::spawn(engine, cfg.max_waiting_requests), max_model_len, "cpu".to_string())
             }
         },
@@ -188,7 +190,8 @@ fn load(cfg: &ServeConfig, worker_id: &str) -> Result<ServingModel, String> {
                 .with_timing(profile.timing, SimClock::RealTime);
             tracing::info!(profile = %profile.name, "simulated engine");
             let tokens = cfg.kv_cache_tokens.unwrap_or(config::CPU_KV_CACHE_TOKENS);
-            let engine = Engine::new(engine_cfg(tokens / bs), backend, Some(prompter.clone()));
+            let engine = Engine::new(engine_cfg(tokens / bs), backend, Some(prompter.clone()))
+                .with_host_tier(cfg.host_kv_bytes, cfg.kv_write_policy)?;
             (EngineHandle::spawn(engine, cfg.max_waiting_requests), profile.max_model_len, "sim".to_string())
         }
     };
@@ -296,6 +299,18 @@ async fn metrics_text(State(state): State<Arc<AppState>>) -> Response {
         metrics::gauge!("kvgate_worker_prefill_tokens").set(s.prefill_tokens as f64);
         metrics::gauge!("kvgate_worker_prefix_cache_hit_blocks").set(s.hit_blocks as f64);
         metrics::gauge!("kvgate_worker_prefix_cache_queried_blocks").set(s.queried_blocks as f64);
+        if s.host_blocks_total > 0 {
+            let h = s.host;
+            metrics::gauge!("kvgate_worker_host_kv_blocks", "state" => "total")
+                .set(s.host_blocks_total as f64);
+            metrics::gauge!("kvgate_worker_host_kv_blocks", "state" => "cached")
+                .set(s.host_blocks_cached as f64);
+            metrics::gauge!("kvgate_worker_host_kv_stored_blocks").set(h.stored_blocks as f64);
+            metrics::gauge!("kvgate_worker_host_kv_stored_bytes").set(h.stored_bytes as f64);
+            metrics::gauge!("kvgate_worker_host_kv_hit_blocks").set(h.hit_blocks as f64);
+            metrics::gauge!("kvgate_worker_host_kv_evicted_blocks").set(h.evicted_blocks as f64);
+            metrics::gauge!("kvgate_worker_host_kv_orphan_blocks").set(h.orphans as f64);
+        }
     }
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], state.prometheus.render()).into_response()
 }

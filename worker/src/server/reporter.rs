@@ -23,7 +23,7 @@ use hyper_util::rt::TokioExecutor;
 use kvgate_shared::report::{Throughput, WorkerReport, REPORT_CONTENT_TYPE};
 
 use super::engine_thread::{EngineHandle, EngineSnapshot};
-pub use crate::report::{summarise, ReportSource};
+pub use crate::report::{summarise, summarise_tiers, ReportSource};
 
 /// Where and how often reports go, and what can make one go at once.
 pub struct ReportPlan {
@@ -57,9 +57,9 @@ impl ReportSource {
             prefill_tokens_per_s: now.prefill_tokens.saturating_sub(prev.prefill_tokens) as f64 / secs,
             decode_tokens_per_s: now.decode_tokens.saturating_sub(prev.decode_tokens) as f64 / secs,
         };
-        let summary = summarise(engine.pool(), self.granularity, self.fp_rate);
+        let summaries = summarise_tiers(engine.pool(), engine.host(), self.granularity, self.fp_rate);
         let timestamp_ms = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64);
-        self.assemble(seq, timestamp_ms, &now.stats, throughput, summary, draining)
+        self.assemble(seq, timestamp_ms, &now.stats, throughput, summaries, draining)
     }
 }
 

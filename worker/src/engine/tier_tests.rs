@@ -1,0 +1,185 @@
+//! The host DRAM tier under the engine: write-back at eviction, promotion on a prefix hit, bit-exact round trips
+//! on the real CPU model, and bounded, leak-free accounting under a random eviction storm.
+
+use std::collections::HashSet;
+
+use kvgate_shared::hashing::{BlockHasher, ExtraKeys, HashScheme};
+use kvgate_shared::prompt::SplitMix64;
+
+use super::sim::SimBackend;
+use super::tests::{cpu_engine_with, drain, req, LogitLog, Recording};
+use super::*;
+use crate::kv::{chain_check, WritePolicy};
+use crate::model::synth::{synth_model, Preset, SynthSpec};
+
+/// The K/V bytes the engine's device pool holds for each of `hashes` (all must be cached).
+fn device_bytes(e: &mut Engine<Recording>, hashes: &[kvgate_shared::hashing::BlockHash]) -> Vec<Vec<u8>> {
+    let ids: Vec<u32> = {
+        let pool = e.scheduler().kv().pool().lock();
+        hashes.iter().map(|h| pool.block_of(*h).expect("cached on the device")).collect()
+    };
+    e.backend_mut().read_kv_blocks(&ids, 16).expect("read")
+}
+
+fn last_logits(log: &LogitLog) -> Vec<f32> {
+    log.lock().expect("log").last().expect("logits").1.clone()
+}
+
+#[test]
+fn blocks_go_down_to_host_and_come_back_bit_exact() {
+    let dir = tempfile::tempdir().expect("tmp");
+    synth_model(dir.path(), &SynthSpec::new(Preset::Tiny, 8)).expect("synth");
+    let shared: Vec<u32> = (0..70).map(|i| (i * 37 + 11) % 500).collect();
+    let a: Vec<u32> = shared.iter().copied().chain([9]).collect();
+    let b: Vec<u32> = shared.iter().copied().chain([3, 4, 5, 6, 7]).collect();
+    let hasher = BlockHasher::new(&HashScheme::new(16, 9), &ExtraKeys::none());
+    let prefix = hasher.hash_blocks(&shared[..64]);
+
+    // Reference: a 16-block pool, no tier; b finds the prefix on the device.
+    let (mut x, x_log) = cpu_engine_with(dir.path(), 32, 16);
+    x.add_request(req(1, a.clone(), 1)).expect("ok");
+    drain(&mut x);
+    let device = device_bytes(&mut x, &prefix);
+    x.add_request(req(2, b.clone(), 4)).expect("ok");
+    let x_out = drain(&mut x);
+    assert_eq!(x_out[&2].2, 64);
+    let x_logits = last_logits(&x_log);
+
+    // The same with a host tier, and other prompts in between that evict every block of a from the pool.
+    let (y, y_log) = cpu_engine_with(dir.path(), 32, 16);
+    let block_bytes = y.backend().kv_block_bytes(16).expect("cpu copies blocks");
+    let mut y = y.with_host_tier(64 * block_bytes, WritePolicy::WriteBack).expect("host tier");
+    y.add_request(req(1, a.clone(), 1)).expect("ok");
+    drain(&mut y);
+    for k in 0..4u64 {
+        let other: Vec<u32> = (0..200).map(|i| (i * 7 + 100 * k as u32 + 1) % 500).collect();
+        y.add_request(req(10 + k, other, 1)).expect("ok");
+        drain(&mut y);
+    }
+    {
+        let pool = y.scheduler().kv().pool().lock();
+        assert!(prefix.iter().all(|h| pool.block_of(*h).is_none()), "a's blocks left the device pool");
+    }
+    let host = y.scheduler().kv().host().expect("host").clone();
+    let mut check = hasher.root_id();
+    for (i, h) in prefix.iter().enumerate() {
+        check = chain_check(check, &shared[i * 16..(i + 1) * 16]);
+        let payload =
+            host.lock().get(*h, check, i as u32, &shared[i * 16..(i + 1) * 16]).expect("kept in host");
+        assert_eq!(&*payload, &device[i][..], "block {i}: host bytes = the device's");
+    }
+    y_log.lock().expect("log").clear();
+    y.add_request(req(2, b.clone(), 4)).expect("ok");
+    let y_out = drain(&mut y);
+    assert_eq!(y_out[&2].2, 64, "the prefix came back from host DRAM");
+    assert_eq!(y_out[&2].0, x_out[&2].0, "same tokens");
+    assert_eq!(last_logits(&y_log), x_logits, "identical logits, bit for bit");
+    assert_eq!(device_bytes(&mut y, &prefix), device, "device -> host -> device: identical K/V bytes");
+    let s = y.stats();
+    assert!(s.host.stored_blocks >= 4 && s.host.hit_blocks >= 4, "{s:?}");
+    y.scheduler().kv().pool().lock().check_invariants().expect("pool");
+}
+
+#[test]
+fn an_eviction_storm_keeps_the_host_tier_bounded_and_leaks_nothing() {
+    const BS: u32 = 4;
+    let num_blocks = 48;
+    let backend = SimBackend::new(1000, 4096, vec![0]);
+    let cfg = EngineConfig {
+        num_blocks,
+        scheme: HashScheme::new(BS, 1),
+        scheduler: SchedulerConfig { max_num_batched_tokens: 64, max_num_seqs: 8 },
+    };
+    let block_bytes = backend.kv_block_bytes(BS as usize).expect("sim");
+    let host_blocks = 100;
+    let mut e = Engine::new(cfg, backend, None)
+        .with_host_tier(host_blocks * block_bytes, WritePolicy::WriteBack)
+        .expect("tier");
+    let mut rng = SplitMix64::new(7);
+    let mut live: HashSet<u64> = HashSet::new();
+    let mut host_served = 0;
+    for id in 0..3000u64 {
+        // 12 families of prompts sharing 8..40-token prefixes, varied tails.
+        let family = rng.next_u64() % 12;
+        let shared = 8 + (family as usize % 5) * 8;
+        let mut p: Vec<u32> = (0..shared as u32).map(|i| (family as u32 * 97 + i * 13) % 997 + 1).collect();
+        let tail = 1 + (rng.next_u64() % 20) as usize;
+        p.extend((0..tail).map(|_| (rng.next_u64() % 997) as u32 + 1));
+        if e.add_request(req(id, p, 1 + (rng.next_u64() % 6) as u32)).is_ok() {
+            live.insert(id);
+        }
+        if rng.next_u64() % 9 == 0 {
+            if let Some(&victim) = live.iter().next() {
+                e.abort(victim);
+                live.remove(&victim);
+            }
+        }
+        for _ in 0..(rng.next_u64() % 3) {
+            for o in e.step() {
+                if o.finished.is_some() {
+                    live.remove(&o.id);
+                }
+            }
+        }
+        let kv = e.scheduler().kv();
+        let host = kv.host().expect("host").lock();
+        assert!(host.len() <= host_blocks, "host tier over capacity: {}", host.len());
+        if id % 250 == 0 {
+            let pool = kv.pool().lock();
+            host.check_invariants(|h| pool.is_cached(h)).expect("host invariants");
+            pool.check_invariants().expect("pool invariants");
+        }
+        host_served = host.counters().hit_blocks;
+    }
+    while e.has_work() {
+        e.step();
+    }
+    let s = e.stats();
+    assert_eq!(s.blocks_free, num_blocks, "every block is back in the free pool");
+    assert!(s.evictions > 0 && host_served > 0 && s.host.evicted_blocks > 0, "{s:?}");
+    let kv = e.scheduler().kv();
+    let pool = kv.pool().lock();
+    kv.host().expect("host").lock().check_invariants(|h| pool.is_cached(h)).expect("host invariants");
+    pool.check_invariants().expect("pool invariants");
+}
+
+#[test]
+fn write_through_copies_every_completed_block_and_write_back_only_what_leaves_the_pool() {
+    const BS: u32 = 4;
+    let run = |policy: WritePolicy| {
+        let backend = SimBackend::new(1000, 4096, vec![0]);
+        let block_bytes = backend.kv_block_bytes(BS as usize).expect("sim");
+        let cfg = EngineConfig {
+            num_blocks: 32,
+            scheme: HashScheme::new(BS, 1),
+            scheduler: SchedulerConfig { max_num_batched_tokens: 64, max_num_seqs: 4 },
+        };
+        let mut e = Engine::new(cfg, backend, None).with_host_tier(256 * block_bytes, policy).expect("tier");
+        // A conversation that comes back every few requests (stays on the device) and one-off prompts around it.
+        let mut history: Vec<u32> = (1..=24).collect();
+        let mut served = Vec::new();
+        for id in 0..40u64 {
+            let prompt = if id % 4 == 0 {
+                history.extend((0..8).map(|i| (id as u32 * 8 + i) % 900 + 1));
+                history.clone()
+            } else {
+                (0..40).map(|i| (id as u32 * 41 + i * 3) % 900 + 1).collect()
+            };
+            e.add_request(req(id, prompt, 2)).expect("ok");
+            let out = drain(&mut e);
+            served.push(out[&id].2);
+        }
+        (e.stats(), served)
+    };
+    let (back, back_cached) = run(WritePolicy::WriteBack);
+    let (through, through_cached) = run(WritePolicy::WriteThrough);
+    assert_eq!(back_cached, through_cached, "both serve the same prefixes");
+    assert!(back.host.stored_blocks > 0, "{back:?}");
+    // Write-back skips what never leaves the pool (here the conversation that keeps coming back): fewer bytes.
+    let (b, t) = (back.host.stored_blocks, through.host.stored_blocks);
+    assert!(b < t, "write-back {b} blocks vs write-through {t}");
+    assert!(
+        through.host.stored_blocks >= back.host.stored_blocks + 8,
+        "the hot conversation's blocks at least"
+    );
+}
