@@ -86,6 +86,13 @@ struct SimulateArgs {
     /// replicas on one host: about 1 ms).
     #[arg(long, default_value_t = 1.0)]
     share_delay_ms: f64,
+    /// Each worker's host DRAM KV tier, in tokens (131,072 bytes each; loads cost the profile's
+    /// host_load_s_per_byte). Default 0: none.
+    #[arg(long, default_value_t = 0)]
+    host_kv_tokens_per_worker: usize,
+    /// When blocks go to the host tier: write-back (at eviction) or write-through (every completed block).
+    #[arg(long, default_value = "write-back")]
+    kv_write_policy: String,
     /// Run the gateway's admission with its default classes (short / long / reasoning budgets): requests wait
     /// for their class budget before they are routed, as in the gateway. Default off (every request is routed on
     /// arrival).
@@ -175,6 +182,8 @@ fn simulate(a: SimulateArgs) -> Result<(), String> {
     cfg.gateway_replicas = a.gateway_replicas;
     cfg.share_sends = a.share_sends;
     cfg.share_delay_s = a.share_delay_ms / 1000.0;
+    cfg.host_kv_tokens_per_worker = a.host_kv_tokens_per_worker;
+    cfg.kv_write_policy = kvgate_worker::kv::WritePolicy::parse(&a.kv_write_policy)?;
     cfg.classes = match (&a.classes, a.admission) {
         (Some(path), _) => load_classes(path)?,
         (None, true) => kvgate_router::admission::default_classes(),
@@ -309,6 +318,15 @@ fn print_markdown(cfg: &SimConfig, results: &[SimResult]) {
             r.ttft_p99_ms,
             r.max_mean_load,
             r.busy_fraction
+        );
+    }
+    for r in results.iter().filter(|r| r.host_kv_tokens_per_worker > 0) {
+        println!(
+            "\n{}: host tier {} tokens/worker: {:.2} GB copied down, {} blocks loaded back",
+            r.policy,
+            r.host_kv_tokens_per_worker,
+            r.host_stored_bytes as f64 / 1e9,
+            r.host_hit_blocks
         );
     }
 }

@@ -56,6 +56,8 @@ pub struct Outcome {
     pub routes: BTreeMap<String, u64>,
     pub preemptions: u64,
     pub evictions: u64,
+    pub host_stored_bytes: u64,
+    pub host_hit_blocks: u64,
     /// Per admission class (empty without classes).
     pub classes: BTreeMap<String, ClassOutcome>,
 }
@@ -133,8 +135,14 @@ impl<'a> Fleet<'a> {
                     scheduler: cfg.scheduler.clone(),
                 };
                 let id = format!("sim-{i}");
+                let bytes = cfg.host_kv_tokens_per_worker * backend.kv_bytes_per_token;
+                let engine = Engine::new(engine_cfg, backend, None);
+                let engine = match engine.with_host_tier(bytes, cfg.kv_write_policy) {
+                    Ok(e) => e,
+                    Err(e) => panic!("simulated host tier: {e}"),
+                };
                 SimWorker {
-                    engine: Engine::new(engine_cfg, backend, None),
+                    engine,
                     source: ReportSource {
                         advertise_url: format!("http://{id}.sim.invalid"),
                         worker_id: id,
@@ -209,6 +217,8 @@ impl<'a> Fleet<'a> {
             let s = w.engine.stats();
             self.out.preemptions += s.preemptions;
             self.out.evictions += s.evictions;
+            self.out.host_stored_bytes += s.host.stored_bytes;
+            self.out.host_hit_blocks += s.host.hit_blocks;
         }
         self.out
     }

@@ -61,6 +61,11 @@ pub struct SimConfig {
     /// How long a shared send takes to reach the other replicas (`--share-delay-ms`, default 1 ms: what the
     /// gateway's shared_state test measures between real replicas and a local Redis).
     pub share_delay_s: f64,
+    /// Each worker's host DRAM tier in tokens (`--host-kv-tokens-per-worker`, default 0: none), at the backend's
+    /// 131,072 bytes a token; loads cost the profile's `host_load_s_per_byte`.
+    pub host_kv_tokens_per_worker: usize,
+    /// When blocks go down to the host tier (`--kv-write-policy`, default write-back).
+    pub kv_write_policy: kvgate_worker::kv::WritePolicy,
 }
 
 impl SimConfig {
@@ -92,6 +97,8 @@ impl SimConfig {
             gateway_replicas: 1,
             share_sends: false,
             share_delay_s: 0.001,
+            host_kv_tokens_per_worker: 0,
+            kv_write_policy: kvgate_worker::kv::WritePolicy::WriteBack,
         }
     }
 
@@ -209,6 +216,12 @@ pub struct SimResult {
     pub virtual_duration_s: f64,
     pub preemptions: u64,
     pub evictions: u64,
+    /// Host DRAM tier per worker, in tokens (0: none).
+    pub host_kv_tokens_per_worker: usize,
+    /// Bytes copied down to the host tiers, all workers.
+    pub host_stored_bytes: u64,
+    /// Blocks loaded back from the host tiers, all workers.
+    pub host_hit_blocks: u64,
     /// Requests per route reason.
     pub routes: BTreeMap<String, u64>,
     /// Per admission class (empty without `SimConfig::classes`).
@@ -263,6 +276,9 @@ pub fn simulate(
         virtual_duration_s: o.end_s,
         preemptions: o.preemptions,
         evictions: o.evictions,
+        host_kv_tokens_per_worker: cfg.host_kv_tokens_per_worker,
+        host_stored_bytes: o.host_stored_bytes,
+        host_hit_blocks: o.host_hit_blocks,
         routes: o.routes,
         classes: o
             .classes

@@ -17,6 +17,7 @@ fn profile() -> SimProfile {
             decode_base_s: 0.005,
             decode_per_seq_s: 1e-4,
             decode_per_kv_token_s: 1e-8,
+            host_load_s_per_byte: 0.0,
         },
     }
 }

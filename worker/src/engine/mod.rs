@@ -157,8 +157,10 @@ impl<B: Backend> Engine<B> {
             };
             host.insert(b, on_device);
         };
+        // Held already (a copy kept at promotion; its device memory may not even be written yet): never read or
+        // inserted again, only marked used.
         for e in known {
-            keep(&mut host, e, Vec::new());
+            host.refresh(e.hash);
         }
         match payloads {
             Ok(payloads) => {
@@ -195,6 +197,7 @@ impl<B: Backend> Engine<B> {
             let pool = kv.pool().lock();
             loads.into_iter().filter(|l| pool.uid(l.id) == l.uid).collect()
         };
+        self.backend.note_kv_loaded(live.len(), block_size);
         let writes: Vec<(u32, &[u8])> = live.iter().map(|l| (l.id, &*l.payload)).collect();
         if let Err(err) = self.backend.write_kv_blocks(&writes, block_size) {
             let mut pool = kv.pool().lock();

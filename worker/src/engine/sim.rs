@@ -31,6 +31,8 @@ pub struct SimBackend {
     /// Llama-3-8B token in bf16 (32 layers x 8 KV heads x 128 x 2 x 2 bytes).
     pub kv_bytes_per_token: usize,
     elapsed: f64,
+    /// Seconds of host-tier loads the next step pays first.
+    pending_load_s: f64,
 }
 
 impl SimBackend {
@@ -44,6 +46,7 @@ impl SimBackend {
             clock: SimClock::Instant,
             kv_bytes_per_token: 131_072,
             elapsed: 0.0,
+            pending_load_s: 0.0,
         }
     }
 
@@ -72,7 +75,7 @@ impl SimBackend {
 impl Backend for SimBackend {
     fn forward(&mut self, items: &[BatchItem<'_>]) -> Result<Vec<Option<Next>>, String> {
         if let Some(t) = &self.timing {
-            let secs = t.step(items);
+            let secs = t.step(items) + std::mem::take(&mut self.pending_load_s);
             match self.clock {
                 SimClock::Instant => {}
                 SimClock::RealTime => std::thread::sleep(std::time::Duration::from_secs_f64(secs)),
@@ -100,6 +103,13 @@ impl Backend for SimBackend {
     /// No KV memory: blocks copy as empty payloads, counted at [`SimBackend::kv_bytes_per_token`] a token.
     fn kv_block_bytes(&self, block_size: usize) -> Option<usize> {
         Some(self.kv_bytes_per_token * block_size)
+    }
+
+    fn note_kv_loaded(&mut self, blocks: usize, block_size: usize) {
+        if let Some(t) = &self.timing {
+            self.pending_load_s +=
+                (blocks * block_size * self.kv_bytes_per_token) as f64 * t.host_load_s_per_byte;
+        }
     }
 
     fn read_kv_blocks(&mut self, ids: &[u32], _block_size: usize) -> Result<Vec<Vec<u8>>, String> {

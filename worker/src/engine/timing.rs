@@ -9,6 +9,7 @@
 //! step = sum of its prefill chunks + its decode part (if any sequence decodes), with one base only: a step
 //!        pays max(prefill_base_s, decode_base_s) of what it runs, not a base per chunk (one pass over the
 //!        weights and one launch per step, whatever the batch holds)
+//! loading KV blocks from the host tier before a step: host_load_s_per_byte * bytes (0, the default: free)
 //! ```
 //! Profiles are TOML files (`worker/profiles/`): the coefficients, the model limits the simulated worker
 //! advertises, and where the numbers come from.
@@ -27,6 +28,9 @@ pub struct TimingModel {
     pub decode_base_s: f64,
     pub decode_per_seq_s: f64,
     pub decode_per_kv_token_s: f64,
+    /// Seconds per byte of KV loaded from host DRAM into the device pool (the host-to-device link). Default 0.
+    #[serde(default)]
+    pub host_load_s_per_byte: f64,
 }
 
 impl TimingModel {
@@ -83,6 +87,7 @@ impl TimingModel {
             ("decode_base_s", self.decode_base_s),
             ("decode_per_seq_s", self.decode_per_seq_s),
             ("decode_per_kv_token_s", self.decode_per_kv_token_s),
+            ("host_load_s_per_byte", self.host_load_s_per_byte),
         ];
         fields
             .iter()
@@ -154,6 +159,7 @@ mod tests {
             decode_base_s: 0.005,
             decode_per_seq_s: 1e-4,
             decode_per_kv_token_s: 1e-7,
+            host_load_s_per_byte: 0.0,
         }
     }
 

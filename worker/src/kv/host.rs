@@ -223,6 +223,15 @@ impl HostTier {
         }
     }
 
+    /// Marks a held block used (the device evicted its copy again: nothing to write). False if it is not here.
+    pub fn refresh(&mut self, hash: BlockHash) -> bool {
+        let here = self.blocks.contains_key(&hash);
+        if here {
+            self.touch(hash);
+        }
+        here
+    }
+
     fn touch(&mut self, hash: BlockHash) {
         let tick = self.next_tick();
         let leaf = self.is_leaf(&hash);
