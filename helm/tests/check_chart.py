@@ -45,6 +45,7 @@ VALUE_SETS: dict[str, dict] = {
                                 "kvSsd": {"enabled": True, "type": "hostPath", "path": "/mnt/nvme/kvgate"}}},
     "host-model": {"workers": {"model": {"source": "hostPath", "hostPath": {"path": "/data/models/qwen2"}, "id": "qwen2"},
                                "kvSsd": {"enabled": True}}},
+    "host-tier": {"workers": {"hostKvBytes": 8589934592, "kvWritePolicy": "write-through"}},
     "redis-on": {"redis": {"enabled": True}},
     "dashboard": {"grafana": {"dashboard": {"enabled": True, "annotations": {"grafana_folder": "kvgate"}}}},
     "single-replica": {"gateway": {"replicas": 1}, "redis": {"enabled": False}},
@@ -88,6 +89,9 @@ BAD_VALUES: dict[str, tuple[dict, str]] = {
     "gpu memory over 1": ({"workers": {"gpu": {"count": 1, "memoryUtilization": 1.5}}}, "memoryUtilization"),
     "bad header timeout": ({"gateway": {"headerReadTimeout": "slow"}}, "headerReadTimeout"),
     "zero connections": ({"gateway": {"maxConnections": 0}}, "maxConnections"),
+    "tier credit over 1": ({"gateway": {"weights": {"creditHost": 1.5}}}, "creditHost"),
+    "unknown write policy": ({"workers": {"hostKvBytes": 1, "kvWritePolicy": "later"}}, "kvWritePolicy"),
+    "host tier on gpu workers": ({"workers": {"hostKvBytes": 1024, "gpu": {"count": 1}}}, "hostKvBytes"),
 }
 
 chart = helm.Chart.load(str(CHART))
@@ -195,6 +199,10 @@ for name, extra in VALUE_SETS.items():
         check(("--kv-cache-tokens" in args) == (w["kvCacheTokens"] > 0),
               f"{name}: --kv-cache-tokens only when set (0: sized from GPU memory)")
         check(("--engine" in args) == (w["engine"] == "sim"), f"{name}: --engine sim follows values")
+        check(("--host-kv-bytes" in args) == (w["hostKvBytes"] > 0), f"{name}: --host-kv-bytes only when set")
+        if w["hostKvBytes"] > 0:
+            check(args[args.index("--host-kv-bytes") + 1] == str(w["hostKvBytes"])
+                  and args[args.index("--kv-write-policy") + 1] == w["kvWritePolicy"], f"{name}: host tier args")
         check(any(a.startswith("http://kv-kvgate-control.serving.svc.cluster.local:") for a in args),
               f"{name}: --report-to the control Service")
         adv = args[args.index("--advertise-url") + 1]

@@ -1,0 +1,92 @@
+#!/usr/bin/env bash
+# Host DRAM KV tier vs device pool only, real processes, one run: a kvgate gateway (cache_aware) and WORKERS
+# `kvgate-worker serve --engine sim` workers (gpu-h100-llama3-8b timing, real time, whose host-tier loads cost the
+# profile's host_load_s_per_byte) with a small device pool, without and with `--host-kv-bytes`, under the multi-turn
+# workload (conversations come back after others pushed them out of the pool). A fresh fleet per row; everything
+# listens on 127.0.0.1 and stops by itself.
+#
+#   scripts/tier-bench.sh [OUT_DIR]   (default target/tier-bench; prints a Markdown table)
+#
+# HOST_BYTES (default "0 8000000000"): each worker's --host-kv-bytes per row (the simulated engine keeps no K/V
+# bytes, so a large tier costs no memory here). KV_TOKENS (default 4096): each worker's device pool.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT="${1:-target/tier-bench}"
+WORKERS="${WORKERS:-2}"
+KV_TOKENS="${KV_TOKENS:-4096}"
+HOST_BYTES="${HOST_BYTES:-0 8000000000}"
+WORKLOAD="${WORKLOAD:---workload multi-turn --users 48 --turns 5 --rate 4 --think-time 3 --system-words 512 --output-tokens 64}"
+mkdir -p "$OUT"
+OUT="$(cd "$OUT" && pwd)"
+
+cargo build --release -q -p kvgate-loadtest -p kvgate-gateway -p kvgate-worker
+BIN="$PWD/target/release"
+SECRET="tier-bench-$$"
+
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+wait_http() { # url what
+  for _ in $(seq 1 600); do curl -sf "$1" >/dev/null 2>&1 && return 0; sleep 0.2; done
+  echo "$2 did not start ($1)" >&2; exit 1
+}
+
+PIDS=()
+cleanup() {
+  for p in "${PIDS[@]:-}"; do [ -n "$p" ] && kill "$p" 2>/dev/null || true; done
+  for p in "${PIDS[@]:-}"; do [ -n "$p" ] && wait "$p" 2>/dev/null || true; done
+  PIDS=()
+}
+trap cleanup EXIT
+
+run_one() { # host_bytes
+  local host=$1 log="$OUT/host-$1" i w
+  rm -rf "$log" && mkdir -p "$log"
+  local port cport
+  port=$(free_port); cport=$(free_port)
+  RUST_LOG=warn "$BIN/kvgate-gateway" --listen "127.0.0.1:$port" --control-listen "127.0.0.1:$cport" \
+    --report-secret "$SECRET" --state-file off >"$log/gateway.log" 2>&1 &
+  PIDS+=($!)
+  local workers=()
+  for i in $(seq 0 $((WORKERS - 1))); do
+    local wport
+    wport=$(free_port)
+    RUST_LOG=warn "$BIN/kvgate-worker" serve --synth tiny --synth-dir "$OUT/synth" --engine sim \
+      --sim-profile gpu-h100-llama3-8b --host 127.0.0.1 --port "$wport" --worker-id "w$i" \
+      --kv-cache-tokens "$KV_TOKENS" --host-kv-bytes "$host" \
+      --report-to "http://127.0.0.1:$cport" --report-secret "$SECRET" >"$log/worker-$i.log" 2>&1 &
+    PIDS+=($!)
+    workers+=("http://127.0.0.1:$wport")
+    [ "$i" = 0 ] && wait_http "http://127.0.0.1:$wport/ready" "worker w0"
+  done
+  for w in "${workers[@]}"; do wait_http "$w/ready" "worker $w"; done
+  for _ in $(seq 1 300); do
+    [ "$(curl -s "http://127.0.0.1:$cport/kvgate/v1/workers" | python3 -c 'import json,sys; print(sum(1 for w in json.load(sys.stdin) if w["healthy"] and w["summary_fresh"]))' 2>/dev/null)" = "$WORKERS" ] && break
+    sleep 0.2
+  done
+  wait_http "http://127.0.0.1:$port/v1/models" "gateway"
+  # shellcheck disable=SC2086
+  "$BIN/kvgate-loadtest" run --target "http://127.0.0.1:$port" --model kvgate-tiny $WORKLOAD --seed 42 \
+    --duration 300s --no-progress --out "$log/run" >"$log/run.out" 2>&1 || { cat "$log/run.out" >&2; exit 1; }
+  for w in "${workers[@]}"; do
+    curl -s "$w/metrics" | awk '/^kvgate_worker_host_kv_hit_blocks / {h += $2} /^kvgate_worker_host_kv_stored_blocks / {s += $2} /^kvgate_worker_kv_evictions / {e += $2} END {print h + 0, s + 0, e + 0}'
+  done >"$log/tiers"
+  cleanup
+}
+
+for h in $HOST_BYTES; do
+  run_one "$h"
+  echo "done: host $h" >&2
+done
+
+python3 - "$OUT" "$KV_TOKENS" $HOST_BYTES <<'EOF'
+import json, sys, os
+out, kv = sys.argv[1], sys.argv[2]
+print("| device pool tokens/worker | host tier bytes/worker | requests | errors | hit rate | TTFT p50 ms | TTFT p99 ms | blocks loaded from host | blocks copied to host | device evictions |")
+print("|---|---|---|---|---|---|---|---|---|---|")
+for h in sys.argv[3:]:
+    d = os.path.join(out, f"host-{h}")
+    s = json.load(open(os.path.join(d, "run", "results.json")))["runs"][0]["summary"]
+    rows = [list(map(float, l.split())) for l in open(os.path.join(d, "tiers")) if l.strip()]
+    hit, stored, ev = (int(sum(r[i] for r in rows)) for i in range(3))
+    print(f"| {kv} | {h} | {s['requests']} | {s['errors']} | {s['hit_rate']:.3f} | {s['ttft_p50_ms']:.1f} | "
+          f"{s['ttft_p99_ms']:.1f} | {hit} | {stored} | {ev} |")
+EOF
