@@ -70,3 +70,72 @@ async fn a_prompt_evicted_to_host_dram_is_reported_routed_and_served_from_it() {
     assert!(metric(&m, "kvgate_worker_host_kv_hit_blocks").unwrap_or(0.0) >= 12.0, "{m}");
     assert!(metric(&m, "kvgate_worker_host_kv_stored_blocks").unwrap_or(0.0) >= 12.0, "{m}");
 }
+
+#[tokio::test]
+async fn a_worker_killed_and_restarted_serves_from_its_ssd_tier_at_once() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let synth = dir.path().join("tiny");
+    let ssd = dir.path().join("ssd");
+    let ssd_arg = ssd.display().to_string();
+    let (g, control) = gateway(&["--admin-token", TOKEN]);
+    // Write-through: every completed block reaches the SSD tier at once (the crash-warm setting).
+    let args = [
+        "--disk-kv-path",
+        ssd_arg.as_str(),
+        "--disk-kv-bytes",
+        "67108864",
+        "--kv-write-policy",
+        "write-through",
+    ];
+    let port = free_port();
+    let mut w = worker_on(port, "w0", &synth, Some(&control), &args, &[]);
+    wait_healthy(&control, 1).await;
+    let url = format!("{}/v1/completions", g.base);
+    let first: Vec<u32> = (0..200).map(|i| (i * 11 + 3) % 400 + 1).collect();
+    let r = post(&url, &json!({"model": MODEL, "prompt": first, "max_tokens": 2}), &[]).await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    let metrics = format!("{}/metrics", w.base);
+    wait_until(Duration::from_secs(5), || {
+        let metrics = metrics.clone();
+        async move {
+            let m = get(&metrics).await.body;
+            metric(&m, "kvgate_worker_disk_kv_written_blocks").unwrap_or(0.0) >= 12.0
+        }
+    })
+    .await;
+    // SIGKILL: no shutdown, no flush beyond what the IO thread already wrote.
+    w.kill();
+    let w = worker_on(port, "w0", &synth, Some(&control), &args, &[]);
+    let metrics = format!("{}/metrics", w.base);
+    wait_until(Duration::from_secs(5), || {
+        let metrics = metrics.clone();
+        async move {
+            let m = get(&metrics).await.body;
+            metric(&m, "kvgate_worker_disk_kv_recovered_blocks").unwrap_or(0.0) >= 12.0
+        }
+    })
+    .await;
+    let mut next = first.clone();
+    next.extend([5, 6, 7, 8]);
+    let body = json!({"model": MODEL, "prompt": next, "max_tokens": 2});
+    // The restarted worker's first report carries its SSD tier: the gateway sees the prefix there.
+    let auth = format!("Bearer {TOKEN}");
+    wait_until(Duration::from_secs(5), || {
+        let (body, auth, control) = (body.clone(), auth.clone(), control.clone());
+        async move {
+            let ex = request(
+                "POST",
+                &format!("{control}/admin/v1/route/explain"),
+                Some(body.to_string()),
+                &[("authorization", auth.as_str())],
+            )
+            .await;
+            ex.json()["terms"][0]["tiers"]["through_disk"].as_u64().is_some_and(|d| d >= 12)
+        }
+    })
+    .await;
+    let r = post(&url, &body, &[]).await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    let cached = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap_or(0);
+    assert!(cached >= 192, "the first request after the restart is served from the SSD tier: {}", r.body);
+}

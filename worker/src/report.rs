@@ -12,7 +12,7 @@ use kvgate_shared::report::{
 };
 
 use crate::engine::EngineStats;
-use crate::kv::{SharedHost, SharedPool};
+use crate::kv::{KvManager, SharedHost, SharedPool};
 
 /// What a report is built from.
 pub struct ReportSource {
@@ -28,10 +28,11 @@ pub struct ReportSource {
     pub max_model_len: u32,
 }
 
-/// The Bloom summaries of a report: the device pool's, and the host tier's when there is one.
+/// The Bloom summaries of a report: the device pool's, and the lower tiers' when there are some.
 pub struct Summaries {
     pub device: CacheSummary,
     pub host: Option<CacheSummary>,
+    pub disk: Option<CacheSummary>,
 }
 
 /// Builds the Bloom summary of the pool's cached blocks at a granularity.
@@ -51,16 +52,17 @@ pub fn summarise_host(host: &SharedHost, granularity: u32, fp_rate: f64) -> Cach
     bloom_of(hashes, g, fp_rate)
 }
 
-/// Both summaries of a pool and its host tier.
-pub fn summarise_tiers(
-    pool: &SharedPool,
-    host: Option<&SharedHost>,
-    granularity: u32,
-    fp_rate: f64,
-) -> Summaries {
+/// The summaries of a pool and its lower tiers.
+pub fn summarise_tiers(kv: &KvManager, granularity: u32, fp_rate: f64) -> Summaries {
+    let g = granularity.max(1);
     Summaries {
-        device: summarise(pool, granularity, fp_rate),
-        host: host.map(|h| summarise_host(h, granularity, fp_rate)),
+        device: summarise(kv.pool(), granularity, fp_rate),
+        host: kv.host().map(|h| summarise_host(h, granularity, fp_rate)),
+        disk: kv.disk().map(|d| {
+            let hashes: Vec<_> =
+                d.index().entries().filter(|(_, i)| (i + 1) % g == 0).map(|(h, _)| h).collect();
+            bloom_of(hashes, g, fp_rate)
+        }),
     }
 }
 
@@ -97,6 +99,15 @@ impl ReportSource {
                 blocks_free: s.host_blocks_total.saturating_sub(s.host_blocks_cached) as u64,
                 blocks_cached: s.host_blocks_cached as u64,
                 summary: Some(host),
+            });
+        }
+        if let Some(disk) = summaries.disk {
+            tiers.push(TierReport {
+                tier: Tier::Disk,
+                blocks_total: s.disk_blocks_total as u64,
+                blocks_free: s.disk_blocks_total.saturating_sub(s.disk_blocks_cached) as u64,
+                blocks_cached: s.disk_blocks_cached as u64,
+                summary: Some(disk),
             });
         }
         WorkerReport {

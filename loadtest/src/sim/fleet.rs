@@ -435,8 +435,7 @@ impl<'a> Fleet<'a> {
         worker.seq += 1;
         let stats = worker.engine.stats();
         let kv = worker.engine.scheduler().kv();
-        let summaries =
-            summarise_tiers(kv.pool(), kv.host(), worker.source.granularity, worker.source.fp_rate);
+        let summaries = summarise_tiers(kv, worker.source.granularity, worker.source.fp_rate);
         let report = worker.source.assemble(
             worker.seq,
             (t * 1000.0) as u64,

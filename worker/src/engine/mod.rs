@@ -24,7 +24,9 @@ pub use backend::{Backend, BatchItem, CpuBackend, Next};
 pub use request::{AdmitError, EngineRequest, FinishReason, RequestId, SamplingParams, StepOutput};
 pub use scheduler::{Scheduler, SchedulerConfig, Sequence};
 
-use crate::kv::{Evicted, HostCounters, HostInsert, HostTier, KvManager, PendingLoad, WritePolicy};
+use crate::kv::{
+    DiskCounters, DiskTier, Evicted, HostCounters, HostInsert, HostTier, KvManager, PendingLoad, WritePolicy,
+};
 
 /// Turns output ids into text, to find stop strings.
 pub trait Detokenizer: Send + Sync {
@@ -65,6 +67,10 @@ pub struct EngineStats {
     pub host_blocks_total: usize,
     pub host_blocks_cached: usize,
     pub host: HostCounters,
+    /// The SSD tier (all 0 without one).
+    pub disk_blocks_total: usize,
+    pub disk_blocks_cached: usize,
+    pub disk: DiskCounters,
 }
 
 /// Scheduler + backend + sampling.
@@ -127,52 +133,112 @@ impl<B: Backend> Engine<B> {
         Ok(self)
     }
 
-    /// Copies blocks down to the host tier while their memory holds their K/V: the pool's evictions (before the
-    /// forward overwrites them) or, write-through, the blocks this step completed (after the forward). Parents
-    /// go before children; a block the tier already holds is not read again.
-    fn copy_down(&mut self, mut blocks: Vec<Evicted>) {
+    /// Puts an SSD tier of `bytes` in `dir` under the host tier, or under the pool without one (`--disk-kv-path`,
+    /// `--disk-kv-bytes`; 0: none). Blocks found in `dir` from an earlier run of the same hash scheme and KV layout
+    /// are served again (a warm restart).
+    pub fn with_disk_tier(
+        mut self,
+        dir: &std::path::Path,
+        bytes: u64,
+        policy: WritePolicy,
+    ) -> Result<Self, String> {
+        if bytes == 0 {
+            return Ok(self);
+        }
+        let block_size = self.scheme.block_size as usize;
+        let Some(block_bytes) = self.backend.kv_block_bytes(block_size) else {
+            return Err(
+                "this backend cannot copy KV blocks to an SSD tier (--disk-kv-bytes must be 0)".into()
+            );
+        };
+        if bytes < block_bytes as u64 {
+            return Err(format!(
+                "--disk-kv-bytes {bytes} holds less than one KV block ({block_bytes} bytes)"
+            ));
+        }
+        // The records are only valid for this hash scheme and this many bytes a block.
+        let fingerprint = self.scheme.fingerprint() ^ (block_bytes as u64).rotate_left(32);
+        let disk = DiskTier::open(dir, bytes, block_bytes, block_size, fingerprint)?;
+        self.sched.kv_mut().set_disk(disk, policy);
+        Ok(self)
+    }
+
+    /// Copies blocks down while their memory holds their K/V: the pool's evictions (before the forward overwrites
+    /// them) go to the host tier, or to the SSD tier when there is no host tier; with write-through (`through`),
+    /// the blocks this step completed (after the forward) go to both. What the host tier lets go for room goes on
+    /// to the SSD tier. Parents go before children; a block a tier holds already is not read again (only marked
+    /// used). Disk writes are queued for the SSD tier's IO thread, never waited for.
+    fn copy_down(&mut self, mut blocks: Vec<Evicted>, through: bool) {
         let kv = self.sched.kv().clone();
-        let Some(host) = kv.host() else { return };
-        if blocks.is_empty() {
+        let (host, disk) = (kv.host().cloned(), kv.disk().cloned());
+        if blocks.is_empty() || (host.is_none() && disk.is_none()) {
             return;
         }
         let block_size = self.scheme.block_size as usize;
         blocks.sort_by_key(|e| e.index);
-        let (known, new): (Vec<Evicted>, Vec<Evicted>) =
-            blocks.into_iter().partition(|e| host.lock().contains(e.hash));
-        let ids: Vec<u32> = new.iter().map(|e| e.id).collect();
+        let to_host = |e: &Evicted| host.as_ref().is_some_and(|h| !h.lock().contains(e.hash));
+        let to_disk = |e: &Evicted| {
+            disk.as_ref().is_some_and(|d| (through || host.is_none()) && !d.index().contains(e.hash))
+        };
+        let mut work: Vec<(Evicted, bool, bool)> = Vec::with_capacity(blocks.len());
+        for e in blocks {
+            let (h, d) = (to_host(&e), to_disk(&e));
+            if h || d {
+                work.push((e, h, d));
+            } else if let Some(host) = &host {
+                // Held already (a copy kept at promotion; its device memory may not even be written yet).
+                host.lock().refresh(e.hash);
+            }
+        }
+        let ids: Vec<u32> = work.iter().map(|(e, ..)| e.id).collect();
         let payloads =
             if ids.is_empty() { Ok(Vec::new()) } else { self.backend.read_kv_blocks(&ids, block_size) };
         let pool = kv.pool().lock();
-        let mut host = host.lock();
-        let keep = |host: &mut HostTier, e: Evicted, payload: Vec<u8>| {
+        let mut host = host.as_ref().map(|h| h.lock());
+        let payloads = match payloads {
+            Ok(p) => p,
+            Err(err) => {
+                tracing::error!(error = %err, blocks = work.len(), "copying KV blocks to a lower tier failed");
+                if let Some(host) = host.as_mut() {
+                    for (e, ..) in &work {
+                        host.drop_descendants(e.hash);
+                    }
+                }
+                return;
+            }
+        };
+        // Blocks of this batch go to disk parents first: a child's parent among them counts as held above.
+        let to_disk_now: std::collections::HashSet<_> =
+            work.iter().filter(|w| w.2).map(|w| w.0.hash).collect();
+        for ((e, h, d), payload) in work.into_iter().zip(payloads) {
             let on_device = e.parent_hash.is_some_and(|p| pool.is_cached(p));
+            let payload: Arc<[u8]> = Arc::from(payload);
             let b = HostInsert {
                 hash: e.hash,
                 check: e.check,
                 index: e.index,
                 tokens: e.tokens,
-                payload: Arc::from(payload),
+                payload,
                 parent: e.parent_hash,
             };
-            host.insert(b, on_device);
-        };
-        // Held already (a copy kept at promotion; its device memory may not even be written yet): never read or
-        // inserted again, only marked used.
-        for e in known {
-            host.refresh(e.hash);
-        }
-        match payloads {
-            Ok(payloads) => {
-                for (e, payload) in new.into_iter().zip(payloads) {
-                    keep(&mut host, e, payload);
-                }
+            if let (true, Some(disk)) = (d, &disk) {
+                let in_host = host.as_ref().is_some_and(|hh| e.parent_hash.is_some_and(|p| hh.contains(p)));
+                let in_batch = e.parent_hash.is_some_and(|p| to_disk_now.contains(&p));
+                disk.write(b.clone(), on_device || in_host || in_batch);
             }
-            Err(err) => {
-                tracing::error!(error = %err, blocks = new.len(), "copying KV blocks to host failed");
-                for e in new {
-                    host.drop_descendants(e.hash);
-                }
+            if let (true, Some(host)) = (h, host.as_mut()) {
+                host.insert(b, on_device);
+            }
+        }
+        if let (Some(host), Some(disk)) = (host.as_mut(), &disk) {
+            // Parents first: the IO thread stores them before their children, which then find them on disk.
+            let mut spilled = host.take_spilled();
+            spilled.sort_by_key(|b| b.index);
+            let batch: std::collections::HashSet<_> = spilled.iter().map(|b| b.hash).collect();
+            for b in spilled {
+                let above =
+                    b.parent.is_some_and(|p| pool.is_cached(p) || host.contains(p) || batch.contains(&p));
+                disk.write(b, above);
             }
         }
     }
@@ -183,12 +249,12 @@ impl<B: Backend> Engine<B> {
     /// step's batch (it would read them).
     fn move_blocks(&mut self) -> Result<(), String> {
         let kv = self.sched.kv().clone();
-        if kv.host().is_none() {
+        if kv.host().is_none() && kv.disk().is_none() {
             return Ok(());
         }
         let block_size = self.scheme.block_size as usize;
         let evicted = kv.pool().lock().take_evicted();
-        self.copy_down(evicted);
+        self.copy_down(evicted, false);
         let loads = kv.take_loads();
         if loads.is_empty() {
             return Ok(());
@@ -228,9 +294,19 @@ impl<B: Backend> Engine<B> {
             }
             None => (0, 0, HostCounters::default()),
         };
+        let (disk_blocks_total, disk_blocks_cached, disk) = match self.sched.kv().disk() {
+            Some(d) => {
+                let i = d.index();
+                (i.capacity_blocks(), i.len(), d.counters())
+            }
+            None => (0, 0, DiskCounters::default()),
+        };
         let pool = self.sched.kv().pool().lock();
         let c = pool.counters();
         EngineStats {
+            disk_blocks_total,
+            disk_blocks_cached,
+            disk,
             host_blocks_total,
             host_blocks_cached,
             host,
@@ -361,9 +437,9 @@ impl<B: Backend> Engine<B> {
             }
         }
         self.sched.retire(&finished);
-        if self.sched.kv().host().is_some() {
+        if self.sched.kv().host().is_some() || self.sched.kv().disk().is_some() {
             let registered = self.sched.kv().pool().lock().take_registered();
-            self.copy_down(registered);
+            self.copy_down(registered, true);
         }
         outputs
     }

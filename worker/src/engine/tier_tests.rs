@@ -183,3 +183,91 @@ fn write_through_copies_every_completed_block_and_write_back_only_what_leaves_th
         "the hot conversation's blocks at least"
     );
 }
+
+#[test]
+fn blocks_come_back_from_ssd_bit_exact_and_after_a_restart() {
+    let dir = tempfile::tempdir().expect("tmp");
+    synth_model(dir.path(), &SynthSpec::new(Preset::Tiny, 8)).expect("synth");
+    let ssd = tempfile::tempdir().expect("ssd");
+    let shared: Vec<u32> = (0..70).map(|i| (i * 37 + 11) % 500).collect();
+    let a: Vec<u32> = shared.iter().copied().chain([9]).collect();
+    let b: Vec<u32> = shared.iter().copied().chain([3, 4, 5, 6, 7]).collect();
+    let hasher = BlockHasher::new(&HashScheme::new(16, 9), &ExtraKeys::none());
+    let prefix = hasher.hash_blocks(&shared[..64]);
+
+    let (mut x, x_log) = cpu_engine_with(dir.path(), 32, 16);
+    x.add_request(req(1, a.clone(), 1)).expect("ok");
+    drain(&mut x);
+    let device = device_bytes(&mut x, &prefix);
+    x.add_request(req(2, b.clone(), 4)).expect("ok");
+    let x_out = drain(&mut x);
+    let x_logits = last_logits(&x_log);
+
+    // No host tier: what the pool evicts goes straight to the SSD tier (write-back).
+    let (y, y_log) = cpu_engine_with(dir.path(), 32, 16);
+    let mut y = y.with_disk_tier(ssd.path(), 64 << 20, WritePolicy::WriteBack).expect("disk tier");
+    y.add_request(req(1, a.clone(), 1)).expect("ok");
+    drain(&mut y);
+    for k in 0..4u64 {
+        let other: Vec<u32> = (0..200).map(|i| (i * 7 + 100 * k as u32 + 1) % 500).collect();
+        y.add_request(req(10 + k, other, 1)).expect("ok");
+        drain(&mut y);
+    }
+    y.scheduler().kv().disk().expect("disk").flush();
+    y_log.lock().expect("log").clear();
+    y.add_request(req(2, b.clone(), 4)).expect("ok");
+    let y_out = drain(&mut y);
+    assert_eq!(y_out[&2].2, 64, "the prefix came back from the SSD tier");
+    assert_eq!(y_out[&2].0, x_out[&2].0);
+    assert_eq!(last_logits(&y_log), x_logits, "identical logits, bit for bit");
+    assert_eq!(device_bytes(&mut y, &prefix), device, "device -> SSD -> device: identical K/V bytes");
+    assert!(y.stats().disk.read_blocks >= 4, "{:?}", y.stats().disk);
+    drop(y);
+
+    // A new engine on the same directory (a restarted worker) serves the prefix from its first request.
+    let (z, z_log) = cpu_engine_with(dir.path(), 32, 16);
+    let mut z = z.with_disk_tier(ssd.path(), 64 << 20, WritePolicy::WriteBack).expect("disk tier");
+    assert!(z.stats().disk.recovered_blocks >= 4, "{:?}", z.stats().disk);
+    z.add_request(req(2, b.clone(), 4)).expect("ok");
+    let z_out = drain(&mut z);
+    assert_eq!(z_out[&2].2, 64, "a warm restart");
+    assert_eq!(last_logits(&z_log), x_logits);
+}
+
+#[test]
+fn host_then_ssd_hold_more_than_either_and_stay_consistent() {
+    const BS: u32 = 4;
+    let ssd = tempfile::tempdir().expect("ssd");
+    let backend = SimBackend::new(1000, 4096, vec![0]);
+    let block_bytes = backend.kv_block_bytes(BS as usize).expect("sim");
+    let cfg = EngineConfig {
+        num_blocks: 32,
+        scheme: HashScheme::new(BS, 1),
+        scheduler: SchedulerConfig { max_num_batched_tokens: 64, max_num_seqs: 4 },
+    };
+    let mut e = Engine::new(cfg, backend, None)
+        .with_host_tier(24 * block_bytes, WritePolicy::WriteBack)
+        .expect("host")
+        // 1 GiB: about 2,000 simulated blocks of 512 KiB (the simulator writes no K/V bytes, only records).
+        .with_disk_tier(ssd.path(), 1 << 30, WritePolicy::WriteBack)
+        .expect("disk");
+    // 30 distinct 40-token prompts (10 blocks each, 300 in all): far more than the pool (32) and host (24) hold.
+    let prompt = |k: u32| -> Vec<u32> { (0..40).map(|i| (k * 53 + i * 7) % 997 + 1).collect() };
+    for k in 0..30u32 {
+        e.add_request(req(u64::from(k), prompt(k), 1)).expect("ok");
+        drain(&mut e);
+    }
+    e.scheduler().kv().disk().expect("disk").flush();
+    // The first prompts went device -> host -> SSD; asking again finds them there.
+    e.add_request(req(100, prompt(0), 1)).expect("ok");
+    let out = drain(&mut e);
+    assert_eq!(out[&100].2, 36, "nine whole blocks back (the last token is always computed)");
+    let s = e.stats();
+    assert!(s.disk.written_blocks > 0 && s.disk.read_blocks >= 9, "{:?}", s.disk);
+    assert!(s.host_blocks_cached <= 24);
+    let kv = e.scheduler().kv();
+    let pool = kv.pool().lock();
+    kv.host().expect("host").lock().check_invariants(|h| pool.is_cached(h)).expect("host");
+    pool.check_invariants().expect("pool");
+    assert_eq!(s.blocks_free, 32);
+}

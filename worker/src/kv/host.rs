@@ -1,5 +1,6 @@
 //! The host DRAM tier under the device pool (`--host-kv-bytes`): cached blocks the pool evicted, copied down at
-//! eviction (write-back), served back up on a prefix hit.
+//! eviction (write-back), served back up on a prefix hit. Its index ([`TierIndex`]) serves the SSD tier too, which
+//! keeps places in its segment files where this one keeps bytes.
 //!
 //! - A block is kept by its chained hash with its chain check (`super::chain_check`, an independent 64-bit digest
 //!   of the whole prefix), position and tokens: a hit needs all three to match the request's, so a collision of
@@ -15,14 +16,15 @@ use std::sync::Arc;
 
 use kvgate_shared::hashing::BlockHash;
 
-/// One block in host memory.
+/// One block of a tier: `P` is where its K/V bytes are (in host memory: the bytes; on SSD: their place).
 #[derive(Clone, Debug)]
-struct HostBlock {
+struct HostBlock<P> {
     check: u64,
     index: u32,
     tokens: Box<[u32]>,
-    /// The K/V bytes (empty for a backend without KV memory: the simulator counts `block_bytes` all the same).
-    payload: Arc<[u8]>,
+    /// The K/V bytes or their place (empty bytes for a backend without KV memory: the simulator counts
+    /// `block_bytes` all the same).
+    payload: P,
     /// The chained hash of the block before it (`None`: a first block), here or not.
     parent: Option<BlockHash>,
     /// Last use (insertion or hit).
@@ -53,33 +55,39 @@ pub enum Stored {
     Refused,
 }
 
-/// A block to keep ([`HostTier::insert`]).
+/// A block to keep ([`TierIndex::insert`]), or one a full tier let go ([`TierIndex::take_spilled`]).
 #[derive(Clone, Debug)]
-pub struct HostInsert {
+pub struct HostInsert<P = Arc<[u8]>> {
     pub hash: BlockHash,
     pub check: u64,
     pub index: u32,
     pub tokens: Box<[u32]>,
-    pub payload: Arc<[u8]>,
+    pub payload: P,
     /// The chained hash of the block before it (`None` for a first block).
     pub parent: Option<BlockHash>,
 }
 
-/// The host DRAM tier.
+/// The host DRAM tier: its index holds the bytes themselves.
+pub type HostTier = TierIndex<Arc<[u8]>>;
+
+/// A lower tier's index: blocks by chained hash, the prefix tree, the leaves-first LRU, the capacity.
 #[derive(Debug)]
-pub struct HostTier {
+pub struct TierIndex<P> {
     capacity_bytes: usize,
     block_bytes: usize,
-    blocks: HashMap<BlockHash, HostBlock>,
+    blocks: HashMap<BlockHash, HostBlock<P>>,
     /// Parent hash -> its children held here (whether the parent is here or in the device pool).
     kids: HashMap<BlockHash, Vec<BlockHash>>,
     /// Blocks without children here, by last use: the eviction order.
     leaves: BTreeMap<u64, BlockHash>,
     tick: u64,
     counters: HostCounters,
+    /// Blocks evicted for room, kept for the tier below ([`Self::set_spill`]).
+    spilled: Vec<HostInsert<P>>,
+    spill: bool,
 }
 
-impl HostTier {
+impl<P: Clone> TierIndex<P> {
     /// A tier of `capacity_bytes`, each block counting `block_bytes`.
     pub fn new(capacity_bytes: usize, block_bytes: usize) -> Self {
         Self {
@@ -90,7 +98,19 @@ impl HostTier {
             leaves: BTreeMap::new(),
             tick: 0,
             counters: HostCounters::default(),
+            spilled: Vec::new(),
+            spill: false,
         }
+    }
+
+    /// Keeps the blocks evicted for room for [`Self::take_spilled`] (a tier below wants them).
+    pub fn set_spill(&mut self, on: bool) {
+        self.spill = on;
+    }
+
+    /// The blocks evicted for room since the last call.
+    pub fn take_spilled(&mut self) -> Vec<HostInsert<P>> {
+        std::mem::take(&mut self.spilled)
     }
 
     /// Blocks the tier can hold.
@@ -133,7 +153,7 @@ impl HostTier {
     /// Keeps a block the device pool evicted. `parent_on_device`: whether the device pool holds its parent. A
     /// block whose parent is in neither tier is refused (no lookup could reach it); when a block is refused, its
     /// children here are dropped with it for the same reason.
-    pub fn insert(&mut self, b: HostInsert, parent_on_device: bool) -> Stored {
+    pub fn insert(&mut self, b: HostInsert<P>, parent_on_device: bool) -> Stored {
         if self.blocks.contains_key(&b.hash) {
             self.touch(b.hash);
             return Stored::Present;
@@ -164,7 +184,7 @@ impl HostTier {
         if self.is_leaf(&b.hash) {
             self.leaves.insert(tick, b.hash);
         }
-        let bytes = b.payload.len().max(self.block_bytes) as u64;
+        let bytes = self.block_bytes as u64;
         let block = HostBlock {
             check: b.check,
             index: b.index,
@@ -183,6 +203,17 @@ impl HostTier {
     fn evict_one(&mut self, protect: Option<BlockHash>) -> bool {
         let victim = self.leaves.values().copied().find(|h| Some(*h) != protect);
         let Some(hash) = victim else { return false };
+        if let (true, Some(b)) = (self.spill, self.blocks.get(&hash)) {
+            let out = HostInsert {
+                hash,
+                check: b.check,
+                index: b.index,
+                tokens: b.tokens.clone(),
+                payload: b.payload.clone(),
+                parent: b.parent,
+            };
+            self.spilled.push(out);
+        }
         self.remove(hash);
         self.counters.evicted_blocks += 1;
         true
@@ -203,6 +234,24 @@ impl HostTier {
                     }
                 }
             }
+        }
+    }
+
+    /// Drops one block that cannot be served (its bytes are lost), with its descendants here.
+    pub fn forget(&mut self, hash: BlockHash) {
+        self.drop_descendants(hash);
+        self.remove(hash);
+    }
+
+    /// Every block's payload (the SSD tier's compaction looks for the places in one file).
+    pub fn payloads(&self) -> impl Iterator<Item = (BlockHash, &P)> + '_ {
+        self.blocks.iter().map(|(h, b)| (*h, &b.payload))
+    }
+
+    /// Replaces a block's payload (the SSD tier moved its bytes).
+    pub fn set_payload(&mut self, hash: BlockHash, payload: P) {
+        if let Some(b) = self.blocks.get_mut(&hash) {
+            b.payload = payload;
         }
     }
 
@@ -246,7 +295,7 @@ impl HostTier {
 
     /// The K/V bytes of the block `hash` if it holds exactly this content (same chain check, position and tokens);
     /// counts a hit and marks it used.
-    pub fn get(&mut self, hash: BlockHash, check: u64, index: u32, tokens: &[u32]) -> Option<Arc<[u8]>> {
+    pub fn get(&mut self, hash: BlockHash, check: u64, index: u32, tokens: &[u32]) -> Option<P> {
         if !self.holds(hash, check, index, tokens) {
             return None;
         }

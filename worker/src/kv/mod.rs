@@ -7,15 +7,18 @@
 //! queued as [`PendingLoad`]s that the engine writes before the next forward). Evictions from the pool are copied
 //! down by the engine between scheduling and the forward (write-back), while the evicted memory is intact.
 
+pub mod disk;
 pub mod host;
 pub mod pool;
+pub mod segment;
 
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use kvgate_shared::hashing::{BlockHash, BlockHasher};
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
-pub use host::{HostCounters, HostInsert, HostTier, Stored};
+pub use disk::{DiskCounters, DiskTier};
+pub use host::{HostCounters, HostInsert, HostTier, Stored, TierIndex};
 pub use pool::{BlockId, BlockKey, BlockPool, Evicted, Parent, PoolCounters};
 
 /// Seed of the chain check (any constant other than the block hash's).
@@ -115,6 +118,7 @@ pub struct BlockTable {
     /// Prompt tokens served from the cache when the sequence started.
     cached_tokens: usize,
     host_tokens: usize,
+    disk_tokens: usize,
 }
 
 impl BlockTable {
@@ -129,9 +133,13 @@ impl BlockTable {
     pub fn cached_tokens(&self) -> usize {
         self.cached_tokens
     }
-    /// Of those, the tokens promoted from the host tier.
-    pub fn host_tokens(&self) -> usize {
+    /// Of those, the tokens promoted from a lower tier (host DRAM or SSD).
+    pub fn lower_tier_tokens(&self) -> usize {
         self.host_tokens
+    }
+    /// Of those, the tokens read from the SSD tier.
+    pub fn disk_tokens(&self) -> usize {
+        self.disk_tokens
     }
     /// Pool slot of a position (`block * block_size + offset`).
     pub fn slot(&self, pos: usize) -> usize {
@@ -156,6 +164,7 @@ pub struct KvManager {
     pool: SharedPool,
     block_size: usize,
     host: Option<SharedHost>,
+    disk: Option<DiskTier>,
     loads: Arc<Mutex<Vec<PendingLoad>>>,
 }
 
@@ -165,6 +174,7 @@ impl KvManager {
             pool: SharedPool::new(BlockPool::new(num_blocks, block_size)),
             block_size,
             host: None,
+            disk: None,
             loads: Arc::new(Mutex::new(Vec::new())),
         }
     }
@@ -181,7 +191,27 @@ impl KvManager {
         pool.set_record_evictions(true);
         pool.set_record_registrations(policy == WritePolicy::WriteThrough);
         drop(pool);
+        let mut host = host;
+        host.set_spill(self.disk.is_some());
         self.host = Some(SharedHost(Arc::new(Mutex::new(host))));
+    }
+
+    /// Adds the SSD tier under the host tier (or, without one, under the pool), with a write policy.
+    pub fn set_disk(&mut self, disk: DiskTier, policy: WritePolicy) {
+        let mut pool = self.pool.lock();
+        pool.set_record_evictions(true);
+        if policy == WritePolicy::WriteThrough {
+            pool.set_record_registrations(true);
+        }
+        drop(pool);
+        if let Some(h) = &self.host {
+            h.lock().set_spill(true);
+        }
+        self.disk = Some(disk);
+    }
+
+    pub fn disk(&self) -> Option<&DiskTier> {
+        self.disk.as_ref()
     }
 
     pub fn pool(&self) -> &SharedPool {
@@ -216,6 +246,7 @@ impl KvManager {
         let mut blocks = Vec::new();
         let mut chain = Vec::new();
         let mut host_blocks = 0;
+        let mut disk_blocks = 0;
         {
             let mut pool = self.pool.lock();
             for (i, h) in hashes.iter().enumerate().take(max_hit) {
@@ -229,22 +260,36 @@ impl KvManager {
                     None => break,
                 }
             }
-            if let Some(host) = &self.host {
-                // The prefix continues in host DRAM: promote what the pool has room for.
-                let mut host = host.lock();
+            if self.host.is_some() || self.disk.is_some() {
+                // The prefix continues in host DRAM, then on SSD: promote what the pool has room for.
+                let mut host = self.host.as_ref().map(SharedHost::lock);
                 let from = blocks.len();
-                let found = (from..max_hit)
-                    .take_while(|&i| {
-                        host.holds(hashes[i], checks[i], i as u32, &tokens[i * bs..(i + 1) * bs])
-                    })
-                    .count();
+                let holds = |i: usize, host: &Option<MutexGuard<'_, HostTier>>| {
+                    let t = &tokens[i * bs..(i + 1) * bs];
+                    host.as_ref().is_some_and(|h| h.holds(hashes[i], checks[i], i as u32, t))
+                        || self.disk.as_ref().is_some_and(|d| d.holds(hashes[i], checks[i], i as u32, t))
+                };
+                let found = (from..max_hit).take_while(|&i| holds(i, &host)).count();
                 let room = found.min(pool.num_free());
                 let ids = pool.allocate(room).unwrap_or_default();
                 let mut loads = self.loads.lock().unwrap_or_else(|e| e.into_inner());
                 for (k, id) in ids.iter().enumerate() {
                     let i = from + k;
                     let block_tokens = &tokens[i * bs..(i + 1) * bs];
-                    let Some(payload) = host.get(hashes[i], checks[i], i as u32, block_tokens) else {
+                    let from_host =
+                        host.as_mut().and_then(|h| h.get(hashes[i], checks[i], i as u32, block_tokens));
+                    let payload = match from_host {
+                        Some(p) => Some(p),
+                        None => self
+                            .disk
+                            .as_ref()
+                            .and_then(|d| d.read(hashes[i], checks[i], i as u32, block_tokens))
+                            .map(|v| {
+                                disk_blocks += 1;
+                                Arc::<[u8]>::from(v)
+                            }),
+                    };
+                    let Some(payload) = payload else {
                         pool.release(&ids[k..]);
                         break;
                     };
@@ -282,6 +327,7 @@ impl KvManager {
             chain,
             cached_tokens: n * bs,
             host_tokens: host_blocks * bs,
+            disk_tokens: disk_blocks * bs,
         }
     }
 
@@ -303,12 +349,18 @@ impl KvManager {
                 None => break,
             }
         }
-        if let Some(host) = &self.host {
-            // A host hit is a load, not a prefill: it does not count as work ahead.
-            let host = host.lock();
+        if self.host.is_some() || self.disk.is_some() {
+            // A lower-tier hit is a load, not a prefill: it does not count as work ahead.
+            let host = self.host.as_ref().map(SharedHost::lock);
             let mut checks = Vec::new();
             extend_checks(hasher.root_id(), &mut checks, tokens, bs, max_hit);
-            while n < max_hit && host.holds(hashes[n], checks[n], n as u32, &tokens[n * bs..(n + 1) * bs]) {
+            while n < max_hit {
+                let t = &tokens[n * bs..(n + 1) * bs];
+                let held = host.as_ref().is_some_and(|h| h.holds(hashes[n], checks[n], n as u32, t))
+                    || self.disk.as_ref().is_some_and(|d| d.holds(hashes[n], checks[n], n as u32, t));
+                if !held {
+                    break;
+                }
                 n += 1;
             }
         }
@@ -369,5 +421,7 @@ impl KvManager {
     }
 }
 
+#[cfg(test)]
+mod disk_tests;
 #[cfg(test)]
 mod tests;

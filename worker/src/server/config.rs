@@ -97,8 +97,15 @@ pub struct ServeArgs {
     /// a prefix hit. Default 0 (off). Not on CUDA yet.
     #[arg(long, env = "KVGATE_WORKER_HOST_KV_BYTES")]
     pub host_kv_bytes: Option<usize>,
-    /// When blocks are copied to the host tier: `write-back` (when the pool evicts them) or `write-through`
-    /// (every completed block at once). Default write-back.
+    /// SSD tier under the host tier (or under the pool without one), in bytes: segment files in
+    /// --disk-kv-path, kept across restarts. Default 0 (off). Not on CUDA yet.
+    #[arg(long, env = "KVGATE_WORKER_DISK_KV_BYTES")]
+    pub disk_kv_bytes: Option<u64>,
+    /// Directory of the SSD tier's segment files (a local NVMe path). Required with --disk-kv-bytes.
+    #[arg(long, env = "KVGATE_WORKER_DISK_KV_PATH")]
+    pub disk_kv_path: Option<PathBuf>,
+    /// When blocks are copied to the lower tiers: `write-back` (when the tier above lets them go) or
+    /// `write-through` (every completed block at once, to every tier). Default write-back.
     #[arg(long, env = "KVGATE_WORKER_KV_WRITE_POLICY")]
     pub kv_write_policy: Option<String>,
     /// Tokens per KV block (must equal the gateway's). Default 16.
@@ -150,6 +157,8 @@ pub struct ServeConfig {
     /// `None`: the device's default (65536 on the CPU, sized from memory on CUDA).
     pub kv_cache_tokens: Option<usize>,
     pub host_kv_bytes: usize,
+    pub disk_kv_bytes: u64,
+    pub disk_kv_path: Option<PathBuf>,
     pub kv_write_policy: WritePolicy,
     pub device: DeviceChoice,
     pub dtype: DType,
@@ -251,6 +260,8 @@ impl ServeArgs {
             bloom_fp_rate: pick!(bloom_fp_rate).unwrap_or(0.01),
             kv_cache_tokens: pick!(kv_cache_tokens),
             host_kv_bytes: pick!(host_kv_bytes).unwrap_or(0),
+            disk_kv_bytes: pick!(disk_kv_bytes).unwrap_or(0),
+            disk_kv_path: pick!(disk_kv_path),
             kv_write_policy: WritePolicy::parse(pick!(kv_write_policy).as_deref().unwrap_or("write-back"))?,
             device: DeviceChoice::parse(pick!(device).as_deref().unwrap_or("auto"))
                 .map_err(|e| format!("--device: {e}"))?,
@@ -282,6 +293,9 @@ impl ServeConfig {
         let mut problems = Vec::new();
         if self.block_size == 0 || self.block_size > kvgate_shared::hashing::MAX_BLOCK_SIZE {
             problems.push(format!("block-size {} is not in 1..=4096", self.block_size));
+        }
+        if self.disk_kv_bytes > 0 && self.disk_kv_path.is_none() {
+            problems.push("disk-kv-bytes needs disk-kv-path (the directory of the SSD tier)".into());
         }
         if let Some(t) = self.kv_cache_tokens.filter(|t| *t < self.block_size as usize) {
             problems.push(format!("kv-cache-tokens {t} holds less than one block"));

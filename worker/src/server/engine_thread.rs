@@ -19,7 +19,7 @@ use std::time::Instant;
 use tokio::sync::{mpsc, oneshot, watch};
 
 use crate::engine::{AdmitError, Backend, Engine, EngineRequest, EngineStats, RequestId, StepOutput};
-use crate::kv::{SharedHost, SharedPool};
+use crate::kv::{KvManager, SharedPool};
 
 enum Cmd {
     Add {
@@ -55,8 +55,8 @@ pub struct EngineSnapshot {
 pub struct EngineHandle {
     tx: mpsc::UnboundedSender<Cmd>,
     snapshot: Arc<Mutex<EngineSnapshot>>,
-    pool: SharedPool,
-    host: Option<SharedHost>,
+    /// The KV bookkeeping (pool and tiers), for reports.
+    kv: KvManager,
     next_id: Arc<AtomicU64>,
     alive: watch::Receiver<bool>,
 }
@@ -75,8 +75,7 @@ impl EngineHandle {
     pub fn spawn<B: Backend + 'static>(engine: Engine<B>, max_waiting: usize) -> Self {
         let (tx, rx) = mpsc::unbounded_channel();
         let snapshot = Arc::new(Mutex::new(EngineSnapshot::default()));
-        let pool = engine.scheduler().kv().pool().clone();
-        let host = engine.scheduler().kv().host().cloned();
+        let kv = engine.scheduler().kv().clone();
         let p = snapshot.clone();
         let (alive_tx, alive) = watch::channel(true);
         let panic_after =
@@ -89,7 +88,7 @@ impl EngineHandle {
                 tracing::error!("the engine thread ended");
             })
             .unwrap_or_else(|e| panic!("cannot start the engine thread: {e}"));
-        Self { tx, snapshot, pool, host, next_id: Arc::new(AtomicU64::new(1)), alive }
+        Self { tx, snapshot, kv, next_id: Arc::new(AtomicU64::new(1)), alive }
     }
 
     /// Whether the engine thread still runs.
@@ -133,12 +132,12 @@ impl EngineHandle {
 
     /// The block pool (reports read its cached hashes).
     pub fn pool(&self) -> &SharedPool {
-        &self.pool
+        self.kv.pool()
     }
 
-    /// The host tier, if the engine has one.
-    pub fn host(&self) -> Option<&SharedHost> {
-        self.host.as_ref()
+    /// The KV bookkeeping: the pool and its lower tiers.
+    pub fn kv(&self) -> &KvManager {
+        &self.kv
     }
 }
 
@@ -151,6 +150,8 @@ fn run<B: Backend>(
 ) {
     let mut senders: HashMap<RequestId, mpsc::UnboundedSender<StepOutput>> = HashMap::new();
     let mut totals = EngineSnapshot::default();
+    // The figures before any request (a restarted worker's recovered SSD tier among them).
+    publish(&engine, &mut totals, &snapshot);
     loop {
         if !engine.has_work() {
             match rx.blocking_recv() {

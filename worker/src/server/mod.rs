@@ -151,6 +151,7 @@ fn load(cfg: &ServeConfig, worker_id: &str) -> Result<ServingModel, String> {
         max_num_seqs: cfg.max_num_seqs,
     };
     let engine_cfg = |num_blocks| EngineConfig { num_blocks, scheme, scheduler: scheduler.clone() };
+    let disk_dir = cfg.disk_kv_path.clone().unwrap_or_default();
     let (handle, max_model_len, device) = match &cfg.engine {
         EngineKind::Cpu => match cfg.device.resolve() {
             DeviceChoice::Cuda(ordinal) => {
@@ -169,7 +170,8 @@ fn load(cfg: &ServeConfig, worker_id: &str) -> Result<ServingModel, String> {
                 let device = backend.describe();
                 tracing::info!(device = %device, kv_cache_tokens = slots, "CUDA engine");
                 let engine = Engine::new(engine_cfg(slots / bs), backend, Some(prompter.clone()))
-                    .with_host_tier(cfg.host_kv_bytes, cfg.kv_write_policy)?;
+                    .with_host_tier(cfg.host_kv_bytes, cfg.kv_write_policy)?
+                    .with_disk_tier(&disk_dir, cfg.disk_kv_bytes, cfg.kv_write_policy)?;
                 (EngineHandle::spawn(engine, cfg.max_waiting_requests), max_model_len, device)
             }
             _ => {
@@ -179,7 +181,8 @@ fn load(cfg: &ServeConfig, worker_id: &str) -> Result<ServingModel, String> {
                 let backend = CpuBackend::new(model, tokens / bs * bs);
                 tracing::info!(device = "cpu", requested = %cfg.device, kv_cache_tokens = tokens / bs * bs, "CPU engine");
                 let engine = Engine::new(engine_cfg(tokens / bs), backend, Some(prompter.clone()))
-                    .with_host_tier(cfg.host_kv_bytes, cfg.kv_write_policy)?;
+                    .with_host_tier(cfg.host_kv_bytes, cfg.kv_write_policy)?
+                    .with_disk_tier(&disk_dir, cfg.disk_kv_bytes, cfg.kv_write_policy)?;
                 (EngineHandle::spawn(engine, cfg.max_waiting_requests), max_model_len, "cpu".to_string())
             }
         },
@@ -191,7 +194,8 @@ fn load(cfg: &ServeConfig, worker_id: &str) -> Result<ServingModel, String> {
             tracing::info!(profile = %profile.name, "simulated engine");
             let tokens = cfg.kv_cache_tokens.unwrap_or(config::CPU_KV_CACHE_TOKENS);
             let engine = Engine::new(engine_cfg(tokens / bs), backend, Some(prompter.clone()))
-                .with_host_tier(cfg.host_kv_bytes, cfg.kv_write_policy)?;
+                .with_host_tier(cfg.host_kv_bytes, cfg.kv_write_policy)?
+                .with_disk_tier(&disk_dir, cfg.disk_kv_bytes, cfg.kv_write_policy)?;
             (EngineHandle::spawn(engine, cfg.max_waiting_requests), profile.max_model_len, "sim".to_string())
         }
     };
@@ -310,6 +314,20 @@ async fn metrics_text(State(state): State<Arc<AppState>>) -> Response {
             metrics::gauge!("kvgate_worker_host_kv_hit_blocks").set(h.hit_blocks as f64);
             metrics::gauge!("kvgate_worker_host_kv_evicted_blocks").set(h.evicted_blocks as f64);
             metrics::gauge!("kvgate_worker_host_kv_orphan_blocks").set(h.orphans as f64);
+        }
+        if let Some(disk) = l.engine.kv().disk() {
+            // Live: the SSD tier's IO thread moves these between engine steps.
+            let d = disk.counters();
+            let cached = disk.index().len();
+            metrics::gauge!("kvgate_worker_disk_kv_blocks", "state" => "total")
+                .set(s.disk_blocks_total as f64);
+            metrics::gauge!("kvgate_worker_disk_kv_blocks", "state" => "cached").set(cached as f64);
+            metrics::gauge!("kvgate_worker_disk_kv_written_blocks").set(d.written_blocks as f64);
+            metrics::gauge!("kvgate_worker_disk_kv_written_bytes").set(d.written_bytes as f64);
+            metrics::gauge!("kvgate_worker_disk_kv_read_blocks").set(d.read_blocks as f64);
+            metrics::gauge!("kvgate_worker_disk_kv_dropped_writes").set(d.dropped_writes as f64);
+            metrics::gauge!("kvgate_worker_disk_kv_corrupt_blocks").set(d.corrupt_blocks as f64);
+            metrics::gauge!("kvgate_worker_disk_kv_recovered_blocks").set(d.recovered_blocks as f64);
         }
     }
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], state.prometheus.render()).into_response()

@@ -57,7 +57,7 @@ impl ReportSource {
             prefill_tokens_per_s: now.prefill_tokens.saturating_sub(prev.prefill_tokens) as f64 / secs,
             decode_tokens_per_s: now.decode_tokens.saturating_sub(prev.decode_tokens) as f64 / secs,
         };
-        let summaries = summarise_tiers(engine.pool(), engine.host(), self.granularity, self.fp_rate);
+        let summaries = summarise_tiers(engine.kv(), self.granularity, self.fp_rate);
         let timestamp_ms = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64);
         self.assemble(seq, timestamp_ms, &now.stats, throughput, summaries, draining)
     }

@@ -1,0 +1,422 @@
+//! The SSD tier (`--disk-kv-path`, `--disk-kv-bytes`): blocks the host tier lets go (or, without one, the device
+//! pool evicts; or, write-through, every completed block), appended to segment files (`segment.rs`) by one IO
+//! thread, so the engine never waits on a disk write; read back on a prefix hit.
+//!
+//! - The index ([`TierIndex`] of [`Location`]s) is rebuilt from the files at start: a restarted worker keeps its
+//!   disk tier (a warm restart) and reports it. A torn or corrupt record, or one of another hash scheme or KV layout,
+//!   is never served: it is skipped at start, and a block whose bytes fail their checks when read is forgotten.
+//! - Writes are staged in a bounded queue ([`MAX_STAGED_BYTES`]); when it is full a block is not written (counted),
+//!   never waited for.
+//! - Capacity: the index's leaves-first LRU bounds the live blocks; a segment with no live block left is deleted,
+//!   and when the files hold more than the capacity plus two segments, the sealed segment with the least live data
+//!   is compacted (its live records appended anew, the file deleted).
+
+use std::collections::HashMap;
+use std::fs::{File, OpenOptions};
+use std::io::Write;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::mpsc::{sync_channel, Receiver, SyncSender};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use kvgate_shared::hashing::BlockHash;
+
+use super::host::{HostInsert, Stored, TierIndex};
+use super::segment::{scan, Record, HEADER_BYTES};
+
+/// Bytes of one segment file before a new one is started.
+pub const SEGMENT_BYTES: u64 = 64 << 20;
+/// Most bytes waiting for the IO thread.
+pub const MAX_STAGED_BYTES: usize = 256 << 20;
+
+/// Where a block's record is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Location {
+    pub segment: u32,
+    pub offset: u64,
+    pub len: u32,
+}
+
+/// Counters since start.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DiskCounters {
+    pub written_blocks: u64,
+    pub written_bytes: u64,
+    /// Writes not made because the staging queue was full.
+    pub dropped_writes: u64,
+    pub read_blocks: u64,
+    /// Records skipped at start or blocks forgotten at a read because their bytes failed their checks.
+    pub corrupt_blocks: u64,
+    /// Blocks found in the files at start.
+    pub recovered_blocks: u64,
+}
+
+#[derive(Default)]
+struct Counters {
+    written_blocks: AtomicU64,
+    written_bytes: AtomicU64,
+    dropped_writes: AtomicU64,
+    read_blocks: AtomicU64,
+    corrupt_blocks: AtomicU64,
+    recovered_blocks: AtomicU64,
+}
+
+/// The segment files.
+struct Files {
+    dir: PathBuf,
+    current: u32,
+    file: File,
+    len: u64,
+    /// Live record bytes and file size per segment.
+    live: HashMap<u32, u64>,
+    size: HashMap<u32, u64>,
+}
+
+fn seg_path(dir: &Path, n: u32) -> PathBuf {
+    dir.join(format!("seg-{n:08}.kvd"))
+}
+
+impl Files {
+    fn start_segment(&mut self) -> std::io::Result<()> {
+        let _ = self.file.sync_all();
+        self.current += 1;
+        self.file = OpenOptions::new().create(true).append(true).open(seg_path(&self.dir, self.current))?;
+        self.len = 0;
+        self.size.insert(self.current, 0);
+        Ok(())
+    }
+
+    /// Appends a record; its location.
+    fn append(&mut self, bytes: &[u8]) -> std::io::Result<Location> {
+        if self.len > 0 && self.len + bytes.len() as u64 > SEGMENT_BYTES {
+            self.start_segment()?;
+        }
+        self.file.write_all(bytes)?;
+        let at = Location { segment: self.current, offset: self.len, len: bytes.len() as u32 };
+        self.len += bytes.len() as u64;
+        self.size.insert(self.current, self.len);
+        Ok(at)
+    }
+
+    fn dead(&mut self, loc: Location) {
+        let live = self.live.entry(loc.segment).or_default();
+        *live = live.saturating_sub(u64::from(loc.len));
+        if *live == 0 && loc.segment != self.current {
+            self.live.remove(&loc.segment);
+            self.size.remove(&loc.segment);
+            let _ = std::fs::remove_file(seg_path(&self.dir, loc.segment));
+        }
+    }
+}
+
+struct Shared {
+    index: Mutex<TierIndex<Location>>,
+    files: Mutex<Files>,
+    fingerprint: u64,
+    capacity_bytes: u64,
+    staged: AtomicUsize,
+    counters: Counters,
+}
+
+/// Work for the IO thread.
+enum Job {
+    /// A block, and whether its parent is in a tier above (device or host) as it is sent.
+    Write { block: HostInsert<Arc<[u8]>>, parent_above: bool },
+    /// Answer once everything before is written.
+    Flush(SyncSender<()>),
+}
+
+/// The SSD tier.
+#[derive(Clone)]
+pub struct DiskTier {
+    shared: Arc<Shared>,
+    tx: SyncSender<Job>,
+}
+
+impl std::fmt::Debug for DiskTier {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DiskTier").field("counters", &self.counters()).finish()
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl DiskTier {
+    /// Opens (or creates) the tier in `dir`: rebuilds the index from the segment files written for `fingerprint`
+    /// (the hash scheme and KV layout), deletes segments with nothing live, starts the IO thread. `block_bytes`:
+    /// one block's K/V bytes.
+    pub fn open(
+        dir: &Path,
+        capacity_bytes: u64,
+        block_bytes: usize,
+        block_size: usize,
+        fingerprint: u64,
+    ) -> Result<Self, String> {
+        std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+        let record_bytes = HEADER_BYTES + 4 * block_size + block_bytes;
+        let mut index = TierIndex::new(capacity_bytes as usize, record_bytes);
+        index.set_spill(true);
+        let counters = Counters::default();
+        let mut segments: Vec<u32> = std::fs::read_dir(dir)
+            .map_err(|e| format!("{}: {e}", dir.display()))?
+            .filter_map(|e| e.ok())
+            .filter_map(|e| {
+                let name = e.file_name().into_string().ok()?;
+                name.strip_prefix("seg-")?.strip_suffix(".kvd")?.parse().ok()
+            })
+            .collect();
+        segments.sort_unstable();
+        // The newest record of each hash wins.
+        let mut found: HashMap<BlockHash, (Location, Record)> = HashMap::new();
+        let mut size = HashMap::new();
+        for &n in &segments {
+            let bytes = std::fs::read(seg_path(dir, n)).map_err(|e| format!("segment {n}: {e}"))?;
+            let (records, bad) = scan(&bytes, fingerprint);
+            counters.corrupt_blocks.fetch_add(bad, Ordering::Relaxed);
+            if bad > 0 {
+                tracing::warn!(segment = n, skipped = bad, "SSD KV tier: damaged records skipped");
+            }
+            size.insert(n, bytes.len() as u64);
+            for (offset, len, r) in records {
+                found.insert(r.hash, (Location { segment: n, offset, len: len as u32 }, r));
+            }
+        }
+        let mut records: Vec<(Location, Record)> = found.into_values().collect();
+        records.sort_by_key(|(l, r)| (r.index, l.segment, l.offset));
+        for (loc, r) in records {
+            let b = HostInsert {
+                hash: r.hash,
+                check: r.check,
+                index: r.index,
+                tokens: r.tokens.into(),
+                payload: loc,
+                parent: r.parent,
+            };
+            if index.insert(b, false) == Stored::New {
+                counters.recovered_blocks.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        index.take_spilled();
+        let mut live: HashMap<u32, u64> = HashMap::new();
+        for (_, loc) in index.payloads() {
+            *live.entry(loc.segment).or_default() += u64::from(loc.len);
+        }
+        for &n in &segments {
+            if !live.contains_key(&n) {
+                let _ = std::fs::remove_file(seg_path(dir, n));
+                size.remove(&n);
+            }
+        }
+        let current = segments.last().copied().unwrap_or(0) + 1;
+        let file = OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(seg_path(dir, current))
+            .map_err(|e| format!("{}: {e}", dir.display()))?;
+        size.insert(current, 0);
+        let files = Files { dir: dir.to_owned(), current, file, len: 0, live, size };
+        let shared = Arc::new(Shared {
+            index: Mutex::new(index),
+            files: Mutex::new(files),
+            fingerprint,
+            capacity_bytes,
+            staged: AtomicUsize::new(0),
+            counters,
+        });
+        let (tx, rx) = sync_channel(4096);
+        let s = shared.clone();
+        std::thread::Builder::new()
+            .name("kv-disk-io".into())
+            .spawn(move || io_loop(s, rx))
+            .map_err(|e| format!("SSD KV tier IO thread: {e}"))?;
+        let recovered = shared.counters.recovered_blocks.load(Ordering::Relaxed);
+        tracing::info!(dir = %dir.display(), recovered, "SSD KV tier open");
+        Ok(Self { shared, tx })
+    }
+
+    pub fn counters(&self) -> DiskCounters {
+        let c = &self.shared.counters;
+        DiskCounters {
+            written_blocks: c.written_blocks.load(Ordering::Relaxed),
+            written_bytes: c.written_bytes.load(Ordering::Relaxed),
+            dropped_writes: c.dropped_writes.load(Ordering::Relaxed),
+            read_blocks: c.read_blocks.load(Ordering::Relaxed),
+            corrupt_blocks: c.corrupt_blocks.load(Ordering::Relaxed),
+            recovered_blocks: c.recovered_blocks.load(Ordering::Relaxed),
+        }
+    }
+
+    /// The index (for lookups, reports and tests).
+    pub fn index(&self) -> MutexGuard<'_, TierIndex<Location>> {
+        lock(&self.shared.index)
+    }
+
+    /// Bytes of every segment file.
+    pub fn file_bytes(&self) -> u64 {
+        lock(&self.shared.files).size.values().sum()
+    }
+
+    /// Queues a block for writing; never waits (a full queue drops it, counted).
+    pub fn write(&self, block: HostInsert<Arc<[u8]>>, parent_above: bool) {
+        let bytes = block.payload.len() + HEADER_BYTES;
+        if self.index().contains(block.hash) {
+            return;
+        }
+        if self.shared.staged.fetch_add(bytes, Ordering::AcqRel) + bytes > MAX_STAGED_BYTES
+            || self.tx.try_send(Job::Write { block, parent_above }).is_err()
+        {
+            self.shared.staged.fetch_sub(bytes, Ordering::AcqRel);
+            self.shared.counters.dropped_writes.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// Waits until every write queued so far is on disk (tests, and before a planned shutdown).
+    pub fn flush(&self) {
+        let (done_tx, done_rx) = sync_channel(1);
+        if self.tx.send(Job::Flush(done_tx)).is_ok() {
+            let _ = done_rx.recv();
+        }
+    }
+
+    /// Whether the tier holds exactly this block (see `TierIndex::holds`).
+    pub fn holds(&self, hash: BlockHash, check: u64, index: u32, tokens: &[u32]) -> bool {
+        self.index().holds(hash, check, index, tokens)
+    }
+
+    /// Reads a block's K/V bytes; a block whose record fails its checks is forgotten (with its descendants).
+    pub fn read(&self, hash: BlockHash, check: u64, index: u32, tokens: &[u32]) -> Option<Vec<u8>> {
+        let loc = self.index().get(hash, check, index, tokens)?;
+        let dir = lock(&self.shared.files).dir.clone();
+        let result = File::open(seg_path(&dir, loc.segment)).and_then(|f| {
+            let mut buf = vec![0u8; loc.len as usize];
+            f.read_exact_at(&mut buf, loc.offset)?;
+            Ok(buf)
+        });
+        let good = result
+            .ok()
+            .and_then(|buf| Record::decode(&buf, self.shared.fingerprint).ok())
+            .filter(|(r, _)| r.hash == hash && r.check == check && r.index == index && r.tokens == tokens);
+        match good {
+            Some((r, _)) => {
+                self.shared.counters.read_blocks.fetch_add(1, Ordering::Relaxed);
+                Some(r.payload)
+            }
+            None => {
+                tracing::warn!(
+                    ?hash,
+                    segment = loc.segment,
+                    "SSD KV tier: a block failed its checks, forgotten"
+                );
+                self.shared.counters.corrupt_blocks.fetch_add(1, Ordering::Relaxed);
+                self.index().forget(hash);
+                None
+            }
+        }
+    }
+}
+
+fn io_loop(s: Arc<Shared>, rx: Receiver<Job>) {
+    while let Ok(job) = rx.recv() {
+        match job {
+            Job::Flush(reply) => {
+                let _ = lock(&s.files).file.sync_data();
+                let _ = reply.send(());
+            }
+            Job::Write { block, parent_above } => {
+                let staged = block.payload.len() + HEADER_BYTES;
+                write_one(&s, block, parent_above);
+                s.staged.fetch_sub(staged, Ordering::AcqRel);
+                compact_if_needed(&s);
+            }
+        }
+    }
+}
+
+fn write_one(s: &Shared, b: HostInsert<Arc<[u8]>>, parent_above: bool) {
+    let record = Record {
+        fingerprint: s.fingerprint,
+        hash: b.hash,
+        parent: b.parent,
+        check: b.check,
+        index: b.index,
+        tokens: b.tokens.to_vec(),
+        payload: b.payload.to_vec(),
+    };
+    let bytes = record.encode();
+    let mut files = lock(&s.files);
+    let loc = match files.append(&bytes) {
+        Ok(l) => l,
+        Err(e) => {
+            tracing::error!(error = %e, "SSD KV tier: write failed");
+            s.counters.dropped_writes.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
+    };
+    s.counters.written_blocks.fetch_add(1, Ordering::Relaxed);
+    s.counters.written_bytes.fetch_add(bytes.len() as u64, Ordering::Relaxed);
+    let mut index = lock(&s.index);
+    let insert = HostInsert {
+        hash: b.hash,
+        check: b.check,
+        index: b.index,
+        tokens: b.tokens,
+        payload: loc,
+        parent: b.parent,
+    };
+    if index.insert(insert, parent_above) == Stored::New {
+        *files.live.entry(loc.segment).or_default() += u64::from(loc.len);
+    }
+    for gone in index.take_spilled() {
+        files.dead(gone.payload);
+    }
+}
+
+/// Compacts the sealed segment with the least live data when the files exceed the capacity by two segments.
+fn compact_if_needed(s: &Shared) {
+    let victim = {
+        let files = lock(&s.files);
+        let total: u64 = files.size.values().sum();
+        if total <= s.capacity_bytes + 2 * SEGMENT_BYTES {
+            return;
+        }
+        files
+            .size
+            .iter()
+            .filter(|(n, _)| **n != files.current)
+            .min_by(|a, b| {
+                let ra = files.live.get(a.0).copied().unwrap_or(0) as f64 / (*a.1).max(1) as f64;
+                let rb = files.live.get(b.0).copied().unwrap_or(0) as f64 / (*b.1).max(1) as f64;
+                ra.total_cmp(&rb)
+            })
+            .map(|(n, _)| *n)
+    };
+    let Some(seg) = victim else { return };
+    let moving: Vec<(BlockHash, Location)> =
+        lock(&s.index).payloads().filter(|(_, l)| l.segment == seg).map(|(h, l)| (h, *l)).collect();
+    let mut files = lock(&s.files);
+    let old = seg_path(&files.dir, seg);
+    for (hash, loc) in moving {
+        let mut buf = vec![0u8; loc.len as usize];
+        let ok = File::open(&old).and_then(|f| f.read_exact_at(&mut buf, loc.offset)).is_ok()
+            && Record::decode(&buf, s.fingerprint).is_ok();
+        let mut index = lock(&s.index);
+        if !ok {
+            s.counters.corrupt_blocks.fetch_add(1, Ordering::Relaxed);
+            index.forget(hash);
+            continue;
+        }
+        match files.append(&buf) {
+            Ok(new) => {
+                index.set_payload(hash, new);
+                *files.live.entry(new.segment).or_default() += u64::from(new.len);
+            }
+            Err(_) => index.forget(hash),
+        }
+    }
+    files.live.remove(&seg);
+    files.size.remove(&seg);
+    let _ = std::fs::remove_file(old);
+}
