@@ -41,8 +41,9 @@ VALUE_SETS: dict[str, dict] = {
     "gpu-workers": {"workers": {"replicas": 3, "gpu": {"count": 2}, "runtimeClassName": "nvidia", "kvCacheTokens": 0,
                                 "nodeSelector": {"nvidia.com/gpu.present": "true"},
                                 "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
-                                "model": {"source": "pvc", "pvc": {"claimName": "models", "subPath": "llama-3.1-8b"}},
-                                "kvSsd": {"enabled": True, "type": "hostPath", "path": "/mnt/nvme/kvgate"}}},
+                                "model": {"source": "pvc", "pvc": {"claimName": "models", "subPath": "llama-3.1-8b"}}}},
+    "ssd-tier": {"workers": {"kvSsd": {"enabled": True, "type": "hostPath", "path": "/mnt/nvme/kvgate", "bytes": 1000000000},
+                             "hostKvBytes": 4294967296}},
     "host-model": {"workers": {"model": {"source": "hostPath", "hostPath": {"path": "/data/models/qwen2"}, "id": "qwen2"},
                                "kvSsd": {"enabled": True}}},
     "host-tier": {"workers": {"hostKvBytes": 8589934592, "kvWritePolicy": "write-through"}},
@@ -92,6 +93,7 @@ BAD_VALUES: dict[str, tuple[dict, str]] = {
     "tier credit over 1": ({"gateway": {"weights": {"creditHost": 1.5}}}, "creditHost"),
     "unknown write policy": ({"workers": {"hostKvBytes": 1, "kvWritePolicy": "later"}}, "kvWritePolicy"),
     "host tier on gpu workers": ({"workers": {"hostKvBytes": 1024, "gpu": {"count": 1}}}, "hostKvBytes"),
+    "ssd tier on gpu workers": ({"workers": {"kvSsd": {"enabled": True}, "gpu": {"count": 1}}}, "kvSsd"),
 }
 
 chart = helm.Chart.load(str(CHART))
@@ -203,6 +205,11 @@ for name, extra in VALUE_SETS.items():
         if w["hostKvBytes"] > 0:
             check(args[args.index("--host-kv-bytes") + 1] == str(w["hostKvBytes"])
                   and args[args.index("--kv-write-policy") + 1] == w["kvWritePolicy"], f"{name}: host tier args")
+        check(("--disk-kv-path" in args) == w["kvSsd"]["enabled"], f"{name}: --disk-kv-path with the SSD volume")
+        if w["kvSsd"]["enabled"]:
+            check(args[args.index("--disk-kv-path") + 1] == "/var/lib/kvgate/kv-ssd/$(POD_NAME)"
+                  and args[args.index("--disk-kv-bytes") + 1] == str(w["kvSsd"]["bytes"]), f"{name}: SSD tier args")
+            check(any(e["name"] == "POD_NAME" for e in c["env"]), f"{name}: POD_NAME for the per-pod SSD directory")
         check(any(a.startswith("http://kv-kvgate-control.serving.svc.cluster.local:") for a in args),
               f"{name}: --report-to the control Service")
         adv = args[args.index("--advertise-url") + 1]
