@@ -356,6 +356,8 @@ impl<B: Backend> Engine<B> {
         let hasher = BlockHasher::new(&self.scheme, &req.extra_keys);
         let mut seq = Sequence::new(req.id, req.prompt, req.params, hasher);
         seq.cached_estimate = self.sched.kv().cached_prefix_tokens(&seq.hasher, &seq.tokens);
+        // What only the SSD tier holds is read ahead while the request waits for admission.
+        self.sched.kv().prefetch(&seq.hasher, &seq.tokens);
         self.sched.add(seq);
         Ok(())
     }

@@ -229,9 +229,13 @@ fn blocks_come_back_from_ssd_bit_exact_and_after_a_restart() {
     let mut z = z.with_disk_tier(ssd.path(), 64 << 20, WritePolicy::WriteBack).expect("disk tier");
     assert!(z.stats().disk.recovered_blocks >= 4, "{:?}", z.stats().disk);
     z.add_request(req(2, b.clone(), 4)).expect("ok");
+    // The queued request's prefix is read ahead by the IO thread (the flush waits for that read here).
+    z.scheduler().kv().disk().expect("disk").flush();
+    assert!(z.stats().disk.prefetched_blocks >= 4, "{:?}", z.stats().disk);
     let z_out = drain(&mut z);
     assert_eq!(z_out[&2].2, 64, "a warm restart");
     assert_eq!(last_logits(&z_log), x_logits);
+    assert!(z.stats().disk.prefetch_hits >= 4, "admission took the blocks read ahead: {:?}", z.stats().disk);
 }
 
 #[test]

@@ -29,6 +29,10 @@ use super::segment::{scan, Record, HEADER_BYTES};
 pub const SEGMENT_BYTES: u64 = 64 << 20;
 /// Most bytes waiting for the IO thread.
 pub const MAX_STAGED_BYTES: usize = 256 << 20;
+/// Most bytes read ahead for queued requests ([`DiskTier::prefetch`]); the oldest go first.
+pub const MAX_PREFETCH_BYTES: usize = 256 << 20;
+/// Most blocks one prefetch asks for.
+pub const MAX_PREFETCH_BLOCKS: usize = 4096;
 
 /// Where a block's record is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -50,6 +54,9 @@ pub struct DiskCounters {
     pub corrupt_blocks: u64,
     /// Blocks found in the files at start.
     pub recovered_blocks: u64,
+    /// Blocks read ahead for queued requests, and of those, the ones a request then took.
+    pub prefetched_blocks: u64,
+    pub prefetch_hits: u64,
 }
 
 #[derive(Default)]
@@ -60,6 +67,46 @@ struct Counters {
     read_blocks: AtomicU64,
     corrupt_blocks: AtomicU64,
     recovered_blocks: AtomicU64,
+    prefetched_blocks: AtomicU64,
+    prefetch_hits: AtomicU64,
+}
+
+/// A block a queued request will want: read it ahead.
+#[derive(Clone, Debug)]
+pub struct Want {
+    pub hash: BlockHash,
+    pub check: u64,
+    pub index: u32,
+    pub tokens: Box<[u32]>,
+}
+
+/// Blocks read ahead, oldest first out.
+#[derive(Default)]
+struct Ready {
+    map: HashMap<BlockHash, Vec<u8>>,
+    order: std::collections::VecDeque<BlockHash>,
+    bytes: usize,
+}
+
+impl Ready {
+    fn put(&mut self, hash: BlockHash, payload: Vec<u8>) {
+        self.bytes += payload.len();
+        if self.map.insert(hash, payload).is_none() {
+            self.order.push_back(hash);
+        }
+        while self.bytes > MAX_PREFETCH_BYTES {
+            let Some(old) = self.order.pop_front() else { break };
+            if let Some(p) = self.map.remove(&old) {
+                self.bytes -= p.len();
+            }
+        }
+    }
+
+    fn take(&mut self, hash: BlockHash) -> Option<Vec<u8>> {
+        let p = self.map.remove(&hash)?;
+        self.bytes -= p.len();
+        Some(p)
+    }
 }
 
 /// The segment files.
@@ -112,6 +159,7 @@ impl Files {
 
 struct Shared {
     index: Mutex<TierIndex<Location>>,
+    ready: Mutex<Ready>,
     files: Mutex<Files>,
     fingerprint: u64,
     capacity_bytes: u64,
@@ -125,6 +173,8 @@ enum Job {
     Write { block: HostInsert<Arc<[u8]>>, parent_above: bool },
     /// Answer once everything before is written.
     Flush(SyncSender<()>),
+    /// Read these blocks ahead.
+    Prefetch(Vec<Want>),
 }
 
 /// The SSD tier.
@@ -220,6 +270,7 @@ impl DiskTier {
         let files = Files { dir: dir.to_owned(), current, file, len: 0, live, size };
         let shared = Arc::new(Shared {
             index: Mutex::new(index),
+            ready: Mutex::new(Ready::default()),
             files: Mutex::new(files),
             fingerprint,
             capacity_bytes,
@@ -246,6 +297,8 @@ impl DiskTier {
             read_blocks: c.read_blocks.load(Ordering::Relaxed),
             corrupt_blocks: c.corrupt_blocks.load(Ordering::Relaxed),
             recovered_blocks: c.recovered_blocks.load(Ordering::Relaxed),
+            prefetched_blocks: c.prefetched_blocks.load(Ordering::Relaxed),
+            prefetch_hits: c.prefetch_hits.load(Ordering::Relaxed),
         }
     }
 
@@ -286,41 +339,80 @@ impl DiskTier {
         self.index().holds(hash, check, index, tokens)
     }
 
-    /// Reads a block's K/V bytes; a block whose record fails its checks is forgotten (with its descendants).
+    /// Asks the IO thread to read these blocks ahead (a queued request's prefix; never waits, a full queue skips
+    /// it): the request's admission then finds them in memory.
+    pub fn prefetch(&self, mut wants: Vec<Want>) {
+        wants.truncate(MAX_PREFETCH_BLOCKS);
+        if !wants.is_empty() {
+            let _ = self.tx.try_send(Job::Prefetch(wants));
+        }
+    }
+
+    /// Reads a block's K/V bytes (taken from what was read ahead when it was); a block whose record fails its
+    /// checks is forgotten (with its descendants).
     pub fn read(&self, hash: BlockHash, check: u64, index: u32, tokens: &[u32]) -> Option<Vec<u8>> {
         let loc = self.index().get(hash, check, index, tokens)?;
-        let dir = lock(&self.shared.files).dir.clone();
-        let result = File::open(seg_path(&dir, loc.segment)).and_then(|f| {
-            let mut buf = vec![0u8; loc.len as usize];
-            f.read_exact_at(&mut buf, loc.offset)?;
-            Ok(buf)
-        });
-        let good = result
-            .ok()
-            .and_then(|buf| Record::decode(&buf, self.shared.fingerprint).ok())
-            .filter(|(r, _)| r.hash == hash && r.check == check && r.index == index && r.tokens == tokens);
-        match good {
-            Some((r, _)) => {
-                self.shared.counters.read_blocks.fetch_add(1, Ordering::Relaxed);
-                Some(r.payload)
-            }
-            None => {
-                tracing::warn!(
-                    ?hash,
-                    segment = loc.segment,
-                    "SSD KV tier: a block failed its checks, forgotten"
-                );
-                self.shared.counters.corrupt_blocks.fetch_add(1, Ordering::Relaxed);
-                self.index().forget(hash);
-                None
-            }
+        if let Some(p) = lock(&self.shared.ready).take(hash) {
+            self.shared.counters.prefetch_hits.fetch_add(1, Ordering::Relaxed);
+            self.shared.counters.read_blocks.fetch_add(1, Ordering::Relaxed);
+            return Some(p);
         }
+        let payload = read_at(&self.shared, loc, hash, check, index, tokens);
+        if payload.is_some() {
+            self.shared.counters.read_blocks.fetch_add(1, Ordering::Relaxed);
+        }
+        payload
+    }
+}
+
+/// Reads and checks one record; forgets the block when it fails its checks.
+fn read_at(
+    s: &Shared,
+    loc: Location,
+    hash: BlockHash,
+    check: u64,
+    index: u32,
+    tokens: &[u32],
+) -> Option<Vec<u8>> {
+    let dir = lock(&s.files).dir.clone();
+    let result = File::open(seg_path(&dir, loc.segment)).and_then(|f| {
+        let mut buf = vec![0u8; loc.len as usize];
+        f.read_exact_at(&mut buf, loc.offset)?;
+        Ok(buf)
+    });
+    let good = result
+        .ok()
+        .and_then(|buf| Record::decode(&buf, s.fingerprint).ok())
+        .filter(|(r, _)| r.hash == hash && r.check == check && r.index == index && r.tokens == tokens);
+    match good {
+        Some((r, _)) => Some(r.payload),
+        None => {
+            tracing::warn!(?hash, segment = loc.segment, "SSD KV tier: a block failed its checks, forgotten");
+            s.counters.corrupt_blocks.fetch_add(1, Ordering::Relaxed);
+            lock(&s.index).forget(hash);
+            None
+        }
+    }
+}
+
+fn prefetch(s: &Shared, wants: Vec<Want>) {
+    for w in wants {
+        if lock(&s.ready).map.contains_key(&w.hash) {
+            continue;
+        }
+        // Where it is now (no use counted: the request has not taken it yet).
+        let loc = lock(&s.index).peek(w.hash, w.check, w.index, &w.tokens).copied();
+        let Some(loc) = loc else { break }; // the prefix ends here
+        let Some(payload) = read_at(s, loc, w.hash, w.check, w.index, &w.tokens) else { break };
+        lock(&s.ready).put(w.hash, payload);
+        s.counters.prefetched_blocks.fetch_add(1, Ordering::Relaxed);
     }
 }
 
 fn io_loop(s: Arc<Shared>, rx: Receiver<Job>) {
     while let Ok(job) = rx.recv() {
         match job {
+            Job::Prefetch(wants) => prefetch(&s, wants),
             Job::Flush(reply) => {
                 let _ = lock(&s.files).file.sync_data();
                 let _ = reply.send(());

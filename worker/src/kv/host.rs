@@ -248,6 +248,11 @@ impl<P: Clone> TierIndex<P> {
         self.blocks.iter().map(|(h, b)| (*h, &b.payload))
     }
 
+    /// A block's payload if it holds exactly this content, without counting a use (a read-ahead).
+    pub fn peek(&self, hash: BlockHash, check: u64, index: u32, tokens: &[u32]) -> Option<&P> {
+        self.holds(hash, check, index, tokens).then(|| self.blocks.get(&hash).map(|b| &b.payload)).flatten()
+    }
+
     /// Replaces a block's payload (the SSD tier moved its bytes).
     pub fn set_payload(&mut self, hash: BlockHash, payload: P) {
         if let Some(b) = self.blocks.get_mut(&hash) {

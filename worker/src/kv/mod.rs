@@ -17,7 +17,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use kvgate_shared::hashing::{BlockHash, BlockHasher};
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
-pub use disk::{DiskCounters, DiskTier};
+pub use disk::{DiskCounters, DiskTier, Want};
 pub use host::{HostCounters, HostInsert, HostTier, Stored, TierIndex};
 pub use pool::{BlockId, BlockKey, BlockPool, Evicted, Parent, PoolCounters};
 
@@ -365,6 +365,45 @@ impl KvManager {
             }
         }
         n * bs
+    }
+
+    /// Asks the SSD tier to read ahead the part of `tokens`' cached prefix that only it holds (after what the pool
+    /// and the host tier hold), so the request finds it in memory when it is admitted. No SSD tier: nothing.
+    pub fn prefetch(&self, hasher: &BlockHasher, tokens: &[u32]) {
+        let Some(disk) = &self.disk else { return };
+        let bs = self.block_size;
+        let hashes = hasher.hash_blocks(tokens);
+        let max_hit = tokens.len().saturating_sub(1) / bs;
+        let mut checks = Vec::new();
+        extend_checks(hasher.root_id(), &mut checks, tokens, bs, max_hit);
+        let mut n = 0;
+        {
+            let pool = self.pool.lock();
+            let mut parent = Parent::Root(hasher.root_id());
+            while n < max_hit {
+                match pool.probe(hashes[n], parent, &tokens[n * bs..(n + 1) * bs]) {
+                    Some(uid) => parent = Parent::Block(uid),
+                    None => break,
+                }
+                n += 1;
+            }
+        }
+        if let Some(host) = &self.host {
+            let host = host.lock();
+            while n < max_hit && host.holds(hashes[n], checks[n], n as u32, &tokens[n * bs..(n + 1) * bs]) {
+                n += 1;
+            }
+        }
+        let wants: Vec<Want> = (n..max_hit)
+            .map(|i| Want {
+                hash: hashes[i],
+                check: checks[i],
+                index: i as u32,
+                tokens: tokens[i * bs..(i + 1) * bs].into(),
+            })
+            .take_while(|w| disk.holds(w.hash, w.check, w.index, &w.tokens))
+            .collect();
+        disk.prefetch(wants);
     }
 
     /// Grows `table` to hold `n_positions`; `false` (and no change) when the pool lacks free blocks.

@@ -328,6 +328,8 @@ async fn metrics_text(State(state): State<Arc<AppState>>) -> Response {
             metrics::gauge!("kvgate_worker_disk_kv_dropped_writes").set(d.dropped_writes as f64);
             metrics::gauge!("kvgate_worker_disk_kv_corrupt_blocks").set(d.corrupt_blocks as f64);
             metrics::gauge!("kvgate_worker_disk_kv_recovered_blocks").set(d.recovered_blocks as f64);
+            metrics::gauge!("kvgate_worker_disk_kv_prefetched_blocks").set(d.prefetched_blocks as f64);
+            metrics::gauge!("kvgate_worker_disk_kv_prefetch_hits").set(d.prefetch_hits as f64);
         }
     }
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], state.prometheus.render()).into_response()
