@@ -81,7 +81,7 @@ fn blocks_go_down_to_host_and_come_back_bit_exact() {
 }
 
 #[test]
-fn an_eviction_storm_keeps_the_host_tier_bounded_and_leaks_nothing() {
+fn an_eviction_storm_keeps_the_tiers_bounded_and_leaks_nothing() {
     const BS: u32 = 4;
     let num_blocks = 48;
     let backend = SimBackend::new(1000, 4096, vec![0]);
@@ -92,9 +92,14 @@ fn an_eviction_storm_keeps_the_host_tier_bounded_and_leaks_nothing() {
     };
     let block_bytes = backend.kv_block_bytes(BS as usize).expect("sim");
     let host_blocks = 100;
+    // An SSD tier of about 150 blocks (record bytes: header + tokens + the nominal payload).
+    let ssd = tempfile::tempdir().expect("ssd");
+    let disk_blocks = 150;
     let mut e = Engine::new(cfg, backend, None)
         .with_host_tier(host_blocks * block_bytes, WritePolicy::WriteBack)
-        .expect("tier");
+        .expect("tier")
+        .with_disk_tier(ssd.path(), (disk_blocks * (block_bytes + 200)) as u64, WritePolicy::WriteBack)
+        .expect("disk");
     let mut rng = SplitMix64::new(7);
     let mut live: HashSet<u64> = HashSet::new();
     let mut host_served = 0;
@@ -134,9 +139,13 @@ fn an_eviction_storm_keeps_the_host_tier_bounded_and_leaks_nothing() {
     while e.has_work() {
         e.step();
     }
+    e.scheduler().kv().disk().expect("disk").flush();
     let s = e.stats();
     assert_eq!(s.blocks_free, num_blocks, "every block is back in the free pool");
     assert!(s.evictions > 0 && host_served > 0 && s.host.evicted_blocks > 0, "{s:?}");
+    assert!(s.disk.written_blocks > 0 && s.disk_blocks_cached <= s.disk_blocks_total, "{s:?}");
+    assert!(s.disk_blocks_total <= disk_blocks, "{s:?}");
+    assert!(s.disk.read_blocks > 0 && s.disk.corrupt_blocks == 0, "{:?}", s.disk);
     let kv = e.scheduler().kv();
     let pool = kv.pool().lock();
     kv.host().expect("host").lock().check_invariants(|h| pool.is_cached(h)).expect("host invariants");
