@@ -93,6 +93,12 @@ struct SimulateArgs {
     /// When blocks go to the host tier: write-back (at eviction) or write-through (every completed block).
     #[arg(long, default_value = "write-back")]
     kv_write_policy: String,
+    /// Each worker's SSD KV tier, in tokens (loads cost the profile's disk_load_s_per_byte). Default 0: none.
+    #[arg(long, default_value_t = 0)]
+    disk_kv_tokens_per_worker: usize,
+    /// Load vs recompute of what the lower tiers hold: auto (the cheaper, from the profile), load, recompute.
+    #[arg(long, default_value = "auto")]
+    kv_load_policy: String,
     /// Run the gateway's admission with its default classes (short / long / reasoning budgets): requests wait
     /// for their class budget before they are routed, as in the gateway. Default off (every request is routed on
     /// arrival).
@@ -184,6 +190,8 @@ fn simulate(a: SimulateArgs) -> Result<(), String> {
     cfg.share_delay_s = a.share_delay_ms / 1000.0;
     cfg.host_kv_tokens_per_worker = a.host_kv_tokens_per_worker;
     cfg.kv_write_policy = kvgate_worker::kv::WritePolicy::parse(&a.kv_write_policy)?;
+    cfg.disk_kv_tokens_per_worker = a.disk_kv_tokens_per_worker;
+    cfg.kv_load_policy = kvgate_worker::kv::LoadPolicy::parse(&a.kv_load_policy)?;
     cfg.classes = match (&a.classes, a.admission) {
         (Some(path), _) => load_classes(path)?,
         (None, true) => kvgate_router::admission::default_classes(),
@@ -320,13 +328,17 @@ fn print_markdown(cfg: &SimConfig, results: &[SimResult]) {
             r.busy_fraction
         );
     }
-    for r in results.iter().filter(|r| r.host_kv_tokens_per_worker > 0) {
+    for r in results.iter().filter(|r| r.host_kv_tokens_per_worker > 0 || r.disk_kv_tokens_per_worker > 0) {
         println!(
-            "\n{}: host tier {} tokens/worker: {:.2} GB copied down, {} blocks loaded back",
+            "\n{}: host tier {} tokens/worker: {:.2} GB copied down, {} blocks loaded back; SSD tier {} tokens/worker: \
+             {} blocks read back; {} lower-tier tokens computed again by choice",
             r.policy,
             r.host_kv_tokens_per_worker,
             r.host_stored_bytes as f64 / 1e9,
-            r.host_hit_blocks
+            r.host_hit_blocks,
+            r.disk_kv_tokens_per_worker,
+            r.disk_read_blocks,
+            r.recomputed_tokens
         );
     }
 }

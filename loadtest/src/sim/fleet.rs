@@ -29,6 +29,7 @@ use kvgate_shared::hashing::{BlockHash, BlockHasher, ExtraKeys};
 use kvgate_shared::report::Throughput;
 use kvgate_worker::engine::sim::{SimBackend, SimClock};
 use kvgate_worker::engine::{Engine, EngineConfig, EngineRequest, FinishReason, SamplingParams, StepOutput};
+use kvgate_worker::kv::LoadCosts;
 use kvgate_worker::report::{summarise_tiers, ReportSource};
 
 use super::admission::{Admitted, Pumped, Ready, Reservation, SimAdmission};
@@ -58,6 +59,9 @@ pub struct Outcome {
     pub evictions: u64,
     pub host_stored_bytes: u64,
     pub host_hit_blocks: u64,
+    pub disk_read_blocks: u64,
+    /// Lower-tier tokens load-vs-recompute chose to compute again.
+    pub recomputed_tokens: u64,
     /// Per admission class (empty without classes).
     pub classes: BTreeMap<String, ClassOutcome>,
 }
@@ -117,6 +121,7 @@ struct Fleet<'a> {
     /// Sends on their way to the other replicas (`share_sends`): (when they arrive, sending replica, send), in
     /// time order (one delay for all).
     shared: VecDeque<(f64, usize, SharedSend)>,
+    _ssd: Option<tempfile::TempDir>,
     out: Outcome,
 }
 
@@ -125,6 +130,9 @@ impl<'a> Fleet<'a> {
         let scheme = cfg.scheme();
         let n = cfg.workers;
         let base = Instant::now();
+        // The SSD tiers' segment files (records without K/V bytes: the simulator keeps none), removed at the end.
+        let ssd = (cfg.disk_kv_tokens_per_worker > 0)
+            .then(|| tempfile::tempdir().unwrap_or_else(|e| panic!("simulated SSD tier: {e}")));
         let workers = (0..n)
             .map(|i| {
                 let backend = SimBackend::new(cfg.vocab as usize, cfg.profile.max_model_len, Vec::new())
@@ -136,10 +144,24 @@ impl<'a> Fleet<'a> {
                 };
                 let id = format!("sim-{i}");
                 let bytes = cfg.host_kv_tokens_per_worker * backend.kv_bytes_per_token;
-                let engine = Engine::new(engine_cfg, backend, None);
-                let engine = match engine.with_host_tier(bytes, cfg.kv_write_policy) {
+                let disk_bytes = (cfg.disk_kv_tokens_per_worker * backend.kv_bytes_per_token) as u64;
+                let t = cfg.profile.timing;
+                let mut engine = Engine::new(engine_cfg, backend, None);
+                engine.set_load_costs(LoadCosts {
+                    policy: cfg.kv_load_policy,
+                    kv_bytes_per_token: 0.0,
+                    host_s_per_byte: t.host_load_s_per_byte,
+                    disk_s_per_byte: t.disk_load_s_per_byte,
+                    prefill_s_per_token: t.prefill_per_token_s,
+                    attention_s: t.prefill_attention_s,
+                });
+                let ssd_dir = ssd.as_ref().map(|d| d.path().join(format!("w{i}"))).unwrap_or_default();
+                let engine = engine
+                    .with_host_tier(bytes, cfg.kv_write_policy)
+                    .and_then(|e| e.with_inline_disk_tier(&ssd_dir, disk_bytes, cfg.kv_write_policy));
+                let engine = match engine {
                     Ok(e) => e,
-                    Err(e) => panic!("simulated host tier: {e}"),
+                    Err(e) => panic!("simulated KV tiers: {e}"),
                 };
                 SimWorker {
                     engine,
@@ -174,6 +196,7 @@ impl<'a> Fleet<'a> {
                 .collect(),
             admission: (!cfg.classes.is_empty()).then(|| SimAdmission::new(cfg.classes.clone(), base)),
             shared: VecDeque::new(),
+            _ssd: ssd,
             out: Outcome { busy_s: vec![0.0; n], ..Outcome::default() },
         }
     }
@@ -219,6 +242,9 @@ impl<'a> Fleet<'a> {
             self.out.evictions += s.evictions;
             self.out.host_stored_bytes += s.host.stored_bytes;
             self.out.host_hit_blocks += s.host.hit_blocks;
+            self.out.disk_read_blocks += s.disk.read_blocks;
+            let d = w.engine.scheduler().kv().decisions();
+            self.out.recomputed_tokens += d.recomputed_tokens.load(std::sync::atomic::Ordering::Relaxed);
         }
         self.out
     }

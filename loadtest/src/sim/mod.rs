@@ -66,6 +66,11 @@ pub struct SimConfig {
     pub host_kv_tokens_per_worker: usize,
     /// When blocks go down to the host tier (`--kv-write-policy`, default write-back).
     pub kv_write_policy: kvgate_worker::kv::WritePolicy,
+    /// Each worker's SSD tier in tokens (`--disk-kv-tokens-per-worker`, default 0: none; segment files in a
+    /// temporary directory); loads cost the profile's `disk_load_s_per_byte`.
+    pub disk_kv_tokens_per_worker: usize,
+    /// Load vs recompute (`--kv-load-policy`, default auto: costs from the profile).
+    pub kv_load_policy: kvgate_worker::kv::LoadPolicy,
 }
 
 impl SimConfig {
@@ -99,6 +104,8 @@ impl SimConfig {
             share_delay_s: 0.001,
             host_kv_tokens_per_worker: 0,
             kv_write_policy: kvgate_worker::kv::WritePolicy::WriteBack,
+            disk_kv_tokens_per_worker: 0,
+            kv_load_policy: kvgate_worker::kv::LoadPolicy::Auto,
         }
     }
 
@@ -222,6 +229,11 @@ pub struct SimResult {
     pub host_stored_bytes: u64,
     /// Blocks loaded back from the host tiers, all workers.
     pub host_hit_blocks: u64,
+    /// SSD tier: per worker in tokens, blocks read back, all workers.
+    pub disk_kv_tokens_per_worker: usize,
+    pub disk_read_blocks: u64,
+    /// Lower-tier tokens computed again by choice (load vs recompute).
+    pub recomputed_tokens: u64,
     /// Requests per route reason.
     pub routes: BTreeMap<String, u64>,
     /// Per admission class (empty without `SimConfig::classes`).
@@ -279,6 +291,9 @@ pub fn simulate(
         host_kv_tokens_per_worker: cfg.host_kv_tokens_per_worker,
         host_stored_bytes: o.host_stored_bytes,
         host_hit_blocks: o.host_hit_blocks,
+        disk_kv_tokens_per_worker: cfg.disk_kv_tokens_per_worker,
+        disk_read_blocks: o.disk_read_blocks,
+        recomputed_tokens: o.recomputed_tokens,
         routes: o.routes,
         classes: o
             .classes

@@ -18,6 +18,7 @@ fn profile() -> SimProfile {
             decode_per_seq_s: 1e-4,
             decode_per_kv_token_s: 1e-8,
             host_load_s_per_byte: 0.0,
+            disk_load_s_per_byte: 0.0,
         },
     }
 }

@@ -47,6 +47,7 @@ mod tests {
             decode_per_seq_s: 0.01,
             decode_per_kv_token_s: 0.0,
             host_load_s_per_byte: 0.0,
+            disk_load_s_per_byte: 0.0,
         };
         // 3000 tokens, 1000 cached, chunks of 1024: 1024 + 976 -> two bases + 2 s of tokens; 10 outputs 0.1 s.
         let w = request_work_s(&t, 1024, 3000, 1000, 10);

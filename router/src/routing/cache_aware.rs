@@ -35,8 +35,9 @@
 //! ```
 //! The best score wins; exact ties are broken by the request's nonce (a hash of its number at the router).
 //!
-//! **Hot-spot guard**: with `ahead(w) = cost(w) + prompt_tokens - matched_blocks(w) * block_size` (the queue plus
-//! the prefill the request would still need there, in tokens), if the winner's `ahead` exceeds the smallest
+//! **Hot-spot guard**: with `ahead(w) = cost(w) + prompt_tokens - saved_blocks(w) * block_size` (the queue plus
+//! the prefill the request would still need there, in tokens; `saved_blocks = device + credit_host * host +
+//! credit_disk * disk`, also the predicted cached tokens that price the request), if the winner's `ahead` exceeds the smallest
 //! `ahead` of any healthy worker by more than `hotspot_abs_tokens` **and** by a factor of more than
 //! `hotspot_ratio`, that worker is chosen instead (reason `load`): no prefix is worth queueing behind a hot spot,
 //! and a cached prefix counts for what it saves.
@@ -257,9 +258,15 @@ impl RoutingPolicy for CacheAware {
         } else {
             RouteReason::Load
         };
+        // What a match saves, in blocks: a lower tier's blocks count at their credit (a worker may load them
+        // slowly, or compute them again when that is faster).
+        let saved_blocks = |t: &TierMatch| {
+            t.device as f64 + w.credit_host * t.host() as f64 + w.credit_disk * t.disk() as f64
+        };
         // Hot-spot guard, on the work ahead of this request: queue + the prefill it would still need there.
         let ahead = |i: usize| {
-            let uncached = req.prompt_tokens.saturating_sub(terms[i].matched_blocks * block_size) as u64;
+            let saved = (saved_blocks(&terms[i].tiers) * block_size as f64) as usize;
+            let uncached = req.prompt_tokens.saturating_sub(saved) as u64;
             workers[i].load.cost(w.per_request_tokens) + uncached
         };
         let lightest = *healthy.iter().min_by_key(|i| (ahead(**i), **i)).unwrap_or(&winner);
@@ -276,7 +283,8 @@ impl RoutingPolicy for CacheAware {
             ranked.insert(0, lightest);
             reason = RouteReason::Load;
         }
-        let predicted_cached_tokens = terms[ranked[0]].matched_blocks * block_size;
+        let predicted_cached_tokens =
+            (saved_blocks(&terms[ranked[0]].tiers) * block_size as f64).round() as usize;
         Some(Decision { ranked, reason, predicted_cached_tokens, terms })
     }
 }

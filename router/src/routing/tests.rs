@@ -303,7 +303,8 @@ fn lower_tiers_extend_the_match_and_earn_their_credit() {
     }
     assert_eq!(pick, "w3");
     assert_eq!(d.reason, RouteReason::Prefix);
-    assert_eq!(d.predicted_cached_tokens, 32 * 16, "what any tier holds is not recomputed");
+    // Predicted cached tokens count lower tiers at their credit (a slow tier may be computed again instead).
+    assert_eq!(d.predicted_cached_tokens, (18.4f64 * 16.0).round() as usize);
     assert_eq!(d.terms[3].tiers, m(3));
     // Device-only credit (lower tiers worth nothing): the device copy wins.
     let (pick, ..) = score(Weights { w_ring: 0.0, credit_host: 0.0, credit_disk: 0.0, ..Weights::default() });

@@ -61,9 +61,9 @@ pub trait Backend: Send {
         Err("this backend cannot copy KV blocks".into())
     }
 
-    /// Told how many blocks were loaded from a lower tier before the next forward (a simulated backend charges
-    /// the transfer time; a real one has spent it in [`Backend::write_kv_blocks`]). Default: nothing.
-    fn note_kv_loaded(&mut self, _blocks: usize, _block_size: usize) {}
+    /// Told how many blocks were loaded from host DRAM and from SSD before the next forward (a simulated backend
+    /// charges the transfer time; a real one has spent it already). Default: nothing.
+    fn note_kv_loaded(&mut self, _host_blocks: usize, _disk_blocks: usize, _block_size: usize) {}
 
     /// Writes blocks' K/V bytes (as read by [`Backend::read_kv_blocks`]) into blocks of this pool.
     fn write_kv_blocks(&mut self, _blocks: &[(u32, &[u8])], _block_size: usize) -> Result<(), String> {

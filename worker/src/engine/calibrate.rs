@@ -223,6 +223,7 @@ fn fit_model(pre: &[Sample], dec: &[Sample]) -> TimingModel {
         decode_per_seq_s: d[1],
         decode_per_kv_token_s: d[2],
         host_load_s_per_byte: 0.0,
+        disk_load_s_per_byte: 0.0,
     }
 }
 
@@ -267,6 +268,7 @@ mod tests {
             decode_per_seq_s: 2e-5,
             decode_per_kv_token_s: 4e-8,
             host_load_s_per_byte: 0.0,
+            disk_load_s_per_byte: 0.0,
         };
         let mut items = Vec::new();
         for (s, n) in [(0usize, 512usize), (0, 2048), (0, 8192), (4096, 4096)] {

@@ -25,7 +25,8 @@ pub use request::{AdmitError, EngineRequest, FinishReason, RequestId, SamplingPa
 pub use scheduler::{Scheduler, SchedulerConfig, Sequence};
 
 use crate::kv::{
-    DiskCounters, DiskTier, Evicted, HostCounters, HostInsert, HostTier, KvManager, PendingLoad, WritePolicy,
+    DiskCounters, DiskTier, Evicted, HostCounters, HostInsert, HostTier, KvManager, LoadCosts, PendingLoad,
+    Source, WritePolicy,
 };
 
 /// Turns output ids into text, to find stop strings.
@@ -137,10 +138,31 @@ impl<B: Backend> Engine<B> {
     /// `--disk-kv-bytes`; 0: none). Blocks found in `dir` from an earlier run of the same hash scheme and KV layout
     /// are served again (a warm restart).
     pub fn with_disk_tier(
+        self,
+        dir: &std::path::Path,
+        bytes: u64,
+        policy: WritePolicy,
+    ) -> Result<Self, String> {
+        self.disk_tier(dir, bytes, policy, false)
+    }
+
+    /// [`Self::with_disk_tier`] writing on the engine's thread, without read-ahead: deterministic, for the
+    /// virtual-time simulator.
+    pub fn with_inline_disk_tier(
+        self,
+        dir: &std::path::Path,
+        bytes: u64,
+        policy: WritePolicy,
+    ) -> Result<Self, String> {
+        self.disk_tier(dir, bytes, policy, true)
+    }
+
+    fn disk_tier(
         mut self,
         dir: &std::path::Path,
         bytes: u64,
         policy: WritePolicy,
+        inline: bool,
     ) -> Result<Self, String> {
         if bytes == 0 {
             return Ok(self);
@@ -159,8 +181,32 @@ impl<B: Backend> Engine<B> {
         // The records are only valid for this hash scheme and this many bytes a block.
         let fingerprint = self.scheme.fingerprint() ^ (block_bytes as u64).rotate_left(32);
         let disk = DiskTier::open(dir, bytes, block_bytes, block_size, fingerprint)?;
+        let disk = if inline { disk.inline() } else { disk };
         self.sched.kv_mut().set_disk(disk, policy);
         Ok(self)
+    }
+
+    /// Sets what load-vs-recompute weighs (`kv::costs`); the KV bytes per token come from the backend.
+    pub fn set_load_costs(&mut self, mut costs: LoadCosts) {
+        let bs = self.scheme.block_size as usize;
+        if let Some(b) = self.backend.kv_block_bytes(bs) {
+            costs.kv_bytes_per_token = b as f64 / bs as f64;
+        }
+        self.sched.kv().set_costs(costs);
+    }
+
+    /// Feeds a measured prefill step (its computed tokens and seconds) into load-vs-recompute's prefill cost (a
+    /// moving average; steps of under 256 tokens, mostly decode, are not prefill measurements).
+    pub fn observe_prefill(&self, tokens: u64, secs: f64) {
+        if tokens < 256 || !(secs > 0.0 && secs.is_finite()) {
+            return;
+        }
+        let kv = self.sched.kv();
+        let mut c = kv.costs();
+        let sample = secs / tokens as f64;
+        c.prefill_s_per_token =
+            if c.prefill_s_per_token > 0.0 { 0.8 * c.prefill_s_per_token + 0.2 * sample } else { sample };
+        kv.set_costs(c);
     }
 
     /// Copies blocks down while their memory holds their K/V: the pool's evictions (before the forward overwrites
@@ -263,7 +309,8 @@ impl<B: Backend> Engine<B> {
             let pool = kv.pool().lock();
             loads.into_iter().filter(|l| pool.uid(l.id) == l.uid).collect()
         };
-        self.backend.note_kv_loaded(live.len(), block_size);
+        let from_host = live.iter().filter(|l| l.source == Source::Host).count();
+        self.backend.note_kv_loaded(from_host, live.len() - from_host, block_size);
         let writes: Vec<(u32, &[u8])> = live.iter().map(|l| (l.id, &*l.payload)).collect();
         if let Err(err) = self.backend.write_kv_blocks(&writes, block_size) {
             let mut pool = kv.pool().lock();

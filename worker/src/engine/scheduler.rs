@@ -255,6 +255,8 @@ impl Scheduler {
 
     fn admit(&mut self, budget: &mut usize, plan: &mut Vec<ScheduledChunk>) {
         while *budget > 0 && self.running.len() < self.cfg.max_num_seqs {
+            // Load-vs-recompute weighs the engine time of the requests still waiting behind this one.
+            self.kv.set_queued(self.waiting.len().saturating_sub(1));
             let Some(mut seq) = self.waiting.pop_front() else { break };
             let table = self.kv.start(seq.hasher, &seq.tokens);
             let cached = table.cached_tokens();

@@ -105,10 +105,11 @@ impl Backend for SimBackend {
         Some(self.kv_bytes_per_token * block_size)
     }
 
-    fn note_kv_loaded(&mut self, blocks: usize, block_size: usize) {
+    fn note_kv_loaded(&mut self, host_blocks: usize, disk_blocks: usize, block_size: usize) {
         if let Some(t) = &self.timing {
-            self.pending_load_s +=
-                (blocks * block_size * self.kv_bytes_per_token) as f64 * t.host_load_s_per_byte;
+            let bytes = (block_size * self.kv_bytes_per_token) as f64;
+            self.pending_load_s += bytes
+                * (host_blocks as f64 * t.host_load_s_per_byte + disk_blocks as f64 * t.disk_load_s_per_byte);
         }
     }
 

@@ -9,7 +9,7 @@ use kvgate_shared::prompt::SplitMix64;
 use super::sim::SimBackend;
 use super::tests::{cpu_engine_with, drain, req, LogitLog, Recording};
 use super::*;
-use crate::kv::{chain_check, WritePolicy};
+use crate::kv::{chain_check, LoadCosts, LoadPolicy, WritePolicy};
 use crate::model::synth::{synth_model, Preset, SynthSpec};
 
 /// The K/V bytes the engine's device pool holds for each of `hashes` (all must be cached).
@@ -283,4 +283,55 @@ fn host_then_ssd_hold_more_than_either_and_stay_consistent() {
     kv.host().expect("host").lock().check_invariants(|h| pool.is_cached(h)).expect("host");
     pool.check_invariants().expect("pool");
     assert_eq!(s.blocks_free, 32);
+}
+
+#[test]
+fn load_or_recompute_follows_the_costs_and_is_counted() {
+    const BS: u32 = 4;
+    // (The queue's effect on the choice is covered by kv::costs' tests.)
+    let run = |policy: LoadPolicy, disk_s_per_byte: f64| {
+        let ssd = tempfile::tempdir().expect("ssd");
+        let backend = SimBackend::new(1000, 4096, vec![0]);
+        let cfg = EngineConfig {
+            num_blocks: 16,
+            scheme: HashScheme::new(BS, 1),
+            scheduler: SchedulerConfig { max_num_batched_tokens: 64, max_num_seqs: 1 },
+        };
+        let mut e = Engine::new(cfg, backend, None)
+            .with_disk_tier(ssd.path(), 1 << 30, WritePolicy::WriteBack)
+            .expect("disk");
+        // The gpu-h100 profile's prefill cost; the SSD's speed varies.
+        e.set_load_costs(LoadCosts {
+            policy,
+            kv_bytes_per_token: 0.0,
+            host_s_per_byte: 2e-11,
+            disk_s_per_byte,
+            prefill_s_per_token: 2.35e-5,
+            attention_s: 1.05e-9,
+        });
+        let prompt: Vec<u32> = (0..40).map(|i| i * 3 + 1).collect();
+        e.add_request(req(1, prompt.clone(), 1)).expect("ok");
+        drain(&mut e);
+        for k in 0..4u32 {
+            e.add_request(req(10 + u64::from(k), (0..40).map(|i| (k * 97 + i * 5) % 900 + 2).collect(), 1))
+                .expect("ok");
+            drain(&mut e);
+        }
+        e.scheduler().kv().disk().expect("disk").flush();
+        e.add_request(req(2, prompt.clone(), 1)).expect("ok");
+        let out = drain(&mut e);
+        let d = e.scheduler().kv().decisions();
+        let get = |a: &std::sync::atomic::AtomicU64| a.load(std::sync::atomic::Ordering::Relaxed);
+        (out[&2].2, get(&d.loads), get(&d.recomputes))
+    };
+    // A fast SSD (10 GB/s: 13 us a token) beats a 23.5 us prefill: loaded.
+    let (cached, loads, _) = run(LoadPolicy::Auto, 1e-10);
+    assert!(cached >= 36 && loads >= 1, "{cached} {loads}");
+    // A slow one (1 GB/s: 131 us a token), alone and early in the prompt: computed again, and counted.
+    let (cached, _, recomputes) = run(LoadPolicy::Auto, 1e-9);
+    assert!(cached == 0 && recomputes >= 1, "{cached} {recomputes}");
+    let (pinned, ..) = run(LoadPolicy::AlwaysLoad, 1e-9);
+    assert!(pinned >= 36, "pinned to load: {pinned}");
+    let (never, ..) = run(LoadPolicy::AlwaysRecompute, 1e-10);
+    assert_eq!(never, 0, "pinned to recompute");
 }

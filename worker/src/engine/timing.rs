@@ -9,7 +9,8 @@
 //! step = sum of its prefill chunks + its decode part (if any sequence decodes), with one base only: a step
 //!        pays max(prefill_base_s, decode_base_s) of what it runs, not a base per chunk (one pass over the
 //!        weights and one launch per step, whatever the batch holds)
-//! loading KV blocks from the host tier before a step: host_load_s_per_byte * bytes (0, the default: free)
+//! loading KV blocks from the host tier before a step: host_load_s_per_byte * bytes (0, the default: free);
+//! from the SSD tier: disk_load_s_per_byte * bytes
 //! ```
 //! Profiles are TOML files (`worker/profiles/`): the coefficients, the model limits the simulated worker
 //! advertises, and where the numbers come from.
@@ -31,6 +32,9 @@ pub struct TimingModel {
     /// Seconds per byte of KV loaded from host DRAM into the device pool (the host-to-device link). Default 0.
     #[serde(default)]
     pub host_load_s_per_byte: f64,
+    /// The same from the SSD tier. Default 0.
+    #[serde(default)]
+    pub disk_load_s_per_byte: f64,
 }
 
 impl TimingModel {
@@ -88,6 +92,7 @@ impl TimingModel {
             ("decode_per_seq_s", self.decode_per_seq_s),
             ("decode_per_kv_token_s", self.decode_per_kv_token_s),
             ("host_load_s_per_byte", self.host_load_s_per_byte),
+            ("disk_load_s_per_byte", self.disk_load_s_per_byte),
         ];
         fields
             .iter()
@@ -160,6 +165,7 @@ mod tests {
             decode_per_seq_s: 1e-4,
             decode_per_kv_token_s: 1e-7,
             host_load_s_per_byte: 0.0,
+            disk_load_s_per_byte: 0.0,
         }
     }
 

@@ -182,6 +182,9 @@ enum Job {
 pub struct DiskTier {
     shared: Arc<Shared>,
     tx: SyncSender<Job>,
+    /// Writes on the caller's thread, no read-ahead ([`DiskTier::inline`]): the virtual-time simulator, whose
+    /// results must not depend on how fast a thread runs.
+    inline: bool,
 }
 
 impl std::fmt::Debug for DiskTier {
@@ -285,7 +288,13 @@ impl DiskTier {
             .map_err(|e| format!("SSD KV tier IO thread: {e}"))?;
         let recovered = shared.counters.recovered_blocks.load(Ordering::Relaxed);
         tracing::info!(dir = %dir.display(), recovered, "SSD KV tier open");
-        Ok(Self { shared, tx })
+        Ok(Self { shared, tx, inline: false })
+    }
+
+    /// The same tier writing on the caller's thread, without read-ahead (deterministic; for the simulator).
+    pub fn inline(mut self) -> Self {
+        self.inline = true;
+        self
     }
 
     pub fn counters(&self) -> DiskCounters {
@@ -318,6 +327,11 @@ impl DiskTier {
         if self.index().contains(block.hash) {
             return;
         }
+        if self.inline {
+            write_one(&self.shared, block, parent_above);
+            compact_if_needed(&self.shared);
+            return;
+        }
         if self.shared.staged.fetch_add(bytes, Ordering::AcqRel) + bytes > MAX_STAGED_BYTES
             || self.tx.try_send(Job::Write { block, parent_above }).is_err()
         {
@@ -343,7 +357,7 @@ impl DiskTier {
     /// it): the request's admission then finds them in memory.
     pub fn prefetch(&self, mut wants: Vec<Want>) {
         wants.truncate(MAX_PREFETCH_BLOCKS);
-        if !wants.is_empty() {
+        if !wants.is_empty() && !self.inline {
             let _ = self.tx.try_send(Job::Prefetch(wants));
         }
     }

@@ -7,16 +7,19 @@
 //! queued as [`PendingLoad`]s that the engine writes before the next forward). Evictions from the pool are copied
 //! down by the engine between scheduling and the forward (write-back), while the evicted memory is intact.
 
+pub mod costs;
 pub mod disk;
 pub mod host;
 pub mod pool;
 pub mod segment;
 
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use kvgate_shared::hashing::{BlockHash, BlockHasher};
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
+pub use costs::{LoadCosts, LoadPolicy, Source};
 pub use disk::{DiskCounters, DiskTier, Want};
 pub use host::{HostCounters, HostInsert, HostTier, Stored, TierIndex};
 pub use pool::{BlockId, BlockKey, BlockPool, Evicted, Parent, PoolCounters};
@@ -68,6 +71,8 @@ impl WritePolicy {
 #[derive(Clone, Debug)]
 pub struct PendingLoad {
     pub id: BlockId,
+    /// The tier it comes from.
+    pub source: Source,
     /// The block's content identity at promotion: the write is skipped if the block was evicted since.
     pub uid: u64,
     pub payload: Arc<[u8]>,
@@ -166,6 +171,35 @@ pub struct KvManager {
     host: Option<SharedHost>,
     disk: Option<DiskTier>,
     loads: Arc<Mutex<Vec<PendingLoad>>>,
+    /// What load-vs-recompute weighs, the requests waiting (set by the scheduler), and what it chose.
+    costs: Arc<Mutex<LoadCosts>>,
+    queued: Arc<AtomicUsize>,
+    decisions: Arc<Decisions>,
+}
+
+/// Load-vs-recompute choices since start: runs of lower-tier blocks loaded (wholly or partly) or not, and tokens.
+#[derive(Debug, Default)]
+pub struct Decisions {
+    pub loads: AtomicU64,
+    pub recomputes: AtomicU64,
+    pub loaded_tokens: AtomicU64,
+    pub recomputed_tokens: AtomicU64,
+}
+
+impl Decisions {
+    fn record(&self, run: usize, loaded: usize, block_size: usize) {
+        if run == 0 {
+            return;
+        }
+        if loaded > 0 {
+            self.loads.fetch_add(1, Ordering::Relaxed);
+            self.loaded_tokens.fetch_add((loaded * block_size) as u64, Ordering::Relaxed);
+        }
+        if loaded < run {
+            self.recomputes.fetch_add(1, Ordering::Relaxed);
+            self.recomputed_tokens.fetch_add(((run - loaded) * block_size) as u64, Ordering::Relaxed);
+        }
+    }
 }
 
 impl KvManager {
@@ -176,6 +210,9 @@ impl KvManager {
             host: None,
             disk: None,
             loads: Arc::new(Mutex::new(Vec::new())),
+            costs: Arc::new(Mutex::new(LoadCosts::default())),
+            queued: Arc::new(AtomicUsize::new(0)),
+            decisions: Arc::new(Decisions::default()),
         }
     }
 
@@ -212,6 +249,25 @@ impl KvManager {
 
     pub fn disk(&self) -> Option<&DiskTier> {
         self.disk.as_ref()
+    }
+
+    /// Sets what load-vs-recompute weighs (`costs.rs`).
+    pub fn set_costs(&self, costs: LoadCosts) {
+        *self.costs.lock().unwrap_or_else(|e| e.into_inner()) = costs;
+    }
+
+    pub fn costs(&self) -> LoadCosts {
+        *self.costs.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Records the requests waiting ahead of the next admission (the scheduler, before it admits).
+    pub fn set_queued(&self, n: usize) {
+        self.queued.store(n, Ordering::Relaxed);
+    }
+
+    /// The load-vs-recompute choices so far.
+    pub fn decisions(&self) -> &Decisions {
+        &self.decisions
     }
 
     pub fn pool(&self) -> &SharedPool {
@@ -264,12 +320,22 @@ impl KvManager {
                 // The prefix continues in host DRAM, then on SSD: promote what the pool has room for.
                 let mut host = self.host.as_ref().map(SharedHost::lock);
                 let from = blocks.len();
-                let holds = |i: usize, host: &Option<MutexGuard<'_, HostTier>>| {
+                let source = |i: usize, host: &Option<MutexGuard<'_, HostTier>>| {
                     let t = &tokens[i * bs..(i + 1) * bs];
-                    host.as_ref().is_some_and(|h| h.holds(hashes[i], checks[i], i as u32, t))
-                        || self.disk.as_ref().is_some_and(|d| d.holds(hashes[i], checks[i], i as u32, t))
+                    if host.as_ref().is_some_and(|h| h.holds(hashes[i], checks[i], i as u32, t)) {
+                        Some(Source::Host)
+                    } else if self.disk.as_ref().is_some_and(|d| d.holds(hashes[i], checks[i], i as u32, t)) {
+                        Some(Source::Disk)
+                    } else {
+                        None
+                    }
                 };
-                let found = (from..max_hit).take_while(|&i| holds(i, &host)).count();
+                let sources: Vec<Source> = (from..max_hit).map_while(|i| source(i, &host)).collect();
+                // Load what saves time, recompute the rest (costs.rs).
+                let costs = *self.costs.lock().unwrap_or_else(|e| e.into_inner());
+                let queued = self.queued.load(Ordering::Relaxed);
+                let found = costs.choose(&sources, from, bs, queued).load_blocks;
+                self.decisions.record(sources.len(), found, bs);
                 let room = found.min(pool.num_free());
                 let ids = pool.allocate(room).unwrap_or_default();
                 let mut loads = self.loads.lock().unwrap_or_else(|e| e.into_inner());
@@ -279,17 +345,17 @@ impl KvManager {
                     let from_host =
                         host.as_mut().and_then(|h| h.get(hashes[i], checks[i], i as u32, block_tokens));
                     let payload = match from_host {
-                        Some(p) => Some(p),
+                        Some(p) => Some((p, Source::Host)),
                         None => self
                             .disk
                             .as_ref()
                             .and_then(|d| d.read(hashes[i], checks[i], i as u32, block_tokens))
                             .map(|v| {
                                 disk_blocks += 1;
-                                Arc::<[u8]>::from(v)
+                                (Arc::<[u8]>::from(v), Source::Disk)
                             }),
                     };
-                    let Some(payload) = payload else {
+                    let Some((payload, source)) = payload else {
                         pool.release(&ids[k..]);
                         break;
                     };
@@ -301,7 +367,7 @@ impl KvManager {
                     };
                     match pool.register(*id, i, key, parent, block_tokens) {
                         Some(uid) => {
-                            loads.push(PendingLoad { id: *id, uid: pool.uid(*id), payload });
+                            loads.push(PendingLoad { id: *id, source, uid: pool.uid(*id), payload });
                             blocks.push(*id);
                             chain.push(uid);
                             host_blocks += 1;
@@ -354,15 +420,20 @@ impl KvManager {
             let host = self.host.as_ref().map(SharedHost::lock);
             let mut checks = Vec::new();
             extend_checks(hasher.root_id(), &mut checks, tokens, bs, max_hit);
-            while n < max_hit {
-                let t = &tokens[n * bs..(n + 1) * bs];
-                let held = host.as_ref().is_some_and(|h| h.holds(hashes[n], checks[n], n as u32, t))
-                    || self.disk.as_ref().is_some_and(|d| d.holds(hashes[n], checks[n], n as u32, t));
-                if !held {
+            let mut sources = Vec::new();
+            for i in n..max_hit {
+                let t = &tokens[i * bs..(i + 1) * bs];
+                if host.as_ref().is_some_and(|h| h.holds(hashes[i], checks[i], i as u32, t)) {
+                    sources.push(Source::Host);
+                } else if self.disk.as_ref().is_some_and(|d| d.holds(hashes[i], checks[i], i as u32, t)) {
+                    sources.push(Source::Disk);
+                } else {
                     break;
                 }
-                n += 1;
             }
+            // Only what would be loaded is not work ahead (what would be computed again is).
+            let queued = self.queued.load(Ordering::Relaxed);
+            n += self.costs().choose(&sources, n, bs, queued).load_blocks;
         }
         n * bs
     }

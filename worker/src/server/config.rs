@@ -9,7 +9,7 @@ use clap::Args;
 use serde::Deserialize;
 
 use crate::cuda::{DType, DeviceChoice};
-use crate::kv::WritePolicy;
+use crate::kv::{LoadPolicy, WritePolicy};
 use crate::model::synth::Preset;
 
 /// KV cache tokens of the CPU engine when none are configured.
@@ -108,6 +108,10 @@ pub struct ServeArgs {
     /// `write-through` (every completed block at once, to every tier). Default write-back.
     #[arg(long, env = "KVGATE_WORKER_KV_WRITE_POLICY")]
     pub kv_write_policy: Option<String>,
+    /// Whether a prefix found in a lower tier is loaded or computed again: `auto` (whichever is faster, from the
+    /// tiers' measured bandwidths and the engine's measured prefill speed), `load` or `recompute`. Default auto.
+    #[arg(long, env = "KVGATE_WORKER_KV_LOAD_POLICY")]
+    pub kv_load_policy: Option<String>,
     /// Tokens per KV block (must equal the gateway's). Default 16.
     #[arg(long, env = "KVGATE_WORKER_BLOCK_SIZE")]
     pub block_size: Option<u32>,
@@ -160,6 +164,7 @@ pub struct ServeConfig {
     pub disk_kv_bytes: u64,
     pub disk_kv_path: Option<PathBuf>,
     pub kv_write_policy: WritePolicy,
+    pub kv_load_policy: LoadPolicy,
     pub device: DeviceChoice,
     pub dtype: DType,
     pub gpu_memory_utilization: f64,
@@ -263,6 +268,7 @@ impl ServeArgs {
             disk_kv_bytes: pick!(disk_kv_bytes).unwrap_or(0),
             disk_kv_path: pick!(disk_kv_path),
             kv_write_policy: WritePolicy::parse(pick!(kv_write_policy).as_deref().unwrap_or("write-back"))?,
+            kv_load_policy: LoadPolicy::parse(pick!(kv_load_policy).as_deref().unwrap_or("auto"))?,
             device: DeviceChoice::parse(pick!(device).as_deref().unwrap_or("auto"))
                 .map_err(|e| format!("--device: {e}"))?,
             dtype: match pick!(dtype) {

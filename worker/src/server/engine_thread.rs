@@ -178,6 +178,7 @@ fn run<B: Backend>(
         let started = Instant::now();
         let outputs = engine.step();
         let computed = engine.scheduler().counters().scheduled_tokens - before;
+        engine.observe_prefill(computed, started.elapsed().as_secs_f64());
         let generated = outputs.iter().filter(|o| o.token.is_some()).count() as u64;
         totals.decode_tokens += generated;
         totals.prefill_tokens += computed.saturating_sub(generated);

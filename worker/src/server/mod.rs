@@ -172,6 +172,7 @@ fn load(cfg: &ServeConfig, worker_id: &str) -> Result<ServingModel, String> {
                 let engine = Engine::new(engine_cfg(slots / bs), backend, Some(prompter.clone()))
                     .with_host_tier(cfg.host_kv_bytes, cfg.kv_write_policy)?
                     .with_disk_tier(&disk_dir, cfg.disk_kv_bytes, cfg.kv_write_policy)?;
+                let engine = with_load_costs(engine, cfg);
                 (EngineHandle::spawn(engine, cfg.max_waiting_requests), max_model_len, device)
             }
             _ => {
@@ -183,6 +184,7 @@ fn load(cfg: &ServeConfig, worker_id: &str) -> Result<ServingModel, String> {
                 let engine = Engine::new(engine_cfg(tokens / bs), backend, Some(prompter.clone()))
                     .with_host_tier(cfg.host_kv_bytes, cfg.kv_write_policy)?
                     .with_disk_tier(&disk_dir, cfg.disk_kv_bytes, cfg.kv_write_policy)?;
+                let engine = with_load_costs(engine, cfg);
                 (EngineHandle::spawn(engine, cfg.max_waiting_requests), max_model_len, "cpu".to_string())
             }
         },
@@ -196,6 +198,7 @@ fn load(cfg: &ServeConfig, worker_id: &str) -> Result<ServingModel, String> {
             let engine = Engine::new(engine_cfg(tokens / bs), backend, Some(prompter.clone()))
                 .with_host_tier(cfg.host_kv_bytes, cfg.kv_write_policy)?
                 .with_disk_tier(&disk_dir, cfg.disk_kv_bytes, cfg.kv_write_policy)?;
+            let engine = with_load_costs(engine, cfg);
             (EngineHandle::spawn(engine, cfg.max_waiting_requests), profile.max_model_len, "sim".to_string())
         }
     };
@@ -287,6 +290,45 @@ async fn ready(State(state): State<Arc<AppState>>) -> Response {
     }
 }
 
+/// Measures what load-vs-recompute needs at start (`kv::costs`): the host tier's copy speed (a 64 MiB copy) and
+/// the SSD tier's write speed (32 MiB written and synced in its directory; reads are at least as fast on NVMe), and
+/// sets the policy. The engine's prefill speed is measured as it runs (`Engine::observe_prefill`).
+fn with_load_costs<B: crate::engine::Backend>(mut engine: Engine<B>, cfg: &config::ServeConfig) -> Engine<B> {
+    let kv = engine.scheduler().kv().clone();
+    let mut costs = crate::kv::LoadCosts { policy: cfg.kv_load_policy, ..Default::default() };
+    if kv.host().is_some() {
+        let src = vec![7u8; 64 << 20];
+        let mut dst = vec![0u8; 64 << 20];
+        let t = std::time::Instant::now();
+        dst.copy_from_slice(&src);
+        std::hint::black_box(&dst);
+        costs.host_s_per_byte = t.elapsed().as_secs_f64() / src.len() as f64;
+    }
+    if let (Some(_), Some(dir)) = (kv.disk(), &cfg.disk_kv_path) {
+        let path = dir.join(".probe");
+        let t = std::time::Instant::now();
+        let wrote = std::fs::File::create(&path).and_then(|mut f| {
+            use std::io::Write;
+            f.write_all(&vec![7u8; 32 << 20])?;
+            f.sync_all()
+        });
+        let _ = std::fs::remove_file(&path);
+        if wrote.is_ok() {
+            costs.disk_s_per_byte = t.elapsed().as_secs_f64() / (32 << 20) as f64;
+        }
+    }
+    if kv.host().is_some() || kv.disk().is_some() {
+        tracing::info!(
+            host_gb_per_s = 1e-9 / costs.host_s_per_byte.max(1e-15),
+            disk_gb_per_s = 1e-9 / costs.disk_s_per_byte.max(1e-15),
+            policy = ?costs.policy,
+            "KV tiers: measured load speeds"
+        );
+    }
+    engine.set_load_costs(costs);
+    engine
+}
+
 async fn metrics_text(State(state): State<Arc<AppState>>) -> Response {
     if let Some(l) = state.loaded() {
         let p = l.engine.snapshot();
@@ -315,6 +357,14 @@ async fn metrics_text(State(state): State<Arc<AppState>>) -> Response {
             metrics::gauge!("kvgate_worker_host_kv_evicted_blocks").set(h.evicted_blocks as f64);
             metrics::gauge!("kvgate_worker_host_kv_orphan_blocks").set(h.orphans as f64);
         }
+        let d = l.engine.kv().decisions();
+        let get = |a: &std::sync::atomic::AtomicU64| a.load(std::sync::atomic::Ordering::Relaxed) as f64;
+        metrics::gauge!("kvgate_worker_kv_tier_decisions", "choice" => "load").set(get(&d.loads));
+        metrics::gauge!("kvgate_worker_kv_tier_decisions", "choice" => "recompute").set(get(&d.recomputes));
+        metrics::gauge!("kvgate_worker_kv_tier_decision_tokens", "choice" => "load")
+            .set(get(&d.loaded_tokens));
+        metrics::gauge!("kvgate_worker_kv_tier_decision_tokens", "choice" => "recompute")
+            .set(get(&d.recomputed_tokens));
         if let Some(disk) = l.engine.kv().disk() {
             // Live: the SSD tier's IO thread moves these between engine steps.
             let d = disk.counters();
