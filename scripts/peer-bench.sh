@@ -17,26 +17,13 @@ SMG_VERSION="${SMG_VERSION:-1.13.0}"
 WORKERS="${WORKERS:-4}"
 TRACE="${TRACE:-loadtest/traces/mooncake-synthetic.jsonl}"
 WORKLOADS="${WORKLOADS:-multi-turn shared-prefix mooncake}"
-mkdir -p "$OUT"
-OUT="$(cd "$OUT" && pwd)"
-
-cargo build --release -q -p kvgate-loadtest -p kvgate-gateway -p kvgate-worker
-BIN="$PWD/target/release"
+# shellcheck source=scripts/bench-lib.sh
+. scripts/bench-lib.sh
 if [ ! -x "$OUT/venv/bin/smg" ]; then
   python3 -m venv "$OUT/venv"
   "$OUT/venv/bin/pip" install -q "smg==$SMG_VERSION"
 fi
 SMG="$OUT/venv/bin/smg"
-
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
-
-PIDS=()
-cleanup() {
-  for p in "${PIDS[@]:-}"; do [ -n "$p" ] && kill "$p" 2>/dev/null || true; done
-  for p in "${PIDS[@]:-}"; do [ -n "$p" ] && wait "$p" 2>/dev/null || true; done
-  PIDS=()
-}
-trap cleanup EXIT
 
 # workload name -> loadtest arguments
 declare -A WORKLOAD=(

@@ -16,26 +16,9 @@ WORKERS="${WORKERS:-4}"
 TRACE="${TRACE:-loadtest/traces/mooncake-synthetic.jsonl}"
 WORKLOADS="${WORKLOADS:-shared-prefix mooncake}"
 CONFIGS="${CONFIGS:-1:- 2:false 2:true 3:false 3:true}"
-mkdir -p "$OUT"
-OUT="$(cd "$OUT" && pwd)"
-
-cargo build --release -q -p kvgate-loadtest -p kvgate-gateway -p kvgate-worker
-BIN="$PWD/target/release"
+# shellcheck source=scripts/bench-lib.sh
+. scripts/bench-lib.sh
 SECRET="replica-bench-$$"
-
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
-wait_http() { # url what
-  for _ in $(seq 1 600); do curl -sf "$1" >/dev/null 2>&1 && return 0; sleep 0.2; done
-  echo "$2 did not start ($1)" >&2; exit 1
-}
-
-PIDS=()
-cleanup() {
-  for p in "${PIDS[@]:-}"; do [ -n "$p" ] && kill "$p" 2>/dev/null || true; done
-  for p in "${PIDS[@]:-}"; do [ -n "$p" ] && wait "$p" 2>/dev/null || true; done
-  PIDS=()
-}
-trap cleanup EXIT
 
 declare -A WORKLOAD=(
   [shared-prefix]="--workload shared-prefix --groups 16 --prompts-per-group 8 --system-tokens 2048 --question-tokens 128 --rate 8 --output-tokens 64"

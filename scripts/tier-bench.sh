@@ -16,26 +16,9 @@ WORKERS="${WORKERS:-2}"
 KV_TOKENS="${KV_TOKENS:-4096}"
 HOST_BYTES="${HOST_BYTES:-0 8000000000}"
 WORKLOAD="${WORKLOAD:---workload multi-turn --users 48 --turns 5 --rate 4 --think-time 3 --system-words 512 --output-tokens 64}"
-mkdir -p "$OUT"
-OUT="$(cd "$OUT" && pwd)"
-
-cargo build --release -q -p kvgate-loadtest -p kvgate-gateway -p kvgate-worker
-BIN="$PWD/target/release"
+# shellcheck source=scripts/bench-lib.sh
+. scripts/bench-lib.sh
 SECRET="tier-bench-$$"
-
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
-wait_http() { # url what
-  for _ in $(seq 1 600); do curl -sf "$1" >/dev/null 2>&1 && return 0; sleep 0.2; done
-  echo "$2 did not start ($1)" >&2; exit 1
-}
-
-PIDS=()
-cleanup() {
-  for p in "${PIDS[@]:-}"; do [ -n "$p" ] && kill "$p" 2>/dev/null || true; done
-  for p in "${PIDS[@]:-}"; do [ -n "$p" ] && wait "$p" 2>/dev/null || true; done
-  PIDS=()
-}
-trap cleanup EXIT
 
 run_one() { # host_bytes
   local host=$1 log="$OUT/host-$1" i w

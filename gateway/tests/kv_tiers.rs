@@ -11,6 +11,19 @@ use serde_json::json;
 
 const TOKEN: &str = "admin-t0ken";
 
+/// The first worker's matched blocks by tier, as the gateway's route/explain gives them for `body`.
+async fn explain_tiers(control: &str, body: &serde_json::Value) -> serde_json::Value {
+    let auth = format!("Bearer {TOKEN}");
+    let ex = request(
+        "POST",
+        &format!("{control}/admin/v1/route/explain"),
+        Some(body.to_string()),
+        &[("authorization", auth.as_str())],
+    )
+    .await;
+    ex.json()["terms"][0]["tiers"].clone()
+}
+
 #[tokio::test]
 async fn a_prompt_evicted_to_host_dram_is_reported_routed_and_served_from_it() {
     let dir = tempfile::tempdir().expect("tmp");
@@ -34,34 +47,16 @@ async fn a_prompt_evicted_to_host_dram_is_reported_routed_and_served_from_it() {
     next.extend([7, 8, 9, 10, 11, 12, 13, 14]);
     let body = json!({"model": MODEL, "prompt": next, "max_tokens": 2});
     // Once a report after the flood arrived: the prefix is in the host tier, not on the device.
-    let auth = format!("Bearer {TOKEN}");
-    let mut tiers = serde_json::Value::Null;
     wait_until(Duration::from_secs(5), || {
-        let (body, auth) = (body.clone(), auth.clone());
-        let control = control.clone();
+        let (control, body) = (control.clone(), body.clone());
         async move {
-            let ex = request(
-                "POST",
-                &format!("{control}/admin/v1/route/explain"),
-                Some(body.to_string()),
-                &[("authorization", auth.as_str())],
-            )
-            .await;
-            let t = &ex.json()["terms"][0]["tiers"];
+            let t = explain_tiers(&control, &body).await;
             t["through_host"].as_u64().is_some_and(|h| h >= 12)
                 && t["device"].as_u64().is_some_and(|d| d < 12)
         }
     })
     .await;
-    let ex = request(
-        "POST",
-        &format!("{control}/admin/v1/route/explain"),
-        Some(body.to_string()),
-        &[("authorization", auth.as_str())],
-    )
-    .await;
-    tiers.clone_from(&ex.json()["terms"][0]["tiers"]);
-    eprintln!("explain: {tiers}");
+    eprintln!("explain: {}", explain_tiers(&control, &body).await);
     let r = post(&url, &body, &[]).await;
     assert_eq!(r.status, 200, "{}", r.body);
     let cached = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap_or(0);
@@ -119,19 +114,9 @@ async fn a_worker_killed_and_restarted_serves_from_its_ssd_tier_at_once() {
     next.extend([5, 6, 7, 8]);
     let body = json!({"model": MODEL, "prompt": next, "max_tokens": 2});
     // The restarted worker's first report carries its SSD tier: the gateway sees the prefix there.
-    let auth = format!("Bearer {TOKEN}");
     wait_until(Duration::from_secs(5), || {
-        let (body, auth, control) = (body.clone(), auth.clone(), control.clone());
-        async move {
-            let ex = request(
-                "POST",
-                &format!("{control}/admin/v1/route/explain"),
-                Some(body.to_string()),
-                &[("authorization", auth.as_str())],
-            )
-            .await;
-            ex.json()["terms"][0]["tiers"]["through_disk"].as_u64().is_some_and(|d| d >= 12)
-        }
+        let (control, body) = (control.clone(), body.clone());
+        async move { explain_tiers(&control, &body).await["through_disk"].as_u64().is_some_and(|d| d >= 12) }
     })
     .await;
     let r = post(&url, &body, &[]).await;

@@ -92,24 +92,16 @@ impl ReportSource {
             blocks_cached: s.blocks_cached as u64,
             summary: Some(summaries.device),
         }];
-        if let Some(host) = summaries.host {
-            tiers.push(TierReport {
-                tier: Tier::Host,
-                blocks_total: s.host_blocks_total as u64,
-                blocks_free: s.host_blocks_total.saturating_sub(s.host_blocks_cached) as u64,
-                blocks_cached: s.host_blocks_cached as u64,
-                summary: Some(host),
-            });
-        }
-        if let Some(disk) = summaries.disk {
-            tiers.push(TierReport {
-                tier: Tier::Disk,
-                blocks_total: s.disk_blocks_total as u64,
-                blocks_free: s.disk_blocks_total.saturating_sub(s.disk_blocks_cached) as u64,
-                blocks_cached: s.disk_blocks_cached as u64,
-                summary: Some(disk),
-            });
-        }
+        // A lower tier holds only cached blocks: what it does not hold is free.
+        let lower = |tier, total: usize, cached: usize, summary| TierReport {
+            tier,
+            blocks_total: total as u64,
+            blocks_free: total.saturating_sub(cached) as u64,
+            blocks_cached: cached as u64,
+            summary: Some(summary),
+        };
+        tiers.extend(summaries.host.map(|h| lower(Tier::Host, s.host_blocks_total, s.host_blocks_cached, h)));
+        tiers.extend(summaries.disk.map(|d| lower(Tier::Disk, s.disk_blocks_total, s.disk_blocks_cached, d)));
         WorkerReport {
             worker_id: self.worker_id.clone(),
             advertise_url: self.advertise_url.clone(),

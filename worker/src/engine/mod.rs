@@ -113,23 +113,25 @@ impl<B: Backend> Engine<B> {
         self.sched.has_work()
     }
 
+    /// One KV block's bytes, for a lower tier of `bytes` (`flag` names it in errors): the backend must copy blocks
+    /// and the tier hold at least one.
+    fn tier_block_bytes(&self, bytes: u64, flag: &str) -> Result<usize, String> {
+        let Some(block_bytes) = self.backend.kv_block_bytes(self.scheme.block_size as usize) else {
+            return Err(format!("this backend cannot copy KV blocks to a lower tier (--{flag} must be 0)"));
+        };
+        if bytes < block_bytes as u64 {
+            return Err(format!("--{flag} {bytes} holds less than one KV block ({block_bytes} bytes)"));
+        }
+        Ok(block_bytes)
+    }
+
     /// Puts a host DRAM tier of `bytes` under the KV pool (`--host-kv-bytes`; 0: none). Fails when the backend
     /// cannot copy KV blocks out (the CUDA backend, for now).
     pub fn with_host_tier(mut self, bytes: usize, policy: WritePolicy) -> Result<Self, String> {
         if bytes == 0 {
             return Ok(self);
         }
-        let block_size = self.scheme.block_size as usize;
-        let Some(block_bytes) = self.backend.kv_block_bytes(block_size) else {
-            return Err(
-                "this backend cannot copy KV blocks to a host tier (--host-kv-bytes must be 0)".into()
-            );
-        };
-        if bytes < block_bytes {
-            return Err(format!(
-                "--host-kv-bytes {bytes} holds less than one KV block ({block_bytes} bytes)"
-            ));
-        }
+        let block_bytes = self.tier_block_bytes(bytes as u64, "host-kv-bytes")?;
         self.sched.kv_mut().set_host(HostTier::new(bytes, block_bytes), policy);
         Ok(self)
     }
@@ -168,16 +170,7 @@ impl<B: Backend> Engine<B> {
             return Ok(self);
         }
         let block_size = self.scheme.block_size as usize;
-        let Some(block_bytes) = self.backend.kv_block_bytes(block_size) else {
-            return Err(
-                "this backend cannot copy KV blocks to an SSD tier (--disk-kv-bytes must be 0)".into()
-            );
-        };
-        if bytes < block_bytes as u64 {
-            return Err(format!(
-                "--disk-kv-bytes {bytes} holds less than one KV block ({block_bytes} bytes)"
-            ));
-        }
+        let block_bytes = self.tier_block_bytes(bytes, "disk-kv-bytes")?;
         // The records are only valid for this hash scheme and this many bytes a block.
         let fingerprint = self.scheme.fingerprint() ^ (block_bytes as u64).rotate_left(32);
         let disk = DiskTier::open(dir, bytes, block_bytes, block_size, fingerprint)?;

@@ -25,8 +25,21 @@ fn last_logits(log: &LogitLog) -> Vec<f32> {
     log.lock().expect("log").last().expect("logits").1.clone()
 }
 
-#[test]
-fn blocks_go_down_to_host_and_come_back_bit_exact() {
+/// The round-trip scenario on the tiny CPU model: prompt `a` caches a 64-token prefix that `b` shares; a reference
+/// engine with a 16-block pool and no tier gives `b`'s tokens, its last logits and the prefix's device bytes.
+struct RoundTrip {
+    dir: tempfile::TempDir,
+    shared: Vec<u32>,
+    a: Vec<u32>,
+    b: Vec<u32>,
+    prefix: Vec<kvgate_shared::hashing::BlockHash>,
+    hasher: BlockHasher,
+    tokens: Vec<u32>,
+    logits: Vec<f32>,
+    device: Vec<Vec<u8>>,
+}
+
+fn round_trip() -> RoundTrip {
     let dir = tempfile::tempdir().expect("tmp");
     synth_model(dir.path(), &SynthSpec::new(Preset::Tiny, 8)).expect("synth");
     let shared: Vec<u32> = (0..70).map(|i| (i * 37 + 11) % 500).collect();
@@ -34,28 +47,36 @@ fn blocks_go_down_to_host_and_come_back_bit_exact() {
     let b: Vec<u32> = shared.iter().copied().chain([3, 4, 5, 6, 7]).collect();
     let hasher = BlockHasher::new(&HashScheme::new(16, 9), &ExtraKeys::none());
     let prefix = hasher.hash_blocks(&shared[..64]);
-
-    // Reference: a 16-block pool, no tier; b finds the prefix on the device.
     let (mut x, x_log) = cpu_engine_with(dir.path(), 32, 16);
     x.add_request(req(1, a.clone(), 1)).expect("ok");
     drain(&mut x);
     let device = device_bytes(&mut x, &prefix);
     x.add_request(req(2, b.clone(), 4)).expect("ok");
-    let x_out = drain(&mut x);
-    assert_eq!(x_out[&2].2, 64);
-    let x_logits = last_logits(&x_log);
+    let out = drain(&mut x);
+    assert_eq!(out[&2].2, 64, "the reference finds the prefix on the device");
+    let tokens = out[&2].0.clone();
+    RoundTrip { dir, shared, a, b, prefix, hasher, tokens, logits: last_logits(&x_log), device }
+}
 
+/// Runs `a`, then four unrelated 200-token prompts that push every block of `a` out of a 16-block pool.
+fn a_then_flood(e: &mut Engine<Recording>, a: &[u32]) {
+    e.add_request(req(1, a.to_vec(), 1)).expect("ok");
+    drain(e);
+    for k in 0..4u64 {
+        let other: Vec<u32> = (0..200).map(|i| (i * 7 + 100 * k as u32 + 1) % 500).collect();
+        e.add_request(req(10 + k, other, 1)).expect("ok");
+        drain(e);
+    }
+}
+
+#[test]
+fn blocks_go_down_to_host_and_come_back_bit_exact() {
+    let RoundTrip { dir, shared, a, b, prefix, hasher, tokens, logits: x_logits, device } = round_trip();
     // The same with a host tier, and other prompts in between that evict every block of a from the pool.
     let (y, y_log) = cpu_engine_with(dir.path(), 32, 16);
     let block_bytes = y.backend().kv_block_bytes(16).expect("cpu copies blocks");
     let mut y = y.with_host_tier(64 * block_bytes, WritePolicy::WriteBack).expect("host tier");
-    y.add_request(req(1, a.clone(), 1)).expect("ok");
-    drain(&mut y);
-    for k in 0..4u64 {
-        let other: Vec<u32> = (0..200).map(|i| (i * 7 + 100 * k as u32 + 1) % 500).collect();
-        y.add_request(req(10 + k, other, 1)).expect("ok");
-        drain(&mut y);
-    }
+    a_then_flood(&mut y, &a);
     {
         let pool = y.scheduler().kv().pool().lock();
         assert!(prefix.iter().all(|h| pool.block_of(*h).is_none()), "a's blocks left the device pool");
@@ -72,7 +93,7 @@ fn blocks_go_down_to_host_and_come_back_bit_exact() {
     y.add_request(req(2, b.clone(), 4)).expect("ok");
     let y_out = drain(&mut y);
     assert_eq!(y_out[&2].2, 64, "the prefix came back from host DRAM");
-    assert_eq!(y_out[&2].0, x_out[&2].0, "same tokens");
+    assert_eq!(y_out[&2].0, tokens, "same tokens");
     assert_eq!(last_logits(&y_log), x_logits, "identical logits, bit for bit");
     assert_eq!(device_bytes(&mut y, &prefix), device, "device -> host -> device: identical K/V bytes");
     let s = y.stats();
@@ -195,39 +216,18 @@ fn write_through_copies_every_completed_block_and_write_back_only_what_leaves_th
 
 #[test]
 fn blocks_come_back_from_ssd_bit_exact_and_after_a_restart() {
-    let dir = tempfile::tempdir().expect("tmp");
-    synth_model(dir.path(), &SynthSpec::new(Preset::Tiny, 8)).expect("synth");
+    let RoundTrip { dir, a, b, prefix, tokens, logits: x_logits, device, .. } = round_trip();
     let ssd = tempfile::tempdir().expect("ssd");
-    let shared: Vec<u32> = (0..70).map(|i| (i * 37 + 11) % 500).collect();
-    let a: Vec<u32> = shared.iter().copied().chain([9]).collect();
-    let b: Vec<u32> = shared.iter().copied().chain([3, 4, 5, 6, 7]).collect();
-    let hasher = BlockHasher::new(&HashScheme::new(16, 9), &ExtraKeys::none());
-    let prefix = hasher.hash_blocks(&shared[..64]);
-
-    let (mut x, x_log) = cpu_engine_with(dir.path(), 32, 16);
-    x.add_request(req(1, a.clone(), 1)).expect("ok");
-    drain(&mut x);
-    let device = device_bytes(&mut x, &prefix);
-    x.add_request(req(2, b.clone(), 4)).expect("ok");
-    let x_out = drain(&mut x);
-    let x_logits = last_logits(&x_log);
-
     // No host tier: what the pool evicts goes straight to the SSD tier (write-back).
     let (y, y_log) = cpu_engine_with(dir.path(), 32, 16);
     let mut y = y.with_disk_tier(ssd.path(), 64 << 20, WritePolicy::WriteBack).expect("disk tier");
-    y.add_request(req(1, a.clone(), 1)).expect("ok");
-    drain(&mut y);
-    for k in 0..4u64 {
-        let other: Vec<u32> = (0..200).map(|i| (i * 7 + 100 * k as u32 + 1) % 500).collect();
-        y.add_request(req(10 + k, other, 1)).expect("ok");
-        drain(&mut y);
-    }
+    a_then_flood(&mut y, &a);
     y.scheduler().kv().disk().expect("disk").flush();
     y_log.lock().expect("log").clear();
     y.add_request(req(2, b.clone(), 4)).expect("ok");
     let y_out = drain(&mut y);
     assert_eq!(y_out[&2].2, 64, "the prefix came back from the SSD tier");
-    assert_eq!(y_out[&2].0, x_out[&2].0);
+    assert_eq!(y_out[&2].0, tokens);
     assert_eq!(last_logits(&y_log), x_logits, "identical logits, bit for bit");
     assert_eq!(device_bytes(&mut y, &prefix), device, "device -> SSD -> device: identical K/V bytes");
     assert!(y.stats().disk.read_blocks >= 4, "{:?}", y.stats().disk);
