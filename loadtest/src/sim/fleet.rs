@@ -29,7 +29,6 @@ use kvgate_shared::hashing::{BlockHash, BlockHasher, ExtraKeys};
 use kvgate_shared::report::Throughput;
 use kvgate_worker::engine::sim::{SimBackend, SimClock};
 use kvgate_worker::engine::{Engine, EngineConfig, EngineRequest, FinishReason, SamplingParams, StepOutput};
-use kvgate_worker::kv::LoadCosts;
 use kvgate_worker::report::{summarise_tiers, ReportSource};
 
 use super::admission::{Admitted, Pumped, Ready, Reservation, SimAdmission};
@@ -145,16 +144,8 @@ impl<'a> Fleet<'a> {
                 let id = format!("sim-{i}");
                 let bytes = cfg.host_kv_tokens_per_worker * backend.kv_bytes_per_token;
                 let disk_bytes = (cfg.disk_kv_tokens_per_worker * backend.kv_bytes_per_token) as u64;
-                let t = cfg.profile.timing;
                 let mut engine = Engine::new(engine_cfg, backend, None);
-                engine.set_load_costs(LoadCosts {
-                    policy: cfg.kv_load_policy,
-                    kv_bytes_per_token: 0.0,
-                    host_s_per_byte: t.host_load_s_per_byte,
-                    disk_s_per_byte: t.disk_load_s_per_byte,
-                    prefill_s_per_token: t.prefill_per_token_s,
-                    attention_s: t.prefill_attention_s,
-                });
+                engine.set_load_costs(cfg.profile.timing.load_costs(cfg.kv_load_policy));
                 let ssd_dir = ssd.as_ref().map(|d| d.path().join(format!("w{i}"))).unwrap_or_default();
                 let engine = engine
                     .with_host_tier(bytes, cfg.kv_write_policy)

@@ -82,6 +82,19 @@ impl TimingModel {
         t + base
     }
 
+    /// What load-vs-recompute weighs on an engine with these speeds (`kv::costs`; the KV bytes per token are set
+    /// by `Engine::set_load_costs` from the backend).
+    pub fn load_costs(&self, policy: crate::kv::LoadPolicy) -> crate::kv::LoadCosts {
+        crate::kv::LoadCosts {
+            policy,
+            kv_bytes_per_token: 0.0,
+            host_s_per_byte: self.host_load_s_per_byte,
+            disk_s_per_byte: self.disk_load_s_per_byte,
+            prefill_s_per_token: self.prefill_per_token_s,
+            attention_s: self.prefill_attention_s,
+        }
+    }
+
     /// Every problem with the coefficients.
     pub fn validate(&self) -> Vec<String> {
         let fields = [

@@ -199,15 +199,7 @@ fn load(cfg: &ServeConfig, worker_id: &str) -> Result<ServingModel, String> {
                 .with_host_tier(cfg.host_kv_bytes, cfg.kv_write_policy)?
                 .with_disk_tier(&disk_dir, cfg.disk_kv_bytes, cfg.kv_write_policy)?;
             // A simulated engine loads and computes at its profile's speeds: weigh those, not this machine's.
-            let t = profile.timing;
-            engine.set_load_costs(crate::kv::LoadCosts {
-                policy: cfg.kv_load_policy,
-                kv_bytes_per_token: 0.0,
-                host_s_per_byte: t.host_load_s_per_byte,
-                disk_s_per_byte: t.disk_load_s_per_byte,
-                prefill_s_per_token: t.prefill_per_token_s,
-                attention_s: t.prefill_attention_s,
-            });
+            engine.set_load_costs(profile.timing.load_costs(cfg.kv_load_policy));
             (EngineHandle::spawn(engine, cfg.max_waiting_requests), profile.max_model_len, "sim".to_string())
         }
     };
