@@ -109,21 +109,24 @@ impl TierMatch {
 /// Extends a matched prefix `from` through the tiers in `tiers`: block `i` is held if some tier whose summary
 /// represents block `i` (its granularity) has it; a block no summary represents is taken on trust, and kept only if
 /// a later represented block confirms the run. Stops at the first represented block no tier has.
-fn extend_through(hashes: &[BlockHash], from: usize, tiers: &[&CacheSummary]) -> usize {
-    if tiers.is_empty() {
-        return from;
-    }
+fn extend_through(hashes: &[BlockHash], from: usize, tiers: [Option<&CacheSummary>; 3]) -> usize {
     let mut confirmed = from;
     for (i, h) in hashes.iter().enumerate().skip(from) {
-        let covering: Vec<&&CacheSummary> = tiers.iter().filter(|t| t.covers_block(i)).collect();
-        if covering.is_empty() {
+        let (mut covered, mut held) = (false, false);
+        for t in tiers.iter().flatten().filter(|t| t.covers_block(i)) {
+            covered = true;
+            if t.bloom.contains(*h) {
+                held = true;
+                break;
+            }
+        }
+        if !covered {
             continue;
         }
-        if covering.iter().any(|t| t.bloom.contains(*h)) {
-            confirmed = i + 1;
-        } else {
+        if !held {
             break;
         }
+        confirmed = i + 1;
     }
     confirmed
 }
@@ -137,21 +140,17 @@ impl WorkerView<'_> {
     }
 
     /// Leading blocks of the request this worker holds, by tier ([`TierMatch`]). Without lower-tier summaries
-    /// every figure is the device match (no walk).
+    /// every figure is the device match (no walk); with them, one Bloom lookup per represented block past it.
     pub fn tier_match(&self, hashes: &[BlockHash]) -> TierMatch {
         let device = self.matched_blocks(hashes);
-        if self.host_summary.is_none() && self.disk_summary.is_none() {
-            return TierMatch { device, through_host: device, through_disk: device };
-        }
-        let upper: Vec<&CacheSummary> = self.summary.into_iter().collect();
-        let with_host: Vec<&CacheSummary> = upper.iter().copied().chain(self.host_summary).collect();
         let through_host = match self.host_summary {
-            Some(_) => extend_through(hashes, device, &with_host),
+            Some(_) => extend_through(hashes, device, [self.summary, self.host_summary, None]),
             None => device,
         };
-        let all: Vec<&CacheSummary> = with_host.iter().copied().chain(self.disk_summary).collect();
         let through_disk = match self.disk_summary {
-            Some(_) => extend_through(hashes, through_host, &all),
+            Some(_) => {
+                extend_through(hashes, through_host, [self.summary, self.host_summary, self.disk_summary])
+            }
             None => through_host,
         };
         TierMatch { device, through_host, through_disk }
