@@ -6,7 +6,8 @@
 # Steps (about 5 minutes on an H200): nvidia-smi and the libraries found; `gpu-selftest` (every kernel against its
 # CPU reference, f32 and bf16); logits of the `small` synthetic model on the GPU against the CPU engine and HF
 # transformers (f32 and bf16; one-shot, decode, chunked, cached prefix, mixed batch); `serve --device cuda` against
-# `--device cpu` end to end; `gpu-bench` on the Llama-3-8B shape; `calibrate --device cuda`. Prints one table.
+# `--device cpu` end to end, then with a host KV tier under a small device pool (blocks copied down and back);
+# `gpu-bench` on the Llama-3-8B shape; `calibrate --device cuda`. Prints one table.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 BIN=${1:-.gpu/kvgate-worker}
@@ -87,6 +88,10 @@ sv = load("serve.json")
 if sv:
     print(f"serve: CUDA greedy text identical to CPU: {sv['identical_greedy_text']}; cached tokens {sv['cuda_cached_tokens']}; "
           f"device {sv['cuda_device']}")
+    ht = sv.get("host_tier") or {}
+    print(f"host KV tier on CUDA (device -> host -> device): {'PASS' if ht.get('ok') else 'FAIL'} "
+          f"(text same as CPU {ht.get('same_as_cpu')}, cached {ht.get('a_again_cached_tokens')}, "
+          f"blocks loaded from host {ht.get('host_loaded_blocks')})")
 b = load("bench.json")
 if b:
     print(f"bench on {b['gpu']}: copy {b['copy_gb_s']:.0f} GB/s, bf16 GEMM 8192^3 {b['gemm_bf16_8192_tflops']:.0f} TFLOP/s")

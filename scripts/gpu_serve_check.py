@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
 """End to end on a GPU: `kvgate-worker serve --device cuda` against `--device cpu` on the same synthetic model
 (float32 on both), greedy completions of the same prompts must be token-identical; the second request of a prompt
-is a prefix-cache hit on both. Prints one JSON object; exits 1 on a mismatch.
+is a prefix-cache hit on both; then the host KV tier on the GPU (`tiered`). Prints one JSON object; exits 1 on a
+mismatch.
 
-usage: gpu_serve_check.py BIN MODEL_DIR
+usage: gpu_serve_check.py BIN MODEL_DIR [--tiers-only [DEVICE]]
 """
 import json
 import os
@@ -13,9 +14,9 @@ import time
 import urllib.request
 
 
-def start(bin_, model, device, port):
+def start(bin_, model, device, port, extra=("--kv-cache-tokens", "16384")):
     args = [bin_, "serve", "--model", model, "--device", device, "--dtype", "float32", "--port", str(port),
-            "--host", "127.0.0.1", "--kv-cache-tokens", "16384"]
+            "--host", "127.0.0.1", *extra]
     p = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=open(f"/tmp/serve-{device}.log", "w"))
     for _ in range(600):
         try:
@@ -36,8 +37,53 @@ def post(port, body):
         return json.load(r), time.time() - t
 
 
+def tiered(bin_, model, device, port, want):
+    """A device pool of 4,096 tokens over a 1 GB host tier: A, then B (which evicts A to host DRAM), then A again,
+    whose prefix is loaded back (K/V copied device -> host -> device). A's text must be the same all three times and
+    the same as `want` (the CPU engine's), its third request must find cached tokens, and the worker's metrics must
+    show blocks loaded from the host tier."""
+    a = " ".join(f"a{i}" for i in range(600))
+    b = " ".join(f"b{i}" for i in range(600))
+    p = start(bin_, model, device, port, ["--kv-cache-tokens", "4096", "--host-kv-bytes", "1000000000"])
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models") as r:
+            card = json.load(r)["data"][0]
+        outs = []
+        for prompt in (a, b, a):
+            body, _ = post(port, {"model": card["id"], "prompt": prompt, "max_tokens": 16, "temperature": 0})
+            outs.append(body)
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics") as r:
+            metrics = r.read().decode()
+    finally:
+        p.terminate()
+        p.wait(timeout=30)
+    loaded = sum(float(l.split()[-1]) for l in metrics.splitlines()
+                 if l.startswith("kvgate_worker_host_kv_hit_blocks"))
+    texts = [o["choices"][0]["text"] for o in outs]
+    cached = outs[2]["usage"].get("prompt_tokens_details", {}).get("cached_tokens") or 0
+    ok = texts[0] == texts[2] == want and cached > 0 and loaded > 0
+    return {"ok": ok, "a_text_same": texts[0] == texts[2], "same_as_cpu": texts[0] == want,
+            "a_again_cached_tokens": cached, "host_loaded_blocks": loaded,
+            "prompt_tokens": outs[0]["usage"]["prompt_tokens"]}
+
+
 def main():
     bin_, model = sys.argv[1], sys.argv[2]
+    if len(sys.argv) > 3 and sys.argv[3] == "--tiers-only":
+        # Local check of the tier round trip on one device (e.g. cpu against itself).
+        device = sys.argv[4] if len(sys.argv) > 4 else "cpu"
+        a = " ".join(f"a{i}" for i in range(600))
+        p = start(bin_, model, "cpu", 18302)
+        try:
+            with urllib.request.urlopen("http://127.0.0.1:18302/v1/models") as r:
+                mid = json.load(r)["data"][0]["id"]
+            want = post(18302, {"model": mid, "prompt": a, "max_tokens": 16, "temperature": 0})[0]
+        finally:
+            p.terminate()
+            p.wait(timeout=30)
+        t = tiered(bin_, model, device, 18303, want["choices"][0]["text"])
+        print(json.dumps(t, indent=1))
+        sys.exit(0 if t["ok"] else 1)
     prompts = [" ".join(f"w{i}" for i in range(n)) for n in (5, 300, 1200)]
     results = {}
     for device, port in (("cuda", 18301), ("cpu", 18302)):
@@ -61,8 +107,17 @@ def main():
            "cuda_device": results["cuda"]["device"], "cpu_device": results["cpu"]["device"],
            "cuda_secs": [round(o["secs"], 3) for o in results["cuda"]["outputs"]],
            "cpu_secs": [round(o["secs"], 3) for o in results["cpu"]["outputs"]]}
+    # The KV tiers on the GPU: blocks copied down to host DRAM and back give the CPU engine's text.
+    p = start(bin_, model, "cpu", 18302)
+    try:
+        a = " ".join(f"a{i}" for i in range(600))
+        want = post(18302, {"model": card["id"], "prompt": a, "max_tokens": 16, "temperature": 0})[0]
+    finally:
+        p.terminate()
+        p.wait(timeout=30)
+    out["host_tier"] = tiered(bin_, model, "cuda", 18303, want["choices"][0]["text"])
     print(json.dumps(out, indent=1))
-    sys.exit(0 if all(same) else 1)
+    sys.exit(0 if all(same) and out["host_tier"]["ok"] else 1)
 
 
 if __name__ == "__main__":

@@ -346,6 +346,7 @@ impl<'a> Fleet<'a> {
             SamplingParams { max_tokens, temperature: 0.0, ignore_eos: true, ..SamplingParams::default() };
         let req =
             EngineRequest { id: i as u64, prompt: tokens.to_vec(), params, extra_keys: ExtraKeys::none() };
+        self.workers[w].engine.backend_mut().set_now(t);
         match self.workers[w].engine.add_request(req) {
             Ok(()) => {
                 self.inflight.insert(i as u64, InFlight { arrival, tickets, first_token: false, class });
@@ -432,6 +433,7 @@ impl<'a> Fleet<'a> {
                 return;
             }
             let before = worker.engine.scheduler().counters().scheduled_tokens;
+            worker.engine.backend_mut().set_now(t);
             let outputs = worker.engine.step();
             let dt = worker.engine.backend_mut().take_elapsed();
             if worker.engine.scheduler().counters().scheduled_tokens == before && outputs.is_empty() {

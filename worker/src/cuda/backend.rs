@@ -224,4 +224,20 @@ impl Backend for CudaBackend {
     fn eos_token_ids(&self) -> Vec<u32> {
         self.cfg.eos_token_ids.clone()
     }
+
+    /// A block is its slots' K and V rows of every layer, in the model's dtype, copied as they are on the device.
+    fn kv_block_bytes(&self, block_size: usize) -> Option<usize> {
+        Some(block_size * GpuKv::bytes_per_token(&self.cfg, self.w.dt))
+    }
+
+    fn read_kv_blocks(&mut self, ids: &[u32], block_size: usize) -> Result<Vec<Vec<u8>>, String> {
+        ids.iter().map(|id| self.kv.read_slots(&self.gpu, *id as usize * block_size, block_size)).collect()
+    }
+
+    fn write_kv_blocks(&mut self, blocks: &[(u32, &[u8])], block_size: usize) -> Result<(), String> {
+        for (id, bytes) in blocks {
+            self.kv.write_slots(&self.gpu, *id as usize * block_size, block_size, bytes)?;
+        }
+        Ok(())
+    }
 }

@@ -37,6 +37,30 @@ impl GpuKv {
         Ok(Self { k, v, num_slots })
     }
 
+    /// Bytes of one slot's K (or V) row in one layer.
+    fn row_bytes(&self) -> usize {
+        self.k.first().map_or(0, |b| b.bytes() / self.num_slots.max(1))
+    }
+
+    /// Where slots `first..first + n` are: every layer's K, then its V (the layout of a lower-tier block).
+    fn ranges(&self, first: usize, n: usize) -> GpuResult<Vec<(&DevBuf, usize)>> {
+        if first + n > self.num_slots {
+            return Err(format!("slots {first}..{} past {}", first + n, self.num_slots));
+        }
+        let off = first * self.row_bytes();
+        Ok(self.k.iter().zip(&self.v).flat_map(|(k, v)| [(k, off), (v, off)]).collect())
+    }
+
+    /// The K/V bytes of slots `first..first + n` (what [`GpuKv::write_slots`] takes back).
+    pub fn read_slots(&self, gpu: &Gpu, first: usize, n: usize) -> GpuResult<Vec<u8>> {
+        gpu.read_ranges(&self.ranges(first, n)?, n * self.row_bytes())
+    }
+
+    /// Writes what [`GpuKv::read_slots`] returned into slots `first..first + n`.
+    pub fn write_slots(&self, gpu: &Gpu, first: usize, n: usize, bytes: &[u8]) -> GpuResult<()> {
+        gpu.write_ranges(&self.ranges(first, n)?, n * self.row_bytes(), bytes)
+    }
+
     /// Bytes of K and V per token over all layers.
     pub fn bytes_per_token(cfg: &ModelConfig, dt: DType) -> usize {
         2 * cfg.num_hidden_layers * cfg.kv_dim() * dt.size()

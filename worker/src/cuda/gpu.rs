@@ -179,6 +179,38 @@ impl Gpu {
         unsafe { drv::memcpy_dtoh_sync(out, src.ptr + byte_offset as u64) }.map_err(|e| derr("download", e))
     }
 
+    /// Reads `len` bytes at each `(buffer, byte offset)` in turn into one host vector, after one wait for the
+    /// stream (KV blocks copied down to a lower tier).
+    pub fn read_ranges(&self, ranges: &[(&DevBuf, usize)], len: usize) -> GpuResult<Vec<u8>> {
+        if ranges.iter().any(|(b, off)| off + len > b.bytes) {
+            return Err("read past the end of a buffer".into());
+        }
+        let mut out = vec![0u8; ranges.len() * len];
+        self.sync()?;
+        for ((b, off), dst) in ranges.iter().zip(out.chunks_exact_mut(len.max(1))) {
+            // SAFETY: bounds checked above; the stream is idle.
+            unsafe { drv::memcpy_dtoh_sync(dst, b.ptr + *off as u64) }.map_err(|e| derr("read ranges", e))?;
+        }
+        Ok(out)
+    }
+
+    /// Writes consecutive `len`-byte parts of `src` to each `(buffer, byte offset)` in turn (KV blocks loaded from
+    /// a lower tier; ordered before later launches like [`Gpu::upload`]).
+    pub fn write_ranges(&self, ranges: &[(&DevBuf, usize)], len: usize, src: &[u8]) -> GpuResult<()> {
+        if src.len() != ranges.len() * len || ranges.iter().any(|(b, off)| off + len > b.bytes) {
+            return Err(format!("write of {} bytes to {} ranges of {len}", src.len(), ranges.len()));
+        }
+        if len == 0 {
+            return Ok(());
+        }
+        for ((b, off), part) in ranges.iter().zip(src.chunks_exact(len)) {
+            // SAFETY: bounds checked above; synchronous with respect to the host buffer.
+            unsafe { drv::memcpy_htod_sync(b.ptr + *off as u64, part) }
+                .map_err(|e| derr("write ranges", e))?;
+        }
+        Ok(())
+    }
+
     /// Device-to-device copy of `bytes`.
     pub fn copy(&self, dst: u64, src: u64, bytes: usize) -> GpuResult<()> {
         // SAFETY: callers pass pointers into live buffers of at least `bytes`.

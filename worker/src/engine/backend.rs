@@ -61,9 +61,22 @@ pub trait Backend: Send {
         Err("this backend cannot copy KV blocks".into())
     }
 
-    /// Told how many blocks were loaded from host DRAM and from SSD before the next forward (a simulated backend
-    /// charges the transfer time; a real one has spent it already). Default: nothing.
-    fn note_kv_loaded(&mut self, _host_blocks: usize, _disk_blocks: usize, _block_size: usize) {}
+    /// Told how many blocks were loaded from host DRAM before the next forward, and how long that step waits for
+    /// SSD reads not yet done (`kv::ReadAhead`; a simulated backend charges both; a real one has spent them
+    /// already). Default: nothing.
+    fn note_kv_loaded(&mut self, _host_blocks: usize, _disk_wait_s: f64, _block_size: usize) {}
+
+    /// Whether copying KV blocks takes real time worth timing into the tiers' speeds (default `true`; a simulated
+    /// backend copies nothing and charges its profile's speeds).
+    fn times_transfers(&self) -> bool {
+        true
+    }
+
+    /// The engine's clock in seconds, where the backend keeps its own (a simulator's virtual time); `None` (the
+    /// default): the engine's monotonic clock.
+    fn clock_s(&self) -> Option<f64> {
+        None
+    }
 
     /// Writes blocks' K/V bytes (as read by [`Backend::read_kv_blocks`]) into blocks of this pool.
     fn write_kv_blocks(&mut self, _blocks: &[(u32, &[u8])], _block_size: usize) -> Result<(), String> {

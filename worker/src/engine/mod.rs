@@ -81,6 +81,8 @@ pub struct Engine<B: Backend> {
     scheme: HashScheme,
     eos: Vec<u32>,
     detok: Option<Arc<dyn Detokenizer>>,
+    /// The engine's monotonic clock, where the backend keeps none ([`Backend::clock_s`]).
+    started: std::time::Instant,
 }
 
 impl<B: Backend> std::fmt::Debug for Engine<B> {
@@ -94,7 +96,19 @@ impl<B: Backend> Engine<B> {
     pub fn new(cfg: EngineConfig, backend: B, detok: Option<Arc<dyn Detokenizer>>) -> Self {
         let kv = KvManager::new(cfg.num_blocks, cfg.scheme.block_size as usize);
         let eos = backend.eos_token_ids();
-        Self { sched: Scheduler::new(cfg.scheduler, kv), backend, scheme: cfg.scheme, eos, detok }
+        Self {
+            sched: Scheduler::new(cfg.scheduler, kv),
+            backend,
+            scheme: cfg.scheme,
+            eos,
+            detok,
+            started: std::time::Instant::now(),
+        }
+    }
+
+    /// Seconds on the engine's clock: the backend's (virtual time in the simulator) or since the engine started.
+    fn clock_s(&self) -> f64 {
+        self.backend.clock_s().unwrap_or_else(|| self.started.elapsed().as_secs_f64())
     }
 
     pub fn backend(&self) -> &B {
@@ -126,7 +140,7 @@ impl<B: Backend> Engine<B> {
     }
 
     /// Puts a host DRAM tier of `bytes` under the KV pool (`--host-kv-bytes`; 0: none). Fails when the backend
-    /// cannot copy KV blocks out (the CUDA backend, for now).
+    /// cannot copy KV blocks out.
     pub fn with_host_tier(mut self, bytes: usize, policy: WritePolicy) -> Result<Self, String> {
         if bytes == 0 {
             return Ok(self);
@@ -148,8 +162,8 @@ impl<B: Backend> Engine<B> {
         self.disk_tier(dir, bytes, policy, false)
     }
 
-    /// [`Self::with_disk_tier`] writing on the engine's thread, without read-ahead: deterministic, for the
-    /// virtual-time simulator.
+    /// [`Self::with_disk_tier`] writing and reading on the engine's thread: deterministic, for the virtual-time
+    /// simulator (its read-ahead exists only in time, `kv::ReadAhead`, which the simulated step pays).
     pub fn with_inline_disk_tier(
         self,
         dir: &std::path::Path,
@@ -303,9 +317,16 @@ impl<B: Backend> Engine<B> {
             loads.into_iter().filter(|l| pool.uid(l.id) == l.uid).collect()
         };
         let from_host = live.iter().filter(|l| l.source == Source::Host).count();
-        self.backend.note_kv_loaded(from_host, live.len() - from_host, block_size);
+        self.backend.note_kv_loaded(from_host, kv.take_load_wait(), block_size);
         let writes: Vec<(u32, &[u8])> = live.iter().map(|l| (l.id, &*l.payload)).collect();
-        if let Err(err) = self.backend.write_kv_blocks(&writes, block_size) {
+        let started = std::time::Instant::now();
+        let written = self.backend.write_kv_blocks(&writes, block_size);
+        if written.is_ok() && self.backend.times_transfers() {
+            // Real copies keep load-vs-recompute's host speed current (the probe at start was the first guess).
+            let bytes = writes.iter().map(|(_, b)| b.len()).sum();
+            kv.observe_host_load(bytes, started.elapsed().as_secs_f64());
+        }
+        if let Err(err) = written {
             let mut pool = kv.pool().lock();
             for l in &live {
                 pool.invalidate(l.id);
@@ -395,9 +416,13 @@ impl<B: Backend> Engine<B> {
         }
         let hasher = BlockHasher::new(&self.scheme, &req.extra_keys);
         let mut seq = Sequence::new(req.id, req.prompt, req.params, hasher);
+        // The SSD reads a request would wait for overlap the engine work queued ahead of it.
+        self.sched.kv().set_now(self.clock_s());
+        let ahead = self.sched.prefill_tokens() as f64 * self.sched.kv().costs().prefill_s_per_token;
+        self.sched.kv().set_ahead_s(ahead);
         seq.cached_estimate = self.sched.kv().cached_prefix_tokens(&seq.hasher, &seq.tokens);
-        // What only the SSD tier holds is read ahead while the request waits for admission.
-        self.sched.kv().prefetch(&seq.hasher, &seq.tokens);
+        // What only the SSD tier holds (and is worth loading) is read ahead while the request waits for admission.
+        seq.load_ready_s = self.sched.kv().prefetch(&seq.hasher, &seq.tokens);
         self.sched.add(seq);
         Ok(())
     }
@@ -409,6 +434,7 @@ impl<B: Backend> Engine<B> {
 
     /// Runs one step; returns what each scheduled request produced.
     pub fn step(&mut self) -> Vec<StepOutput> {
+        self.sched.kv().set_now(self.clock_s());
         let plan = self.sched.schedule();
         let moved = self.move_blocks();
         if plan.is_empty() {

@@ -56,6 +56,9 @@ pub struct Sequence {
     pub cached_prompt_tokens: Option<usize>,
     /// While waiting: prompt tokens the prefix cache held when the request arrived (load reports count the rest).
     pub cached_estimate: usize,
+    /// While waiting: when (engine clock, seconds) the SSD blocks read ahead for it will all be in memory;
+    /// admission passes it over until then while other work can run (`KvManager::prefetch`).
+    pub load_ready_s: f64,
     pub rng: SplitMix64,
     pub preemptions: u32,
 }
@@ -74,6 +77,7 @@ impl Sequence {
             num_computed: 0,
             cached_prompt_tokens: None,
             cached_estimate: 0,
+            load_ready_s: 0.0,
             preemptions: 0,
         }
     }
@@ -253,11 +257,33 @@ impl Scheduler {
         plan
     }
 
+    /// Admits waiting requests in order while the budget and the batch have room. A request whose SSD prefix is
+    /// still being read ahead is passed over (it keeps its place) while anything else can run, so the read
+    /// overlaps other work instead of stalling the step.
     fn admit(&mut self, budget: &mut usize, plan: &mut Vec<ScheduledChunk>) {
+        let now = self.kv.now();
+        let mut passed = Vec::new();
+        self.admit_ready(budget, plan, now, &mut passed);
+        for seq in passed.into_iter().rev() {
+            self.waiting.push_front(seq);
+        }
+    }
+
+    fn admit_ready(
+        &mut self,
+        budget: &mut usize,
+        plan: &mut Vec<ScheduledChunk>,
+        now: f64,
+        passed: &mut Vec<Sequence>,
+    ) {
         while *budget > 0 && self.running.len() < self.cfg.max_num_seqs {
-            // Load-vs-recompute weighs the engine time of the requests still waiting behind this one.
-            self.kv.set_queued(self.waiting.len().saturating_sub(1));
+            // A read not done at admission stalls every running request (load-vs-recompute weighs that).
+            self.kv.set_running(self.running.len());
             let Some(mut seq) = self.waiting.pop_front() else { break };
+            if seq.load_ready_s > now && !(self.running.is_empty() && self.waiting.is_empty()) {
+                passed.push(seq);
+                continue;
+            }
             let table = self.kv.start(seq.hasher, &seq.tokens);
             let cached = table.cached_tokens();
             let mut table = table;

@@ -31,7 +31,9 @@ pub struct SimBackend {
     /// Llama-3-8B token in bf16 (32 layers x 8 KV heads x 128 x 2 x 2 bytes).
     pub kv_bytes_per_token: usize,
     elapsed: f64,
-    /// Seconds of host-tier loads the next step pays first.
+    /// Virtual time at the start of the current step ([`SimBackend::set_now`]).
+    now: f64,
+    /// Seconds of lower-tier loads the next step pays first.
     pending_load_s: f64,
 }
 
@@ -46,6 +48,7 @@ impl SimBackend {
             clock: SimClock::Instant,
             kv_bytes_per_token: 131_072,
             elapsed: 0.0,
+            now: 0.0,
             pending_load_s: 0.0,
         }
     }
@@ -55,6 +58,11 @@ impl SimBackend {
         self.timing = Some(timing);
         self.clock = clock;
         self
+    }
+
+    /// The virtual time now (the simulator sets it before a step or an admission).
+    pub fn set_now(&mut self, now: f64) {
+        self.now = now;
     }
 
     /// Virtual seconds accumulated since the last call.
@@ -105,11 +113,21 @@ impl Backend for SimBackend {
         Some(self.kv_bytes_per_token * block_size)
     }
 
-    fn note_kv_loaded(&mut self, host_blocks: usize, disk_blocks: usize, block_size: usize) {
+    fn note_kv_loaded(&mut self, host_blocks: usize, disk_wait_s: f64, block_size: usize) {
         if let Some(t) = &self.timing {
             let bytes = (block_size * self.kv_bytes_per_token) as f64;
-            self.pending_load_s += bytes
-                * (host_blocks as f64 * t.host_load_s_per_byte + disk_blocks as f64 * t.disk_load_s_per_byte);
+            self.pending_load_s += bytes * host_blocks as f64 * t.host_load_s_per_byte + disk_wait_s;
+        }
+    }
+
+    fn times_transfers(&self) -> bool {
+        false
+    }
+
+    fn clock_s(&self) -> Option<f64> {
+        match self.clock {
+            SimClock::RealTime => None,
+            SimClock::Instant | SimClock::Virtual => Some(self.now + self.elapsed),
         }
     }
 

@@ -335,3 +335,71 @@ fn load_or_recompute_follows_the_costs_and_is_counted() {
     let (never, ..) = run(LoadPolicy::AlwaysRecompute, 1e-10);
     assert_eq!(never, 0, "pinned to recompute");
 }
+
+#[test]
+fn a_request_whose_ssd_prefix_is_read_ahead_waits_its_turn_then_loads_it() {
+    const BS: u32 = 4;
+    // A 1 GB/s SSD: 0.52 ms a simulated block against 94 us to compute it, so reading only pays while the request
+    // queues behind other work. The engine's clock is the simulated backend's (set by hand here).
+    let engine = |policy: LoadPolicy| {
+        let ssd = tempfile::tempdir().expect("ssd");
+        let backend = SimBackend::new(1000, 4096, vec![0]);
+        let cfg = EngineConfig {
+            num_blocks: 200,
+            scheme: HashScheme::new(BS, 1),
+            scheduler: SchedulerConfig { max_num_batched_tokens: 64, max_num_seqs: 4 },
+        };
+        let mut e = Engine::new(cfg, backend, None)
+            .with_inline_disk_tier(ssd.path(), 1 << 30, WritePolicy::WriteThrough)
+            .expect("disk");
+        e.set_load_costs(LoadCosts {
+            policy,
+            kv_bytes_per_token: 0.0,
+            host_s_per_byte: 2e-11,
+            disk_s_per_byte: 1e-9,
+            prefill_s_per_token: 2.35e-5,
+            attention_s: 1.05e-9,
+        });
+        // Write-through puts the prompt's blocks on the SSD; dropping them from the pool leaves only the SSD copy.
+        let a: Vec<u32> = (0..40).map(|i| i * 3 + 1).collect();
+        e.add_request(req(1, a.clone(), 1)).expect("ok");
+        drain(&mut e);
+        {
+            let mut pool = e.scheduler().kv().pool().lock();
+            let hashes: Vec<_> = pool.cached_hashes().collect();
+            for h in hashes {
+                let id = pool.block_of(h).expect("cached");
+                pool.invalidate(id);
+            }
+        }
+        (e, a, ssd)
+    };
+
+    // Behind a 400-token prefill (9 ms of engine work) the 4.7 ms read overlaps the queue: read ahead, loaded.
+    let (mut e, a, _ssd) = engine(LoadPolicy::Auto);
+    e.add_request(req(2, (0..400).map(|i| i % 900 + 2).collect(), 30)).expect("ok");
+    e.backend_mut().set_now(10.0);
+    e.step();
+    e.add_request(req(3, a.clone(), 1)).expect("ok");
+    e.step();
+    assert_eq!(e.scheduler().num_waiting(), 1, "passed over while its read is under way and other work runs");
+    e.backend_mut().set_now(10.01);
+    let out = drain(&mut e);
+    assert_eq!(out[&3].2, 36, "admitted once read: nine blocks loaded from the SSD");
+    let loads = e.scheduler().kv().decisions().loads.load(std::sync::atomic::Ordering::Relaxed);
+    assert!(loads >= 1);
+
+    // Alone, the same read is dearer than computing the prefix again: nothing is read, nothing waits.
+    let (mut e, a, _ssd) = engine(LoadPolicy::Auto);
+    e.backend_mut().set_now(10.0);
+    e.add_request(req(3, a.clone(), 1)).expect("ok");
+    assert_eq!(drain(&mut e)[&3].2, 0);
+
+    // Pinned to load with nothing else to run, it is admitted at once (the step waits for the read; the engine
+    // never idles with work).
+    let (mut e, a, _ssd) = engine(LoadPolicy::AlwaysLoad);
+    e.backend_mut().set_now(10.0);
+    e.add_request(req(3, a, 1)).expect("ok");
+    let first = e.step();
+    assert!(first.iter().any(|o| o.id == 3 && o.cached_tokens == 36), "admitted at once, prefix loaded");
+}

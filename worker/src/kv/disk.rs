@@ -16,7 +16,7 @@ use std::fs::{File, OpenOptions};
 use std::io::Write;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{sync_channel, Receiver, SyncSender};
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -30,7 +30,7 @@ pub const SEGMENT_BYTES: u64 = 64 << 20;
 /// Most bytes waiting for the IO thread.
 pub const MAX_STAGED_BYTES: usize = 256 << 20;
 /// Most bytes read ahead for queued requests ([`DiskTier::prefetch`]); the oldest go first.
-pub const MAX_PREFETCH_BYTES: usize = 256 << 20;
+pub const MAX_PREFETCH_BYTES: usize = 1 << 30;
 /// Most blocks one prefetch asks for.
 pub const MAX_PREFETCH_BLOCKS: usize = 4096;
 
@@ -165,6 +165,9 @@ struct Shared {
     capacity_bytes: u64,
     staged: AtomicUsize,
     counters: Counters,
+    /// Moving average of seconds per byte of timed reads (f64 bits; 0: none yet; not kept inline).
+    read_s_per_byte: AtomicU64,
+    inline: AtomicBool,
 }
 
 /// Work for the IO thread.
@@ -279,6 +282,8 @@ impl DiskTier {
             capacity_bytes,
             staged: AtomicUsize::new(0),
             counters,
+            read_s_per_byte: AtomicU64::new(0),
+            inline: AtomicBool::new(false),
         });
         let (tx, rx) = sync_channel(4096);
         let s = shared.clone();
@@ -294,7 +299,14 @@ impl DiskTier {
     /// The same tier writing on the caller's thread, without read-ahead (deterministic; for the simulator).
     pub fn inline(mut self) -> Self {
         self.inline = true;
+        self.shared.inline.store(true, Ordering::Relaxed);
         self
+    }
+
+    /// Seconds per byte of this tier's reads, a moving average of the timed ones (`None` before the first).
+    pub fn read_s_per_byte(&self) -> Option<f64> {
+        let v = f64::from_bits(self.shared.read_s_per_byte.load(Ordering::Relaxed));
+        (v > 0.0).then_some(v)
     }
 
     pub fn counters(&self) -> DiskCounters {
@@ -389,11 +401,19 @@ fn read_at(
     tokens: &[u32],
 ) -> Option<Vec<u8>> {
     let dir = lock(&s.files).dir.clone();
+    let started = std::time::Instant::now();
     let result = File::open(seg_path(&dir, loc.segment)).and_then(|f| {
         let mut buf = vec![0u8; loc.len as usize];
         f.read_exact_at(&mut buf, loc.offset)?;
         Ok(buf)
     });
+    if result.is_ok() && !s.inline.load(Ordering::Relaxed) {
+        // Real reads keep load-vs-recompute's SSD speed current (`costs::observe`; a race between two readers
+        // loses one sample, no more).
+        let avg = f64::from_bits(s.read_s_per_byte.load(Ordering::Relaxed));
+        let avg = super::costs::observe(avg, loc.len as usize, started.elapsed().as_secs_f64());
+        s.read_s_per_byte.store(avg.to_bits(), Ordering::Relaxed);
+    }
     let good = result
         .ok()
         .and_then(|buf| Record::decode(&buf, s.fingerprint).ok())

@@ -11,6 +11,7 @@ pub mod costs;
 pub mod disk;
 pub mod host;
 pub mod pool;
+pub mod read_ahead;
 pub mod segment;
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -23,6 +24,7 @@ pub use costs::{LoadCosts, LoadPolicy, Source};
 pub use disk::{DiskCounters, DiskTier, Want};
 pub use host::{HostCounters, HostInsert, HostTier, Stored, TierIndex};
 pub use pool::{BlockId, BlockKey, BlockPool, Evicted, Parent, PoolCounters};
+pub use read_ahead::ReadAhead;
 
 /// Seed of the chain check (any constant other than the block hash's).
 const CHECK_SEED: u64 = 0x6b76_6761_7465_2d63;
@@ -171,10 +173,18 @@ pub struct KvManager {
     host: Option<SharedHost>,
     disk: Option<DiskTier>,
     loads: Arc<Mutex<Vec<PendingLoad>>>,
-    /// What load-vs-recompute weighs, the requests waiting (set by the scheduler), and what it chose.
+    /// What load-vs-recompute weighs, the engine work queued ahead of a new request (seconds, f64 bits; set by the
+    /// engine), and what it chose.
     costs: Arc<Mutex<LoadCosts>>,
-    queued: Arc<AtomicUsize>,
+    ahead: Arc<AtomicU64>,
+    /// Requests running (a read not done at admission stalls the step for all of them).
+    running: Arc<AtomicUsize>,
     decisions: Arc<Decisions>,
+    /// The engine's clock (seconds, f64 bits; set before scheduling), the SSD read channel's schedule, and the
+    /// longest SSD wait of the loads queued since the engine last took them.
+    now: Arc<AtomicU64>,
+    read_ahead: Arc<Mutex<ReadAhead>>,
+    load_wait: Arc<Mutex<f64>>,
 }
 
 /// Load-vs-recompute choices since start: runs of lower-tier blocks loaded (wholly or partly) or not, and tokens.
@@ -211,8 +221,12 @@ impl KvManager {
             disk: None,
             loads: Arc::new(Mutex::new(Vec::new())),
             costs: Arc::new(Mutex::new(LoadCosts::default())),
-            queued: Arc::new(AtomicUsize::new(0)),
+            ahead: Arc::new(AtomicU64::new(0f64.to_bits())),
+            running: Arc::new(AtomicUsize::new(0)),
             decisions: Arc::new(Decisions::default()),
+            now: Arc::new(AtomicU64::new(0f64.to_bits())),
+            read_ahead: Arc::new(Mutex::new(ReadAhead::default())),
+            load_wait: Arc::new(Mutex::new(0.0)),
         }
     }
 
@@ -256,16 +270,68 @@ impl KvManager {
         *self.costs.lock().unwrap_or_else(|e| e.into_inner()) = costs;
     }
 
+    /// What load-vs-recompute weighs now: the set costs, with the SSD tier's measured read speed once it has one.
     pub fn costs(&self) -> LoadCosts {
-        *self.costs.lock().unwrap_or_else(|e| e.into_inner())
+        let mut c = *self.costs.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(s) = self.disk.as_ref().and_then(DiskTier::read_s_per_byte) {
+            c.disk_s_per_byte = s;
+        }
+        c
     }
 
-    /// Records the requests waiting ahead of the next admission (the scheduler, before it admits).
-    pub fn set_queued(&self, n: usize) {
-        self.queued.store(n, Ordering::Relaxed);
+    /// Folds a timed copy of `bytes` from host memory into the device pool into the host tier's speed.
+    pub fn observe_host_load(&self, bytes: usize, secs: f64) {
+        let mut c = self.costs.lock().unwrap_or_else(|e| e.into_inner());
+        c.host_s_per_byte = costs::observe(c.host_s_per_byte, bytes, secs);
+    }
+
+    /// Records the engine work (seconds) queued ahead of a request being added (the engine, before it adds one).
+    pub fn set_ahead_s(&self, s: f64) {
+        self.ahead.store(s.to_bits(), Ordering::Relaxed);
+    }
+
+    /// Seconds until an SSD read of a request arriving now would have to be done: the read overlaps the engine
+    /// work queued ahead of it.
+    fn ahead_s(&self) -> f64 {
+        f64::from_bits(self.ahead.load(Ordering::Relaxed))
+    }
+
+    /// Requests running now (set by the scheduler before each admission).
+    pub fn set_running(&self, n: usize) {
+        self.running.store(n, Ordering::Relaxed);
     }
 
     /// The load-vs-recompute choices so far.
+    /// The engine's clock now, in seconds (the SSD channel's schedule is kept in it).
+    pub fn set_now(&self, now: f64) {
+        self.now.store(now.to_bits(), Ordering::Relaxed);
+    }
+
+    pub fn now(&self) -> f64 {
+        f64::from_bits(self.now.load(Ordering::Relaxed))
+    }
+
+    /// The longest wait for SSD reads among the loads queued since the last call (a simulated step pays it).
+    pub fn take_load_wait(&self) -> f64 {
+        std::mem::take(&mut *self.load_wait.lock().unwrap_or_else(|e| e.into_inner()))
+    }
+
+    /// Seconds until each block of a lower-tier run is in memory: SSD blocks by the read channel's schedule, 0
+    /// for host blocks (their copy is costed by `LoadCosts`).
+    fn waits(&self, hashes: &[BlockHash], sources: &[Source], costs: &LoadCosts) -> Vec<f64> {
+        if !sources.contains(&Source::Disk) {
+            return vec![0.0; sources.len()];
+        }
+        let disk: Vec<BlockHash> =
+            hashes.iter().zip(sources).filter(|(_, s)| **s == Source::Disk).map(|(h, _)| *h).collect();
+        let ra = self.read_ahead.lock().unwrap_or_else(|e| e.into_inner());
+        let mut disk_waits = ra.waits(&disk, self.now(), costs.disk_block_s(self.block_size)).into_iter();
+        sources
+            .iter()
+            .map(|s| if *s == Source::Disk { disk_waits.next().unwrap_or(0.0) } else { 0.0 })
+            .collect()
+    }
+
     pub fn decisions(&self) -> &Decisions {
         &self.decisions
     }
@@ -332,13 +398,17 @@ impl KvManager {
                 };
                 let sources: Vec<Source> = (from..max_hit).map_while(|i| source(i, &host)).collect();
                 // Load what saves time, recompute the rest (costs.rs).
-                let costs = *self.costs.lock().unwrap_or_else(|e| e.into_inner());
-                let queued = self.queued.load(Ordering::Relaxed);
-                let found = costs.choose(&sources, from, bs, queued).load_blocks;
+                let costs = self.costs();
+                // A read not done yet stalls this step for every running request (one read ahead is not).
+                let stall = (1 + self.running.load(Ordering::Relaxed)) as f64;
+                let mut waits = self.waits(&hashes[from..from + sources.len()], &sources, &costs);
+                waits.iter_mut().for_each(|w| *w *= stall);
+                let found = costs.choose(&sources, &waits, from, bs).load_blocks;
                 self.decisions.record(sources.len(), found, bs);
                 let room = found.min(pool.num_free());
                 let ids = pool.allocate(room).unwrap_or_default();
                 let mut loads = self.loads.lock().unwrap_or_else(|e| e.into_inner());
+                let mut read_now = Vec::new();
                 for (k, id) in ids.iter().enumerate() {
                     let i = from + k;
                     let block_tokens = &tokens[i * bs..(i + 1) * bs];
@@ -352,6 +422,7 @@ impl KvManager {
                             .and_then(|d| d.read(hashes[i], checks[i], i as u32, block_tokens))
                             .map(|v| {
                                 disk_blocks += 1;
+                                read_now.push(hashes[i]);
                                 (Arc::<[u8]>::from(v), Source::Disk)
                             }),
                     };
@@ -378,6 +449,16 @@ impl KvManager {
                             break;
                         }
                     }
+                }
+                if !read_now.is_empty() {
+                    let block_s = costs.disk_block_s(bs);
+                    let wait = self.read_ahead.lock().unwrap_or_else(|e| e.into_inner()).take(
+                        &read_now,
+                        self.now(),
+                        block_s,
+                    );
+                    let mut w = self.load_wait.lock().unwrap_or_else(|e| e.into_inner());
+                    *w = w.max(wait);
                 }
             }
         }
@@ -431,17 +512,23 @@ impl KvManager {
                     break;
                 }
             }
-            // Only what would be loaded is not work ahead (what would be computed again is).
-            let queued = self.queued.load(Ordering::Relaxed);
-            n += self.costs().choose(&sources, n, bs, queued).load_blocks;
+            // Only what would be loaded is not work ahead (what would be computed again is): the choice `prefetch`
+            // makes for a request added now.
+            let costs = self.costs();
+            let ahead = self.ahead_s();
+            let mut waits = self.waits(&hashes[n..n + sources.len()], &sources, &costs);
+            waits.iter_mut().for_each(|w| *w = (*w - ahead).max(0.0));
+            n += costs.choose(&sources, &waits, n, bs).load_blocks;
         }
         n * bs
     }
 
     /// Asks the SSD tier to read ahead the part of `tokens`' cached prefix that only it holds (after what the pool
-    /// and the host tier hold), so the request finds it in memory when it is admitted. No SSD tier: nothing.
-    pub fn prefetch(&self, hasher: &BlockHasher, tokens: &[u32]) {
-        let Some(disk) = &self.disk else { return };
+    /// and the host tier hold) and that load-vs-recompute would load if read from now, so the request finds it in
+    /// memory when it is admitted. Returns when (engine clock) the last of it will be in memory; 0 when nothing is
+    /// read (no SSD tier, nothing there, or computing it again is cheaper).
+    pub fn prefetch(&self, hasher: &BlockHasher, tokens: &[u32]) -> f64 {
+        let Some(disk) = &self.disk else { return 0.0 };
         let bs = self.block_size;
         let hashes = hasher.hash_blocks(tokens);
         let max_hit = tokens.len().saturating_sub(1) / bs;
@@ -465,7 +552,7 @@ impl KvManager {
                 n += 1;
             }
         }
-        let wants: Vec<Want> = (n..max_hit)
+        let mut wants: Vec<Want> = (n..max_hit)
             .map(|i| Want {
                 hash: hashes[i],
                 check: checks[i],
@@ -473,8 +560,38 @@ impl KvManager {
                 tokens: tokens[i * bs..(i + 1) * bs].into(),
             })
             .take_while(|w| disk.holds(w.hash, w.check, w.index, &w.tokens))
+            .take(disk::MAX_PREFETCH_BLOCKS)
             .collect();
+        if wants.is_empty() {
+            return 0.0;
+        }
+        // At most what the read-ahead memory holds, and only what would be loaded: reading the rest would delay
+        // other requests' reads for nothing.
+        let costs = self.costs();
+        let block_bytes = bs as f64 * costs.kv_bytes_per_token;
+        let cap = match block_bytes > 0.0 {
+            true => ((disk::MAX_PREFETCH_BYTES as f64 / block_bytes) as usize).max(1),
+            false => disk::MAX_PREFETCH_BLOCKS,
+        };
+        wants.truncate(cap);
+        let sources = vec![Source::Disk; wants.len()];
+        let run: Vec<BlockHash> = wants.iter().map(|w| w.hash).collect();
+        // The read overlaps the work queued ahead of the request: only what is left of it costs.
+        let ahead = self.ahead_s();
+        let mut waits = self.waits(&run, &sources, &costs);
+        waits.iter_mut().for_each(|w| *w = (*w - ahead).max(0.0));
+        wants.truncate(costs.choose(&sources, &waits, n, bs).load_blocks);
+        if wants.is_empty() {
+            return 0.0;
+        }
+        // The read channel's schedule.
+        let hashes: Vec<BlockHash> = wants.iter().map(|w| w.hash).collect();
+        let mut ra = self.read_ahead.lock().unwrap_or_else(|e| e.into_inner());
+        ra.prefetch(&hashes, self.now(), costs.disk_block_s(bs), cap);
+        let ready = ra.waits(&hashes, self.now(), costs.disk_block_s(bs)).into_iter().fold(0.0, f64::max);
+        drop(ra);
         disk.prefetch(wants);
+        self.now() + ready
     }
 
     /// Grows `table` to hold `n_positions`; `false` (and no change) when the pool lacks free blocks.
