@@ -32,5 +32,7 @@ pub mod state;
 pub mod tokenize;
 pub mod trust;
 pub mod upstream;
+pub mod vllm_events;
+pub mod vllm_index;
 
 pub use kvgate_router::{admission, registry, route, routing};
