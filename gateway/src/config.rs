@@ -204,6 +204,68 @@ pub struct GatewayArgs {
     /// admission/classes.rs).
     #[arg(skip)]
     pub classes: Option<Vec<ClassConfig>>,
+    /// A model this gateway tokenizes itself, `NAME=DIR` (repeatable; env: comma-separated): DIR is a local Hugging
+    /// Face directory (`tokenizer.json`, and `tokenizer_config.json` and/or `chat_template.jinja`). TOML
+    /// `[[models]]` entries also take `block-size` (default 16), `kind` (what the pool runs: `kvgate`, `vllm`,
+    /// `sglang` or `openai`; default `kvgate`) and `workers` (the pool's static URLs). Pods that are not kvgate
+    /// workers are routed with this tokenizer; a kvgate worker serving the model with another tokenizer or block
+    /// size is refused. Default none (tokenizers are fetched from kvgate workers).
+    #[arg(long = "model", env = "KVGATE_GATEWAY_MODELS", value_delimiter = ',')]
+    pub models: Option<Vec<ModelSpec>>,
+}
+
+/// What a pool of inference pods runs.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum WorkerKind {
+    /// `kvgate-worker`: reports, a tokenizer endpoint, the prompt handoff.
+    #[default]
+    Kvgate,
+    /// A vLLM OpenAI server.
+    Vllm,
+    /// An SGLang server.
+    Sglang,
+    /// Any other OpenAI-compatible server (llama.cpp, TGI, ...).
+    Openai,
+}
+
+/// One `[[models]]` entry (or `--model NAME=DIR`).
+#[derive(Clone, Debug, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "kebab-case")]
+pub struct ModelSpec {
+    /// The model name clients ask for and the pods serve.
+    pub name: String,
+    /// The local tokenizer directory.
+    pub tokenizer: PathBuf,
+    /// Tokens per KV block of the pods' engine. Default 16.
+    #[serde(default = "default_block_size")]
+    pub block_size: u32,
+    /// What the pool runs. Default kvgate.
+    #[serde(default)]
+    pub kind: WorkerKind,
+    /// The pool's static base URLs. Default none.
+    #[serde(default)]
+    pub workers: Vec<String>,
+}
+
+fn default_block_size() -> u32 {
+    16
+}
+
+impl std::str::FromStr for ModelSpec {
+    type Err = String;
+
+    /// `NAME=DIR`: a kvgate pool's model with block size 16 (the other fields only in the TOML file).
+    fn from_str(s: &str) -> Result<Self, String> {
+        let (name, dir) = s.split_once('=').ok_or_else(|| format!("model {s:?}: expected NAME=DIR"))?;
+        Ok(ModelSpec {
+            name: name.trim().to_owned(),
+            tokenizer: PathBuf::from(dir.trim()),
+            block_size: default_block_size(),
+            kind: WorkerKind::Kvgate,
+            workers: Vec::new(),
+        })
+    }
 }
 
 /// The resolved configuration.
@@ -248,6 +310,7 @@ pub struct GatewayConfig {
     pub weights: Weights,
     pub log_json: bool,
     pub classes: Vec<ClassConfig>,
+    pub models: Vec<ModelSpec>,
     pub admin_token: Option<String>,
     pub state_file: Option<PathBuf>,
     pub redis_url: Option<String>,
@@ -367,6 +430,7 @@ impl GatewayArgs {
             weights,
             log_json: pick!(log_json).unwrap_or(false),
             classes: pick!(classes).unwrap_or_else(default_classes),
+            models: pick!(models).unwrap_or_default(),
             admin_token: pick!(admin_token).filter(|t| !t.is_empty()),
             state_file: None,
             redis_url: pick!(redis_url).filter(|u| !u.is_empty()),
@@ -413,6 +477,20 @@ impl GatewayConfig {
         for (name, addr) in [("listen", &self.listen), ("control-listen", &self.control_listen)] {
             if addr.parse::<std::net::SocketAddr>().is_err() {
                 p.push(format!("{name} {addr:?} is not an address like 0.0.0.0:8080"));
+            }
+        }
+        let mut names = std::collections::HashSet::new();
+        for m in &self.models {
+            if m.name.is_empty() || !names.insert(m.name.as_str()) {
+                p.push(format!("model {:?}: names must be non-empty and unique", m.name));
+            }
+            if !(1..=4096).contains(&m.block_size) {
+                p.push(format!("model {:?}: block-size {} is not in 1..=4096", m.name, m.block_size));
+            }
+            for w in &m.workers {
+                if !w.starts_with("http://") {
+                    p.push(format!("model {:?}: worker {w:?} is not an http:// URL", m.name));
+                }
             }
         }
         for w in &self.workers {
@@ -506,9 +584,43 @@ impl GatewayConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::str::FromStr;
 
     fn secured() -> GatewayArgs {
         GatewayArgs { report_secret: Some("s".into()), ..Default::default() }
+    }
+
+    #[test]
+    fn models_come_from_flags_or_the_toml_file_and_are_checked() {
+        let a = GatewayArgs::try_parse_from(["g", "--model", "m1=/tok/m1", "--model", "m2=/tok/m2"])
+            .expect("flags");
+        let m = a.models.clone().expect("models");
+        assert_eq!((m[0].name.as_str(), m[0].block_size, m[0].kind), ("m1", 16, WorkerKind::Kvgate));
+        assert_eq!(m[1].tokenizer, PathBuf::from("/tok/m2"));
+        assert!("no-equals".parse::<ModelSpec>().is_err());
+        let dir = tempfile::tempdir().expect("tmp");
+        let path = dir.path().join("g.toml");
+        std::fs::write(
+            &path,
+            "[[models]]\nname = \"llama\"\ntokenizer = \"/t\"\nkind = \"vllm\"\nblock-size = 32\n\
+             workers = [\"http://10.0.0.1:8000\"]\n",
+        )
+        .expect("write");
+        let cfg = GatewayArgs { config: Some(path.clone()), ..secured() }.resolve().expect("toml");
+        assert_eq!(cfg.models[0].kind, WorkerKind::Vllm);
+        assert_eq!((cfg.models[0].block_size, cfg.models[0].workers.len()), (32, 1));
+        std::fs::write(&path, "[[models]]\nname = \"x\"\ntokenizer = \"/t\"\nkind = \"tgi\"\n")
+            .expect("write");
+        assert!(GatewayArgs { config: Some(path.clone()), ..secured() }.resolve().is_err(), "unknown kind");
+        let bad = GatewayArgs {
+            models: Some(vec![
+                ModelSpec { block_size: 0, ..ModelSpec::from_str("a=/t").expect("a") },
+                ModelSpec { workers: vec!["ftp://x".into()], ..ModelSpec::from_str("a=/t").expect("a") },
+            ]),
+            ..secured()
+        };
+        let err = bad.resolve().and_then(|c| c.validate()).expect_err("bad models");
+        assert!(err.contains("block-size 0") && err.contains("unique") && err.contains("ftp://x"), "{err}");
     }
 
     #[test]

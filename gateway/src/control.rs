@@ -122,6 +122,22 @@ fn ingest(state: &GatewayState, check: &mut AdvertiseCheck, body: &[u8], peer: I
         Box::new(err(StatusCode::FORBIDDEN, "advertise_url_not_allowed", e))
     })?;
     let expected = state.tokenizer(&report.model_id).map(|t| t.scheme.fingerprint());
+    if expected.is_some_and(|f| f != report.fingerprint) && state.is_configured(&report.model_id) {
+        // Its hashes would never match this gateway's: not registered (a [[models]] entry is the truth here).
+        count("model_mismatch");
+        tracing::warn!(worker = %report.worker_id, model = %report.model_id, "report refused: hash scheme differs from the [[models]] entry");
+        return Err(Box::new(err(
+            StatusCode::CONFLICT,
+            "model_scheme_mismatch",
+            format!(
+                "model {:?} is configured at this gateway with another tokenizer or block size (fingerprint {:016x}, \
+                 the report's {:016x})",
+                report.model_id,
+                expected.unwrap_or(0),
+                report.fingerprint
+            ),
+        )));
+    }
     let url = report.advertise_url.clone();
     let id = report.worker_id.clone();
     match state.registry().ingest(report, expected, now) {

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use clap::Parser;
-use kvgate_gateway::config::GatewayArgs;
+use kvgate_gateway::config::{GatewayArgs, WorkerKind};
 use kvgate_gateway::control::IngestQueue;
 use kvgate_gateway::listener::{ConnLimits, PublicListener};
 use kvgate_gateway::proxy::Gateway;
@@ -90,10 +90,16 @@ fn main() -> ExitCode {
                 let s = control_state.clone();
                 tokio::spawn(async move {
                     let mut pending: Vec<String> = s.cfg.workers.clone();
+                    let kvgate_pools = s.cfg.models.iter().filter(|m| m.kind == WorkerKind::Kvgate);
+                    pending.extend(kvgate_pools.flat_map(|m| m.workers.iter().cloned()));
                     while !pending.is_empty() {
                         let mut left = Vec::new();
                         for url in pending {
                             if let Err(e) = s.fetch_tokenizer(&url).await {
+                                if s.is_refused(&url) {
+                                    tracing::error!(error = %e, "static worker refused");
+                                    continue;
+                                }
                                 tracing::debug!(error = %e, "static worker not ready yet");
                                 left.push(url);
                             }

@@ -18,7 +18,7 @@ use kvgate_shared::prompt::{Prompter, TokenizerFiles};
 use metrics_exporter_prometheus::PrometheusHandle;
 
 use crate::admission::Admission;
-use crate::config::GatewayConfig;
+use crate::config::{GatewayConfig, WorkerKind};
 use crate::keys::KeyTable;
 use crate::registry::{Registry, RegistryConfig, SharedSend};
 use crate::route::Router;
@@ -45,6 +45,8 @@ pub struct GatewayState {
     registry: Mutex<Registry>,
     tokenizers: RwLock<HashMap<String, Arc<ModelTokenizer>>>,
     fetching: Mutex<HashSet<String>>,
+    /// Worker URLs refused for serving a configured model with another tokenizer or block size.
+    refused: Mutex<HashSet<String>>,
     /// The routing policy behind the one `route()` (`kvgate_router::route`).
     pub router: Router,
     pub admission: Admission,
@@ -91,6 +93,23 @@ impl GatewayState {
         for w in &cfg.workers {
             registry.add_static(w);
         }
+        // Models tokenized here (`[[models]]`): their pools' pods that are not kvgate workers are identified at once.
+        let mut tokenizers = HashMap::new();
+        for m in &cfg.models {
+            let prompter = Prompter::from_dir(&m.tokenizer)
+                .map_err(|e| format!("model {}: tokenizer {}: {e}", m.name, m.tokenizer.display()))?
+                .with_segment_cache_tokens(cfg.tokenize_cache_tokens);
+            let scheme = HashScheme::new(m.block_size, prompter.digest());
+            scheme.validate().map_err(|e| format!("model {}: {e}", m.name))?;
+            tracing::info!(model = %m.name, kind = ?m.kind, fingerprint = scheme.fingerprint(), "tokenizer loaded from {}", m.tokenizer.display());
+            tokenizers.insert(m.name.clone(), Arc::new(ModelTokenizer { prompter, scheme }));
+            for w in &m.workers {
+                registry.add_static(w);
+                if m.kind != WorkerKind::Kvgate {
+                    registry.identify(w, w.trim_end_matches('/'), &m.name, 0);
+                }
+            }
+        }
         // Admin changes persisted by an earlier run win over the configuration.
         let persisted = cfg.state_file.as_deref().and_then(crate::persist::load_or_set_aside);
         if let (Some(path), Some(p)) = (&cfg.state_file, &persisted) {
@@ -116,8 +135,9 @@ impl GatewayState {
         Ok(Self {
             cfg,
             registry: Mutex::new(registry),
-            tokenizers: RwLock::new(HashMap::new()),
+            tokenizers: RwLock::new(tokenizers),
             fetching: Mutex::new(HashSet::new()),
+            refused: Mutex::new(HashSet::new()),
             router: Router::new(policy),
             admission,
             keys,
@@ -303,6 +323,18 @@ impl GatewayState {
         let scheme: HashScheme =
             serde_json::from_value(json["scheme"].clone()).map_err(|e| format!("{uri}: scheme: {e}"))?;
         let files: TokenizerFiles = serde_json::from_value(json).map_err(|e| format!("{uri}: {e}"))?;
+        if let Some(ours) = self.tokenizer(&model).filter(|_| self.is_configured(&model)) {
+            if ours.scheme != scheme {
+                self.refused.lock().unwrap_or_else(|e| e.into_inner()).insert(url.to_owned());
+                self.registry().remove_static(url);
+                return Err(format!(
+                    "{url} refused: it serves {model} with block size {} and tokenizer digest {:016x}, but this \
+                     gateway's [[models]] entry for {model} has block size {} and digest {:016x} (its hashes would \
+                     never match; fix the entry's tokenizer or block-size, or the worker)",
+                    scheme.block_size, scheme.tokenizer_digest, ours.scheme.block_size, ours.scheme.tokenizer_digest
+                ));
+            }
+        }
         if self.tokenizer(&model).is_none() {
             let prompter = Prompter::from_files(files)
                 .map_err(|e| format!("{uri}: {e}"))?
@@ -322,6 +354,17 @@ impl GatewayState {
         }
         self.registry().identify(url, &worker_id, &model, max_model_len);
         Ok(model)
+    }
+
+    /// Whether `model` has a `[[models]]` entry (its tokenizer and block size are this gateway's, not a worker's).
+    pub fn is_configured(&self, model: &str) -> bool {
+        self.cfg.models.iter().any(|m| m.name == model)
+    }
+
+    /// Whether a worker was refused for a tokenizer or block size that differs from its model's `[[models]]` entry
+    /// (it is not identified, so never routed to; retrying cannot help).
+    pub fn is_refused(&self, url: &str) -> bool {
+        self.refused.lock().unwrap_or_else(|e| e.into_inner()).contains(url)
     }
 
     /// Starts fetching a worker's tokenizer in the background unless one is under way.

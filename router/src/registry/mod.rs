@@ -453,6 +453,18 @@ impl Registry {
         gone
     }
 
+    /// Takes a static worker out (refused when identified: it must never serve); `false` if none has this URL.
+    pub fn remove_static(&mut self, url: &str) -> bool {
+        let url = url.trim_end_matches('/');
+        let before = self.workers.len();
+        self.workers.retain(|w| !(w.is_static && w.url == url));
+        let removed = self.workers.len() != before;
+        if removed {
+            self.rebuild_ring();
+        }
+        removed
+    }
+
     /// Sets or clears draining; `false` if no such worker.
     pub fn set_draining(&mut self, id: &str, draining: bool) -> bool {
         match self.workers.iter_mut().find(|w| w.id == id) {

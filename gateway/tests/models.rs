@@ -1,0 +1,111 @@
+//! Models the gateway tokenizes itself (`[[models]]`), in front of real worker processes: a pool of pods that are
+//! not kvgate workers (here `kvgate-worker` processes that never report, which to the gateway are plain OpenAI
+//! servers) is routed by prefix with the configured tokenizer, and a kvgate worker whose block size differs from
+//! its model's entry is refused instead of being routed with hashes that never match.
+
+mod common;
+
+use common::*;
+use serde_json::json;
+
+fn gateway_config(
+    dir: &std::path::Path,
+    tokenizer: &std::path::Path,
+    kind: &str,
+    block: u32,
+    urls: &[&str],
+) -> String {
+    let path = dir.join("gateway.toml");
+    let workers: Vec<String> = urls.iter().map(|u| format!("{u:?}")).collect();
+    std::fs::write(
+        &path,
+        format!(
+            "[[models]]\nname = {MODEL:?}\ntokenizer = {:?}\nkind = {kind:?}\nblock-size = {block}\nworkers = [{}]\n",
+            tokenizer.display().to_string(),
+            workers.join(", ")
+        ),
+    )
+    .expect("config");
+    path.display().to_string()
+}
+
+#[tokio::test]
+async fn a_pool_of_plain_openai_pods_is_routed_by_prefix_with_the_configured_tokenizer() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let synth = dir.path().join("tiny");
+    // No --report-to: the gateway never hears from these workers except through their answers.
+    let pods: Vec<Proc> = (0..2).map(|i| worker(&format!("p{i}"), &synth, None, &[])).collect();
+    let urls: Vec<&str> = pods.iter().map(|p| p.base.as_str()).collect();
+    let cfg = gateway_config(dir.path(), &synth, "openai", 16, &urls);
+    let (g, _control) = gateway(&["--config", &cfg]);
+    let shared = "the quick brown fox jumps over the lazy dog again and again ".repeat(12);
+    let mut served = Vec::new();
+    for turn in 0..4 {
+        let body = json!({"model": MODEL, "max_tokens": 2,
+            "messages": [{"role": "user", "content": format!("{shared} turn {turn}")}]});
+        let r =
+            post(&format!("{}/v1/chat/completions", g.base), &body, &[("x-session-id", &format!("s{turn}"))])
+                .await;
+        assert_eq!(r.status, 200, "{}", r.body);
+        let cached = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap_or(0);
+        served.push((r.header("x-kvgate-worker"), r.header("x-kvgate-route"), cached));
+    }
+    let first = served[0].0.clone();
+    assert!(served.iter().all(|s| s.0 == first), "one pod for one prefix: {served:?}");
+    assert!(
+        served[1..].iter().all(|s| s.1 == "prefix" && s.2 > 0),
+        "routed by the prefix, served from its cache: {served:?}"
+    );
+}
+
+#[tokio::test]
+async fn a_kvgate_worker_whose_block_size_differs_from_its_models_entry_is_refused() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let synth = dir.path().join("tiny");
+    let w = worker("w0", &synth, None, &[]);
+    // The worker hashes blocks of 16 tokens; the entry says 8.
+    let cfg = gateway_config(dir.path(), &synth, "kvgate", 8, &[&w.base]);
+    let (g, control) = gateway(&["--config", &cfg]);
+    let body = json!({"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "hello"}]});
+    // The gateway fetches the worker's tokenizer, refuses it and takes it out of its worker list.
+    wait_until(std::time::Duration::from_secs(10), || async {
+        let r = get(&format!("{control}/kvgate/v1/workers")).await;
+        r.status == 200 && !r.body.contains(&w.base)
+    })
+    .await;
+    let r = post(&format!("{}/v1/chat/completions", g.base), &body, &[]).await;
+    assert_ne!(r.status, 200, "a refused worker is never routed to: {}", r.body);
+    assert!(r.json()["error"]["message"].is_string(), "an OpenAI-style error: {}", r.body);
+    // With the right block size the same worker serves.
+    let cfg = gateway_config(dir.path(), &synth, "kvgate", 16, &[&w.base]);
+    let (g2, _c2) = gateway(&["--config", &cfg]);
+    let mut ok = false;
+    for _ in 0..40 {
+        if post(&format!("{}/v1/chat/completions", g2.base), &body, &[]).await.status == 200 {
+            ok = true;
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(250)).await;
+    }
+    assert!(ok, "the same worker under a matching entry serves");
+}
+
+#[tokio::test]
+async fn reports_of_a_worker_whose_scheme_differs_from_its_models_entry_are_refused() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let synth = dir.path().join("tiny");
+    // Write the model once (the gateway loads its tokenizer at start).
+    drop(worker("warm", &synth, None, &[]));
+    let cfg = gateway_config(dir.path(), &synth, "kvgate", 8, &[]);
+    let (g, control) = gateway(&["--config", &cfg]);
+    let _w = worker("w-reporting", &synth, Some(&control), &[]);
+    wait_until(std::time::Duration::from_secs(10), || async {
+        let m = get(&format!("{control}/metrics")).await.body;
+        metric(&m, "kvgate_gateway_reports_total{result=\"model_mismatch\"}").unwrap_or(0.0) >= 2.0
+    })
+    .await;
+    let workers = get(&format!("{control}/kvgate/v1/workers")).await.body;
+    assert!(!workers.contains("w-reporting"), "never registered: {workers}");
+    let body = json!({"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "hello"}]});
+    assert_ne!(post(&format!("{}/v1/chat/completions", g.base), &body, &[]).await.status, 200);
+}
