@@ -246,6 +246,15 @@ pub struct ModelSpec {
     /// The pool's static base URLs. Default none.
     #[serde(default)]
     pub workers: Vec<String>,
+    /// KV tokens each pod of a pool that is not kvgate holds: the capacity of this gateway's approximate index of
+    /// what it sent each pod (`router/src/registry/approx.rs`). 0 turns the index off (only the overlay's
+    /// `--overlay-ttl` memory is left). Default 65,536.
+    #[serde(default = "default_kv_tokens")]
+    pub kv_tokens: usize,
+}
+
+fn default_kv_tokens() -> usize {
+    65_536
 }
 
 fn default_block_size() -> u32 {
@@ -264,6 +273,7 @@ impl std::str::FromStr for ModelSpec {
             block_size: default_block_size(),
             kind: WorkerKind::Kvgate,
             workers: Vec::new(),
+            kv_tokens: default_kv_tokens(),
         })
     }
 }
@@ -491,6 +501,9 @@ impl GatewayConfig {
                 if !w.starts_with("http://") {
                     p.push(format!("model {:?}: worker {w:?} is not an http:// URL", m.name));
                 }
+            }
+            if m.kv_tokens > 16 << 20 {
+                p.push(format!("model {:?}: kv-tokens {} is over 16,777,216", m.name, m.kv_tokens));
             }
         }
         for w in &self.workers {

@@ -107,6 +107,9 @@ impl GatewayState {
                 registry.add_static(w);
                 if m.kind != WorkerKind::Kvgate {
                     registry.identify(w, w.trim_end_matches('/'), &m.name, 0);
+                    if m.kv_tokens > 0 {
+                        registry.track_sends(w, m.kv_tokens.div_ceil(m.block_size as usize));
+                    }
                 }
             }
         }

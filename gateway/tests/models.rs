@@ -109,3 +109,46 @@ async fn reports_of_a_worker_whose_scheme_differs_from_its_models_entry_are_refu
     let body = json!({"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "hello"}]});
     assert_ne!(post(&format!("{}/v1/chat/completions", g.base), &body, &[]).await.status, 200);
 }
+
+/// One plain pod behind a `[[models]]` entry of `kv_tokens`, the routing overlay forgotten after 100 ms: what is
+/// left of a prefix's credit after the overlay is gone comes from the approximate index.
+async fn routes_after_the_overlay_expires(kv_tokens: usize) -> Vec<String> {
+    let dir = tempfile::tempdir().expect("tmp");
+    let synth = dir.path().join("tiny");
+    let pod = worker("p0", &synth, None, &[]);
+    let path = dir.path().join("gateway.toml");
+    std::fs::write(
+        &path,
+        format!(
+            "[[models]]\nname = {MODEL:?}\ntokenizer = {:?}\nkind = \"vllm\"\nkv-tokens = {kv_tokens}\nworkers = [{:?}]\n",
+            synth.display().to_string(),
+            pod.base
+        ),
+    )
+    .expect("config");
+    let (g, _control) = gateway(&["--config", &path.display().to_string(), "--overlay-ttl", "100ms"]);
+    let a = "a long shared history of many words that fills a few blocks ".repeat(8);
+    let b = "something else entirely with other words in it ".repeat(8);
+    let mut routes = Vec::new();
+    for text in [&a, &b, &a] {
+        let body = json!({"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": text}]});
+        let r = post(&format!("{}/v1/chat/completions", g.base), &body, &[]).await;
+        assert_eq!(r.status, 200, "{}", r.body);
+        routes.push(r.header("x-kvgate-route"));
+        tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    }
+    routes
+}
+
+#[tokio::test]
+async fn a_plain_pods_prefix_is_remembered_by_the_approximate_index_up_to_its_capacity() {
+    // Room for both prompts: the third request is credited with a's prefix although the overlay forgot it.
+    let routes = routes_after_the_overlay_expires(65_536).await;
+    assert_eq!(routes[2], "prefix", "{routes:?}");
+    // Room for one block: b's blocks pushed a's out, as the pod's own LRU would have.
+    let routes = routes_after_the_overlay_expires(16).await;
+    assert_ne!(routes[2], "prefix", "{routes:?}");
+    // Index off: only the overlay, which has forgotten.
+    let routes = routes_after_the_overlay_expires(0).await;
+    assert_ne!(routes[2], "prefix", "{routes:?}");
+}

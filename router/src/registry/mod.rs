@@ -13,6 +13,7 @@
 //! report with a new `instance_id` is a restart and is accepted whatever its `seq`. A reported worker silent for
 //! `forget_after` is removed, with its metric series. The registry holds at most `max_workers` workers.
 
+pub mod approx;
 mod metrics;
 mod worker;
 
@@ -328,7 +329,10 @@ impl Registry {
                 summary: self.summary(w, Tier::Device, now),
                 host_summary: self.summary(w, Tier::Host, now),
                 disk_summary: self.summary(w, Tier::Disk, now),
-                overlay_matched_blocks: w.overlay.matched(hashes, now),
+                overlay_matched_blocks: w
+                    .overlay
+                    .matched(hashes, now)
+                    .max(w.approx.as_ref().map_or(0, |a| a.matched(hashes))),
                 load: w.load(),
                 sessions: w.sessions.active(),
                 holds_session: session.is_some_and(|k| w.sessions.holds(k, now)),
@@ -361,6 +365,9 @@ impl Registry {
         w.sent_requests_since_report += 1;
         w.sent_tokens_since_report += uncached_tokens;
         w.overlay.insert(hashes, now + ttl, now);
+        if let Some(a) = w.approx.as_mut() {
+            a.touch(hashes);
+        }
         SentTicket { idx: i, uid: w.uid, epoch: w.epoch, uncached_tokens }
     }
 
@@ -451,6 +458,19 @@ impl Registry {
             self.rebuild_ring();
         }
         gone
+    }
+
+    /// Keeps an approximate index of what this gateway sends the worker at `url` (a pod that sends no reports),
+    /// `capacity_blocks` large (`approx.rs`); `false` if no worker has this URL.
+    pub fn track_sends(&mut self, url: &str, capacity_blocks: usize) -> bool {
+        let url = url.trim_end_matches('/');
+        match self.workers.iter_mut().find(|w| w.url == url) {
+            Some(w) => {
+                w.approx = Some(approx::ApproxIndex::new(capacity_blocks));
+                true
+            }
+            None => false,
+        }
     }
 
     /// Takes a static worker out (refused when identified: it must never serve); `false` if none has this URL.

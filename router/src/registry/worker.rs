@@ -159,6 +159,8 @@ pub struct Worker {
     /// Their uncached prompt tokens.
     pub sent_tokens_since_report: u64,
     pub overlay: Overlay,
+    /// For a pod that sends no reports: what this gateway sent it, as its LRU would keep it (`approx.rs`).
+    pub approx: Option<super::approx::ApproxIndex>,
     pub sessions: Sessions,
     pub counters: WorkerCounters,
 }
@@ -184,6 +186,7 @@ impl Worker {
             sent_requests_since_report: 0,
             sent_tokens_since_report: 0,
             overlay: Overlay::default(),
+            approx: None,
             sessions: Sessions::default(),
             counters: WorkerCounters::default(),
         }
