@@ -251,6 +251,14 @@ pub struct ModelSpec {
     /// `--overlay-ttl` memory is left). Default 65,536.
     #[serde(default = "default_kv_tokens")]
     pub kv_tokens: usize,
+    /// For `vllm` and `sglang` pools: the port each pod publishes its KV events on (vLLM `--kv-events-config`
+    /// `{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557"}`); the gateway connects to
+    /// `tcp://<pod host>:<port>` and keeps an exact index of each pod's blocks. Default none (the approximate index).
+    #[serde(default)]
+    pub kv_events_port: Option<u16>,
+    /// The topic to subscribe to (vLLM's `topic`). Default "" (all).
+    #[serde(default)]
+    pub kv_events_topic: String,
 }
 
 fn default_kv_tokens() -> usize {
@@ -274,6 +282,8 @@ impl std::str::FromStr for ModelSpec {
             kind: WorkerKind::Kvgate,
             workers: Vec::new(),
             kv_tokens: default_kv_tokens(),
+            kv_events_port: None,
+            kv_events_topic: String::new(),
         })
     }
 }
@@ -501,6 +511,9 @@ impl GatewayConfig {
                 if !w.starts_with("http://") {
                     p.push(format!("model {:?}: worker {w:?} is not an http:// URL", m.name));
                 }
+            }
+            if m.kv_events_port.is_some() && !matches!(m.kind, WorkerKind::Vllm | WorkerKind::Sglang) {
+                p.push(format!("model {:?}: kv-events-port needs kind vllm or sglang", m.name));
             }
             if m.kv_tokens > 16 << 20 {
                 p.push(format!("model {:?}: kv-tokens {} is over 16,777,216", m.name, m.kv_tokens));

@@ -34,5 +34,6 @@ pub mod trust;
 pub mod upstream;
 pub mod vllm_events;
 pub mod vllm_index;
+pub mod vllm_subscriber;
 
 pub use kvgate_router::{admission, registry, route, routing};

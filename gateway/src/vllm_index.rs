@@ -55,6 +55,23 @@ pub struct EventIndex {
     held: HashMap<BlockHash, u32>,
     last_seq: Option<i64>,
     counters: IndexCounters,
+    /// kvgate hashes that became held or were let go since [`EventIndex::take_delta`], and whether everything was.
+    delta: Delta,
+}
+
+/// What changed in the set of kvgate hashes held (for the registry's copy of it), in order.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Delta {
+    /// Everything was dropped first (a clear); `changes` then lists what came after.
+    pub cleared: bool,
+    /// A hash now held (`true`) or let go (`false`), in the order it happened.
+    pub changes: Vec<(BlockHash, bool)>,
+}
+
+impl Delta {
+    pub fn is_empty(&self) -> bool {
+        !self.cleared && self.changes.is_empty()
+    }
 }
 
 impl EventIndex {
@@ -67,6 +84,7 @@ impl EventIndex {
             held: HashMap::new(),
             last_seq: None,
             counters: IndexCounters::default(),
+            delta: Delta::default(),
         }
     }
 
@@ -100,9 +118,19 @@ impl EventIndex {
 
     /// Forgets everything (after a gap that could not be replayed, or a pod restart); the next batch starts anew.
     pub fn clear(&mut self) {
+        self.drop_all();
+        self.last_seq = None;
+    }
+
+    fn drop_all(&mut self) {
         self.by_external.clear();
         self.held.clear();
-        self.last_seq = None;
+        self.delta = Delta { cleared: true, ..Delta::default() };
+    }
+
+    /// The changes since the last call.
+    pub fn take_delta(&mut self) -> Delta {
+        std::mem::take(&mut self.delta)
     }
 
     /// Applies batch `seq`.
@@ -159,7 +187,11 @@ impl EventIndex {
                         continue;
                     }
                     self.by_external.insert(h.clone(), k);
-                    *self.held.entry(k).or_insert(0) += 1;
+                    let c = self.held.entry(k).or_insert(0);
+                    *c += 1;
+                    if *c == 1 {
+                        self.delta.changes.push((k, true));
+                    }
                     self.counters.stored_blocks += 1;
                 }
             }
@@ -174,14 +206,14 @@ impl EventIndex {
                         *c -= 1;
                         if *c == 0 {
                             self.held.remove(&k);
+                            self.delta.changes.push((k, false));
                         }
                     }
                 }
             }
             KvEvent::AllCleared => {
                 self.counters.clears += 1;
-                self.by_external.clear();
-                self.held.clear();
+                self.drop_all();
             }
         }
     }
@@ -223,6 +255,9 @@ mod tests {
         ]);
         assert_eq!(ix.apply(1, &b), Applied::InOrder);
         assert!(want.iter().all(|h| ix.holds(*h)), "every block under kvgate's own hash");
+        let added: Vec<(BlockHash, bool)> = want.iter().map(|h| (*h, true)).collect();
+        assert_eq!(ix.take_delta(), Delta { cleared: false, changes: added });
+        assert!(ix.take_delta().is_empty());
         assert_eq!(ix.len(), 4);
         // Removing the last block, then a replayed (stale) batch changes nothing more.
         assert_eq!(
@@ -233,11 +268,13 @@ mod tests {
             Applied::InOrder
         );
         assert!(!ix.holds(want[3]) && ix.holds(want[2]));
+        assert_eq!(ix.take_delta().changes, vec![(want[3], false)]);
         assert_eq!(ix.apply(2, &b), Applied::Stale);
         assert_eq!(ix.len(), 3);
         // A gap is reported (and the batch still applied); a clear forgets everything.
         assert_eq!(ix.apply(5, &batch(vec![KvEvent::AllCleared])), Applied::Gap { expected: 3, got: 5 });
         assert!(ix.is_empty());
+        assert!(ix.take_delta().cleared);
         assert_eq!(ix.counters().gaps, 1);
         assert_eq!(ix.counters().clears, 1);
     }

@@ -112,3 +112,80 @@ fn a_golden_batch_indexes_vllm_blocks_under_kvgate_hashes() {
     ix.apply(seq + 1, &batch);
     assert!(ix.is_empty());
 }
+
+/// Golden frames published by a real libzmq PUB socket (pyzmq), followed by kvgate's subscriber: the pod's exact
+/// set after each batch is what the batch leaves.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_libzmq_publisher_feeds_the_subscriber_and_its_exact_set() {
+    use kvgate_gateway::vllm_subscriber::follow;
+    use kvgate_shared::hashing::{BlockHash, BlockHasher, ExtraKeys, HashScheme};
+    use std::collections::HashSet;
+    use std::sync::{Arc, Mutex};
+    let Some(py) = std::env::var_os("KVGATE_PYTHON") else {
+        assert!(std::env::var_os("CI").is_none(), "CI needs KVGATE_PYTHON (pyzmq) for this test");
+        eprintln!("skipped: KVGATE_PYTHON is not set (run ./scripts/test.sh)");
+        return;
+    };
+    let port = std::net::TcpListener::bind("127.0.0.1:0").expect("port").local_addr().expect("addr").port();
+    let golden = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/golden/vllm_kv_events.json");
+    // Seq 1: two sha256-hashed blocks stored on the GPU (and copies in CPU memory removed); seq 2: three stored,
+    // one removed, then all cleared. Each is sent for a while (a SUB socket misses what is published before it has joined).
+    let script = format!(
+        r#"
+import json, time, zmq
+frames = {{f["name"]: bytes.fromhex(f["payload_hex"]) for f in json.load(open({golden:?}))["frames"]}}
+pub = zmq.Context().socket(zmq.PUB)
+pub.bind("tcp://127.0.0.1:{port}")
+for seq, name in ((1, "map-events/bytes-hashes"), (2, "map-events/int-hashes")):
+    end = time.time() + 3
+    while time.time() < end:
+        pub.send_multipart([b"", seq.to_bytes(8, "big"), frames[name]])
+        time.sleep(0.05)
+"#
+    );
+    let mut publisher =
+        std::process::Command::new(py).arg("-c").arg(script).spawn().expect("python publisher");
+    let scheme = HashScheme::new(16, 5);
+    let tokens: Vec<u32> = (1000..1032).collect();
+    let want = BlockHasher::new(&scheme, &ExtraKeys::none()).hash_blocks(&tokens);
+    // The pod's exact set as the subscriber leaves it, and how many clears it saw.
+    type Seen = (HashSet<BlockHash>, usize);
+    let set: Arc<Mutex<Seen>> = Arc::default();
+    let sink = set.clone();
+    let task = tokio::spawn(follow(format!("tcp://127.0.0.1:{port}"), String::new(), scheme, move |d| {
+        let mut s = sink.lock().expect("set");
+        if d.cleared {
+            s.0.clear();
+            s.1 += 1;
+        }
+        for (h, held) in d.changes {
+            if held {
+                s.0.insert(h);
+            } else {
+                s.0.remove(&h);
+            }
+        }
+    }));
+    let wait = |cond: &dyn Fn(&Seen) -> bool| {
+        let start = std::time::Instant::now();
+        while start.elapsed() < std::time::Duration::from_secs(15) {
+            if cond(&set.lock().expect("set")) {
+                return true;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        false
+    };
+    assert!(
+        tokio::task::block_in_place(|| wait(&|s| s.0 == HashSet::from([want[0], want[1]]))),
+        "after batch 1 the pod holds both blocks (the removal was of copies in CPU memory): {:?}",
+        set.lock().expect("set").0
+    );
+    assert!(
+        tokio::task::block_in_place(|| wait(&|s| s.0.is_empty() && s.1 >= 1)),
+        "batch 2 ends with everything cleared"
+    );
+    task.abort();
+    let _ = publisher.kill();
+    let _ = publisher.wait();
+}

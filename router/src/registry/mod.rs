@@ -329,10 +329,11 @@ impl Registry {
                 summary: self.summary(w, Tier::Device, now),
                 host_summary: self.summary(w, Tier::Host, now),
                 disk_summary: self.summary(w, Tier::Disk, now),
-                overlay_matched_blocks: w
-                    .overlay
-                    .matched(hashes, now)
-                    .max(w.approx.as_ref().map_or(0, |a| a.matched(hashes))),
+                overlay_matched_blocks: w.overlay.matched(hashes, now).max(match (&w.exact, &w.approx) {
+                    (Some(e), _) => hashes.iter().take_while(|h| e.contains(h)).count(),
+                    (None, Some(a)) => a.matched(hashes),
+                    (None, None) => 0,
+                }),
                 load: w.load(),
                 sessions: w.sessions.active(),
                 holds_session: session.is_some_and(|k| w.sessions.holds(k, now)),
@@ -471,6 +472,28 @@ impl Registry {
             }
             None => false,
         }
+    }
+
+    /// Applies a change to the exact set of blocks the worker at `url` holds (from its KV events; `cleared`: drop
+    /// everything first, then each `(hash, held)` in order); the set then replaces the approximate index. `false`
+    /// if no worker has this URL.
+    pub fn apply_exact(&mut self, url: &str, cleared: bool, changes: &[(BlockHash, bool)]) -> bool {
+        /// Most blocks one exact set holds (as the event index).
+        const MAX_EXACT_BLOCKS: usize = 1 << 22;
+        let url = url.trim_end_matches('/');
+        let Some(w) = self.workers.iter_mut().find(|w| w.url == url) else { return false };
+        let set = w.exact.get_or_insert_with(Default::default);
+        if cleared {
+            set.clear();
+        }
+        for (h, held) in changes {
+            if !held {
+                set.remove(h);
+            } else if set.len() < MAX_EXACT_BLOCKS {
+                set.insert(*h);
+            }
+        }
+        true
     }
 
     /// Takes a static worker out (refused when identified: it must never serve); `false` if none has this URL.

@@ -281,3 +281,32 @@ fn another_replicas_send_counts_as_load_and_overlay_until_the_next_report() {
     bad.points = vec![BlockHash(1); SharedSend::MAX_POINTS + 1];
     assert!(!bad.valid());
 }
+
+#[test]
+fn pods_without_reports_match_by_their_approximate_index_or_their_events() {
+    let mut r = Registry::new(RegistryConfig { overlay_ttl: Duration::from_millis(10), ..cfg() });
+    let t0 = Instant::now();
+    let later = t0 + Duration::from_secs(5);
+    let h = hashes();
+    r.add_static("http://pod-a:8000/");
+    r.identify("http://pod-a:8000", "pod-a", "m", 0);
+    assert!(r.track_sends("http://pod-a:8000", 100));
+    assert!(!r.track_sends("http://nowhere:1", 100));
+    let t = r.record_sent(0, &h, 64, t0);
+    r.record_done(t);
+    // The overlay has expired; the approximate index still remembers.
+    assert_eq!(r.views("m", &h, None, later).0[0].overlay_matched_blocks, 4);
+    // Events replace the guess: the pod holds the first two blocks only, then a clear.
+    assert!(r.apply_exact(
+        "http://pod-a:8000",
+        false,
+        &[(h[0], true), (h[1], true), (h[2], true), (h[2], false)]
+    ));
+    assert_eq!(r.views("m", &h, None, later).0[0].overlay_matched_blocks, 2);
+    r.apply_exact("http://pod-a:8000", true, &[]);
+    assert_eq!(r.views("m", &h, None, later).0[0].overlay_matched_blocks, 0);
+    assert!(!r.apply_exact("http://nowhere:1", false, &[]));
+    // A refused static worker leaves the registry.
+    assert!(r.remove_static("http://pod-a:8000/"));
+    assert!(r.workers().is_empty());
+}

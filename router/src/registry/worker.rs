@@ -161,6 +161,8 @@ pub struct Worker {
     pub overlay: Overlay,
     /// For a pod that sends no reports: what this gateway sent it, as its LRU would keep it (`approx.rs`).
     pub approx: Option<super::approx::ApproxIndex>,
+    /// For a pod whose KV events this gateway follows: the kvgate hashes it holds, exactly (replaces `approx`).
+    pub exact: Option<std::collections::HashSet<kvgate_shared::hashing::BlockHash>>,
     pub sessions: Sessions,
     pub counters: WorkerCounters,
 }
@@ -187,6 +189,7 @@ impl Worker {
             sent_tokens_since_report: 0,
             overlay: Overlay::default(),
             approx: None,
+            exact: None,
             sessions: Sessions::default(),
             counters: WorkerCounters::default(),
         }

@@ -1,0 +1,120 @@
+//! Follows the KV events of vLLM (or SGLang) pods (`[[models]]` entries with `kv-events-port`): one task per pod
+//! holds a ZMQ SUB connection to `tcp://<pod host>:<port>`, decodes each batch (`vllm_events`), applies it to the
+//! pod's exact index (`vllm_index`) and hands the change to the registry, whose exact set then gives the pod's
+//! prefix match instead of the approximate index. A gap in the sequence numbers or a lost connection clears the
+//! pod's index (what it missed might have been removals); a frame that does not decode is counted and skipped.
+//! Metric: `kvgate_gateway_kv_events_total{result}` (`ok`, `gap`, `reconnect`, and the decode errors' kinds).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use kvgate_shared::hashing::HashScheme;
+use zeromq::{Socket, SocketRecv, SubSocket};
+
+use crate::vllm_events::decode_frames;
+use crate::vllm_index::{Applied, Delta, EventIndex};
+
+/// How long to wait before connecting again after a failure.
+pub const RECONNECT_DELAY: Duration = Duration::from_secs(1);
+
+fn count(result: &'static str) {
+    metrics::counter!("kvgate_gateway_kv_events_total", "result" => result).increment(1);
+}
+
+/// `tcp://<host of base_url>:<port>`, or `None` for a URL without a host.
+pub fn endpoint(base_url: &str, port: u16) -> Option<String> {
+    let rest = base_url.split_once("://").map_or(base_url, |(_, r)| r);
+    let authority = rest.split('/').next().unwrap_or("");
+    let host = match authority.strip_prefix('[') {
+        Some(v6) => format!("[{}]", v6.split(']').next().unwrap_or("")),
+        None => authority.rsplit_once(':').map_or(authority, |(h, _)| h).to_owned(),
+    };
+    (!host.is_empty() && host != "[]").then(|| format!("tcp://{host}:{port}"))
+}
+
+/// Follows one pod's events forever: `on_change` gets every change of its exact set (a clear first when the index
+/// was reset). Returns only if the endpoint is invalid.
+pub async fn follow(endpoint: String, topic: String, scheme: HashScheme, mut on_change: impl FnMut(Delta)) {
+    let mut ix = EventIndex::new(&scheme);
+    loop {
+        let mut sock = SubSocket::new();
+        // Subscribed before connecting: the subscription then goes out with the handshake.
+        let connected = async {
+            sock.subscribe(&topic).await?;
+            sock.connect(&endpoint).await
+        };
+        if let Err(e) = connected.await {
+            tracing::debug!(%endpoint, error = %e, "KV events: cannot connect yet");
+            tokio::time::sleep(RECONNECT_DELAY).await;
+            continue;
+        }
+        tracing::info!(%endpoint, "following KV events");
+        loop {
+            let msg = match sock.recv().await {
+                Ok(m) => m,
+                Err(e) => {
+                    tracing::warn!(%endpoint, error = %e, "KV events: connection lost; the pod's index is cleared");
+                    count("reconnect");
+                    ix.clear();
+                    on_change(ix.take_delta());
+                    break;
+                }
+            };
+            let parts: Vec<&[u8]> = msg.iter().map(|b| b.as_ref()).collect();
+            let (seq, batch) = match decode_frames(&parts) {
+                Ok(x) => x,
+                Err(e) => {
+                    tracing::warn!(%endpoint, error = %e, "KV events: a frame skipped");
+                    count(e.kind());
+                    continue;
+                }
+            };
+            if let Applied::Gap { expected, got } = ix.apply(seq, &batch) {
+                // Removals may have been missed: start again from this batch.
+                tracing::warn!(%endpoint, expected, got, "KV events: batches missed; the pod's index is cleared");
+                count("gap");
+                ix.clear();
+                ix.apply(seq, &batch);
+            } else {
+                count("ok");
+            }
+            let delta = ix.take_delta();
+            if !delta.is_empty() {
+                on_change(delta);
+            }
+        }
+        tokio::time::sleep(RECONNECT_DELAY).await;
+    }
+}
+
+/// Starts following every configured pod's events (on the calling runtime).
+pub fn spawn_all(state: &Arc<crate::state::GatewayState>) {
+    for m in &state.cfg.models {
+        let Some(port) = m.kv_events_port else { continue };
+        let Some(tok) = state.tokenizer(&m.name) else { continue };
+        for url in &m.workers {
+            let Some(ep) = endpoint(url, port) else {
+                tracing::error!(%url, "KV events: no host in the worker URL");
+                continue;
+            };
+            let (s, url, scheme, topic) = (state.clone(), url.clone(), tok.scheme, m.kv_events_topic.clone());
+            tokio::spawn(follow(ep, topic, scheme, move |d: Delta| {
+                s.registry().apply_exact(&url, d.cleared, &d.changes);
+            }));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_endpoint_is_the_pods_host_at_the_events_port() {
+        assert_eq!(endpoint("http://10.0.0.7:8000", 5557).as_deref(), Some("tcp://10.0.0.7:5557"));
+        assert_eq!(endpoint("http://vllm-0.vllm:8000/", 5557).as_deref(), Some("tcp://vllm-0.vllm:5557"));
+        assert_eq!(endpoint("http://[::1]:8000", 5557).as_deref(), Some("tcp://[::1]:5557"));
+        assert_eq!(endpoint("http://host", 1).as_deref(), Some("tcp://host:1"));
+        assert_eq!(endpoint("http://", 1), None);
+    }
+}
