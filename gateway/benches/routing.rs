@@ -3,7 +3,7 @@
 
 use criterion::{criterion_group, criterion_main, Criterion};
 use kvgate_gateway::routing::{
-    ring, CacheAware, Load, RequestView, Ring, RoutingPolicy, Weights, WorkerView,
+    ring, CacheAware, Load, PrefixSignal, RequestView, Ring, RoutingPolicy, Weights, WorkerView,
 };
 use kvgate_shared::hashing::{BlockHasher, ExtraKeys, HashScheme};
 use kvgate_shared::report::{BlockBloom, CacheSummary};
@@ -49,6 +49,7 @@ fn bench(c: &mut Criterion) {
                     host_summary: None,
                     disk_summary: None,
                     overlay_matched_blocks: 0,
+                    prefix_signal: PrefixSignal::Report,
                     load: Load { pending_tokens: i as u64 * 100, requests: 1 },
                     sessions: 0,
                     holds_session: false,
@@ -74,6 +75,7 @@ fn bench(c: &mut Criterion) {
             host_summary: None,
             disk_summary: None,
             overlay_matched_blocks: 0,
+            prefix_signal: PrefixSignal::Report,
             load: Load::default(),
             sessions: 0,
             holds_session: false,

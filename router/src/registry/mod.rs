@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 use kvgate_shared::hashing::BlockHash;
 use kvgate_shared::report::{CacheSummary, Tier, WorkerReport};
 
-use crate::routing::{Ring, WorkerView};
+use crate::routing::{PrefixSignal, Ring, WorkerView};
 
 pub use worker::{Fault, Overlay, Sessions, Worker, WorkerCounters, WorkerStatus};
 
@@ -327,6 +327,12 @@ impl Registry {
                 id: &w.id,
                 healthy: self.healthy(w, now),
                 summary: self.summary(w, Tier::Device, now),
+                prefix_signal: match (&w.exact, &w.approx) {
+                    _ if self.summary(w, Tier::Device, now).is_some() => PrefixSignal::Report,
+                    (Some(_), _) => PrefixSignal::Events,
+                    (None, Some(_)) => PrefixSignal::Approximate,
+                    (None, None) => PrefixSignal::Overlay,
+                },
                 host_summary: self.summary(w, Tier::Host, now),
                 disk_summary: self.summary(w, Tier::Disk, now),
                 overlay_matched_blocks: w.overlay.matched(hashes, now).max(match (&w.exact, &w.approx) {

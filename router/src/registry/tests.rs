@@ -296,6 +296,7 @@ fn pods_without_reports_match_by_their_approximate_index_or_their_events() {
     r.record_done(t);
     // The overlay has expired; the approximate index still remembers.
     assert_eq!(r.views("m", &h, None, later).0[0].overlay_matched_blocks, 4);
+    assert_eq!(r.views("m", &h, None, later).0[0].prefix_signal, crate::routing::PrefixSignal::Approximate);
     // Events replace the guess: the pod holds the first two blocks only, then a clear.
     assert!(r.apply_exact(
         "http://pod-a:8000",
@@ -303,6 +304,7 @@ fn pods_without_reports_match_by_their_approximate_index_or_their_events() {
         &[(h[0], true), (h[1], true), (h[2], true), (h[2], false)]
     ));
     assert_eq!(r.views("m", &h, None, later).0[0].overlay_matched_blocks, 2);
+    assert_eq!(r.views("m", &h, None, later).0[0].prefix_signal, crate::routing::PrefixSignal::Events);
     r.apply_exact("http://pod-a:8000", true, &[]);
     assert_eq!(r.views("m", &h, None, later).0[0].overlay_matched_blocks, 0);
     assert!(!r.apply_exact("http://nowhere:1", false, &[]));

@@ -237,6 +237,7 @@ impl RoutingPolicy for CacheAware {
                 healthy: wk.healthy,
                 matched_blocks: matched,
                 tiers,
+                prefix_signal: wk.prefix_signal,
                 matched_fraction,
                 ring: ring_term,
                 load: wk.load,

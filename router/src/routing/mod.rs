@@ -72,13 +72,31 @@ pub struct WorkerView<'a> {
     /// The same of the lower tiers the worker reports: host DRAM, SSD (`None`: no such tier, or no summary).
     pub host_summary: Option<&'a CacheSummary>,
     pub disk_summary: Option<&'a CacheSummary>,
-    /// Leading blocks this gateway routed to the worker since its last report (the overlay).
+    /// Leading blocks this gateway routed to the worker since its last report (the overlay), or, for a pod that
+    /// sends no reports, what its approximate index or its KV events say it holds.
     pub overlay_matched_blocks: usize,
+    /// Where the prefix term's knowledge of this worker comes from (explain shows it).
+    pub prefix_signal: PrefixSignal,
     pub load: Load,
     /// Conversations routed here recently (`registry::Sessions`).
     pub sessions: usize,
     /// The request's conversation is one of them.
     pub holds_session: bool,
+}
+
+/// Where a worker's prefix match comes from.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PrefixSignal {
+    /// A kvgate worker's report (Bloom summaries), plus what this gateway routed since.
+    Report,
+    /// A pod's KV events (an exact set of its blocks).
+    Events,
+    /// This gateway's approximate index of what it sent the pod.
+    Approximate,
+    /// Only what this gateway routed within `--overlay-ttl` (no fresh report, no index).
+    #[default]
+    Overlay,
 }
 
 /// Leading blocks of a request a worker holds, by the tier they would come from (cumulative: `device <=
@@ -197,6 +215,8 @@ pub struct ScoreTerms {
     pub matched_blocks: usize,
     /// The same by tier.
     pub tiers: TierMatch,
+    /// Where the match comes from.
+    pub prefix_signal: PrefixSignal,
     /// Credited blocks (tier credits applied, a cheap shared prefix taken off) over the request's blocks.
     pub matched_fraction: f64,
     /// 1 primary, 0.5 backup, 0 otherwise.

@@ -34,6 +34,7 @@ fn views<'a>(summaries: &'a [Option<CacheSummary>], loads: &[u64], healthy: &[bo
             host_summary: None,
             disk_summary: None,
             overlay_matched_blocks: 0,
+            prefix_signal: PrefixSignal::Report,
             load: Load { pending_tokens: loads[i], requests: 0 },
             sessions: 0,
             holds_session: false,
