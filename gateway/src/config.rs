@@ -259,6 +259,14 @@ pub struct ModelSpec {
     /// The topic to subscribe to (vLLM's `topic`). Default "" (all).
     #[serde(default)]
     pub kv_events_topic: String,
+    /// For `vllm` and `sglang` pools: read each pod's queue from its `/metrics` once a second (`scrape.rs`).
+    /// Default true.
+    #[serde(default = "default_true")]
+    pub scrape_metrics: bool,
+}
+
+fn default_true() -> bool {
+    true
 }
 
 fn default_kv_tokens() -> usize {
@@ -284,6 +292,7 @@ impl std::str::FromStr for ModelSpec {
             kv_tokens: default_kv_tokens(),
             kv_events_port: None,
             kv_events_topic: String::new(),
+            scrape_metrics: true,
         })
     }
 }

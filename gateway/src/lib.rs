@@ -27,6 +27,7 @@ pub mod persist;
 pub mod prepare;
 pub mod proxy;
 pub mod request;
+pub mod scrape;
 pub mod shared_state;
 pub mod state;
 pub mod tokenize;

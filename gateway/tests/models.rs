@@ -152,3 +152,94 @@ async fn a_plain_pods_prefix_is_remembered_by_the_approximate_index_up_to_its_ca
     let routes = routes_after_the_overlay_expires(0).await;
     assert_ne!(routes[2], "prefix", "{routes:?}");
 }
+
+/// A stand-in for a vLLM pod (vLLM does not run here): answers chat completions with a canned reply and serves a
+/// Prometheus page whose queue gauges say `waiting` requests.
+fn fake_vllm(py: &std::ffi::OsStr, waiting: u32) -> (std::process::Child, String) {
+    let port = free_port();
+    let script = format!(
+        r#"
+import json
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+METRICS = ('# TYPE vllm:num_requests_waiting gauge\n'
+           'vllm:num_requests_waiting{{engine="0",model_name="m"}} {waiting}.0\n'
+           'vllm:num_requests_running{{engine="0",model_name="m"}} 1.0\n').encode()
+class H(BaseHTTPRequestHandler):
+    def log_message(self, *a): pass
+    def reply(self, code, body, ctype):
+        self.send_response(code); self.send_header("content-type", ctype)
+        self.send_header("content-length", str(len(body))); self.end_headers(); self.wfile.write(body)
+    def do_GET(self):
+        if self.path == "/metrics": self.reply(200, METRICS, "text/plain; version=0.0.4")
+        else: self.reply(200, b'{{"status":"ok"}}', "application/json")
+    def do_POST(self):
+        self.rfile.read(int(self.headers.get("content-length", 0)))
+        body = {{"id": "c", "object": "chat.completion", "created": 0, "model": "m",
+                "choices": [{{"index": 0, "message": {{"role": "assistant", "content": "ok"}}, "finish_reason": "stop"}}],
+                "usage": {{"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}}}
+        self.reply(200, json.dumps(body).encode(), "application/json")
+ThreadingHTTPServer(("127.0.0.1", {port}), H).serve_forever()
+"#
+    );
+    let child = std::process::Command::new(py).arg("-c").arg(script).spawn().expect("python pod");
+    (child, format!("http://127.0.0.1:{port}"))
+}
+
+#[tokio::test]
+async fn scraped_queues_steer_requests_away_from_a_busy_vllm_pod() {
+    let Some(py) = std::env::var_os("KVGATE_PYTHON") else {
+        assert!(std::env::var_os("CI").is_none(), "CI needs KVGATE_PYTHON for this test");
+        eprintln!("skipped: KVGATE_PYTHON is not set (run ./scripts/test.sh)");
+        return;
+    };
+    let dir = tempfile::tempdir().expect("tmp");
+    let synth = dir.path().join("tiny");
+    drop(worker("warm", &synth, None, &[])); // writes the model's tokenizer
+    let (mut busy, busy_url) = fake_vllm(&py, 40);
+    let (mut idle, idle_url) = fake_vllm(&py, 0);
+    let scraped = sent_to(dir.path(), &synth, &busy_url, &idle_url, true).await;
+    let blind = sent_to(dir.path(), &synth, &busy_url, &idle_url, false).await;
+    let _ = (busy.kill(), idle.kill());
+    let _ = (busy.wait(), idle.wait());
+    assert_eq!(scraped, 12, "every new conversation goes to the pod whose metrics show no queue");
+    assert!(blind < 12, "without the metrics the ring spreads them: {blind} of 12 to the idle pod");
+}
+
+/// Twelve new conversations through a gateway in front of `busy` and `idle` (scraping their metrics or not): how
+/// many went to `idle`.
+async fn sent_to(
+    dir: &std::path::Path,
+    synth: &std::path::Path,
+    busy: &str,
+    idle: &str,
+    scrape: bool,
+) -> usize {
+    let path = dir.join(format!("gateway-{scrape}.toml"));
+    let config = format!(
+        "[[models]]\nname = {MODEL:?}\ntokenizer = {:?}\nkind = \"vllm\"\nkv-tokens = 0\nscrape-metrics = {scrape}\n\
+         workers = [{busy:?}, {idle:?}]\n",
+        synth.display().to_string()
+    );
+    std::fs::write(&path, config).expect("config");
+    let (g, control) = gateway(&["--config", &path.display().to_string()]);
+    if scrape {
+        // Both pods scraped at least once.
+        wait_until(std::time::Duration::from_secs(10), || async {
+            let m = get(&format!("{control}/metrics")).await.body;
+            metric(&m, "kvgate_gateway_scrapes_total{result=\"ok\"}").unwrap_or(0.0) >= 2.0
+        })
+        .await;
+    }
+    let mut to_idle = 0;
+    for i in 0..12 {
+        let body = json!({"model": MODEL, "max_tokens": 1,
+            "messages": [{"role": "user", "content": format!("question number {i} about something else")}]});
+        let session = format!("s{i}");
+        let r = post(&format!("{}/v1/chat/completions", g.base), &body, &[("x-session-id", &session)]).await;
+        assert_eq!(r.status, 200, "{}", r.body);
+        if r.header("x-kvgate-worker") == idle {
+            to_idle += 1;
+        }
+    }
+    to_idle
+}

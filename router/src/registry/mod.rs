@@ -20,7 +20,7 @@ mod worker;
 use std::time::{Duration, Instant};
 
 use kvgate_shared::hashing::BlockHash;
-use kvgate_shared::report::{CacheSummary, Tier, WorkerReport};
+use kvgate_shared::report::{CacheSummary, QueueStats, Tier, WorkerReport};
 
 use crate::routing::{PrefixSignal, Ring, WorkerView};
 
@@ -372,6 +372,8 @@ impl Registry {
         w.sent_requests_since_report += 1;
         w.sent_tokens_since_report += uncached_tokens;
         w.overlay.insert(hashes, now + ttl, now);
+        let t = uncached_tokens as f64;
+        w.mean_sent_tokens = if w.mean_sent_tokens == 0.0 { t } else { 0.9 * w.mean_sent_tokens + 0.1 * t };
         if let Some(a) = w.approx.as_mut() {
             a.touch(hashes);
         }
@@ -499,6 +501,25 @@ impl Registry {
                 set.insert(*h);
             }
         }
+        true
+    }
+
+    /// Takes the queue scraped from the metrics of the pod at `url` (one that sends no reports): like a report's
+    /// queue, it replaces what this gateway counted as sent since the last one; its waiting requests are priced at
+    /// the mean uncached tokens of the requests sent there. `false` if no worker has this URL, or it reports.
+    pub fn set_scraped(&mut self, url: &str, waiting: u32, running: u32) -> bool {
+        let url = url.trim_end_matches('/');
+        let Some(w) = self.workers.iter_mut().find(|w| w.url == url && w.report.is_none()) else {
+            return false;
+        };
+        w.scraped = Some(QueueStats {
+            waiting_requests: waiting,
+            prefill_tokens: (f64::from(waiting) * w.mean_sent_tokens) as u64,
+            running_requests: running,
+        });
+        w.epoch += 1;
+        w.sent_requests_since_report = 0;
+        w.sent_tokens_since_report = 0;
         true
     }
 

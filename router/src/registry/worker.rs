@@ -163,6 +163,10 @@ pub struct Worker {
     pub approx: Option<super::approx::ApproxIndex>,
     /// For a pod whose KV events this gateway follows: the kvgate hashes it holds, exactly (replaces `approx`).
     pub exact: Option<std::collections::HashSet<kvgate_shared::hashing::BlockHash>>,
+    /// For a pod that sends no reports: its queue as last scraped from its metrics (`Registry::set_scraped`).
+    pub scraped: Option<kvgate_shared::report::QueueStats>,
+    /// Moving average of the uncached prompt tokens of the requests sent here (prices a scraped queue in tokens).
+    pub mean_sent_tokens: f64,
     pub sessions: Sessions,
     pub counters: WorkerCounters,
 }
@@ -190,6 +194,8 @@ impl Worker {
             overlay: Overlay::default(),
             approx: None,
             exact: None,
+            scraped: None,
+            mean_sent_tokens: 0.0,
             sessions: Sessions::default(),
             counters: WorkerCounters::default(),
         }
@@ -209,7 +215,7 @@ impl Worker {
 
     /// Load as this gateway sees it: the last report plus the sends since.
     pub fn load(&self) -> Load {
-        let q = self.report.as_ref().map(|r| r.queue).unwrap_or_default();
+        let q = self.report.as_ref().map(|r| r.queue).or(self.scraped).unwrap_or_default();
         Load {
             pending_tokens: q.prefill_tokens + self.sent_tokens_since_report,
             requests: u64::from(q.waiting_requests)
