@@ -263,6 +263,10 @@ pub struct ModelSpec {
     /// Default true.
     #[serde(default = "default_true")]
     pub scrape_metrics: bool,
+    /// `NAME:PORT` of a headless Service (or any name): its A/AAAA records, resolved every 5 s
+    /// (`discovery.rs`), are the pool's pods, `http://<address>:<PORT>`, besides `workers`. Default none.
+    #[serde(default)]
+    pub discover: Option<String>,
 }
 
 fn default_true() -> bool {
@@ -293,6 +297,7 @@ impl std::str::FromStr for ModelSpec {
             kv_events_port: None,
             kv_events_topic: String::new(),
             scrape_metrics: true,
+            discover: None,
         })
     }
 }
@@ -523,6 +528,15 @@ impl GatewayConfig {
             }
             if m.kv_events_port.is_some() && !matches!(m.kind, WorkerKind::Vllm | WorkerKind::Sglang) {
                 p.push(format!("model {:?}: kv-events-port needs kind vllm or sglang", m.name));
+            }
+            if let Some(d) = &m.discover {
+                if d.rsplit_once(':')
+                    .and_then(|(h, p)| (!h.is_empty()).then_some(p))
+                    .and_then(|p| p.parse::<u16>().ok())
+                    .is_none()
+                {
+                    p.push(format!("model {:?}: discover {d:?} is not NAME:PORT", m.name));
+                }
             }
             if m.kv_tokens > 16 << 20 {
                 p.push(format!("model {:?}: kv-tokens {} is over 16,777,216", m.name, m.kv_tokens));

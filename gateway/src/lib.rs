@@ -20,6 +20,7 @@ pub mod admin;
 pub mod auth;
 pub mod config;
 pub mod control;
+pub mod discovery;
 pub mod errors;
 pub mod keys;
 pub mod listener;

@@ -111,6 +111,7 @@ fn main() -> ExitCode {
                 tokio::spawn(kvgate_gateway::control::upkeep(control_state.clone()));
                 kvgate_gateway::vllm_subscriber::spawn_all(&control_state);
                 kvgate_gateway::scrape::spawn_all(&control_state);
+                kvgate_gateway::discovery::spawn_all(&control_state);
                 tokio::spawn(kvgate_gateway::shared_state::sync::run(control_state.clone()));
                 tokio::spawn(kvgate_gateway::shared_state::budgets::run(control_state.clone()));
                 let app = kvgate_gateway::control::router(control_state, queue)

@@ -91,31 +91,40 @@ async fn scrape_once(
     parse(text, names).ok_or("no_series")
 }
 
-/// Scrapes every configured pod with known metrics, forever (on the calling runtime).
+/// Scrapes every configured static pod with known metrics, forever (on the calling runtime).
 pub fn spawn_all(state: &Arc<GatewayState>) {
-    for m in state.cfg.models.iter().filter(|m| m.scrape_metrics) {
-        let Some(names) = metric_names(m.kind) else { continue };
+    for m in &state.cfg.models {
         for url in &m.workers {
-            let (s, url) = (state.clone(), url.clone());
-            tokio::spawn(async move {
-                let mut tick = tokio::time::interval(SCRAPE_INTERVAL);
-                tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-                loop {
-                    tick.tick().await;
-                    match scrape_once(&s, &url, names).await {
-                        Ok(q) => {
-                            s.registry().set_scraped(&url, q.waiting, q.running);
-                            count("ok");
-                        }
-                        Err(why) => {
-                            tracing::debug!(%url, why, "metrics scrape failed");
-                            count(why);
-                        }
-                    }
-                }
-            });
+            spawn_pod(state, m, url);
         }
     }
+}
+
+/// Scrapes one pod of `model`'s pool once a second until the task is aborted (`None`: nothing to scrape).
+pub fn spawn_pod(
+    state: &Arc<GatewayState>,
+    model: &crate::config::ModelSpec,
+    url: &str,
+) -> Option<tokio::task::JoinHandle<()>> {
+    let names = metric_names(model.kind).filter(|_| model.scrape_metrics)?;
+    let (s, url) = (state.clone(), url.to_owned());
+    Some(tokio::spawn(async move {
+        let mut tick = tokio::time::interval(SCRAPE_INTERVAL);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            match scrape_once(&s, &url, names).await {
+                Ok(q) => {
+                    s.registry().set_scraped(&url, q.waiting, q.running);
+                    count("ok");
+                }
+                Err(why) => {
+                    tracing::debug!(%url, why, "metrics scrape failed");
+                    count(why);
+                }
+            }
+        }
+    }))
 }
 
 #[cfg(test)]

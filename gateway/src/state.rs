@@ -18,7 +18,7 @@ use kvgate_shared::prompt::{Prompter, TokenizerFiles};
 use metrics_exporter_prometheus::PrometheusHandle;
 
 use crate::admission::Admission;
-use crate::config::{GatewayConfig, WorkerKind};
+use crate::config::{GatewayConfig, ModelSpec, WorkerKind};
 use crate::keys::KeyTable;
 use crate::registry::{Registry, RegistryConfig, SharedSend};
 use crate::route::Router;
@@ -68,6 +68,18 @@ pub struct GatewayState {
     drains: RwLock<(Vec<String>, u64)>,
 }
 
+/// Adds a pod of `m`'s pool as a static worker: one that is not a kvgate worker is identified at once (its id is
+/// its URL) and gets its approximate index.
+pub fn enroll(registry: &mut Registry, m: &ModelSpec, url: &str) {
+    registry.add_static(url);
+    if m.kind != WorkerKind::Kvgate {
+        registry.identify(url, url.trim_end_matches('/'), &m.name, 0);
+        if m.kv_tokens > 0 {
+            registry.track_sends(url, m.kv_tokens.div_ceil(m.block_size as usize));
+        }
+    }
+}
+
 impl GatewayState {
     pub fn new(cfg: GatewayConfig, prometheus: PrometheusHandle) -> Result<Self, String> {
         let policy = policy_by_name(&cfg.policy, cfg.weights)
@@ -104,13 +116,7 @@ impl GatewayState {
             tracing::info!(model = %m.name, kind = ?m.kind, fingerprint = scheme.fingerprint(), "tokenizer loaded from {}", m.tokenizer.display());
             tokenizers.insert(m.name.clone(), Arc::new(ModelTokenizer { prompter, scheme }));
             for w in &m.workers {
-                registry.add_static(w);
-                if m.kind != WorkerKind::Kvgate {
-                    registry.identify(w, w.trim_end_matches('/'), &m.name, 0);
-                    if m.kv_tokens > 0 {
-                        registry.track_sends(w, m.kv_tokens.div_ceil(m.block_size as usize));
-                    }
-                }
+                enroll(&mut registry, m, w);
             }
         }
         // Admin changes persisted by an earlier run win over the configuration.

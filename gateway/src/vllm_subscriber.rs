@@ -87,22 +87,32 @@ pub async fn follow(endpoint: String, topic: String, scheme: HashScheme, mut on_
     }
 }
 
-/// Starts following every configured pod's events (on the calling runtime).
+/// Starts following every configured static pod's events (on the calling runtime).
 pub fn spawn_all(state: &Arc<crate::state::GatewayState>) {
     for m in &state.cfg.models {
-        let Some(port) = m.kv_events_port else { continue };
-        let Some(tok) = state.tokenizer(&m.name) else { continue };
         for url in &m.workers {
-            let Some(ep) = endpoint(url, port) else {
-                tracing::error!(%url, "KV events: no host in the worker URL");
-                continue;
-            };
-            let (s, url, scheme, topic) = (state.clone(), url.clone(), tok.scheme, m.kv_events_topic.clone());
-            tokio::spawn(follow(ep, topic, scheme, move |d: Delta| {
-                s.registry().apply_exact(&url, d.cleared, &d.changes);
-            }));
+            spawn_pod(state, m, url);
         }
     }
+}
+
+/// Follows one pod of `model`'s pool until the task is aborted (`None`: the pool has no events port, or the URL
+/// no host).
+pub fn spawn_pod(
+    state: &Arc<crate::state::GatewayState>,
+    model: &crate::config::ModelSpec,
+    url: &str,
+) -> Option<tokio::task::JoinHandle<()>> {
+    let port = model.kv_events_port?;
+    let tok = state.tokenizer(&model.name)?;
+    let Some(ep) = endpoint(url, port) else {
+        tracing::error!(%url, "KV events: no host in the worker URL");
+        return None;
+    };
+    let (s, url, scheme, topic) = (state.clone(), url.to_owned(), tok.scheme, model.kv_events_topic.clone());
+    Some(tokio::spawn(follow(ep, topic, scheme, move |d: Delta| {
+        s.registry().apply_exact(&url, d.cleared, &d.changes);
+    })))
 }
 
 #[cfg(test)]

@@ -243,3 +243,33 @@ async fn sent_to(
     }
     to_idle
 }
+
+#[tokio::test]
+async fn a_pool_found_by_dns_is_routed_to() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let synth = dir.path().join("tiny");
+    let pod = worker("p0", &synth, None, &[]);
+    let port = pod.base.rsplit(':').next().expect("port").to_owned();
+    let path = dir.path().join("gateway.toml");
+    // An address literal resolves to itself: the discovery path without a DNS server.
+    std::fs::write(
+        &path,
+        format!(
+            "[[models]]\nname = {MODEL:?}\ntokenizer = {:?}\nkind = \"openai\"\ndiscover = \"127.0.0.1:{port}\"\n",
+            synth.display().to_string()
+        ),
+    )
+    .expect("config");
+    let (g, control) = gateway(&["--config", &path.display().to_string()]);
+    wait_until(std::time::Duration::from_secs(10), || async {
+        get(&format!("{control}/kvgate/v1/workers")).await.body.contains(&pod.base)
+    })
+    .await;
+    let body =
+        json!({"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": "hello there"}]});
+    let r = post(&format!("{}/v1/chat/completions", g.base), &body, &[]).await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.header("x-kvgate-worker"), pod.base);
+    let m = get(&format!("{control}/metrics")).await.body;
+    assert!(metric(&m, "kvgate_gateway_discovery_total{result=\"ok\"}").unwrap_or(0.0) >= 1.0);
+}
