@@ -145,3 +145,39 @@ async fn what_the_chart_renders_runs_on_the_real_binaries() {
     assert_eq!(r.status, 200, "{}", r.body);
     assert_eq!(r.header("x-kvgate-worker"), pod);
 }
+
+/// The chart fronting existing pods (`workers.external`): the gateway starts on the rendered `gateway.toml` and
+/// routes to a pod its discovery finds (the Service name and the tokenizer path pointed at this machine's).
+#[tokio::test]
+async fn the_charts_external_mode_runs_on_the_real_gateway() {
+    let Some(py) = python() else { return };
+    let out =
+        Command::new(py).arg(script()).args(["--render", "external-e2e"]).output().expect("python runs");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let rendered: Value = serde_json::from_slice(&out.stdout).expect("json");
+    assert_eq!(rendered["worker_args"].as_array().map(Vec::len), Some(0), "no kvgate workers deployed");
+    let dir = tempfile::tempdir().expect("tmp");
+    let synth = dir.path().join("tiny");
+    let pod = worker("pod", &synth, None, &[]);
+    let toml = rendered["gateway_toml"].as_str().expect("toml");
+    assert!(toml.contains("[[models]]") && toml.contains("discover = \"127.0.0.1:1\""), "{toml}");
+    let toml = toml
+        .replace("\"/opt/kvgate/tokenizer\"", &format!("{:?}", synth.display().to_string()))
+        .replace("127.0.0.1:1\"", &format!("127.0.0.1:{}\"", pod.port));
+    let config = dir.path().join("gateway.toml");
+    std::fs::write(&config, toml).expect("write");
+    let (g, control) = gateway(&["--config", &config.display().to_string()]);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while get(&format!("{control}/ready")).await.status != 200 {
+        assert!(Instant::now() < deadline, "the gateway never found the pod");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let r = post(
+        &format!("{}/v1/chat/completions", g.base),
+        &serde_json::json!({"model": "kvgate-tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}),
+        &[],
+    )
+    .await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.header("x-kvgate-worker"), pod.base);
+}

@@ -48,6 +48,14 @@ VALUE_SETS: dict[str, dict] = {
                                "kvSsd": {"enabled": True}}},
     "host-tier": {"workers": {"hostKvBytes": 8589934592, "kvWritePolicy": "write-through"}},
     "redis-on": {"redis": {"enabled": True}},
+    "external-vllm": {"workers": {"external": {"service": "vllm-headless.serving.svc.cluster.local", "model": "llama",
+                                               "kvEventsPort": 5557,
+                                               "tokenizer": {"pvc": {"claimName": "models", "subPath": "llama"}}}}},
+    "external-e2e": {"gateway": {"replicas": 1}, "redis": {"enabled": False},
+                     "workers": {"external": {"service": "127.0.0.1", "port": 1, "kind": "openai", "model": "kvgate-tiny",
+                                              "tokenizer": {"image": "registry/tokenizer:1"}}}},
+    "external-sglang-image": {"workers": {"external": {"service": "sglang", "port": 30000, "kind": "sglang",
+                                                       "model": "qwen", "tokenizer": {"image": "registry/qwen-tok:1"}}}},
     "dashboard": {"grafana": {"dashboard": {"enabled": True, "annotations": {"grafana_folder": "kvgate"}}}},
     "single-replica": {"gateway": {"replicas": 1}, "redis": {"enabled": False}},
     "redis-url-secret": {"redis": {"enabled": True, "mode": "external", "urlSecret": "redis-auth"}},
@@ -94,6 +102,9 @@ BAD_VALUES: dict[str, tuple[dict, str]] = {
     "unknown write policy": ({"workers": {"hostKvBytes": 1, "kvWritePolicy": "later"}}, "kvWritePolicy"),
     "host tier on gpu workers": ({"workers": {"hostKvBytes": 1024, "gpu": {"count": 1}}}, "hostKvBytes"),
     "ssd tier on gpu workers": ({"workers": {"kvSsd": {"enabled": True}, "gpu": {"count": 1}}}, "kvSsd"),
+    "external pods without a model": ({"workers": {"external": {"service": "vllm", "tokenizer": {"image": "t"}}}}, "model"),
+    "external pods without a tokenizer": ({"workers": {"external": {"service": "vllm", "model": "m"}}}, "tokenizer"),
+    "events from openai pods": ({"workers": {"external": {"kind": "openai", "kvEventsPort": 5557}}}, "kvEventsPort"),
 }
 
 chart = helm.Chart.load(str(CHART))
@@ -123,7 +134,8 @@ if RENDER:
 
     docs = render(RENDER, deep_merge(defaults, VALUE_SETS[RENDER]))
     cm = find(docs, "ConfigMap", "-gateway")[0]
-    worker = find(docs, "StatefulSet")[0]["spec"]["template"]["spec"]["containers"][0]
+    sts = find(docs, "StatefulSet")
+    worker = sts[0]["spec"]["template"]["spec"]["containers"][0] if sts else {"args": []}
     gateway = find(docs, "Deployment", "-gateway")[0]["spec"]["template"]["spec"]["containers"][0]
     print(json.dumps({"gateway_toml": cm["data"]["gateway.toml"], "gateway_args": gateway["args"],
                       "worker_args": worker["args"]}))
@@ -180,8 +192,25 @@ for name, extra in VALUE_SETS.items():
             check(len(base64.b64decode(secrets[0]["data"]["report-secret"])) == 40, f"{name}: generated report secret")
     secret_name = values["secrets"]["existingSecret"] or "kv-kvgate-secrets"
     sts = find(docs, "StatefulSet")
-    check(len(sts) == 1, f"{name}: one worker StatefulSet")
     w = values["workers"]
+    ext = w["external"]
+    check(len(sts) == (0 if ext["service"] else 1), f"{name}: one worker StatefulSet, none when fronting pods")
+    gw_spec = find(docs, "Deployment", "-gateway")[0]["spec"]["template"]["spec"]
+    tok_vols = [v for v in gw_spec["volumes"] if v["name"] == "tokenizer"]
+    if ext["service"]:
+        check(f'discover = "{ext["service"]}:{ext["port"]}"' in gw_toml and f'name = "{ext["model"]}"' in gw_toml
+              and 'tokenizer = "/opt/kvgate/tokenizer"' in gw_toml, f"{name}: the fronted pool in gateway.toml")
+        check(("kv-events-port" in gw_toml) == (ext["kvEventsPort"] > 0), f"{name}: KV events only when a port is set")
+        mounts = [m for m in gw_spec["containers"][0]["volumeMounts"] if m["name"] == "tokenizer"]
+        check(len(tok_vols) == 1 and len(mounts) == 1, f"{name}: the tokenizer volume is mounted")
+        inits = gw_spec.get("initContainers", [])
+        if ext["tokenizer"]["pvc"]["claimName"]:
+            check(tok_vols[0]["persistentVolumeClaim"]["claimName"] == ext["tokenizer"]["pvc"]["claimName"] and not inits,
+                  f"{name}: the tokenizer from its PVC")
+        else:
+            check(len(inits) == 1 and inits[0]["image"] == ext["tokenizer"]["image"], f"{name}: an init container copies the tokenizer")
+    else:
+        check(not tok_vols and "[[models]]" not in gw_toml, f"{name}: no fronted pool")
     if sts:
         s = sts[0]
         check(s["spec"]["replicas"] == w["replicas"], f"{name}: worker replicas follow values")
