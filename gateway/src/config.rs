@@ -256,6 +256,11 @@ pub struct ModelSpec {
     /// `tcp://<pod host>:<port>` and keeps an exact index of each pod's blocks. Default none (the approximate index).
     #[serde(default)]
     pub kv_events_port: Option<u16>,
+    /// The port of each pod's replay socket (vLLM's `replay_endpoint`, off by default there): after a gap in the
+    /// sequence numbers the missed batches are asked for there, and the index is cleared only if they cannot be
+    /// had. Default none (a gap clears the pod's index).
+    #[serde(default)]
+    pub kv_events_replay_port: Option<u16>,
     /// The topic to subscribe to (vLLM's `topic`). Default "" (all).
     #[serde(default)]
     pub kv_events_topic: String,
@@ -295,6 +300,7 @@ impl std::str::FromStr for ModelSpec {
             workers: Vec::new(),
             kv_tokens: default_kv_tokens(),
             kv_events_port: None,
+            kv_events_replay_port: None,
             kv_events_topic: String::new(),
             scrape_metrics: true,
             discover: None,

@@ -133,6 +133,12 @@ impl EventIndex {
         std::mem::take(&mut self.delta)
     }
 
+    /// The first sequence number missing before batch `seq` (`None`: `seq` follows the last one, or nothing was
+    /// applied yet, or it was applied already).
+    pub fn missing_before(&self, seq: i64) -> Option<i64> {
+        self.last_seq.filter(|last| seq > last + 1).map(|last| last + 1)
+    }
+
     /// Applies batch `seq`.
     pub fn apply(&mut self, seq: i64, batch: &EventBatch) -> Applied {
         let outcome = match self.last_seq {

@@ -2,14 +2,17 @@
 //! holds a ZMQ SUB connection to `tcp://<pod host>:<port>`, decodes each batch (`vllm_events`), applies it to the
 //! pod's exact index (`vllm_index`) and hands the change to the registry, whose exact set then gives the pod's
 //! prefix match instead of the approximate index. A gap in the sequence numbers or a lost connection clears the
-//! pod's index (what it missed might have been removals); a frame that does not decode is counted and skipped.
-//! Metric: `kvgate_gateway_kv_events_total{result}` (`ok`, `gap`, `reconnect`, and the decode errors' kinds).
+//! pod's index (what it missed might have been removals) unless the pod's replay socket (`kv-events-replay-port`)
+//! returns every missed batch; a frame that does not decode is counted and skipped.
+//! Metric: `kvgate_gateway_kv_events_total{result}` (`ok`, `stale`, `replayed`, `gap`, `reconnect`, and the decode
+//! errors' kinds).
 
 use std::sync::Arc;
 use std::time::Duration;
 
+use bytes::Bytes;
 use kvgate_shared::hashing::HashScheme;
-use zeromq::{Socket, SocketRecv, SubSocket};
+use zeromq::{DealerSocket, Socket, SocketRecv, SocketSend, SubSocket, ZmqMessage};
 
 use crate::vllm_events::decode_frames;
 use crate::vllm_index::{Applied, Delta, EventIndex};
@@ -32,9 +35,55 @@ pub fn endpoint(base_url: &str, port: u16) -> Option<String> {
     (!host.is_empty() && host != "[]").then(|| format!("tcp://{host}:{port}"))
 }
 
-/// Follows one pod's events forever: `on_change` gets every change of its exact set (a clear first when the index
-/// was reset). Returns only if the endpoint is invalid.
-pub async fn follow(endpoint: String, topic: String, scheme: HashScheme, mut on_change: impl FnMut(Delta)) {
+/// Longest a replay may take.
+pub const REPLAY_TIMEOUT: Duration = Duration::from_secs(2);
+/// Most batches one replay may bring.
+pub const MAX_REPLAYED: usize = 10_000;
+
+/// Asks `replay` for batches `first..until` and applies them; `true` if every one came, in order.
+async fn replay_into(ix: &mut EventIndex, replay: &str, first: i64, until: i64) -> bool {
+    let work = async {
+        let mut sock = DealerSocket::new();
+        sock.connect(replay).await.ok()?;
+        let request =
+            ZmqMessage::try_from(vec![Bytes::new(), Bytes::copy_from_slice(&first.to_be_bytes())]).ok()?;
+        sock.send(request).await.ok()?;
+        let mut batches = Vec::new();
+        loop {
+            let msg = sock.recv().await.ok()?;
+            // [empty delimiter, topic, sequence, payload]; the end is sequence -1.
+            let parts: Vec<&[u8]> = msg.iter().skip(1).map(|b| b.as_ref()).collect();
+            let seq = parts.get(1).and_then(|s| crate::vllm_events::sequence(s).ok())?;
+            if seq < 0 {
+                return Some(batches);
+            }
+            if batches.len() >= MAX_REPLAYED {
+                return None;
+            }
+            if seq < until {
+                batches.push(decode_frames(&parts).ok()?);
+            }
+        }
+    };
+    let Ok(Some(batches)) = tokio::time::timeout(REPLAY_TIMEOUT, work).await else { return false };
+    let complete = batches.iter().map(|(s, _)| *s).eq(first..until);
+    if complete {
+        for (s, b) in &batches {
+            ix.apply(*s, b);
+        }
+    }
+    complete
+}
+
+/// Follows one pod's events forever (`replay`: its replay endpoint, if any): `on_change` gets every change of its
+/// exact set (a clear first when the index was reset). Returns only if the endpoint is invalid.
+pub async fn follow(
+    endpoint: String,
+    replay: Option<String>,
+    topic: String,
+    scheme: HashScheme,
+    mut on_change: impl FnMut(Delta),
+) {
     let mut ix = EventIndex::new(&scheme);
     loop {
         let mut sock = SubSocket::new();
@@ -69,14 +118,24 @@ pub async fn follow(endpoint: String, topic: String, scheme: HashScheme, mut on_
                     continue;
                 }
             };
-            if let Applied::Gap { expected, got } = ix.apply(seq, &batch) {
-                // Removals may have been missed: start again from this batch.
-                tracing::warn!(%endpoint, expected, got, "KV events: batches missed; the pod's index is cleared");
-                count("gap");
-                ix.clear();
-                ix.apply(seq, &batch);
-            } else {
-                count("ok");
+            if let Some(first) = ix.missing_before(seq) {
+                // Ask the pod's replay socket for what was missed; without all of it, removals may have been lost:
+                // start again from this batch.
+                let replayed = match &replay {
+                    Some(r) => replay_into(&mut ix, r, first, seq).await,
+                    None => false,
+                };
+                if replayed {
+                    count("replayed");
+                } else {
+                    tracing::warn!(%endpoint, first, seq, "KV events: batches missed; the pod's index is cleared");
+                    count("gap");
+                    ix.clear();
+                }
+            }
+            match ix.apply(seq, &batch) {
+                Applied::Stale => count("stale"),
+                _ => count("ok"),
             }
             let delta = ix.take_delta();
             if !delta.is_empty() {
@@ -109,8 +168,9 @@ pub fn spawn_pod(
         tracing::error!(%url, "KV events: no host in the worker URL");
         return None;
     };
+    let replay = model.kv_events_replay_port.and_then(|p| endpoint(url, p));
     let (s, url, scheme, topic) = (state.clone(), url.to_owned(), tok.scheme, model.kv_events_topic.clone());
-    Some(tokio::spawn(follow(ep, topic, scheme, move |d: Delta| {
+    Some(tokio::spawn(follow(ep, replay, topic, scheme, move |d: Delta| {
         s.registry().apply_exact(&url, d.cleared, &d.changes);
     })))
 }

@@ -152,20 +152,21 @@ for seq, name in ((1, "map-events/bytes-hashes"), (2, "map-events/int-hashes")):
     type Seen = (HashSet<BlockHash>, usize);
     let set: Arc<Mutex<Seen>> = Arc::default();
     let sink = set.clone();
-    let task = tokio::spawn(follow(format!("tcp://127.0.0.1:{port}"), String::new(), scheme, move |d| {
-        let mut s = sink.lock().expect("set");
-        if d.cleared {
-            s.0.clear();
-            s.1 += 1;
-        }
-        for (h, held) in d.changes {
-            if held {
-                s.0.insert(h);
-            } else {
-                s.0.remove(&h);
+    let task =
+        tokio::spawn(follow(format!("tcp://127.0.0.1:{port}"), None, String::new(), scheme, move |d| {
+            let mut s = sink.lock().expect("set");
+            if d.cleared {
+                s.0.clear();
+                s.1 += 1;
             }
-        }
-    }));
+            for (h, held) in d.changes {
+                if held {
+                    s.0.insert(h);
+                } else {
+                    s.0.remove(&h);
+                }
+            }
+        }));
     let wait = |cond: &dyn Fn(&Seen) -> bool| {
         let start = std::time::Instant::now();
         while start.elapsed() < std::time::Duration::from_secs(15) {
@@ -188,4 +189,105 @@ for seq, name in ((1, "map-events/bytes-hashes"), (2, "map-events/int-hashes")):
     task.abort();
     let _ = publisher.kill();
     let _ = publisher.wait();
+}
+
+/// A batch missed on the live stream is fetched from the pod's replay socket (a libzmq ROUTER answering like
+/// vLLM's), so the index keeps what the missed batch stored instead of being cleared.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_missed_batch_is_replayed_instead_of_clearing_the_index() {
+    use kvgate_gateway::vllm_subscriber::follow;
+    use kvgate_shared::hashing::{BlockHash, BlockHasher, ExtraKeys, HashScheme};
+    use std::collections::HashSet;
+    use std::sync::{Arc, Mutex};
+    let Some(py) = std::env::var_os("KVGATE_PYTHON") else {
+        assert!(std::env::var_os("CI").is_none(), "CI needs KVGATE_PYTHON (pyzmq) for this test");
+        eprintln!("skipped: KVGATE_PYTHON is not set (run ./scripts/test.sh)");
+        return;
+    };
+    let free =
+        || std::net::TcpListener::bind("127.0.0.1:0").expect("port").local_addr().expect("addr").port();
+    let (port, replay_port) = (free(), free());
+    // Batch 2, only on the replay socket: one block of tokens 2000..2016 stored.
+    use rmpv::Value;
+    let stored = Value::Map(vec![
+        ("type".into(), "BlockStored".into()),
+        ("block_hashes".into(), Value::Array(vec![Value::from(77u64)])),
+        ("parent_block_hash".into(), Value::Nil),
+        ("token_ids".into(), Value::Array((2000u64..2016).map(Value::from).collect())),
+        ("block_size".into(), Value::from(16u64)),
+        ("lora_id".into(), Value::Nil),
+        ("medium".into(), "GPU".into()),
+        ("lora_name".into(), Value::Nil),
+    ]);
+    let mut batch2 = Vec::new();
+    rmpv::encode::write_value(
+        &mut batch2,
+        &Value::Array(vec![Value::F64(5.0), Value::Array(vec![stored]), Value::Nil]),
+    )
+    .expect("encode");
+    let batch2_hex: String = batch2.iter().map(|b| format!("{b:02x}")).collect();
+    let golden = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/golden/vllm_kv_events.json");
+    let script = format!(
+        r#"
+import json, time, zmq
+frames = {{f["name"]: bytes.fromhex(f["payload_hex"]) for f in json.load(open({golden:?}))["frames"]}}
+buffer = [(1, frames["map-events/bytes-hashes"]), (2, bytes.fromhex("{batch2_hex}")), (3, frames["map-events/extra-keys"])]
+ctx = zmq.Context()
+pub = ctx.socket(zmq.PUB); pub.bind("tcp://127.0.0.1:{port}")
+rep = ctx.socket(zmq.ROUTER); rep.bind("tcp://127.0.0.1:{replay_port}")
+end = time.time() + 8
+while time.time() < end:
+    # Batch 2 is never published live: the subscriber sees 1, then 3.
+    seq, payload = (1, buffer[0][1]) if time.time() < end - 5 else (3, buffer[2][1])
+    pub.send_multipart([b"", seq.to_bytes(8, "big"), payload])
+    while rep.poll(0):
+        ident, _, start = rep.recv_multipart()
+        for s, p in buffer:
+            if s >= int.from_bytes(start, "big"):
+                rep.send_multipart([ident, b"", b"", s.to_bytes(8, "big"), p])
+        rep.send_multipart([ident, b"", b"", (-1).to_bytes(8, "big", signed=True), b""])
+    time.sleep(0.05)
+"#
+    );
+    let mut publisher =
+        std::process::Command::new(py).arg("-c").arg(script).spawn().expect("python publisher");
+    let scheme = HashScheme::new(16, 5);
+    let hasher = BlockHasher::new(&scheme, &ExtraKeys::none());
+    let first = hasher.hash_blocks(&(1000..1032).collect::<Vec<u32>>());
+    let replayed = hasher.hash_blocks(&(2000..2016).collect::<Vec<u32>>())[0];
+    let set: Arc<Mutex<HashSet<BlockHash>>> = Arc::default();
+    let sink = set.clone();
+    let task = tokio::spawn(follow(
+        format!("tcp://127.0.0.1:{port}"),
+        Some(format!("tcp://127.0.0.1:{replay_port}")),
+        String::new(),
+        scheme,
+        move |d| {
+            let mut s = sink.lock().expect("set");
+            if d.cleared {
+                s.clear();
+            }
+            for (h, held) in d.changes {
+                if held {
+                    s.insert(h);
+                } else {
+                    s.remove(&h);
+                }
+            }
+        },
+    ));
+    let want = HashSet::from([first[0], first[1], replayed]);
+    let start = std::time::Instant::now();
+    let mut ok = false;
+    while start.elapsed() < std::time::Duration::from_secs(15) {
+        if *set.lock().expect("set") == want {
+            ok = true;
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    task.abort();
+    let _ = publisher.kill();
+    let _ = publisher.wait();
+    assert!(ok, "batch 2 came from the replay socket: {:?}", set.lock().expect("set"));
 }
