@@ -14,6 +14,27 @@ wait_http() { # url what
   echo "$2 did not start ($1)" >&2; exit 1
 }
 
+# Starts $WORKERS simulated workers (tiny model, gpu-h100-llama3-8b timing) reporting to $1 (control URLs,
+# comma-separated) with the report secret $SECRET, logs under $2, extra worker flags after; waits until each is
+# ready. Their base URLs: WORKER_URLS.
+start_sim_workers() { # report_to logdir [flags...]
+  local report_to=$1 log=$2
+  shift 2
+  WORKER_URLS=()
+  for i in $(seq 0 $((WORKERS - 1))); do
+    local wport
+    wport=$(free_port)
+    RUST_LOG=warn "$BIN/kvgate-worker" serve --synth tiny --synth-dir "$OUT/synth" --engine sim \
+      --sim-profile gpu-h100-llama3-8b --host 127.0.0.1 --port "$wport" --worker-id "w$i" \
+      --report-to "$report_to" --report-secret "$SECRET" "$@" >"$log/worker-$i.log" 2>&1 &
+    PIDS+=($!)
+    WORKER_URLS+=("http://127.0.0.1:$wport")
+    # The first one writes the synthetic model the others read.
+    [ "$i" = 0 ] && wait_http "http://127.0.0.1:$wport/ready" "worker w0"
+  done
+  for w in "${WORKER_URLS[@]}"; do wait_http "$w/ready" "worker $w"; done
+}
+
 PIDS=()
 cleanup() {
   for p in "${PIDS[@]:-}"; do [ -n "$p" ] && kill "$p" 2>/dev/null || true; done

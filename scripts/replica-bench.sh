@@ -47,18 +47,8 @@ run_one() { # replicas share workload
   done
   local report_to
   report_to=$(IFS=,; echo "${controls[*]}")
-  local workers=()
-  for i in $(seq 0 $((WORKERS - 1))); do
-    local wport
-    wport=$(free_port)
-    RUST_LOG=warn "$BIN/kvgate-worker" serve --synth tiny --synth-dir "$OUT/synth" --engine sim \
-      --sim-profile gpu-h100-llama3-8b --host 127.0.0.1 --port "$wport" --worker-id "w$i" \
-      --kv-cache-tokens 262144 --report-to "$report_to" --report-secret "$SECRET" >"$log/worker-$i.log" 2>&1 &
-    PIDS+=($!)
-    workers+=("http://127.0.0.1:$wport")
-    [ "$i" = 0 ] && wait_http "http://127.0.0.1:$wport/ready" "worker w0"
-  done
-  for w in "${workers[@]}"; do wait_http "$w/ready" "worker $w"; done
+  start_sim_workers "$report_to" "$log" --kv-cache-tokens 262144
+  local workers=("${WORKER_URLS[@]}")
   for c in "${controls[@]}"; do
     for _ in $(seq 1 300); do
       [ "$(curl -s "$c/kvgate/v1/workers" | python3 -c 'import json,sys; print(sum(1 for w in json.load(sys.stdin) if w["healthy"] and w["summary_fresh"]))' 2>/dev/null)" = "$WORKERS" ] && break

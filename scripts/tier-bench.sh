@@ -28,19 +28,8 @@ run_one() { # host_bytes
   RUST_LOG=warn "$BIN/kvgate-gateway" --listen "127.0.0.1:$port" --control-listen "127.0.0.1:$cport" \
     --report-secret "$SECRET" --state-file off >"$log/gateway.log" 2>&1 &
   PIDS+=($!)
-  local workers=()
-  for i in $(seq 0 $((WORKERS - 1))); do
-    local wport
-    wport=$(free_port)
-    RUST_LOG=warn "$BIN/kvgate-worker" serve --synth tiny --synth-dir "$OUT/synth" --engine sim \
-      --sim-profile gpu-h100-llama3-8b --host 127.0.0.1 --port "$wport" --worker-id "w$i" \
-      --kv-cache-tokens "$KV_TOKENS" --host-kv-bytes "$host" \
-      --report-to "http://127.0.0.1:$cport" --report-secret "$SECRET" >"$log/worker-$i.log" 2>&1 &
-    PIDS+=($!)
-    workers+=("http://127.0.0.1:$wport")
-    [ "$i" = 0 ] && wait_http "http://127.0.0.1:$wport/ready" "worker w0"
-  done
-  for w in "${workers[@]}"; do wait_http "$w/ready" "worker $w"; done
+  start_sim_workers "http://127.0.0.1:$cport" "$log" --kv-cache-tokens "$KV_TOKENS" --host-kv-bytes "$host"
+  local workers=("${WORKER_URLS[@]}")
   for _ in $(seq 1 300); do
     [ "$(curl -s "http://127.0.0.1:$cport/kvgate/v1/workers" | python3 -c 'import json,sys; print(sum(1 for w in json.load(sys.stdin) if w["healthy"] and w["summary_fresh"]))' 2>/dev/null)" = "$WORKERS" ] && break
     sleep 0.2

@@ -26,13 +26,11 @@ fn count(result: &'static str) {
 
 /// `tcp://<host of base_url>:<port>`, or `None` for a URL without a host.
 pub fn endpoint(base_url: &str, port: u16) -> Option<String> {
-    let rest = base_url.split_once("://").map_or(base_url, |(_, r)| r);
-    let authority = rest.split('/').next().unwrap_or("");
-    let host = match authority.strip_prefix('[') {
-        Some(v6) => format!("[{}]", v6.split(']').next().unwrap_or("")),
-        None => authority.rsplit_once(':').map_or(authority, |(h, _)| h).to_owned(),
-    };
-    (!host.is_empty() && host != "[]").then(|| format!("tcp://{host}:{port}"))
+    let host = crate::trust::url_host(base_url)?;
+    Some(match host.contains(':') {
+        true => format!("tcp://[{host}]:{port}"),
+        false => format!("tcp://{host}:{port}"),
+    })
 }
 
 /// Longest a replay may take.

@@ -285,30 +285,46 @@ fn host_then_ssd_hold_more_than_either_and_stay_consistent() {
     assert_eq!(s.blocks_free, 32);
 }
 
+/// A simulated engine (blocks of 4 tokens) over an SSD tier in `ssd` (`inline`: written and read on the engine's
+/// thread), weighing loads with the gpu-h100 profile's prefill cost and an SSD of `disk_s_per_byte`.
+fn sim_ssd_engine(
+    ssd: &std::path::Path,
+    num_blocks: usize,
+    max_num_seqs: usize,
+    (inline, write): (bool, WritePolicy),
+    policy: LoadPolicy,
+    disk_s_per_byte: f64,
+) -> Engine<SimBackend> {
+    let backend = SimBackend::new(1000, 4096, vec![0]);
+    let cfg = EngineConfig {
+        num_blocks,
+        scheme: HashScheme::new(4, 1),
+        scheduler: SchedulerConfig { max_num_batched_tokens: 64, max_num_seqs },
+    };
+    let e = Engine::new(cfg, backend, None);
+    let mut e = match inline {
+        true => e.with_inline_disk_tier(ssd, 1 << 30, write),
+        false => e.with_disk_tier(ssd, 1 << 30, write),
+    }
+    .expect("disk");
+    e.set_load_costs(LoadCosts {
+        policy,
+        kv_bytes_per_token: 0.0,
+        host_s_per_byte: 2e-11,
+        disk_s_per_byte,
+        prefill_s_per_token: 2.35e-5,
+        attention_s: 1.05e-9,
+    });
+    e
+}
+
 #[test]
 fn load_or_recompute_follows_the_costs_and_is_counted() {
-    const BS: u32 = 4;
     // (The queue's effect on the choice is covered by kv::costs' tests.)
     let run = |policy: LoadPolicy, disk_s_per_byte: f64| {
         let ssd = tempfile::tempdir().expect("ssd");
-        let backend = SimBackend::new(1000, 4096, vec![0]);
-        let cfg = EngineConfig {
-            num_blocks: 16,
-            scheme: HashScheme::new(BS, 1),
-            scheduler: SchedulerConfig { max_num_batched_tokens: 64, max_num_seqs: 1 },
-        };
-        let mut e = Engine::new(cfg, backend, None)
-            .with_disk_tier(ssd.path(), 1 << 30, WritePolicy::WriteBack)
-            .expect("disk");
-        // The gpu-h100 profile's prefill cost; the SSD's speed varies.
-        e.set_load_costs(LoadCosts {
-            policy,
-            kv_bytes_per_token: 0.0,
-            host_s_per_byte: 2e-11,
-            disk_s_per_byte,
-            prefill_s_per_token: 2.35e-5,
-            attention_s: 1.05e-9,
-        });
+        let mut e =
+            sim_ssd_engine(ssd.path(), 16, 1, (false, WritePolicy::WriteBack), policy, disk_s_per_byte);
         let prompt: Vec<u32> = (0..40).map(|i| i * 3 + 1).collect();
         e.add_request(req(1, prompt.clone(), 1)).expect("ok");
         drain(&mut e);
@@ -338,28 +354,11 @@ fn load_or_recompute_follows_the_costs_and_is_counted() {
 
 #[test]
 fn a_request_whose_ssd_prefix_is_read_ahead_waits_its_turn_then_loads_it() {
-    const BS: u32 = 4;
     // A 1 GB/s SSD: 0.52 ms a simulated block against 94 us to compute it, so reading only pays while the request
     // queues behind other work. The engine's clock is the simulated backend's (set by hand here).
     let engine = |policy: LoadPolicy| {
         let ssd = tempfile::tempdir().expect("ssd");
-        let backend = SimBackend::new(1000, 4096, vec![0]);
-        let cfg = EngineConfig {
-            num_blocks: 200,
-            scheme: HashScheme::new(BS, 1),
-            scheduler: SchedulerConfig { max_num_batched_tokens: 64, max_num_seqs: 4 },
-        };
-        let mut e = Engine::new(cfg, backend, None)
-            .with_inline_disk_tier(ssd.path(), 1 << 30, WritePolicy::WriteThrough)
-            .expect("disk");
-        e.set_load_costs(LoadCosts {
-            policy,
-            kv_bytes_per_token: 0.0,
-            host_s_per_byte: 2e-11,
-            disk_s_per_byte: 1e-9,
-            prefill_s_per_token: 2.35e-5,
-            attention_s: 1.05e-9,
-        });
+        let mut e = sim_ssd_engine(ssd.path(), 200, 4, (true, WritePolicy::WriteThrough), policy, 1e-9);
         // Write-through puts the prompt's blocks on the SSD; dropping them from the pool leaves only the SSD copy.
         let a: Vec<u32> = (0..40).map(|i| i * 3 + 1).collect();
         e.add_request(req(1, a.clone(), 1)).expect("ok");
