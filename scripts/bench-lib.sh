@@ -7,7 +7,18 @@ OUT="$(cd "$OUT" && pwd)"
 cargo build --release -q -p kvgate-loadtest -p kvgate-gateway -p kvgate-worker
 BIN="$PWD/target/release"
 
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+# A port below the kernel's ephemeral range (as kvgate_shared::ports): an outgoing connection cannot take it before
+# the server binds it.
+free_port() {
+  python3 -c '
+import random, socket
+for _ in range(1000):
+    p = random.randrange(15000, 32768)
+    try:
+        s = socket.socket(); s.bind(("127.0.0.1", p)); s.close(); print(p); break
+    except OSError:
+        pass'
+}
 
 wait_http() { # url what
   for _ in $(seq 1 600); do curl -sf "$1" >/dev/null 2>&1 && return 0; sleep 0.2; done

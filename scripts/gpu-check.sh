@@ -6,12 +6,14 @@
 # Steps (about 5 minutes on an H200): nvidia-smi and the libraries found; `gpu-selftest` (every kernel against its
 # CPU reference, f32 and bf16); logits of the `small` synthetic model on the GPU against the CPU engine and HF
 # transformers (f32 and bf16; one-shot, decode, chunked, cached prefix, mixed batch); `serve --device cuda` against
-# `--device cpu` end to end, then with a host KV tier under a small device pool (blocks copied down and back);
-# `gpu-bench` on the Llama-3-8B shape; `calibrate --device cuda`. Prints one table.
+# `--device cpu` end to end, then with a host DRAM and then an SSD KV tier under a small device pool (blocks copied
+# down and back); `gpu-bench` on the Llama-3-8B shape; `calibrate --device cuda`. Prints one table.
+# STEPS=34 (say) runs only those steps (default: all, 1-6).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 BIN=${1:-.gpu/kvgate-worker}
 OUT=${OUT:-/tmp/kvgate-gpu-check}
+STEPS=${STEPS:-123456}
 PY=${PYTHON:-python3}
 mkdir -p "$OUT"
 WORK=$(mktemp -d)
@@ -35,34 +37,42 @@ PY
 export LD_LIBRARY_PATH="$LIBS${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 
 step() { echo; echo "=== $1 ($(date -u +%H:%M:%S))"; }
+want() { [[ $STEPS == *$1* ]]; }
 
 step "1. device and libraries"
+"$BIN" synth-model --preset small --out "$WORK/small" >/dev/null
+want 1 && {
 nvidia-smi | tee "$OUT/nvidia-smi.txt"
 for lib in libcuda.so.1 libnvrtc.so.13 libcublas.so.13 libcublasLt.so.13; do
   found=$(for d in ${LD_LIBRARY_PATH//:/ } /usr/lib/x86_64-linux-gnu /usr/local/nvidia/lib64; do [ -e "$d/$lib" ] && echo "$d/$lib" && break; done)
   echo "$lib: ${found:-not found (loader default path)}"
 done | tee -a "$OUT/nvidia-smi.txt"
 "$BIN" --version
+}
 
-step "2. gpu-selftest"
+want 2 && { step "2. gpu-selftest"
 timeout 120 "$BIN" gpu-selftest --json "$OUT/selftest.json" || status=1
+}
 
-step "3. logits: GPU vs CPU engine vs HF transformers (small synthetic model)"
-"$BIN" synth-model --preset small --out "$WORK/small" >/dev/null
+want 3 && { step "3. logits: GPU vs CPU engine vs HF transformers (small synthetic model)"
 for dt in float32 bfloat16; do
   timeout 120 "$BIN" gpu-logits --model "$WORK/small" --dtype "$dt" --out "$WORK/logits" || status=1
 done
 timeout 180 $PY scripts/gpu_compare_hf.py "$WORK/small" "$WORK/logits" float32 bfloat16 | tee "$OUT/logits.json" || status=1
+}
 
-step "4. serve --device cuda vs --device cpu (greedy, f32)"
-timeout 240 $PY scripts/gpu_serve_check.py "$BIN" "$WORK/small" | tee "$OUT/serve.json" || status=1
+want 4 && { step "4. serve --device cuda vs --device cpu (greedy, f32), then the KV tiers"
+timeout 300 $PY scripts/gpu_serve_check.py "$BIN" "$WORK/small" | tee "$OUT/serve.json" || status=1
+}
 
-step "5. gpu-bench (Llama-3-8B shape, random bf16 weights)"
+want 5 && { step "5. gpu-bench (Llama-3-8B shape, random bf16 weights)"
 timeout 300 "$BIN" gpu-bench --json "$OUT/bench.json" > "$WORK/bench.out" 2>&1 || { status=1; tail -20 "$WORK/bench.out"; }
+}
 
-step "6. calibrate --device cuda (Llama-3-8B shape)"
+want 6 && { step "6. calibrate --device cuda (Llama-3-8B shape)"
 name="gpu-$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tr 'A-Z ' 'a-z-' | sed 's/nvidia-//')-llama3-8b-measured"
 timeout 240 "$BIN" calibrate --device cuda --llama3-8b --name "$name" --out "$OUT/$name.toml" || status=1
+}
 
 step "summary"
 $PY - "$OUT" <<'PY'
@@ -74,7 +84,8 @@ def load(n):
     except Exception as e:
         return None
 st = load("selftest.json") or []
-print(f"selftest: {sum(c['pass'] for c in st)}/{len(st)} kernel cases pass"
+if st:
+    print(f"selftest: {sum(c['pass'] for c in st)}/{len(st)} kernel cases pass"
       + "".join(f"\n  FAIL {c['kernel']} {c['dtype']} rel {c['rel_err']:.2e} ({c['shape']})" for c in st if not c["pass"]))
 lg = load("logits.json") or {}
 for dt in ("float32", "bfloat16"):
@@ -88,10 +99,11 @@ sv = load("serve.json")
 if sv:
     print(f"serve: CUDA greedy text identical to CPU: {sv['identical_greedy_text']}; cached tokens {sv['cuda_cached_tokens']}; "
           f"device {sv['cuda_device']}")
-    ht = sv.get("host_tier") or {}
-    print(f"host KV tier on CUDA (device -> host -> device): {'PASS' if ht.get('ok') else 'FAIL'} "
-          f"(text same as CPU {ht.get('same_as_cpu')}, cached {ht.get('a_again_cached_tokens')}, "
-          f"blocks loaded from host {ht.get('host_loaded_blocks')})")
+    for tier, what in (("host", "host DRAM"), ("disk", "SSD")):
+        ht = sv.get(f"{tier}_tier") or {}
+        print(f"{what} KV tier on CUDA (device -> {tier} -> device): {'PASS' if ht.get('ok') else 'FAIL'} "
+              f"(text same as CPU {ht.get('same_as_cpu')}, cached {ht.get('a_again_cached_tokens')}, "
+              f"blocks loaded from {tier} {ht.get(f'{tier}_loaded_blocks')})")
 b = load("bench.json")
 if b:
     print(f"bench on {b['gpu']}: copy {b['copy_gb_s']:.0f} GB/s, bf16 GEMM 8192^3 {b['gemm_bf16_8192_tflops']:.0f} TFLOP/s")

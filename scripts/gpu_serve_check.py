@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """End to end on a GPU: `kvgate-worker serve --device cuda` against `--device cpu` on the same synthetic model
 (float32 on both), greedy completions of the same prompts must be token-identical; the second request of a prompt
-is a prefix-cache hit on both; then the host KV tier on the GPU (`tiered`). Prints one JSON object; exits 1 on a
-mismatch.
+is a prefix-cache hit on both; then the KV tiers on the GPU (`tiered`: host DRAM, then SSD). Prints one JSON object;
+exits 1 on a mismatch.
 
 usage: gpu_serve_check.py BIN MODEL_DIR [--tiers-only [DEVICE]]
 """
@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 
@@ -37,14 +38,21 @@ def post(port, body):
         return json.load(r), time.time() - t
 
 
-def tiered(bin_, model, device, port, want):
-    """A device pool of 4,096 tokens over a 1 GB host tier: A, then B (which evicts A to host DRAM), then A again,
-    whose prefix is loaded back (K/V copied device -> host -> device). A's text must be the same all three times and
-    the same as `want` (the CPU engine's), its third request must find cached tokens, and the worker's metrics must
-    show blocks loaded from the host tier."""
+def tiered(bin_, model, device, port, want, tier="host"):
+    """A device pool of 4,096 tokens over a 1 GB tier (`host`: DRAM; `disk`: SSD segment files in a temporary
+    directory, no host tier): A, then B (which evicts A to the tier), then A again, whose prefix is loaded back (K/V
+    copied device -> tier -> device). A's text must be the same all three times and the same as `want` (the CPU
+    engine's), its third request must find cached tokens, and the worker's metrics must show blocks loaded from the
+    tier."""
     a = " ".join(f"a{i}" for i in range(600))
     b = " ".join(f"b{i}" for i in range(600))
-    p = start(bin_, model, device, port, ["--kv-cache-tokens", "4096", "--host-kv-bytes", "1000000000"])
+    tmp = tempfile.TemporaryDirectory()
+    if tier == "host":
+        flags, metric = ["--host-kv-bytes", "1000000000"], "kvgate_worker_host_kv_hit_blocks"
+    else:
+        flags = ["--disk-kv-bytes", "1000000000", "--disk-kv-path", tmp.name]
+        metric = "kvgate_worker_disk_kv_read_blocks"
+    p = start(bin_, model, device, port, ["--kv-cache-tokens", "4096", *flags])
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models") as r:
             card = json.load(r)["data"][0]
@@ -52,18 +60,19 @@ def tiered(bin_, model, device, port, want):
         for prompt in (a, b, a):
             body, _ = post(port, {"model": card["id"], "prompt": prompt, "max_tokens": 16, "temperature": 0})
             outs.append(body)
+            time.sleep(0.5)  # the SSD tier writes on its own IO thread
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics") as r:
             metrics = r.read().decode()
     finally:
         p.terminate()
         p.wait(timeout=30)
-    loaded = sum(float(l.split()[-1]) for l in metrics.splitlines()
-                 if l.startswith("kvgate_worker_host_kv_hit_blocks"))
+        tmp.cleanup()
+    loaded = sum(float(l.split()[-1]) for l in metrics.splitlines() if l.startswith(metric))
     texts = [o["choices"][0]["text"] for o in outs]
     cached = outs[2]["usage"].get("prompt_tokens_details", {}).get("cached_tokens") or 0
     ok = texts[0] == texts[2] == want and cached > 0 and loaded > 0
     return {"ok": ok, "a_text_same": texts[0] == texts[2], "same_as_cpu": texts[0] == want,
-            "a_again_cached_tokens": cached, "host_loaded_blocks": loaded,
+            "a_again_cached_tokens": cached, f"{tier}_loaded_blocks": loaded,
             "prompt_tokens": outs[0]["usage"]["prompt_tokens"]}
 
 
@@ -81,9 +90,9 @@ def main():
         finally:
             p.terminate()
             p.wait(timeout=30)
-        t = tiered(bin_, model, device, 18303, want["choices"][0]["text"])
+        t = {tier: tiered(bin_, model, device, 18303, want["choices"][0]["text"], tier) for tier in ("host", "disk")}
         print(json.dumps(t, indent=1))
-        sys.exit(0 if t["ok"] else 1)
+        sys.exit(0 if all(v["ok"] for v in t.values()) else 1)
     prompts = [" ".join(f"w{i}" for i in range(n)) for n in (5, 300, 1200)]
     results = {}
     for device, port in (("cuda", 18301), ("cpu", 18302)):
@@ -115,9 +124,10 @@ def main():
     finally:
         p.terminate()
         p.wait(timeout=30)
-    out["host_tier"] = tiered(bin_, model, "cuda", 18303, want["choices"][0]["text"])
+    out["host_tier"] = tiered(bin_, model, "cuda", 18303, want["choices"][0]["text"], "host")
+    out["disk_tier"] = tiered(bin_, model, "cuda", 18303, want["choices"][0]["text"], "disk")
     print(json.dumps(out, indent=1))
-    sys.exit(0 if all(same) and out["host_tier"]["ok"] else 1)
+    sys.exit(0 if all(same) and out["host_tier"]["ok"] and out["disk_tier"]["ok"] else 1)
 
 
 if __name__ == "__main__":

@@ -126,7 +126,7 @@ async fn a_libzmq_publisher_feeds_the_subscriber_and_its_exact_set() {
         eprintln!("skipped: KVGATE_PYTHON is not set (run ./scripts/test.sh)");
         return;
     };
-    let port = std::net::TcpListener::bind("127.0.0.1:0").expect("port").local_addr().expect("addr").port();
+    let port = kvgate_shared::ports::free_loopback_port().expect("port");
     let golden = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/golden/vllm_kv_events.json");
     // Seq 1: two sha256-hashed blocks stored on the GPU (and copies in CPU memory removed); seq 2: three stored,
     // one removed, then all cleared. Each is sent for a while (a SUB socket misses what is published before it has joined).
@@ -204,8 +204,7 @@ async fn a_missed_batch_is_replayed_instead_of_clearing_the_index() {
         eprintln!("skipped: KVGATE_PYTHON is not set (run ./scripts/test.sh)");
         return;
     };
-    let free =
-        || std::net::TcpListener::bind("127.0.0.1:0").expect("port").local_addr().expect("addr").port();
+    let free = || kvgate_shared::ports::free_loopback_port().expect("port");
     let (port, replay_port) = (free(), free());
     // Batch 2, only on the replay socket: one block of tokens 2000..2016 stored.
     use rmpv::Value;

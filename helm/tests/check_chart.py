@@ -47,6 +47,8 @@ VALUE_SETS: dict[str, dict] = {
     "host-model": {"workers": {"model": {"source": "hostPath", "hostPath": {"path": "/data/models/qwen2"}, "id": "qwen2"},
                                "kvSsd": {"enabled": True}}},
     "host-tier": {"workers": {"hostKvBytes": 8589934592, "kvWritePolicy": "write-through"}},
+    "gpu-tiers": {"workers": {"gpu": {"count": 1}, "hostKvBytes": 68719476736,
+                              "kvSsd": {"enabled": True, "type": "hostPath", "path": "/mnt/nvme/kvgate"}}},
     "redis-on": {"redis": {"enabled": True}},
     "external-vllm": {"workers": {"external": {"service": "vllm-headless.serving.svc.cluster.local", "model": "llama",
                                                "kvEventsPort": 5557,
@@ -100,8 +102,6 @@ BAD_VALUES: dict[str, tuple[dict, str]] = {
     "zero connections": ({"gateway": {"maxConnections": 0}}, "maxConnections"),
     "tier credit over 1": ({"gateway": {"weights": {"creditHost": 1.5}}}, "creditHost"),
     "unknown write policy": ({"workers": {"hostKvBytes": 1, "kvWritePolicy": "later"}}, "kvWritePolicy"),
-    "host tier on gpu workers": ({"workers": {"hostKvBytes": 1024, "gpu": {"count": 1}}}, "hostKvBytes"),
-    "ssd tier on gpu workers": ({"workers": {"kvSsd": {"enabled": True}, "gpu": {"count": 1}}}, "kvSsd"),
     "external pods without a model": ({"workers": {"external": {"service": "vllm", "tokenizer": {"image": "t"}}}}, "model"),
     "external pods without a tokenizer": ({"workers": {"external": {"service": "vllm", "model": "m"}}}, "tokenizer"),
     "events from openai pods": ({"workers": {"external": {"kind": "openai", "kvEventsPort": 5557}}}, "kvEventsPort"),
@@ -220,7 +220,7 @@ for name, extra in VALUE_SETS.items():
         args = c["args"]
         if w["gpu"]["count"] > 0:
             check(limits.get("nvidia.com/gpu") == w["gpu"]["count"], f"{name}: GPUs per worker follow values")
-            check(pod.get("runtimeClassName") == w["runtimeClassName"], f"{name}: runtimeClassName")
+            check(pod.get("runtimeClassName") == (w["runtimeClassName"] or None), f"{name}: runtimeClassName")
             check(args[args.index("--device") + 1] == "cuda", f"{name}: GPU workers run --device cuda")
             check(args[args.index("--dtype") + 1] == w["gpu"]["dtype"], f"{name}: --dtype follows values")
             check(c["image"].endswith("-gpu") or c["image"] == w["gpu"]["image"], f"{name}: GPU workers use the GPU image")

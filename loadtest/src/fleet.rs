@@ -4,7 +4,6 @@
 //! log files in `log_dir`, named in every error.
 
 use std::fs::File;
-use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -78,7 +77,7 @@ pub fn default_bin_dir() -> PathBuf {
 }
 
 fn free_port() -> Result<u16, String> {
-    TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).map_err(|e| e.to_string())
+    kvgate_shared::ports::free_loopback_port().map_err(|e| e.to_string())
 }
 
 fn tail(path: &Path) -> String {

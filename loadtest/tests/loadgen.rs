@@ -111,7 +111,7 @@ impl Drop for Killed {
 fn run_measures_multi_turn_sessions_against_a_worker_and_stops_by_itself() {
     build_fleet_binaries();
     let dir = tempfile::tempdir().expect("tmp");
-    let port = std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("port").port();
+    let port = kvgate_shared::ports::free_loopback_port().expect("port");
     let worker = Killed(
         Command::new(bin_dir().join("kvgate-worker"))
             .args(["serve", "--synth", "tiny", "--engine", "sim", "--sim-profile", "gpu-h100-llama3-8b"])

@@ -6,11 +6,13 @@
 //! - [`openai`]: the OpenAI API types and error body;
 //! - [`handoff`]: token ids the gateway computed, passed to the worker (authenticated) so it skips tokenizing;
 //! - [`duration`]: configuration durations (`1s`, `500ms`).
+//! - [`ports`]: free loopback ports for local fleets (tests, benches, the load tester's fleet).
 
 pub mod duration;
 pub mod handoff;
 pub mod hashing;
 pub mod openai;
+pub mod ports;
 pub mod prompt;
 pub mod report;
 #[cfg(any(test, feature = "test-strategies"))]

@@ -53,7 +53,7 @@ impl Drop for Kill {
 }
 
 pub fn port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).expect("port")
+    kvgate_shared::ports::free_loopback_port().expect("port")
 }
 
 /// Starts `bin` and waits for a stdout line containing `needle`.

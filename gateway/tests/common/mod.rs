@@ -2,7 +2,6 @@
 #![allow(dead_code)]
 
 use std::io::{BufRead, BufReader};
-use std::net::TcpListener;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -38,9 +37,9 @@ impl Proc {
     }
 }
 
-/// A free loopback port (bound then released).
+/// A free loopback port below the ephemeral range (see `kvgate_shared::ports`).
 pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).expect("port")
+    kvgate_shared::ports::free_loopback_port().expect("port")
 }
 
 pub fn bin(name: &str) -> PathBuf {
@@ -62,6 +61,12 @@ pub fn bin(name: &str) -> PathBuf {
 }
 
 pub fn wait_for_line(child: &mut Child, needle: &str) {
+    assert!(try_wait_for_line(child, needle), "no {needle:?} line: the process exited");
+}
+
+/// Waits (60 s at most) for a stdout line containing `needle`; false if the process closed its stdout (exited)
+/// first.
+pub fn try_wait_for_line(child: &mut Child, needle: &str) -> bool {
     let stdout = child.stdout.take().expect("stdout");
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
@@ -72,11 +77,15 @@ pub fn wait_for_line(child: &mut Child, needle: &str) {
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
         let left = deadline.saturating_duration_since(Instant::now());
-        let line = rx.recv_timeout(left).unwrap_or_else(|_| panic!("no {needle:?} line in time"));
+        let line = match rx.recv_timeout(left) {
+            Ok(line) => line,
+            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => return false,
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => panic!("no {needle:?} line in time"),
+        };
         if line.contains(needle) {
             // Keep draining so the child never blocks on a full pipe.
             std::thread::spawn(move || while rx.recv().is_ok() {});
-            return;
+            return true;
         }
     }
 }
@@ -130,27 +139,34 @@ pub fn gateway(extra: &[&str]) -> (Proc, String) {
 }
 
 /// A gateway whose data directory is `data` (a restart can reuse it).
+/// A gateway that exits before listening (another process took a port between the check and the bind) is started
+/// again on fresh ports, three times at most.
 pub fn gateway_in(extra: &[&str], data: tempfile::TempDir) -> (Proc, String) {
-    let (port, cport) = (free_port(), free_port());
-    let mut args: Vec<String> = vec![
-        "--listen".into(),
-        format!("127.0.0.1:{port}"),
-        "--control-listen".into(),
-        format!("127.0.0.1:{cport}"),
-        "--report-secret".into(),
-        "test-secret".into(),
-    ];
-    args.extend(extra.iter().map(|s| s.to_string()));
-    let mut child = Command::new(bin("kvgate-gateway"))
-        .args(&args)
-        .env("RUST_LOG", "warn")
-        .env("KVGATE_DATA_DIR", data.path())
-        .stdout(Stdio::piped())
-        .spawn()
-        .expect("gateway starts");
-    wait_for_line(&mut child, "listening on");
-    let base = format!("http://127.0.0.1:{port}");
-    (Proc { child, base, port, data: Some(data) }, format!("http://127.0.0.1:{cport}"))
+    for _ in 0..3 {
+        let (port, cport) = (free_port(), free_port());
+        let mut args: Vec<String> = vec![
+            "--listen".into(),
+            format!("127.0.0.1:{port}"),
+            "--control-listen".into(),
+            format!("127.0.0.1:{cport}"),
+            "--report-secret".into(),
+            "test-secret".into(),
+        ];
+        args.extend(extra.iter().map(|s| s.to_string()));
+        let mut child = Command::new(bin("kvgate-gateway"))
+            .args(&args)
+            .env("RUST_LOG", "warn")
+            .env("KVGATE_DATA_DIR", data.path())
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("gateway starts");
+        if try_wait_for_line(&mut child, "listening on") {
+            let base = format!("http://127.0.0.1:{port}");
+            return (Proc { child, base, port, data: Some(data) }, format!("http://127.0.0.1:{cport}"));
+        }
+        let _ = child.wait();
+    }
+    panic!("the gateway exited before listening, three times");
 }
 
 pub struct Resp {

@@ -94,11 +94,11 @@ pub struct ServeArgs {
     #[arg(long, env = "KVGATE_WORKER_KV_CACHE_TOKENS")]
     pub kv_cache_tokens: Option<usize>,
     /// Host DRAM tier under the KV pool, in bytes: blocks evicted from the pool are copied here and served back on
-    /// a prefix hit. Default 0 (off). Not on CUDA yet.
+    /// a prefix hit. Default 0 (off).
     #[arg(long, env = "KVGATE_WORKER_HOST_KV_BYTES")]
     pub host_kv_bytes: Option<usize>,
     /// SSD tier under the host tier (or under the pool without one), in bytes: segment files in
-    /// --disk-kv-path, kept across restarts. Default 0 (off). Not on CUDA yet.
+    /// --disk-kv-path, kept across restarts. Default 0 (off).
     #[arg(long, env = "KVGATE_WORKER_DISK_KV_BYTES")]
     pub disk_kv_bytes: Option<u64>,
     /// Directory of the SSD tier's segment files (a local NVMe path). Required with --disk-kv-bytes.
