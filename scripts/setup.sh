@@ -2,7 +2,9 @@
 # Installs what a fresh Debian 12 + Rust machine lacks for building and testing kvgate. Idempotent; safe to rerun.
 #  - cmake, a C/C++ toolchain and pkg-config (native parts of the dependency tree);
 #  - redis-server: the tests of the gateway replicas' shared state start their own on a free port;
-#  - .venv: a Python venv with the reference libraries the tests compare against (transformers, jinja2).
+#  - .venv: a Python venv with the reference libraries the tests compare against (transformers, jinja2) and the
+#    third-party servers they run (llama-cpp-python, compiled for any x86-64 CPU rather than this one's, so the wheel
+#    pip caches stays valid on another machine).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -24,6 +26,6 @@ stamp=".venv/.kvgate-reqs"
 if [ ! -x .venv/bin/python ] || ! cmp -s "$PY_REQS" "$stamp"; then
   echo "setup: creating .venv from $PY_REQS"
   python3 -m venv .venv
-  .venv/bin/python -m pip install -q --disable-pip-version-check -r "$PY_REQS"
+  CMAKE_ARGS="-DGGML_NATIVE=OFF" .venv/bin/python -m pip install -q --disable-pip-version-check -r "$PY_REQS"
   cp "$PY_REQS" "$stamp"
 fi

@@ -142,7 +142,7 @@ pub struct GatewayArgs {
     #[arg(long, env = "KVGATE_GATEWAY_FORGET_AFTER")]
     pub forget_after: Option<String>,
     /// How often a worker out of the ring for a refused connection or a timeout is probed (`GET /health`) to bring
-    /// it back. Default 2s.
+    /// it back (a 2xx, or a 4xx from a server without that route, brings it back). Default 2s.
     #[arg(long, env = "KVGATE_GATEWAY_PROBE_INTERVAL")]
     pub probe_interval: Option<String>,
     /// Most workers in the registry; reports from further workers get 503. Default 4096.

@@ -269,7 +269,7 @@ pub async fn upkeep(state: Arc<GatewayState>) {
                 };
                 let probe =
                     tokio::time::timeout(std::time::Duration::from_secs(1), s.client.request(req)).await;
-                if matches!(probe, Ok(Ok(ref r)) if r.status().is_success()) {
+                if matches!(probe, Ok(Ok(ref r)) if probe_answered(r.status())) {
                     tracing::info!(%url, "worker answers its probe again");
                     s.registry().record_probe_ok(wref, Instant::now());
                 }
@@ -279,9 +279,24 @@ pub async fn upkeep(state: Arc<GatewayState>) {
     }
 }
 
+/// Whether a probe's answer brings a worker back: a success, or a client error from a server that has no
+/// `/health` route (llama-cpp-python's server answers 404 there) but is up. A 5xx (a kvgate worker's 503 while it
+/// loads or drains) is not.
+fn probe_answered(status: hyper::StatusCode) -> bool {
+    status.is_success() || status.is_client_error()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_server_without_a_health_route_answers_its_probe() {
+        assert!(probe_answered(hyper::StatusCode::OK));
+        assert!(probe_answered(hyper::StatusCode::NOT_FOUND));
+        assert!(!probe_answered(hyper::StatusCode::SERVICE_UNAVAILABLE));
+        assert!(!probe_answered(hyper::StatusCode::BAD_GATEWAY));
+    }
 
     #[test]
     fn secrets_compare_whole() {

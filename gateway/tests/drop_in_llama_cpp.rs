@@ -1,0 +1,67 @@
+//! The drop-in proof against a real third-party server (issue #18): three llama.cpp servers (PyPI
+//! `llama-cpp-python[server]`, built from source on CPU) serving the synthetic `small` model as GGUF, a gateway in
+//! front of them with only the model's tokenizer configured (`[[models]]` kind `openai`), and the multi-turn workload
+//! through it under `cache_aware` and under `round_robin`. All of it runs in `scripts/llamacpp_proof.py` (also the
+//! benchmark's driver, `scripts/bench-llamacpp.sh`); this test runs it small and checks what it measured.
+
+use std::path::PathBuf;
+use std::process::Command;
+
+use serde_json::Value;
+
+mod common;
+
+#[test]
+fn conversations_stick_to_one_llama_cpp_pod_and_reuse_more_of_its_cache_than_round_robin() {
+    let Some(py) = std::env::var_os("KVGATE_PYTHON") else {
+        assert!(std::env::var_os("CI").is_none(), "CI needs KVGATE_PYTHON (llama-cpp-python) for this test");
+        eprintln!("skipped: KVGATE_PYTHON is not set (run ./scripts/test.sh)");
+        return;
+    };
+    // The gateway, worker (the conversion check's reference) and load generator next to this test's binary.
+    let bin_dir = common::bin("kvgate-gateway").parent().expect("bin dir").to_path_buf();
+    common::bin("kvgate-worker");
+    common::bin("kvgate-loadtest");
+    let out = tempfile::tempdir().expect("tmp");
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../scripts/llamacpp_proof.py");
+    let run = Command::new(py)
+        .arg(&script)
+        .args(["--bin-dir", bin_dir.to_str().expect("path"), "--out", out.path().to_str().expect("path")])
+        .args([
+            "--pods",
+            "3",
+            "--users",
+            "6",
+            "--turns",
+            "4",
+            "--system-words",
+            "100",
+            "--question-words",
+            "32",
+        ])
+        .args(["--output-tokens", "16", "--duration", "60"])
+        .output()
+        .expect("the proof script runs");
+    let stdout = String::from_utf8_lossy(&run.stdout);
+    assert!(run.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&run.stderr));
+    let proof: Value = serde_json::from_str(&stdout).expect("one JSON object");
+
+    // Same weights, same tokens: the GGUF on llama.cpp against kvgate's CPU engine on the safetensors.
+    let conv = &proof["conversion"];
+    assert_eq!(conv["ok"], true, "{conv}");
+    assert!(conv["greedy_chat"].as_array().is_some_and(|c| c.len() == 2), "{conv}");
+
+    let (ca, rr) = (&proof["policies"]["cache_aware"], &proof["policies"]["round_robin"]);
+    for p in [ca, rr] {
+        assert_eq!(p["ok"], p["requests"], "every request answered: {p}");
+        assert_eq!(p["requests"], 24, "{p}");
+        assert_eq!(p["sessions"], 6, "{p}");
+    }
+    // Every conversation on one pod under cache_aware; spread over the pods under round_robin.
+    assert_eq!(ca["sticky_sessions"], 6, "{ca}");
+    assert!(rr["mean_pods_per_session"].as_f64().expect("mean") > 1.5, "{rr}");
+    // The pods' own logs: more of the prompts came from their KV cache under cache_aware.
+    let (hca, hrr) = (ca["hit_rate"].as_f64().expect("hit"), rr["hit_rate"].as_f64().expect("hit"));
+    assert!(hca > hrr + 0.05, "cache_aware {hca} vs round_robin {hrr}");
+    assert!(ca["prompt_tokens_evaluated"].as_u64() < rr["prompt_tokens_evaluated"].as_u64(), "{ca} {rr}");
+}
