@@ -247,8 +247,9 @@ pub struct ModelSpec {
     #[serde(default)]
     pub workers: Vec<String>,
     /// KV tokens each pod of a pool that is not kvgate holds: the capacity of this gateway's approximate index of
-    /// what it sent each pod (`router/src/registry/approx.rs`). 0 turns the index off (only the overlay's
-    /// `--overlay-ttl` memory is left). Default 65,536.
+    /// what it sent each pod (`router/src/registry/approx.rs`); for `vllm` and `sglang` pools whose metrics are
+    /// scraped, the KV size a pod's metrics state replaces it (`scrape.rs`). 0 turns the index off (only the
+    /// overlay's `--overlay-ttl` memory is left). Default 65,536.
     #[serde(default = "default_kv_tokens")]
     pub kv_tokens: usize,
     /// For `vllm` and `sglang` pools: the port each pod publishes its KV events on (vLLM `--kv-events-config`

@@ -1,15 +1,25 @@
-//! Load of pods that send no reports, scraped from their Prometheus endpoints once a second (`[[models]]` pools
-//! of kind `vllm` or `sglang`, `scrape-metrics`): requests waiting and running, summed over the series of every
-//! engine and rank. vLLM: `vllm:num_requests_waiting`, `vllm:num_requests_running`; SGLang: `sglang:num_queue_reqs`,
-//! `sglang:num_running_reqs`. The registry takes them like a report's queue (`Registry::set_scraped`), so the
-//! load term sees the pod's whole queue (other clients' requests too) plus what this gateway sent since.
-//! A scrape that fails or finds none of the series changes nothing (counted: `kvgate_gateway_scrapes_total{result}`).
+//! Load and KV cache of pods that send no reports, scraped from their Prometheus endpoints once a second
+//! (`[[models]]` pools of kind `vllm` or `sglang`, `scrape-metrics`):
+//! - requests waiting and running, summed over the series of every engine and rank (vLLM:
+//!   `vllm:num_requests_waiting`, `vllm:num_requests_running`; SGLang: `sglang:num_queue_reqs`,
+//!   `sglang:num_running_reqs`). The registry takes them like a report's queue (`Registry::set_scraped`), so the
+//!   load term sees the pod's whole queue (other clients' requests too) plus what this gateway sent since;
+//! - the fraction of the KV cache in use (vLLM `vllm:kv_cache_usage_perc`, before 0.10 `vllm:gpu_cache_usage_perc`;
+//!   SGLang `sglang:token_usage`; the mean over engines), shown per worker;
+//! - the KV cache's size, which replaces the configured `kv-tokens` as the pod's approximate index capacity: vLLM's
+//!   `vllm:cache_config_info` labels (`num_gpu_blocks` x `block_size`, summed over engines); SGLang's
+//!   `sglang:num_used_tokens` / `sglang:token_usage` (only while usage is at least 1%, where the ratio is exact
+//!   enough).
+//!
+//! A scrape that fails or finds none of the queue series changes nothing (counted:
+//! `kvgate_gateway_scrapes_total{result}`).
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full, Limited};
+use kvgate_router::registry::Scraped;
 
 use crate::config::WorkerKind;
 use crate::state::GatewayState;
@@ -20,26 +30,92 @@ pub const SCRAPE_INTERVAL: Duration = Duration::from_secs(1);
 pub const SCRAPE_TIMEOUT: Duration = Duration::from_millis(800);
 /// Largest metrics page read.
 pub const MAX_METRICS_BYTES: usize = 4 << 20;
+/// Largest KV capacity taken from a page, in tokens (a bigger figure is not believed).
+pub const MAX_SCRAPED_KV_TOKENS: u64 = 1 << 34;
 
-/// A pod's queue as its metrics say.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct ScrapedQueue {
+/// What a page says.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct ScrapedPage {
     pub waiting: u32,
     pub running: u32,
+    /// Fraction of the KV cache in use, 0..=1.
+    pub kv_usage: Option<f64>,
+    /// The KV cache's size in tokens.
+    pub kv_capacity_tokens: Option<u64>,
 }
 
-/// The metric names of a kind: (waiting, running); `None` for kinds without known metrics.
-pub fn metric_names(kind: WorkerKind) -> Option<(&'static str, &'static str)> {
+impl ScrapedPage {
+    /// For the registry, the capacity in the model's blocks.
+    pub fn for_registry(&self, block_size: u32) -> Scraped {
+        Scraped {
+            waiting: self.waiting,
+            running: self.running,
+            kv_usage: self.kv_usage,
+            kv_capacity_blocks: self.kv_capacity_tokens.map(|t| (t / u64::from(block_size.max(1))) as usize),
+        }
+    }
+}
+
+/// How a kind's page is read.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MetricNames {
+    pub waiting: &'static str,
+    pub running: &'static str,
+    /// KV usage gauges (a fraction), any of them.
+    pub usage: &'static [&'static str],
+    pub capacity: Capacity,
+}
+
+/// Where a kind's KV capacity comes from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Capacity {
+    /// `vllm:cache_config_info{num_gpu_blocks="N",block_size="B",..} 1`: N x B tokens.
+    VllmCacheConfig,
+    /// This gauge of tokens in use divided by the usage fraction.
+    UsedOverUsage(&'static str),
+}
+
+/// The metric names of a kind; `None` for kinds without known metrics.
+pub fn metric_names(kind: WorkerKind) -> Option<MetricNames> {
     match kind {
-        WorkerKind::Vllm => Some(("vllm:num_requests_waiting", "vllm:num_requests_running")),
-        WorkerKind::Sglang => Some(("sglang:num_queue_reqs", "sglang:num_running_reqs")),
+        WorkerKind::Vllm => Some(MetricNames {
+            waiting: "vllm:num_requests_waiting",
+            running: "vllm:num_requests_running",
+            usage: &["vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"],
+            capacity: Capacity::VllmCacheConfig,
+        }),
+        WorkerKind::Sglang => Some(MetricNames {
+            waiting: "sglang:num_queue_reqs",
+            running: "sglang:num_running_reqs",
+            usage: &["sglang:token_usage"],
+            capacity: Capacity::UsedOverUsage("sglang:num_used_tokens"),
+        }),
         WorkerKind::Kvgate | WorkerKind::Openai => None,
     }
 }
 
-/// Sums the series of `waiting` and `running` in a Prometheus text page; `None` if neither appears.
-pub fn parse(text: &str, (waiting, running): (&str, &str)) -> Option<ScrapedQueue> {
+/// The value of a label in a `{...}` label set (no unescaping: the labels read here are numbers).
+fn label<'a>(labels: &'a str, name: &str) -> Option<&'a str> {
+    let mut rest = labels;
+    while let Some(i) = rest.find(name) {
+        let after = &rest[i + name.len()..];
+        let boundary = i == 0 || matches!(rest.as_bytes()[i - 1], b'{' | b',' | b' ');
+        if boundary {
+            if let Some(v) = after.strip_prefix("=\"") {
+                return v.split('"').next();
+            }
+        }
+        rest = after;
+    }
+    None
+}
+
+/// Reads a Prometheus text page; `None` if neither queue series appears.
+pub fn parse(text: &str, names: &MetricNames) -> Option<ScrapedPage> {
     let (mut w, mut r, mut seen) = (0f64, 0f64, false);
+    let (mut usage_sum, mut usage_n) = (0f64, 0u32);
+    let (mut config_tokens, mut used_tokens) = (None::<f64>, None::<f64>);
+    let sane = |v: &str| v.parse::<f64>().ok().filter(|v| v.is_finite() && *v >= 0.0);
     for line in text.lines() {
         let line = line.trim();
         if line.starts_with('#') {
@@ -50,21 +126,41 @@ pub fn parse(text: &str, (waiting, running): (&str, &str)) -> Option<ScrapedQueu
             Some(i) => (&line[..i], &line[i..]),
             None => continue,
         };
-        let target = if name == waiting {
-            &mut w
-        } else if name == running {
-            &mut r
-        } else {
-            continue;
+        let (labels, value) = match rest.rsplit_once('}') {
+            Some((l, v)) => (l, v),
+            None => ("", rest),
         };
-        let value = rest.rsplit_once('}').map_or(rest, |(_, v)| v).split_whitespace().next();
-        if let Some(v) = value.and_then(|v| v.parse::<f64>().ok()).filter(|v| v.is_finite() && *v >= 0.0) {
-            *target += v;
+        let Some(v) = value.split_whitespace().next().and_then(sane) else { continue };
+        if name == names.waiting {
+            w += v;
             seen = true;
+        } else if name == names.running {
+            r += v;
+            seen = true;
+        } else if names.usage.contains(&name) {
+            usage_sum += v.min(1.0);
+            usage_n += 1;
+        } else if names.capacity == Capacity::VllmCacheConfig && name == "vllm:cache_config_info" {
+            let num = |n: &str| label(labels, n).and_then(sane);
+            if let (Some(blocks), Some(size)) = (num("num_gpu_blocks"), num("block_size")) {
+                *config_tokens.get_or_insert(0.0) += blocks * size;
+            }
+        } else if matches!(names.capacity, Capacity::UsedOverUsage(g) if g == name) {
+            *used_tokens.get_or_insert(0.0) += v;
         }
     }
     let clamp = |v: f64| v.min(f64::from(u32::MAX)) as u32;
-    seen.then(|| ScrapedQueue { waiting: clamp(w), running: clamp(r) })
+    let kv_usage = (usage_n > 0).then(|| usage_sum / f64::from(usage_n));
+    let capacity = match names.capacity {
+        Capacity::VllmCacheConfig => config_tokens,
+        Capacity::UsedOverUsage(_) => match (used_tokens, kv_usage) {
+            (Some(used), Some(u)) if u >= 0.01 => Some(used / u),
+            _ => None,
+        },
+    };
+    let kv_capacity_tokens =
+        capacity.filter(|c| *c >= 1.0 && *c <= MAX_SCRAPED_KV_TOKENS as f64).map(|c| c.round() as u64);
+    seen.then(|| ScrapedPage { waiting: clamp(w), running: clamp(r), kv_usage, kv_capacity_tokens })
 }
 
 fn count(result: &'static str) {
@@ -74,8 +170,8 @@ fn count(result: &'static str) {
 async fn scrape_once(
     state: &GatewayState,
     url: &str,
-    names: (&str, &str),
-) -> Result<ScrapedQueue, &'static str> {
+    names: &MetricNames,
+) -> Result<ScrapedPage, &'static str> {
     let uri = format!("{}/metrics", url.trim_end_matches('/'));
     let req = hyper::Request::get(&uri).body(Full::new(Bytes::new())).map_err(|_| "request")?;
     let fetch = async {
@@ -107,15 +203,15 @@ pub fn spawn_pod(
     url: &str,
 ) -> Option<tokio::task::JoinHandle<()>> {
     let names = metric_names(model.kind).filter(|_| model.scrape_metrics)?;
-    let (s, url) = (state.clone(), url.to_owned());
+    let (s, url, block_size) = (state.clone(), url.to_owned(), model.block_size);
     Some(tokio::spawn(async move {
         let mut tick = tokio::time::interval(SCRAPE_INTERVAL);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             tick.tick().await;
-            match scrape_once(&s, &url, names).await {
-                Ok(q) => {
-                    s.registry().set_scraped(&url, q.waiting, q.running);
+            match scrape_once(&s, &url, &names).await {
+                Ok(page) => {
+                    s.registry().set_scraped(&url, &page.for_registry(block_size));
                     count("ok");
                 }
                 Err(why) => {
@@ -131,6 +227,10 @@ pub fn spawn_pod(
 mod tests {
     use super::*;
 
+    fn queue(waiting: u32, running: u32) -> ScrapedPage {
+        ScrapedPage { waiting, running, ..ScrapedPage::default() }
+    }
+
     #[test]
     fn vllm_and_sglang_pages_are_summed_over_their_series() {
         let vllm = "# HELP vllm:num_requests_waiting Number of requests waiting to be processed.\n\
@@ -139,23 +239,43 @@ mod tests {
                     vllm:num_requests_waiting{engine=\"1\",model_name=\"llama\"} 2.0\n\
                     vllm:num_requests_running{engine=\"0\",model_name=\"llama\"} 7.0\n\
                     vllm:num_requests_running_total 99\n\
-                    vllm:kv_cache_usage_perc{engine=\"0\"} 0.42\n";
+                    vllm:kv_cache_usage_perc{engine=\"0\"} 0.42\n\
+                    vllm:kv_cache_usage_perc{engine=\"1\"} 0.58\n\
+                    vllm:cache_config_info{block_size=\"16\",cache_dtype=\"auto\",engine=\"0\",num_gpu_blocks=\"27000\",num_cpu_blocks=\"0\"} 1.0\n\
+                    vllm:cache_config_info{block_size=\"16\",engine=\"1\",num_gpu_blocks=\"1000\"} 1.0\n";
         let names = metric_names(WorkerKind::Vllm).expect("vllm");
-        assert_eq!(parse(vllm, names), Some(ScrapedQueue { waiting: 5, running: 7 }));
-        let sglang = "sglang:num_queue_reqs{model_name=\"m\"} 4\nsglang:num_running_reqs{model_name=\"m\"} 1 1700000000\n";
+        let page = parse(vllm, &names).expect("page");
+        assert_eq!((page.waiting, page.running), (5, 7));
+        assert!((page.kv_usage.expect("usage") - 0.5).abs() < 1e-12);
+        assert_eq!(page.kv_capacity_tokens, Some(28_000 * 16));
+        // In the model's blocks of 32 tokens for the registry.
+        assert_eq!(page.for_registry(32).kv_capacity_blocks, Some(14_000));
+        // vLLM before 0.10 named its usage gauge differently.
+        let old = "vllm:num_requests_running 1\nvllm:gpu_cache_usage_perc 0.9\n";
+        assert_eq!(parse(old, &names).and_then(|p| p.kv_usage), Some(0.9));
+
+        let sglang = "sglang:num_queue_reqs{model_name=\"m\"} 4\nsglang:num_running_reqs{model_name=\"m\"} 1 1700000000\n\
+                      sglang:token_usage{model_name=\"m\"} 0.25\nsglang:num_used_tokens{model_name=\"m\"} 50000\n";
         let names = metric_names(WorkerKind::Sglang).expect("sglang");
-        assert_eq!(parse(sglang, names), Some(ScrapedQueue { waiting: 4, running: 1 }));
-        // Nothing known, a hostile value, a label with a brace-like string: nothing taken, or only sane values.
-        assert_eq!(parse("up 1\n", names), None);
-        assert_eq!(parse("sglang:num_queue_reqs NaN\nsglang:num_queue_reqs -3\n", names), None);
-        assert_eq!(
-            parse("sglang:num_queue_reqs{a=\"}\"} 2\n", names),
-            Some(ScrapedQueue { waiting: 2, running: 0 })
-        );
-        assert_eq!(
-            parse("sglang:num_queue_reqs 1e30\n", names),
-            Some(ScrapedQueue { waiting: u32::MAX, running: 0 })
-        );
+        let page = parse(sglang, &names).expect("page");
+        assert_eq!((page.waiting, page.running, page.kv_usage), (4, 1, Some(0.25)));
+        assert_eq!(page.kv_capacity_tokens, Some(200_000));
+        // An idle SGLang pod's capacity cannot be read from a usage under 1%.
+        let idle = "sglang:num_queue_reqs 0\nsglang:token_usage 0.001\nsglang:num_used_tokens 200\n";
+        assert_eq!(parse(idle, &names).map(|p| p.kv_capacity_tokens), Some(None));
+
+        // Nothing known, hostile values, a label with a brace-like string: nothing taken, or only sane values.
+        assert_eq!(parse("up 1\n", &names), None);
+        assert_eq!(parse("sglang:num_queue_reqs NaN\nsglang:num_queue_reqs -3\n", &names), None);
+        assert_eq!(parse("sglang:num_queue_reqs{a=\"}\"} 2\n", &names), Some(queue(2, 0)));
+        assert_eq!(parse("sglang:num_queue_reqs 1e30\n", &names), Some(queue(u32::MAX, 0)));
+        let huge = "sglang:num_queue_reqs 0\nsglang:token_usage 0.5\nsglang:num_used_tokens 1e300\n";
+        assert_eq!(parse(huge, &names).map(|p| p.kv_capacity_tokens), Some(None));
+        let vnames = metric_names(WorkerKind::Vllm).expect("vllm");
+        let forged = "vllm:num_requests_waiting 0\nvllm:kv_cache_usage_perc 40\n\
+                      vllm:cache_config_info{xnum_gpu_blocks=\"5\",block_size=\"16\"} 1\n";
+        let page = parse(forged, &vnames).expect("page");
+        assert_eq!((page.kv_usage, page.kv_capacity_tokens), (Some(1.0), None));
         assert_eq!(metric_names(WorkerKind::Openai), None);
     }
 }

@@ -154,7 +154,7 @@ async fn a_plain_pods_prefix_is_remembered_by_the_approximate_index_up_to_its_ca
 }
 
 /// A stand-in for a vLLM pod (vLLM does not run here): answers chat completions with a canned reply and serves a
-/// Prometheus page whose queue gauges say `waiting` requests.
+/// Prometheus page whose queue gauges say `waiting` requests, with its KV cache half used and 100 blocks of 16.
 fn fake_vllm(py: &std::ffi::OsStr, waiting: u32) -> (std::process::Child, String) {
     let port = free_port();
     let script = format!(
@@ -163,7 +163,9 @@ import json
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 METRICS = ('# TYPE vllm:num_requests_waiting gauge\n'
            'vllm:num_requests_waiting{{engine="0",model_name="m"}} {waiting}.0\n'
-           'vllm:num_requests_running{{engine="0",model_name="m"}} 1.0\n').encode()
+           'vllm:num_requests_running{{engine="0",model_name="m"}} 1.0\n'
+           'vllm:kv_cache_usage_perc{{engine="0",model_name="m"}} 0.5\n'
+           'vllm:cache_config_info{{block_size="16",engine="0",num_gpu_blocks="100"}} 1.0\n').encode()
 class H(BaseHTTPRequestHandler):
     def log_message(self, *a): pass
     def reply(self, code, body, ctype):
@@ -215,9 +217,11 @@ async fn sent_to(
     scrape: bool,
 ) -> usize {
     let path = dir.join(format!("gateway-{scrape}.toml"));
+    // With the metrics, an approximate index of 64 tokens, which the pods' stated 1,600 replace.
+    let kv_tokens = if scrape { 64 } else { 0 };
     let config = format!(
-        "[[models]]\nname = {MODEL:?}\ntokenizer = {:?}\nkind = \"vllm\"\nkv-tokens = 0\nscrape-metrics = {scrape}\n\
-         workers = [{busy:?}, {idle:?}]\n",
+        "[[models]]\nname = {MODEL:?}\ntokenizer = {:?}\nkind = \"vllm\"\nkv-tokens = {kv_tokens}\n\
+         scrape-metrics = {scrape}\nworkers = [{busy:?}, {idle:?}]\n",
         synth.display().to_string()
     );
     std::fs::write(&path, config).expect("config");
@@ -227,6 +231,12 @@ async fn sent_to(
         wait_until(std::time::Duration::from_secs(10), || async {
             let m = get(&format!("{control}/metrics")).await.body;
             metric(&m, "kvgate_gateway_scrapes_total{result=\"ok\"}").unwrap_or(0.0) >= 2.0
+        })
+        .await;
+        wait_until(std::time::Duration::from_secs(10), || async {
+            let w = get(&format!("{control}/kvgate/v1/workers")).await.json();
+            w.as_array()
+                .is_some_and(|a| a.iter().all(|w| w["kv_usage"] == 0.5 && w["approx_blocks"][1] == 100))
         })
         .await;
     }

@@ -37,6 +37,16 @@ impl ApproxIndex {
             }
             self.order.insert(self.stamp, *h);
         }
+        self.evict();
+    }
+
+    /// A new capacity (the pod's metrics said how many blocks it has): the least recently sent go if it shrank.
+    pub fn set_capacity(&mut self, capacity_blocks: usize) {
+        self.capacity = capacity_blocks.min(MAX_APPROX_BLOCKS);
+        self.evict();
+    }
+
+    fn evict(&mut self) {
         while self.at.len() > self.capacity {
             match self.order.pop_first() {
                 Some((_, h)) => {
@@ -95,5 +105,18 @@ mod tests {
         none.touch(&a);
         assert!(none.is_empty());
         assert_eq!(ApproxIndex::new(usize::MAX).capacity(), MAX_APPROX_BLOCKS);
+    }
+
+    #[test]
+    fn a_smaller_capacity_forgets_the_least_recently_sent_at_once() {
+        let mut ix = ApproxIndex::new(10);
+        let (a, b) = (prompt(1, 5), prompt(2, 5));
+        ix.touch(&a);
+        ix.touch(&b);
+        ix.set_capacity(6);
+        assert_eq!((ix.len(), ix.capacity()), (6, 6));
+        assert_eq!((ix.matched(&a), ix.matched(&b)), (1, 5));
+        ix.set_capacity(usize::MAX);
+        assert_eq!(ix.capacity(), MAX_APPROX_BLOCKS);
     }
 }

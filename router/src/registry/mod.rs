@@ -24,7 +24,7 @@ use kvgate_shared::report::{CacheSummary, QueueStats, Tier, WorkerReport};
 
 use crate::routing::{PrefixSignal, Ring, WorkerView};
 
-pub use worker::{Fault, Overlay, Sessions, Worker, WorkerCounters, WorkerStatus};
+pub use worker::{Fault, Overlay, Scraped, Sessions, Worker, WorkerCounters, WorkerStatus};
 
 /// Timing and size knobs.
 #[derive(Clone, Copy, Debug)]
@@ -504,19 +504,26 @@ impl Registry {
         true
     }
 
-    /// Takes the queue scraped from the metrics of the pod at `url` (one that sends no reports): like a report's
-    /// queue, it replaces what this gateway counted as sent since the last one; its waiting requests are priced at
-    /// the mean uncached tokens of the requests sent there. `false` if no worker has this URL, or it reports.
-    pub fn set_scraped(&mut self, url: &str, waiting: u32, running: u32) -> bool {
+    /// Takes what was scraped from the metrics of the pod at `url` (one that sends no reports). The queue, like a
+    /// report's, replaces what this gateway counted as sent since the last one; its waiting requests are priced at
+    /// the mean uncached tokens of the requests sent there. The KV capacity the pod states (in blocks) becomes its
+    /// approximate index's capacity, where it has one. `false` if no worker has this URL, or it reports.
+    pub fn set_scraped(&mut self, url: &str, s: &Scraped) -> bool {
         let url = url.trim_end_matches('/');
         let Some(w) = self.workers.iter_mut().find(|w| w.url == url && w.report.is_none()) else {
             return false;
         };
         w.scraped = Some(QueueStats {
-            waiting_requests: waiting,
-            prefill_tokens: (f64::from(waiting) * w.mean_sent_tokens) as u64,
-            running_requests: running,
+            waiting_requests: s.waiting,
+            prefill_tokens: (f64::from(s.waiting) * w.mean_sent_tokens) as u64,
+            running_requests: s.running,
         });
+        w.kv_usage = s.kv_usage.filter(|u| u.is_finite()).map(|u| u.clamp(0.0, 1.0));
+        if let (Some(approx), Some(blocks)) = (w.approx.as_mut(), s.kv_capacity_blocks) {
+            if blocks > 0 {
+                approx.set_capacity(blocks);
+            }
+        }
         w.epoch += 1;
         w.sent_requests_since_report = 0;
         w.sent_tokens_since_report = 0;
@@ -574,6 +581,8 @@ impl Registry {
                 inflight: w.inflight,
                 load: w.load(),
                 cached_blocks: w.report.as_ref().and_then(|r| r.tier(Tier::Device)).map(|t| t.blocks_cached),
+                kv_usage: w.kv_usage,
+                approx_blocks: w.approx.as_ref().map(|a| [a.len(), a.capacity()]),
                 counters: w.counters,
             })
             .collect()

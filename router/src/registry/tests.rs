@@ -297,6 +297,21 @@ fn pods_without_reports_match_by_their_approximate_index_or_their_events() {
     // The overlay has expired; the approximate index still remembers.
     assert_eq!(r.views("m", &h, None, later).0[0].overlay_matched_blocks, 4);
     assert_eq!(r.views("m", &h, None, later).0[0].prefix_signal, crate::routing::PrefixSignal::Approximate);
+    // The pod's metrics say how big its cache is: the index follows (here it shrinks to three blocks, keeping
+    // the prefix), and the usage is shown; nonsense is not taken.
+    let scraped = Scraped { waiting: 1, running: 2, kv_usage: Some(0.25), kv_capacity_blocks: Some(3) };
+    assert!(r.set_scraped("http://pod-a:8000/", &scraped));
+    assert_eq!(r.views("m", &h, None, later).0[0].overlay_matched_blocks, 3);
+    let st = &r.status(later)[0];
+    assert_eq!((st.kv_usage, st.approx_blocks), (Some(0.25), Some([3, 3])));
+    assert!(r.set_scraped("http://pod-a:8000", &Scraped { kv_usage: Some(f64::NAN), ..scraped }));
+    assert_eq!(r.status(later)[0].kv_usage, None);
+    assert!(r.set_scraped(
+        "http://pod-a:8000",
+        &Scraped { kv_usage: Some(7.0), kv_capacity_blocks: Some(0), ..scraped }
+    ));
+    assert_eq!((r.status(later)[0].kv_usage, r.status(later)[0].approx_blocks), (Some(1.0), Some([3, 3])));
+    assert!(!r.set_scraped("http://nowhere:1", &scraped));
     // Events replace the guess: the pod holds the first two blocks only, then a clear.
     assert!(r.apply_exact(
         "http://pod-a:8000",

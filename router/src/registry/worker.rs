@@ -165,6 +165,8 @@ pub struct Worker {
     pub exact: Option<std::collections::HashSet<kvgate_shared::hashing::BlockHash>>,
     /// For a pod that sends no reports: its queue as last scraped from its metrics (`Registry::set_scraped`).
     pub scraped: Option<kvgate_shared::report::QueueStats>,
+    /// For a pod that sends no reports: the fraction of its KV cache in use, as last scraped (0..=1).
+    pub kv_usage: Option<f64>,
     /// Moving average of the uncached prompt tokens of the requests sent here (prices a scraped queue in tokens).
     pub mean_sent_tokens: f64,
     pub sessions: Sessions,
@@ -195,6 +197,7 @@ impl Worker {
             approx: None,
             exact: None,
             scraped: None,
+            kv_usage: None,
             mean_sent_tokens: 0.0,
             sessions: Sessions::default(),
             counters: WorkerCounters::default(),
@@ -225,6 +228,19 @@ impl Worker {
     }
 }
 
+/// What a pod that sends no reports says in its Prometheus metrics (`Registry::set_scraped`).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Scraped {
+    /// Requests waiting, summed over its engines.
+    pub waiting: u32,
+    /// Requests running.
+    pub running: u32,
+    /// Fraction of its KV cache in use (0..=1), if it says.
+    pub kv_usage: Option<f64>,
+    /// Its KV cache's size in this model's blocks, if it says.
+    pub kv_capacity_blocks: Option<usize>,
+}
+
 /// A worker's state for `GET /admin/v1/workers`, `GET /kvgate/v1/workers` and logs.
 #[derive(Debug, Serialize)]
 pub struct WorkerStatus {
@@ -247,5 +263,9 @@ pub struct WorkerStatus {
     pub inflight: u64,
     pub load: Load,
     pub cached_blocks: Option<u64>,
+    /// A pod without reports: the fraction of its KV cache in use, from its metrics.
+    pub kv_usage: Option<f64>,
+    /// A pod without reports: blocks its approximate index holds, and at most (from config or its metrics).
+    pub approx_blocks: Option<[usize; 2]>,
     pub counters: WorkerCounters,
 }
