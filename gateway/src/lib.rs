@@ -14,6 +14,8 @@
 //! - [`control`]: the control listener (report ingest on its own thread, metrics, worker states, upkeep);
 //! - [`admin`]: the admin REST API (weights, budgets, drain, route/explain; bearer auth, ETags);
 //! - [`persist`]: the admin state file; [`auth`]: bearer tokens, constant-time comparison, control-port errors;
+//! - pods that are not kvgate workers (`[[models]]`): [`discovery`] (DNS), [`scrape`] (their metrics),
+//!   [`vllm_events`], [`vllm_index`], [`vllm_subscriber`] (their KV events), [`zmtp`] (the bounded ZeroMQ client);
 //! - [`config`], [`errors`].
 
 pub mod admin;
@@ -37,5 +39,6 @@ pub mod upstream;
 pub mod vllm_events;
 pub mod vllm_index;
 pub mod vllm_subscriber;
+pub mod zmtp;
 
 pub use kvgate_router::{admission, registry, route, routing};

@@ -1,5 +1,5 @@
 //! Follows the KV events of vLLM (or SGLang) pods (`[[models]]` entries with `kv-events-port`): one task per pod
-//! holds a ZMQ SUB connection to `tcp://<pod host>:<port>`, decodes each batch (`vllm_events`), applies it to the
+//! holds a ZMQ SUB connection (`zmtp`, frames bounded) to `tcp://<pod host>:<port>`, decodes each batch (`vllm_events`), applies it to the
 //! pod's exact index (`vllm_index`) and hands the change to the registry, whose exact set then gives the pod's
 //! prefix match instead of the approximate index. A gap in the sequence numbers or a lost connection clears the
 //! pod's index (what it missed might have been removals) unless the pod's replay socket (`kv-events-replay-port`)
@@ -10,12 +10,11 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use bytes::Bytes;
 use kvgate_shared::hashing::HashScheme;
-use zeromq::{DealerSocket, Socket, SocketRecv, SocketSend, SubSocket, ZmqMessage};
 
 use crate::vllm_events::decode_frames;
 use crate::vllm_index::{Applied, Delta, EventIndex};
+use crate::zmtp::{Kind, Socket};
 
 /// How long to wait before connecting again after a failure.
 pub const RECONNECT_DELAY: Duration = Duration::from_secs(1);
@@ -41,11 +40,8 @@ pub const MAX_REPLAYED: usize = 10_000;
 /// Asks `replay` for batches `first..until` and applies them; `true` if every one came, in order.
 async fn replay_into(ix: &mut EventIndex, replay: &str, first: i64, until: i64) -> bool {
     let work = async {
-        let mut sock = DealerSocket::new();
-        sock.connect(replay).await.ok()?;
-        let request =
-            ZmqMessage::try_from(vec![Bytes::new(), Bytes::copy_from_slice(&first.to_be_bytes())]).ok()?;
-        sock.send(request).await.ok()?;
+        let mut sock = Socket::connect(replay, Kind::Dealer).await.ok()?;
+        sock.send(&[b"", &first.to_be_bytes()]).await.ok()?;
         let mut batches = Vec::new();
         loop {
             let msg = sock.recv().await.ok()?;
@@ -84,17 +80,19 @@ pub async fn follow(
 ) {
     let mut ix = EventIndex::new(&scheme);
     loop {
-        let mut sock = SubSocket::new();
-        // Subscribed before connecting: the subscription then goes out with the handshake.
         let connected = async {
-            sock.subscribe(&topic).await?;
-            sock.connect(&endpoint).await
+            let mut sock = Socket::connect(&endpoint, Kind::Sub).await?;
+            sock.subscribe(topic.as_bytes()).await?;
+            Ok::<_, std::io::Error>(sock)
         };
-        if let Err(e) = connected.await {
-            tracing::debug!(%endpoint, error = %e, "KV events: cannot connect yet");
-            tokio::time::sleep(RECONNECT_DELAY).await;
-            continue;
-        }
+        let mut sock = match connected.await {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::debug!(%endpoint, error = %e, "KV events: cannot connect yet");
+                tokio::time::sleep(RECONNECT_DELAY).await;
+                continue;
+            }
+        };
         tracing::info!(%endpoint, "following KV events");
         loop {
             let msg = match sock.recv().await {
