@@ -215,6 +215,8 @@ def main():
     ap.add_argument("--n-ctx", type=int, default=4096)
     ap.add_argument("--skip-conversion-check", action="store_true")
     args = ap.parse_args()
+    # Killed (a test's timeout, Ctrl-C's SIGTERM cousin): stop every pod and the gateway on the way out.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     args.bin_dir = args.bin_dir.resolve()
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)

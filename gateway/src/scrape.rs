@@ -7,9 +7,10 @@
 //! - the fraction of the KV cache in use (vLLM `vllm:kv_cache_usage_perc`, before 0.10 `vllm:gpu_cache_usage_perc`;
 //!   SGLang `sglang:token_usage`; the mean over engines), shown per worker;
 //! - the KV cache's size, which replaces the configured `kv-tokens` as the pod's approximate index capacity: vLLM's
-//!   `vllm:cache_config_info` labels (`num_gpu_blocks` x `block_size`, summed over engines); SGLang's
-//!   `sglang:num_used_tokens` / `sglang:token_usage` (only while usage is at least 1%, where the ratio is exact
-//!   enough).
+//!   `vllm:cache_config_info` labels (`num_gpu_blocks` x `block_size`; the largest series: vLLM's front end puts
+//!   the total over its data-parallel engines on each engine's series); SGLang's `sglang:num_used_tokens` /
+//!   `sglang:token_usage` (only while usage is at least [`MIN_USAGE_FOR_CAPACITY`]: SGLang rounds the usage to two
+//!   decimals, so below that the ratio is too rough).
 //!
 //! A scrape that fails or finds none of the queue series changes nothing (counted:
 //! `kvgate_gateway_scrapes_total{result}`).
@@ -30,31 +31,10 @@ pub const SCRAPE_INTERVAL: Duration = Duration::from_secs(1);
 pub const SCRAPE_TIMEOUT: Duration = Duration::from_millis(800);
 /// Largest metrics page read.
 pub const MAX_METRICS_BYTES: usize = 4 << 20;
+/// Least SGLang usage from which its capacity is computed (the rounding error is then under 2.5%).
+pub const MIN_USAGE_FOR_CAPACITY: f64 = 0.2;
 /// Largest KV capacity taken from a page, in tokens (a bigger figure is not believed).
 pub const MAX_SCRAPED_KV_TOKENS: u64 = 1 << 34;
-
-/// What a page says.
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
-pub struct ScrapedPage {
-    pub waiting: u32,
-    pub running: u32,
-    /// Fraction of the KV cache in use, 0..=1.
-    pub kv_usage: Option<f64>,
-    /// The KV cache's size in tokens.
-    pub kv_capacity_tokens: Option<u64>,
-}
-
-impl ScrapedPage {
-    /// For the registry, the capacity in the model's blocks.
-    pub fn for_registry(&self, block_size: u32) -> Scraped {
-        Scraped {
-            waiting: self.waiting,
-            running: self.running,
-            kv_usage: self.kv_usage,
-            kv_capacity_blocks: self.kv_capacity_tokens.map(|t| (t / u64::from(block_size.max(1))) as usize),
-        }
-    }
-}
 
 /// How a kind's page is read.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -69,7 +49,7 @@ pub struct MetricNames {
 /// Where a kind's KV capacity comes from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Capacity {
-    /// `vllm:cache_config_info{num_gpu_blocks="N",block_size="B",..} 1`: N x B tokens.
+    /// `vllm:cache_config_info{num_gpu_blocks="N",block_size="B",..} 1`: N x B tokens (the largest series).
     VllmCacheConfig,
     /// This gauge of tokens in use divided by the usage fraction.
     UsedOverUsage(&'static str),
@@ -110,8 +90,9 @@ fn label<'a>(labels: &'a str, name: &str) -> Option<&'a str> {
     None
 }
 
-/// Reads a Prometheus text page; `None` if neither queue series appears.
-pub fn parse(text: &str, names: &MetricNames) -> Option<ScrapedPage> {
+/// Reads a Prometheus text page (the KV capacity in the model's blocks of `block_size` tokens); `None` if neither
+/// queue series appears.
+pub fn parse(text: &str, names: &MetricNames, block_size: u32) -> Option<Scraped> {
     let (mut w, mut r, mut seen) = (0f64, 0f64, false);
     let (mut usage_sum, mut usage_n) = (0f64, 0u32);
     let (mut config_tokens, mut used_tokens) = (None::<f64>, None::<f64>);
@@ -143,7 +124,8 @@ pub fn parse(text: &str, names: &MetricNames) -> Option<ScrapedPage> {
         } else if names.capacity == Capacity::VllmCacheConfig && name == "vllm:cache_config_info" {
             let num = |n: &str| label(labels, n).and_then(sane);
             if let (Some(blocks), Some(size)) = (num("num_gpu_blocks"), num("block_size")) {
-                *config_tokens.get_or_insert(0.0) += blocks * size;
+                let t = config_tokens.get_or_insert(0.0);
+                *t = t.max(blocks * size);
             }
         } else if matches!(names.capacity, Capacity::UsedOverUsage(g) if g == name) {
             *used_tokens.get_or_insert(0.0) += v;
@@ -154,13 +136,14 @@ pub fn parse(text: &str, names: &MetricNames) -> Option<ScrapedPage> {
     let capacity = match names.capacity {
         Capacity::VllmCacheConfig => config_tokens,
         Capacity::UsedOverUsage(_) => match (used_tokens, kv_usage) {
-            (Some(used), Some(u)) if u >= 0.01 => Some(used / u),
+            (Some(used), Some(u)) if u >= MIN_USAGE_FOR_CAPACITY => Some(used / u),
             _ => None,
         },
     };
-    let kv_capacity_tokens =
-        capacity.filter(|c| *c >= 1.0 && *c <= MAX_SCRAPED_KV_TOKENS as f64).map(|c| c.round() as u64);
-    seen.then(|| ScrapedPage { waiting: clamp(w), running: clamp(r), kv_usage, kv_capacity_tokens })
+    let kv_capacity_blocks = capacity
+        .filter(|c| *c >= 1.0 && *c <= MAX_SCRAPED_KV_TOKENS as f64)
+        .map(|c| (c.round() as u64 / u64::from(block_size.max(1))) as usize);
+    seen.then(|| Scraped { waiting: clamp(w), running: clamp(r), kv_usage, kv_capacity_blocks })
 }
 
 fn count(result: &'static str) {
@@ -171,7 +154,8 @@ async fn scrape_once(
     state: &GatewayState,
     url: &str,
     names: &MetricNames,
-) -> Result<ScrapedPage, &'static str> {
+    block_size: u32,
+) -> Result<Scraped, &'static str> {
     let uri = format!("{}/metrics", url.trim_end_matches('/'));
     let req = hyper::Request::get(&uri).body(Full::new(Bytes::new())).map_err(|_| "request")?;
     let fetch = async {
@@ -184,7 +168,7 @@ async fn scrape_once(
     };
     let body = tokio::time::timeout(SCRAPE_TIMEOUT, fetch).await.map_err(|_| "timeout")??;
     let text = std::str::from_utf8(&body).map_err(|_| "not_text")?;
-    parse(text, names).ok_or("no_series")
+    parse(text, names, block_size).ok_or("no_series")
 }
 
 /// Scrapes every configured static pod with known metrics, forever (on the calling runtime).
@@ -209,9 +193,9 @@ pub fn spawn_pod(
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             tick.tick().await;
-            match scrape_once(&s, &url, &names).await {
+            match scrape_once(&s, &url, &names, block_size).await {
                 Ok(page) => {
-                    s.registry().set_scraped(&url, &page.for_registry(block_size));
+                    s.registry().set_scraped(&url, &page);
                     count("ok");
                 }
                 Err(why) => {
@@ -227,8 +211,8 @@ pub fn spawn_pod(
 mod tests {
     use super::*;
 
-    fn queue(waiting: u32, running: u32) -> ScrapedPage {
-        ScrapedPage { waiting, running, ..ScrapedPage::default() }
+    fn queue(waiting: u32, running: u32) -> Scraped {
+        Scraped { waiting, running, ..Scraped::default() }
     }
 
     #[test]
@@ -242,40 +226,41 @@ mod tests {
                     vllm:kv_cache_usage_perc{engine=\"0\"} 0.42\n\
                     vllm:kv_cache_usage_perc{engine=\"1\"} 0.58\n\
                     vllm:cache_config_info{block_size=\"16\",cache_dtype=\"auto\",engine=\"0\",num_gpu_blocks=\"27000\",num_cpu_blocks=\"0\"} 1.0\n\
-                    vllm:cache_config_info{block_size=\"16\",engine=\"1\",num_gpu_blocks=\"1000\"} 1.0\n";
+                    vllm:cache_config_info{block_size=\"16\",engine=\"1\",num_gpu_blocks=\"27000\"} 1.0\n";
         let names = metric_names(WorkerKind::Vllm).expect("vllm");
-        let page = parse(vllm, &names).expect("page");
+        let page = parse(vllm, &names, 16).expect("page");
         assert_eq!((page.waiting, page.running), (5, 7));
         assert!((page.kv_usage.expect("usage") - 0.5).abs() < 1e-12);
-        assert_eq!(page.kv_capacity_tokens, Some(28_000 * 16));
-        // In the model's blocks of 32 tokens for the registry.
-        assert_eq!(page.for_registry(32).kv_capacity_blocks, Some(14_000));
+        // Each engine's series carries the pod's total: taken once.
+        assert_eq!(page.kv_capacity_blocks, Some(27_000));
+        // In the model's blocks of 32 tokens.
+        assert_eq!(parse(vllm, &names, 32).and_then(|p| p.kv_capacity_blocks), Some(13_500));
         // vLLM before 0.10 named its usage gauge differently.
         let old = "vllm:num_requests_running 1\nvllm:gpu_cache_usage_perc 0.9\n";
-        assert_eq!(parse(old, &names).and_then(|p| p.kv_usage), Some(0.9));
+        assert_eq!(parse(old, &names, 16).and_then(|p| p.kv_usage), Some(0.9));
 
         let sglang = "sglang:num_queue_reqs{model_name=\"m\"} 4\nsglang:num_running_reqs{model_name=\"m\"} 1 1700000000\n\
                       sglang:token_usage{model_name=\"m\"} 0.25\nsglang:num_used_tokens{model_name=\"m\"} 50000\n";
         let names = metric_names(WorkerKind::Sglang).expect("sglang");
-        let page = parse(sglang, &names).expect("page");
+        let page = parse(sglang, &names, 16).expect("page");
         assert_eq!((page.waiting, page.running, page.kv_usage), (4, 1, Some(0.25)));
-        assert_eq!(page.kv_capacity_tokens, Some(200_000));
-        // An idle SGLang pod's capacity cannot be read from a usage under 1%.
-        let idle = "sglang:num_queue_reqs 0\nsglang:token_usage 0.001\nsglang:num_used_tokens 200\n";
-        assert_eq!(parse(idle, &names).map(|p| p.kv_capacity_tokens), Some(None));
+        assert_eq!(page.kv_capacity_blocks, Some(12_500));
+        // A lightly used SGLang pod's capacity is not read from its rounded usage.
+        let idle = "sglang:num_queue_reqs 0\nsglang:token_usage 0.02\nsglang:num_used_tokens 3000\n";
+        assert_eq!(parse(idle, &names, 16).map(|p| p.kv_capacity_blocks), Some(None));
 
         // Nothing known, hostile values, a label with a brace-like string: nothing taken, or only sane values.
-        assert_eq!(parse("up 1\n", &names), None);
-        assert_eq!(parse("sglang:num_queue_reqs NaN\nsglang:num_queue_reqs -3\n", &names), None);
-        assert_eq!(parse("sglang:num_queue_reqs{a=\"}\"} 2\n", &names), Some(queue(2, 0)));
-        assert_eq!(parse("sglang:num_queue_reqs 1e30\n", &names), Some(queue(u32::MAX, 0)));
+        assert_eq!(parse("up 1\n", &names, 16), None);
+        assert_eq!(parse("sglang:num_queue_reqs NaN\nsglang:num_queue_reqs -3\n", &names, 16), None);
+        assert_eq!(parse("sglang:num_queue_reqs{a=\"}\"} 2\n", &names, 16), Some(queue(2, 0)));
+        assert_eq!(parse("sglang:num_queue_reqs 1e30\n", &names, 16), Some(queue(u32::MAX, 0)));
         let huge = "sglang:num_queue_reqs 0\nsglang:token_usage 0.5\nsglang:num_used_tokens 1e300\n";
-        assert_eq!(parse(huge, &names).map(|p| p.kv_capacity_tokens), Some(None));
+        assert_eq!(parse(huge, &names, 16).map(|p| p.kv_capacity_blocks), Some(None));
         let vnames = metric_names(WorkerKind::Vllm).expect("vllm");
         let forged = "vllm:num_requests_waiting 0\nvllm:kv_cache_usage_perc 40\n\
                       vllm:cache_config_info{xnum_gpu_blocks=\"5\",block_size=\"16\"} 1\n";
-        let page = parse(forged, &vnames).expect("page");
-        assert_eq!((page.kv_usage, page.kv_capacity_tokens), (Some(1.0), None));
+        let page = parse(forged, &vnames, 16).expect("page");
+        assert_eq!((page.kv_usage, page.kv_capacity_blocks), (Some(1.0), None));
         assert_eq!(metric_names(WorkerKind::Openai), None);
     }
 }

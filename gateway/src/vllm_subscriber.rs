@@ -37,6 +37,17 @@ pub const REPLAY_TIMEOUT: Duration = Duration::from_secs(2);
 /// Most batches one replay may bring.
 pub const MAX_REPLAYED: usize = 10_000;
 
+/// A replay socket's reply as [topic, sequence, payload]: `[empty delimiter, topic, sequence, payload]` (vLLM
+/// 0.33), or `[empty delimiter, sequence, payload]` (earlier vLLM releases, SGLang), read with an empty topic. The
+/// end of a replay is sequence -1.
+fn replay_parts(msg: &[bytes::Bytes]) -> Option<[&[u8]; 3]> {
+    match msg {
+        [delim, topic, seq, payload] if delim.is_empty() => Some([topic, seq, payload]),
+        [delim, seq, payload] if delim.is_empty() => Some([b"", seq, payload]),
+        _ => None,
+    }
+}
+
 /// Asks `replay` for batches `first..until` and applies them; `true` if every one came, in order.
 async fn replay_into(ix: &mut EventIndex, replay: &str, first: i64, until: i64) -> bool {
     let work = async {
@@ -45,9 +56,8 @@ async fn replay_into(ix: &mut EventIndex, replay: &str, first: i64, until: i64) 
         let mut batches = Vec::new();
         loop {
             let msg = sock.recv().await.ok()?;
-            // [empty delimiter, topic, sequence, payload]; the end is sequence -1.
-            let parts: Vec<&[u8]> = msg.iter().skip(1).map(|b| b.as_ref()).collect();
-            let seq = parts.get(1).and_then(|s| crate::vllm_events::sequence(s).ok())?;
+            let parts = replay_parts(&msg)?;
+            let seq = crate::vllm_events::sequence(parts[1]).ok()?;
             if seq < 0 {
                 return Some(batches);
             }
@@ -174,6 +184,19 @@ pub fn spawn_pod(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn replies_with_and_without_a_topic_frame_are_read() {
+        use bytes::Bytes;
+        let b = |s: &'static [u8]| Bytes::from_static(s);
+        let seq = 5i64.to_be_bytes();
+        let with = [b(b""), b(b"kv"), Bytes::copy_from_slice(&seq), b(b"p")];
+        assert_eq!(replay_parts(&with), Some([b"kv".as_slice(), seq.as_slice(), b"p".as_slice()]));
+        let without = [b(b""), Bytes::copy_from_slice(&seq), b(b"p")];
+        assert_eq!(replay_parts(&without), Some([b"".as_slice(), seq.as_slice(), b"p".as_slice()]));
+        assert_eq!(replay_parts(&[b(b"x"), b(b"kv"), b(b"s"), b(b"p")]), None);
+        assert_eq!(replay_parts(&[b(b"")]), None);
+    }
 
     #[test]
     fn the_endpoint_is_the_pods_host_at_the_events_port() {

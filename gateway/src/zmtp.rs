@@ -2,10 +2,11 @@
 //! the gateway opens to inference pods: SUB to their KV event publisher and DEALER to their replay socket
 //! (`vllm_subscriber`). Written here rather than taken from a general ZeroMQ library so that what a pod sends is
 //! bounded before it is buffered: a frame longer than [`MAX_FRAME_BYTES`], a message of more than [`MAX_FRAMES`]
-//! frames or [`MAX_MESSAGE_BYTES`] ends the connection with an error (the `zeromq` crate used before reserved
+//! frames or [`MAX_MESSAGE_BYTES`] ends the connection with an error before anything is allocated for it (the `zeromq` crate used before reserved
 //! whatever length a frame header claimed, so one hostile header could abort the gateway). It greets as ZMTP 3.0,
 //! which libzmq peers (vLLM's pyzmq, SGLang's) speak to, subscribes with 3.0 subscription messages, and answers
-//! PING with PONG. No background task: the caller's `recv` drives the connection.
+//! PING with PONG; TCP keepalive notices a peer that vanished. No background task: the caller's `recv` drives the
+//! connection.
 
 use std::io;
 use std::time::Duration;
@@ -14,14 +15,23 @@ use bytes::Bytes;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader};
 use tokio::net::TcpStream;
 
-/// Longest frame accepted (a vLLM event batch with the token ids of a million-token prompt is a few MB).
-pub const MAX_FRAME_BYTES: u64 = 64 << 20;
+/// Longest frame accepted: the event decoder's limit (`vllm_events::MAX_FRAME_BYTES`; a vLLM batch with the token
+/// ids of a million-token prompt is a few MB).
+pub const MAX_FRAME_BYTES: u64 = crate::vllm_events::MAX_FRAME_BYTES as u64;
 /// Most frames in one message (vLLM's are 3, a replayed one 4).
 pub const MAX_FRAMES: usize = 16;
-/// Largest message, all frames together.
-pub const MAX_MESSAGE_BYTES: u64 = 64 << 20;
+/// Largest message, all frames together (checked before a frame is read).
+pub const MAX_MESSAGE_BYTES: u64 = 2 * MAX_FRAME_BYTES;
 /// Longest connect plus greeting plus READY exchange.
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
+/// TCP keepalive on the connection: probes after this much silence, then every [`KEEPALIVE_INTERVAL`], and the
+/// connection is dropped after [`KEEPALIVE_RETRIES`] unanswered ones, so a pod that vanished without closing
+/// (node lost, network cut) is noticed within about a minute instead of never (the stream is quiet while idle).
+pub const KEEPALIVE_IDLE: Duration = Duration::from_secs(30);
+pub const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(10);
+pub const KEEPALIVE_RETRIES: u32 = 3;
+/// Longest PING context echoed in a PONG (ZMTP 3.1: at most 16 bytes).
+const MAX_PING_CONTEXT: usize = 16;
 
 const MORE: u8 = 0x01;
 const LONG: u8 = 0x02;
@@ -69,6 +79,11 @@ impl Socket<TcpStream> {
         let work = async {
             let stream = TcpStream::connect(addr).await?;
             stream.set_nodelay(true)?;
+            let keepalive = socket2::TcpKeepalive::new()
+                .with_time(KEEPALIVE_IDLE)
+                .with_interval(KEEPALIVE_INTERVAL)
+                .with_retries(KEEPALIVE_RETRIES);
+            socket2::SockRef::from(&stream).set_tcp_keepalive(&keepalive)?;
             Socket::handshake(stream, kind).await
         };
         tokio::time::timeout(HANDSHAKE_TIMEOUT, work)
@@ -103,7 +118,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Socket<S> {
         push_property(&mut ready, "Socket-Type", kind.name().as_bytes());
         sock.write_frame(COMMAND, &ready).await?;
         sock.io.get_mut().flush().await?;
-        let (flags, body) = sock.read_frame().await?;
+        let (flags, body) = sock.read_frame(MAX_FRAME_BYTES).await?;
         if flags & COMMAND == 0 {
             return Err(invalid("the peer sent a message before READY"));
         }
@@ -145,7 +160,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Socket<S> {
     pub async fn recv(&mut self) -> io::Result<Vec<Bytes>> {
         let (mut frames, mut total) = (Vec::new(), 0u64);
         loop {
-            let (flags, body) = self.read_frame().await?;
+            let (flags, body) = self.read_frame(MAX_MESSAGE_BYTES - total).await?;
             if flags & COMMAND != 0 {
                 if !frames.is_empty() {
                     return Err(invalid("a command inside a multi-part message"));
@@ -155,7 +170,8 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Socket<S> {
                     b"PING" => {
                         // TTL (2 bytes), then the context the PONG must echo.
                         let mut pong = command_body("PONG");
-                        pong.extend_from_slice(rest.get(2..).unwrap_or_default());
+                        let context = rest.get(2..).unwrap_or_default();
+                        pong.extend_from_slice(&context[..context.len().min(MAX_PING_CONTEXT)]);
                         self.write_frame(COMMAND, &pong).await?;
                         self.io.get_mut().flush().await?;
                     }
@@ -170,7 +186,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Socket<S> {
                 continue;
             }
             total += body.len() as u64;
-            if frames.len() >= MAX_FRAMES || total > MAX_MESSAGE_BYTES {
+            if frames.len() >= MAX_FRAMES {
                 return Err(invalid(format!(
                     "a message over {MAX_FRAMES} frames or {MAX_MESSAGE_BYTES} bytes"
                 )));
@@ -182,15 +198,18 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Socket<S> {
         }
     }
 
-    async fn read_frame(&mut self) -> io::Result<(u8, Bytes)> {
+    /// One frame of at most `limit` (and [`MAX_FRAME_BYTES`]) bytes; a longer one is refused before anything is
+    /// allocated for it.
+    async fn read_frame(&mut self, limit: u64) -> io::Result<(u8, Bytes)> {
         let flags = self.io.read_u8().await?;
         if flags & !(MORE | LONG | COMMAND) != 0 {
             return Err(invalid(format!("frame flags {flags:#04x}")));
         }
         let len =
             if flags & LONG != 0 { self.io.read_u64().await? } else { u64::from(self.io.read_u8().await?) };
-        if len > MAX_FRAME_BYTES {
-            return Err(invalid(format!("a frame of {len} bytes (at most {MAX_FRAME_BYTES})")));
+        let limit = limit.min(MAX_FRAME_BYTES);
+        if len > limit {
+            return Err(invalid(format!("a frame of {len} bytes (at most {limit} here)")));
         }
         let mut body = vec![0u8; len as usize];
         self.io.read_exact(&mut body).await?;
@@ -237,8 +256,9 @@ fn properties(mut b: &[u8]) -> io::Result<Vec<(&[u8], &[u8])>> {
         let name = b.get(1..1 + usize::from(n)).ok_or_else(cut)?;
         b = &b[1 + usize::from(n)..];
         let len = u32::from_be_bytes(b.get(..4).ok_or_else(cut)?.try_into().map_err(|_| cut())?) as usize;
-        let value = b.get(4..4 + len).ok_or_else(cut)?;
-        b = &b[4 + len..];
+        let end = len.checked_add(4).ok_or_else(cut)?;
+        let value = b.get(4..end).ok_or_else(cut)?;
+        b = &b[end..];
         out.push((name, value));
     }
     Ok(out)

@@ -103,6 +103,26 @@ async fn hostile_peers_end_the_connection_without_buffering_what_they_claim() {
     let e = sock.recv().await.expect_err("refused");
     assert_eq!(e.kind(), io::ErrorKind::InvalidData, "{e}");
 
+    // One byte over the frame limit: refused too.
+    let (sock, mut peer, _) = client(Kind::Sub, "PUB").await;
+    let mut sock = sock.expect("handshake");
+    peer.write_all(&[LONG]).await.expect("flags");
+    peer.write_all(&(MAX_FRAME_BYTES + 1).to_be_bytes()).await.expect("len");
+    assert!(sock.recv().await.is_err());
+
+    // A PING with a long context: the PONG echoes 16 bytes of it, not all.
+    let (sock, mut peer, _) = client(Kind::Sub, "PUB").await;
+    let mut sock = sock.expect("handshake");
+    let mut ping = command_body("PING");
+    ping.extend_from_slice(&[0, 0]);
+    ping.extend_from_slice(&[7u8; 200]);
+    peer.write_all(&[COMMAND, ping.len() as u8]).await.expect("ping");
+    peer.write_all(&ping).await.expect("ping");
+    peer.write_all(&[0, 1, b'x']).await.expect("message");
+    assert_eq!(sock.recv().await.expect("message"), vec![Bytes::from_static(b"x")]);
+    let (_, pong) = read_peer_frame(&mut peer).await;
+    assert_eq!(parse_command(&pong).expect("pong"), (b"PONG".as_slice(), [7u8; 16].as_slice()));
+
     // A message that never ends: refused after MAX_FRAMES frames.
     let (sock, mut peer, _) = client(Kind::Sub, "PUB").await;
     let mut sock = sock.expect("handshake");

@@ -507,7 +507,8 @@ impl Registry {
     /// Takes what was scraped from the metrics of the pod at `url` (one that sends no reports). The queue, like a
     /// report's, replaces what this gateway counted as sent since the last one; its waiting requests are priced at
     /// the mean uncached tokens of the requests sent there. The KV capacity the pod states (in blocks) becomes its
-    /// approximate index's capacity, where it has one. `false` if no worker has this URL, or it reports.
+    /// approximate index's capacity, where it has one, when it differs from it by more than 1/16 (an estimate that
+    /// jitters evicts nothing). `false` if no worker has this URL, or it reports.
     pub fn set_scraped(&mut self, url: &str, s: &Scraped) -> bool {
         let url = url.trim_end_matches('/');
         let Some(w) = self.workers.iter_mut().find(|w| w.url == url && w.report.is_none()) else {
@@ -520,7 +521,7 @@ impl Registry {
         });
         w.kv_usage = s.kv_usage.filter(|u| u.is_finite()).map(|u| u.clamp(0.0, 1.0));
         if let (Some(approx), Some(blocks)) = (w.approx.as_mut(), s.kv_capacity_blocks) {
-            if blocks > 0 {
+            if blocks > 0 && blocks.abs_diff(approx.capacity()) > approx.capacity() / 16 {
                 approx.set_capacity(blocks);
             }
         }

@@ -312,6 +312,13 @@ fn pods_without_reports_match_by_their_approximate_index_or_their_events() {
     ));
     assert_eq!((r.status(later)[0].kv_usage, r.status(later)[0].approx_blocks), (Some(1.0), Some([3, 3])));
     assert!(!r.set_scraped("http://nowhere:1", &scraped));
+    // A figure within 1/16 of the capacity changes nothing (an estimate's jitter); a bigger one does.
+    let cap = |blocks| Scraped { kv_capacity_blocks: Some(blocks), ..scraped };
+    assert!(r.set_scraped("http://pod-a:8000", &cap(1600)));
+    assert!(r.set_scraped("http://pod-a:8000", &cap(1550)));
+    assert_eq!(r.status(later)[0].approx_blocks, Some([3, 1600]));
+    assert!(r.set_scraped("http://pod-a:8000", &cap(1400)));
+    assert_eq!(r.status(later)[0].approx_blocks, Some([3, 1400]));
     // Events replace the guess: the pod holds the first two blocks only, then a clear.
     assert!(r.apply_exact(
         "http://pod-a:8000",
