@@ -13,11 +13,7 @@ mod common;
 
 #[test]
 fn conversations_stick_to_one_llama_cpp_pod_and_reuse_more_of_its_cache_than_round_robin() {
-    let Some(py) = std::env::var_os("KVGATE_PYTHON") else {
-        assert!(std::env::var_os("CI").is_none(), "CI needs KVGATE_PYTHON (llama-cpp-python) for this test");
-        eprintln!("skipped: KVGATE_PYTHON is not set (run ./scripts/test.sh)");
-        return;
-    };
+    let Some(py) = common::python("llama-cpp-python") else { return };
     // The gateway, worker (the conversion check's reference) and load generator next to this test's binary.
     let bin_dir = common::bin("kvgate-gateway").parent().expect("bin dir").to_path_buf();
     common::bin("kvgate-worker");

@@ -15,24 +15,13 @@ use std::time::{Duration, Instant};
 use common::*;
 use serde_json::{json, Value};
 
-fn python() -> Option<String> {
-    match std::env::var("KVGATE_PYTHON") {
-        Ok(p) if !p.is_empty() => Some(p),
-        _ => {
-            assert!(std::env::var_os("CI").is_none(), "CI needs KVGATE_PYTHON for the chart checks");
-            eprintln!("skipped: KVGATE_PYTHON is not set (run ./scripts/test.sh)");
-            None
-        }
-    }
-}
-
 fn script() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../helm/tests/check_chart.py")
 }
 
 #[test]
 fn chart_lints_renders_validates_and_refuses_bad_values() {
-    let Some(py) = python() else { return };
+    let Some(py) = python("the chart checks") else { return };
     let out = Command::new(py).arg(script()).output().expect("python runs");
     let stdout = String::from_utf8_lossy(&out.stdout);
     let stderr = String::from_utf8_lossy(&out.stderr);
@@ -43,7 +32,7 @@ fn chart_lints_renders_validates_and_refuses_bad_values() {
 
 #[tokio::test]
 async fn what_the_chart_renders_runs_on_the_real_binaries() {
-    let Some(py) = python() else { return };
+    let Some(py) = python("the chart checks") else { return };
     let out = Command::new(py).arg(script()).args(["--render", "e2e"]).output().expect("python runs");
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let rendered: Value = serde_json::from_slice(&out.stdout).expect("json");
@@ -150,7 +139,7 @@ async fn what_the_chart_renders_runs_on_the_real_binaries() {
 /// routes to a pod its discovery finds (the Service name and the tokenizer path pointed at this machine's).
 #[tokio::test]
 async fn the_charts_external_mode_runs_on_the_real_gateway() {
-    let Some(py) = python() else { return };
+    let Some(py) = python("the chart checks") else { return };
     let out =
         Command::new(py).arg(script()).args(["--render", "external-e2e"]).output().expect("python runs");
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));

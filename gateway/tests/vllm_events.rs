@@ -2,6 +2,8 @@
 //! (`tests/golden/vllm_kv_events.py`), in both encodings vLLM has shipped (events as maps, and as tagged arrays),
 //! must decode to exactly what the generator recorded.
 
+mod common;
+
 use kvgate_gateway::vllm_events::{decode_frames, ExternalHash, KvEvent};
 use serde_json::Value;
 
@@ -121,12 +123,8 @@ async fn a_libzmq_publisher_feeds_the_subscriber_and_its_exact_set() {
     use kvgate_shared::hashing::{BlockHash, BlockHasher, ExtraKeys, HashScheme};
     use std::collections::HashSet;
     use std::sync::{Arc, Mutex};
-    let Some(py) = std::env::var_os("KVGATE_PYTHON") else {
-        assert!(std::env::var_os("CI").is_none(), "CI needs KVGATE_PYTHON (pyzmq) for this test");
-        eprintln!("skipped: KVGATE_PYTHON is not set (run ./scripts/test.sh)");
-        return;
-    };
-    let port = kvgate_shared::ports::free_loopback_port().expect("port");
+    let Some(py) = common::python("pyzmq") else { return };
+    let port = common::free_port();
     let golden = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/golden/vllm_kv_events.json");
     // Seq 1: two sha256-hashed blocks stored on the GPU (and copies in CPU memory removed); seq 2: three stored,
     // one removed, then all cleared. Each is sent for a while (a SUB socket misses what is published before it has joined).
@@ -199,12 +197,8 @@ async fn a_missed_batch_is_replayed_instead_of_clearing_the_index() {
     use kvgate_shared::hashing::{BlockHash, BlockHasher, ExtraKeys, HashScheme};
     use std::collections::HashSet;
     use std::sync::{Arc, Mutex};
-    let Some(py) = std::env::var_os("KVGATE_PYTHON") else {
-        assert!(std::env::var_os("CI").is_none(), "CI needs KVGATE_PYTHON (pyzmq) for this test");
-        eprintln!("skipped: KVGATE_PYTHON is not set (run ./scripts/test.sh)");
-        return;
-    };
-    let free = || kvgate_shared::ports::free_loopback_port().expect("port");
+    let Some(py) = common::python("pyzmq") else { return };
+    let free = || common::free_port();
     let (port, replay_port) = (free(), free());
     // Batch 2, only on the replay socket: one block of tokens 2000..2016 stored.
     use rmpv::Value;

@@ -37,6 +37,19 @@ impl Proc {
     }
 }
 
+/// The test venv's Python (`KVGATE_PYTHON`, set by scripts/test.sh), with what the test `needs` from it; `None`
+/// (the test skips) outside CI, a failure in CI.
+pub fn python(needs: &str) -> Option<std::ffi::OsString> {
+    match std::env::var_os("KVGATE_PYTHON") {
+        Some(p) if !p.is_empty() => Some(p),
+        _ => {
+            assert!(std::env::var_os("CI").is_none(), "CI needs KVGATE_PYTHON ({needs})");
+            eprintln!("skipped: KVGATE_PYTHON is not set (run ./scripts/test.sh)");
+            None
+        }
+    }
+}
+
 /// A free loopback port below the ephemeral range (see `kvgate_shared::ports`).
 pub fn free_port() -> u16 {
     kvgate_shared::ports::free_loopback_port().expect("port")
