@@ -50,18 +50,21 @@ fn bench(c: &mut Criterion) {
         b.iter(|| prompter.tokenize(black_box(&input)).expect("tokenizes"))
     });
     c.bench_function("hash_blocks", |b| b.iter(|| hasher.hash_blocks(black_box(&ids))));
+    fn assertion(enc: &str) -> handoff::Assertion<'_> {
+        handoff::Assertion { issued_ms: 1, fingerprint: 7, scope: None, model: "kvgate-small", salt: None, ids: Some(enc) }
+    }
     c.bench_function("handoff_encode_and_sign", |b| {
         b.iter(|| {
             let enc = handoff::encode_ids(black_box(&ids));
             let body = handoff::with_ids_field(body.as_bytes(), &enc).expect("object");
-            (body.len(), handoff::sign("secret", &enc))
+            (body.len(), handoff::sign("secret", &assertion(&enc)))
         })
     });
     let enc = handoff::encode_ids(&ids);
-    let auth = handoff::sign("secret", &enc);
+    let auth = handoff::sign("secret", &assertion(&enc));
     c.bench_function("handoff_verify_and_decode", |b| {
         b.iter(|| {
-            assert!(handoff::verify("secret", black_box(&enc), &auth));
+            assert!(handoff::verify(Some("secret"), &auth, "kvgate-small", None, Some(black_box(&enc)), 1).is_ok());
             handoff::decode_ids(&enc).expect("decodes").len()
         })
     });

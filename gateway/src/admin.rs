@@ -326,7 +326,7 @@ async fn explain(State(state): State<Arc<GatewayState>>, headers: HeaderMap, bod
         Err(e) => return api_error(e),
     };
     let prep = PrepHeaders { session: header(SESSION_HEADER), cache_salt: header(CACHE_SALT_HEADER) };
-    let p = match crate::proxy::prepare_on_pool(&state, chat, body, prep, caller.cache_salt.clone(), false)
+    let p = match crate::proxy::prepare_on_pool(&state, chat, body, prep, caller.clone(), false)
         .await
     {
         Ok(p) => p,

@@ -273,6 +273,12 @@ pub struct ModelSpec {
     /// (`discovery.rs`), are the pool's pods, `http://<address>:<PORT>`, besides `workers`. Default none.
     #[serde(default)]
     pub discover: Option<String>,
+    /// The context length of the pods' model, for pools that do not report it (every kind but `kvgate`): requests
+    /// over it are refused here (400 `context_length_exceeded`) before anything is charged. For `vllm` pools the
+    /// `max_model_len` in a pod's `/v1/models` is read too (the smaller wins). Default none (read from the pods
+    /// where they say it, else unchecked).
+    #[serde(default)]
+    pub max_model_len: Option<u32>,
 }
 
 fn default_true() -> bool {
@@ -305,6 +311,7 @@ impl std::str::FromStr for ModelSpec {
             kv_events_topic: String::new(),
             scrape_metrics: true,
             discover: None,
+            max_model_len: None,
         })
     }
 }

@@ -26,6 +26,7 @@ pub mod discovery;
 pub mod errors;
 pub mod keys;
 pub mod listener;
+pub mod meter;
 pub mod persist;
 pub mod prepare;
 pub mod proxy;

@@ -2,13 +2,24 @@
 //! will, its full blocks hashed, its session key found, and its context checked against the model's length. The
 //! proxy runs this on the tokenize pool; `POST /admin/v1/route/explain` runs the same function, so what it
 //! explains is what the proxy does.
+//!
+//! Salts and tenants: an anonymous caller's salt (body `cache_salt`, else the `x-kvgate-cache-salt` header) keys
+//! its blocks as sent. A keyed caller's salt, the one its key forces or else the one it sent, is replaced by
+//! `handoff::tenant_salt` (opaque, keyed by the report secret, the tenant and whether the key forced it) in the
+//! body every pod gets, and keyed under its tenant scope (`RequestPrompt::extra_keys`), which kvgate workers learn
+//! from the gateway's assertion: no body or header of another caller can reach those blocks.
+//!
+//! Streams are asked for usage (`stream_options.include_usage`) when the client did not ask, so the end of every
+//! stream says what it cost (`proxy.rs`, "Charging"); `strip_usage` tells the proxy to take it out again.
 
 use bytes::Bytes;
+use kvgate_shared::handoff::{tenant_salt, TenantScope};
 use kvgate_shared::hashing::{BlockHash, BlockHasher};
 use kvgate_shared::prompt::RequestPrompt;
 
 use crate::errors::ApiError;
-use crate::request::{parse, with_cache_salt, PromptBody, RoutingFields};
+use crate::keys::Caller;
+use crate::request::{parse, stream_options_with_usage, with_members, PromptBody, RoutingFields};
 use crate::route::RouteInput;
 use crate::state::GatewayState;
 
@@ -33,9 +44,17 @@ pub struct PreparedRequest {
     /// Leading blocks other conversations share (`RingKey::shared_blocks`).
     pub shared_blocks: usize,
     pub block_size: usize,
-    /// The salt the worker will use (a caller's forced salt, else the body's, else the header's; `RequestPrompt`).
+    /// The salt the worker will read (a keyed caller's tenant salt, else the body's, else the header's).
     pub salt: Option<String>,
-    /// The body to forward (rewritten when a forced salt replaced the caller's).
+    /// The salt was replaced by a keyed caller's tenant salt (in the body): the salt header is not forwarded.
+    pub salt_rewritten: bool,
+    /// The tenant scope the blocks are keyed under (kvgate workers learn it from the gateway's assertion).
+    pub scope: Option<TenantScope>,
+    /// The gateway asked the stream for usage the client did not ask for.
+    pub strip_usage: bool,
+    /// The scheme fingerprint the prompt was tokenized and hashed with.
+    pub fingerprint: u64,
+    /// The body to forward (rewritten for a keyed caller's salt, or to ask a stream for its usage).
     pub body: Bytes,
     /// The model's context length, when a worker told it.
     pub max_model_len: Option<u32>,
@@ -57,14 +76,34 @@ impl PreparedRequest {
     }
 }
 
-/// Parses a chat (`chat`) or completions body, tokenizes and hashes it. `forced_salt` is the caller's key's salt;
+/// A caller's salt as it keys the blocks: (the salt sent to pods, the tenant scope, whether it replaced the body's
+/// and header's). `secret`: the report secret (keys the tenant salt; without it no scope reaches the workers, so
+/// none is used here either).
+pub fn salt_for(
+    caller: &Caller,
+    client_salt: Option<&str>,
+    secret: Option<&str>,
+) -> (Option<String>, Option<TenantScope>, bool) {
+    if !caller.known {
+        return (client_salt.map(str::to_owned), None, false);
+    }
+    let (salt, forced) = match (caller.cache_salt.as_deref(), client_salt) {
+        (Some(f), _) => (f, true),
+        (None, Some(c)) => (c, false),
+        (None, None) => return (None, None, false),
+    };
+    let scope = secret.map(|_| TenantScope::new(&caller.tenant, forced));
+    (Some(tenant_salt(secret, &caller.tenant, forced, salt)), scope, true)
+}
+
+/// Parses a chat (`chat`) or completions body, tokenizes and hashes it for `caller` (its tenant and forced salt);
 /// `learn`: record the prompt in the ring-key sketch (false for dry runs).
 pub fn prepare(
     state: &GatewayState,
     chat: bool,
     body: Bytes,
     headers: &PrepHeaders,
-    forced_salt: Option<&str>,
+    caller: &Caller,
     learn: bool,
 ) -> Result<PreparedRequest, ApiError> {
     let (fields, prompt) = parse(chat, &body, state.cfg.max_chat_json_values)?;
@@ -72,15 +111,28 @@ pub fn prepare(
         return Err(ApiError::model_not_found(&fields.model));
     };
     let tokenized = !matches!(prompt, PromptBody::TokenIds(_));
-    // A caller key's forced salt replaces the body's: the body is rewritten to carry it.
-    let body = match forced_salt {
-        Some(s) => Bytes::from(with_cache_salt(&body, s)?),
-        None => body,
-    };
-    let request = RequestPrompt {
+    let client = RequestPrompt {
         input: prompt.input(),
-        body_salt: forced_salt.or(fields.cache_salt.as_deref()),
+        body_salt: fields.cache_salt.as_deref(),
         header_salt: headers.cache_salt.as_deref(),
+        scope: None,
+    };
+    let (tenant_salt, scope, salt_rewritten) =
+        salt_for(caller, client.salt(), state.cfg.report_secret.as_deref());
+    let mut members = Vec::new();
+    if salt_rewritten {
+        let s = tenant_salt.as_deref().unwrap_or_default();
+        members.push(("cache_salt", serde_json::to_string(s).map_err(|e| ApiError::internal(e.to_string()))?));
+    }
+    let strip_usage = fields.stream && !fields.include_usage;
+    if strip_usage {
+        members.push(("stream_options", stream_options_with_usage(&body)?));
+    }
+    let body = if members.is_empty() { body } else { Bytes::from(with_members(&body, &members)?) };
+    let request = if salt_rewritten {
+        RequestPrompt { body_salt: tenant_salt.as_deref(), header_salt: None, scope: scope.as_ref(), ..client }
+    } else {
+        client
     };
     let ids = request.token_ids(&tok.prompter, None).map_err(|e| ApiError::prompt(e, request.param()))?;
     let salt = request.salt().map(str::to_owned);
@@ -101,6 +153,10 @@ pub fn prepare(
         shared_blocks: ring.shared_blocks,
         block_size: tok.scheme.block_size as usize,
         salt,
+        salt_rewritten,
+        scope,
+        strip_usage,
+        fingerprint: tok.scheme.fingerprint(),
         body,
         max_model_len,
         tokenized,

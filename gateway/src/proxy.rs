@@ -20,7 +20,16 @@
 //! 5. up to `--max-attempts` workers in rank order: a worker that refuses before any byte is skipped (and left alone
 //!    for its Retry-After); a first-byte timeout is 504 and the worker turns suspect.
 //!
-//! The class budget is reconciled with the usage of a completed response and refunded on every other ending.
+//! Charging: a request reserves its price at admission. It is then charged what the workers computed for it:
+//! - a completed response: its `usage` (uncached prompt + completion tokens; a response without usage: the price);
+//! - a response that ended early (the client left mid-stream, the worker failed or went silent): the uncached
+//!   prompt (the prefill ran) plus every completion token sent, counted from the stream (`meter.rs`);
+//! - a request a worker accepted but that never answered (the client left first, or the first-byte timeout): the
+//!   uncached prompt (the gateway cannot see whether prefill began, so it assumes it did);
+//! - refunded in full only when no worker computed anything: refusals, connection failures, error answers, and
+//!   every refusal before a worker was tried (admission, validation, no worker).
+//! Streams are asked for their usage (`stream_options.include_usage`) even when the client did not ask, so even a
+//! pod that does not report is charged its real output; the usage chunk is then taken out of what the client sees.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -35,6 +44,7 @@ use pingora::prelude::*;
 use pingora::proxy::{ProxyHttp, Session};
 
 use crate::admission::{ClassInput, CLASS_HEADER};
+use crate::config::WorkerKind;
 use crate::errors::ApiError;
 use crate::keys::Caller;
 use crate::prepare::{prepare, PrepHeaders, PreparedRequest, CACHE_SALT_HEADER, SESSION_HEADER};
@@ -42,7 +52,7 @@ use crate::registry::Fault;
 use crate::routing::RouteReason;
 use crate::state::GatewayState;
 use crate::tokenize::PoolError;
-use crate::upstream::{forward, unless_client_leaves, Attempt, Outcome};
+use crate::upstream::{forward, unless_client_leaves, Attempt, Outcome, UsageSeen};
 
 /// Status logged for a request whose client went away before its answer (nginx's convention).
 pub const CLIENT_CLOSED: u16 = 499;
@@ -175,11 +185,11 @@ pub async fn prepare_on_pool(
     chat: bool,
     body: Bytes,
     headers: PrepHeaders,
-    forced_salt: Option<String>,
+    caller: Arc<Caller>,
     learn: bool,
 ) -> Result<PreparedRequest, ApiError> {
     let s = state.clone();
-    match state.tokenize.run(move || prepare(&s, chat, body, &headers, forced_salt.as_deref(), learn)).await {
+    match state.tokenize.run(move || prepare(&s, chat, body, &headers, &caller, learn)).await {
         Ok(r) => r,
         Err(PoolError::Busy) => Err(ApiError::tokenizer_busy()),
         Err(PoolError::Failed) => Err(ApiError::internal("preparing the request failed".into())),
@@ -213,7 +223,7 @@ async fn handle(state: &Arc<GatewayState>, session: &mut Session, ctx: &mut Ctx)
     };
     let prep_headers =
         PrepHeaders { session: header(session, SESSION_HEADER).map(str::to_owned), cache_salt };
-    let p = prepare_on_pool(state, chat, body, prep_headers, caller.cache_salt.clone(), true).await?;
+    let p = prepare_on_pool(state, chat, body, prep_headers, caller.clone(), true).await?;
     let model = p.fields.model.clone();
     let (class, class_name, expected_output) =
         choose_class(state, &p, &caller, header(session, CLASS_HEADER))?;
@@ -253,16 +263,14 @@ async fn handle(state: &Arc<GatewayState>, session: &mut Session, ctx: &mut Ctx)
     // The pick's in-flight slot is given back on every path from here on.
     let mut first_guard = routed.ticket.map(|ticket| InflightGuard { state: state.clone(), ticket });
     let (uncached, predicted) = (routed.uncached_tokens, routed.predicted_cached_tokens);
-    let forwarded = forwarded_headers(state, session, caller.cache_salt.is_some());
-    // The prompt handoff for kvgate workers: the ids computed here, so the worker does not tokenize again.
+    // Pods that are not kvgate workers get the client's headers (and `authorization` with
+    // --forward-authorization); kvgate workers get the gateway's token and assertion instead.
+    let forwarded = forwarded_headers(state, session, p.salt_rewritten, true);
+    let to_kvgate = forwarded_headers(state, session, p.salt_rewritten, false);
+    // The prompt handoff for kvgate workers whose tokenizer is the gateway's: the ids computed here, so the worker
+    // does not tokenize again.
     let handoff = handoff(state, &p);
-    let with_auth = handoff.as_ref().map(|(_, auth)| {
-        let mut h = forwarded.clone();
-        if let Ok(v) = HeaderValue::from_str(auth) {
-            h.push((HeaderName::from_static(handoff::PROMPT_AUTH_HEADER), v));
-        }
-        h
-    });
+    let kvgate_pool = state.pool_kind(&model) == WorkerKind::Kvgate;
     let first_byte =
         state.cfg.first_byte.for_request(uncached, max_tokens.unwrap_or(expected_output), p.fields.stream);
     let mut reason = routed.reason;
@@ -284,26 +292,33 @@ async fn handle(state: &Arc<GatewayState>, session: &mut Session, ctx: &mut Ctx)
             continue; // forgotten since the decision
         };
         ctx.route = reason.as_str();
-        let (body, headers) = match (&handoff, &with_auth) {
-            (Some((body, _)), Some(headers)) if t.reports => (body, headers),
-            _ => (&p.body, &forwarded),
+        let ids = handoff.as_ref().filter(|_| t.reports && t.fingerprint_ok);
+        let body = ids.map_or(&p.body, |(body, _)| body);
+        let headers = match state.cfg.report_secret.as_deref() {
+            Some(secret) if kvgate_pool => {
+                let mut h = to_kvgate.clone();
+                h.extend(gateway_headers(secret, &p, ids.map(|(_, enc)| enc.as_str())));
+                h
+            }
+            _ => forwarded.clone(),
         };
         let a = Attempt {
             url: &t.url,
             path: &path,
             body,
-            headers,
+            headers: &headers,
             worker_id: &t.id,
             reason,
             class: &class_name,
             admission_wait: ctx.admission_wait,
             first_byte_timeout: first_byte,
             idle_timeout: state.cfg.stream_idle_timeout,
+            strip_usage: p.strip_usage,
         };
         let outcome = forward(state, session, &a).await;
         drop(guard);
         match outcome {
-            Outcome::Responded { status, usage, completed, stalled } => {
+            Outcome::Responded { status, usage, tokens_sent, completed, stalled } => {
                 ctx.status = status;
                 if stalled {
                     state.registry().record_fault(t.wref, Fault::Timeout, Instant::now());
@@ -313,13 +328,14 @@ async fn handle(state: &Arc<GatewayState>, session: &mut Session, ctx: &mut Ctx)
                     metrics::counter!("kvgate_gateway_predicted_cached_tokens_total")
                         .increment(predicted as u64);
                 }
-                if (200..300).contains(&status) && completed {
-                    // The real cost (unknown usage: as charged).
-                    let actual =
-                        usage.map_or(cost, |u| (u.prompt.saturating_sub(u.cached) + u.completion) as f64);
-                    permit.reconcile(actual);
+                if (200..300).contains(&status) {
+                    permit.reconcile(charge(cost, uncached, usage, tokens_sent, completed));
+                    if !completed {
+                        metrics::counter!("kvgate_gateway_class_partial_charges_total", "class" => class_name.clone())
+                            .increment(1);
+                    }
                 }
-                // Any other ending drops the permit: a full refund.
+                // An error answer drops the permit: a full refund (the worker computed nothing).
                 return Ok(());
             }
             Outcome::ConnectFailed(e) => {
@@ -334,10 +350,15 @@ async fn handle(state: &Arc<GatewayState>, session: &mut Session, ctx: &mut Ctx)
             Outcome::TimedOut => {
                 tracing::warn!(worker = %t.id, after = ?first_byte, "first-byte timeout: worker suspect");
                 state.registry().record_fault(t.wref, Fault::Timeout, Instant::now());
+                // The worker had the request: its prefill is charged.
+                permit.reconcile(uncached as f64);
                 return Err(ApiError::upstream_timeout(&t.id, first_byte));
             }
             Outcome::ClientGone => {
                 ctx.status = CLIENT_CLOSED;
+                permit.reconcile(uncached as f64);
+                metrics::counter!("kvgate_gateway_class_partial_charges_total", "class" => class_name.clone())
+                    .increment(1);
                 return Ok(());
             }
             Outcome::Failed(e) => return Err(e),
@@ -349,11 +370,23 @@ async fn handle(state: &Arc<GatewayState>, session: &mut Session, ctx: &mut Ctx)
     }
 }
 
-/// The body with the handoff field and its authentication code, when the handoff is on (`--prompt-handoff`), the
-/// gateway has a report secret (shared with its workers), the prompt was tokenized here (chat or text) and the body stays within `--max-body-bytes`
-/// (workers are expected to allow at least as much).
+/// What a request that a worker answered with a 2xx is charged (module docs, "Charging"): its `usage` when the
+/// response carried one; else a `completed` response the `price` reserved, and one cut short the predicted
+/// `uncached` prompt plus the completion tokens it `sent`.
+pub fn charge(price: f64, uncached: u64, usage: Option<UsageSeen>, sent: u64, completed: bool) -> f64 {
+    match usage {
+        Some(u) => (u.prompt.saturating_sub(u.cached) + u.completion.max(sent)) as f64,
+        None if completed => price,
+        None => (uncached + sent) as f64,
+    }
+}
+
+/// The body with the handoff field, and the field's value, when the handoff is on (`--prompt-handoff`), the
+/// gateway has a report secret (shared with its workers), the prompt was tokenized here (chat or text) and the
+/// body stays within `--max-body-bytes` (workers are expected to allow at least as much). Used only for kvgate
+/// workers whose reported fingerprint is the gateway's.
 fn handoff(state: &GatewayState, p: &PreparedRequest) -> Option<(Bytes, String)> {
-    let secret = state.cfg.report_secret.as_deref()?;
+    state.cfg.report_secret.as_deref()?;
     if !state.cfg.prompt_handoff || !p.tokenized || p.ids.is_empty() {
         return None;
     }
@@ -362,21 +395,46 @@ fn handoff(state: &GatewayState, p: &PreparedRequest) -> Option<(Bytes, String)>
         return None;
     }
     let body = handoff::with_ids_field(&p.body, &encoded)?;
-    Some((Bytes::from(body), handoff::sign(secret, &encoded)))
+    Some((Bytes::from(body), encoded))
 }
 
-/// The client headers workers get: the session id, the cache salt (unless the caller's key forces one; the body
-/// carries it then), `accept`, and `authorization` only with `--forward-authorization`.
+/// What a gateway adds for a kvgate worker: its token, and its assertion (`kvgate_shared::handoff`) of the
+/// request's tenant scope, salt, model, fingerprint and handed-off ids (`ids`: the field's value), issued now.
+fn gateway_headers(secret: &str, p: &PreparedRequest, ids: Option<&str>) -> Vec<(HeaderName, HeaderValue)> {
+    let issued_ms =
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64);
+    let assertion = handoff::Assertion {
+        issued_ms,
+        fingerprint: p.fingerprint,
+        scope: p.scope.as_ref(),
+        model: &p.fields.model,
+        salt: p.salt.as_deref(),
+        ids,
+    };
+    let mut out = Vec::with_capacity(2);
+    if let Ok(v) = HeaderValue::from_str(&format!("Bearer {}", handoff::gateway_token(secret))) {
+        out.push((hyper::header::AUTHORIZATION, v));
+    }
+    if let Ok(v) = HeaderValue::from_str(&handoff::sign(secret, &assertion)) {
+        out.push((HeaderName::from_static(handoff::ASSERTION_HEADER), v));
+    }
+    out
+}
+
+/// The client headers workers get: the session id, the cache salt (unless a keyed caller's tenant salt replaced
+/// it; the body carries that), `accept`, and `authorization` only with `--forward-authorization` to pods that are
+/// not kvgate workers (`foreign`).
 fn forwarded_headers(
     state: &GatewayState,
     session: &Session,
-    forced_salt: bool,
+    salt_rewritten: bool,
+    foreign: bool,
 ) -> Vec<(HeaderName, HeaderValue)> {
     let mut names = vec![SESSION_HEADER, "accept"];
-    if !forced_salt {
+    if !salt_rewritten {
         names.push(CACHE_SALT_HEADER);
     }
-    if state.cfg.forward_authorization {
+    if state.cfg.forward_authorization && foreign {
         names.push("authorization");
     }
     names

@@ -27,6 +27,8 @@ pub struct RoutingFields {
     /// `max_completion_tokens`, else `max_tokens`.
     pub max_tokens: Option<u32>,
     pub stream: bool,
+    /// `stream_options.include_usage`: the client asked a stream for its usage chunk.
+    pub include_usage: bool,
     /// OpenAI's end-user id (a session key).
     pub user: Option<String>,
     pub cache_salt: Option<String>,
@@ -72,6 +74,8 @@ struct ChatLean<'a> {
     max_completion_tokens: Option<u32>,
     #[serde(default)]
     stream: Option<bool>,
+    #[serde(default)]
+    stream_options: Option<StreamOptionsLean>,
     #[serde(default, borrow)]
     user: Option<Cow<'a, str>>,
     #[serde(default, borrow)]
@@ -92,6 +96,8 @@ struct CompletionLean<'a> {
     max_completion_tokens: Option<u32>,
     #[serde(default)]
     stream: Option<bool>,
+    #[serde(default)]
+    stream_options: Option<StreamOptionsLean>,
     #[serde(default, borrow)]
     user: Option<Cow<'a, str>>,
     #[serde(default, borrow)]
@@ -100,11 +106,19 @@ struct CompletionLean<'a> {
     kvgate_prompt_ids: Option<&'a RawValue>,
 }
 
+/// `stream_options`: only whether the client asked for usage (other members pass through untouched).
+#[derive(Deserialize, Default)]
+struct StreamOptionsLean {
+    #[serde(default)]
+    include_usage: Option<bool>,
+}
+
 /// The shared fields, whichever struct they came from (no `flatten`: it would buffer every unknown field).
 struct Common<'a> {
     max_tokens: Option<u32>,
     max_completion_tokens: Option<u32>,
     stream: Option<bool>,
+    include_usage: bool,
     user: Option<Cow<'a, str>>,
     cache_salt: Option<Cow<'a, str>>,
 }
@@ -115,6 +129,7 @@ macro_rules! common {
             max_tokens: $r.max_tokens,
             max_completion_tokens: $r.max_completion_tokens,
             stream: $r.stream,
+            include_usage: $r.stream_options.and_then(|o| o.include_usage).unwrap_or(false),
             user: $r.user,
             cache_salt: $r.cache_salt,
         }
@@ -187,6 +202,7 @@ fn fields(model: Cow<'_, str>, c: Common<'_>, reasoning: bool) -> RoutingFields 
         model: model.into_owned(),
         max_tokens: c.max_completion_tokens.or(c.max_tokens),
         stream: c.stream.unwrap_or(false),
+        include_usage: c.include_usage,
         user: c.user.map(Cow::into_owned),
         cache_salt: c.cache_salt.map(Cow::into_owned).filter(|s| !s.is_empty()),
         reasoning,
@@ -303,9 +319,10 @@ impl<'de> Visitor<'de> for BudgetSeed<'_> {
     }
 }
 
-/// `body` with its top-level `cache_salt` set to `salt` (a caller's key forces its tenant's salt). Only the
-/// top-level keys are looked at; every value is copied as it was sent.
-pub fn with_cache_salt(body: &[u8], salt: &str) -> Result<Vec<u8>, ApiError> {
+/// `body` with top-level members replaced or added: each `(key, JSON text)` of `set` (a caller's key forces its
+/// tenant's salt; a stream is asked for its usage). Only the top-level keys are looked at; every other value is
+/// copied as it was sent.
+pub fn with_members(body: &[u8], set: &[(&str, String)]) -> Result<Vec<u8>, ApiError> {
     struct Entries<'a>(Vec<(Cow<'a, str>, &'a RawValue)>);
     impl<'de> Deserialize<'de> for Entries<'de> {
         fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
@@ -329,18 +346,47 @@ pub fn with_cache_salt(body: &[u8], salt: &str) -> Result<Vec<u8>, ApiError> {
     let text = std::str::from_utf8(body).map_err(|_| ApiError::bad_json("the body is not UTF-8".into()))?;
     let entries: Entries<'_> = serde_json::from_str(text)
         .map_err(|e| ApiError::bad_json(format!("the body is not valid JSON: {e}")))?;
-    let mut out = Vec::with_capacity(body.len() + salt.len() + 16);
+    let extra: usize = set.iter().map(|(k, v)| k.len() + v.len() + 4).sum();
+    let mut out = Vec::with_capacity(body.len() + extra + 2);
     out.push(b'{');
-    for (k, v) in entries.0.iter().filter(|(k, _)| k != "cache_salt") {
+    for (k, v) in entries.0.iter().filter(|(k, _)| !set.iter().any(|(s, _)| s == k)) {
         serde_json::to_writer(&mut out, k).map_err(|e| ApiError::internal(e.to_string()))?;
         out.push(b':');
         out.extend_from_slice(v.get().as_bytes());
         out.push(b',');
     }
-    out.extend_from_slice(b"\"cache_salt\":");
-    serde_json::to_writer(&mut out, salt).map_err(|e| ApiError::internal(e.to_string()))?;
+    for (k, v) in set {
+        serde_json::to_writer(&mut out, k).map_err(|e| ApiError::internal(e.to_string()))?;
+        out.push(b':');
+        out.extend_from_slice(v.as_bytes());
+        out.push(b',');
+    }
+    if out.last() == Some(&b',') {
+        out.pop();
+    }
     out.push(b'}');
     Ok(out)
+}
+
+/// Most JSON values of a `stream_options` object the gateway rewrites (it has two members in OpenAI's API).
+pub const MAX_STREAM_OPTIONS_VALUES: usize = 64;
+
+/// The top-level `stream_options` of `body` with `include_usage: true` (other members kept), as JSON text.
+pub fn stream_options_with_usage(body: &[u8]) -> Result<String, ApiError> {
+    #[derive(Deserialize)]
+    struct Only<'a> {
+        #[serde(default, borrow)]
+        stream_options: Option<&'a RawValue>,
+    }
+    let only: Only<'_> = typed(body)?;
+    let budget = Cell::new(MAX_STREAM_OPTIONS_VALUES);
+    let mut o = match only.stream_options.map(|r| bounded(r, &budget, "stream_options")).transpose()? {
+        None | Some(Value::Null) => Map::new(),
+        Some(Value::Object(m)) => m,
+        Some(_) => return Err(ApiError::invalid("stream_options", "stream_options must be an object")),
+    };
+    o.insert("include_usage".into(), Value::Bool(true));
+    serde_json::to_string(&o).map_err(|e| ApiError::internal(e.to_string()))
 }
 
 #[cfg(test)]

@@ -73,7 +73,7 @@ pub struct GatewayState {
 pub fn enroll(registry: &mut Registry, m: &ModelSpec, url: &str) {
     registry.add_static(url);
     if m.kind != WorkerKind::Kvgate {
-        registry.identify(url, url.trim_end_matches('/'), &m.name, 0);
+        registry.identify(url, url.trim_end_matches('/'), &m.name, m.max_model_len.unwrap_or(0));
         if m.kv_tokens > 0 {
             registry.track_sends(url, m.kv_tokens.div_ceil(m.block_size as usize));
         }
@@ -309,7 +309,12 @@ impl GatewayState {
     /// most [`TOKENIZER_FETCH_TIMEOUT`] and `--max-tokenizer-bytes`.
     pub async fn fetch_tokenizer(&self, url: &str) -> Result<String, String> {
         let uri = format!("{}/kvgate/v1/tokenizer", url.trim_end_matches('/'));
-        let req = hyper::Request::get(&uri).body(Full::new(Bytes::new())).map_err(|e| e.to_string())?;
+        let mut req = hyper::Request::get(&uri);
+        if let Some(secret) = self.cfg.report_secret.as_deref() {
+            // Workers with --require-gateway-token answer only gateways.
+            req = req.header("authorization", format!("Bearer {}", kvgate_shared::handoff::gateway_token(secret)));
+        }
+        let req = req.body(Full::new(Bytes::new())).map_err(|e| e.to_string())?;
         let limit = self.cfg.max_tokenizer_bytes;
         let fetch = async {
             let resp = self.client.request(req).await.map_err(|e| format!("{uri}: {e}"))?;
@@ -368,6 +373,12 @@ impl GatewayState {
     /// Whether `model` has a `[[models]]` entry (its tokenizer and block size are this gateway's, not a worker's).
     pub fn is_configured(&self, model: &str) -> bool {
         self.cfg.models.iter().any(|m| m.name == model)
+    }
+
+    /// What the pool of `model` runs: its `[[models]]` entry's kind, else kvgate workers (whose tokenizers the
+    /// gateway fetches).
+    pub fn pool_kind(&self, model: &str) -> WorkerKind {
+        self.cfg.models.iter().find(|m| m.name == model).map_or(WorkerKind::Kvgate, |m| m.kind)
     }
 
     /// Whether a worker was refused for a tokenizer or block size that differs from its model's `[[models]]` entry

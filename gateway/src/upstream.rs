@@ -20,6 +20,8 @@ use pingora::http::ResponseHeader;
 use pingora::proxy::Session;
 
 use crate::errors::ApiError;
+use crate::meter::Meter;
+pub use crate::meter::UsageSeen;
 use crate::routing::RouteReason;
 use crate::state::GatewayState;
 
@@ -46,6 +48,8 @@ pub struct Attempt<'a> {
     pub admission_wait: Duration,
     pub first_byte_timeout: Duration,
     pub idle_timeout: Duration,
+    /// The gateway asked the stream for usage the client did not ask for: take it out again (`meter.rs`).
+    pub strip_usage: bool,
 }
 
 /// How an attempt ended.
@@ -56,6 +60,8 @@ pub enum Outcome {
         status: u16,
         /// `usage` found at the end of the response.
         usage: Option<UsageSeen>,
+        /// Completion tokens the client received (the usage's count, else a stream's token events so far).
+        tokens_sent: u64,
         /// The body ended normally (not cut by the client, a failure or the idle timeout).
         completed: bool,
         /// The stream went silent past the idle timeout (the worker is suspect).
@@ -171,10 +177,10 @@ pub async fn forward(state: &GatewayState, session: &mut Session, a: &Attempt<'_
         None => {
             // A 503 that was not a refusal: its body was read already.
             let ok = session.write_response_body(early_body, true).await.is_ok();
-            return Outcome::Responded { status, usage: None, completed: ok, stalled: false };
+            return Outcome::Responded { status, usage: None, tokens_sent: 0, completed: ok, stalled: false };
         }
     };
-    let mut tail: Vec<u8> = Vec::new();
+    let mut meter = Meter::new(sse, a.strip_usage);
     let mut stalled = false;
     let mut completed = true;
     let mut first = true;
@@ -191,14 +197,18 @@ pub async fn forward(state: &GatewayState, session: &mut Session, a: &Attempt<'_
             Ok(Some(Ok(frame))) => {
                 first = false;
                 if let Ok(data) = frame.into_data() {
-                    tail.extend_from_slice(&data);
-                    if tail.len() > 16_384 {
-                        tail.drain(..tail.len() - 8_192);
-                    }
-                    if session.write_response_body(Some(data), false).await.is_err() {
+                    let out = meter.feed(&data);
+                    if !out.is_empty() && session.write_response_body(Some(out), false).await.is_err() {
                         // The client went away: dropping the upstream body closes that connection, and the
-                        // worker aborts the request.
-                        return Outcome::Responded { status, usage: None, completed: false, stalled: false };
+                        // worker aborts the request. What it sent until then is charged.
+                        let tokens_sent = meter.tokens_sent();
+                        return Outcome::Responded {
+                            status,
+                            usage: None,
+                            tokens_sent,
+                            completed: false,
+                            stalled: false,
+                        };
                     }
                 }
             }
@@ -236,9 +246,13 @@ pub async fn forward(state: &GatewayState, session: &mut Session, a: &Attempt<'_
             }
         }
     }
+    let rest = meter.finish();
+    if !rest.is_empty() {
+        let _ = session.write_response_body(Some(rest), false).await;
+    }
     let _ = session.write_response_body(None, true).await;
-    let usage = if completed { UsageSeen::parse(&tail) } else { None };
-    Outcome::Responded { status, usage, completed, stalled }
+    let usage = if completed { meter.usage() } else { None };
+    Outcome::Responded { status, usage, tokens_sent: meter.tokens_sent(), completed, stalled }
 }
 
 async fn write_sse_error(session: &mut Session, err: &ApiError) {
@@ -254,42 +268,9 @@ pub fn refusal_code(body: &[u8]) -> Option<String> {
     REFUSAL_CODES.contains(&code).then(|| code.to_owned())
 }
 
-/// The `usage` numbers found at the end of a response.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct UsageSeen {
-    pub prompt: u64,
-    pub completion: u64,
-    pub cached: u64,
-}
-
-impl UsageSeen {
-    fn parse(tail: &[u8]) -> Option<Self> {
-        Some(Self {
-            prompt: last_number_after(tail, "\"prompt_tokens\":")?,
-            completion: last_number_after(tail, "\"completion_tokens\":")?,
-            cached: last_number_after(tail, "\"cached_tokens\":").unwrap_or(0),
-        })
-    }
-}
-
-/// The last integer following `key` in `buf` (usage is at the end of both response shapes).
-fn last_number_after(buf: &[u8], key: &str) -> Option<u64> {
-    let text = String::from_utf8_lossy(buf);
-    let at = text.rfind(key)? + key.len();
-    let digits: String = text[at..].trim_start().chars().take_while(char::is_ascii_digit).collect();
-    digits.parse().ok()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn usage_is_found_at_the_end() {
-        let tail = br#"{"usage":{"prompt_tokens":100,"prompt_tokens_details":{"cached_tokens":64}}}"#;
-        assert_eq!(last_number_after(tail, "\"cached_tokens\":"), Some(64));
-        assert_eq!(last_number_after(b"data: [DONE]", "\"cached_tokens\":"), None);
-    }
 
     #[test]
     fn only_refusals_are_retried() {

@@ -262,34 +262,175 @@ async fn a_keys_salt_is_forced_upstream_and_the_callers_authorization_stays_at_t
     )
     .await;
     assert_eq!(anon.json()["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+    let token = format!("Bearer {}", kvgate_shared::handoff::gateway_token("test-secret"));
     {
         let seen = seen.lock().expect("log");
         assert_eq!(seen.len(), 3);
         for (headers, body) in seen.iter() {
-            assert!(headers.get("authorization").is_none(), "the client's key went upstream: {headers:?}");
+            // A kvgate worker gets the gateway's token, never the client's key.
+            let auth = headers.get("authorization").and_then(|v| v.to_str().ok());
+            assert_eq!(auth, Some(token.as_str()), "{headers:?}");
             let _: Value = serde_json::from_slice(body).expect("json");
         }
         let forced: Value = serde_json::from_slice(&seen[0].1).expect("json");
-        assert_eq!(forced["cache_salt"], "salt-a", "the key's salt replaced the caller's");
+        let want = kvgate_shared::handoff::tenant_salt(Some("test-secret"), "a", true, "salt-a");
+        assert_eq!(forced["cache_salt"], want.as_str(), "the key's salt, as tenant a's, replaced the caller's");
         assert_eq!(forced["prompt"], json!(prompt));
         assert!(seen[0].0.get("x-kvgate-cache-salt").is_none());
         assert_eq!(seen[2].0.get("x-kvgate-cache-salt").and_then(|v| v.to_str().ok()), Some("hdr"));
     }
-    // With --forward-authorization the header goes through.
+    // With --forward-authorization the client's header goes to pods that are not kvgate workers.
     drop(g);
-    let (g2, control2) = gateway(&["--worker", &rec, "--api-keys-file", k, "--forward-authorization"]);
-    wait_worker(&control2, "w", Duration::from_secs(10), |s| s["healthy"] == true && s["model"] == MODEL)
-        .await;
+    let cfg = dir.path().join("openai-pool.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "[[models]]\nname = \"{MODEL}\"\ntokenizer = {:?}\nkind = \"openai\"\nworkers = [\"{rec}\"]\n",
+            dir.path().join("tiny").display().to_string()
+        ),
+    )
+    .expect("config");
+    let c = cfg.to_str().expect("p");
+    let (g2, control2) = gateway(&["--config", c, "--api-keys-file", k, "--forward-authorization"]);
+    wait_until(Duration::from_secs(10), || async {
+        get(&format!("{control2}/ready")).await.status == 200
+    })
+    .await;
     let r = post(
         &format!("{}/v1/completions", g2.base),
         &json!({"model": MODEL, "prompt": [1, 2], "max_tokens": 1}),
         &a,
     )
     .await;
-    assert_eq!(r.status, 200);
+    assert_eq!(r.status, 200, "{}", r.body);
     let last = seen.lock().expect("log").last().cloned().expect("seen");
     assert_eq!(
         last.0.get("authorization").and_then(|v| v.to_str().ok()),
         Some("Bearer tenant-a-key-0123456789")
     );
+    assert!(last.0.get(kvgate_shared::handoff::ASSERTION_HEADER).is_none(), "no assertion for other pods");
+}
+
+fn cached(r: &Resp) -> u64 {
+    assert_eq!(r.status, 200, "{}", r.body);
+    r.json()["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().expect("cached_tokens")
+}
+
+#[tokio::test]
+async fn a_tenants_forced_salt_cannot_be_named_by_any_other_caller() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let keys = keys_file(
+        dir.path(),
+        &[],
+        "[[keys]]\nkey = \"team-a-key-0123456789abc\"\ntenant = \"team-a\"\ncache_salt = \"team-a\"\n\
+         [[keys]]\nkey = \"team-a-free-key-012345678\"\ntenant = \"team-a\"\n\
+         [[keys]]\nkey = \"team-b-key-0123456789abc\"\ntenant = \"team-b\"\n",
+    );
+    let (g, control) = gateway(&["--api-keys-file", keys.to_str().expect("p")]);
+    let w = worker("w", &dir.path().join("tiny"), Some(&control), &[]);
+    wait_healthy(&control, 1).await;
+    let url = format!("{}/v1/completions", g.base);
+    // One prompt per try below, each cached by team-a first: a try that reached team-a's namespace would hit it
+    // (anonymous body and header salts are one namespace, so they cannot share a prompt).
+    let prompts: Vec<Vec<u32>> = (0..6).map(|i| ids(400, 3 + i)).collect();
+    let body = |i: usize, salt: Option<&str>| match salt {
+        Some(s) => json!({"model": MODEL, "prompt": prompts[i], "max_tokens": 1, "cache_salt": s}),
+        None => json!({"model": MODEL, "prompt": prompts[i], "max_tokens": 1}),
+    };
+    let team_a = [("authorization", "Bearer team-a-key-0123456789abc")];
+    for i in 0..prompts.len() {
+        assert_eq!(cached(&post(&url, &body(i, None), &team_a).await), 0);
+        assert_eq!(cached(&post(&url, &body(i, Some("anything")), &team_a).await), 384, "team-a hits its blocks");
+    }
+    // Nobody else reaches them: anonymous callers naming the salt in the body or the header, another tenant
+    // naming it, team-a's own key without the forced salt naming it, or a caller at the worker directly.
+    let anon_header = [("x-kvgate-cache-salt", "team-a")];
+    let team_b = [("authorization", "Bearer team-b-key-0123456789abc")];
+    let team_a_free = [("authorization", "Bearer team-a-free-key-012345678")];
+    let direct = format!("{}/v1/completions", w.base);
+    let derived = kvgate_shared::handoff::tenant_salt(Some("test-secret"), "team-a", true, "team-a");
+    let tries: [(&str, Resp); 6] = [
+        ("anonymous body salt", post(&url, &body(0, Some("team-a")), &[]).await),
+        ("anonymous header salt", post(&url, &body(1, None), &anon_header).await),
+        ("another tenant", post(&url, &body(2, Some("team-a")), &team_b).await),
+        ("the tenant's unforced key", post(&url, &body(3, Some("team-a")), &team_a_free).await),
+        ("at the worker", post(&direct, &body(4, Some("team-a")), &[]).await),
+        // Even the salt the pods are sent, sent by a client to the worker, is not team-a's namespace (the tenant
+        // tag comes only with the gateway's assertion).
+        ("the pods' salt at the worker", post(&direct, &body(5, Some(&derived)), &[]).await),
+    ];
+    for (who, r) in &tries {
+        assert_eq!(cached(r), 0, "{who} reached team-a's blocks");
+    }
+    // Scoped client salts still work for their own tenant: team-b's salted prompt hits team-b's blocks.
+    assert_eq!(cached(&post(&url, &body(2, Some("team-a")), &team_b).await), 384);
+    // And unsalted requests keep sharing across callers (a shared system prompt).
+    assert_eq!(cached(&post(&url, &json!({"model": MODEL, "prompt": ids(64, 5), "max_tokens": 1}), &[]).await), 0);
+    assert_eq!(cached(&post(&url, &json!({"model": MODEL, "prompt": ids(64, 5), "max_tokens": 1}), &team_b).await), 48);
+}
+
+/// Streams `body` and reads `events` token events (chunks carrying text), then closes the connection; the status.
+async fn stream_and_leave(url: &str, body: &Value, events: usize) -> u16 {
+    let req = hyper::Request::post(url)
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from(body.to_string())))
+        .expect("request");
+    let client: Client<_, Full<Bytes>> = Client::builder(TokioExecutor::new()).build_http();
+    let resp = client.request(req).await.expect("response");
+    let status = resp.status().as_u16();
+    if status != 200 {
+        return status;
+    }
+    let mut body = resp.into_body();
+    let (mut seen, mut text) = (0, String::new());
+    while seen < events {
+        let Some(Ok(frame)) = body.frame().await else { panic!("the stream ended after {seen} events") };
+        if let Ok(data) = frame.into_data() {
+            text.push_str(&String::from_utf8_lossy(&data));
+            while let Some(end) = text.find("\n\n") {
+                let event: String = text.drain(..end + 2).collect();
+                if event.contains("\"content\":\"") && !event.contains("\"content\":\"\"") {
+                    seen += 1;
+                }
+            }
+        }
+    }
+    status // `body` and the connection are dropped here: the client left.
+}
+
+#[tokio::test]
+async fn leaving_a_stream_early_is_charged_what_was_computed_not_refunded() {
+    // The attack: 2,000-token streams read for 50 tokens each, against a 400-token burst refilling 5 tokens/s. With
+    // every early exit refunded in full, a stream was admitted every time the bucket refilled (6 of 12 in the
+    // field); charged the prompt and the tokens sent, the bucket stays spent and only the first is admitted.
+    let dir = tempfile::tempdir().expect("tmp");
+    let classes = "[[classes]]\nname = \"metered\"\nrefill_tokens_per_s = 5\nburst_tokens = 400\nmax_wait_ms = 800\n";
+    let cfg = dir.path().join("gateway.toml");
+    std::fs::write(&cfg, classes).expect("write");
+    let (g, control) = gateway(&["--config", cfg.to_str().expect("p")]);
+    let profile = sim_profile(dir.path(), "slow-decode", 0.002, 0.0);
+    let _w = worker(
+        "w",
+        &dir.path().join("tiny"),
+        Some(&control),
+        &["--engine", "sim", "--sim-profile", profile.to_str().expect("p")],
+    );
+    wait_healthy(&control, 1).await;
+    let url = format!("{}/v1/chat/completions", g.base);
+    let body = json!({"model": MODEL, "max_tokens": 2000, "stream": true, "ignore_eos": true,
+        "messages": [{"role": "user", "content": "ka ri"}]});
+    let mut statuses = Vec::new();
+    for _ in 0..6 {
+        statuses.push(stream_and_leave(&url, &body, 50).await);
+    }
+    assert_eq!(statuses[0], 200);
+    assert_eq!(statuses.iter().filter(|s| **s == 200).count(), 1, "{statuses:?}");
+    assert!(statuses[1..].iter().all(|s| *s == 429), "{statuses:?}");
+    // The charge is the prompt plus the tokens that went out before the gateway saw the client gone; nothing was
+    // refunded in full.
+    let m = get(&format!("{control}/metrics")).await.body;
+    let charged = metric(&m, "kvgate_gateway_class_tokens_charged_total{class=\"metered\"}").unwrap_or(0.0);
+    assert!((50.0..1000.0).contains(&charged), "charged {charged}: {m}");
+    assert_eq!(metric(&m, "kvgate_gateway_class_refunds_total{class=\"metered\"}").unwrap_or(0.0), 0.0);
+    assert_eq!(metric(&m, "kvgate_gateway_class_partial_charges_total{class=\"metered\"}"), Some(1.0));
 }

@@ -4,10 +4,13 @@ it); exits non-zero with every failure listed.
 
     python helm/tests/check_chart.py [KUBERNETES_VERSION]
     python helm/tests/check_chart.py --render VALUE_SET   # JSON: the gateway.toml and worker args it renders
+                                                          # (and gateway_env / worker_env: name -> value,
+                                                          # "secret:<name>/<key>" or "field:<path>")
 """
 
 import base64
 import copy
+import hashlib
 import json
 import sys
 from pathlib import Path
@@ -80,6 +83,28 @@ VALUE_SETS: dict[str, dict] = {
                                            {"name": "long", "refill_tokens_per_s": 250000, "burst_tokens": 4000000,
                                             "max_queued_requests": 64, "borrow_idle": False,
                                             "match": {"models": ["llama"], "min_prompt_tokens": 8192}}]}},
+    # Lock-down (#25): policies, Redis auth, securityContext, per-secret existing Secrets.
+    "policies-off": {"networkPolicy": {"enabled": False}, "workers": {"requireGatewayToken": False}},
+    "policies-peers": {"serviceMonitor": {"enabled": True},
+                       "networkPolicy": {
+                           "publicFrom": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "ingress-nginx"}}},
+                                          {"ipBlock": {"cidr": "10.0.0.0/8", "except": ["10.9.0.0/16"]}}],
+                           "controlFrom": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}},
+                                            "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}}],
+                           "workerFrom": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}],
+                           "extraWorkerPorts": [9000, "kv-xfer"]}},
+    "existing-secrets-each": {"secrets": {"reportSecretFrom": {"existingSecret": "kv-report", "existingSecretKey": "secret"},
+                                          "adminTokenFrom": {"existingSecret": "kv-admin"}},
+                              "redis": {"auth": {"existingSecret": "kv-redis", "existingSecretKey": "password"}}},
+    "existing-secret-mixed": {"secrets": {"existingSecret": "my-kvgate-secrets", "adminTokenFrom": {"existingSecret": "kv-admin"}}},
+    "given-redis-password": {"secrets": {"redisPassword": "r3dis"}, "redis": {"prefix": "fleet-a", "auth": {"username": "fleet-a"}}},
+    "redis-no-auth": {"redis": {"auth": {"enabled": False}}},
+    "redis-external-auth": {"redis": {"mode": "external", "url": "redis://redis.shared:6379/0", "prefix": "fleet-b",
+                                      "auth": {"username": "fleet-b", "existingSecret": "shared-redis",
+                                               "existingSecretKey": "fleet-b-password"}}},
+    "security-overrides": {"workers": {"gpu": {"count": 1}, "runtimeClassName": "nvidia",
+                                       "containerSecurityContext": {"readOnlyRootFilesystem": False}},
+                           "gateway": {"podSecurityContext": {"fsGroupChangePolicy": "OnRootMismatch"}}},
 }
 
 # Values the schema must reject, and a word its message must contain.
@@ -105,6 +130,25 @@ BAD_VALUES: dict[str, tuple[dict, str]] = {
     "external pods without a model": ({"workers": {"external": {"service": "vllm", "tokenizer": {"image": "t"}}}}, "model"),
     "external pods without a tokenizer": ({"workers": {"external": {"service": "vllm", "model": "m"}}}, "tokenizer"),
     "events from openai pods": ({"workers": {"external": {"kind": "openai", "kvEventsPort": 5557}}}, "kvEventsPort"),
+    "a report secret given twice": ({"secrets": {"reportSecret": "x", "reportSecretFrom": {"existingSecret": "s"}}}, "reportSecret"),
+    "an admin token given twice": ({"secrets": {"adminToken": "x", "adminTokenFrom": {"existingSecret": "s"}}}, "adminToken"),
+    "a redis password given twice": ({"secrets": {"redisPassword": "x"}, "redis": {"auth": {"existingSecret": "s"}}}, "redisPassword"),
+    "an empty secret key": ({"secrets": {"reportSecretFrom": {"existingSecret": "s", "existingSecretKey": ""}}}, "existingSecretKey"),
+    "a secret name with capitals": ({"redis": {"auth": {"existingSecret": "My_Secret"}}}, "existingSecret"),
+    "a glob in the redis prefix": ({"redis": {"prefix": "kv*"}}, "prefix"),
+    "the disabled default user": ({"redis": {"auth": {"username": "default"}}}, "username"),
+    "an external username without a password": ({"redis": {"mode": "external", "url": "redis://r:6379",
+                                                           "auth": {"username": "u"}}}, "existingSecret"),
+    "a typo in a peer": ({"networkPolicy": {"controlFrom": [{"podSelecter": {}}]}}, "podSelecter"),
+    "ipBlock with a selector": ({"networkPolicy": {"publicFrom": [{"ipBlock": {"cidr": "10.0.0.0/8"},
+                                                                   "podSelector": {}}]}}, "publicFrom"),
+    "a worker port over 65535": ({"networkPolicy": {"extraWorkerPorts": [70000]}}, "extraWorkerPorts"),
+    "a negative uid": ({"workers": {"podSecurityContext": {"runAsUser": -1}}}, "runAsUser"),
+    "an unknown seccomp type": ({"redis": {"containerSecurityContext": {"seccompProfile": {"type": "Off"}}}}, "type"),
+    "a lower-case capability": ({"gateway": {"containerSecurityContext": {"capabilities": {"drop": ["all"]}}}}, "drop"),
+    "a typo in a securityContext": ({"tests": {"containerSecurityContext": {"readOnlyRootFS": True}}}, "readOnlyRootFS"),
+    "a non-boolean token switch": ({"workers": {"requireGatewayToken": "yes"}}, "requireGatewayToken"),
+    "a non-boolean policy switch": ({"networkPolicy": {"enabled": "on"}}, "enabled"),
 }
 
 chart = helm.Chart.load(str(CHART))
@@ -137,9 +181,69 @@ if RENDER:
     sts = find(docs, "StatefulSet")
     worker = sts[0]["spec"]["template"]["spec"]["containers"][0] if sts else {"args": []}
     gateway = find(docs, "Deployment", "-gateway")[0]["spec"]["template"]["spec"]["containers"][0]
+
+    def env_of(c: dict) -> dict:
+        # Plain values as they are; a Secret's as "secret:<name>/<key>"; a field's as "field:<path>".
+        out = {}
+        for e in c.get("env", []):
+            ref = e.get("valueFrom", {})
+            if "secretKeyRef" in ref:
+                out[e["name"]] = f'secret:{ref["secretKeyRef"]["name"]}/{ref["secretKeyRef"]["key"]}'
+            elif "fieldRef" in ref:
+                out[e["name"]] = f'field:{ref["fieldRef"]["fieldPath"]}'
+            else:
+                out[e["name"]] = e.get("value", "")
+        return out
+
     print(json.dumps({"gateway_toml": cm["data"]["gateway.toml"], "gateway_args": gateway["args"],
-                      "worker_args": worker["args"]}))
+                      "worker_args": worker["args"], "gateway_env": env_of(gateway), "worker_env": env_of(worker)}))
     sys.exit(0)
+
+
+def secret_refs(pod: dict) -> set[tuple[str, str]]:
+    """(Secret, key) of every secretKeyRef in a pod's containers and init containers."""
+    return {(e["valueFrom"]["secretKeyRef"]["name"], e["valueFrom"]["secretKeyRef"]["key"])
+            for c in pod.get("initContainers", []) + pod["containers"] for e in c.get("env", [])
+            if "secretKeyRef" in e.get("valueFrom", {})}
+
+
+def env_map(c: dict) -> dict:
+    return {e["name"]: e for e in c.get("env", [])}
+
+
+def expected_secret_refs(values: dict) -> dict:
+    """Where each secret should come from: use -> (Secret, key, managed by the chart)."""
+    s, r, chart_secret = values["secrets"], values["redis"], "kv-kvgate-secrets"
+    refs = {}
+    for use, frm, key in (("report", "reportSecretFrom", "report-secret"), ("admin", "adminTokenFrom", "admin-token")):
+        if s[frm]["existingSecret"]:
+            refs[use] = (s[frm]["existingSecret"], s[frm]["existingSecretKey"], False)
+        elif s["existingSecret"]:
+            refs[use] = (s["existingSecret"], key, False)
+        else:
+            refs[use] = (chart_secret, key, True)
+    internal_auth = r["enabled"] and r["mode"] == "internal" and r["auth"]["enabled"]
+    external_auth = r["enabled"] and r["mode"] == "external" and r["auth"]["existingSecret"]
+    if (internal_auth or external_auth) and r["auth"]["existingSecret"]:
+        refs["redis"] = (r["auth"]["existingSecret"], r["auth"]["existingSecretKey"], False)
+    elif internal_auth:
+        refs["redis"] = (chart_secret, "redis-password", True)
+    return refs
+
+
+def pod_templates(docs: list[dict]) -> list[tuple[str, dict, dict]]:
+    """(name, pod metadata, pod spec) of every workload and bare pod."""
+    out = []
+    for d in docs:
+        if d["kind"] in ("Deployment", "StatefulSet"):
+            out.append((d["metadata"]["name"], d["spec"]["template"]["metadata"], d["spec"]["template"]["spec"]))
+        elif d["kind"] == "Pod":
+            out.append((d["metadata"]["name"], d["metadata"], d["spec"]))
+    return out
+
+
+def selects(selector: dict, labels: dict) -> bool:
+    return all(labels.get(k) == v for k, v in selector.get("matchLabels", {}).items())
 
 for name, extra in VALUE_SETS.items():
     values = deep_merge(defaults, extra)
@@ -182,15 +286,25 @@ for name, extra in VALUE_SETS.items():
         for s in ("r3port", "adm1n", "report-secret", "admin-token"):
             check(s not in text, f"{name}: ConfigMap {cm['metadata']['name']} holds no secret ({s})")
     secrets = find(docs, "Secret")
-    if values["secrets"]["existingSecret"]:
-        check(not secrets, f"{name}: no Secret is created when existingSecret is set")
+    refs = expected_secret_refs(values)
+    managed_keys = {key for (_, key, managed) in refs.values() if managed}
+    if not managed_keys:
+        check(not secrets, f"{name}: no Secret is created when every secret comes from an existing one")
     else:
-        check(len(secrets) == 1 and set(secrets[0]["data"]) == {"report-secret", "admin-token"}, f"{name}: one Secret")
-        if values["secrets"]["reportSecret"]:
-            check(base64.b64decode(secrets[0]["data"]["report-secret"]) == b"r3port", f"{name}: given report secret")
+        # The chart's Secret holds exactly the secrets no existing Secret supplies (with the all-in-one
+        # existingSecret: only the in-chart Redis's password).
+        check(len(secrets) == 1 and secrets[0]["metadata"]["name"] == "kv-kvgate-secrets"
+              and set(secrets[0]["data"]) == managed_keys, f"{name}: one Secret with {sorted(managed_keys)}")
+    chart_data = secrets[0]["data"] if secrets else {}
+    given = {"report-secret": values["secrets"]["reportSecret"], "admin-token": values["secrets"]["adminToken"],
+             "redis-password": values["secrets"]["redisPassword"]}
+    for key in managed_keys & set(chart_data):
+        plain = base64.b64decode(chart_data[key])
+        if given[key]:
+            check(plain == given[key].encode(), f"{name}: given {key}")
         else:
-            check(len(base64.b64decode(secrets[0]["data"]["report-secret"])) == 40, f"{name}: generated report secret")
-    secret_name = values["secrets"]["existingSecret"] or "kv-kvgate-secrets"
+            check(len(plain) == 40 and plain.isalnum(), f"{name}: generated {key}")
+    secret_name = refs["report"][0]
     sts = find(docs, "StatefulSet")
     w = values["workers"]
     ext = w["external"]
@@ -244,8 +358,24 @@ for name, extra in VALUE_SETS.items():
         adv = args[args.index("--advertise-url") + 1]
         check(adv.startswith("http://$(POD_NAME).kv-kvgate-worker.serving.svc"), f"{name}: advertise URL from the pod DNS name")
         check(c["startupProbe"]["failureThreshold"] * c["startupProbe"]["periodSeconds"] >= 300, f"{name}: startup probe")
-        refs = [e["valueFrom"]["secretKeyRef"]["name"] for e in c["env"] if "valueFrom" in e and "secretKeyRef" in e["valueFrom"]]
-        check(refs == [secret_name], f"{name}: worker secret from {secret_name}")
+        wrefs = [e["valueFrom"]["secretKeyRef"]["name"] for e in c["env"] if "valueFrom" in e and "secretKeyRef" in e["valueFrom"]]
+        check(wrefs == [secret_name], f"{name}: worker secret from {secret_name}")
+        wenv = env_map(c)
+        check(wenv["KVGATE_REPORT_SECRET"]["valueFrom"]["secretKeyRef"] == {"name": refs["report"][0], "key": refs["report"][1]},
+              f"{name}: the workers' report secret from {refs['report'][:2]}")
+        check(("KVGATE_WORKER_REQUIRE_GATEWAY_TOKEN" in wenv) == w["requireGatewayToken"]
+              and wenv.get("KVGATE_WORKER_REQUIRE_GATEWAY_TOKEN", {"value": "true"}).get("value") == "true",
+              f"{name}: KVGATE_WORKER_REQUIRE_GATEWAY_TOKEN=true follows workers.requireGatewayToken")
+        check("--require-gateway-token" not in args, f"{name}: the token switch is an env var, not an argument")
+        wmounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
+        check(wenv.get("KVGATE_CACHE_DIR", {}).get("value") in wmounts and "/tmp" in wmounts,
+              f"{name}: the worker's cache dir and /tmp are volumes")
+        if w["model"]["source"] == "synth":
+            sd = args[args.index("--synth-dir") + 1]
+            check(any(sd.startswith(m + "/") for m in wmounts), f"{name}: the synth dir is on a volume")
+        if w["gpu"]["count"] > 0:
+            check(any(wenv.get("CUDA_CACHE_PATH", {}).get("value", "-").startswith(m + "/") for m in wmounts),
+                  f"{name}: the CUDA JIT cache is on a volume")
         if w["model"]["source"] == "pvc":
             vols = {v["name"]: v for v in pod["volumes"]}
             check(vols["model"]["persistentVolumeClaim"]["claimName"] == w["model"]["pvc"]["claimName"], f"{name}: model PVC")
@@ -292,7 +422,158 @@ for name, extra in VALUE_SETS.items():
         board = json.loads(dash[0]["data"]["kvgate.json"])
         check(len(board["panels"]) >= 10 and all(t["expr"] for p in board["panels"] for t in p["targets"]),
               f"{name}: the dashboard's panels came through")
+    # --- Lock-down (#25) ---
+    r = values["redis"]
+    internal = r["enabled"] and r["mode"] == "internal"
+    chart_secret_data = {("kv-kvgate-secrets", k): v for k, v in chart_data.items()}
+    # Every secret the pods read comes from where the values say, and each pod's checksum/secret is the sha256 of
+    # {"<secret>/<key>": base64 value} over exactly the secrets it reads (user-managed ones: "" offline, no lookup).
+    gw = find(docs, "Deployment", "-gateway")[0]["spec"]["template"]
+    gc = env_map(gw["spec"]["containers"][0])
+    for env, use in (("KVGATE_REPORT_SECRET", "report"), ("KVGATE_ADMIN_TOKEN", "admin")):
+        check(gc[env]["valueFrom"]["secretKeyRef"] == {"name": refs[use][0], "key": refs[use][1]},
+              f"{name}: gateway {env} from {refs[use][:2]}")
+    if "redis" in refs:
+        check(gc.get("KVGATE_GATEWAY_REDIS_PASSWORD", {}).get("valueFrom", {}).get("secretKeyRef")
+              == {"name": refs["redis"][0], "key": refs["redis"][1]}, f"{name}: gateway Redis password from {refs['redis'][:2]}")
+    else:
+        check("KVGATE_GATEWAY_REDIS_PASSWORD" not in gc, f"{name}: no Redis password without Redis auth")
+    user = (r["auth"]["username"] or "kvgate") if internal and r["auth"]["enabled"] else (
+        r["auth"]["username"] if "redis" in refs else "")
+    check(gc.get("KVGATE_GATEWAY_REDIS_USERNAME", {}).get("value", "") == user, f"{name}: KVGATE_GATEWAY_REDIS_USERNAME={user!r}")
+    check(("redis-prefix" in gw_toml) == r["enabled"] and (not r["enabled"] or f'redis-prefix = "{r["prefix"]}"' in gw_toml),
+          f"{name}: redis-prefix in gateway.toml follows redis.prefix")
+    for pname, meta, pod in pod_templates(docs):
+        used = secret_refs(pod)
+        ann = meta.get("annotations", {})
+        if used and "test-chat" not in pname:
+            want = {f"{n}/{k}": chart_secret_data.get((n, k), "") for (n, k) in used}
+            digest = hashlib.sha256(json.dumps(want, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+            check(ann.get("checksum/secret") == digest,
+                  f"{name}: {pname}'s checksum/secret covers the secrets it reads {sorted(used)}")
+        for n, k in used:
+            check((n, k) in chart_secret_data or n != "kv-kvgate-secrets", f"{name}: {pname} reads {n}/{k}, which the chart's Secret holds")
+    # The in-chart Redis: an ACL user limited to the prefix, its password from the same Secret as the gateway's.
+    rd = find(docs, "Deployment", "-redis")
+    if rd:
+        rpod = rd[0]["spec"]["template"]["spec"]
+        rc = rpod["containers"][0]
+        rargs = " ".join(rc["args"])
+        check("tcpSocket" in rc["readinessProbe"], f"{name}: Redis readiness over TCP (no password needed)")
+        check({"name": "data", "mountPath": "/data"} in rc["volumeMounts"], f"{name}: Redis's /data is a volume")
+        if r["auth"]["enabled"]:
+            acl = (f'--user {user} on >$(REDIS_PASSWORD) ~{r["prefix"]}:* &{r["prefix"]}:* +@all -@dangerous')
+            check("--user default off" in rargs and acl in rargs, f"{name}: Redis ACL user: {rargs}")
+            check(env_map(rc)["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"]
+                  == gc["KVGATE_GATEWAY_REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"],
+                  f"{name}: Redis and the gateway read the same password")
+            check("KVGATE_GATEWAY_REDIS_PASSWORD" in gc and "REDIS_PASSWORD" not in gc, f"{name}: gateway password env name")
+        else:
+            check("--user" not in rargs and "env" not in rc, f"{name}: Redis without auth when redis.auth.enabled is false")
+    # securityContext on every pod and container.
+    for pname, meta, pod in pod_templates(docs):
+        psc = pod.get("securityContext", {})
+        check(pod.get("automountServiceAccountToken") is False, f"{name}: {pname} mounts no service account token")
+        for c in pod.get("initContainers", []) + pod["containers"]:
+            csc = c.get("securityContext", {})
+            eff = {**psc, **csc}
+            where = f"{name}: {pname}/{c['name']}"
+            check(eff.get("runAsNonRoot") is True, f"{where}: runAsNonRoot")
+            check(isinstance(eff.get("runAsUser"), int) and eff["runAsUser"] > 0
+                  and isinstance(eff.get("runAsGroup"), int), f"{where}: numeric runAsUser/runAsGroup")
+            check(csc.get("allowPrivilegeEscalation") is False, f"{where}: allowPrivilegeEscalation false")
+            check("ALL" in csc.get("capabilities", {}).get("drop", []) and not csc.get("capabilities", {}).get("add"),
+                  f"{where}: capabilities drop ALL")
+            check(eff.get("seccompProfile", {}).get("type") == "RuntimeDefault", f"{where}: seccomp RuntimeDefault")
+            check(not csc.get("privileged"), f"{where}: not privileged")
+            comp = meta.get("labels", {}).get("app.kubernetes.io/component")
+            vals_csc = {"gateway": g, "worker": w, "redis": r}.get(comp, values["tests"])["containerSecurityContext"]
+            check(csc.get("readOnlyRootFilesystem") is vals_csc.get("readOnlyRootFilesystem", False)
+                  and (comp != "worker" or csc.get("readOnlyRootFilesystem") == (name != "security-overrides")),
+                  f"{where}: readOnlyRootFilesystem follows values")
+            if csc.get("readOnlyRootFilesystem") and comp in ("gateway", "worker"):
+                check("/tmp" in {m["mountPath"] for m in c.get("volumeMounts", [])} or c["name"] == "tokenizer",
+                      f"{where}: /tmp is writable")
+        if "redis" in pname:
+            check(psc.get("runAsUser") == 999 and psc.get("runAsGroup") == 1000, f"{name}: Redis as redis:7.4-alpine's redis user")
+        elif "test-chat" not in pname:
+            check(psc.get("runAsUser") == 65532 and psc.get("fsGroup") == 65532, f"{name}: {pname} as the image's user 65532")
+    if name == "security-overrides":
+        check(gw["spec"]["securityContext"].get("fsGroupChangePolicy") == "OnRootMismatch"
+              and gw["spec"]["securityContext"].get("runAsUser") == 65532, f"{name}: securityContext overrides merge")
+    # NetworkPolicies.
+    npol = {d["metadata"]["name"]: d for d in find(docs, "NetworkPolicy")}
+    np_vals = values["networkPolicy"]
+    kv_workers = not ext["service"]
+    if not np_vals["enabled"]:
+        check(not npol, f"{name}: no NetworkPolicy when networkPolicy.enabled is false")
+    else:
+        want_np = {"kv-kvgate-gateway"} | ({"kv-kvgate-worker"} if kv_workers else set()) | ({"kv-kvgate-redis"} if internal else set())
+        check(set(npol) == want_np, f"{name}: NetworkPolicies {sorted(want_np)}, got {sorted(npol)}")
+        pods_by_comp = {meta.get("labels", {}).get("app.kubernetes.io/component"): meta["labels"] for _, meta, _ in pod_templates(docs)}
+        sel = lambda comp: {"podSelector": {"matchLabels": {"app.kubernetes.io/name": "kvgate",
+                                                           "app.kubernetes.io/instance": "kv",
+                                                           "app.kubernetes.io/component": comp}}}
+        for pol in npol.values():
+            spec = pol["spec"]
+            comp = pol["metadata"]["labels"]["app.kubernetes.io/component"]
+            check(selects(spec["podSelector"], pods_by_comp.get(comp, {})) and spec["podSelector"]["matchLabels"].get("app.kubernetes.io/component") == comp,
+                  f"{name}: NetworkPolicy {pol['metadata']['name']} selects the {comp} pods")
+            check(spec["policyTypes"] == ["Ingress"] and "egress" not in spec, f"{name}: {pol['metadata']['name']}: ingress only")
+        if internal:
+            rules = npol["kv-kvgate-redis"]["spec"]["ingress"]
+            check(rules == [{"ports": [{"port": 6379, "protocol": "TCP"}], "from": [sel("gateway")]}],
+                  f"{name}: Redis only from the gateways: {rules}")
+            check(selects(sel("gateway")["podSelector"], pods_by_comp["gateway"]), f"{name}: the gateway peer matches the gateway pods")
+        if kv_workers:
+            rules = npol["kv-kvgate-worker"]["spec"]["ingress"]
+            ports = [p["port"] for p in rules[0]["ports"]]
+            check(len(rules) == 1 and ports == [w["port"]] + np_vals["extraWorkerPorts"]
+                  and rules[0]["from"] == [sel("gateway"), sel("worker")] + np_vals["workerFrom"],
+                  f"{name}: worker ports only from gateways, peers and workerFrom: {rules}")
+            check(selects(sel("worker")["podSelector"], pods_by_comp["worker"]), f"{name}: the worker peer matches the worker pods")
+        rules = npol["kv-kvgate-gateway"]["spec"]["ingress"]
+        by_port = {r_["ports"][0]["port"]: r_ for r_ in rules}
+        check(set(by_port) == {g["service"]["port"], g["controlPort"]} and all(len(r_["ports"]) == 1 for r_ in rules),
+              f"{name}: gateway policy covers the public and control ports")
+        pub = by_port.get(g["service"]["port"], {})
+        if np_vals["publicFrom"]:
+            check(pub.get("from") == np_vals["publicFrom"] + [sel("test")], f"{name}: public port from publicFrom and the helm test")
+            test_pods = [meta for pn, meta, _ in pod_templates(docs) if "test-chat" in pn]
+            check(test_pods and selects(sel("test")["podSelector"], test_pods[0]["labels"]), f"{name}: the test peer matches the test pod")
+        else:
+            check("from" not in pub, f"{name}: public port open to anyone by default")
+        ctl = by_port.get(g["controlPort"], {})
+        check(ctl.get("from") == [sel("gateway")] + ([sel("worker")] if kv_workers else []) + np_vals["controlFrom"],
+              f"{name}: control port only from gateways, workers and controlFrom: {ctl}")
+    # The GitOps warning, and the Prometheus reminder.
+    notes = next(t for p_, t in chart.render(values, name="kv", namespace="serving", is_install=True).items() if p_.endswith("NOTES.txt"))
+    generated = [k for k in managed_keys if not given[k]]
+    check(("GitOps" in notes) == bool(generated), f"{name}: NOTES warns about generated secrets under GitOps")
+    check(f"get secret {refs['admin'][0]} -o jsonpath='{{.data.{refs['admin'][1]}}}'" in notes, f"{name}: NOTES: the admin token's Secret")
+    check(("controlFrom" in notes) == (np_vals["enabled"] and values["serviceMonitor"]["enabled"] and not np_vals["controlFrom"]),
+          f"{name}: NOTES reminds that Prometheus needs controlFrom")
     print(f"ok: {name} ({len(docs)} manifests)")
+
+
+
+def checksums(values: dict) -> dict:
+    return {pn: meta.get("annotations", {}).get("checksum/secret") for pn, meta, _ in pod_templates(render("rotation", values))}
+
+
+base = deep_merge(defaults, VALUE_SETS["given-secrets"])
+before = checksums(deep_merge(base, {"secrets": {"redisPassword": "one"}}))
+after_report = checksums(deep_merge(base, {"secrets": {"reportSecret": "other", "redisPassword": "one"}}))
+after_admin = checksums(deep_merge(base, {"secrets": {"adminToken": "other", "redisPassword": "one"}}))
+after_redis = checksums(deep_merge(base, {"secrets": {"redisPassword": "two"}}))
+check(before == checksums(deep_merge(base, {"secrets": {"redisPassword": "one"}})), "rotation: given secrets render the same checksums")
+check(all(before[k] != after_report[k] for k in ("kv-kvgate-gateway", "kv-kvgate-worker")) and
+      before["kv-kvgate-redis"] == after_report["kv-kvgate-redis"], "rotation: the report secret rolls gateways and workers")
+check(before["kv-kvgate-gateway"] != after_admin["kv-kvgate-gateway"] and
+      before["kv-kvgate-worker"] == after_admin["kv-kvgate-worker"], "rotation: the admin token rolls only the gateways")
+check(all(before[k] != after_redis[k] for k in ("kv-kvgate-gateway", "kv-kvgate-redis")) and
+      before["kv-kvgate-worker"] == after_redis["kv-kvgate-worker"], "rotation: the Redis password rolls gateways and Redis")
+print("ok: secret rotation rolls the pods that read the secret")
 
 for name, (extra, word) in BAD_VALUES.items():
     try:

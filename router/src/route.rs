@@ -40,8 +40,10 @@ pub struct Candidate {
     pub wref: WorkerRef,
     pub id: String,
     pub url: String,
-    /// A kvgate worker (it has reported): it understands the prompt handoff.
+    /// A kvgate worker (it has reported): it understands the gateway's assertion and token.
     pub reports: bool,
+    /// Its latest report's scheme fingerprint is the gateway's for the model: it may be handed token ids.
+    pub fingerprint_ok: bool,
 }
 
 /// A routing decision.
@@ -135,6 +137,7 @@ fn decide(
                 id: w.id.clone(),
                 url: w.url.clone(),
                 reports: w.report.is_some(),
+                fingerprint_ok: w.report.is_some() && w.fingerprint_ok == Some(true),
             })
         })
         .collect();

@@ -14,7 +14,8 @@
 //!
 //! The fingerprint ([`HashScheme::fingerprint`]) covers the block size, the hash version and a digest of the
 //! tokenizer and chat template, so two deployments that would tokenize differently never share a hash. Extra keys
-//! (tenant `cache_salt`, LoRA adapter, ...) are tagged and length-prefixed: a salt `"x"` and an adapter `"x"` give
+//! (a client's `cache_salt`, a tenant scope and a key-forced tenant salt, LoRA adapter, ...) are tagged and
+//! length-prefixed: a salt `"x"` and an adapter `"x"` give
 //! different roots, and no concatenation of two keys can equal another key.
 //!
 //! # Collisions
@@ -90,6 +91,12 @@ pub enum ExtraKey {
     LoraAdapter(String),
     /// Anything else that changes the KV (e.g. a multimodal input digest): a name and opaque bytes.
     Other { name: String, value: Vec<u8> },
+    /// The tenant a salted request belongs to (`handoff::scope_id` of its name): a keyed caller's salt never
+    /// reaches another tenant's blocks, nor an anonymous caller's.
+    Tenant(String),
+    /// A salt the tenant's API key forces: tagged apart from [`ExtraKey::CacheSalt`], so no salt a client sends
+    /// (body or header) can key the same blocks.
+    TenantSalt(String),
 }
 
 impl ExtraKey {
@@ -98,6 +105,8 @@ impl ExtraKey {
             ExtraKey::CacheSalt(_) => 1,
             ExtraKey::LoraAdapter(_) => 2,
             ExtraKey::Other { .. } => 3,
+            ExtraKey::Tenant(_) => 4,
+            ExtraKey::TenantSalt(_) => 5,
         }
     }
 
@@ -108,7 +117,10 @@ impl ExtraKey {
         }
         buf.push(self.tag());
         match self {
-            ExtraKey::CacheSalt(s) | ExtraKey::LoraAdapter(s) => field(buf, s.as_bytes()),
+            ExtraKey::CacheSalt(s)
+            | ExtraKey::LoraAdapter(s)
+            | ExtraKey::Tenant(s)
+            | ExtraKey::TenantSalt(s) => field(buf, s.as_bytes()),
             ExtraKey::Other { name, value } => {
                 // Both parts length-prefixed inside the outer length, so name/value boundaries cannot shift.
                 let mut inner = Vec::with_capacity(8 + name.len() + value.len());

@@ -67,6 +67,31 @@ fn salt_and_adapter_with_same_text_differ() {
 }
 
 #[test]
+fn tenant_keys_are_encoded_as_written_and_apart_from_client_salts() {
+    // The root input written out by hand: domain, fingerprint, then (tag, u32 length, bytes) in canonical order
+    // (CacheSalt 1 < Tenant 4 < TenantSalt 5).
+    let fp = scheme().fingerprint();
+    let by_hand = |keys: &[(u8, &str)]| {
+        let mut b = b"kvgate/block-hash/v1".to_vec();
+        b.extend_from_slice(&fp.to_le_bytes());
+        for (tag, v) in keys {
+            b.push(*tag);
+            b.extend_from_slice(&(v.len() as u32).to_le_bytes());
+            b.extend_from_slice(v.as_bytes());
+        }
+        BlockHash(xxh3_64(&b))
+    };
+    let forced = ExtraKeys::none().with(ExtraKey::TenantSalt("s".into())).with(ExtraKey::Tenant("t".into()));
+    assert_eq!(root_hash(fp, &forced), by_hand(&[(4, "t"), (5, "s")]));
+    let scoped = ExtraKeys::none().with(ExtraKey::Tenant("t".into())).with(ExtraKey::CacheSalt("s".into()));
+    assert_eq!(root_hash(fp, &scoped), by_hand(&[(1, "s"), (4, "t")]));
+    let plain = ExtraKeys::from_salt(Some("s"));
+    assert_eq!(root_hash(fp, &plain), by_hand(&[(1, "s")]));
+    assert_ne!(root_hash(fp, &forced), root_hash(fp, &scoped));
+    assert_ne!(root_hash(fp, &ExtraKeys::none().with(ExtraKey::TenantSalt("s".into()))), root_hash(fp, &plain));
+}
+
+#[test]
 fn extra_key_order_does_not_matter() {
     let fp = scheme().fingerprint();
     let ab = ExtraKeys::none().with(ExtraKey::CacheSalt("t".into())).with(ExtraKey::LoraAdapter("l".into()));

@@ -21,6 +21,7 @@ fn chat_fields_and_options() {
             model: "m".into(),
             max_tokens: Some(7),
             stream: true,
+            include_usage: false,
             user: Some("u1".into()),
             cache_salt: Some("s".into()),
             reasoning: true,
@@ -90,18 +91,45 @@ fn chat_json_values_are_bounded() {
     assert!(parse(true, ok.to_string().as_bytes(), 9).is_err());
 }
 
+fn salt(s: &str) -> (&'static str, String) {
+    ("cache_salt", serde_json::to_string(s).expect("json"))
+}
+
 #[test]
 fn a_forced_salt_replaces_the_callers_and_keeps_everything_else() {
     let body = br#"{"model":"m","cache_salt":"mine","prompt":[1,2],"x":{"cache_salt":"nested"},"q\"k":1}"#;
-    let out = with_cache_salt(body, "tenant-a").expect("rewritten");
+    let out = with_members(body, &[salt("tenant-a")]).expect("rewritten");
     let v: Value = serde_json::from_slice(&out).expect("json");
     assert_eq!(v["cache_salt"], "tenant-a");
     assert_eq!(v["prompt"], json!([1, 2]));
     assert_eq!(v["x"]["cache_salt"], "nested", "only the top level");
     assert_eq!(v["q\"k"], 1);
-    let out = with_cache_salt(br#"{"model":"m"}"#, "t").expect("added");
+    let out = with_members(br#"{"model":"m"}"#, &[salt("t")]).expect("added");
     assert_eq!(serde_json::from_slice::<Value>(&out).expect("json")["cache_salt"], "t");
-    assert!(with_cache_salt(b"[1]", "t").is_err());
+    assert!(with_members(b"[1]", &[salt("t")]).is_err());
+    let out = with_members(br#"{}"#, &[salt("t"), ("stream", "true".into())]).expect("added to an empty object");
+    assert_eq!(serde_json::from_slice::<Value>(&out).expect("json"), json!({"cache_salt": "t", "stream": true}));
+}
+
+#[test]
+fn a_stream_is_asked_for_usage_keeping_its_other_options() {
+    let body = br#"{"model":"m","stream":true,"stream_options":{"continuous_usage_stats":true}}"#;
+    let (f, _) = parse(false, br#"{"model":"m","prompt":"x","stream":true}"#, 10).expect("parses");
+    assert!(f.stream && !f.include_usage);
+    let (f, _) =
+        parse(false, br#"{"model":"m","prompt":"x","stream":true,"stream_options":{"include_usage":true}}"#, 10)
+            .expect("parses");
+    assert!(f.include_usage);
+    let opts = stream_options_with_usage(body).expect("object");
+    assert_eq!(
+        serde_json::from_str::<Value>(&opts).expect("json"),
+        json!({"continuous_usage_stats": true, "include_usage": true})
+    );
+    assert_eq!(stream_options_with_usage(br#"{"model":"m"}"#).expect("none"), r#"{"include_usage":true}"#);
+    assert_eq!(stream_options_with_usage(br#"{"stream_options":null}"#).expect("null"), r#"{"include_usage":true}"#);
+    assert_eq!(stream_options_with_usage(br#"{"stream_options":[1]}"#).expect_err("array").status, 400);
+    let huge = format!(r#"{{"stream_options":{{"a":[{}]}}}}"#, vec!["1"; 1000].join(","));
+    assert_eq!(stream_options_with_usage(huge.as_bytes()).expect_err("bounded").status, 400);
 }
 
 fn arb_json() -> impl Strategy<Value = Value> {
@@ -116,7 +144,8 @@ proptest! {
         if let Err(e) = parse(chat, &bytes, 100) {
             prop_assert!((400..500).contains(&e.status), "{e:?}");
         }
-        let _ = with_cache_salt(&bytes, "s");
+        let _ = with_members(&bytes, &[salt("s")]);
+        let _ = stream_options_with_usage(&bytes);
     }
 
     #[test]

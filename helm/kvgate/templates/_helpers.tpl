@@ -34,8 +34,115 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{ .Values.image.repository }}:{{ default .Chart.AppVersion .Values.image.tag }}
 {{- end -}}
 
-{{- define "kvgate.secretName" -}}
-{{- default (printf "%s-secrets" (include "kvgate.fullname" .)) .Values.secrets.existingSecret -}}
+{{/* The chart's own Secret (the secrets it generates or is given as values). */}}
+{{- define "kvgate.secretName" -}}{{ include "kvgate.fullname" . }}-secrets{{- end -}}
+
+{{/* Does the gateway log in to Redis with a password from a Secret? "internal" (the in-chart Redis with its ACL
+user), "external" (redis.auth.existingSecret of an external Redis) or "". */}}
+{{- define "kvgate.redisAuth" -}}
+{{- $r := .Values.redis -}}
+{{- if $r.enabled -}}
+{{- if and (eq $r.mode "internal") $r.auth.enabled -}}internal
+{{- else if and (eq $r.mode "external") $r.auth.existingSecret -}}external
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The Redis ACL user the gateway logs in as ("": none). */}}
+{{- define "kvgate.redisUsername" -}}
+{{- $auth := include "kvgate.redisAuth" . -}}
+{{- if eq $auth "internal" -}}{{ .Values.redis.auth.username | default "kvgate" }}
+{{- else if eq $auth "external" -}}{{ .Values.redis.auth.username }}
+{{- end -}}
+{{- end -}}
+
+{{/* Where each secret the pods read comes from, as JSON: {use: {name, key, managed}} for the uses `report`,
+`admin`, `redis` (the Redis password, when there is one) and `redisUrl` (an external Redis's urlSecret).
+`managed`: a key of the chart's own Secret. */}}
+{{- define "kvgate.secretRefs" -}}
+{{- $s := .Values.secrets -}}
+{{- $chart := include "kvgate.secretName" . -}}
+{{- $refs := dict -}}
+{{- if $s.reportSecretFrom.existingSecret -}}
+{{- $_ := set $refs "report" (dict "name" $s.reportSecretFrom.existingSecret "key" $s.reportSecretFrom.existingSecretKey "managed" false) -}}
+{{- else if $s.existingSecret -}}
+{{- $_ := set $refs "report" (dict "name" $s.existingSecret "key" "report-secret" "managed" false) -}}
+{{- else -}}
+{{- $_ := set $refs "report" (dict "name" $chart "key" "report-secret" "managed" true) -}}
+{{- end -}}
+{{- if $s.adminTokenFrom.existingSecret -}}
+{{- $_ := set $refs "admin" (dict "name" $s.adminTokenFrom.existingSecret "key" $s.adminTokenFrom.existingSecretKey "managed" false) -}}
+{{- else if $s.existingSecret -}}
+{{- $_ := set $refs "admin" (dict "name" $s.existingSecret "key" "admin-token" "managed" false) -}}
+{{- else -}}
+{{- $_ := set $refs "admin" (dict "name" $chart "key" "admin-token" "managed" true) -}}
+{{- end -}}
+{{- $auth := include "kvgate.redisAuth" . -}}
+{{- $ra := .Values.redis.auth -}}
+{{- if $ra.existingSecret -}}
+{{- if $auth -}}
+{{- $_ := set $refs "redis" (dict "name" $ra.existingSecret "key" $ra.existingSecretKey "managed" false) -}}
+{{- end -}}
+{{- else if eq $auth "internal" -}}
+{{- $_ := set $refs "redis" (dict "name" $chart "key" "redis-password" "managed" true) -}}
+{{- end -}}
+{{- if and .Values.redis.enabled (eq .Values.redis.mode "external") .Values.redis.urlSecret -}}
+{{- $_ := set $refs "redisUrl" (dict "name" .Values.redis.urlSecret "key" "redis-url" "managed" false) -}}
+{{- end -}}
+{{- toJson $refs -}}
+{{- end -}}
+
+{{/* Computes, once per render, the chart's Secret data and the values behind every secret reference (kept in
+.Values._kvgateSecrets: templates share .Values, so the Secret and the pods' checksums see the same generated
+values). Generated values: the given one, else the installed Secret's (lookup; nothing under `helm template`), else
+40 random characters. A Secret the user manages contributes what lookup finds in it ("" when nothing). */}}
+{{- define "kvgate.initSecrets" -}}
+{{- if not (hasKey .Values "_kvgateSecrets") -}}
+{{- $refs := include "kvgate.secretRefs" . | fromJson -}}
+{{- $installed := lookup "v1" "Secret" .Release.Namespace (include "kvgate.secretName" .) -}}
+{{- $old := dict -}}
+{{- if $installed }}{{ $old = default dict $installed.data }}{{ end -}}
+{{- $given := dict "report-secret" .Values.secrets.reportSecret "admin-token" .Values.secrets.adminToken "redis-password" .Values.secrets.redisPassword -}}
+{{- $data := dict -}}
+{{- $values := dict -}}
+{{- range $use, $ref := $refs -}}
+{{- $v := "" -}}
+{{- if $ref.managed -}}
+{{- $g := get $given $ref.key -}}
+{{- if $g -}}{{ $v = $g | b64enc }}{{- else -}}{{ $v = get $old $ref.key | default (randAlphaNum 40 | b64enc) }}{{- end -}}
+{{- $_ := set $data $ref.key $v -}}
+{{- else -}}
+{{- $user := lookup "v1" "Secret" $.Release.Namespace $ref.name -}}
+{{- if $user }}{{ $v = get (default dict $user.data) $ref.key | default "" }}{{ end -}}
+{{- end -}}
+{{- $_ := set $values (printf "%s/%s" $ref.name $ref.key) $v -}}
+{{- end -}}
+{{- $_ := set .Values "_kvgateSecrets" (dict "data" $data "values" $values "refs" $refs) -}}
+{{- end -}}
+{{- end -}}
+
+{{/* checksum/secret of a pod: sha256 of the JSON {"<secret>/<key>": base64 value} of the secrets it reads.
+Call with (dict "root" $ "uses" (list "report" ...)). */}}
+{{- define "kvgate.secretChecksum" -}}
+{{- include "kvgate.initSecrets" .root -}}
+{{- $st := .root.Values._kvgateSecrets -}}
+{{- $in := dict -}}
+{{- range $use := .uses -}}
+{{- with get $st.refs $use -}}
+{{- $k := printf "%s/%s" .name .key -}}
+{{- $_ := set $in $k (get $st.values $k) -}}
+{{- end -}}
+{{- end -}}
+{{- toJson $in | sha256sum -}}
+{{- end -}}
+
+{{/* An env entry reading one secret reference. Call with (dict "env" NAME "ref" REF). */}}
+{{- define "kvgate.secretEnv" -}}
+- name: {{ .env }}
+  valueFrom:
+    secretKeyRef:
+      name: {{ .ref.name }}
+      key: {{ .ref.key }}
 {{- end -}}
 
 {{- define "kvgate.gatewayName" -}}{{ include "kvgate.fullname" . }}-gateway{{- end -}}

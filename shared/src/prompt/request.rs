@@ -6,7 +6,8 @@
 use serde_json::{Map, Value as Json};
 
 use super::{ChatOptions, PromptError, PromptInput, Prompter};
-use crate::hashing::ExtraKeys;
+use crate::handoff::TenantScope;
+use crate::hashing::{ExtraKey, ExtraKeys};
 
 /// Header that can carry the tenant's cache salt instead of the body's `cache_salt`.
 pub const CACHE_SALT_HEADER: &str = "x-kvgate-cache-salt";
@@ -33,6 +34,9 @@ pub struct RequestPrompt<'a> {
     pub body_salt: Option<&'a str>,
     /// The `x-kvgate-cache-salt` header.
     pub header_salt: Option<&'a str>,
+    /// The tenant the salt is scoped to (the gateway: from the caller's key; a worker: only from a verified
+    /// gateway assertion, `handoff`).
+    pub scope: Option<&'a TenantScope>,
 }
 
 impl RequestPrompt<'_> {
@@ -42,9 +46,18 @@ impl RequestPrompt<'_> {
         self.body_salt.filter(|s| !s.is_empty()).or(self.header_salt.filter(|s| !s.is_empty()))
     }
 
-    /// The extra hash keys of the salt.
+    /// The extra hash keys of the salt: a plain client salt; a keyed tenant's client salt with its tenant; a salt
+    /// the tenant's key forced, tagged as such, with its tenant. A scope without a salt keys nothing (unsalted
+    /// requests share blocks across tenants, like a shared system prompt).
     pub fn extra_keys(&self) -> ExtraKeys {
-        ExtraKeys::from_salt(self.salt())
+        match (self.scope, self.salt()) {
+            (_, None) => ExtraKeys::none(),
+            (None, Some(s)) => ExtraKeys::from_salt(Some(s)),
+            (Some(t), Some(s)) => {
+                let salt = if t.forced { ExtraKey::TenantSalt(s.into()) } else { ExtraKey::CacheSalt(s.into()) };
+                ExtraKeys::none().with(ExtraKey::Tenant(t.id.clone())).with(salt)
+            }
+        }
     }
 
     /// The prompt's token ids: `handed` (ids the gateway computed and authenticated) when given, else rendered and
@@ -71,7 +84,7 @@ mod tests {
     use super::*;
 
     fn req<'a>(body: Option<&'a str>, header: Option<&'a str>) -> RequestPrompt<'a> {
-        RequestPrompt { input: PromptInput::Text("x"), body_salt: body, header_salt: header }
+        RequestPrompt { input: PromptInput::Text("x"), body_salt: body, header_salt: header, scope: None }
     }
 
     #[test]
@@ -82,6 +95,22 @@ mod tests {
         assert_eq!(req(Some(""), Some("")).salt(), None);
         assert_eq!(req(None, None).extra_keys(), ExtraKeys::none());
         assert_ne!(req(Some("a"), None).extra_keys(), ExtraKeys::none());
+    }
+
+    #[test]
+    fn scoped_and_forced_salts_are_separate_namespaces() {
+        let forced = TenantScope::new("team-a", true);
+        let client = TenantScope::new("team-a", false);
+        let other = TenantScope::new("team-b", false);
+        let keys = |scope| RequestPrompt { scope, ..req(Some("team-a"), None) }.extra_keys();
+        let all = [keys(None), keys(Some(&forced)), keys(Some(&client)), keys(Some(&other))];
+        for (i, a) in all.iter().enumerate() {
+            for b in &all[i + 1..] {
+                assert_ne!(a, b);
+            }
+        }
+        let unsalted = RequestPrompt { scope: Some(&client), ..req(None, None) };
+        assert_eq!(unsalted.extra_keys(), ExtraKeys::none());
     }
 
     #[test]

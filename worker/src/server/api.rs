@@ -10,7 +10,7 @@ use axum::extract::State;
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use futures_util::stream;
-use kvgate_shared::handoff;
+use kvgate_shared::handoff::{self, TenantScope};
 use kvgate_shared::hashing::ExtraKeys;
 use kvgate_shared::openai::{
     sse_data, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
@@ -152,13 +152,15 @@ pub async fn completions(State(state): State<Arc<AppState>>, headers: HeaderMap,
             SinglePrompt::Text(t) => PromptInput::Text(t),
             SinglePrompt::TokenIds(ids) => PromptInput::TokenIds(ids),
         };
-        let prompt = RequestPrompt {
+        let mut prompt = RequestPrompt {
             input,
             body_salt: req.sampling.cache_salt.as_deref(),
             header_salt: header_salt(&headers)?,
+            scope: None,
         };
-        let handed = handed_off_ids(&state, &headers, req.kvgate_prompt_ids.as_deref());
-        let ids = prompt.token_ids(&l.prompter, handed).map_err(|e| prompt_error(e, prompt.param()))?;
+        let v = vouched(&state, &l, &headers, &req.model, prompt.salt(), req.kvgate_prompt_ids.as_deref())?;
+        prompt.scope = v.scope.as_ref();
+        let ids = prompt.token_ids(&l.prompter, v.ids).map_err(|e| prompt_error(e, prompt.param()))?;
         let extra = prompt.extra_keys();
         let params = sampling(&req.sampling, 16)?;
         Ok((l, ids, params, extra, req.sampling))
@@ -187,13 +189,15 @@ pub async fn chat_completions(
         }
         let options =
             chat_options(req.add_generation_prompt, req.tools.clone(), req.chat_template_kwargs.clone());
-        let prompt = RequestPrompt {
+        let mut prompt = RequestPrompt {
             input: PromptInput::Chat { messages: &req.messages, options: &options },
             body_salt: req.sampling.cache_salt.as_deref(),
             header_salt: header_salt(&headers)?,
+            scope: None,
         };
-        let handed = handed_off_ids(&state, &headers, req.kvgate_prompt_ids.as_deref());
-        let ids = prompt.token_ids(&l.prompter, handed).map_err(|e| prompt_error(e, prompt.param()))?;
+        let v = vouched(&state, &l, &headers, &req.model, prompt.salt(), req.kvgate_prompt_ids.as_deref())?;
+        prompt.scope = v.scope.as_ref();
+        let ids = prompt.token_ids(&l.prompter, v.ids).map_err(|e| prompt_error(e, prompt.param()))?;
         let extra = prompt.extra_keys();
         // Without max_tokens a chat may use the rest of the context, up to --default-max-tokens.
         let room = l.max_model_len.saturating_sub(ids.len()).max(1) as u32;
@@ -209,24 +213,67 @@ pub async fn chat_completions(
     }
 }
 
-/// The prompt's token ids as the gateway handed them over (`kvgate_shared::handoff`): `Some` only when the field is
-/// present, authenticated under this worker's `--report-secret` and well formed; otherwise the worker tokenizes
-/// the prompt itself.
-fn handed_off_ids(state: &AppState, headers: &HeaderMap, field: Option<&str>) -> Option<Vec<u32>> {
-    let encoded = field?;
-    let auth = headers.get(handoff::PROMPT_AUTH_HEADER).and_then(|v| v.to_str().ok());
-    let verified = match (&state.cfg.report_secret, auth) {
-        (Some(secret), Some(auth)) => handoff::verify(secret, encoded, auth),
-        _ => false,
+/// What the gateway vouched for in its assertion (`kvgate_shared::handoff`).
+struct Vouched {
+    /// The tenant scope of the request's salt.
+    scope: Option<TenantScope>,
+    /// The token ids handed over, when they were and the gateway's fingerprint is this worker's.
+    ids: Option<Vec<u32>>,
+}
+
+/// Checks the gateway's assertion, if the request carries one, against the request as read here (`model`, `salt`,
+/// the ids `field`): a verified one gives the tenant scope and the ids (only for this worker's own fingerprint);
+/// one that does not verify is refused (401 `invalid_gateway_assertion`), never served in another namespace.
+/// Without one (or on a worker without `--report-secret`, which cannot check it and never scopes), the request is
+/// a plain client's and handed-off ids are ignored.
+fn vouched(
+    state: &AppState,
+    l: &ServingModel,
+    headers: &HeaderMap,
+    model: &str,
+    salt: Option<&str>,
+    field: Option<&str>,
+) -> Result<Vouched, ApiError> {
+    let count = |result: &'static str| {
+        metrics::counter!("kvgate_worker_prompt_handoff_total", "result" => result).increment(1);
     };
-    let ids = if verified { handoff::decode_ids(encoded).filter(|ids| !ids.is_empty()) } else { None };
-    let result = match (verified, &ids) {
-        (false, _) => "unverified",
-        (true, None) => "invalid",
-        (true, Some(_)) => "used",
+    let none = Vouched { scope: None, ids: None };
+    let Some(header) = headers.get(handoff::ASSERTION_HEADER) else {
+        if field.is_some() {
+            count("unverified");
+        }
+        return Ok(none);
     };
-    metrics::counter!("kvgate_worker_prompt_handoff_total", "result" => result).increment(1);
-    ids
+    let now_ms = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64);
+    let header = header.to_str().map_err(|_| {
+        ApiError::unauthorized("invalid_gateway_assertion", format!("{} is not text", handoff::ASSERTION_HEADER))
+    })?;
+    let v = match handoff::verify(state.cfg.report_secret.as_deref(), header, model, salt, field, now_ms) {
+        Ok(v) => v,
+        Err(handoff::AssertionError::NoSecret) => {
+            if field.is_some() {
+                count("unverified");
+            }
+            return Ok(none);
+        }
+        Err(e) => {
+            metrics::counter!("kvgate_worker_unauthorized_requests_total").increment(1);
+            return Err(ApiError::unauthorized("invalid_gateway_assertion", e.to_string()));
+        }
+    };
+    let ids = match field {
+        None => None,
+        Some(_) if v.fingerprint != l.scheme.fingerprint() => {
+            count("other_fingerprint");
+            None
+        }
+        Some(enc) => {
+            let ids = handoff::decode_ids(enc).filter(|ids| !ids.is_empty());
+            count(if ids.is_some() { "used" } else { "invalid" });
+            ids
+        }
+    };
+    Ok(Vouched { scope: v.scope, ids })
 }
 
 fn refusal(r: Refusal) -> ApiError {

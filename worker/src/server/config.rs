@@ -84,6 +84,11 @@ pub struct ServeArgs {
     /// Shared secret sent as `Authorization: Bearer` with reports. Default none (gateways may refuse).
     #[arg(long, env = "KVGATE_REPORT_SECRET", hide_env_values = true)]
     pub report_secret: Option<String>,
+    /// Answer the OpenAI API (`/v1/*`) and the tokenizer endpoint only to gateways: callers must present
+    /// `Authorization: Bearer <the gateway token>`, derived from `--report-secret` (which it then needs); others get
+    /// 401. `/health`, `/ready` and `/metrics` stay open. Default false.
+    #[arg(long, env = "KVGATE_WORKER_REQUIRE_GATEWAY_TOKEN", num_args = 0..=1, default_missing_value = "true")]
+    pub require_gateway_token: Option<bool>,
     /// Summarise every k-th cached block in reports (size / k, matched length rounded down to k blocks). Default 4.
     #[arg(long, env = "KVGATE_WORKER_SUMMARY_GRANULARITY")]
     pub summary_granularity: Option<u32>,
@@ -156,6 +161,7 @@ pub struct ServeConfig {
     pub report_interval: Duration,
     pub report_timeout: Duration,
     pub report_secret: Option<String>,
+    pub require_gateway_token: bool,
     pub summary_granularity: u32,
     pub bloom_fp_rate: f64,
     /// `None`: the device's default (65536 on the CPU, sized from memory on CUDA).
@@ -261,6 +267,7 @@ impl ServeArgs {
             report_interval: dur(pick!(report_interval), "1s", "report-interval")?,
             report_timeout: dur(pick!(report_timeout), "500ms", "report-timeout")?,
             report_secret: pick!(report_secret).filter(|s| !s.is_empty()),
+            require_gateway_token: pick!(require_gateway_token).unwrap_or(false),
             summary_granularity: pick!(summary_granularity).unwrap_or(4),
             bloom_fp_rate: pick!(bloom_fp_rate).unwrap_or(0.01),
             kv_cache_tokens: pick!(kv_cache_tokens),
@@ -299,6 +306,9 @@ impl ServeConfig {
         let mut problems = Vec::new();
         if self.block_size == 0 || self.block_size > kvgate_shared::hashing::MAX_BLOCK_SIZE {
             problems.push(format!("block-size {} is not in 1..=4096", self.block_size));
+        }
+        if self.require_gateway_token && self.report_secret.is_none() {
+            problems.push("require-gateway-token needs report-secret (the gateway token is derived from it)".into());
         }
         if self.disk_kv_bytes > 0 && self.disk_kv_path.is_none() {
             problems.push("disk-kv-bytes needs disk-kv-path (the directory of the SSD tier)".into());

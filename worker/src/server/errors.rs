@@ -68,6 +68,10 @@ impl ApiError {
         e.retry_after_s = Some(1);
         e
     }
+    /// 401: the caller is not a gateway (`--require-gateway-token`) or its assertion does not verify.
+    pub fn unauthorized(code: &'static str, message: impl Into<String>) -> Self {
+        Self::new(StatusCode::UNAUTHORIZED, "authentication_error", code, message)
+    }
     pub fn internal(message: impl Into<String>) -> Self {
         Self::new(StatusCode::INTERNAL_SERVER_ERROR, "server_error", "internal_error", message)
     }

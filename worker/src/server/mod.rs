@@ -222,14 +222,18 @@ fn load(cfg: &ServeConfig, worker_id: &str) -> Result<ServingModel, String> {
 /// The HTTP routes over `state`.
 pub fn router(state: Arc<AppState>) -> Router {
     let worker = HeaderValue::from_str(&state.worker_id).unwrap_or(HeaderValue::from_static("worker"));
-    Router::new()
+    // The API and the tokenizer: only to gateways when --require-gateway-token (probes and metrics stay open).
+    let gated = Router::new()
         .route("/v1/completions", post(api::completions))
         .route("/v1/chat/completions", post(api::chat_completions))
         .route("/v1/models", get(models))
+        .route("/kvgate/v1/tokenizer", get(tokenizer))
+        .route_layer(axum::middleware::from_fn_with_state(state.clone(), gateway_only));
+    Router::new()
+        .merge(gated)
         .route("/health", get(health))
         .route("/ready", get(ready))
         .route("/metrics", get(metrics_text))
-        .route("/kvgate/v1/tokenizer", get(tokenizer))
         .fallback(|| async {
             let mut e = ApiError::invalid("path", "no such route");
             e.status = StatusCode::NOT_FOUND;
@@ -245,6 +249,27 @@ pub fn router(state: Arc<AppState>) -> Router {
             }
         }))
         .with_state(state)
+}
+
+/// With `--require-gateway-token`, refuses (401 `gateway_token_required`) a request without the gateway token
+/// (`kvgate_shared::handoff::gateway_token` of the report secret).
+async fn gateway_only(
+    State(state): State<Arc<AppState>>,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    if let (true, Some(secret)) = (state.cfg.require_gateway_token, state.cfg.report_secret.as_deref()) {
+        let auth = req.headers().get(axum::http::header::AUTHORIZATION).and_then(|v| v.to_str().ok());
+        if !kvgate_shared::handoff::check_gateway_token(secret, auth) {
+            metrics::counter!("kvgate_worker_unauthorized_requests_total").increment(1);
+            return ApiError::unauthorized(
+                "gateway_token_required",
+                "this worker answers only kvgate gateways (--require-gateway-token): send requests through a gateway",
+            )
+            .into_response();
+        }
+    }
+    next.run(req).await
 }
 
 async fn models(State(state): State<Arc<AppState>>) -> Response {
