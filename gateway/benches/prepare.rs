@@ -51,7 +51,14 @@ fn bench(c: &mut Criterion) {
     });
     c.bench_function("hash_blocks", |b| b.iter(|| hasher.hash_blocks(black_box(&ids))));
     fn assertion(enc: &str) -> handoff::Assertion<'_> {
-        handoff::Assertion { issued_ms: 1, fingerprint: 7, scope: None, model: "kvgate-small", salt: None, ids: Some(enc) }
+        handoff::Assertion {
+            issued_ms: 1,
+            fingerprint: 7,
+            scope: None,
+            model: "kvgate-small",
+            salt: None,
+            ids: Some(enc),
+        }
     }
     c.bench_function("handoff_encode_and_sign", |b| {
         b.iter(|| {
@@ -64,7 +71,8 @@ fn bench(c: &mut Criterion) {
     let auth = handoff::sign("secret", &assertion(&enc));
     c.bench_function("handoff_verify_and_decode", |b| {
         b.iter(|| {
-            assert!(handoff::verify(Some("secret"), &auth, "kvgate-small", None, Some(black_box(&enc)), 1).is_ok());
+            assert!(handoff::verify(Some("secret"), &auth, "kvgate-small", None, Some(black_box(&enc)), 1)
+                .is_ok());
             handoff::decode_ids(&enc).expect("decodes").len()
         })
     });

@@ -129,7 +129,7 @@ async fn commit_shared(
         "value": serde_json::from_str::<serde_json::Value>(&value).unwrap_or_default(),
     })
     .to_string();
-    match store.commit(r, expected, &value, &audit).await {
+    match store.commit(r, expected, state.resource_json(r).0, &value, &audit).await {
         Ok(Commit::Done(v)) => Ok(v),
         Ok(Commit::Stale(current)) => Err(mismatch(etag(current))),
         Err(e) => {
@@ -273,14 +273,16 @@ async fn drain(state: Arc<GatewayState>, headers: HeaderMap, id: String, drainin
             let audit = serde_json::json!({"replica": state.shared.replica_id(), "resource": "drains",
                 "worker": id, "draining": draining})
             .to_string();
-            match store.commit(Resource::Drains, Some(version), &value, &audit).await {
+            match store.commit(Resource::Drains, Some(version), version, &value, &audit).await {
                 Ok(Commit::Done(v)) => {
                     state.set_drains(ids, v);
                     break;
                 }
                 Ok(Commit::Stale(_)) if attempt < 5 => {
                     attempt += 1;
-                    if let Ok(Some((v, value))) = store.get(Resource::Drains).await {
+                    if let Ok(crate::shared_state::redis_store::Stored::Valid(v, value)) =
+                        store.get(Resource::Drains).await
+                    {
                         crate::shared_state::sync::apply_remote(&state, Resource::Drains, v, &value);
                     }
                 }
@@ -326,9 +328,7 @@ async fn explain(State(state): State<Arc<GatewayState>>, headers: HeaderMap, bod
         Err(e) => return api_error(e),
     };
     let prep = PrepHeaders { session: header(SESSION_HEADER), cache_salt: header(CACHE_SALT_HEADER) };
-    let p = match crate::proxy::prepare_on_pool(&state, chat, body, prep, caller.clone(), false)
-        .await
-    {
+    let p = match crate::proxy::prepare_on_pool(&state, chat, body, prep, caller.clone(), false).await {
         Ok(p) => p,
         Err(e) => return api_error(e),
     };

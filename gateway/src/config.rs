@@ -188,6 +188,13 @@ pub struct GatewayArgs {
     /// state is kept and announced there (see shared_state/). Default none: one replica, state in the state file.
     #[arg(long, env = "KVGATE_GATEWAY_REDIS_URL", hide_env_values = true)]
     pub redis_url: Option<String>,
+    /// User name for Redis (an ACL user, e.g. the chart's `kvgate`), instead of one in `--redis-url`. Default none.
+    #[arg(long, env = "KVGATE_GATEWAY_REDIS_USERNAME")]
+    pub redis_username: Option<String>,
+    /// Password for Redis, instead of one in `--redis-url` (keeps it out of the URL; the chart passes it from a
+    /// Secret). When both are given this one wins. Default none.
+    #[arg(long, env = "KVGATE_GATEWAY_REDIS_PASSWORD", hide_env_values = true)]
+    pub redis_password: Option<String>,
     /// Prefix of every Redis key and channel (gateways of different fleets can share one Redis). Default `kvgate`.
     #[arg(long, env = "KVGATE_GATEWAY_REDIS_PREFIX")]
     pub redis_prefix: Option<String>,
@@ -362,6 +369,8 @@ pub struct GatewayConfig {
     pub admin_token: Option<String>,
     pub state_file: Option<PathBuf>,
     pub redis_url: Option<String>,
+    pub redis_username: Option<String>,
+    pub redis_password: Option<String>,
     pub redis_prefix: String,
     pub replica_id: String,
     pub share_sends: bool,
@@ -482,6 +491,8 @@ impl GatewayArgs {
             admin_token: pick!(admin_token).filter(|t| !t.is_empty()),
             state_file: None,
             redis_url: pick!(redis_url).filter(|u| !u.is_empty()),
+            redis_username: pick!(redis_username).filter(|u| !u.is_empty()),
+            redis_password: pick!(redis_password).filter(|p| !p.is_empty()),
             redis_prefix: pick!(redis_prefix).unwrap_or_else(|| "kvgate".into()),
             replica_id: pick!(replica_id)
                 .or_else(|| std::env::var("HOSTNAME").ok())

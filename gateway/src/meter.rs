@@ -277,12 +277,21 @@ mod tests {
         )
     }
 
-    const USAGE: &str = "data: {\"id\":\"c\",\"choices\":[],\"usage\":{\"prompt_tokens\":12,\"completion_tokens\":3,\
+    const USAGE: &str =
+        "data: {\"id\":\"c\",\"choices\":[],\"usage\":{\"prompt_tokens\":12,\"completion_tokens\":3,\
                          \"total_tokens\":15,\"prompt_tokens_details\":{\"cached_tokens\":8}}}\n\n";
 
     fn stream() -> String {
-        [chunk(""), chunk("a"), chunk("b"), chunk("c"), chunk(""), USAGE.to_owned(), "data: [DONE]\n\n".into()]
-            .concat()
+        [
+            chunk(""),
+            chunk("a"),
+            chunk("b"),
+            chunk("c"),
+            chunk(""),
+            USAGE.to_owned(),
+            "data: [DONE]\n\n".into(),
+        ]
+        .concat()
     }
 
     #[test]

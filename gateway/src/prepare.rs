@@ -122,7 +122,8 @@ pub fn prepare(
     let mut members = Vec::new();
     if salt_rewritten {
         let s = tenant_salt.as_deref().unwrap_or_default();
-        members.push(("cache_salt", serde_json::to_string(s).map_err(|e| ApiError::internal(e.to_string()))?));
+        members
+            .push(("cache_salt", serde_json::to_string(s).map_err(|e| ApiError::internal(e.to_string()))?));
     }
     let strip_usage = fields.stream && !fields.include_usage;
     if strip_usage {
@@ -130,7 +131,12 @@ pub fn prepare(
     }
     let body = if members.is_empty() { body } else { Bytes::from(with_members(&body, &members)?) };
     let request = if salt_rewritten {
-        RequestPrompt { body_salt: tenant_salt.as_deref(), header_salt: None, scope: scope.as_ref(), ..client }
+        RequestPrompt {
+            body_salt: tenant_salt.as_deref(),
+            header_salt: None,
+            scope: scope.as_ref(),
+            ..client
+        }
     } else {
         client
     };

@@ -28,6 +28,7 @@
 //!   uncached prompt (the gateway cannot see whether prefill began, so it assumes it did);
 //! - refunded in full only when no worker computed anything: refusals, connection failures, error answers, and
 //!   every refusal before a worker was tried (admission, validation, no worker).
+//!
 //! Streams are asked for their usage (`stream_options.include_usage`) even when the client did not ask, so even a
 //! pod that does not report is charged its real output; the usage chunk is then taken out of what the client sees.
 
@@ -401,8 +402,9 @@ fn handoff(state: &GatewayState, p: &PreparedRequest) -> Option<(Bytes, String)>
 /// What a gateway adds for a kvgate worker: its token, and its assertion (`kvgate_shared::handoff`) of the
 /// request's tenant scope, salt, model, fingerprint and handed-off ids (`ids`: the field's value), issued now.
 fn gateway_headers(secret: &str, p: &PreparedRequest, ids: Option<&str>) -> Vec<(HeaderName, HeaderValue)> {
-    let issued_ms =
-        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64);
+    let issued_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64);
     let assertion = handoff::Assertion {
         issued_ms,
         fingerprint: p.fingerprint,

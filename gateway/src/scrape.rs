@@ -12,6 +12,10 @@
 //!   `sglang:token_usage` (only while usage is at least [`MIN_USAGE_FOR_CAPACITY`]: SGLang rounds the usage to two
 //!   decimals, so below that the ratio is too rough).
 //!
+//! - the model's context length, from the pod's `/v1/models` (`max_model_len` of the model's card, as vLLM and
+//!   SGLang serve it) every [`MODELS_EVERY`] scrapes, the smaller of it and the `[[models]]` entry's
+//!   `max-model-len` (`Registry::set_max_model_len`): the gateway then refuses over-long requests itself.
+//!
 //! A scrape that fails or finds none of the queue series changes nothing (counted:
 //! `kvgate_gateway_scrapes_total{result}`).
 
@@ -35,6 +39,42 @@ pub const MAX_METRICS_BYTES: usize = 4 << 20;
 pub const MIN_USAGE_FOR_CAPACITY: f64 = 0.2;
 /// Largest KV capacity taken from a page, in tokens (a bigger figure is not believed).
 pub const MAX_SCRAPED_KV_TOKENS: u64 = 1 << 34;
+/// `/v1/models` is read at the first scrape and then every this many.
+pub const MODELS_EVERY: u32 = 30;
+/// Largest `/v1/models` body read.
+pub const MAX_MODELS_BYTES: usize = 1 << 20;
+
+/// The `max_model_len` of `model`'s card in a `/v1/models` body (vLLM, SGLang); `None` if absent or not a
+/// positive integer that fits a u32.
+pub fn parse_models(body: &[u8], model: &str) -> Option<u32> {
+    #[derive(serde::Deserialize)]
+    struct Card {
+        id: String,
+        #[serde(default)]
+        max_model_len: Option<serde_json::Value>,
+    }
+    #[derive(serde::Deserialize)]
+    struct List {
+        data: Vec<Card>,
+    }
+    let list: List = serde_json::from_slice(body).ok()?;
+    let card = list.data.into_iter().find(|c| c.id == model)?;
+    card.max_model_len?.as_u64().filter(|n| *n > 0).and_then(|n| u32::try_from(n).ok())
+}
+
+async fn models_once(state: &GatewayState, url: &str, model: &str) -> Option<u32> {
+    let uri = format!("{}/v1/models", url.trim_end_matches('/'));
+    let req = hyper::Request::get(&uri).body(Full::new(Bytes::new())).ok()?;
+    let fetch = async {
+        let resp = state.client.request(req).await.ok()?;
+        if !resp.status().is_success() {
+            return None;
+        }
+        Limited::new(resp.into_body(), MAX_MODELS_BYTES).collect().await.ok().map(|b| b.to_bytes())
+    };
+    let body = tokio::time::timeout(SCRAPE_TIMEOUT, fetch).await.ok()??;
+    parse_models(&body, model)
+}
 
 /// How a kind's page is read.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -188,11 +228,20 @@ pub fn spawn_pod(
 ) -> Option<tokio::task::JoinHandle<()>> {
     let names = metric_names(model.kind).filter(|_| model.scrape_metrics)?;
     let (s, url, block_size) = (state.clone(), url.to_owned(), model.block_size);
+    let (name, configured) = (model.name.clone(), model.max_model_len);
     Some(tokio::spawn(async move {
         let mut tick = tokio::time::interval(SCRAPE_INTERVAL);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut n: u32 = 0;
         loop {
             tick.tick().await;
+            n = n.wrapping_add(1);
+            if n % MODELS_EVERY == 1 {
+                if let Some(len) = models_once(&s, &url, &name).await {
+                    let len = configured.map_or(len, |c| c.min(len));
+                    s.registry().set_max_model_len(&url, len);
+                }
+            }
             match scrape_once(&s, &url, &names, block_size).await {
                 Ok(page) => {
                     s.registry().set_scraped(&url, &page);
@@ -210,6 +259,25 @@ pub fn spawn_pod(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_pods_context_length_is_read_from_its_model_card() {
+        let vllm = br#"{"object":"list","data":[{"id":"other","max_model_len":1},
+            {"id":"llama","object":"model","owned_by":"vllm","root":"/m","max_model_len":131072}]}"#;
+        assert_eq!(parse_models(vllm, "llama"), Some(131_072));
+        assert_eq!(parse_models(vllm, "absent"), None);
+        for bad in [
+            &br#"{"data":[{"id":"llama"}]}"#[..],
+            br#"{"data":[{"id":"llama","max_model_len":0}]}"#,
+            br#"{"data":[{"id":"llama","max_model_len":-5}]}"#,
+            br#"{"data":[{"id":"llama","max_model_len":1e300}]}"#,
+            br#"{"data":[{"id":"llama","max_model_len":"4096"}]}"#,
+            br#"{"data":[{"id":"llama","max_model_len":99999999999}]}"#,
+            b"not json",
+        ] {
+            assert_eq!(parse_models(bad, "llama"), None, "{}", String::from_utf8_lossy(bad));
+        }
+    }
 
     fn queue(waiting: u32, running: u32) -> Scraped {
         Scraped { waiting, running, ..Scraped::default() }

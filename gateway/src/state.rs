@@ -24,7 +24,7 @@ use crate::registry::{Registry, RegistryConfig, SharedSend};
 use crate::route::Router;
 use crate::routing::{policy_by_name, RingKeys, Weights};
 use crate::shared_state::sends::SendSharer;
-use crate::shared_state::{Resource, SharedState};
+use crate::shared_state::{RedisTarget, Resource, SharedState};
 use crate::tokenize::TokenizePool;
 
 /// HTTP client to workers.
@@ -135,10 +135,13 @@ impl GatewayState {
         };
         policy.set_weights(weights);
         let admission = Admission::new(classes);
-        let shared = SharedState::new(
-            cfg.redis_url.as_deref().map(|u| (u, cfg.redis_prefix.as_str())),
-            cfg.replica_id.clone(),
-        )?;
+        let target = cfg.redis_url.as_deref().map(|url| RedisTarget {
+            url,
+            prefix: &cfg.redis_prefix,
+            username: cfg.redis_username.as_deref(),
+            password: cfg.redis_password.as_deref(),
+        });
+        let shared = SharedState::new(target, cfg.replica_id.clone())?;
         let cfg_ring = (cfg.ring_sketch_entries, cfg.ring_hub_fanout);
         let cfg_share_sends = cfg.share_sends && cfg.redis_url.is_some();
         Ok(Self {
@@ -312,7 +315,8 @@ impl GatewayState {
         let mut req = hyper::Request::get(&uri);
         if let Some(secret) = self.cfg.report_secret.as_deref() {
             // Workers with --require-gateway-token answer only gateways.
-            req = req.header("authorization", format!("Bearer {}", kvgate_shared::handoff::gateway_token(secret)));
+            req = req
+                .header("authorization", format!("Bearer {}", kvgate_shared::handoff::gateway_token(secret)));
         }
         let req = req.body(Full::new(Bytes::new())).map_err(|e| e.to_string())?;
         let limit = self.cfg.max_tokenizer_bytes;

@@ -274,7 +274,11 @@ async fn a_keys_salt_is_forced_upstream_and_the_callers_authorization_stays_at_t
         }
         let forced: Value = serde_json::from_slice(&seen[0].1).expect("json");
         let want = kvgate_shared::handoff::tenant_salt(Some("test-secret"), "a", true, "salt-a");
-        assert_eq!(forced["cache_salt"], want.as_str(), "the key's salt, as tenant a's, replaced the caller's");
+        assert_eq!(
+            forced["cache_salt"],
+            want.as_str(),
+            "the key's salt, as tenant a's, replaced the caller's"
+        );
         assert_eq!(forced["prompt"], json!(prompt));
         assert!(seen[0].0.get("x-kvgate-cache-salt").is_none());
         assert_eq!(seen[2].0.get("x-kvgate-cache-salt").and_then(|v| v.to_str().ok()), Some("hdr"));
@@ -292,10 +296,8 @@ async fn a_keys_salt_is_forced_upstream_and_the_callers_authorization_stays_at_t
     .expect("config");
     let c = cfg.to_str().expect("p");
     let (g2, control2) = gateway(&["--config", c, "--api-keys-file", k, "--forward-authorization"]);
-    wait_until(Duration::from_secs(10), || async {
-        get(&format!("{control2}/ready")).await.status == 200
-    })
-    .await;
+    wait_until(Duration::from_secs(10), || async { get(&format!("{control2}/ready")).await.status == 200 })
+        .await;
     let r = post(
         &format!("{}/v1/completions", g2.base),
         &json!({"model": MODEL, "prompt": [1, 2], "max_tokens": 1}),
@@ -340,7 +342,11 @@ async fn a_tenants_forced_salt_cannot_be_named_by_any_other_caller() {
     let team_a = [("authorization", "Bearer team-a-key-0123456789abc")];
     for i in 0..prompts.len() {
         assert_eq!(cached(&post(&url, &body(i, None), &team_a).await), 0);
-        assert_eq!(cached(&post(&url, &body(i, Some("anything")), &team_a).await), 384, "team-a hits its blocks");
+        assert_eq!(
+            cached(&post(&url, &body(i, Some("anything")), &team_a).await),
+            384,
+            "team-a hits its blocks"
+        );
     }
     // Nobody else reaches them: anonymous callers naming the salt in the body or the header, another tenant
     // naming it, team-a's own key without the forced salt naming it, or a caller at the worker directly.
@@ -365,8 +371,14 @@ async fn a_tenants_forced_salt_cannot_be_named_by_any_other_caller() {
     // Scoped client salts still work for their own tenant: team-b's salted prompt hits team-b's blocks.
     assert_eq!(cached(&post(&url, &body(2, Some("team-a")), &team_b).await), 384);
     // And unsalted requests keep sharing across callers (a shared system prompt).
-    assert_eq!(cached(&post(&url, &json!({"model": MODEL, "prompt": ids(64, 5), "max_tokens": 1}), &[]).await), 0);
-    assert_eq!(cached(&post(&url, &json!({"model": MODEL, "prompt": ids(64, 5), "max_tokens": 1}), &team_b).await), 48);
+    assert_eq!(
+        cached(&post(&url, &json!({"model": MODEL, "prompt": ids(64, 5), "max_tokens": 1}), &[]).await),
+        0
+    );
+    assert_eq!(
+        cached(&post(&url, &json!({"model": MODEL, "prompt": ids(64, 5), "max_tokens": 1}), &team_b).await),
+        48
+    );
 }
 
 /// Streams `body` and reads `events` token events (chunks carrying text), then closes the connection; the status.
@@ -404,7 +416,8 @@ async fn leaving_a_stream_early_is_charged_what_was_computed_not_refunded() {
     // every early exit refunded in full, a stream was admitted every time the bucket refilled (6 of 12 in the
     // field); charged the prompt and the tokens sent, the bucket stays spent and only the first is admitted.
     let dir = tempfile::tempdir().expect("tmp");
-    let classes = "[[classes]]\nname = \"metered\"\nrefill_tokens_per_s = 5\nburst_tokens = 400\nmax_wait_ms = 800\n";
+    let classes =
+        "[[classes]]\nname = \"metered\"\nrefill_tokens_per_s = 5\nburst_tokens = 400\nmax_wait_ms = 800\n";
     let cfg = dir.path().join("gateway.toml");
     std::fs::write(&cfg, classes).expect("write");
     let (g, control) = gateway(&["--config", cfg.to_str().expect("p")]);

@@ -91,7 +91,14 @@ async fn only_an_assertion_for_this_request_under_the_workers_secret_now_is_hono
         json!({"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": "ka ri to"}]});
     forged["kvgate_prompt_ids"] = json!(enc);
     let url = format!("{}/v1/chat/completions", w.base);
-    let good = Assertion { issued_ms: now_ms(), fingerprint: fp, scope: None, model: MODEL, salt: None, ids: Some(&enc) };
+    let good = Assertion {
+        issued_ms: now_ms(),
+        fingerprint: fp,
+        scope: None,
+        model: MODEL,
+        salt: None,
+        ids: Some(&enc),
+    };
     let send = |header: String| {
         let (url, forged) = (url.clone(), forged.clone());
         async move { post(&url, &forged, &[(ASSERTION_HEADER, &header)]).await }
@@ -109,7 +116,11 @@ async fn only_an_assertion_for_this_request_under_the_workers_secret_now_is_hono
         ("salt", Assertion { salt: Some("s"), ..good.clone() }, "test-secret"),
         ("ids", Assertion { ids: Some(&other_ids), ..good.clone() }, "test-secret"),
         ("scope", Assertion { scope: Some(&scope), salt: Some("s"), ..good.clone() }, "test-secret"),
-        ("time", Assertion { issued_ms: now_ms() - handoff::ASSERTION_WINDOW_MS - 5_000, ..good.clone() }, "test-secret"),
+        (
+            "time",
+            Assertion { issued_ms: now_ms() - handoff::ASSERTION_WINDOW_MS - 5_000, ..good.clone() },
+            "test-secret",
+        ),
     ] {
         let r = send(handoff::sign(secret, &a)).await;
         assert_eq!(r.status, 401, "{what}: {}", r.body);
@@ -130,7 +141,8 @@ async fn a_worker_that_requires_the_gateway_token_answers_only_gateways() {
     let (g, control) = gateway(&[]);
     let w = worker("w0", &synth, Some(&control), &["--require-gateway-token"]);
     wait_healthy(&control, 1).await;
-    let body = json!({"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "ka ri to"}]});
+    let body =
+        json!({"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "ka ri to"}]});
     // Directly: refused, with or without a made-up or a client's bearer; probes and metrics stay open.
     for auth in [None, Some("Bearer sk-a-client-key"), Some("Bearer 0123")] {
         let headers: Vec<(&str, &str)> = auth.map(|a| vec![("authorization", a)]).unwrap_or_default();

@@ -279,3 +279,74 @@ async fn a_pool_found_by_dns_is_routed_to() {
     let m = get(&format!("{control}/metrics")).await.body;
     assert!(metric(&m, "kvgate_gateway_discovery_total{result=\"ok\"}").unwrap_or(0.0) >= 1.0);
 }
+
+/// The body of a stream, read to its end.
+async fn stream_text(url: &str, body: &serde_json::Value) -> (u16, String, String) {
+    let r = post(url, body, &[]).await;
+    (r.status, r.header("x-kvgate-worker"), r.body)
+}
+
+#[tokio::test]
+async fn pods_that_do_not_report_are_held_to_their_context_and_charged_their_real_usage() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let synth = dir.path().join("tiny");
+    let profile = sim_profile(dir.path(), "instant", 0.0, 0.0);
+    // Plain OpenAI pods to the gateway (they never report): an `openai` pool with a configured context length, and
+    // a `vllm` pool whose context length comes from the pod's `/v1/models` (the sim profile's 8,192).
+    let sim = ["--engine", "sim", "--sim-profile", profile.to_str().expect("p")];
+    let pod_a = worker("pa", &synth, None, &sim);
+    let sim_v = [&sim[..], &["--model-id", "kvgate-tiny-v"]].concat();
+    let pod_v = worker("pv", &synth, None, &sim_v);
+    let path = dir.path().join("gateway.toml");
+    let tok = synth.display().to_string();
+    std::fs::write(
+        &path,
+        format!(
+            "[[classes]]\nname = \"all\"\nrefill_tokens_per_s = 1\nburst_tokens = 100000\nexpected_output_tokens = 256\n\n\
+             [[models]]\nname = {MODEL:?}\ntokenizer = {tok:?}\nkind = \"openai\"\nmax-model-len = 256\nworkers = [{:?}]\n\n\
+             [[models]]\nname = \"kvgate-tiny-v\"\ntokenizer = {tok:?}\nkind = \"vllm\"\nworkers = [{:?}]\n",
+            pod_a.base, pod_v.base
+        ),
+    )
+    .expect("config");
+    let (g, control) = gateway(&["--config", &path.display().to_string()]);
+    let url = format!("{}/v1/completions", g.base);
+    let ids: Vec<u32> = (1..=20).collect();
+
+    // Over the configured context: refused by the gateway, never sent (no worker header), nothing charged.
+    let r = post(&url, &json!({"model": MODEL, "prompt": ids, "max_tokens": 300}), &[]).await;
+    assert_eq!(
+        (r.status, r.json()["error"]["code"].as_str()),
+        (400, Some("context_length_exceeded")),
+        "{}",
+        r.body
+    );
+    assert_eq!(r.header("x-kvgate-worker"), "");
+    // The vLLM pool's context length is read from its pod's model card.
+    wait_until(std::time::Duration::from_secs(10), || async {
+        let w = get(&format!("{control}/kvgate/v1/workers")).await.json();
+        w.as_array().is_some_and(|a| a.iter().any(|w| w["url"] == pod_v.base && w["max_model_len"] == 8192))
+    })
+    .await;
+    let over = json!({"model": "kvgate-tiny-v", "prompt": ids, "max_tokens": 9000});
+    let r = post(&url, &over, &[]).await;
+    assert_eq!((r.status, r.header("x-kvgate-worker")), (400, String::new()), "{}", r.body);
+
+    // A stream without max_tokens or include_usage: the gateway asks the pod for usage, charges it (20 prompt +
+    // completions' default 16 = 36, not the 256 estimate) and takes the usage chunk back out.
+    let stream = json!({"model": MODEL, "prompt": ids, "stream": true, "ignore_eos": true});
+    let (status, pod, text) = stream_text(&url, &stream).await;
+    assert_eq!((status, pod.as_str()), (200, pod_a.base.as_str()), "{text}");
+    assert!(!text.contains("usage"), "the client did not ask for usage: {text}");
+    assert!(text.trim_end().ends_with("data: [DONE]"), "{text}");
+    // 16 tokens, in at most 16 events (the detokenizer holds back partial characters).
+    let events = text.matches("\"text\":\"").count() - text.matches("\"text\":\"\"").count();
+    assert!((1..=16).contains(&events), "{text}");
+    let m = get(&format!("{control}/metrics")).await.body;
+    assert_eq!(metric(&m, "kvgate_gateway_class_tokens_charged_total{class=\"all\"}"), Some(36.0), "{m}");
+    // Asked for, the usage chunk reaches the client.
+    let mut asked = stream.clone();
+    asked["stream_options"] = json!({"include_usage": true});
+    let (_, _, text) = stream_text(&url, &asked).await;
+    assert_eq!(text.matches("\"usage\":{").count(), 1, "{text}");
+}

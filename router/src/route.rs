@@ -190,10 +190,10 @@ mod tests {
             for _ in 0..3 {
                 let dry = router.dry_run(&reg, &input(&hashes), 4, now).expect("dry");
                 assert!(dry.ticket.is_none());
-                let loads: Vec<_> = reg.workers().iter().map(|w| w.load()).collect();
+                let loads: Vec<_> = reg.workers().iter().map(|w| w.load(now)).collect();
                 let again = router.dry_run(&reg, &input(&hashes), 4, now).expect("dry");
                 assert_eq!(again.candidates, dry.candidates, "{policy}: a dry run changes nothing");
-                assert_eq!(loads, reg.workers().iter().map(|w| w.load()).collect::<Vec<_>>());
+                assert_eq!(loads, reg.workers().iter().map(|w| w.load(now)).collect::<Vec<_>>());
                 let real = router.route(&mut reg, &input(&hashes), 4, now).expect("route");
                 assert_eq!(
                     real.candidates, dry.candidates,
@@ -222,9 +222,9 @@ mod tests {
         picks.sort();
         picks.dedup();
         assert_eq!(picks.len(), 4, "{picks:?}");
-        let inflight: u64 = reg.workers().iter().map(|w| w.load().requests).sum();
+        let inflight: u64 = reg.workers().iter().map(|w| w.load(now).requests).sum();
         assert_eq!(inflight, 4);
-        for t in reg.workers().iter().map(|w| w.load().pending_tokens) {
+        for t in reg.workers().iter().map(|w| w.load(now).pending_tokens) {
             assert_eq!(t, 64 * 16, "every send counted its uncached tokens");
         }
     }

@@ -281,7 +281,8 @@ mod tests {
         let ok = verify(Some("s3cret"), &h, "m", Some("s"), Some(&enc), 1_000_500).expect("verifies");
         assert_eq!(ok, Verified { fingerprint: 0xabc, scope: Some(scope.clone()) });
         // Every input is bound.
-        let bad = |secret, model, salt, ids: Option<&str>| verify(Some(secret), &h, model, salt, ids, 1_000_500);
+        let bad =
+            |secret, model, salt, ids: Option<&str>| verify(Some(secret), &h, model, salt, ids, 1_000_500);
         assert_eq!(bad("other", "m", Some("s"), Some(&enc)), Err(AssertionError::BadCode));
         assert_eq!(bad("s3cret", "m2", Some("s"), Some(&enc)), Err(AssertionError::BadCode));
         assert_eq!(bad("s3cret", "m", Some("t"), Some(&enc)), Err(AssertionError::BadCode));
@@ -300,13 +301,19 @@ mod tests {
             Err(AssertionError::BadCode)
         );
         // Outside the window either way.
-        let late = verify(Some("s3cret"), &h, "m", Some("s"), Some(&enc), 1_000_000 + ASSERTION_WINDOW_MS + 1);
+        let late =
+            verify(Some("s3cret"), &h, "m", Some("s"), Some(&enc), 1_000_000 + ASSERTION_WINDOW_MS + 1);
         assert!(matches!(late, Err(AssertionError::Expired { .. })));
         let early = verify(Some("s3cret"), &h, "m", Some("s"), Some(&enc), 0);
         assert!(matches!(early, Err(AssertionError::Expired { .. })));
         assert_eq!(verify(None, &h, "m", Some("s"), Some(&enc), 1_000_500), Err(AssertionError::NoSecret));
-        for junk in ["", "v1", "v2.1.0000000000000abc.-.-.00", &"v1.".repeat(100), &h.replacen("v1", "v2", 1)] {
-            assert_eq!(verify(Some("s3cret"), junk, "m", None, None, 0), Err(AssertionError::Malformed), "{junk}");
+        for junk in ["", "v1", "v2.1.0000000000000abc.-.-.00", &"v1.".repeat(100), &h.replacen("v1", "v2", 1)]
+        {
+            assert_eq!(
+                verify(Some("s3cret"), junk, "m", None, None, 0),
+                Err(AssertionError::Malformed),
+                "{junk}"
+            );
         }
     }
 

@@ -88,7 +88,10 @@ fn tenant_keys_are_encoded_as_written_and_apart_from_client_salts() {
     let plain = ExtraKeys::from_salt(Some("s"));
     assert_eq!(root_hash(fp, &plain), by_hand(&[(1, "s")]));
     assert_ne!(root_hash(fp, &forced), root_hash(fp, &scoped));
-    assert_ne!(root_hash(fp, &ExtraKeys::none().with(ExtraKey::TenantSalt("s".into()))), root_hash(fp, &plain));
+    assert_ne!(
+        root_hash(fp, &ExtraKeys::none().with(ExtraKey::TenantSalt("s".into()))),
+        root_hash(fp, &plain)
+    );
 }
 
 #[test]

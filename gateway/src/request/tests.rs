@@ -107,8 +107,12 @@ fn a_forced_salt_replaces_the_callers_and_keeps_everything_else() {
     let out = with_members(br#"{"model":"m"}"#, &[salt("t")]).expect("added");
     assert_eq!(serde_json::from_slice::<Value>(&out).expect("json")["cache_salt"], "t");
     assert!(with_members(b"[1]", &[salt("t")]).is_err());
-    let out = with_members(br#"{}"#, &[salt("t"), ("stream", "true".into())]).expect("added to an empty object");
-    assert_eq!(serde_json::from_slice::<Value>(&out).expect("json"), json!({"cache_salt": "t", "stream": true}));
+    let out =
+        with_members(br#"{}"#, &[salt("t"), ("stream", "true".into())]).expect("added to an empty object");
+    assert_eq!(
+        serde_json::from_slice::<Value>(&out).expect("json"),
+        json!({"cache_salt": "t", "stream": true})
+    );
 }
 
 #[test]
@@ -116,9 +120,12 @@ fn a_stream_is_asked_for_usage_keeping_its_other_options() {
     let body = br#"{"model":"m","stream":true,"stream_options":{"continuous_usage_stats":true}}"#;
     let (f, _) = parse(false, br#"{"model":"m","prompt":"x","stream":true}"#, 10).expect("parses");
     assert!(f.stream && !f.include_usage);
-    let (f, _) =
-        parse(false, br#"{"model":"m","prompt":"x","stream":true,"stream_options":{"include_usage":true}}"#, 10)
-            .expect("parses");
+    let (f, _) = parse(
+        false,
+        br#"{"model":"m","prompt":"x","stream":true,"stream_options":{"include_usage":true}}"#,
+        10,
+    )
+    .expect("parses");
     assert!(f.include_usage);
     let opts = stream_options_with_usage(body).expect("object");
     assert_eq!(
@@ -126,7 +133,10 @@ fn a_stream_is_asked_for_usage_keeping_its_other_options() {
         json!({"continuous_usage_stats": true, "include_usage": true})
     );
     assert_eq!(stream_options_with_usage(br#"{"model":"m"}"#).expect("none"), r#"{"include_usage":true}"#);
-    assert_eq!(stream_options_with_usage(br#"{"stream_options":null}"#).expect("null"), r#"{"include_usage":true}"#);
+    assert_eq!(
+        stream_options_with_usage(br#"{"stream_options":null}"#).expect("null"),
+        r#"{"include_usage":true}"#
+    );
     assert_eq!(stream_options_with_usage(br#"{"stream_options":[1]}"#).expect_err("array").status, 400);
     let huge = format!(r#"{{"stream_options":{{"a":[{}]}}}}"#, vec!["1"; 1000].join(","));
     assert_eq!(stream_options_with_usage(huge.as_bytes()).expect_err("bounded").status, 400);

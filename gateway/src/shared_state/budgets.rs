@@ -27,13 +27,20 @@ pub const FLOAT_S: f64 = 0.1;
 /// A class's bucket in Redis, refilled on Redis's clock (`TIME`) up to the burst; a missing bucket starts full.
 /// KEYS = bucket; ARGV = op (`take` or `give`), n, rate, burst. `take` grants up to n tokens (what is there, never
 /// below zero) and returns the grant; `give` puts n back (capped at the burst) and returns 0.
+///
+/// What is read back is checked like admin input (Redis is shared infrastructure): a level that is not a number,
+/// NaN, above the burst or absurdly negative counts as a bucket at its burst at most (so no write can mint more
+/// than one burst), and a time in the future or more than a day old as now (no refill from it).
 const BUCKET: &str = r"
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local b = redis.call('HMGET', KEYS[1], 'level', 't')
 local n, rate, burst = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
-local level = tonumber(b[1]) or burst
-local last = tonumber(b[2]) or now
+local level = tonumber(b[1])
+if level == nil or level ~= level or level > burst then level = burst end
+if level < -1e15 then level = 0 end
+local last = tonumber(b[2])
+if last == nil or last ~= last or last > now or last < now - 86400000 then last = now end
 if now > last then level = math.min(burst, level + (now - last) * rate / 1000) end
 local out = 0
 if ARGV[1] == 'take' then
@@ -70,7 +77,8 @@ fn bucket_key(store: &RedisStore, class: &str) -> String {
 async fn bucket(store: &RedisStore, b: &ClassBudget, op: &str, n: f64) -> Result<f64, RedisError> {
     let args = [op.to_owned(), n.to_string(), b.rate.to_string(), b.burst.to_string()];
     let out: i64 = store.eval(BUCKET, &[bucket_key(store, &b.name)], &args).await?;
-    Ok(out.max(0) as f64)
+    // Never more than was asked for, whatever the script returned.
+    Ok((out.max(0) as f64).min(n.max(0.0)))
 }
 
 async fn take(store: &RedisStore, b: &ClassBudget, want: f64) -> Result<f64, RedisError> {

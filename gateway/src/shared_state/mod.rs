@@ -30,7 +30,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use tokio::sync::Notify;
 
-pub use redis_store::{Commit, RedisStore, Resource};
+pub use redis_store::{Commit, RedisStore, RedisTarget, Resource};
 
 /// How often a replica reads the shared state, heartbeats and retries a lost Redis.
 pub const SYNC_INTERVAL: Duration = Duration::from_millis(500);
@@ -41,6 +41,8 @@ pub struct SharedState {
     replica_id: String,
     redis_up: AtomicBool,
     live: AtomicUsize,
+    /// The replica ids of the last heartbeat (shared sends from others are ignored, `sends.rs`).
+    live_ids: std::sync::RwLock<std::collections::HashSet<String>>,
     wake: Notify,
 }
 
@@ -49,14 +51,15 @@ pub(crate) fn now_ms() -> u64 {
 }
 
 impl SharedState {
-    /// `redis`: `(url, prefix)`; `None` is the single-replica, local mode.
-    pub fn new(redis: Option<(&str, &str)>, replica_id: String) -> Result<Self, String> {
-        let store = redis.map(|(url, prefix)| RedisStore::new(url, prefix)).transpose()?;
+    /// `redis`: where Redis is; `None` is the single-replica, local mode.
+    pub fn new(redis: Option<RedisTarget<'_>>, replica_id: String) -> Result<Self, String> {
+        let store = redis.map(|t| RedisStore::new(&t)).transpose()?;
         let s = Self {
             store,
             replica_id,
             redis_up: AtomicBool::new(false),
             live: AtomicUsize::new(1),
+            live_ids: Default::default(),
             wake: Notify::new(),
         };
         s.publish_mode();
@@ -82,9 +85,15 @@ impl SharedState {
         &self.replica_id
     }
 
-    /// Records the live replica count of the last heartbeat.
-    pub(crate) fn set_live(&self, n: usize) {
-        self.live.store(n, Ordering::Release);
+    /// Records the live replicas of the last heartbeat (this one among them).
+    pub(crate) fn set_live(&self, ids: Vec<String>) {
+        self.live.store(ids.len().max(1), Ordering::Release);
+        *self.live_ids.write().unwrap_or_else(|e| e.into_inner()) = ids.into_iter().collect();
+    }
+
+    /// Whether `id` had a live heartbeat at the last sync.
+    pub fn is_live_replica(&self, id: &str) -> bool {
+        self.live_ids.read().unwrap_or_else(|e| e.into_inner()).contains(id)
     }
 
     /// Wakes the sync loop (a change was announced, or Redis was lost).
@@ -151,6 +160,7 @@ impl IfMatch {
                 .strip_prefix("\"v")
                 .and_then(|v| v.strip_suffix('"'))
                 .and_then(|n| n.parse().ok())
+                .filter(|v| *v <= redis_store::MAX_VERSION)
                 .map_or(IfMatch::Invalid, IfMatch::Version),
         }
     }
@@ -167,6 +177,7 @@ mod tests {
         assert_eq!(IfMatch::parse(Some("\"v12\"")), IfMatch::Version(12));
         assert_eq!(IfMatch::parse(Some("v12")), IfMatch::Invalid);
         assert_eq!(IfMatch::parse(Some("\"vx\"")), IfMatch::Invalid);
+        assert_eq!(IfMatch::parse(Some("\"v9223372036854775808\"")), IfMatch::Invalid, "past MAX_VERSION");
     }
 
     #[test]

@@ -14,7 +14,7 @@
 use std::time::Duration;
 
 use redis::aio::MultiplexedConnection;
-use redis::{Client, RedisError, Value};
+use redis::{Client, IntoConnectionInfo, RedisError, Value};
 use tokio::sync::Mutex;
 
 /// Longest a single command may take before the replica treats Redis as unreachable.
@@ -23,6 +23,10 @@ pub const COMMAND_TIMEOUT: Duration = Duration::from_millis(800);
 pub const AUDIT_MAX_LEN: u64 = 10_000;
 /// A replica whose heartbeat is older than this is not counted as live.
 pub const LIVE_WINDOW_MS: u64 = 3_000;
+/// Most live replicas read from a heartbeat (more are not believed).
+pub const MAX_REPLICAS: usize = 1024;
+/// Longest replica id believed.
+pub const MAX_REPLICA_ID: usize = 256;
 
 /// An admin resource kept in Redis.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -58,18 +62,43 @@ pub enum Commit {
     Stale(u64),
 }
 
+/// Largest version a resource may have: Lua numbers are doubles, exact up to 2^53, so a version past this (say
+/// 2^63, written by anyone who reaches Redis) would make `v + 1 == v` and every compare-and-set fail.
+pub const MAX_VERSION: u64 = 1 << 52;
+
 /// Compare-and-set of a resource: KEYS = hash, channel, audit stream; ARGV = expected version (`*`: any), value,
-/// resource name, audit line, audit cap. Returns `{1, new version}` or `{0, current version}`.
+/// resource name, audit line, audit cap, [`MAX_VERSION`], the writer's own version. A stored version that is not
+/// an integer in 0..=MAX_VERSION is no version a replica wrote: it counts as the writer's own (so the write goes
+/// through and heals it). Returns `{1, new version}` or `{0, current version}`.
 const CAS: &str = r"
+local max = tonumber(ARGV[6])
 local v = tonumber(redis.call('HGET', KEYS[1], 'version') or '0')
+if v == nil or v ~= v or v < 0 or v >= max or v ~= math.floor(v) then
+  v = tonumber(ARGV[7])
+end
 if ARGV[1] ~= '*' and tonumber(ARGV[1]) ~= v then
   return {0, v}
 end
-redis.call('HSET', KEYS[1], 'version', v + 1, 'value', ARGV[2])
-redis.call('PUBLISH', KEYS[2], ARGV[3] .. ':' .. (v + 1))
+redis.call('HSET', KEYS[1], 'version', string.format('%d', v + 1), 'value', ARGV[2])
+redis.call('PUBLISH', KEYS[2], ARGV[3] .. ':' .. string.format('%d', v + 1))
 redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[5], '*', 'line', ARGV[4])
 return {1, v + 1}
 ";
+
+/// A resource as Redis holds it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Stored {
+    Missing,
+    Valid(u64, String),
+    /// A version that is not an integer in 0..=[`MAX_VERSION`], or a value that is not text: nothing a replica
+    /// wrote.
+    Corrupt,
+}
+
+/// A stored version as a replica may believe it.
+pub fn parse_version(raw: &[u8]) -> Option<u64> {
+    std::str::from_utf8(raw).ok()?.parse::<u64>().ok().filter(|v| *v <= MAX_VERSION)
+}
 
 /// Seeds a resource that Redis does not hold yet (a first replica, or a Redis that came back empty): KEYS = hash;
 /// ARGV = version, value. Returns 1 when it wrote.
@@ -80,6 +109,15 @@ end
 redis.call('HSET', KEYS[1], 'version', ARGV[1], 'value', ARGV[2])
 return 1
 ";
+
+/// How to reach Redis: the URL, the key prefix, and credentials given apart from the URL (they win over its own).
+#[derive(Clone, Debug)]
+pub struct RedisTarget<'a> {
+    pub url: &'a str,
+    pub prefix: &'a str,
+    pub username: Option<&'a str>,
+    pub password: Option<&'a str>,
+}
 
 /// Where the replicas' shared state lives.
 pub struct RedisStore {
@@ -93,10 +131,18 @@ fn timeout_error() -> RedisError {
 }
 
 impl RedisStore {
-    /// Parses the URL (`redis://[:password@]host:port[/db]`, `rediss://` for TLS); connects lazily.
-    pub fn new(url: &str, prefix: &str) -> Result<Self, String> {
-        let client = Client::open(url).map_err(|e| format!("redis-url: {e}"))?;
-        Ok(Self { client, prefix: prefix.to_owned(), conn: Mutex::new(None) })
+    /// Parses the URL (`redis://[:password@]host:port[/db]`, `rediss://` for TLS) and adds the credentials;
+    /// connects lazily.
+    pub fn new(t: &RedisTarget<'_>) -> Result<Self, String> {
+        let mut info = t.url.into_connection_info().map_err(|e| format!("redis-url: {e}"))?;
+        if let Some(u) = t.username {
+            info.redis.username = Some(u.to_owned());
+        }
+        if let Some(p) = t.password {
+            info.redis.password = Some(p.to_owned());
+        }
+        let client = Client::open(info).map_err(|e| format!("redis-url: {e}"))?;
+        Ok(Self { client, prefix: t.prefix.to_owned(), conn: Mutex::new(None) })
     }
 
     pub fn key(&self, suffix: &str) -> String {
@@ -159,18 +205,27 @@ impl RedisStore {
         self.query::<Value>(&redis::cmd("PING")).await.map(|_| ())
     }
 
-    /// The stored version and value of a resource (`None`: not stored).
-    pub async fn get(&self, r: Resource) -> Result<Option<(u64, String)>, RedisError> {
-        let (v, value): (Option<u64>, Option<String>) =
+    /// The stored version and value of a resource.
+    pub async fn get(&self, r: Resource) -> Result<Stored, RedisError> {
+        let (v, value): (Option<Vec<u8>>, Option<Vec<u8>>) =
             self.query(redis::cmd("HMGET").arg(self.resource_key(r)).arg("version").arg("value")).await?;
-        Ok(v.zip(value))
+        Ok(match (v, value) {
+            (None, None) => Stored::Missing,
+            (Some(v), Some(value)) => match (parse_version(&v), String::from_utf8(value)) {
+                (Some(v), Ok(value)) => Stored::Valid(v, value),
+                _ => Stored::Corrupt,
+            },
+            _ => Stored::Corrupt,
+        })
     }
 
-    /// Compare-and-set (`expected` `None`: whatever is stored).
+    /// Compare-and-set (`expected` `None`: whatever is stored); `own`: the writer's version of the resource (what a
+    /// corrupt stored version counts as).
     pub async fn commit(
         &self,
         r: Resource,
         expected: Option<u64>,
+        own: u64,
         value: &str,
         audit: &str,
     ) -> Result<Commit, RedisError> {
@@ -187,7 +242,9 @@ impl RedisStore {
                     .arg(value)
                     .arg(r.name())
                     .arg(audit)
-                    .arg(AUDIT_MAX_LEN),
+                    .arg(AUDIT_MAX_LEN)
+                    .arg(MAX_VERSION)
+                    .arg(own.min(MAX_VERSION - 1)),
             )
             .await?;
         Ok(if done == 1 { Commit::Done(version) } else { Commit::Stale(version) })
@@ -201,16 +258,34 @@ impl RedisStore {
         Ok(wrote == 1)
     }
 
-    /// Records this replica's heartbeat and returns how many replicas are live (this one included).
-    pub async fn heartbeat(&self, replica: &str, now_ms: u64) -> Result<usize, RedisError> {
+    /// Records this replica's heartbeat and returns the live replicas' ids (this one included; at most
+    /// [`MAX_REPLICAS`], each at most [`MAX_REPLICA_ID`] bytes: longer ones are not believed).
+    pub async fn heartbeat(&self, replica: &str, now_ms: u64) -> Result<Vec<String>, RedisError> {
         let key = self.key("replicas");
         let mut pipe = redis::pipe();
         pipe.cmd("ZADD").arg(&key).arg(now_ms).arg(replica).ignore();
         pipe.cmd("ZREMRANGEBYSCORE").arg(&key).arg("-inf").arg(now_ms.saturating_sub(60_000)).ignore();
-        pipe.cmd("ZCOUNT").arg(&key).arg(now_ms.saturating_sub(LIVE_WINDOW_MS)).arg("+inf");
+        pipe.cmd("ZRANGEBYSCORE")
+            .arg(&key)
+            .arg(now_ms.saturating_sub(LIVE_WINDOW_MS))
+            .arg("+inf")
+            .arg("LIMIT")
+            .arg(0)
+            .arg(MAX_REPLICAS);
         let mut c = self.connection().await?;
-        let r = match tokio::time::timeout(COMMAND_TIMEOUT, pipe.query_async::<(usize,)>(&mut c)).await {
-            Ok(r) => r.map(|(n,)| n.max(1)),
+        let r = match tokio::time::timeout(COMMAND_TIMEOUT, pipe.query_async::<(Vec<Vec<u8>>,)>(&mut c)).await
+        {
+            Ok(r) => r.map(|(ids,)| {
+                let mut ids: Vec<String> = ids
+                    .into_iter()
+                    .filter(|i| i.len() <= MAX_REPLICA_ID)
+                    .filter_map(|i| String::from_utf8(i).ok())
+                    .collect();
+                if !ids.iter().any(|i| i == replica) {
+                    ids.push(replica.to_owned());
+                }
+                ids
+            }),
             Err(_) => Err(timeout_error()),
         };
         if r.is_err() {

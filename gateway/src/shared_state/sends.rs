@@ -14,6 +14,12 @@
 //!
 //! Message (JSON): `{"from": replica id, "nonce": per-process random, "sends": [{"worker", "points": [u64],
 //! "uncached_tokens", "session"}]}`. While Redis is unreachable sends are dropped (counted), never buffered.
+//!
+//! Redis is shared infrastructure, so a received message is believed only within bounds (each refusal counted in
+//! `kvgate_gateway_shared_sends_total{event}`): at most [`MAX_MESSAGE_BYTES`], [`MAX_BATCH`] sends and
+//! [`MAX_MESSAGE_POINTS`] overlay points (so one message costs a bounded time under the registry lock), from a
+//! replica whose heartbeat is live (`unknown_replica` otherwise), each send within `SharedSend`'s limits; what it
+//! adds as load expires on its own (`SharedLoad`).
 
 use std::collections::hash_map::RandomState;
 use std::hash::BuildHasher;
@@ -31,8 +37,10 @@ use crate::state::GatewayState;
 pub const QUEUE: usize = 4096;
 /// Sends per published message at most.
 pub const MAX_BATCH: usize = 64;
-/// A received message longer than this is ignored (64 sends of 4,096 points are about 1.4 MB of JSON).
-pub const MAX_MESSAGE_BYTES: usize = 4 << 20;
+/// Overlay points per message at most (the publisher splits batches to stay under it).
+pub const MAX_MESSAGE_POINTS: usize = 8192;
+/// A received message longer than this is ignored (8,192 points and 64 sends are under 250 KB of JSON).
+pub const MAX_MESSAGE_BYTES: usize = 512 << 10;
 
 /// One published message.
 #[derive(Debug, Serialize, Deserialize)]
@@ -89,24 +97,44 @@ pub async fn publish(state: Arc<GatewayState>) {
     let channel = store.key("sends");
     let mut batch = Vec::with_capacity(MAX_BATCH);
     while rx.recv_many(&mut batch, MAX_BATCH).await > 0 {
-        let n = batch.len() as u64;
         if !state.shared.redis_up() {
-            count("dropped", n);
+            count("dropped", batch.len() as u64);
             batch.clear();
             continue;
         }
-        let msg = SendBatch { from: state.shared.replica_id().to_owned(), nonce: sharer.nonce, sends: batch };
-        let payload = serde_json::to_string(&msg).unwrap_or_default();
-        batch = msg.sends;
-        batch.clear();
-        match store.publish(&channel, &payload).await {
-            Ok(()) => count("published", n),
-            Err(e) => {
-                tracing::debug!(error = %e, "shared sends: publish failed");
-                count("dropped", n);
+        for sends in split(std::mem::take(&mut batch)) {
+            let n = sends.len() as u64;
+            let msg = SendBatch { from: state.shared.replica_id().to_owned(), nonce: sharer.nonce, sends };
+            let payload = serde_json::to_string(&msg).unwrap_or_default();
+            match store.publish(&channel, &payload).await {
+                Ok(()) => count("published", n),
+                Err(e) => {
+                    tracing::debug!(error = %e, "shared sends: publish failed");
+                    count("dropped", n);
+                }
             }
         }
     }
+}
+
+/// Cuts a batch into messages of at most [`MAX_MESSAGE_POINTS`] points (a send is never split).
+pub fn split(sends: Vec<SharedSend>) -> Vec<Vec<SharedSend>> {
+    let mut out: Vec<Vec<SharedSend>> = Vec::new();
+    let mut points = 0;
+    for s in sends {
+        let p = s.points.len();
+        match out.last_mut() {
+            Some(last) if points + p <= MAX_MESSAGE_POINTS => {
+                points += p;
+                last.push(s);
+            }
+            _ => {
+                points = p;
+                out.push(vec![s]);
+            }
+        }
+    }
+    out
 }
 
 /// What a received message holds for this replica.
@@ -114,14 +142,17 @@ pub async fn publish(state: Arc<GatewayState>) {
 pub enum Received {
     /// This process's own message, back from the channel.
     Own,
-    /// Too long, not a message, or more sends than [`MAX_BATCH`]: ignored whole.
+    /// Too long, not a message, more sends than [`MAX_BATCH`] or points than [`MAX_MESSAGE_POINTS`]: ignored
+    /// whole.
     Invalid,
+    /// From a replica with no live heartbeat: ignored whole.
+    UnknownReplica,
     /// The sends to apply, and how many were dropped for being over `SharedSend`'s limits.
     Sends(Vec<SharedSend>, u64),
 }
 
-/// Decodes and checks a message (`own_nonce`: this process's).
-pub fn decode(payload: &[u8], own_nonce: u64) -> Received {
+/// Decodes and checks a message (`own_nonce`: this process's; `live`: whether a replica id has a live heartbeat).
+pub fn decode(payload: &[u8], own_nonce: u64, live: impl Fn(&str) -> bool) -> Received {
     if payload.len() > MAX_MESSAGE_BYTES {
         return Received::Invalid;
     }
@@ -131,8 +162,13 @@ pub fn decode(payload: &[u8], own_nonce: u64) -> Received {
     if msg.nonce == own_nonce {
         return Received::Own;
     }
-    if msg.sends.len() > MAX_BATCH {
+    if msg.sends.len() > MAX_BATCH
+        || msg.sends.iter().map(|s| s.points.len()).sum::<usize>() > MAX_MESSAGE_POINTS
+    {
         return Received::Invalid;
+    }
+    if !live(&msg.from) {
+        return Received::UnknownReplica;
     }
     let total = msg.sends.len() as u64;
     let valid: Vec<SharedSend> = msg.sends.into_iter().filter(SharedSend::valid).collect();
@@ -143,10 +179,14 @@ pub fn decode(payload: &[u8], own_nonce: u64) -> Received {
 /// Applies a message received on `{prefix}:sends` (not this process's own; invalid sends skipped and counted).
 pub fn apply(state: &GatewayState, payload: &[u8]) {
     let Some(sharer) = state.sends.as_ref() else { return };
-    let (sends, invalid) = match decode(payload, sharer.nonce) {
+    let (sends, invalid) = match decode(payload, sharer.nonce, |id| state.shared.is_live_replica(id)) {
         Received::Own => return,
         Received::Invalid => {
             count("invalid", 1);
+            return;
+        }
+        Received::UnknownReplica => {
+            count("unknown_replica", 1);
             return;
         }
         Received::Sends(s, invalid) => (s, invalid),
@@ -184,16 +224,29 @@ mod tests {
         assert_eq!(good.points, vec![BlockHash(7), BlockHash(15), BlockHash(19)]);
         let mut bad = good.clone();
         bad.uncached_tokens = SharedSend::MAX_TOKENS + 1;
-        match decode(&message(1, vec![good.clone(), bad]), 2) {
+        let live = |id: &str| id == "a";
+        match decode(&message(1, vec![good.clone(), bad]), 2, live) {
             Received::Sends(s, dropped) => assert_eq!((s, dropped), (vec![good.clone()], 1)),
             other => panic!("{other:?}"),
         }
-        assert_eq!(decode(&message(2, vec![good.clone()]), 2), Received::Own);
-        assert_eq!(decode(b"{not json", 2), Received::Invalid);
-        assert_eq!(decode(&message(1, vec![good.clone(); MAX_BATCH + 1]), 2), Received::Invalid);
-        let mut long = message(1, vec![good]);
+        assert_eq!(decode(&message(2, vec![good.clone()]), 2, live), Received::Own);
+        assert_eq!(decode(b"{not json", 2, live), Received::Invalid);
+        assert_eq!(decode(&message(1, vec![good.clone(); MAX_BATCH + 1]), 2, live), Received::Invalid);
+        let mut long = message(1, vec![good.clone()]);
         long.resize(MAX_MESSAGE_BYTES + 1, b' ');
-        assert_eq!(decode(&long, 2), Received::Invalid);
+        assert_eq!(decode(&long, 2, live), Received::Invalid);
+        // Within the send count but over the message's points: ignored whole.
+        let wide = SharedSend::new("w0", &(0..32_768).map(BlockHash).collect::<Vec<_>>(), 1, None);
+        assert_eq!(wide.points.len(), SharedSend::MAX_POINTS);
+        assert_eq!(decode(&message(1, vec![wide.clone(); 3]), 2, live), Received::Invalid);
+        // From a replica nobody has a heartbeat of.
+        let stranger =
+            serde_json::to_vec(&SendBatch { from: "x".into(), nonce: 1, sends: vec![good] }).expect("json");
+        assert_eq!(decode(&stranger, 2, live), Received::UnknownReplica);
+        // The publisher's split keeps every message under the points limit, sends whole and in order.
+        let parts = split(vec![wide.clone(); 5]);
+        assert_eq!(parts.iter().map(Vec::len).collect::<Vec<_>>(), vec![2, 2, 1]);
+        assert!(parts.iter().all(|p| p.iter().map(|s| s.points.len()).sum::<usize>() <= MAX_MESSAGE_POINTS));
         // A worker id over its limit, and an empty one, are dropped.
         let mut odd = SharedSend::new(&"x".repeat(SharedSend::MAX_WORKER_ID + 1), &hashes, 1, None);
         assert!(!odd.valid());

@@ -6,64 +6,89 @@ use std::time::Duration;
 
 use futures_util::StreamExt;
 
-use super::redis_store::{RedisStore, Resource, COMMAND_TIMEOUT};
+use super::redis_store::{Commit, RedisStore, Resource, Stored, COMMAND_TIMEOUT};
 use super::{now_ms, SYNC_INTERVAL};
 use crate::admission::ClassConfig;
 use crate::routing::Weights;
 use crate::state::GatewayState;
 
 /// Applies a resource read from Redis when it is newer than what this replica has. Values are validated like an
-/// admin PUT (Redis is shared infrastructure; a bad value is logged and skipped, never applied).
-pub fn apply_remote(state: &GatewayState, r: Resource, version: u64, value: &str) {
+/// admin PUT (Redis is shared infrastructure; a bad value is logged and never applied). Returns false when the
+/// value is not valid (the caller heals it).
+pub fn apply_remote(state: &GatewayState, r: Resource, version: u64, value: &str) -> bool {
     match r {
-        Resource::Weights => {
-            if version <= state.weights().1 {
-                return;
-            }
-            match serde_json::from_str::<Weights>(value) {
-                Ok(w) if w.validate().is_empty() => {
-                    if state.apply_weights(w, version) {
-                        tracing::info!(version, "shared state: weights from another replica applied");
-                        state.save_local_copy();
-                    }
+        Resource::Weights => match serde_json::from_str::<Weights>(value) {
+            Ok(w) if w.validate().is_empty() => {
+                if version > state.weights().1 && state.apply_weights(w, version) {
+                    tracing::info!(version, "shared state: weights from another replica applied");
+                    state.save_local_copy();
                 }
-                _ => tracing::error!(version, "shared state: invalid weights in Redis, ignored"),
+                true
             }
-        }
+            _ => false,
+        },
         Resource::Drains => match serde_json::from_str::<Vec<String>>(value) {
-            Ok(ids) if ids.len() <= state.cfg.max_workers && ids.iter().all(|i| i.len() <= 256) => {
+            Ok(ids)
+                if ids.len() <= state.cfg.max_workers
+                    && ids.iter().all(|i| !i.is_empty() && i.len() <= 256) =>
+            {
                 if state.set_drains(ids, version) {
                     tracing::info!(version, "shared state: drained workers from another replica applied");
                 }
+                true
             }
-            _ => tracing::error!(version, "shared state: invalid drain set in Redis, ignored"),
+            _ => false,
         },
-        Resource::Budgets => {
-            if version <= state.classes().1 {
-                return;
-            }
-            match serde_json::from_str::<Vec<ClassConfig>>(value) {
-                Ok(c) if crate::admission::classes::validate(&c).is_empty() => {
-                    if state.apply_classes(c, version) {
-                        tracing::info!(version, "shared state: budgets from another replica applied");
-                        state.save_local_copy();
-                    }
+        Resource::Budgets => match serde_json::from_str::<Vec<ClassConfig>>(value) {
+            Ok(c) if crate::admission::classes::validate(&c).is_empty() => {
+                if version > state.classes().1 && state.apply_classes(c, version) {
+                    tracing::info!(version, "shared state: budgets from another replica applied");
+                    state.save_local_copy();
                 }
-                _ => tracing::error!(version, "shared state: invalid budgets in Redis, ignored"),
+                true
             }
-        }
+            _ => false,
+        },
     }
 }
 
-/// One pass: heartbeat, seed what Redis lacks, apply what is newer.
+/// Replaces a resource Redis holds in a form no replica writes (a version past `MAX_VERSION`, or a value that
+/// fails validation) with this replica's, under a new version: one bad write cannot leave every admin change
+/// failing its compare-and-set.
+async fn heal(state: &GatewayState, store: &RedisStore, r: Resource) -> Result<(), redis::RedisError> {
+    metrics::counter!("kvgate_gateway_shared_state_invalid_total", "resource" => r.name()).increment(1);
+    tracing::error!(
+        resource = r.name(),
+        "shared state: invalid version or value in Redis, replaced by this replica's"
+    );
+    let (version, value) = state.resource_json(r);
+    let audit = serde_json::json!({"replica": state.shared.replica_id(), "resource": r.name(),
+        "reset": "the stored version or value was invalid"})
+    .to_string();
+    match store.commit(r, None, version, &value, &audit).await? {
+        Commit::Done(v) => {
+            // Now this replica's own value is stored at `v`.
+            let _ = apply_remote(state, r, v, &value);
+        }
+        Commit::Stale(_) => {}
+    }
+    Ok(())
+}
+
+/// One pass: heartbeat, seed what Redis lacks, apply what is newer, heal what is invalid.
 async fn sync_once(state: &GatewayState, store: &RedisStore) -> Result<(), redis::RedisError> {
     let shared = &state.shared;
     let live = store.heartbeat(shared.replica_id(), now_ms()).await?;
     shared.set_live(live);
     for r in Resource::ALL {
         match store.get(r).await? {
-            Some((version, value)) => apply_remote(state, r, version, &value),
-            None => {
+            Stored::Valid(version, value) => {
+                if !apply_remote(state, r, version, &value) {
+                    heal(state, store, r).await?;
+                }
+            }
+            Stored::Corrupt => heal(state, store, r).await?,
+            Stored::Missing => {
                 let (version, value) = state.resource_json(r);
                 if store.seed(r, version, &value).await? {
                     tracing::info!(

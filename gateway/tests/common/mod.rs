@@ -12,6 +12,8 @@ use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use serde_json::Value;
 
+pub mod redis;
+
 pub const MODEL: &str = "kvgate-tiny";
 
 /// A child process killed on drop.

@@ -24,7 +24,10 @@ use kvgate_shared::report::{CacheSummary, QueueStats, Tier, WorkerReport};
 
 use crate::routing::{PrefixSignal, Ring, WorkerView};
 
-pub use worker::{Fault, Overlay, Scraped, Sessions, Worker, WorkerCounters, WorkerStatus};
+pub use worker::{
+    Fault, Overlay, Scraped, Sessions, SharedLoad, Worker, WorkerCounters, WorkerStatus,
+    MAX_SHARED_LOAD_ENTRIES, SHARED_LOAD_TTL,
+};
 
 /// Timing and size knobs.
 #[derive(Clone, Copy, Debug)]
@@ -282,6 +285,7 @@ impl Registry {
         w.epoch += 1;
         w.sent_requests_since_report = 0;
         w.sent_tokens_since_report = 0;
+        w.shared_load.clear();
         if ring_changed {
             self.rebuild_ring();
         }
@@ -340,7 +344,7 @@ impl Registry {
                     (None, Some(a)) => a.matched(hashes),
                     (None, None) => 0,
                 }),
-                load: w.load(),
+                load: w.load(now),
                 sessions: w.sessions.active(),
                 holds_session: session.is_some_and(|k| w.sessions.holds(k, now)),
             });
@@ -386,8 +390,7 @@ impl Registry {
         let Some(w) = self.workers.iter_mut().find(|w| w.id == s.worker) else {
             return false;
         };
-        w.sent_requests_since_report += 1;
-        w.sent_tokens_since_report += s.uncached_tokens.min(SharedSend::MAX_TOKENS);
+        w.shared_load.add(now, s.uncached_tokens.min(SharedSend::MAX_TOKENS));
         w.overlay.insert_points(&s.points, now + ttl, now);
         if let Some(k) = s.session {
             w.sessions.touch(k, now);
@@ -528,7 +531,21 @@ impl Registry {
         w.epoch += 1;
         w.sent_requests_since_report = 0;
         w.sent_tokens_since_report = 0;
+        w.shared_load.clear();
         true
+    }
+
+    /// Sets the context length of a worker that sends no reports (a pod's own `/v1/models`, or its `[[models]]`
+    /// entry); `false` if no such worker has this URL or `len` is 0.
+    pub fn set_max_model_len(&mut self, url: &str, len: u32) -> bool {
+        let url = url.trim_end_matches('/');
+        match self.workers.iter_mut().find(|w| w.url == url && w.report.is_none()) {
+            Some(w) if len > 0 => {
+                w.max_model_len = len;
+                true
+            }
+            _ => false,
+        }
     }
 
     /// Takes a static worker out (refused when identified: it must never serve); `false` if none has this URL.
@@ -580,7 +597,7 @@ impl Registry {
                 busy_for_s: w.busy_until.filter(|u| *u > now).map(|u| u.duration_since(now).as_secs_f64()),
                 max_model_len: w.max_model_len,
                 inflight: w.inflight,
-                load: w.load(),
+                load: w.load(now),
                 cached_blocks: w.report.as_ref().and_then(|r| r.tier(Tier::Device)).map(|t| t.blocks_cached),
                 kv_usage: w.kv_usage,
                 approx_blocks: w.approx.as_ref().map(|a| [a.len(), a.capacity()]),

@@ -283,6 +283,27 @@ fn another_replicas_send_counts_as_load_and_overlay_until_the_next_report() {
 }
 
 #[test]
+fn other_replicas_sends_to_a_pod_that_never_reports_expire_and_stay_bounded() {
+    let mut r = Registry::new(cfg());
+    let t0 = Instant::now();
+    r.add_static("http://pod:8000");
+    r.identify("http://pod:8000", "pod", "m", 0);
+    let h = hashes();
+    // Far more sends than entries kept: all counted, memory bounded.
+    for i in 0..(MAX_SHARED_LOAD_ENTRIES as u64 * 4) {
+        assert!(r.record_shared_send(&SharedSend::new("pod", &h, 10, None), t0 + Duration::from_millis(i)));
+    }
+    let at = t0 + Duration::from_millis(MAX_SHARED_LOAD_ENTRIES as u64 * 4);
+    let w = &r.workers()[0];
+    assert!(w.shared_load.len() <= MAX_SHARED_LOAD_ENTRIES);
+    assert_eq!(w.load(at), Load { pending_tokens: 10 * 1024, requests: 1024 });
+    // With no report or scrape to end them, they stop counting after the TTL.
+    assert_eq!(w.load(at + SHARED_LOAD_TTL), Load { pending_tokens: 0, requests: 0 });
+    let (v, _) = r.views("m", &h, None, at + SHARED_LOAD_TTL);
+    assert_eq!(v[0].load, Load::default());
+}
+
+#[test]
 fn pods_without_reports_match_by_their_approximate_index_or_their_events() {
     let mut r = Registry::new(RegistryConfig { overlay_ttl: Duration::from_millis(10), ..cfg() });
     let t0 = Instant::now();

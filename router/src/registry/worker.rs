@@ -158,6 +158,8 @@ pub struct Worker {
     pub sent_requests_since_report: u64,
     /// Their uncached prompt tokens.
     pub sent_tokens_since_report: u64,
+    /// What other replicas sent it since the latest report (their shared sends), for a while.
+    pub shared_load: SharedLoad,
     pub overlay: Overlay,
     /// For a pod that sends no reports: what this gateway sent it, as its LRU would keep it (`approx.rs`).
     pub approx: Option<super::approx::ApproxIndex>,
@@ -193,6 +195,7 @@ impl Worker {
             epoch: 0,
             sent_requests_since_report: 0,
             sent_tokens_since_report: 0,
+            shared_load: SharedLoad::default(),
             overlay: Overlay::default(),
             approx: None,
             exact: None,
@@ -216,15 +219,70 @@ impl Worker {
         last_ok.is_none_or(|ok| ok <= at).then_some(fault)
     }
 
-    /// Load as this gateway sees it: the last report plus the sends since.
-    pub fn load(&self) -> Load {
+    /// Load as this gateway sees it at `now`: the last report plus the sends since (this replica's, and the other
+    /// replicas' that have not expired).
+    pub fn load(&self, now: Instant) -> Load {
         let q = self.report.as_ref().map(|r| r.queue).or(self.scraped).unwrap_or_default();
+        let (shared_tokens, shared_requests) = self.shared_load.total(now);
         Load {
-            pending_tokens: q.prefill_tokens + self.sent_tokens_since_report,
+            pending_tokens: q.prefill_tokens + self.sent_tokens_since_report + shared_tokens,
             requests: u64::from(q.waiting_requests)
                 + u64::from(q.running_requests)
-                + self.sent_requests_since_report,
+                + self.sent_requests_since_report
+                + shared_requests,
         }
+    }
+}
+
+/// How long another replica's send counts as load on a worker at most (its next report or scrape ends it sooner).
+pub const SHARED_LOAD_TTL: std::time::Duration = std::time::Duration::from_secs(5);
+/// Most entries a worker's shared load keeps; past it the oldest is merged into the next.
+pub const MAX_SHARED_LOAD_ENTRIES: usize = 256;
+
+/// Load other replicas sent a worker: each send counts for [`SHARED_LOAD_TTL`], or until the worker's next report
+/// or scrape (which counts it itself): a pod that never reports does not collect every replica's sends forever.
+/// Bounded in entries whatever the peers send.
+#[derive(Clone, Debug, Default)]
+pub struct SharedLoad {
+    /// (expires, uncached tokens, requests), in expiry order.
+    entries: std::collections::VecDeque<(Instant, u64, u64)>,
+}
+
+impl SharedLoad {
+    /// Counts a send of `tokens` received at `now`.
+    pub fn add(&mut self, now: Instant, tokens: u64) {
+        while self.entries.front().is_some_and(|e| e.0 <= now) {
+            self.entries.pop_front();
+        }
+        if self.entries.len() >= MAX_SHARED_LOAD_ENTRIES {
+            if let Some((_, t, r)) = self.entries.pop_front() {
+                if let Some(next) = self.entries.front_mut() {
+                    next.1 = next.1.saturating_add(t);
+                    next.2 = next.2.saturating_add(r);
+                }
+            }
+        }
+        self.entries.push_back((now + SHARED_LOAD_TTL, tokens, 1));
+    }
+
+    /// (tokens, requests) that still count at `now`.
+    pub fn total(&self, now: Instant) -> (u64, u64) {
+        self.entries
+            .iter()
+            .filter(|e| e.0 > now)
+            .fold((0, 0), |(t, r), e| (t.saturating_add(e.1), r.saturating_add(e.2)))
+    }
+
+    pub fn clear(&mut self) {
+        self.entries.clear();
+    }
+
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
     }
 }
 

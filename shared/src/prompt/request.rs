@@ -54,7 +54,8 @@ impl RequestPrompt<'_> {
             (_, None) => ExtraKeys::none(),
             (None, Some(s)) => ExtraKeys::from_salt(Some(s)),
             (Some(t), Some(s)) => {
-                let salt = if t.forced { ExtraKey::TenantSalt(s.into()) } else { ExtraKey::CacheSalt(s.into()) };
+                let salt =
+                    if t.forced { ExtraKey::TenantSalt(s.into()) } else { ExtraKey::CacheSalt(s.into()) };
                 ExtraKeys::none().with(ExtraKey::Tenant(t.id.clone())).with(salt)
             }
         }

@@ -391,11 +391,21 @@ mod hostile {
 fn handed_ids_replace_tokenizing_but_not_a_prompt_of_ids() {
     use super::request::RequestPrompt;
     let p = prompter();
-    let text = RequestPrompt { input: PromptInput::Text("hello there"), body_salt: None, header_salt: None, scope: None };
+    let text = RequestPrompt {
+        input: PromptInput::Text("hello there"),
+        body_salt: None,
+        header_salt: None,
+        scope: None,
+    };
     let own = text.token_ids(&p, None).expect("tokenizes");
     assert_eq!(own, p.tokenize(&PromptInput::Text("hello there")).expect("tokenizes"));
     assert_eq!(text.token_ids(&p, Some(vec![7, 8])).expect("handed"), vec![7, 8]);
     let given = [own[0]];
-    let ids = RequestPrompt { input: PromptInput::TokenIds(&given), body_salt: None, header_salt: None, scope: None };
+    let ids = RequestPrompt {
+        input: PromptInput::TokenIds(&given),
+        body_salt: None,
+        header_salt: None,
+        scope: None,
+    };
     assert_eq!(ids.token_ids(&p, Some(vec![9])).expect("ids"), given.to_vec());
 }

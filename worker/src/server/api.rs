@@ -246,7 +246,10 @@ fn vouched(
     };
     let now_ms = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64);
     let header = header.to_str().map_err(|_| {
-        ApiError::unauthorized("invalid_gateway_assertion", format!("{} is not text", handoff::ASSERTION_HEADER))
+        ApiError::unauthorized(
+            "invalid_gateway_assertion",
+            format!("{} is not text", handoff::ASSERTION_HEADER),
+        )
     })?;
     let v = match handoff::verify(state.cfg.report_secret.as_deref(), header, model, salt, field, now_ms) {
         Ok(v) => v,

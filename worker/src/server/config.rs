@@ -308,7 +308,9 @@ impl ServeConfig {
             problems.push(format!("block-size {} is not in 1..=4096", self.block_size));
         }
         if self.require_gateway_token && self.report_secret.is_none() {
-            problems.push("require-gateway-token needs report-secret (the gateway token is derived from it)".into());
+            problems.push(
+                "require-gateway-token needs report-secret (the gateway token is derived from it)".into(),
+            );
         }
         if self.disk_kv_bytes > 0 && self.disk_kv_path.is_none() {
             problems.push("disk-kv-bytes needs disk-kv-path (the directory of the SSD tier)".into());
