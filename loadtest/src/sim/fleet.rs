@@ -149,7 +149,7 @@ impl<'a> Fleet<'a> {
                 let ssd_dir = ssd.as_ref().map(|d| d.path().join(format!("w{i}"))).unwrap_or_default();
                 let engine = engine
                     .with_host_tier(bytes, cfg.kv_write_policy)
-                    .and_then(|e| e.with_inline_disk_tier(&ssd_dir, disk_bytes, cfg.kv_write_policy));
+                    .and_then(|e| e.with_inline_disk_tier(&ssd_dir, disk_bytes, cfg.kv_write_policy, 0));
                 let engine = match engine {
                     Ok(e) => e,
                     Err(e) => panic!("simulated KV tiers: {e}"),

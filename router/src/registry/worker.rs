@@ -26,7 +26,7 @@ impl Sessions {
 
     pub fn touch(&mut self, key: u64, now: Instant) {
         self.touches = self.touches.wrapping_add(1);
-        if self.touches % 256 == 0 || self.last.len() >= Self::MAX_ENTRIES {
+        if self.touches.is_multiple_of(256) || self.last.len() >= Self::MAX_ENTRIES {
             self.last.retain(|_, t| now.saturating_duration_since(*t) < Self::WINDOW);
             if self.last.len() >= Self::MAX_ENTRIES {
                 self.last.clear();
@@ -66,7 +66,7 @@ impl Overlay {
     pub fn points(hashes: &[BlockHash]) -> Vec<BlockHash> {
         let mut p: Vec<BlockHash> =
             hashes.iter().skip(Self::STRIDE - 1).step_by(Self::STRIDE).copied().collect();
-        if hashes.len() % Self::STRIDE != 0 {
+        if !hashes.len().is_multiple_of(Self::STRIDE) {
             p.extend(hashes.last());
         }
         p

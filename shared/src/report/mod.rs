@@ -118,7 +118,7 @@ impl CacheSummary {
     /// Whether block `index` of a sequence is represented at this granularity.
     pub fn covers_block(&self, index: usize) -> bool {
         let g = self.granularity.max(1) as usize;
-        (index + 1) % g == 0
+        (index + 1).is_multiple_of(g)
     }
 
     /// [`Self::matched_blocks`] in O(log n) lookups: cached prefixes are prefixes, so presence is monotone

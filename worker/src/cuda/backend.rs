@@ -230,6 +230,17 @@ impl Backend for CudaBackend {
         Some(block_size * GpuKv::bytes_per_token(&self.cfg, self.w.dt))
     }
 
+    fn kv_layout(&self) -> String {
+        let c = &self.cfg;
+        format!(
+            "cuda {} layers={} kv_heads={} head_dim={}",
+            self.w.dt.hf_name(),
+            c.num_hidden_layers,
+            c.num_key_value_heads,
+            c.head_dim
+        )
+    }
+
     fn read_kv_blocks(&mut self, ids: &[u32], block_size: usize) -> Result<Vec<Vec<u8>>, String> {
         ids.iter().map(|id| self.kv.read_slots(&self.gpu, *id as usize * block_size, block_size)).collect()
     }

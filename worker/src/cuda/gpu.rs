@@ -268,7 +268,7 @@ impl Gpu {
         if m == 0 {
             return Ok(());
         }
-        if m <= GEMV_MAX_ROWS && k % 8 == 0 && ldx % 8 == 0 {
+        if m <= GEMV_MAX_ROWS && k.is_multiple_of(8) && ldx.is_multiple_of(8) {
             let name = match y_dt == dt {
                 true => format!("gemv_{}_m{m}", dt.suffix()),
                 false if y_dt == DType::F32 => format!("gemv_{}_f32out_m{m}", dt.suffix()),

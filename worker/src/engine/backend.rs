@@ -56,6 +56,13 @@ pub trait Backend: Send {
         None
     }
 
+    /// What one block's K/V bytes mean: the backend, storage type and shape (layers, KV heads, head size), so KV
+    /// written by another layout (bf16 vs f16 of the same size, say) is never read back as this one's. Default:
+    /// empty (a backend without lower tiers).
+    fn kv_layout(&self) -> String {
+        String::new()
+    }
+
     /// The K/V bytes of blocks `ids` (a block holds slots `id * block_size..(id + 1) * block_size`).
     fn read_kv_blocks(&mut self, _ids: &[u32], _block_size: usize) -> Result<Vec<Vec<u8>>, String> {
         Err("this backend cannot copy KV blocks".into())
@@ -128,6 +135,14 @@ impl Backend for CpuBackend {
 
     fn eos_token_ids(&self) -> Vec<u32> {
         self.model.config().eos_token_ids.clone()
+    }
+
+    fn kv_layout(&self) -> String {
+        let c = self.model.config();
+        format!(
+            "cpu f32 layers={} kv_heads={} head_dim={}",
+            c.num_hidden_layers, c.num_key_value_heads, c.head_dim
+        )
     }
 
     fn kv_block_bytes(&self, block_size: usize) -> Option<usize> {

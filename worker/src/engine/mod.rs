@@ -151,15 +151,17 @@ impl<B: Backend> Engine<B> {
     }
 
     /// Puts an SSD tier of `bytes` in `dir` under the host tier, or under the pool without one (`--disk-kv-path`,
-    /// `--disk-kv-bytes`; 0: none). Blocks found in `dir` from an earlier run of the same hash scheme and KV layout
-    /// are served again (a warm restart).
+    /// `--disk-kv-bytes`; 0: none). Blocks found in `dir` from an earlier run of the same hash scheme, model
+    /// (`model`: `model::identity::weights_digest` of its directory, or anything else that names the weights) and KV
+    /// layout are served again (a warm restart); others are never read.
     pub fn with_disk_tier(
         self,
         dir: &std::path::Path,
         bytes: u64,
         policy: WritePolicy,
+        model: u64,
     ) -> Result<Self, String> {
-        self.disk_tier(dir, bytes, policy, false)
+        self.disk_tier(dir, bytes, policy, model, false)
     }
 
     /// [`Self::with_disk_tier`] writing and reading on the engine's thread: deterministic, for the virtual-time
@@ -169,8 +171,21 @@ impl<B: Backend> Engine<B> {
         dir: &std::path::Path,
         bytes: u64,
         policy: WritePolicy,
+        model: u64,
     ) -> Result<Self, String> {
-        self.disk_tier(dir, bytes, policy, true)
+        self.disk_tier(dir, bytes, policy, model, true)
+    }
+
+    /// What the SSD tier's records are valid for: the hash scheme, the model's weights, the backend's KV layout
+    /// and a block's bytes.
+    pub fn tier_fingerprint(&self, model: u64, block_bytes: usize) -> u64 {
+        let mut h = xxhash_rust::xxh3::Xxh3::new();
+        h.update(b"kvgate/ssd-tier/v2");
+        h.update(&self.scheme.fingerprint().to_le_bytes());
+        h.update(&model.to_le_bytes());
+        h.update(&(block_bytes as u64).to_le_bytes());
+        h.update(self.backend.kv_layout().as_bytes());
+        h.digest()
     }
 
     fn disk_tier(
@@ -178,6 +193,7 @@ impl<B: Backend> Engine<B> {
         dir: &std::path::Path,
         bytes: u64,
         policy: WritePolicy,
+        model: u64,
         inline: bool,
     ) -> Result<Self, String> {
         if bytes == 0 {
@@ -185,8 +201,7 @@ impl<B: Backend> Engine<B> {
         }
         let block_size = self.scheme.block_size as usize;
         let block_bytes = self.tier_block_bytes(bytes, "disk-kv-bytes")?;
-        // The records are only valid for this hash scheme and this many bytes a block.
-        let fingerprint = self.scheme.fingerprint() ^ (block_bytes as u64).rotate_left(32);
+        let fingerprint = self.tier_fingerprint(model, block_bytes);
         let disk = DiskTier::open(dir, bytes, block_bytes, block_size, fingerprint)?;
         let disk = if inline { disk.inline() } else { disk };
         self.sched.kv_mut().set_disk(disk, policy);

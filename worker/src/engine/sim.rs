@@ -113,6 +113,10 @@ impl Backend for SimBackend {
         Some(self.kv_bytes_per_token * block_size)
     }
 
+    fn kv_layout(&self) -> String {
+        format!("sim kv_bytes_per_token={}", self.kv_bytes_per_token)
+    }
+
     fn note_kv_loaded(&mut self, host_blocks: usize, disk_wait_s: f64, block_size: usize) {
         if let Some(t) = &self.timing {
             let bytes = (block_size * self.kv_bytes_per_token) as f64;

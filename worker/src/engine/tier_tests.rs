@@ -119,7 +119,7 @@ fn an_eviction_storm_keeps_the_tiers_bounded_and_leaks_nothing() {
     let mut e = Engine::new(cfg, backend, None)
         .with_host_tier(host_blocks * block_bytes, WritePolicy::WriteBack)
         .expect("tier")
-        .with_disk_tier(ssd.path(), (disk_blocks * (block_bytes + 200)) as u64, WritePolicy::WriteBack)
+        .with_disk_tier(ssd.path(), (disk_blocks * (block_bytes + 200)) as u64, WritePolicy::WriteBack, 0)
         .expect("disk");
     let mut rng = SplitMix64::new(7);
     let mut live: HashSet<u64> = HashSet::new();
@@ -134,7 +134,7 @@ fn an_eviction_storm_keeps_the_tiers_bounded_and_leaks_nothing() {
         if e.add_request(req(id, p, 1 + (rng.next_u64() % 6) as u32)).is_ok() {
             live.insert(id);
         }
-        if rng.next_u64() % 9 == 0 {
+        if rng.next_u64().is_multiple_of(9) {
             if let Some(&victim) = live.iter().next() {
                 e.abort(victim);
                 live.remove(&victim);
@@ -220,7 +220,7 @@ fn blocks_come_back_from_ssd_bit_exact_and_after_a_restart() {
     let ssd = tempfile::tempdir().expect("ssd");
     // No host tier: what the pool evicts goes straight to the SSD tier (write-back).
     let (y, y_log) = cpu_engine_with(dir.path(), 32, 16);
-    let mut y = y.with_disk_tier(ssd.path(), 64 << 20, WritePolicy::WriteBack).expect("disk tier");
+    let mut y = y.with_disk_tier(ssd.path(), 64 << 20, WritePolicy::WriteBack, 0).expect("disk tier");
     a_then_flood(&mut y, &a);
     y.scheduler().kv().disk().expect("disk").flush();
     y_log.lock().expect("log").clear();
@@ -235,7 +235,7 @@ fn blocks_come_back_from_ssd_bit_exact_and_after_a_restart() {
 
     // A new engine on the same directory (a restarted worker) serves the prefix from its first request.
     let (z, z_log) = cpu_engine_with(dir.path(), 32, 16);
-    let mut z = z.with_disk_tier(ssd.path(), 64 << 20, WritePolicy::WriteBack).expect("disk tier");
+    let mut z = z.with_disk_tier(ssd.path(), 64 << 20, WritePolicy::WriteBack, 0).expect("disk tier");
     assert!(z.stats().disk.recovered_blocks >= 4, "{:?}", z.stats().disk);
     z.add_request(req(2, b.clone(), 4)).expect("ok");
     // The queued request's prefix is read ahead by the IO thread (the flush waits for that read here).
@@ -262,7 +262,7 @@ fn host_then_ssd_hold_more_than_either_and_stay_consistent() {
         .with_host_tier(24 * block_bytes, WritePolicy::WriteBack)
         .expect("host")
         // 1 GiB: about 2,000 simulated blocks of 512 KiB (the simulator writes no K/V bytes, only records).
-        .with_disk_tier(ssd.path(), 1 << 30, WritePolicy::WriteBack)
+        .with_disk_tier(ssd.path(), 1 << 30, WritePolicy::WriteBack, 0)
         .expect("disk");
     // 30 distinct 40-token prompts (10 blocks each, 300 in all): far more than the pool (32) and host (24) hold.
     let prompt = |k: u32| -> Vec<u32> { (0..40).map(|i| (k * 53 + i * 7) % 997 + 1).collect() };
@@ -303,8 +303,8 @@ fn sim_ssd_engine(
     };
     let e = Engine::new(cfg, backend, None);
     let mut e = match inline {
-        true => e.with_inline_disk_tier(ssd, 1 << 30, write),
-        false => e.with_disk_tier(ssd, 1 << 30, write),
+        true => e.with_inline_disk_tier(ssd, 1 << 30, write, 0),
+        false => e.with_disk_tier(ssd, 1 << 30, write, 0),
     }
     .expect("disk");
     e.set_load_costs(LoadCosts {

@@ -10,11 +10,18 @@
 //! - Capacity: the index's leaves-first LRU bounds the live blocks; a segment with no live block left is deleted,
 //!   and when the files hold more than the capacity plus two segments, the sealed segment with the least live data
 //!   is compacted (its live records appended anew, the file deleted).
+//! - The rebuild reads headers and token ids only (`segment::scan`), so a restart's memory is the index's, not the
+//!   tier's: a worker whose tier is larger than its memory limit restarts like any other.
+//! - A write that fails (a full disk) is cut off the segment again (truncated to its last whole record) and the
+//!   next write starts a new segment: no torn record is left mid-file and no later offset shifts.
+//! - The directory is the worker's alone: created 0700, segments 0600 (they hold token ids in clear), and an
+//!   exclusive lock on `LOCK` for as long as the tier is open; a second worker on the same directory fails to start,
+//!   naming it.
 
 use std::collections::HashMap;
 use std::fs::{File, OpenOptions};
 use std::io::Write;
-use std::os::unix::fs::FileExt;
+use std::os::unix::fs::{DirBuilderExt, FileExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{sync_channel, Receiver, SyncSender};
@@ -23,7 +30,12 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use kvgate_shared::hashing::BlockHash;
 
 use super::host::{HostInsert, Stored, TierIndex};
-use super::segment::{scan, Record, HEADER_BYTES};
+use super::segment::{scan, Meta, Record, HEADER_BYTES};
+
+/// The lock file that keeps a second worker off the directory.
+pub const LOCK_FILE: &str = "LOCK";
+/// Longest wait for the directory's lock before opening fails.
+pub const LOCK_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// Bytes of one segment file before a new one is started.
 pub const SEGMENT_BYTES: u64 = 64 << 20;
@@ -118,32 +130,60 @@ struct Files {
     /// Live record bytes and file size per segment.
     live: HashMap<u32, u64>,
     size: HashMap<u32, u64>,
+    /// The directory's lock, held while the tier is open.
+    _lock: File,
+    /// Tests: the next write stops after this many bytes and fails.
+    #[cfg(test)]
+    fail_after: Option<usize>,
 }
 
 fn seg_path(dir: &Path, n: u32) -> PathBuf {
     dir.join(format!("seg-{n:08}.kvd"))
 }
 
+/// Opens a segment for appending, readable and writable by this user only.
+fn open_segment(dir: &Path, n: u32) -> std::io::Result<File> {
+    OpenOptions::new().create(true).append(true).mode(0o600).open(seg_path(dir, n))
+}
+
 impl Files {
     fn start_segment(&mut self) -> std::io::Result<()> {
         let _ = self.file.sync_all();
         self.current += 1;
-        self.file = OpenOptions::new().create(true).append(true).open(seg_path(&self.dir, self.current))?;
+        self.file = open_segment(&self.dir, self.current)?;
         self.len = 0;
         self.size.insert(self.current, 0);
         Ok(())
     }
 
-    /// Appends a record; its location.
+    /// Appends a record; its location. A failed write is cut off the file again (it may have written part of the
+    /// record) and, if the segment holds records, the next write goes to a new one.
     fn append(&mut self, bytes: &[u8]) -> std::io::Result<Location> {
         if self.len > 0 && self.len + bytes.len() as u64 > SEGMENT_BYTES {
             self.start_segment()?;
         }
-        self.file.write_all(bytes)?;
+        if let Err(e) = self.write(bytes) {
+            let cut = self.file.set_len(self.len);
+            tracing::warn!(error = %e, segment = self.current, truncated = cut.is_ok(), "SSD KV tier: a write failed");
+            if self.len > 0 || cut.is_err() {
+                let _ = self.start_segment();
+            }
+            return Err(e);
+        }
         let at = Location { segment: self.current, offset: self.len, len: bytes.len() as u32 };
         self.len += bytes.len() as u64;
         self.size.insert(self.current, self.len);
         Ok(at)
+    }
+
+    fn write(&mut self, bytes: &[u8]) -> std::io::Result<()> {
+        #[cfg(test)]
+        if let Some(n) = self.fail_after.take() {
+            // A disk that fills up part-way through this record.
+            self.file.write_all(&bytes[..n.min(bytes.len())])?;
+            return Err(std::io::Error::new(std::io::ErrorKind::StorageFull, "test: no space left"));
+        }
+        self.file.write_all(bytes)
     }
 
     fn dead(&mut self, loc: Location) {
@@ -153,6 +193,46 @@ impl Files {
             self.live.remove(&loc.segment);
             self.size.remove(&loc.segment);
             let _ = std::fs::remove_file(seg_path(&self.dir, loc.segment));
+        }
+    }
+}
+
+/// Makes `dir` (0700) if needed and takes its exclusive lock (`LOCK`, 0600): one worker per directory.
+fn lock_dir(dir: &Path) -> Result<File, String> {
+    let shown = dir.display();
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)
+        .map_err(|e| format!("{shown}: {e}"))?;
+    // A directory made by an earlier version (or by hand) is closed to others too.
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))
+        .map_err(|e| format!("{shown}: {e}"))?;
+    let lock = OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .mode(0o600)
+        .open(dir.join(LOCK_FILE))
+        .map_err(|e| format!("{shown}/{LOCK_FILE}: {e}"))?;
+    // A tier just closed in this process (its IO thread finishing) or a process just gone may still hold it for
+    // a moment: wait for it that long, no longer.
+    let deadline = std::time::Instant::now() + LOCK_WAIT;
+    loop {
+        match lock.try_lock() {
+            Ok(()) => return Ok(lock),
+            Err(std::fs::TryLockError::WouldBlock) if std::time::Instant::now() < deadline => {
+                std::thread::sleep(std::time::Duration::from_millis(10));
+            }
+            Err(std::fs::TryLockError::WouldBlock) => {
+                return Err(format!(
+                    "{shown} is in use by another worker (it holds {LOCK_FILE}): give each worker its own \
+                     --disk-kv-path"
+                ))
+            }
+            Err(std::fs::TryLockError::Error(e)) => {
+                return Err(format!("{shown}/{LOCK_FILE}: cannot lock: {e}"))
+            }
         }
     }
 }
@@ -211,7 +291,7 @@ impl DiskTier {
         block_size: usize,
         fingerprint: u64,
     ) -> Result<Self, String> {
-        std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+        let lock = lock_dir(dir)?;
         let record_bytes = HEADER_BYTES + 4 * block_size + block_bytes;
         let mut index = TierIndex::new(capacity_bytes as usize, record_bytes);
         index.set_spill(true);
@@ -226,21 +306,24 @@ impl DiskTier {
             .collect();
         segments.sort_unstable();
         // The newest record of each hash wins.
-        let mut found: HashMap<BlockHash, (Location, Record)> = HashMap::new();
+        let mut found: HashMap<BlockHash, (Location, Meta)> = HashMap::new();
         let mut size = HashMap::new();
         for &n in &segments {
-            let bytes = std::fs::read(seg_path(dir, n)).map_err(|e| format!("segment {n}: {e}"))?;
-            let (records, bad) = scan(&bytes, fingerprint);
+            let path = seg_path(dir, n);
+            let file = File::open(&path).map_err(|e| format!("segment {n}: {e}"))?;
+            let _ = file.set_permissions(std::fs::Permissions::from_mode(0o600));
+            let len = file.metadata().map_err(|e| format!("segment {n}: {e}"))?.len();
+            let (records, bad) = scan(file, len, fingerprint).map_err(|e| format!("segment {n}: {e}"))?;
             counters.corrupt_blocks.fetch_add(bad, Ordering::Relaxed);
             if bad > 0 {
                 tracing::warn!(segment = n, skipped = bad, "SSD KV tier: damaged records skipped");
             }
-            size.insert(n, bytes.len() as u64);
+            size.insert(n, len);
             for (offset, len, r) in records {
                 found.insert(r.hash, (Location { segment: n, offset, len: len as u32 }, r));
             }
         }
-        let mut records: Vec<(Location, Record)> = found.into_values().collect();
+        let mut records: Vec<(Location, Meta)> = found.into_values().collect();
         records.sort_by_key(|(l, r)| (r.index, l.segment, l.offset));
         for (loc, r) in records {
             let b = HostInsert {
@@ -267,13 +350,19 @@ impl DiskTier {
             }
         }
         let current = segments.last().copied().unwrap_or(0) + 1;
-        let file = OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(seg_path(dir, current))
-            .map_err(|e| format!("{}: {e}", dir.display()))?;
+        let file = open_segment(dir, current).map_err(|e| format!("{}: {e}", dir.display()))?;
         size.insert(current, 0);
-        let files = Files { dir: dir.to_owned(), current, file, len: 0, live, size };
+        let files = Files {
+            dir: dir.to_owned(),
+            current,
+            file,
+            len: 0,
+            live,
+            size,
+            _lock: lock,
+            #[cfg(test)]
+            fail_after: None,
+        };
         let shared = Arc::new(Shared {
             index: Mutex::new(index),
             ready: Mutex::new(Ready::default()),
@@ -358,6 +447,12 @@ impl DiskTier {
         if self.tx.send(Job::Flush(done_tx)).is_ok() {
             let _ = done_rx.recv();
         }
+    }
+
+    /// Tests: the next record written stops after `bytes` bytes and fails (a disk that fills up mid-write).
+    #[cfg(test)]
+    pub fn fail_next_write_after(&self, bytes: usize) {
+        lock(&self.shared.files).fail_after = Some(bytes);
     }
 
     /// Whether the tier holds exactly this block (see `TierIndex::holds`).

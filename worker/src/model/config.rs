@@ -191,7 +191,7 @@ impl ModelConfig {
                 return Err((name, "must be at least 1".into()));
             }
         }
-        if self.num_attention_heads % self.num_key_value_heads != 0 {
+        if !self.num_attention_heads.is_multiple_of(self.num_key_value_heads) {
             return Err((
                 "num_key_value_heads",
                 format!(
@@ -200,7 +200,7 @@ impl ModelConfig {
                 ),
             ));
         }
-        if self.head_dim % 2 != 0 {
+        if !self.head_dim.is_multiple_of(2) {
             return Err(("head_dim", format!("{} must be even for RoPE", self.head_dim)));
         }
         if !matches!(self.torch_dtype.as_str(), "float32" | "bfloat16" | "float16") {

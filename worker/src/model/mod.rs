@@ -4,9 +4,11 @@
 //! - `config`: `config.json` parsing and validation (`ModelConfig`);
 //! - `weights`: safetensors loading by Hugging Face tensor names into `ModelWeights` (f32 on the CPU);
 //! - `synth`: `kvgate-worker synth-model`: random-weight models in the real HF format;
+//! - `identity`: a digest of a model directory's weights (what the SSD tier's records are valid for);
 //! - `llama`: the forward pass (Llama 2/3, Qwen2, Mistral) reading and writing the paged KV pool.
 
 pub mod config;
+pub mod identity;
 pub mod llama;
 pub mod synth;
 pub mod weights;

@@ -152,6 +152,17 @@ fn load(cfg: &ServeConfig, worker_id: &str) -> Result<ServingModel, String> {
     };
     let engine_cfg = |num_blocks| EngineConfig { num_blocks, scheme, scheduler: scheduler.clone() };
     let disk_dir = cfg.disk_kv_path.clone().unwrap_or_default();
+    // What the SSD tier's records are valid for besides the scheme and layout: these weights (a simulated engine
+    // has none: its profile's name).
+    let model_digest = |engine: &EngineKind| -> Result<u64, String> {
+        match engine {
+            _ if cfg.disk_kv_bytes == 0 => Ok(0),
+            EngineKind::Cpu => crate::model::identity::weights_digest(&dir),
+            EngineKind::Sim { profile } => {
+                Ok(xxhash_rust::xxh3::xxh3_64(profile.to_string_lossy().as_bytes()))
+            }
+        }
+    };
     let (handle, max_model_len, device) = match &cfg.engine {
         EngineKind::Cpu => match cfg.device.resolve() {
             DeviceChoice::Cuda(ordinal) => {
@@ -171,7 +182,12 @@ fn load(cfg: &ServeConfig, worker_id: &str) -> Result<ServingModel, String> {
                 tracing::info!(device = %device, kv_cache_tokens = slots, "CUDA engine");
                 let engine = Engine::new(engine_cfg(slots / bs), backend, Some(prompter.clone()))
                     .with_host_tier(cfg.host_kv_bytes, cfg.kv_write_policy)?
-                    .with_disk_tier(&disk_dir, cfg.disk_kv_bytes, cfg.kv_write_policy)?;
+                    .with_disk_tier(
+                        &disk_dir,
+                        cfg.disk_kv_bytes,
+                        cfg.kv_write_policy,
+                        model_digest(&cfg.engine)?,
+                    )?;
                 let engine = with_load_costs(engine, cfg);
                 (EngineHandle::spawn(engine, cfg.max_waiting_requests), max_model_len, device)
             }
@@ -183,7 +199,12 @@ fn load(cfg: &ServeConfig, worker_id: &str) -> Result<ServingModel, String> {
                 tracing::info!(device = "cpu", requested = %cfg.device, kv_cache_tokens = tokens / bs * bs, "CPU engine");
                 let engine = Engine::new(engine_cfg(tokens / bs), backend, Some(prompter.clone()))
                     .with_host_tier(cfg.host_kv_bytes, cfg.kv_write_policy)?
-                    .with_disk_tier(&disk_dir, cfg.disk_kv_bytes, cfg.kv_write_policy)?;
+                    .with_disk_tier(
+                        &disk_dir,
+                        cfg.disk_kv_bytes,
+                        cfg.kv_write_policy,
+                        model_digest(&cfg.engine)?,
+                    )?;
                 let engine = with_load_costs(engine, cfg);
                 (EngineHandle::spawn(engine, cfg.max_waiting_requests), max_model_len, "cpu".to_string())
             }
@@ -197,7 +218,12 @@ fn load(cfg: &ServeConfig, worker_id: &str) -> Result<ServingModel, String> {
             let tokens = cfg.kv_cache_tokens.unwrap_or(config::CPU_KV_CACHE_TOKENS);
             let mut engine = Engine::new(engine_cfg(tokens / bs), backend, Some(prompter.clone()))
                 .with_host_tier(cfg.host_kv_bytes, cfg.kv_write_policy)?
-                .with_disk_tier(&disk_dir, cfg.disk_kv_bytes, cfg.kv_write_policy)?;
+                .with_disk_tier(
+                    &disk_dir,
+                    cfg.disk_kv_bytes,
+                    cfg.kv_write_policy,
+                    model_digest(&cfg.engine)?,
+                )?;
             // A simulated engine loads and computes at its profile's speeds: weigh those, not this machine's.
             engine.set_load_costs(profile.timing.load_costs(cfg.kv_load_policy));
             (EngineHandle::spawn(engine, cfg.max_waiting_requests), profile.max_model_len, "sim".to_string())

@@ -50,10 +50,22 @@ pub fn start_worker_env(extra: &[&str], env: &[(&str, &str)]) -> Worker {
         args.extend(["--kv-cache-tokens".into(), "4096".into()]);
     }
     args.extend(extra.iter().map(|s| s.to_string()));
-    let mut child = Command::new(env!("CARGO_BIN_EXE_kvgate-worker"))
-        .args(&args)
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvgate-worker"));
+    cmd.args(&args).envs(env.iter().copied());
+    spawn_ready(cmd, Some(dir))
+}
+
+/// `kvgate-worker serve` with exactly these flags (and `--host 127.0.0.1 --port 0`).
+pub fn serve(flags: &[&str]) -> Worker {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvgate-worker"));
+    cmd.args(["serve", "--host", "127.0.0.1", "--port", "0"]).args(flags);
+    spawn_ready(cmd, None)
+}
+
+/// Starts `cmd` (a `serve`) and returns once it prints "ready".
+pub fn spawn_ready(mut cmd: Command, dir: Option<tempfile::TempDir>) -> Worker {
+    let mut child = cmd
         .env("RUST_LOG", "warn")
-        .envs(env.iter().copied())
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
         .spawn()
@@ -77,7 +89,7 @@ pub fn start_worker_env(extra: &[&str], env: &[(&str, &str)]) -> Worker {
             break;
         }
     }
-    Worker { child, base: format!("http://127.0.0.1:{port}"), port, _dir: Some(dir) }
+    Worker { child, base: format!("http://127.0.0.1:{port}"), port, _dir: dir }
 }
 
 pub fn client() -> Client<hyper_util::client::legacy::connect::HttpConnector, Full<Bytes>> {
