@@ -1,11 +1,13 @@
 //! What preparing a long multi-turn chat costs the gateway, step by step: parse the body, render the template,
-//! tokenize (whole, and piece by piece with the history cached), hash the blocks, and build the prompt handoff.
+//! tokenize (whole, and piece by piece with the history cached), hash the blocks, build the prompt handoff, and
+//! rewrite the body for a stream's usage and a tenant's salt (members put in front of a body without them, against
+//! the member-by-member rewrite a body that has them needs).
 //! A ~15K-token conversation (synthetic tokenizer and template, 12 turns).
 //!
 //! `cargo bench -p kvgate-gateway --bench prepare`
 
 use criterion::{criterion_group, criterion_main, Criterion};
-use kvgate_gateway::request::parse;
+use kvgate_gateway::request::{parse, with_first_members, with_members};
 use kvgate_shared::handoff;
 use kvgate_shared::hashing::{BlockHasher, ExtraKeys, HashScheme};
 use kvgate_shared::prompt::{
@@ -48,6 +50,16 @@ fn bench(c: &mut Criterion) {
     });
     c.bench_function("tokenize_with_history_cached", |b| {
         b.iter(|| prompter.tokenize(black_box(&input)).expect("tokenizes"))
+    });
+    let members = [
+        ("cache_salt", "\"kvgate-salt-v1:0123456789abcdef0123456789abcdef\"".to_owned()),
+        ("stream_options", r#"{"include_usage":true}"#.to_owned()),
+    ];
+    c.bench_function("rewrite_first_members", |b| {
+        b.iter(|| with_first_members(black_box(body.as_bytes()), &members).expect("object").len())
+    });
+    c.bench_function("rewrite_members_parsed", |b| {
+        b.iter(|| with_members(black_box(body.as_bytes()), &members).expect("object").len())
     });
     c.bench_function("hash_blocks", |b| b.iter(|| hasher.hash_blocks(black_box(&ids))));
     fn assertion(enc: &str) -> handoff::Assertion<'_> {

@@ -19,7 +19,9 @@ use kvgate_shared::prompt::RequestPrompt;
 
 use crate::errors::ApiError;
 use crate::keys::Caller;
-use crate::request::{parse, stream_options_with_usage, with_members, PromptBody, RoutingFields};
+use crate::request::{
+    parse, stream_options_with_usage, with_first_members, with_members, PromptBody, RoutingFields,
+};
 use crate::route::RouteInput;
 use crate::state::GatewayState;
 
@@ -129,7 +131,15 @@ pub fn prepare(
     if strip_usage {
         members.push(("stream_options", stream_options_with_usage(&body)?));
     }
-    let body = if members.is_empty() { body } else { Bytes::from(with_members(&body, &members)?) };
+    // A body with none of the keys gets them in front (a copy); one that has some is rewritten member by member.
+    let keys = fields.body_keys;
+    let body = match members.is_empty() {
+        true => body,
+        false if !keys.cache_salt && !keys.stream_options => {
+            Bytes::from(with_first_members(&body, &members)?)
+        }
+        false => Bytes::from(with_members(&body, &members)?),
+    };
     let request = if salt_rewritten {
         RequestPrompt {
             body_salt: tenant_salt.as_deref(),

@@ -32,8 +32,17 @@ pub struct RoutingFields {
     /// OpenAI's end-user id (a session key).
     pub user: Option<String>,
     pub cache_salt: Option<String>,
+    /// Which rewritable top-level keys the body has (a rewrite adds the others without re-parsing the body).
+    pub body_keys: BodyKeys,
     /// The request carries `reasoning_effort`.
     pub reasoning: bool,
+}
+
+/// Whether the body has these top-level keys at all (even `null`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct BodyKeys {
+    pub cache_salt: bool,
+    pub stream_options: bool,
 }
 
 /// The prompt, ready for the tokenizer.
@@ -74,12 +83,12 @@ struct ChatLean<'a> {
     max_completion_tokens: Option<u32>,
     #[serde(default)]
     stream: Option<bool>,
-    #[serde(default)]
-    stream_options: Option<StreamOptionsLean>,
+    #[serde(default, deserialize_with = "present")]
+    stream_options: Option<Option<StreamOptionsLean>>,
     #[serde(default, borrow)]
     user: Option<Cow<'a, str>>,
-    #[serde(default, borrow)]
-    cache_salt: Option<Cow<'a, str>>,
+    #[serde(default, deserialize_with = "present")]
+    cache_salt: Option<Option<String>>,
     /// Reserved for the gateway's prompt handoff: a client body carrying it is refused.
     #[serde(default, borrow)]
     kvgate_prompt_ids: Option<&'a RawValue>,
@@ -96,14 +105,20 @@ struct CompletionLean<'a> {
     max_completion_tokens: Option<u32>,
     #[serde(default)]
     stream: Option<bool>,
-    #[serde(default)]
-    stream_options: Option<StreamOptionsLean>,
+    #[serde(default, deserialize_with = "present")]
+    stream_options: Option<Option<StreamOptionsLean>>,
     #[serde(default, borrow)]
     user: Option<Cow<'a, str>>,
-    #[serde(default, borrow)]
-    cache_salt: Option<Cow<'a, str>>,
+    #[serde(default, deserialize_with = "present")]
+    cache_salt: Option<Option<String>>,
     #[serde(default, borrow)]
     kvgate_prompt_ids: Option<&'a RawValue>,
+}
+
+/// A member that may be absent, `null` or a value: `None`, `Some(None)`, `Some(Some(v))` (the body's rewrite
+/// must know whether the key is there at all).
+fn present<'de, D: Deserializer<'de>, T: Deserialize<'de>>(d: D) -> Result<Option<Option<T>>, D::Error> {
+    Option::<T>::deserialize(d).map(Some)
 }
 
 /// `stream_options`: only whether the client asked for usage (other members pass through untouched).
@@ -119,8 +134,9 @@ struct Common<'a> {
     max_completion_tokens: Option<u32>,
     stream: Option<bool>,
     include_usage: bool,
+    stream_options_key: bool,
     user: Option<Cow<'a, str>>,
-    cache_salt: Option<Cow<'a, str>>,
+    cache_salt: Option<Option<String>>,
 }
 
 macro_rules! common {
@@ -129,7 +145,12 @@ macro_rules! common {
             max_tokens: $r.max_tokens,
             max_completion_tokens: $r.max_completion_tokens,
             stream: $r.stream,
-            include_usage: $r.stream_options.and_then(|o| o.include_usage).unwrap_or(false),
+            include_usage: $r
+                .stream_options
+                .as_ref()
+                .and_then(|o| o.as_ref()?.include_usage)
+                .unwrap_or(false),
+            stream_options_key: $r.stream_options.is_some(),
             user: $r.user,
             cache_salt: $r.cache_salt,
         }
@@ -204,7 +225,8 @@ fn fields(model: Cow<'_, str>, c: Common<'_>, reasoning: bool) -> RoutingFields 
         stream: c.stream.unwrap_or(false),
         include_usage: c.include_usage,
         user: c.user.map(Cow::into_owned),
-        cache_salt: c.cache_salt.map(Cow::into_owned).filter(|s| !s.is_empty()),
+        body_keys: BodyKeys { cache_salt: c.cache_salt.is_some(), stream_options: c.stream_options_key },
+        cache_salt: c.cache_salt.flatten().filter(|s| !s.is_empty()),
         reasoning,
     }
 }
@@ -317,6 +339,34 @@ impl<'de> Visitor<'de> for BudgetSeed<'_> {
         }
         Ok(Value::Object(m))
     }
+}
+
+/// `body` (an object without any of these keys) with the members of `set` added first: a copy, no parse (the
+/// common case: a stream asked for its usage, a tenant's salt, in a body that has neither).
+pub fn with_first_members(body: &[u8], set: &[(&str, String)]) -> Result<Vec<u8>, ApiError> {
+    let not_object = || ApiError::bad_json("the body is not a JSON object".into());
+    let open = body.iter().position(|b| !b.is_ascii_whitespace()).ok_or_else(not_object)?;
+    if body[open] != b'{' {
+        return Err(not_object());
+    }
+    let rest = &body[open + 1..];
+    let empty = rest.iter().find(|b| !b.is_ascii_whitespace()).is_none_or(|b| *b == b'}');
+    let extra: usize = set.iter().map(|(k, v)| k.len() + v.len() + 4).sum();
+    let mut out = Vec::with_capacity(body.len() + extra);
+    out.push(b'{');
+    for (i, (k, v)) in set.iter().enumerate() {
+        if i > 0 {
+            out.push(b',');
+        }
+        serde_json::to_writer(&mut out, k).map_err(|e| ApiError::internal(e.to_string()))?;
+        out.push(b':');
+        out.extend_from_slice(v.as_bytes());
+    }
+    if !empty && !set.is_empty() {
+        out.push(b',');
+    }
+    out.extend_from_slice(rest);
+    Ok(out)
 }
 
 /// `body` with top-level members replaced or added: each `(key, JSON text)` of `set` (a caller's key forces its

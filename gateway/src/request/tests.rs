@@ -24,6 +24,7 @@ fn chat_fields_and_options() {
             include_usage: false,
             user: Some("u1".into()),
             cache_salt: Some("s".into()),
+            body_keys: BodyKeys { cache_salt: true, stream_options: false },
             reasoning: true,
         }
     );
@@ -113,6 +114,29 @@ fn a_forced_salt_replaces_the_callers_and_keeps_everything_else() {
         serde_json::from_slice::<Value>(&out).expect("json"),
         json!({"cache_salt": "t", "stream": true})
     );
+}
+
+#[test]
+fn members_go_in_front_of_a_body_without_them_and_the_keys_present_are_known() {
+    let set = [salt("t"), ("stream_options", r#"{"include_usage":true}"#.to_owned())];
+    let out = with_first_members(br#" {"model":"m","prompt":[1]}"#, &set).expect("object");
+    let v: Value = serde_json::from_slice(&out).expect("json");
+    assert_eq!(
+        v,
+        json!({"cache_salt": "t", "stream_options": {"include_usage": true}, "model": "m", "prompt": [1]})
+    );
+    let out = with_first_members(b"{ }", &set).expect("empty object");
+    assert!(serde_json::from_slice::<Value>(&out).is_ok());
+    assert!(with_first_members(b"[1]", &set).is_err());
+    // A key that is there, even null, is known (a rewrite must replace it, not add a second one).
+    let keys = |body: &str| parse(false, body.as_bytes(), 10).expect("parses").0.body_keys;
+    assert_eq!(keys(r#"{"model":"m","prompt":"x"}"#), BodyKeys::default());
+    assert_eq!(
+        keys(r#"{"model":"m","prompt":"x","cache_salt":null,"stream_options":null}"#),
+        BodyKeys { cache_salt: true, stream_options: true }
+    );
+    let (f, _) = parse(false, br#"{"model":"m","prompt":"x","cache_salt":null}"#, 10).expect("parses");
+    assert_eq!(f.cache_salt, None);
 }
 
 #[test]
