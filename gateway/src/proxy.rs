@@ -22,8 +22,9 @@
 //!
 //! Charging: a request reserves its price at admission. It is then charged what the workers computed for it:
 //! - a completed response: its `usage` (uncached prompt + completion tokens; a response without usage: the price);
-//! - a response that ended early (the client left mid-stream, the worker failed or went silent): the uncached
-//!   prompt (the prefill ran) plus every completion token sent, counted from the stream (`meter.rs`);
+//! - a stream that ended early (the client left, the worker failed or went silent): the uncached prompt (the
+//!   prefill ran) plus every completion token sent, counted from the stream (`meter.rs`); a whole answer whose
+//!   client left mid-body: its price (it was computed before it was sent);
 //! - a request a worker accepted but that never answered (the client left first, or the first-byte timeout): the
 //!   uncached prompt (the gateway cannot see whether prefill began, so it assumes it did);
 //! - refunded in full only when no worker computed anything: refusals, connection failures, error answers, and
@@ -319,7 +320,7 @@ async fn handle(state: &Arc<GatewayState>, session: &mut Session, ctx: &mut Ctx)
         let outcome = forward(state, session, &a).await;
         drop(guard);
         match outcome {
-            Outcome::Responded { status, usage, tokens_sent, completed, stalled } => {
+            Outcome::Responded { status, usage, tokens_sent, whole, completed, stalled } => {
                 ctx.status = status;
                 if stalled {
                     state.registry().record_fault(t.wref, Fault::Timeout, Instant::now());
@@ -330,7 +331,8 @@ async fn handle(state: &Arc<GatewayState>, session: &mut Session, ctx: &mut Ctx)
                         .increment(predicted as u64);
                 }
                 if (200..300).contains(&status) {
-                    permit.reconcile(charge(cost, uncached, usage, tokens_sent, completed));
+                    // A whole (not streamed) answer was computed before it was sent, however it ended.
+                    permit.reconcile(charge(cost, uncached, usage, tokens_sent, completed || whole));
                     if !completed {
                         metrics::counter!("kvgate_gateway_class_partial_charges_total", "class" => class_name.clone())
                             .increment(1);
@@ -494,4 +496,21 @@ async fn models(state: &GatewayState, session: &mut Session, ctx: &mut Ctx) -> R
     };
     let body = serde_json::to_string(&list).map_err(|e| ApiError::internal(e.to_string()))?;
     plain_json(session, ctx, 200, &body).await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_request_is_charged_what_was_computed() {
+        let usage = UsageSeen { prompt: 1000, completion: 40, cached: 600 };
+        // Completed: its usage (uncached prompt + completion); without one, the price reserved.
+        assert_eq!(charge(2400.0, 400, Some(usage), 40, true), 440.0);
+        assert_eq!(charge(2400.0, 400, None, 40, true), 2400.0);
+        // Cut short: the predicted uncached prompt and what was sent; a usage seen wins (never below what was sent).
+        assert_eq!(charge(2400.0, 400, None, 50, false), 450.0);
+        assert_eq!(charge(2400.0, 400, None, 0, false), 400.0, "left before the first token: the prefill");
+        assert_eq!(charge(2400.0, 400, Some(usage), 55, false), 455.0);
+    }
 }

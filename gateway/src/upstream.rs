@@ -62,6 +62,9 @@ pub enum Outcome {
         usage: Option<UsageSeen>,
         /// Completion tokens the client received (the usage's count, else a stream's token events so far).
         tokens_sent: u64,
+        /// Not a stream: the worker computed the whole answer before sending it (a client that leaves mid-body
+        /// left after the work was done).
+        whole: bool,
         /// The body ended normally (not cut by the client, a failure or the idle timeout).
         completed: bool,
         /// The stream went silent past the idle timeout (the worker is suspect).
@@ -177,7 +180,14 @@ pub async fn forward(state: &GatewayState, session: &mut Session, a: &Attempt<'_
         None => {
             // A 503 that was not a refusal: its body was read already.
             let ok = session.write_response_body(early_body, true).await.is_ok();
-            return Outcome::Responded { status, usage: None, tokens_sent: 0, completed: ok, stalled: false };
+            return Outcome::Responded {
+                status,
+                usage: None,
+                tokens_sent: 0,
+                whole: true,
+                completed: ok,
+                stalled: false,
+            };
         }
     };
     let mut meter = Meter::new(sse, a.strip_usage);
@@ -206,6 +216,7 @@ pub async fn forward(state: &GatewayState, session: &mut Session, a: &Attempt<'_
                             status,
                             usage: None,
                             tokens_sent,
+                            whole: !sse,
                             completed: false,
                             stalled: false,
                         };
@@ -252,7 +263,7 @@ pub async fn forward(state: &GatewayState, session: &mut Session, a: &Attempt<'_
     }
     let _ = session.write_response_body(None, true).await;
     let usage = if completed { meter.usage() } else { None };
-    Outcome::Responded { status, usage, tokens_sent: meter.tokens_sent(), completed, stalled }
+    Outcome::Responded { status, usage, tokens_sent: meter.tokens_sent(), whole: !sse, completed, stalled }
 }
 
 async fn write_sse_error(session: &mut Session, err: &ApiError) {

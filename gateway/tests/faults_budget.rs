@@ -421,13 +421,7 @@ async fn leaving_a_stream_early_is_charged_what_was_computed_not_refunded() {
     let cfg = dir.path().join("gateway.toml");
     std::fs::write(&cfg, classes).expect("write");
     let (g, control) = gateway(&["--config", cfg.to_str().expect("p")]);
-    let profile = sim_profile(dir.path(), "slow-decode", 0.002, 0.0);
-    let _w = worker(
-        "w",
-        &dir.path().join("tiny"),
-        Some(&control),
-        &["--engine", "sim", "--sim-profile", profile.to_str().expect("p")],
-    );
+    let _w = sim_worker("w", dir.path(), &control, 0.002);
     wait_healthy(&control, 1).await;
     let url = format!("{}/v1/chat/completions", g.base);
     let body = json!({"model": MODEL, "max_tokens": 2000, "stream": true, "ignore_eos": true,

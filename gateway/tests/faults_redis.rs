@@ -145,13 +145,7 @@ async fn a_class_bucket_written_full_of_tokens_buys_at_most_one_burst() {
     )
     .expect("config");
     let (g, control) = replica(&redis, "a", &["--config", cfg.to_str().expect("p")]);
-    let profile = sim_profile(dir.path(), "instant", 0.0, 0.0);
-    let _w = worker(
-        "w",
-        &dir.path().join("tiny"),
-        Some(&control),
-        &["--engine", "sim", "--sim-profile", profile.to_str().expect("p")],
-    );
+    let _w = sim_worker("w", dir.path(), &control, 0.0);
     wait_healthy(&control, 1).await;
     wait_until(Duration::from_secs(10), || async { redis_mode(&control).await }).await;
     let url = format!("{}/v1/completions", g.base);

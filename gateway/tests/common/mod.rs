@@ -281,6 +281,14 @@ pub fn sim_profile(dir: &std::path::Path, name: &str, decode_step_s: f64, prefil
     path
 }
 
+/// A simulated-engine worker (tiny model's tokenizer) reporting to `control`, taking `decode_step_s` a token and no
+/// time for prefill.
+pub fn sim_worker(id: &str, dir: &std::path::Path, control: &str, decode_step_s: f64) -> Proc {
+    let profile = sim_profile(dir, &format!("sim-{id}"), decode_step_s, 0.0);
+    let p = profile.display().to_string();
+    worker(id, &dir.join("tiny"), Some(control), &["--engine", "sim", "--sim-profile", &p])
+}
+
 /// Sends a signal to a process.
 pub fn signal(p: &Proc, sig: i32) {
     // SAFETY: kill(2) on a child we own; no memory is touched.

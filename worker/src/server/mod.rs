@@ -154,14 +154,10 @@ fn load(cfg: &ServeConfig, worker_id: &str) -> Result<ServingModel, String> {
     let disk_dir = cfg.disk_kv_path.clone().unwrap_or_default();
     // What the SSD tier's records are valid for besides the scheme and layout: these weights (a simulated engine
     // has none: its profile's name).
-    let model_digest = |engine: &EngineKind| -> Result<u64, String> {
-        match engine {
-            _ if cfg.disk_kv_bytes == 0 => Ok(0),
-            EngineKind::Cpu => crate::model::identity::weights_digest(&dir),
-            EngineKind::Sim { profile } => {
-                Ok(xxhash_rust::xxh3::xxh3_64(profile.to_string_lossy().as_bytes()))
-            }
-        }
+    let weights = match &cfg.engine {
+        _ if cfg.disk_kv_bytes == 0 => 0,
+        EngineKind::Cpu => crate::model::identity::weights_digest(&dir)?,
+        EngineKind::Sim { profile } => xxhash_rust::xxh3::xxh3_64(profile.to_string_lossy().as_bytes()),
     };
     let (handle, max_model_len, device) = match &cfg.engine {
         EngineKind::Cpu => match cfg.device.resolve() {
@@ -180,14 +176,8 @@ fn load(cfg: &ServeConfig, worker_id: &str) -> Result<ServingModel, String> {
                 let backend = crate::cuda::CudaBackend::new(l, slots, bs)?;
                 let device = backend.describe();
                 tracing::info!(device = %device, kv_cache_tokens = slots, "CUDA engine");
-                let engine = Engine::new(engine_cfg(slots / bs), backend, Some(prompter.clone()))
-                    .with_host_tier(cfg.host_kv_bytes, cfg.kv_write_policy)?
-                    .with_disk_tier(
-                        &disk_dir,
-                        cfg.disk_kv_bytes,
-                        cfg.kv_write_policy,
-                        model_digest(&cfg.engine)?,
-                    )?;
+                let engine = Engine::new(engine_cfg(slots / bs), backend, Some(prompter.clone()));
+                let engine = with_tiers(engine, cfg, &disk_dir, weights)?;
                 let engine = with_load_costs(engine, cfg);
                 (EngineHandle::spawn(engine, cfg.max_waiting_requests), max_model_len, device)
             }
@@ -197,14 +187,8 @@ fn load(cfg: &ServeConfig, worker_id: &str) -> Result<ServingModel, String> {
                 let max_model_len = model.config().max_position_embeddings;
                 let backend = CpuBackend::new(model, tokens / bs * bs);
                 tracing::info!(device = "cpu", requested = %cfg.device, kv_cache_tokens = tokens / bs * bs, "CPU engine");
-                let engine = Engine::new(engine_cfg(tokens / bs), backend, Some(prompter.clone()))
-                    .with_host_tier(cfg.host_kv_bytes, cfg.kv_write_policy)?
-                    .with_disk_tier(
-                        &disk_dir,
-                        cfg.disk_kv_bytes,
-                        cfg.kv_write_policy,
-                        model_digest(&cfg.engine)?,
-                    )?;
+                let engine = Engine::new(engine_cfg(tokens / bs), backend, Some(prompter.clone()));
+                let engine = with_tiers(engine, cfg, &disk_dir, weights)?;
                 let engine = with_load_costs(engine, cfg);
                 (EngineHandle::spawn(engine, cfg.max_waiting_requests), max_model_len, "cpu".to_string())
             }
@@ -216,14 +200,8 @@ fn load(cfg: &ServeConfig, worker_id: &str) -> Result<ServingModel, String> {
                 .with_timing(profile.timing, SimClock::RealTime);
             tracing::info!(profile = %profile.name, "simulated engine");
             let tokens = cfg.kv_cache_tokens.unwrap_or(config::CPU_KV_CACHE_TOKENS);
-            let mut engine = Engine::new(engine_cfg(tokens / bs), backend, Some(prompter.clone()))
-                .with_host_tier(cfg.host_kv_bytes, cfg.kv_write_policy)?
-                .with_disk_tier(
-                    &disk_dir,
-                    cfg.disk_kv_bytes,
-                    cfg.kv_write_policy,
-                    model_digest(&cfg.engine)?,
-                )?;
+            let engine = Engine::new(engine_cfg(tokens / bs), backend, Some(prompter.clone()));
+            let mut engine = with_tiers(engine, cfg, &disk_dir, weights)?;
             // A simulated engine loads and computes at its profile's speeds: weigh those, not this machine's.
             engine.set_load_costs(profile.timing.load_costs(cfg.kv_load_policy));
             (EngineHandle::spawn(engine, cfg.max_waiting_requests), profile.max_model_len, "sim".to_string())
@@ -243,6 +221,22 @@ fn load(cfg: &ServeConfig, worker_id: &str) -> Result<ServingModel, String> {
         scheme,
         device,
     })
+}
+
+/// An engine with the lower KV tiers the flags ask for (`model`: what the SSD tier's records are valid for besides
+/// the scheme and KV layout).
+fn with_tiers<B: crate::engine::Backend>(
+    engine: Engine<B>,
+    cfg: &ServeConfig,
+    disk_dir: &std::path::Path,
+    model: u64,
+) -> Result<Engine<B>, String> {
+    engine.with_host_tier(cfg.host_kv_bytes, cfg.kv_write_policy)?.with_disk_tier(
+        disk_dir,
+        cfg.disk_kv_bytes,
+        cfg.kv_write_policy,
+        model,
+    )
 }
 
 /// The HTTP routes over `state`.
