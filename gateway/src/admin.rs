@@ -39,6 +39,26 @@ use crate::routing::Weights;
 use crate::shared_state::{Commit, IfMatch, RedisStore, Resource};
 use crate::state::GatewayState;
 
+/// 503 `shared_state_version_exhausted`: the resource's version in Redis is the last one below the cap, which no
+/// fleet reaches by its own writes; an operator deletes the key (the replicas seed it again) to go on.
+fn exhausted(r: Resource, current: u64) -> Response {
+    tracing::error!(
+        resource = r.name(),
+        current,
+        "admin change refused: the resource's version in Redis is exhausted"
+    );
+    error(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "shared_state_version_exhausted",
+        format!(
+            "the change was not applied: the version of {} in Redis is {current}, the last below the cap (no \
+             replica wrote that); delete the key {{prefix}}:admin:{} and the replicas seed it again",
+            r.name(),
+            r.name()
+        ),
+    )
+}
+
 fn error(status: StatusCode, code: &str, message: String) -> Response {
     crate::auth::error_response(status, code, message)
 }
@@ -132,6 +152,7 @@ async fn commit_shared(
     match store.commit(r, expected, state.resource_json(r).0, &value, &audit).await {
         Ok(Commit::Done(v)) => Ok(v),
         Ok(Commit::Stale(current)) => Err(mismatch(etag(current))),
+        Ok(Commit::Exhausted(current)) => Err(exhausted(r, current)),
         Err(e) => {
             state.shared.lost();
             tracing::error!(error = %e, resource = r.name(), "admin change refused: Redis is unreachable");
@@ -286,6 +307,7 @@ async fn drain(state: Arc<GatewayState>, headers: HeaderMap, id: String, drainin
                         crate::shared_state::sync::apply_remote(&state, Resource::Drains, v, &value);
                     }
                 }
+                Ok(Commit::Exhausted(current)) => return exhausted(Resource::Drains, current),
                 Ok(Commit::Stale(_)) => {
                     return error(
                         StatusCode::CONFLICT,

@@ -229,6 +229,15 @@ impl Meter {
         out.extend_from_slice(event);
     }
 
+    /// A JSON response cut off: the usage its bytes so far end with, if they do (`None` for a stream).
+    pub fn finish_usage(&mut self) -> Option<UsageSeen> {
+        if self.sse {
+            return None;
+        }
+        self.finish();
+        self.usage
+    }
+
     /// The response ended: what is still held (an event without its blank line is forwarded as it is).
     pub fn finish(&mut self) -> Bytes {
         if !self.sse {

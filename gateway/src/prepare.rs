@@ -13,7 +13,7 @@
 //! stream says what it cost (`proxy.rs`, "Charging"); `strip_usage` tells the proxy to take it out again.
 
 use bytes::Bytes;
-use kvgate_shared::handoff::{tenant_salt, TenantScope};
+use kvgate_shared::handoff::{tenant_salt, TenantScope, TENANT_SALT_PREFIX};
 use kvgate_shared::hashing::{BlockHash, BlockHasher};
 use kvgate_shared::prompt::RequestPrompt;
 
@@ -119,6 +119,14 @@ pub fn prepare(
         header_salt: headers.cache_salt.as_deref(),
         scope: None,
     };
+    if client.salt().is_some_and(|s| s.starts_with(TENANT_SALT_PREFIX)) {
+        // The form of the salts the gateway derives for tenants: no client may send one (without a report secret
+        // the derivation is public, so this is what keeps a tenant's namespace its own).
+        return Err(ApiError::invalid(
+            "cache_salt",
+            &format!("a cache salt may not start with {TENANT_SALT_PREFIX:?} (reserved for tenants' salts)"),
+        ));
+    }
     let (tenant_salt, scope, salt_rewritten) =
         salt_for(caller, client.salt(), state.cfg.report_secret.as_deref());
     let mut members = Vec::new();
@@ -129,7 +137,11 @@ pub fn prepare(
     }
     let strip_usage = fields.stream && !fields.include_usage;
     if strip_usage {
-        members.push(("stream_options", stream_options_with_usage(&body)?));
+        let opts = match fields.body_keys.stream_options {
+            true => stream_options_with_usage(&body)?,
+            false => r#"{"include_usage":true}"#.to_owned(),
+        };
+        members.push(("stream_options", opts));
     }
     // A body with none of the keys gets them in front (a copy); one that has some is rewritten member by member.
     let keys = fields.body_keys;

@@ -25,8 +25,11 @@
 //! - a stream that ended early (the client left, the worker failed or went silent): the uncached prompt (the
 //!   prefill ran) plus every completion token sent, counted from the stream (`meter.rs`); a whole answer whose
 //!   client left mid-body: its price (it was computed before it was sent);
-//! - a request a worker accepted but that never answered (the client left first, or the first-byte timeout): the
-//!   uncached prompt (the gateway cannot see whether prefill began, so it assumes it did);
+//! - a request a worker accepted but that never answered: on the first-byte timeout, and for a stream whose
+//!   client left before the first token, the uncached prompt (the gateway cannot see whether prefill began, so it
+//!   assumes it did); a whole (not streamed) answer whose client left: its price (it may have been all but done);
+//! - a fallback worker's uncached prompt is not predicted: its whole prompt stands for it;
+//! - a pod's usage is believed up to the prompt plus the output the request may have had;
 //! - refunded in full only when no worker computed anything: refusals, connection failures, error answers, and
 //!   every refusal before a worker was tried (admission, validation, no worker).
 //!
@@ -240,6 +243,10 @@ async fn handle(state: &Arc<GatewayState>, session: &mut Session, ctx: &mut Ctx)
     };
     let max_tokens = p.fields.max_tokens.map(u64::from);
     let cost = (priced.uncached_tokens + max_tokens.unwrap_or(expected_output)) as f64;
+    // The most a pod's usage is believed: the prompt and the output the request may have had (the context left
+    // without max_tokens, where the context length is known).
+    let output_cap = max_tokens.or(p.max_model_len.map(u64::from)).unwrap_or(1 << 24);
+    let cap = (p.ids.len() as u64).saturating_add(output_cap);
     ctx.class = class_name.clone();
     let admitted =
         unless_client_leaves(session, state.admission.admit(class, Some(&caller.tenant), cost)).await;
@@ -294,6 +301,8 @@ async fn handle(state: &Arc<GatewayState>, session: &mut Session, ctx: &mut Ctx)
             continue; // forgotten since the decision
         };
         ctx.route = reason.as_str();
+        // The pick's uncached prompt was predicted; a fallback's is not known: its whole prompt.
+        let uncached_here = if attempt == 0 { uncached } else { p.ids.len() as u64 };
         let ids = handoff.as_ref().filter(|_| t.reports && t.fingerprint_ok);
         let body = ids.map_or(&p.body, |(body, _)| body);
         let headers = match state.cfg.report_secret.as_deref() {
@@ -332,7 +341,8 @@ async fn handle(state: &Arc<GatewayState>, session: &mut Session, ctx: &mut Ctx)
                 }
                 if (200..300).contains(&status) {
                     // A whole (not streamed) answer was computed before it was sent, however it ended.
-                    permit.reconcile(charge(cost, uncached, usage, tokens_sent, completed || whole));
+                    let computed = completed || whole;
+                    permit.reconcile(charge(cost, uncached_here, usage, tokens_sent, computed, cap));
                     if !completed {
                         metrics::counter!("kvgate_gateway_class_partial_charges_total", "class" => class_name.clone())
                             .increment(1);
@@ -354,12 +364,14 @@ async fn handle(state: &Arc<GatewayState>, session: &mut Session, ctx: &mut Ctx)
                 tracing::warn!(worker = %t.id, after = ?first_byte, "first-byte timeout: worker suspect");
                 state.registry().record_fault(t.wref, Fault::Timeout, Instant::now());
                 // The worker had the request: its prefill is charged.
-                permit.reconcile(uncached as f64);
+                permit.reconcile(uncached_here as f64);
                 return Err(ApiError::upstream_timeout(&t.id, first_byte));
             }
             Outcome::ClientGone => {
                 ctx.status = CLIENT_CLOSED;
-                permit.reconcile(uncached as f64);
+                // A stream's first token was not out yet: its prefill. A whole answer may have been all but done
+                // when the client left: its price.
+                permit.reconcile(if p.fields.stream { uncached_here as f64 } else { cost });
                 metrics::counter!("kvgate_gateway_class_partial_charges_total", "class" => class_name.clone())
                     .increment(1);
                 return Ok(());
@@ -376,12 +388,24 @@ async fn handle(state: &Arc<GatewayState>, session: &mut Session, ctx: &mut Ctx)
 /// What a request that a worker answered with a 2xx is charged (module docs, "Charging"): its `usage` when the
 /// response carried one; else a `completed` response the `price` reserved, and one cut short the predicted
 /// `uncached` prompt plus the completion tokens it `sent`.
-pub fn charge(price: f64, uncached: u64, usage: Option<UsageSeen>, sent: u64, completed: bool) -> f64 {
-    match usage {
-        Some(u) => (u.prompt.saturating_sub(u.cached) + u.completion.max(sent)) as f64,
-        None if completed => price,
-        None => (uncached + sent) as f64,
-    }
+///
+/// What a pod says is bounded by `cap` (the prompt plus the output the request may have: a pod's numbers are input
+/// like any other, and an absurd usage must not put the class in debt for ever).
+pub fn charge(
+    price: f64,
+    uncached: u64,
+    usage: Option<UsageSeen>,
+    sent: u64,
+    completed: bool,
+    cap: u64,
+) -> f64 {
+    let sent = sent.min(cap);
+    let tokens = match usage {
+        Some(u) => u.prompt.saturating_sub(u.cached).saturating_add(u.completion.max(sent)),
+        None if completed => return price,
+        None => uncached.saturating_add(sent),
+    };
+    tokens.min(cap) as f64
 }
 
 /// The body with the handoff field, and the field's value, when the handoff is on (`--prompt-handoff`), the
@@ -506,11 +530,20 @@ mod tests {
     fn a_request_is_charged_what_was_computed() {
         let usage = UsageSeen { prompt: 1000, completion: 40, cached: 600 };
         // Completed: its usage (uncached prompt + completion); without one, the price reserved.
-        assert_eq!(charge(2400.0, 400, Some(usage), 40, true), 440.0);
-        assert_eq!(charge(2400.0, 400, None, 40, true), 2400.0);
+        let cap = 3000;
+        assert_eq!(charge(2400.0, 400, Some(usage), 40, true, cap), 440.0);
+        assert_eq!(charge(2400.0, 400, None, 40, true, cap), 2400.0);
         // Cut short: the predicted uncached prompt and what was sent; a usage seen wins (never below what was sent).
-        assert_eq!(charge(2400.0, 400, None, 50, false), 450.0);
-        assert_eq!(charge(2400.0, 400, None, 0, false), 400.0, "left before the first token: the prefill");
-        assert_eq!(charge(2400.0, 400, Some(usage), 55, false), 455.0);
+        assert_eq!(charge(2400.0, 400, None, 50, false, cap), 450.0);
+        assert_eq!(
+            charge(2400.0, 400, None, 0, false, cap),
+            400.0,
+            "left before the first token: the prefill"
+        );
+        assert_eq!(charge(2400.0, 400, Some(usage), 55, false, cap), 455.0);
+        // A hostile pod's numbers: no overflow, no charge past the cap.
+        let absurd = UsageSeen { prompt: u64::MAX, completion: u64::MAX, cached: 0 };
+        assert_eq!(charge(2400.0, 400, Some(absurd), u64::MAX, true, cap), 3000.0);
+        assert_eq!(charge(2400.0, u64::MAX, None, u64::MAX, false, cap), 3000.0);
     }
 }

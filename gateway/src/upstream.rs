@@ -210,11 +210,13 @@ pub async fn forward(state: &GatewayState, session: &mut Session, a: &Attempt<'_
                     let out = meter.feed(&data);
                     if !out.is_empty() && session.write_response_body(Some(out), false).await.is_err() {
                         // The client went away: dropping the upstream body closes that connection, and the
-                        // worker aborts the request. What it sent until then is charged.
+                        // worker aborts the request. What it sent until then is charged (a whole answer: its
+                        // usage, if its end was read already).
+                        let usage = if sse { None } else { meter.finish_usage() };
                         let tokens_sent = meter.tokens_sent();
                         return Outcome::Responded {
                             status,
-                            usage: None,
+                            usage,
                             tokens_sent,
                             whole: !sse,
                             completed: false,

@@ -110,22 +110,32 @@ async fn versions_and_values_no_replica_wrote_are_replaced_not_believed() {
     assert_eq!(put.status, 200, "{}", put.body);
     // A version of 2^63 (Lua's doubles would make v + 1 == v: every compare-and-set failing).
     redis.cli(None, &["HSET", "kvgate:admin:weights", "version", "9223372036854775807"]);
-    let invalid = "kvgate_gateway_shared_state_invalid_total{resource=\"weights\"}";
+    let invalid = "kvgate_gateway_shared_state_invalid_total{resource=\"weights\",action=\"replaced\"}";
+    let ignored = "kvgate_gateway_shared_state_invalid_total{resource=\"weights\",action=\"ignored\"}";
     wait_until(Duration::from_secs(5), || async { counter(&ca, invalid).await >= 1.0 }).await;
     let etag = admin("GET", &weights, None, &[]).await.header("etag");
     let put = admin("PUT", &weights, Some(json!({"w_prefix": 3.0})), &[("if-match", &etag)]).await;
     assert_eq!(put.status, 200, "admin writes still work: {}", put.body);
     let stored = redis.cli(None, &["HGET", "kvgate:admin:weights", "version"]);
     assert!(stored.trim().parse::<u64>().is_ok_and(|v| v < 1 << 52), "{stored}");
-    // A newer version with a value that fails validation: never applied, replaced by this replica's.
-    redis.cli(None, &["HSET", "kvgate:admin:weights", "version", "1000", "value", "{\"w_prefix\": -7}"]);
+    // A value that is not JSON: corrupt, replaced by this replica's (only while it is still what was read).
+    redis.cli(None, &["HSET", "kvgate:admin:weights", "version", "1000", "value", "\u{1}garbage"]);
     wait_until(Duration::from_secs(5), || async { counter(&ca, invalid).await >= 2.0 }).await;
-    assert_eq!(admin("GET", &weights, None, &[]).await.json()["w_prefix"], 3.0);
     let value = redis.cli(None, &["HGET", "kvgate:admin:weights", "value"]);
     assert!(value.contains("\"w_prefix\":3.0"), "{value}");
+    assert_eq!(redis.cli(None, &["HGET", "kvgate:admin:weights", "version"]).trim(), "1001");
+    // A newer version with a JSON value that fails validation (say a newer replica's, during an upgrade): never
+    // applied, not replaced either; a PUT's 412 names the stored ETag, with which the admin writes over it.
+    redis.cli(None, &["HSET", "kvgate:admin:weights", "version", "2000", "value", "{\"w_prefix\": -7}"]);
+    wait_until(Duration::from_secs(5), || async { counter(&ca, ignored).await >= 1.0 }).await;
+    assert_eq!(admin("GET", &weights, None, &[]).await.json()["w_prefix"], 3.0);
     let etag = admin("GET", &weights, None, &[]).await.header("etag");
     let put = admin("PUT", &weights, Some(json!({"w_prefix": 4.0})), &[("if-match", &etag)]).await;
+    assert_eq!(put.status, 412, "{}", put.body);
+    assert!(put.json()["error"]["message"].as_str().is_some_and(|m| m.contains("\"v2000\"")), "{}", put.body);
+    let put = admin("PUT", &weights, Some(json!({"w_prefix": 4.0})), &[("if-match", "\"v2000\"")]).await;
     assert_eq!(put.status, 200, "{}", put.body);
+    assert_eq!(admin("GET", &weights, None, &[]).await.json()["w_prefix"], 4.0);
     // If-Match past the largest version is not an ETag of this API.
     let put =
         admin("PUT", &weights, Some(json!({"w_prefix": 4.0})), &[("if-match", "\"v9223372036854775807\"")])

@@ -37,6 +37,9 @@ pub const ASSERTION_WINDOW_MS: u64 = 300_000;
 /// Longest assertion header accepted.
 pub const MAX_ASSERTION_BYTES: usize = 256;
 
+/// How every salt [`tenant_salt`] derives begins; gateways refuse client salts that do.
+pub const TENANT_SALT_PREFIX: &str = "kvgate-salt-";
+
 const ASSERTION_CONTEXT: &str = "kvgate 2026-12 gateway assertion v1";
 const TOKEN_CONTEXT: &str = "kvgate 2026-12 worker api bearer v1";
 const SALT_CONTEXT: &str = "kvgate 2026-12 cache salt namespace v1";
@@ -84,7 +87,8 @@ pub fn check_gateway_token(secret: &str, authorization: Option<&str>) -> bool {
 /// The salt a tenant's request is keyed with, as sent to pods: an opaque value derived from the tenant, whether
 /// its key forced the salt, and the salt, under a key from `secret` (without one the derivation is public, so the
 /// namespace is only as private as the tenant name and salt). No client-chosen salt can equal it without the
-/// secret, and pods that take a body `cache_salt` (vLLM) isolate by it too.
+/// secret (and gateways refuse client salts of its form, [`TENANT_SALT_PREFIX`], so even without a secret none
+/// reaches it through a gateway), and pods that take a body `cache_salt` (vLLM) isolate by it too.
 pub fn tenant_salt(secret: Option<&str>, tenant: &str, forced: bool, salt: &str) -> String {
     let key = blake3::derive_key(SALT_CONTEXT, secret.unwrap_or("").as_bytes());
     let mut h = blake3::Hasher::new_keyed(&key);
@@ -92,7 +96,7 @@ pub fn tenant_salt(secret: Option<&str>, tenant: &str, forced: bool, salt: &str)
         h.update(&(part.len() as u32).to_le_bytes());
         h.update(part.as_bytes());
     }
-    format!("kvgate-salt-v1:{}", &h.finalize().to_hex()[..32])
+    format!("{TENANT_SALT_PREFIX}v1:{}", &h.finalize().to_hex()[..32])
 }
 
 /// Base64 of the ids as little-endian u32.

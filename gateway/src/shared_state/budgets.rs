@@ -29,8 +29,9 @@ pub const FLOAT_S: f64 = 0.1;
 /// below zero) and returns the grant; `give` puts n back (capped at the burst) and returns 0.
 ///
 /// What is read back is checked like admin input (Redis is shared infrastructure): a level that is not a number,
-/// NaN, above the burst or absurdly negative counts as a bucket at its burst at most (so no write can mint more
-/// than one burst), and a time in the future or more than a day old as now (no refill from it).
+/// NaN or above the burst counts as a bucket at its burst (so no write can mint more than one burst), a negative
+/// one as empty (`take` never leaves one: no write can starve the class), and a time in the future or more than a
+/// day old as now (no refill from it).
 const BUCKET: &str = r"
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -38,7 +39,7 @@ local b = redis.call('HMGET', KEYS[1], 'level', 't')
 local n, rate, burst = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
 local level = tonumber(b[1])
 if level == nil or level ~= level or level > burst then level = burst end
-if level < -1e15 then level = 0 end
+if level < 0 then level = 0 end
 local last = tonumber(b[2])
 if last == nil or last ~= last or last > now or last < now - 86400000 then last = now end
 if now > last then level = math.min(burst, level + (now - last) * rate / 1000) end

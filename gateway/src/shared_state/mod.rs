@@ -43,6 +43,8 @@ pub struct SharedState {
     live: AtomicUsize,
     /// The replica ids of the last heartbeat (shared sends from others are ignored, `sends.rs`).
     live_ids: std::sync::RwLock<std::collections::HashSet<String>>,
+    /// The version of each resource whose invalid value was last ignored (reported once, not every pass).
+    ignored: std::sync::Mutex<std::collections::HashMap<&'static str, u64>>,
     wake: Notify,
 }
 
@@ -60,6 +62,7 @@ impl SharedState {
             redis_up: AtomicBool::new(false),
             live: AtomicUsize::new(1),
             live_ids: Default::default(),
+            ignored: Default::default(),
             wake: Notify::new(),
         };
         s.publish_mode();
@@ -89,6 +92,11 @@ impl SharedState {
     pub(crate) fn set_live(&self, ids: Vec<String>) {
         self.live.store(ids.len().max(1), Ordering::Release);
         *self.live_ids.write().unwrap_or_else(|e| e.into_inner()) = ids.into_iter().collect();
+    }
+
+    /// Records that `resource`'s value at `version` was ignored; true the first time for that version.
+    pub(crate) fn first_ignored(&self, resource: &'static str, version: u64) -> bool {
+        self.ignored.lock().unwrap_or_else(|e| e.into_inner()).insert(resource, version) != Some(version)
     }
 
     /// Whether `id` had a live heartbeat at the last sync.
@@ -160,7 +168,7 @@ impl IfMatch {
                 .strip_prefix("\"v")
                 .and_then(|v| v.strip_suffix('"'))
                 .and_then(|n| n.parse().ok())
-                .filter(|v| *v <= redis_store::MAX_VERSION)
+                .filter(|v| *v < redis_store::MAX_VERSION)
                 .map_or(IfMatch::Invalid, IfMatch::Version),
         }
     }

@@ -60,16 +60,20 @@ pub enum Commit {
     Done(u64),
     /// The stored version is not the expected one (it is this).
     Stale(u64),
+    /// The stored version is the last one below [`MAX_VERSION`] (written by someone else than the replicas: they
+    /// would need 2^52 changes): nothing more can be committed until an operator resets the resource.
+    Exhausted(u64),
 }
 
-/// Largest version a resource may have: Lua numbers are doubles, exact up to 2^53, so a version past this (say
-/// 2^63, written by anyone who reaches Redis) would make `v + 1 == v` and every compare-and-set fail.
+/// Versions are integers below this. Lua numbers are doubles, exact up to 2^53, so a version past it (say 2^63,
+/// written by anyone who reaches Redis) would make `v + 1 == v` and every compare-and-set fail. A version at or past
+/// it, or one that is not an integer, is no version a replica wrote: [`Stored::Corrupt`].
 pub const MAX_VERSION: u64 = 1 << 52;
 
 /// Compare-and-set of a resource: KEYS = hash, channel, audit stream; ARGV = expected version (`*`: any), value,
-/// resource name, audit line, audit cap, [`MAX_VERSION`], the writer's own version. A stored version that is not
-/// an integer in 0..=MAX_VERSION is no version a replica wrote: it counts as the writer's own (so the write goes
-/// through and heals it). Returns `{1, new version}` or `{0, current version}`.
+/// resource name, audit line, audit cap, [`MAX_VERSION`], the writer's own version (below `MAX_VERSION - 1`). A
+/// corrupt stored version counts as the writer's own (so the write goes through and replaces it). Returns
+/// `{1, new version}`, `{0, current version}` (stale) or `{2, current version}` (no version left below the cap).
 const CAS: &str = r"
 local max = tonumber(ARGV[6])
 local v = tonumber(redis.call('HGET', KEYS[1], 'version') or '0')
@@ -79,10 +83,27 @@ end
 if ARGV[1] ~= '*' and tonumber(ARGV[1]) ~= v then
   return {0, v}
 end
+if v + 1 >= max then
+  return {2, v}
+end
 redis.call('HSET', KEYS[1], 'version', string.format('%d', v + 1), 'value', ARGV[2])
 redis.call('PUBLISH', KEYS[2], ARGV[3] .. ':' .. string.format('%d', v + 1))
 redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[5], '*', 'line', ARGV[4])
 return {1, v + 1}
+";
+
+/// Replaces a corrupt resource, only if its stored version is still exactly what was read (so a replica's valid
+/// write in between is never overwritten): KEYS = hash, channel, audit stream; ARGV = the version as read (`''`:
+/// none), value, new version, resource name, audit line, audit cap. Returns 1 when it wrote.
+const HEAL: &str = r"
+local raw = redis.call('HGET', KEYS[1], 'version') or ''
+if raw ~= ARGV[1] then
+  return 0
+end
+redis.call('HSET', KEYS[1], 'version', ARGV[3], 'value', ARGV[2])
+redis.call('PUBLISH', KEYS[2], ARGV[4] .. ':' .. ARGV[3])
+redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[6], '*', 'line', ARGV[5])
+return 1
 ";
 
 /// A resource as Redis holds it.
@@ -90,14 +111,16 @@ return {1, v + 1}
 pub enum Stored {
     Missing,
     Valid(u64, String),
-    /// A version that is not an integer in 0..=[`MAX_VERSION`], or a value that is not text: nothing a replica
-    /// wrote.
-    Corrupt,
+    /// Nothing a replica wrote: a version that is not an integer below [`MAX_VERSION`], a value that is not text,
+    /// or one of the two without the other. `raw_version`: the version field as read (for [`RedisStore::heal`]).
+    Corrupt {
+        raw_version: Vec<u8>,
+    },
 }
 
 /// A stored version as a replica may believe it.
 pub fn parse_version(raw: &[u8]) -> Option<u64> {
-    std::str::from_utf8(raw).ok()?.parse::<u64>().ok().filter(|v| *v <= MAX_VERSION)
+    std::str::from_utf8(raw).ok()?.parse::<u64>().ok().filter(|v| *v < MAX_VERSION)
 }
 
 /// Seeds a resource that Redis does not hold yet (a first replica, or a Redis that came back empty): KEYS = hash;
@@ -211,11 +234,11 @@ impl RedisStore {
             self.query(redis::cmd("HMGET").arg(self.resource_key(r)).arg("version").arg("value")).await?;
         Ok(match (v, value) {
             (None, None) => Stored::Missing,
-            (Some(v), Some(value)) => match (parse_version(&v), String::from_utf8(value)) {
+            (Some(raw), Some(value)) => match (parse_version(&raw), String::from_utf8(value)) {
                 (Some(v), Ok(value)) => Stored::Valid(v, value),
-                _ => Stored::Corrupt,
+                _ => Stored::Corrupt { raw_version: raw },
             },
-            _ => Stored::Corrupt,
+            (raw, _) => Stored::Corrupt { raw_version: raw.unwrap_or_default() },
         })
     }
 
@@ -244,10 +267,43 @@ impl RedisStore {
                     .arg(audit)
                     .arg(AUDIT_MAX_LEN)
                     .arg(MAX_VERSION)
-                    .arg(own.min(MAX_VERSION - 1)),
+                    .arg(own.min(MAX_VERSION - 2)),
             )
             .await?;
-        Ok(if done == 1 { Commit::Done(version) } else { Commit::Stale(version) })
+        Ok(match done {
+            1 => Commit::Done(version),
+            2 => Commit::Exhausted(version),
+            _ => Commit::Stale(version),
+        })
+    }
+
+    /// Replaces a corrupt resource with `value` at `version`, unless its version field is no longer `raw_version`
+    /// (someone wrote since it was read); true when it wrote.
+    pub async fn heal(
+        &self,
+        r: Resource,
+        raw_version: &[u8],
+        version: u64,
+        value: &str,
+        audit: &str,
+    ) -> Result<bool, RedisError> {
+        let wrote: u8 = self
+            .query(
+                redis::cmd("EVAL")
+                    .arg(HEAL)
+                    .arg(3)
+                    .arg(self.resource_key(r))
+                    .arg(self.channel())
+                    .arg(self.key("admin:audit"))
+                    .arg(raw_version)
+                    .arg(value)
+                    .arg(version.min(MAX_VERSION - 1))
+                    .arg(r.name())
+                    .arg(audit)
+                    .arg(AUDIT_MAX_LEN),
+            )
+            .await?;
+        Ok(wrote == 1)
     }
 
     /// Stores `value` at `version` unless Redis holds the resource already; true when it wrote.
@@ -265,10 +321,16 @@ impl RedisStore {
         let mut pipe = redis::pipe();
         pipe.cmd("ZADD").arg(&key).arg(now_ms).arg(replica).ignore();
         pipe.cmd("ZREMRANGEBYSCORE").arg(&key).arg("-inf").arg(now_ms.saturating_sub(60_000)).ignore();
+        // A heartbeat stamped in the future is nobody's (it would stay "live" for ever): removed, never counted.
+        pipe.cmd("ZREMRANGEBYSCORE")
+            .arg(&key)
+            .arg(format!("({}", now_ms + LIVE_WINDOW_MS))
+            .arg("+inf")
+            .ignore();
         pipe.cmd("ZRANGEBYSCORE")
             .arg(&key)
             .arg(now_ms.saturating_sub(LIVE_WINDOW_MS))
-            .arg("+inf")
+            .arg(now_ms + LIVE_WINDOW_MS)
             .arg("LIMIT")
             .arg(0)
             .arg(MAX_REPLICAS);

@@ -6,15 +6,15 @@ use std::time::Duration;
 
 use futures_util::StreamExt;
 
-use super::redis_store::{Commit, RedisStore, Resource, Stored, COMMAND_TIMEOUT};
+use super::redis_store::{parse_version, RedisStore, Resource, Stored, COMMAND_TIMEOUT};
 use super::{now_ms, SYNC_INTERVAL};
 use crate::admission::ClassConfig;
 use crate::routing::Weights;
 use crate::state::GatewayState;
 
 /// Applies a resource read from Redis when it is newer than what this replica has. Values are validated like an
-/// admin PUT (Redis is shared infrastructure; a bad value is logged and never applied). Returns false when the
-/// value is not valid (the caller heals it).
+/// admin PUT (Redis is shared infrastructure; a bad value is never applied). Returns false when the value is not
+/// valid.
 pub fn apply_remote(state: &GatewayState, r: Resource, version: u64, value: &str) -> bool {
     match r {
         Resource::Weights => match serde_json::from_str::<Weights>(value) {
@@ -52,30 +52,41 @@ pub fn apply_remote(state: &GatewayState, r: Resource, version: u64, value: &str
     }
 }
 
-/// Replaces a resource Redis holds in a form no replica writes (a version past `MAX_VERSION`, or a value that
-/// fails validation) with this replica's, under a new version: one bad write cannot leave every admin change
-/// failing its compare-and-set.
-async fn heal(state: &GatewayState, store: &RedisStore, r: Resource) -> Result<(), redis::RedisError> {
-    metrics::counter!("kvgate_gateway_shared_state_invalid_total", "resource" => r.name()).increment(1);
+fn count_invalid(r: Resource, action: &'static str) {
+    metrics::counter!("kvgate_gateway_shared_state_invalid_total", "resource" => r.name(), "action" => action)
+        .increment(1);
+}
+
+/// Replaces a resource Redis holds in a form no replica writes (a version that is not an integer below
+/// `MAX_VERSION`, a value that is not JSON text) with this replica's, under a version past both the stored one
+/// (when it is a version) and this replica's, only if it is still what was read: one bad write cannot leave every
+/// admin change failing its compare-and-set, and a replica's valid write in between is never replaced.
+async fn heal(
+    state: &GatewayState,
+    store: &RedisStore,
+    r: Resource,
+    raw_version: &[u8],
+) -> Result<(), redis::RedisError> {
+    count_invalid(r, "replaced");
     tracing::error!(
         resource = r.name(),
-        "shared state: invalid version or value in Redis, replaced by this replica's"
+        "shared state: corrupt version or value in Redis, replaced by this replica's"
     );
-    let (version, value) = state.resource_json(r);
+    let (own, value) = state.resource_json(r);
+    let stored = parse_version(raw_version).unwrap_or(0);
+    let version = own.max(stored) + 1;
     let audit = serde_json::json!({"replica": state.shared.replica_id(), "resource": r.name(),
-        "reset": "the stored version or value was invalid"})
+        "reset": "the stored version or value was corrupt"})
     .to_string();
-    match store.commit(r, None, version, &value, &audit).await? {
-        Commit::Done(v) => {
-            // Now this replica's own value is stored at `v`.
-            let _ = apply_remote(state, r, v, &value);
-        }
-        Commit::Stale(_) => {}
+    if store.heal(r, raw_version, version, &value, &audit).await? {
+        // Now this replica's own value is stored at `version`.
+        let _ = apply_remote(state, r, version, &value);
     }
     Ok(())
 }
 
-/// One pass: heartbeat, seed what Redis lacks, apply what is newer, heal what is invalid.
+/// One pass: heartbeat, seed what Redis lacks, apply what is newer, replace what is corrupt; a value that is JSON
+/// but fails validation is not applied (logged and counted: it may be a newer replica's, during an upgrade).
 async fn sync_once(state: &GatewayState, store: &RedisStore) -> Result<(), redis::RedisError> {
     let shared = &state.shared;
     let live = store.heartbeat(shared.replica_id(), now_ms()).await?;
@@ -83,11 +94,19 @@ async fn sync_once(state: &GatewayState, store: &RedisStore) -> Result<(), redis
     for r in Resource::ALL {
         match store.get(r).await? {
             Stored::Valid(version, value) => {
-                if !apply_remote(state, r, version, &value) {
-                    heal(state, store, r).await?;
+                if serde_json::from_str::<serde::de::IgnoredAny>(&value).is_err() {
+                    heal(state, store, r, version.to_string().as_bytes()).await?;
+                } else if !apply_remote(state, r, version, &value) && shared.first_ignored(r.name(), version)
+                {
+                    count_invalid(r, "ignored");
+                    tracing::error!(
+                        version,
+                        resource = r.name(),
+                        "shared state: invalid value in Redis, ignored"
+                    );
                 }
             }
-            Stored::Corrupt => heal(state, store, r).await?,
+            Stored::Corrupt { raw_version } => heal(state, store, r, &raw_version).await?,
             Stored::Missing => {
                 let (version, value) = state.resource_json(r);
                 if store.seed(r, version, &value).await? {

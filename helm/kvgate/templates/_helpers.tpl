@@ -95,7 +95,9 @@ user), "external" (redis.auth.existingSecret of an external Redis) or "". */}}
 {{/* Computes, once per render, the chart's Secret data and the values behind every secret reference (kept in
 .Values._kvgateSecrets: templates share .Values, so the Secret and the pods' checksums see the same generated
 values). Generated values: the given one, else the installed Secret's (lookup; nothing under `helm template`), else
-40 random characters. A Secret the user manages contributes what lookup finds in it ("" when nothing). */}}
+40 random characters. A Secret the user manages contributes its resourceVersion as lookup finds it ("" when
+nothing: under `helm template` its rotation does not roll the pods), never its value (a hash of a weak password in a
+pod annotation could be guessed). */}}
 {{- define "kvgate.initSecrets" -}}
 {{- if not (hasKey .Values "_kvgateSecrets") -}}
 {{- $refs := include "kvgate.secretRefs" . | fromJson -}}
@@ -113,7 +115,7 @@ values). Generated values: the given one, else the installed Secret's (lookup; n
 {{- $_ := set $data $ref.key $v -}}
 {{- else -}}
 {{- $user := lookup "v1" "Secret" $.Release.Namespace $ref.name -}}
-{{- if $user }}{{ $v = get (default dict $user.data) $ref.key | default "" }}{{ end -}}
+{{- if $user }}{{ $v = printf "rv:%s" (default "" $user.metadata.resourceVersion) }}{{ end -}}
 {{- end -}}
 {{- $_ := set $values (printf "%s/%s" $ref.name $ref.key) $v -}}
 {{- end -}}
@@ -121,7 +123,8 @@ values). Generated values: the given one, else the installed Secret's (lookup; n
 {{- end -}}
 {{- end -}}
 
-{{/* checksum/secret of a pod: sha256 of the JSON {"<secret>/<key>": base64 value} of the secrets it reads.
+{{/* checksum/secret of a pod: sha256 of the JSON {"<secret>/<key>": base64 value (the chart's own) or
+resourceVersion (a user's)} of the secrets it reads.
 Call with (dict "root" $ "uses" (list "report" ...)). */}}
 {{- define "kvgate.secretChecksum" -}}
 {{- include "kvgate.initSecrets" .root -}}

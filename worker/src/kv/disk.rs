@@ -147,10 +147,12 @@ fn open_segment(dir: &Path, n: u32) -> std::io::Result<File> {
 }
 
 impl Files {
+    /// Seals the current segment and appends to a new one from now on (nothing changes if it cannot be opened).
     fn start_segment(&mut self) -> std::io::Result<()> {
+        let next = open_segment(&self.dir, self.current + 1)?;
         let _ = self.file.sync_all();
         self.current += 1;
-        self.file = open_segment(&self.dir, self.current)?;
+        self.file = next;
         self.len = 0;
         self.size.insert(self.current, 0);
         Ok(())
@@ -205,9 +207,11 @@ fn lock_dir(dir: &Path) -> Result<File, String> {
         .mode(0o700)
         .create(dir)
         .map_err(|e| format!("{shown}: {e}"))?;
-    // A directory made by an earlier version (or by hand) is closed to others too.
-    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))
-        .map_err(|e| format!("{shown}: {e}"))?;
+    // A directory made by an earlier version (or by hand) is closed to others too; one this user cannot change
+    // (another owner) is used as it is, with a warning.
+    if let Err(e) = std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700)) {
+        tracing::warn!(dir = %shown, error = %e, "SSD KV tier: cannot make the directory 0700");
+    }
     let lock = OpenOptions::new()
         .create(true)
         .truncate(false)

@@ -3,10 +3,11 @@
 //! replaced by f16 ones, in the same directory must not find the old model's blocks).
 //!
 //! Digest (xxh3, in this order): `config.json` whole; then for every `*.safetensors` file, by name: its name, its
-//! size, its header (the 8-byte length and the JSON of names, dtypes, shapes and offsets) and [`SAMPLES`] windows
-//! of [`WINDOW_BYTES`] spread evenly over its tensor data, plus its last window. The header alone would miss a
-//! fine-tune (same names, shapes and offsets); a fine-tune changes essentially every weight, so any window of
-//! the data catches it, while a restart reads about 0.25 MiB a file instead of the whole model.
+//! size, its header (the 8-byte length and the JSON of names, dtypes, shapes and offsets) and, for every tensor
+//! (up to [`MAX_TENSORS`] a file, evenly chosen beyond), the first and the last [`WINDOW_BYTES`] of its data (all
+//! of a smaller one). The header alone would miss a fine-tune (same names, shapes and offsets); a fine-tune, even
+//! one that touches a single layer or only the norms, changes the values of whole tensors, so a window of each
+//! tensor catches it, while a restart reads a few MiB instead of the whole model.
 
 use std::fs::File;
 use std::os::unix::fs::FileExt;
@@ -14,10 +15,10 @@ use std::path::Path;
 
 use xxhash_rust::xxh3::Xxh3;
 
-/// Windows of tensor data read per file.
-pub const SAMPLES: u64 = 64;
-/// Bytes of one window.
+/// Bytes of one window (at each end of a tensor's data).
 pub const WINDOW_BYTES: u64 = 4096;
+/// Most tensors of a file sampled (a real model has hundreds to a few thousand).
+pub const MAX_TENSORS: usize = 65_536;
 /// Largest safetensors header read (the format's own limit is 100 MB).
 pub const MAX_HEADER_BYTES: u64 = 100 << 20;
 
@@ -42,17 +43,35 @@ fn digest_safetensors(h: &mut Xxh3, path: &Path) -> Result<(), String> {
     if head_len > MAX_HEADER_BYTES || 8 + head_len > size {
         return Err(io(path, format!("a safetensors header of {head_len} bytes does not fit the file")));
     }
-    h.update(&read_at(&f, path, 0, 8 + head_len)?);
-    let (start, data) = (8 + head_len, size - 8 - head_len);
-    if data <= SAMPLES * WINDOW_BYTES {
-        h.update(&read_at(&f, path, start, data)?);
-        return Ok(());
+    let header = read_at(&f, path, 0, 8 + head_len)?;
+    h.update(&header);
+    let start = 8 + head_len;
+    // Each tensor's data range, in file order.
+    let json: serde_json::Value =
+        serde_json::from_slice(&header[8..]).map_err(|e| io(path, format!("safetensors header: {e}")))?;
+    let mut ranges: Vec<(u64, u64)> = json
+        .as_object()
+        .map(|m| {
+            m.values()
+                .filter_map(|t| {
+                    let o = t.get("data_offsets")?.as_array()?;
+                    Some((o.first()?.as_u64()?, o.get(1)?.as_u64()?))
+                })
+                .filter(|(b, e)| b < e && start.checked_add(*e).is_some_and(|end| end <= size))
+                .collect()
+        })
+        .unwrap_or_default();
+    ranges.sort_unstable();
+    let step = ranges.len().div_ceil(MAX_TENSORS).max(1);
+    for &(b, e) in ranges.iter().step_by(step) {
+        let (b, e) = (start + b, start + e);
+        if e - b <= 2 * WINDOW_BYTES {
+            h.update(&read_at(&f, path, b, e - b)?);
+        } else {
+            h.update(&read_at(&f, path, b, WINDOW_BYTES)?);
+            h.update(&read_at(&f, path, e - WINDOW_BYTES, WINDOW_BYTES)?);
+        }
     }
-    let stride = (data - WINDOW_BYTES) / SAMPLES;
-    for i in 0..SAMPLES {
-        h.update(&read_at(&f, path, start + i * stride, WINDOW_BYTES)?);
-    }
-    h.update(&read_at(&f, path, size - WINDOW_BYTES, WINDOW_BYTES)?);
     Ok(())
 }
 
@@ -101,7 +120,24 @@ mod tests {
         let two = weights_digest(a.path()).expect("digest");
         assert_ne!(one, two);
         synth(a.path(), 2, "bfloat16");
-        assert_ne!(two, weights_digest(a.path()).expect("digest"));
+        let bf16 = weights_digest(a.path()).expect("digest");
+        assert_ne!(two, bf16);
+        // One value of one small tensor changed in place (a fine-tune of the norms): caught.
+        let file = a.path().join("model.safetensors");
+        let mut bytes = std::fs::read(&file).expect("read");
+        let head = u64::from_le_bytes(bytes[..8].try_into().expect("8")) as usize;
+        let json: serde_json::Value = serde_json::from_slice(&bytes[8..8 + head]).expect("header");
+        let norm = json
+            .as_object()
+            .expect("map")
+            .iter()
+            .find(|(k, _)| k.ends_with("norm.weight"))
+            .expect("a norm")
+            .1;
+        let end = norm["data_offsets"][1].as_u64().expect("end") as usize;
+        bytes[8 + head + end - 1] ^= 0x01;
+        std::fs::write(&file, &bytes).expect("write");
+        assert_ne!(bf16, weights_digest(a.path()).expect("digest"));
         assert!(weights_digest(&a.path().join("missing")).is_err());
     }
 }
