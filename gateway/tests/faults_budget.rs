@@ -368,6 +368,15 @@ async fn a_tenants_forced_salt_cannot_be_named_by_any_other_caller() {
     for (who, r) in &tries {
         assert_eq!(cached(r), 0, "{who} reached team-a's blocks");
     }
+    // Through the gateway, a salt of the tenant salts' form is refused outright (without a report secret their
+    // derivation is public).
+    let forged = post(&url, &body(0, Some(&derived)), &[]).await;
+    assert_eq!(
+        (forged.status, forged.json()["error"]["param"].as_str()),
+        (400, Some("cache_salt")),
+        "{}",
+        forged.body
+    );
     // Scoped client salts still work for their own tenant: team-b's salted prompt hits team-b's blocks.
     assert_eq!(cached(&post(&url, &body(2, Some("team-a")), &team_b).await), 384);
     // And unsalted requests keep sharing across callers (a shared system prompt).
