@@ -315,6 +315,14 @@ async fn a_replica_routes_by_what_another_replica_sent() {
         .await;
         wait_until(Duration::from_secs(10), || async { mode(control).await == (Some(1.0), Some(0.0)) }).await;
     }
+    // Each replica believes sends only from replicas whose heartbeats it has seen.
+    for control in [&ca, &cb, &cc] {
+        wait_until(Duration::from_secs(10), || async {
+            let m = get(&format!("{control}/metrics")).await.body;
+            metric(&m, "kvgate_gateway_shared_state_live_replicas") == Some(3.0)
+        })
+        .await;
+    }
     let applied = |control: String| async move {
         let m = get(&format!("{control}/metrics")).await.body;
         metric(&m, "kvgate_gateway_shared_sends_total{event=\"applied\"}").unwrap_or(0.0)

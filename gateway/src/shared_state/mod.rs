@@ -91,6 +91,7 @@ impl SharedState {
     /// Records the live replicas of the last heartbeat (this one among them).
     pub(crate) fn set_live(&self, ids: Vec<String>) {
         self.live.store(ids.len().max(1), Ordering::Release);
+        metrics::gauge!("kvgate_gateway_shared_state_live_replicas").set(ids.len().max(1) as f64);
         *self.live_ids.write().unwrap_or_else(|e| e.into_inner()) = ids.into_iter().collect();
     }
 

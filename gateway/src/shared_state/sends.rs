@@ -186,7 +186,10 @@ pub fn apply(state: &GatewayState, payload: &[u8]) {
             return;
         }
         Received::UnknownReplica => {
+            // A replica that started since the last sync, or no replica at all: refresh the live set now (its
+            // next sends are believed once its heartbeat is seen).
             count("unknown_replica", 1);
+            state.shared.wake();
             return;
         }
         Received::Sends(s, invalid) => (s, invalid),
