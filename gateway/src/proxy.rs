@@ -515,6 +515,7 @@ async fn models(state: &GatewayState, session: &mut Session, ctx: &mut Ctx) -> R
                 owned_by: "kvgate".into(),
                 max_model_len,
                 device: None,
+                role: None,
             })
             .collect(),
     };

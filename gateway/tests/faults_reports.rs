@@ -14,6 +14,7 @@ use kvgate_shared::report::{QueueStats, Throughput, WorkerReport};
 fn forged(id: &str, url: &str, seq: u64) -> Vec<u8> {
     let scheme = HashScheme::new(16, 1);
     WorkerReport {
+        pd: Default::default(),
         worker_id: id.into(),
         advertise_url: url.into(),
         model_id: MODEL.into(),

@@ -169,6 +169,53 @@ impl ExtraKeys {
     pub fn keys(&self) -> &[ExtraKey] {
         &self.0
     }
+
+    /// The keys as bytes (what the root hash reads: each key's tag, then length-prefixed fields), for a peer that
+    /// must key blocks exactly like this side (a KV transfer's prefill request).
+    pub fn to_bytes(&self) -> Vec<u8> {
+        let mut buf = Vec::new();
+        for key in &self.0 {
+            key.encode_into(&mut buf);
+        }
+        buf
+    }
+
+    /// The keys of [`Self::to_bytes`]' output; `None` if `bytes` is not that (an unknown tag, a length past the
+    /// end, text that is not UTF-8). Allocates at most `bytes.len()`.
+    pub fn from_bytes(bytes: &[u8]) -> Option<Self> {
+        fn field<'a>(b: &mut &'a [u8]) -> Option<&'a [u8]> {
+            let len = u32::from_le_bytes(b.get(..4)?.try_into().ok()?) as usize;
+            let out = b.get(4..4usize.checked_add(len)?)?;
+            *b = &b[4 + len..];
+            Some(out)
+        }
+        let text = |v: &[u8]| String::from_utf8(v.to_vec()).ok();
+        let mut keys = Self::none();
+        let mut b = bytes;
+        while let Some((&tag, rest)) = b.split_first() {
+            b = rest;
+            let v = field(&mut b)?;
+            let key = match tag {
+                1 => ExtraKey::CacheSalt(text(v)?),
+                2 => ExtraKey::LoraAdapter(text(v)?),
+                3 => {
+                    let mut inner = v;
+                    let name = text(field(&mut inner)?)?;
+                    let value = field(&mut inner)?.to_vec();
+                    if !inner.is_empty() {
+                        return None;
+                    }
+                    ExtraKey::Other { name, value }
+                }
+                4 => ExtraKey::Tenant(text(v)?),
+                5 => ExtraKey::TenantSalt(text(v)?),
+                _ => return None,
+            };
+            keys.push(key);
+        }
+        // Canonical order only: anything else would hash differently on the two sides.
+        (keys.to_bytes() == bytes).then_some(keys)
+    }
 }
 
 fn root_input(fingerprint: u64, extra: &ExtraKeys) -> Vec<u8> {

@@ -182,3 +182,39 @@ proptest! {
         }
     }
 }
+
+#[test]
+fn extra_keys_travel_as_bytes_and_back() {
+    let keys = ExtraKeys::none()
+        .with(ExtraKey::TenantSalt("s".into()))
+        .with(ExtraKey::Tenant("t".into()))
+        .with(ExtraKey::Other { name: "img".into(), value: vec![1, 2, 3] })
+        .with(ExtraKey::CacheSalt("c".into()));
+    let b = keys.to_bytes();
+    assert_eq!(ExtraKeys::from_bytes(&b), Some(keys.clone()));
+    assert_eq!(ExtraKeys::from_bytes(&[]), Some(ExtraKeys::none()));
+    // Truncated, an unknown tag, a length past the end, and a non-canonical order are all refused.
+    assert_eq!(ExtraKeys::from_bytes(&b[..b.len() - 1]), None);
+    assert_eq!(ExtraKeys::from_bytes(&[9, 0, 0, 0, 0]), None);
+    assert_eq!(ExtraKeys::from_bytes(&[1, 255, 255, 255, 255]), None);
+    let mut swapped = ExtraKey::TenantSalt("s".into()).encode_to_vec();
+    swapped.extend(ExtraKey::CacheSalt("c".into()).encode_to_vec());
+    assert_eq!(ExtraKeys::from_bytes(&swapped), None);
+}
+
+impl ExtraKey {
+    fn encode_to_vec(&self) -> Vec<u8> {
+        let mut v = Vec::new();
+        self.encode_into(&mut v);
+        v
+    }
+}
+
+proptest! {
+    #[test]
+    fn extra_keys_from_any_bytes_never_panics(bytes in proptest::collection::vec(any::<u8>(), 0..64)) {
+        if let Some(k) = ExtraKeys::from_bytes(&bytes) {
+            prop_assert_eq!(k.to_bytes(), bytes);
+        }
+    }
+}

@@ -364,6 +364,9 @@ pub struct ModelCard {
     /// kvgate workers: where the engine computes (`cpu`, `cuda:0 (NVIDIA H200, sm_90, bfloat16)`, `sim`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub device: Option<String>,
+    /// kvgate workers: their part in prefill/decode disaggregation (`both`, `prefill`, `decode`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub role: Option<String>,
 }
 
 /// `GET /v1/models`.

@@ -16,3 +16,4 @@ pub mod kv;
 pub mod model;
 pub mod report;
 pub mod server;
+pub mod transfer;

@@ -8,7 +8,7 @@
 
 use kvgate_shared::hashing::HashScheme;
 use kvgate_shared::report::{
-    BlockBloom, CacheSummary, QueueStats, Throughput, Tier, TierReport, WorkerReport,
+    BlockBloom, CacheSummary, PdInfo, QueueStats, Throughput, Tier, TierReport, WorkerReport,
 };
 
 use crate::engine::EngineStats;
@@ -26,6 +26,8 @@ pub struct ReportSource {
     pub instance_id: u64,
     /// The model's context length.
     pub max_model_len: u32,
+    /// Its role and KV transfer listener.
+    pub pd: PdInfo,
 }
 
 /// The Bloom summaries of a report: the device pool's, and the lower tiers' when there are some.
@@ -103,6 +105,7 @@ impl ReportSource {
         tiers.extend(summaries.host.map(|h| lower(Tier::Host, s.host_blocks_total, s.host_blocks_cached, h)));
         tiers.extend(summaries.disk.map(|d| lower(Tier::Disk, s.disk_blocks_total, s.disk_blocks_cached, d)));
         WorkerReport {
+            pd: self.pd.clone(),
             worker_id: self.worker_id.clone(),
             advertise_url: self.advertise_url.clone(),
             model_id: self.model_id.clone(),

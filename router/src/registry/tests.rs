@@ -20,6 +20,7 @@ fn report(id: &str, seq: u64, hashes: &[BlockHash], fingerprint: u64) -> WorkerR
     let mut bloom = BlockBloom::with_capacity(64, 0.001);
     hashes.iter().for_each(|h| bloom.insert(*h));
     WorkerReport {
+        pd: Default::default(),
         worker_id: id.into(),
         advertise_url: format!("http://{id}:8000"),
         model_id: "m".into(),

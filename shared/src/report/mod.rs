@@ -32,8 +32,8 @@ pub use bloom::{BlockBloom, BLOOM_HEADER_BYTES, BLOOM_SEED, MAX_BLOOM_BYTES, MAX
 
 use crate::hashing::{BlockHash, HashScheme};
 
-/// Current wire version (the encoder writes it; the decoder also reads version 1).
-pub const REPORT_VERSION: u16 = 2;
+/// Current wire version (the encoder writes it; the decoder also reads versions 1 and 2).
+pub const REPORT_VERSION: u16 = 3;
 /// `flags` bit: the worker is draining (shutting down) and takes no new requests.
 pub const FLAG_DRAINING: u16 = 1;
 /// Magic bytes at the start of every report.
@@ -199,6 +199,53 @@ pub struct WorkerReport {
     pub queue: QueueStats,
     pub throughput: Throughput,
     pub tiers: Vec<TierReport>,
+    /// Prefill/decode disaggregation: the worker's role and where it exports KV (version 3; earlier senders read
+    /// as `both` with no transfer listener).
+    pub pd: PdInfo,
+}
+
+/// What a worker can do in a prefill/decode split (`kvgate-worker serve --role`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Role {
+    /// Whole requests, and either side of a split (the default).
+    #[default]
+    Both,
+    /// Prompts whose KV it hands to a decode worker (and whole requests, as a fallback).
+    Prefill,
+    /// Requests whose KV it imports from a prefill worker (and whole requests).
+    Decode,
+}
+
+impl Role {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Role::Both => "both",
+            Role::Prefill => "prefill",
+            Role::Decode => "decode",
+        }
+    }
+    pub fn parse(s: &str) -> Result<Self, String> {
+        match s {
+            "both" => Ok(Role::Both),
+            "prefill" => Ok(Role::Prefill),
+            "decode" => Ok(Role::Decode),
+            o => Err(format!("role {o}: expected both, prefill or decode")),
+        }
+    }
+    fn from_u8(v: u8) -> Option<Self> {
+        [Role::Both, Role::Prefill, Role::Decode].get(v as usize).copied()
+    }
+}
+
+/// A worker's part in prefill/decode disaggregation.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct PdInfo {
+    pub role: Role,
+    /// `host:port` of its KV transfer listener (empty: it exports no KV).
+    pub transfer_addr: String,
+    /// Bytes of K and V per token across layers, as it moves them (0: unknown).
+    pub kv_bytes_per_token: u32,
 }
 
 impl WorkerReport {
@@ -226,6 +273,9 @@ impl WorkerReport {
         put_u64(&mut w, self.timestamp_ms);
         put_u64(&mut w, self.instance_id);
         put_u32(&mut w, self.max_model_len);
+        w.push(self.pd.role as u8);
+        put_str(&mut w, &self.pd.transfer_addr);
+        put_u32(&mut w, self.pd.kv_bytes_per_token);
         put_u32(&mut w, self.queue.waiting_requests);
         put_u64(&mut w, self.queue.prefill_tokens);
         put_u32(&mut w, self.queue.running_requests);
@@ -287,6 +337,13 @@ impl WorkerReport {
         let timestamp_ms = r.u64("timestamp_ms")?;
         let (instance_id, max_model_len) =
             if version >= 2 { (r.u64("instance_id")?, r.u32("max_model_len")?) } else { (0, 0) };
+        let pd = if version >= 3 {
+            let raw = r.u8("role")?;
+            let role = Role::from_u8(raw).ok_or_else(|| invalid("role", format!("unknown role {raw}")))?;
+            PdInfo { role, transfer_addr: r.str("transfer_addr")?, kv_bytes_per_token: r.u32("kv_bytes_per_token")? }
+        } else {
+            PdInfo::default()
+        };
         let queue = QueueStats {
             waiting_requests: r.u32("waiting_requests")?,
             prefill_tokens: r.u64("prefill_tokens")?,
@@ -350,6 +407,7 @@ impl WorkerReport {
             queue,
             throughput,
             tiers,
+            pd,
         })
     }
 }

@@ -11,6 +11,7 @@ fn sample(n_hashes: u64, granularity: u32) -> WorkerReport {
         bloom.insert(BlockHash(i.wrapping_mul(0x9E37_79B9_7F4A_7C15)));
     }
     WorkerReport {
+        pd: Default::default(),
         worker_id: "worker-0".into(),
         advertise_url: "http://127.0.0.1:8000".into(),
         model_id: "kvgate-small".into(),

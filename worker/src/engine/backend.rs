@@ -89,6 +89,41 @@ pub trait Backend: Send {
     fn write_kv_blocks(&mut self, _blocks: &[(u32, &[u8])], _block_size: usize) -> Result<(), String> {
         Err("this backend cannot copy KV blocks".into())
     }
+
+    /// Layers of a block's bytes: [`Backend::read_kv_blocks`] lays a block out layer after layer, so a range of
+    /// layers is a contiguous part of it (`kv_block_bytes / kv_layers` bytes each). Default 1: whole blocks only.
+    fn kv_layers(&self) -> usize {
+        1
+    }
+
+    /// The bytes of layers `layers` of blocks `ids`, one payload (block after block). Default: whole blocks only.
+    fn read_kv_layers(
+        &mut self,
+        ids: &[u32],
+        layers: std::ops::Range<usize>,
+        block_size: usize,
+    ) -> Result<Vec<u8>, String> {
+        if layers != (0..self.kv_layers()) {
+            return Err("this backend copies whole blocks only".into());
+        }
+        Ok(self.read_kv_blocks(ids, block_size)?.concat())
+    }
+
+    /// Writes what [`Backend::read_kv_layers`] returned into blocks `ids` of this pool.
+    fn write_kv_layers(
+        &mut self,
+        ids: &[u32],
+        layers: std::ops::Range<usize>,
+        bytes: &[u8],
+        block_size: usize,
+    ) -> Result<(), String> {
+        if layers != (0..self.kv_layers()) || ids.is_empty() || bytes.len() % ids.len() != 0 {
+            return Err("this backend copies whole blocks only".into());
+        }
+        let per = bytes.len() / ids.len();
+        let blocks: Vec<(u32, &[u8])> = ids.iter().copied().zip(bytes.chunks_exact(per)).collect();
+        self.write_kv_blocks(&blocks, block_size)
+    }
 }
 
 /// The CPU engine: the Llama-family model with an in-memory KV store.
@@ -156,6 +191,40 @@ impl Backend for CpuBackend {
     fn write_kv_blocks(&mut self, blocks: &[(u32, &[u8])], block_size: usize) -> Result<(), String> {
         for (id, bytes) in blocks {
             self.kv.write_slots(*id as usize * block_size, block_size, bytes)?;
+        }
+        Ok(())
+    }
+
+    fn kv_layers(&self) -> usize {
+        self.kv.num_layers()
+    }
+
+    fn read_kv_layers(
+        &mut self,
+        ids: &[u32],
+        layers: std::ops::Range<usize>,
+        block_size: usize,
+    ) -> Result<Vec<u8>, String> {
+        let mut out = Vec::new();
+        for id in ids {
+            out.extend(self.kv.read_slots_layers(*id as usize * block_size, block_size, layers.clone())?);
+        }
+        Ok(out)
+    }
+
+    fn write_kv_layers(
+        &mut self,
+        ids: &[u32],
+        layers: std::ops::Range<usize>,
+        bytes: &[u8],
+        block_size: usize,
+    ) -> Result<(), String> {
+        if ids.is_empty() || bytes.len() % ids.len() != 0 {
+            return Err(format!("{} bytes for {} blocks", bytes.len(), ids.len()));
+        }
+        let per = bytes.len() / ids.len();
+        for (id, b) in ids.iter().zip(bytes.chunks_exact(per)) {
+            self.kv.write_slots_layers(*id as usize * block_size, block_size, layers.clone(), b)?;
         }
         Ok(())
     }

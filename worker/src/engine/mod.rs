@@ -9,6 +9,7 @@
 
 pub mod backend;
 pub mod calibrate;
+pub mod pd;
 pub mod request;
 pub mod sampler;
 pub mod scheduler;
@@ -21,7 +22,8 @@ use kvgate_shared::hashing::{BlockHash, BlockHasher, HashScheme};
 use kvgate_shared::prompt::Prompter;
 
 pub use backend::{Backend, BatchItem, CpuBackend, Next};
-pub use request::{AdmitError, EngineRequest, FinishReason, RequestId, SamplingParams, StepOutput};
+pub use pd::ImportPlan;
+pub use request::{AdmitError, EngineRequest, FinishReason, KvChunk, RequestId, SamplingParams, StepOutput};
 pub use scheduler::{Scheduler, SchedulerConfig, Sequence};
 
 use crate::kv::{
@@ -57,6 +59,8 @@ pub struct EngineStats {
     /// Prompt tokens still to prefill, waiting (less cached) and running (`Scheduler::prefill_tokens`).
     pub prefill_tokens: u64,
     pub running_requests: usize,
+    /// Requests whose KV is arriving from a prefill worker (blocks held, not yet running).
+    pub importing_requests: usize,
     pub blocks_total: usize,
     pub blocks_free: usize,
     pub blocks_cached: usize,
@@ -389,6 +393,7 @@ impl<B: Backend> Engine<B> {
             waiting_requests: self.sched.num_waiting(),
             prefill_tokens: self.sched.prefill_tokens(),
             running_requests: self.sched.running().len(),
+            importing_requests: self.sched.num_importing(),
             blocks_total: pool.num_blocks(),
             blocks_free: pool.num_free(),
             blocks_cached: pool.num_cached(),
@@ -401,6 +406,14 @@ impl<B: Backend> Engine<B> {
 
     /// Validates and queues a request.
     pub fn add_request(&mut self, req: EngineRequest) -> Result<(), AdmitError> {
+        let seq = self.new_sequence(req)?;
+        self.sched.add(seq);
+        Ok(())
+    }
+
+    /// The checks every request passes before it holds anything; then it is estimated and read ahead like a
+    /// queued request (its cached prefix, its SSD blocks).
+    fn validate(&self, req: &EngineRequest) -> Result<(), AdmitError> {
         if req.prompt.is_empty() {
             return Err(AdmitError::EmptyPrompt);
         }
@@ -429,6 +442,12 @@ impl<B: Backend> Engine<B> {
         if self.sched.contains(req.id) {
             return Err(AdmitError::DuplicateId(req.id));
         }
+        Ok(())
+    }
+
+    /// A validated sequence for `req`, its cached prefix estimated and its SSD blocks read ahead.
+    fn new_sequence(&self, req: EngineRequest) -> Result<Sequence, AdmitError> {
+        self.validate(&req)?;
         let hasher = BlockHasher::new(&self.scheme, &req.extra_keys);
         let mut seq = Sequence::new(req.id, req.prompt, req.params, hasher);
         // The SSD reads a request would wait for overlap the engine work queued ahead of it.
@@ -438,8 +457,7 @@ impl<B: Backend> Engine<B> {
         seq.cached_estimate = self.sched.kv().cached_prefix_tokens(&seq.hasher, &seq.tokens);
         // What only the SSD tier holds (and is worth loading) is read ahead while the request waits for admission.
         seq.load_ready_s = self.sched.kv().prefetch(&seq.hasher, &seq.tokens);
-        self.sched.add(seq);
-        Ok(())
+        Ok(seq)
     }
 
     /// Drops a request wherever it is; its blocks return to the pool at once.
@@ -492,9 +510,17 @@ impl<B: Backend> Engine<B> {
                 }
             }
             Ok(nexts) => {
-                for (c, next) in plan.iter().zip(nexts) {
+                for c in &plan {
                     self.sched.complete_chunk(c);
-                    if !c.sample {
+                }
+                for o in self.export_chunks(&plan) {
+                    if o.finished.is_some() {
+                        finished.push(o.id);
+                    }
+                    outputs.push(o);
+                }
+                for (c, next) in plan.iter().zip(nexts) {
+                    if !c.sample || finished.contains(&self.sched.running()[c.index].id) {
                         continue;
                     }
                     let seq = &mut self.sched.running_mut()[c.index];
@@ -557,6 +583,7 @@ fn output(seq: &Sequence, token: Option<u32>, finished: Option<FinishReason>) ->
         prompt_tokens: seq.prompt_len,
         cached_tokens: seq.cached_prompt_tokens.unwrap_or(0),
         completion_tokens: seq.output().len(),
+        kv: None,
     }
 }
 
@@ -564,3 +591,5 @@ fn output(seq: &Sequence, token: Option<u32>, finished: Option<FinishReason>) ->
 mod tests;
 #[cfg(test)]
 mod tier_tests;
+#[cfg(test)]
+mod pd_tests;

@@ -98,6 +98,18 @@ pub struct StepOutput {
     /// Prompt tokens whose KV came from the prefix cache.
     pub cached_tokens: usize,
     pub completion_tokens: usize,
+    /// K/V bytes of blocks the request exports (the prefill side of a hand-off, `Engine::add_export`).
+    pub kv: Option<KvChunk>,
+}
+
+/// Blocks `first..first + count` of an exporting request, layers `layers` of each, as one payload: per block, per
+/// layer of the range, K then V (`Backend::read_kv_blocks`' layout restricted to the layers).
+#[derive(Clone, Debug, PartialEq)]
+pub struct KvChunk {
+    pub first: usize,
+    pub count: usize,
+    pub layers: std::ops::Range<usize>,
+    pub bytes: Vec<u8>,
 }
 
 /// Why a request was refused at admission.
@@ -117,4 +129,6 @@ pub enum AdmitError {
     InvalidParam(&'static str, String),
     #[error("request id {0} is already in the engine")]
     DuplicateId(RequestId),
+    #[error("no room to import the request's KV now ({0})")]
+    NoRoom(&'static str),
 }

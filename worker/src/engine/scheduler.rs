@@ -61,6 +61,55 @@ pub struct Sequence {
     pub load_ready_s: f64,
     pub rng: SplitMix64,
     pub preemptions: u32,
+    /// The prefill side of a hand-off: the next block to export (`Engine::add_export`).
+    pub export_next: Option<usize>,
+    /// The decode side of a hand-off, while its KV arrives (`Engine::start_import`).
+    pub import: Option<ImportState>,
+}
+
+/// What an importing sequence has received: one bit per (block, layer) of `from_block..blocks`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ImportState {
+    pub from_block: usize,
+    pub blocks: usize,
+    pub layers: usize,
+    received: Vec<u64>,
+    missing: usize,
+}
+
+impl ImportState {
+    pub fn new(from_block: usize, blocks: usize, layers: usize) -> Self {
+        let bits = (blocks - from_block) * layers;
+        Self { from_block, blocks, layers, received: vec![0; bits.div_ceil(64)], missing: bits }
+    }
+
+    /// Marks blocks `first..first + count`, layers `layers`, as received; `false` (and nothing marked) if any of
+    /// them is outside the declared range or was received already.
+    pub fn mark(&mut self, first: usize, count: usize, layers: std::ops::Range<usize>) -> bool {
+        let in_range = first >= self.from_block
+            && first.checked_add(count).is_some_and(|end| end <= self.blocks)
+            && layers.start < layers.end
+            && layers.end <= self.layers;
+        if !in_range {
+            return false;
+        }
+        let bit = |b: usize, l: usize| (b - self.from_block) * self.layers + l;
+        let all = || (first..first + count).flat_map(|b| layers.clone().map(move |l| (b, l)));
+        if all().any(|(b, l)| self.received[bit(b, l) / 64] >> (bit(b, l) % 64) & 1 == 1) {
+            return false;
+        }
+        for (b, l) in all() {
+            let i = bit(b, l);
+            self.received[i / 64] |= 1 << (i % 64);
+        }
+        self.missing -= count * layers.len();
+        true
+    }
+
+    /// Whether every declared block and layer has arrived.
+    pub fn complete(&self) -> bool {
+        self.missing == 0
+    }
 }
 
 impl Sequence {
@@ -79,6 +128,8 @@ impl Sequence {
             cached_estimate: 0,
             load_ready_s: 0.0,
             preemptions: 0,
+            export_next: None,
+            import: None,
         }
     }
 
@@ -119,6 +170,9 @@ pub struct Scheduler {
     kv: KvManager,
     waiting: VecDeque<Sequence>,
     running: Vec<Sequence>,
+    /// Sequences whose blocks are allocated and whose KV is arriving from a prefill worker: never scheduled or
+    /// preempted until the import finishes (then they run, decoding) or falls back (then they wait, to recompute).
+    importing: Vec<Sequence>,
     counters: SchedulerCounters,
 }
 
@@ -129,6 +183,7 @@ impl Scheduler {
             kv,
             waiting: VecDeque::new(),
             running: Vec::new(),
+            importing: Vec::new(),
             counters: SchedulerCounters::default(),
         }
     }
@@ -170,7 +225,44 @@ impl Scheduler {
         waiting + running
     }
     pub fn contains(&self, id: RequestId) -> bool {
-        self.waiting.iter().chain(&self.running).any(|s| s.id == id)
+        self.waiting.iter().chain(&self.running).chain(&self.importing).any(|s| s.id == id)
+    }
+
+    /// Sequences whose KV is being imported.
+    pub fn num_importing(&self) -> usize {
+        self.importing.len()
+    }
+
+    /// Sequences holding a slot of `max_num_seqs`: running and importing.
+    pub fn num_slots_used(&self) -> usize {
+        self.running.len() + self.importing.len()
+    }
+
+    /// Parks a sequence (its blocks allocated) while its KV is imported.
+    pub fn add_importing(&mut self, seq: Sequence) {
+        self.importing.push(seq);
+    }
+
+    pub fn importing_mut(&mut self, id: RequestId) -> Option<&mut Sequence> {
+        self.importing.iter_mut().find(|s| s.id == id)
+    }
+
+    /// Takes an importing sequence out (to run it, or to recompute it).
+    pub fn take_importing(&mut self, id: RequestId) -> Option<Sequence> {
+        let i = self.importing.iter().position(|s| s.id == id)?;
+        Some(self.importing.remove(i))
+    }
+
+    /// Puts a sequence whose KV is complete among the running (its slot was held while it imported). Returns its
+    /// index in the running list.
+    pub fn push_running(&mut self, seq: Sequence) -> usize {
+        self.running.push(seq);
+        self.running.len() - 1
+    }
+
+    /// Queues a sequence at the head of the waiting queue (an import that fell back to recomputing).
+    pub fn add_front(&mut self, seq: Sequence) {
+        self.waiting.push_front(seq);
     }
 
     /// Queues a new sequence.
@@ -183,8 +275,10 @@ impl Scheduler {
         if let Some(i) = self.waiting.iter().position(|s| s.id == id) {
             return self.waiting.remove(i);
         }
-        let i = self.running.iter().position(|s| s.id == id)?;
-        Some(self.running.remove(i))
+        if let Some(i) = self.running.iter().position(|s| s.id == id) {
+            return Some(self.running.remove(i));
+        }
+        self.take_importing(id)
     }
 
     /// Takes finished sequences out of the running list (indices from the last plan become invalid).
@@ -276,7 +370,7 @@ impl Scheduler {
         now: f64,
         passed: &mut Vec<Sequence>,
     ) {
-        while *budget > 0 && self.running.len() < self.cfg.max_num_seqs {
+        while *budget > 0 && self.running.len() + self.importing.len() < self.cfg.max_num_seqs {
             // A read not done at admission stalls every running request (load-vs-recompute weighs that).
             self.kv.set_running(self.running.len());
             let Some(mut seq) = self.waiting.pop_front() else { break };

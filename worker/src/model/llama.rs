@@ -90,6 +90,55 @@ impl KvStore {
         Ok(())
     }
 
+    /// Layers of the store.
+    pub fn num_layers(&self) -> usize {
+        self.k.len()
+    }
+
+    /// [`Self::read_slots`] restricted to `layers` (the bytes of those layers, in the same order).
+    pub fn read_slots_layers(
+        &self,
+        first: usize,
+        n: usize,
+        layers: std::ops::Range<usize>,
+    ) -> Result<Vec<u8>, String> {
+        let d = self.kv_dim;
+        if first + n > self.num_slots || layers.end > self.k.len() || layers.start >= layers.end {
+            return Err(format!("slots {first}..{} layers {layers:?} past the store", first + n));
+        }
+        let mut out = Vec::with_capacity(2 * layers.len() * n * d * 4);
+        for layer in layers {
+            for rows in [&self.k[layer], &self.v[layer]] {
+                out.extend(rows[first * d..(first + n) * d].iter().flat_map(|x| x.to_le_bytes()));
+            }
+        }
+        Ok(out)
+    }
+
+    /// Writes what [`Self::read_slots_layers`] returned back into slots `first..first + n`, layers `layers`.
+    pub fn write_slots_layers(
+        &mut self,
+        first: usize,
+        n: usize,
+        layers: std::ops::Range<usize>,
+        bytes: &[u8],
+    ) -> Result<(), String> {
+        let d = self.kv_dim;
+        let want = 2 * layers.len() * n * d * 4;
+        if first + n > self.num_slots || layers.end > self.k.len() || bytes.len() != want {
+            return Err(format!("{} bytes for slots {first}..{} layers {layers:?} (want {want})", bytes.len(), first + n));
+        }
+        let mut chunks = bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]));
+        for layer in layers {
+            for rows in [&mut self.k[layer], &mut self.v[layer]] {
+                for x in &mut rows[first * d..(first + n) * d] {
+                    *x = chunks.next().unwrap_or(0.0);
+                }
+            }
+        }
+        Ok(())
+    }
+
     fn write(&mut self, layer: usize, slots: &[usize], k_rows: &[f32], v_rows: &[f32]) {
         let d = self.kv_dim;
         for (i, &s) in slots.iter().enumerate() {

@@ -163,12 +163,13 @@ pub async fn completions(State(state): State<Arc<AppState>>, headers: HeaderMap,
         let ids = prompt.token_ids(&l.prompter, v.ids).map_err(|e| prompt_error(e, prompt.param()))?;
         let extra = prompt.extra_keys();
         let params = sampling(&req.sampling, 16)?;
-        Ok((l, ids, params, extra, req.sampling))
+        let peer = super::pd::prefill_peer(&state, &l, &headers, &req.model)?;
+        Ok((l, ids, params, extra, req.sampling, peer))
     }
     .await;
     match result {
-        Ok((l, ids, params, extra, fields)) => {
-            run(l, Endpoint::Completion, ids, params, extra, &fields, started).await
+        Ok((l, ids, params, extra, fields, peer)) => {
+            run(l, Endpoint::Completion, ids, params, extra, &fields, started, peer).await
         }
         Err(e) => e.into_response(),
     }
@@ -202,12 +203,13 @@ pub async fn chat_completions(
         // Without max_tokens a chat may use the rest of the context, up to --default-max-tokens.
         let room = l.max_model_len.saturating_sub(ids.len()).max(1) as u32;
         let params = sampling(&req.sampling, state.cfg.default_max_tokens.min(room))?;
-        Ok((l, ids, params, extra, req.sampling))
+        let peer = super::pd::prefill_peer(&state, &l, &headers, &req.model)?;
+        Ok((l, ids, params, extra, req.sampling, peer))
     }
     .await;
     match result {
-        Ok((l, ids, params, extra, fields)) => {
-            run(l, Endpoint::Chat, ids, params, extra, &fields, started).await
+        Ok((l, ids, params, extra, fields, peer)) => {
+            run(l, Endpoint::Chat, ids, params, extra, &fields, started, peer).await
         }
         Err(e) => e.into_response(),
     }
@@ -279,7 +281,7 @@ fn vouched(
     Ok(Vouched { scope: v.scope, ids })
 }
 
-fn refusal(r: Refusal) -> ApiError {
+pub(super) fn refusal(r: Refusal) -> ApiError {
     match r {
         Refusal::QueueFull { waiting } => ApiError::overloaded(waiting),
         Refusal::EngineGone => ApiError::unavailable("engine_stopped", "the engine has stopped"),
@@ -292,15 +294,18 @@ fn refusal(r: Refusal) -> ApiError {
             }
             AdmitError::InvalidParam(field, m) => ApiError::invalid(field, m),
             AdmitError::DuplicateId(_) => ApiError::internal(e.to_string()),
+            AdmitError::NoRoom(_) => ApiError::unavailable("kv_import_no_room", e.to_string()),
         },
     }
 }
 
-/// Aborts the request in the engine unless it finished (dropped with the response when a client goes away).
+/// Aborts the request in the engine unless it finished (dropped with the response when a client goes away), and
+/// cancels its KV import if one still runs.
 struct AbortGuard {
     engine: EngineHandle,
     id: RequestId,
     done: bool,
+    _import: Option<tokio::sync::oneshot::Sender<()>>,
 }
 
 impl Drop for AbortGuard {
@@ -353,6 +358,7 @@ fn api_finish(r: &FinishReason) -> ApiFinish {
     }
 }
 
+#[allow(clippy::too_many_arguments)]
 async fn run(
     l: Arc<ServingModel>,
     kind: Endpoint,
@@ -361,15 +367,20 @@ async fn run(
     extra_keys: ExtraKeys,
     fields: &SamplingFields,
     started: Instant,
+    peer: Option<String>,
 ) -> Response {
     let id = l.engine.next_id();
     let stops = params.stop.clone();
     let req = EngineRequest { id, prompt: ids, params, extra_keys };
-    let rx = match l.engine.submit(req).await {
-        Ok(rx) => rx,
+    let started_leg = match peer {
+        None => l.engine.submit(req).await.map(|rx| (rx, None)),
+        Some(peer) => super::pd::start_import(&l, req, peer).await.map(|(rx, c)| (rx, Some(c))),
+    };
+    let (rx, import) = match started_leg {
+        Ok(x) => x,
         Err(r) => return refusal(r).into_response(),
     };
-    let guard = AbortGuard { engine: l.engine.clone(), id, done: false };
+    let guard = AbortGuard { engine: l.engine.clone(), id, done: false, _import: import };
     let text = TextStream::new(l.prompter.clone(), stops);
     let timing = Timing { started, first: None, last: None };
     let prefix = if kind == Endpoint::Chat { "chatcmpl" } else { "cmpl" };

@@ -8,6 +8,8 @@ use std::time::Duration;
 use clap::Args;
 use serde::Deserialize;
 
+use kvgate_shared::report::Role;
+
 use crate::cuda::{DType, DeviceChoice};
 use crate::kv::{LoadPolicy, WritePolicy};
 use crate::model::synth::Preset;
@@ -145,6 +147,31 @@ pub struct ServeArgs {
     /// Logs as JSON lines instead of text.
     #[arg(long, env = "KVGATE_WORKER_LOG_JSON")]
     pub log_json: Option<bool>,
+    /// Part in prefill/decode disaggregation: `both` (whole requests, and either side of a split), `prefill`
+    /// (exports prompts' KV; still serves whole requests) or `decode` (imports KV; exports none). In reports,
+    /// /v1/models and /metrics. Default both.
+    #[arg(long, env = "KVGATE_WORKER_ROLE")]
+    pub role: Option<String>,
+    /// Port of the KV transfer listener decode workers fetch prompts' KV from (0: any free port, logged). Needs
+    /// --report-secret (transfers are authenticated with a key derived from it); not with --role decode. Default
+    /// none (no listener).
+    #[arg(long, env = "KVGATE_WORKER_KV_TRANSFER_PORT")]
+    pub kv_transfer_port: Option<u16>,
+    /// `host:port` decode workers reach the KV transfer listener at (in reports). Default: the host of
+    /// --advertise-url (127.0.0.1 without one) and the listener's port.
+    #[arg(long, env = "KVGATE_WORKER_KV_TRANSFER_ADVERTISE")]
+    pub kv_transfer_advertise: Option<String>,
+    /// Lease of a transfer: a prefill worker drops an export (and a decode worker gives up an import and computes
+    /// the prompt itself) when its peer has shown no sign of life for this long. Default 30s.
+    #[arg(long, env = "KVGATE_WORKER_KV_TRANSFER_LEASE")]
+    pub kv_transfer_lease: Option<String>,
+    /// Layers per transfer frame while a prompt computes (0: whole blocks once each prefill chunk is done).
+    /// Default 0.
+    #[arg(long, env = "KVGATE_WORKER_KV_TRANSFER_LAYER_GROUP")]
+    pub kv_transfer_layer_group: Option<u16>,
+    /// Largest payload of one transfer frame in bytes (a chunk's blocks are split to fit). Default 8 MiB.
+    #[arg(long, env = "KVGATE_WORKER_KV_TRANSFER_FRAME_BYTES")]
+    pub kv_transfer_frame_bytes: Option<usize>,
 }
 
 /// The resolved configuration.
@@ -183,6 +210,12 @@ pub struct ServeConfig {
     pub tokenize_cache_tokens: usize,
     pub shutdown_grace: Duration,
     pub log_json: bool,
+    pub role: Role,
+    pub kv_transfer_port: Option<u16>,
+    pub kv_transfer_advertise: Option<String>,
+    pub kv_transfer_lease: Duration,
+    pub kv_transfer_layer_group: u16,
+    pub kv_transfer_frame_bytes: usize,
 }
 
 /// Which compute engine runs.
@@ -294,6 +327,12 @@ impl ServeArgs {
                 .unwrap_or(kvgate_shared::prompt::segments::DEFAULT_CACHE_TOKENS),
             shutdown_grace: dur(pick!(shutdown_grace), "30s", "shutdown-grace")?,
             log_json: pick!(log_json).unwrap_or(false),
+            role: Role::parse(pick!(role).as_deref().unwrap_or("both")).map_err(|e| format!("--{e}"))?,
+            kv_transfer_port: pick!(kv_transfer_port),
+            kv_transfer_advertise: pick!(kv_transfer_advertise),
+            kv_transfer_lease: dur(pick!(kv_transfer_lease), "30s", "kv-transfer-lease")?,
+            kv_transfer_layer_group: pick!(kv_transfer_layer_group).unwrap_or(0),
+            kv_transfer_frame_bytes: pick!(kv_transfer_frame_bytes).unwrap_or(8 << 20),
         };
         cfg.validate()?;
         Ok(cfg)
@@ -311,6 +350,18 @@ impl ServeConfig {
             problems.push(
                 "require-gateway-token needs report-secret (the gateway token is derived from it)".into(),
             );
+        }
+        if self.kv_transfer_port.is_some() && self.report_secret.is_none() {
+            problems.push("kv-transfer-port needs report-secret (transfers are authenticated with it)".into());
+        }
+        if self.kv_transfer_port.is_some() && self.role == Role::Decode {
+            problems.push("kv-transfer-port: a decode worker exports no KV (--role prefill or both)".into());
+        }
+        if self.kv_transfer_lease < Duration::from_millis(100) {
+            problems.push("kv-transfer-lease must be at least 100ms".into());
+        }
+        if self.kv_transfer_frame_bytes < 4096 {
+            problems.push("kv-transfer-frame-bytes must be at least 4096".into());
         }
         if self.disk_kv_bytes > 0 && self.disk_kv_path.is_none() {
             problems.push("disk-kv-bytes needs disk-kv-path (the directory of the SSD tier)".into());

@@ -18,7 +18,9 @@ use std::time::Instant;
 
 use tokio::sync::{mpsc, oneshot, watch};
 
-use crate::engine::{AdmitError, Backend, Engine, EngineRequest, EngineStats, RequestId, StepOutput};
+use crate::engine::{
+    AdmitError, Backend, Engine, EngineRequest, EngineStats, ImportPlan, RequestId, StepOutput,
+};
 use crate::kv::{KvManager, SharedPool};
 
 enum Cmd {
@@ -29,6 +31,35 @@ enum Cmd {
     },
     Abort(RequestId),
     AbortAll,
+    /// The prefill side of a hand-off: `Add` whose blocks from `from_block` leave on its outputs.
+    AddExport {
+        req: EngineRequest,
+        from_block: usize,
+        events: mpsc::UnboundedSender<StepOutput>,
+        admitted: oneshot::Sender<Result<(), Refusal>>,
+    },
+    /// The decode side: allocate and park (`Engine::start_import`); outputs go to `events` once it runs.
+    StartImport {
+        req: EngineRequest,
+        events: mpsc::UnboundedSender<StepOutput>,
+        reply: oneshot::Sender<Result<ImportPlan, Refusal>>,
+    },
+    WriteImport {
+        id: RequestId,
+        first: usize,
+        count: usize,
+        layers: std::ops::Range<usize>,
+        bytes: Vec<u8>,
+        reply: oneshot::Sender<Result<(), String>>,
+    },
+    FinishImport {
+        id: RequestId,
+        first_token: u32,
+        cached_tokens: usize,
+        reply: oneshot::Sender<Result<(), String>>,
+    },
+    /// The import failed: compute the prompt here.
+    ImportToLocal(RequestId),
 }
 
 /// Why a request was not queued.
@@ -114,6 +145,60 @@ impl EngineHandle {
         self.tx.send(Cmd::Add { req, events, admitted }).map_err(|_| Refusal::EngineGone)?;
         ack.await.map_err(|_| Refusal::EngineGone)??;
         Ok(rx)
+    }
+
+    /// Queues the prefill side of a hand-off: its outputs carry the KV of blocks `from_block..` as it is written.
+    pub async fn submit_export(
+        &self,
+        req: EngineRequest,
+        from_block: usize,
+    ) -> Result<mpsc::UnboundedReceiver<StepOutput>, Refusal> {
+        let (events, rx) = mpsc::unbounded_channel();
+        let (admitted, ack) = oneshot::channel();
+        self.tx.send(Cmd::AddExport { req, from_block, events, admitted }).map_err(|_| Refusal::EngineGone)?;
+        ack.await.map_err(|_| Refusal::EngineGone)??;
+        Ok(rx)
+    }
+
+    /// Allocates the decode side of a hand-off; its outputs arrive on the channel once the import finishes (or it
+    /// falls back to computing here).
+    pub async fn start_import(
+        &self,
+        req: EngineRequest,
+    ) -> Result<(ImportPlan, mpsc::UnboundedReceiver<StepOutput>), Refusal> {
+        let (events, rx) = mpsc::unbounded_channel();
+        let (reply, ack) = oneshot::channel();
+        self.tx.send(Cmd::StartImport { req, events, reply }).map_err(|_| Refusal::EngineGone)?;
+        let plan = ack.await.map_err(|_| Refusal::EngineGone)??;
+        Ok((plan, rx))
+    }
+
+    /// Writes imported blocks (`Engine::write_import`).
+    pub async fn write_import(
+        &self,
+        id: RequestId,
+        first: usize,
+        count: usize,
+        layers: std::ops::Range<usize>,
+        bytes: Vec<u8>,
+    ) -> Result<(), String> {
+        let (reply, ack) = oneshot::channel();
+        let cmd = Cmd::WriteImport { id, first, count, layers, bytes, reply };
+        self.tx.send(cmd).map_err(|_| "the engine has stopped".to_string())?;
+        ack.await.map_err(|_| "the engine has stopped".to_string())?
+    }
+
+    /// Ends an import with the first token (`Engine::finish_import`).
+    pub async fn finish_import(&self, id: RequestId, first_token: u32, cached_tokens: usize) -> Result<(), String> {
+        let (reply, ack) = oneshot::channel();
+        let cmd = Cmd::FinishImport { id, first_token, cached_tokens, reply };
+        self.tx.send(cmd).map_err(|_| "the engine has stopped".to_string())?;
+        ack.await.map_err(|_| "the engine has stopped".to_string())?
+    }
+
+    /// Gives an import up: the prompt is computed here.
+    pub fn import_to_local(&self, id: RequestId) {
+        let _ = self.tx.send(Cmd::ImportToLocal(id));
     }
 
     /// Aborts a request (no-op if it already ended).
@@ -242,6 +327,63 @@ fn handle<B: Backend>(
                     let _ = admitted.send(Err(Refusal::Invalid(e)));
                 }
             }
+        }
+        Cmd::AddExport { req, from_block, events, admitted } => {
+            let waiting = engine.scheduler().num_waiting();
+            if waiting >= max_waiting {
+                let _ = admitted.send(Err(Refusal::QueueFull { waiting }));
+                return;
+            }
+            let id = req.id;
+            match engine.add_export(req, from_block) {
+                Ok(()) => {
+                    senders.insert(id, events);
+                    if admitted.send(Ok(())).is_err() {
+                        engine.abort(id);
+                        senders.remove(&id);
+                    }
+                }
+                Err(e) => {
+                    let _ = admitted.send(Err(Refusal::Invalid(e)));
+                }
+            }
+        }
+        Cmd::StartImport { req, events, reply } => {
+            let id = req.id;
+            match engine.start_import(req) {
+                Ok(plan) => {
+                    senders.insert(id, events);
+                    if reply.send(Ok(plan)).is_err() {
+                        engine.abort(id);
+                        senders.remove(&id);
+                    }
+                }
+                Err(e) => {
+                    let _ = reply.send(Err(Refusal::Invalid(e)));
+                }
+            }
+        }
+        Cmd::WriteImport { id, first, count, layers, bytes, reply } => {
+            let _ = reply.send(engine.write_import(id, first, count, layers, &bytes));
+        }
+        Cmd::FinishImport { id, first_token, cached_tokens, reply } => match engine.finish_import(id, first_token, cached_tokens) {
+            Ok(o) => {
+                let done = o.finished.is_some();
+                let gone = senders.get(&id).is_none_or(|tx| tx.send(o).is_err());
+                if done || gone {
+                    senders.remove(&id);
+                }
+                if gone && !done {
+                    engine.abort(id);
+                }
+                let _ = reply.send(Ok(()));
+            }
+            Err(e) => {
+                let _ = reply.send(Err(e));
+            }
+        },
+        Cmd::ImportToLocal(id) => {
+            engine.import_to_local(id);
         }
         Cmd::Abort(id) => {
             engine.abort(id);

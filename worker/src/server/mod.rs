@@ -18,6 +18,7 @@ pub mod api;
 pub mod config;
 pub mod engine_thread;
 pub mod errors;
+pub mod pd;
 pub mod reporter;
 pub mod text;
 
@@ -56,6 +57,10 @@ pub struct ServingModel {
     pub scheme: HashScheme,
     /// Where the engine computes: `cpu`, `cuda:0 (NVIDIA H200, sm_90, bfloat16)`, or `sim`.
     pub device: String,
+    /// Its role and KV transfer listener, as reports say (the listener's address once it is bound).
+    pub pd_info: kvgate_shared::report::PdInfo,
+    /// What KV transfers need (`None`: this worker has no report secret, so it neither exports nor imports).
+    pub transfer: Option<Arc<crate::transfer::Transfers>>,
 }
 
 /// Exit status of a worker whose engine thread died (EX_SOFTWARE).
@@ -155,11 +160,11 @@ fn load(cfg: &ServeConfig, worker_id: &str) -> Result<ServingModel, String> {
     // What the SSD tier's records are valid for besides the scheme and layout: these weights (a simulated engine
     // has none: its profile's name).
     let weights = match &cfg.engine {
-        _ if cfg.disk_kv_bytes == 0 => 0,
+        _ if cfg.disk_kv_bytes == 0 && cfg.report_secret.is_none() => 0,
         EngineKind::Cpu => crate::model::identity::weights_digest(&dir)?,
         EngineKind::Sim { profile } => xxhash_rust::xxh3::xxh3_64(profile.to_string_lossy().as_bytes()),
     };
-    let (handle, max_model_len, device) = match &cfg.engine {
+    let (handle, max_model_len, device, kv) = match &cfg.engine {
         EngineKind::Cpu => match cfg.device.resolve() {
             DeviceChoice::Cuda(ordinal) => {
                 let l = crate::cuda::backend::GpuModel::from_dir(&dir, ordinal, cfg.dtype)
@@ -179,7 +184,8 @@ fn load(cfg: &ServeConfig, worker_id: &str) -> Result<ServingModel, String> {
                 let engine = Engine::new(engine_cfg(slots / bs), backend, Some(prompter.clone()));
                 let engine = with_tiers(engine, cfg, &disk_dir, weights)?;
                 let engine = with_load_costs(engine, cfg);
-                (EngineHandle::spawn(engine, cfg.max_waiting_requests), max_model_len, device)
+                let kv = transfer_parts(&engine, weights);
+                (EngineHandle::spawn(engine, cfg.max_waiting_requests), max_model_len, device, kv)
             }
             _ => {
                 let tokens = cfg.kv_cache_tokens.unwrap_or(config::CPU_KV_CACHE_TOKENS);
@@ -190,7 +196,8 @@ fn load(cfg: &ServeConfig, worker_id: &str) -> Result<ServingModel, String> {
                 let engine = Engine::new(engine_cfg(tokens / bs), backend, Some(prompter.clone()));
                 let engine = with_tiers(engine, cfg, &disk_dir, weights)?;
                 let engine = with_load_costs(engine, cfg);
-                (EngineHandle::spawn(engine, cfg.max_waiting_requests), max_model_len, "cpu".to_string())
+                let kv = transfer_parts(&engine, weights);
+                (EngineHandle::spawn(engine, cfg.max_waiting_requests), max_model_len, "cpu".to_string(), kv)
             }
         },
         EngineKind::Sim { profile } => {
@@ -204,7 +211,7 @@ fn load(cfg: &ServeConfig, worker_id: &str) -> Result<ServingModel, String> {
             let mut engine = with_tiers(engine, cfg, &disk_dir, weights)?;
             // A simulated engine loads and computes at its profile's speeds: weigh those, not this machine's.
             engine.set_load_costs(profile.timing.load_costs(cfg.kv_load_policy));
-            (EngineHandle::spawn(engine, cfg.max_waiting_requests), profile.max_model_len, "sim".to_string())
+            (EngineHandle::spawn(engine, cfg.max_waiting_requests), profile.max_model_len, "sim".to_string(), None)
         }
     };
     metrics::gauge!("kvgate_worker_device_info", "device" => device.clone()).set(1.0);
@@ -212,6 +219,28 @@ fn load(cfg: &ServeConfig, worker_id: &str) -> Result<ServingModel, String> {
         ModelSource::Synth { preset, .. } => format!("kvgate-{}", format!("{preset:?}").to_lowercase()),
         ModelSource::Dir(d) => d.file_name().map_or("model".into(), |n| n.to_string_lossy().into_owned()),
     });
+    metrics::gauge!("kvgate_worker_role", "role" => cfg.role.as_str()).set(1.0);
+    let transfer = match (cfg.report_secret.as_deref(), kv) {
+        (Some(secret), Some((fingerprint, block_bytes, layers))) => Some(Arc::new(crate::transfer::Transfers {
+            key: kvgate_shared::handoff::transfer_key(secret),
+            fingerprint,
+            block_bytes,
+            layers,
+            block_size: bs,
+            lease: cfg.kv_transfer_lease,
+            layer_group: cfg.kv_transfer_layer_group,
+            frame_bytes: cfg.kv_transfer_frame_bytes,
+            max_prompt_tokens: max_model_len,
+            engine: handle.clone(),
+            transport: Default::default(),
+        })),
+        _ => None,
+    };
+    let pd_info = kvgate_shared::report::PdInfo {
+        role: cfg.role,
+        transfer_addr: String::new(),
+        kv_bytes_per_token: kv.map_or(0, |(_, b, _)| (b / bs) as u32),
+    };
     Ok(ServingModel {
         engine: handle,
         prompter,
@@ -220,7 +249,42 @@ fn load(cfg: &ServeConfig, worker_id: &str) -> Result<ServingModel, String> {
         max_model_len,
         scheme,
         device,
+        pd_info,
+        transfer,
     })
+}
+
+/// What KV transfers of this engine are valid for (the SSD tier's fingerprint: scheme, weights, layout, block
+/// bytes), a block's bytes and its layers; `None` for a backend that cannot copy blocks.
+fn transfer_parts<B: crate::engine::Backend>(engine: &Engine<B>, weights: u64) -> Option<(u64, usize, usize)> {
+    let block_bytes = engine.backend().kv_block_bytes(engine.scheme().block_size as usize)?;
+    Some((engine.tier_fingerprint(weights, block_bytes), block_bytes, engine.backend().kv_layers()))
+}
+
+/// Binds the KV transfer listener (`--kv-transfer-port`) and serves it; returns the address decode workers reach
+/// it at.
+async fn start_transfer_listener(cfg: &ServeConfig, l: &ServingModel, advertise: &str) -> Result<Option<String>, String> {
+    let (Some(port), Some(t)) = (cfg.kv_transfer_port, l.transfer.clone()) else {
+        if cfg.kv_transfer_port.is_some() {
+            return Err("--kv-transfer-port: this engine cannot copy KV blocks (the simulated engine)".into());
+        }
+        return Ok(None);
+    };
+    let addr = format!("{}:{port}", cfg.host);
+    let listener =
+        tokio::net::TcpListener::bind(&addr).await.map_err(|e| format!("cannot listen for KV transfers on {addr}: {e}"))?;
+    let port = listener.local_addr().map_err(|e| e.to_string())?.port();
+    let host = advertise
+        .split("://")
+        .nth(1)
+        .and_then(|rest| rest.split('/').next())
+        .and_then(|hp| hp.rsplit_once(':').map(|(h, _)| h.to_owned()).or(Some(hp.to_owned())))
+        .unwrap_or_else(|| "127.0.0.1".into());
+    let reach = cfg.kv_transfer_advertise.clone().unwrap_or(format!("{host}:{port}"));
+    tokio::spawn(crate::transfer::export::serve(listener, t));
+    println!("kvgate-worker {} kv transfer listening on {reach}", l.worker_id);
+    tracing::info!(%reach, "KV transfer listener");
+    Ok(Some(reach))
 }
 
 /// An engine with the lower KV tiers the flags ask for (`model`: what the SSD tier's records are valid for besides
@@ -305,6 +369,7 @@ async fn models(State(state): State<Arc<AppState>>) -> Response {
             owned_by: "kvgate".into(),
             max_model_len: Some(l.max_model_len as u32),
             device: Some(l.device.clone()),
+            role: Some(l.pd_info.role.as_str().to_owned()),
         }],
     })
     .into_response()
@@ -489,7 +554,14 @@ pub async fn serve(cfg: ServeConfig) -> Result<(), String> {
         let wid = loader_state.worker_id.clone();
         let started = std::time::Instant::now();
         match tokio::task::spawn_blocking(move || load(&cfg, &wid)).await {
-            Ok(Ok(l)) => {
+            Ok(Ok(mut l)) => {
+                match start_transfer_listener(&loader_state.cfg, &l, &advertise).await {
+                    Ok(reach) => l.pd_info.transfer_addr = reach.unwrap_or_default(),
+                    Err(e) => {
+                        eprintln!("kvgate-worker: {e}");
+                        std::process::exit(1);
+                    }
+                }
                 let l = Arc::new(l);
                 tracing::info!(model = %l.model_id, secs = started.elapsed().as_secs_f64(), "model loaded");
                 let _ = loader_state.loaded.set(l.clone());
@@ -517,6 +589,7 @@ pub async fn serve(cfg: ServeConfig) -> Result<(), String> {
                         fp_rate: c.bloom_fp_rate,
                         instance_id: instance_id(),
                         max_model_len: l.max_model_len.min(u32::MAX as usize) as u32,
+                        pd: l.pd_info.clone(),
                     };
                     let plan = reporter::ReportPlan {
                         targets: c.report_to.clone(),

@@ -1,0 +1,152 @@
+//! The hand-off inside engines, on the real CPU model: a prompt exported by one engine and imported by another
+//! decodes exactly like a local run, with bit-identical blocks, and only the blocks the importer lacks travel.
+
+use kvgate_shared::hashing::{BlockHasher, ExtraKeys, HashScheme};
+
+use super::tests::{drain, req};
+use super::*;
+use crate::model::llama::LlamaModel;
+use crate::model::synth::{synth_model, Preset, SynthSpec};
+
+fn engine(dir: &std::path::Path) -> Engine<CpuBackend> {
+    let model = LlamaModel::load(dir).expect("model");
+    let cfg = EngineConfig {
+        num_blocks: 64,
+        scheme: HashScheme::new(16, 9),
+        scheduler: SchedulerConfig { max_num_batched_tokens: 32, max_num_seqs: 8 },
+    };
+    Engine::new(cfg, CpuBackend::new(model, 64 * 16), None)
+}
+
+fn prompt() -> Vec<u32> {
+    (0..150).map(|i| (i * 37 + 11) % 500).collect()
+}
+
+/// The K/V bytes of the cached full blocks of `tokens`, by hash.
+fn cached_bytes(e: &mut Engine<CpuBackend>, tokens: &[u32]) -> Vec<Vec<u8>> {
+    let hasher = BlockHasher::new(&HashScheme::new(16, 9), &ExtraKeys::none());
+    let ids: Vec<u32> = {
+        let pool = e.scheduler().kv().pool().lock();
+        hasher.hash_blocks(tokens).iter().map(|h| pool.block_of(*h).expect("cached")).collect()
+    };
+    e.backend_mut().read_kv_blocks(&ids, 16).expect("read")
+}
+
+/// Exports `prompt` from `from_block` on a fresh engine of `dir`: the chunks, the first token, cached tokens.
+fn export(p: &mut Engine<CpuBackend>, prompt: &[u32], from_block: usize) -> (Vec<KvChunk>, u32, usize) {
+    p.add_export(req(100, prompt.to_vec(), 1), from_block).expect("export");
+    let (mut chunks, mut first, mut cached) = (Vec::new(), None, 0);
+    while p.has_work() {
+        for o in p.step() {
+            if let Some(kv) = o.kv {
+                assert!(first.is_none(), "KV after the first token");
+                chunks.push(kv);
+            }
+            if o.token.is_some() {
+                first = o.token;
+                cached = o.cached_tokens;
+                assert_eq!(o.finished, Some(FinishReason::Length));
+            }
+        }
+    }
+    (chunks, first.expect("a first token"), cached)
+}
+
+fn import(d: &mut Engine<CpuBackend>, id: u64, chunks: &[KvChunk], first: u32, cached: usize) -> Vec<u32> {
+    for c in chunks {
+        d.write_import(id, c.first, c.count, c.layers.clone(), &c.bytes).expect("write");
+    }
+    let o = d.finish_import(id, first, cached).expect("finish");
+    assert_eq!(o.token, Some(first));
+    let mut out = vec![first];
+    out.extend(drain(d).remove(&id).map(|r| r.0).unwrap_or_default());
+    out
+}
+
+#[test]
+fn an_imported_prompt_decodes_like_a_local_run_with_bit_identical_blocks() {
+    let dir = tempfile::tempdir().expect("tmp");
+    synth_model(dir.path(), &SynthSpec::new(Preset::Tiny, 8)).expect("synth");
+    let prompt = prompt();
+    let mut local = engine(dir.path());
+    local.add_request(req(1, prompt.clone(), 8)).expect("ok");
+    let want = drain(&mut local).remove(&1).expect("local").0;
+    let (mut p, mut d) = (engine(dir.path()), engine(dir.path()));
+    let free = d.stats().blocks_free;
+    let plan = d.start_import(req(2, prompt.clone(), 8)).expect("import");
+    assert_eq!(plan, ImportPlan { from_block: 0, blocks: 10, cached_tokens: 0 });
+    assert_eq!(d.stats().blocks_free, free - 10, "the prompt's blocks and the first token's are held");
+    let (chunks, first, cached) = export(&mut p, &prompt, plan.from_block);
+    // One chunk per 32-token prefill step (two blocks each), the last with the partial block.
+    assert_eq!(chunks.iter().map(|c| c.count).sum::<usize>(), 10);
+    assert!(chunks.len() >= 4, "blocks leave as each chunk fills them: {}", chunks.len());
+    assert_eq!(cached, 0);
+    let got = import(&mut d, 2, &chunks, first, cached);
+    assert_eq!(got, want, "greedy output identical to the local run");
+    assert_eq!(cached_bytes(&mut d, &prompt), cached_bytes(&mut local, &prompt), "K/V bit-identical");
+    // The imported prompt is in the decode engine's prefix cache: its next turn hits there.
+    d.add_request(req(3, prompt.iter().copied().chain([1, 2]).collect(), 1)).expect("ok");
+    assert_eq!(drain(&mut d)[&3].2, 144);
+}
+
+#[test]
+fn only_the_blocks_the_importer_lacks_travel() {
+    let dir = tempfile::tempdir().expect("tmp");
+    synth_model(dir.path(), &SynthSpec::new(Preset::Tiny, 8)).expect("synth");
+    let prompt = prompt();
+    let mut local = engine(dir.path());
+    local.add_request(req(1, prompt.clone(), 6)).expect("ok");
+    let want = drain(&mut local).remove(&1).expect("local").0;
+    let (mut p, mut d) = (engine(dir.path()), engine(dir.path()));
+    // The decode engine saw the first 64 tokens; the prefill engine saw the first 100.
+    d.add_request(req(5, prompt[..64].iter().copied().chain([7]).collect(), 1)).expect("ok");
+    p.add_request(req(6, prompt[..100].to_vec(), 1)).expect("ok");
+    drain(&mut d);
+    drain(&mut p);
+    let plan = d.start_import(req(2, prompt.clone(), 6)).expect("import");
+    assert_eq!((plan.from_block, plan.cached_tokens), (4, 64));
+    let (chunks, first, cached) = export(&mut p, &prompt, plan.from_block);
+    assert_eq!(chunks.iter().map(|c| c.count).sum::<usize>(), 6, "blocks 4..10 only");
+    assert_eq!(chunks[0].first, 4);
+    assert_eq!(cached, 96, "the prefill engine computed only what its own cache lacked");
+    assert_eq!(import(&mut d, 2, &chunks, first, cached), want);
+}
+
+#[test]
+fn bad_writes_are_refused_and_every_ending_frees_the_blocks() {
+    let dir = tempfile::tempdir().expect("tmp");
+    synth_model(dir.path(), &SynthSpec::new(Preset::Tiny, 8)).expect("synth");
+    let prompt = prompt();
+    let mut d = engine(dir.path());
+    let free = d.stats().blocks_free;
+    let per = d.backend().kv_block_bytes(16).expect("bytes");
+    let layers = d.backend().kv_layers();
+    d.start_import(req(2, prompt.clone(), 4)).expect("import");
+    assert!(d.write_import(2, 0, 1, 0..layers, &vec![0; per - 1]).is_err(), "short payload");
+    assert!(d.write_import(2, 9, 2, 0..layers, &vec![0; 2 * per]).is_err(), "past the prompt");
+    assert!(d.write_import(2, 0, 1, 0..layers + 1, &vec![0; per]).is_err(), "past the layers");
+    assert!(d.write_import(7, 0, 1, 0..layers, &vec![0; per]).is_err(), "unknown request");
+    d.write_import(2, 0, 1, 0..1, &vec![0; per / layers]).expect("one layer of one block");
+    assert!(d.write_import(2, 0, 1, 0..1, &vec![0; per / layers]).is_err(), "repeated");
+    assert!(d.finish_import(2, 5, 0).is_err(), "blocks are missing");
+    assert!(d.abort(2));
+    assert_eq!(d.stats().blocks_free, free, "abort frees every block");
+    assert_eq!(d.stats().importing_requests, 0);
+    // No room: more blocks than the pool has free is refused holding nothing.
+    let long = |k: u32| (0..600).map(|i| (i + k) % 500).collect::<Vec<u32>>();
+    d.start_import(req(8, long(0), 1)).expect("38 of 64 blocks");
+    let held = d.stats().blocks_free;
+    assert!(matches!(d.start_import(req(3, long(1), 1)), Err(AdmitError::NoRoom(_))));
+    assert_eq!(d.stats().blocks_free, held, "a refused import holds nothing");
+    assert!(d.abort(8));
+    assert_eq!(d.stats().blocks_free, free);
+    // A failed transfer falls back to computing here, with the local result.
+    let mut local = engine(dir.path());
+    local.add_request(req(1, prompt.clone(), 4)).expect("ok");
+    let want = drain(&mut local).remove(&1).expect("local").0;
+    d.start_import(req(4, prompt.clone(), 4)).expect("import");
+    d.write_import(4, 0, 1, 0..layers, &vec![0; per]).expect("garbage that must not survive");
+    assert!(d.import_to_local(4));
+    assert_eq!(drain(&mut d).remove(&4).expect("ran").0, want);
+    assert_eq!(d.stats().blocks_free, free, "every block is free again (cached or not)");
+}

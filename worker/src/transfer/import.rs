@@ -1,0 +1,166 @@
+//! The decode side: fetch one request's missing blocks from a prefill worker into blocks the engine allocated
+//! (`Engine::start_import`), then finish the import with the first token. Any failure before Done gives the import
+//! up and the engine computes the prompt itself (`import_to_local`); a client that leaves cancels (the caller's
+//! abort frees the blocks, and the peer is told).
+
+use std::time::Instant;
+
+use kvgate_shared::hashing::ExtraKeys;
+use tokio::sync::oneshot;
+use tokio::time::{sleep_until, timeout};
+
+use super::frame::{accept_verifies, FirstToken, Frame, Hello, VERSION};
+use super::link::{KvLink, KvTransport};
+use super::{count, count_bytes, unix_ms, TransferError, Transfers};
+use crate::engine::{ImportPlan, RequestId, SamplingParams};
+
+const SIDE: &str = "import";
+
+/// What the decode side asks for.
+pub struct Want<'a> {
+    pub id: RequestId,
+    pub prompt: &'a [u32],
+    pub extra_keys: &'a ExtraKeys,
+    pub params: &'a SamplingParams,
+    pub plan: ImportPlan,
+}
+
+/// How a fetch ended.
+#[derive(Debug, PartialEq)]
+pub enum Fetched {
+    /// The import finished: the request decodes here.
+    Done { blocks: usize },
+    /// The client left (`cancel` fired): the caller aborts the request.
+    Cancelled,
+    /// The transfer failed: the request now computes here.
+    Fallback(TransferError),
+}
+
+/// Fetches `want` from `peer`; on failure the request falls back to a local prefill. Counts the outcome.
+pub async fn fetch(t: &Transfers, peer: &str, want: Want<'_>, cancel: oneshot::Receiver<()>) -> Fetched {
+    let started = Instant::now();
+    let transfer_id = rand_id(want.id);
+    let result = run(t, peer, &want, transfer_id, cancel).await;
+    let outcome = match &result {
+        Ok(Some(_)) => "ok",
+        Ok(None) => "client_left",
+        Err(e) => e.outcome(),
+    };
+    count(SIDE, outcome);
+    match result {
+        Ok(Some(blocks)) => {
+            metrics::histogram!("kvgate_worker_kv_transfer_seconds", "side" => SIDE)
+                .record(started.elapsed().as_secs_f64());
+            Fetched::Done { blocks }
+        }
+        Ok(None) => Fetched::Cancelled,
+        Err(e) => {
+            tracing::warn!(peer, transfer = transfer_id, error = %e, "KV import failed: computing the prompt here");
+            count(SIDE, "fallback");
+            t.engine.import_to_local(want.id);
+            Fetched::Fallback(e)
+        }
+    }
+}
+
+fn rand_id(salt: u64) -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u64(salt);
+    h.write_u64(unix_ms());
+    h.finish()
+}
+
+fn hello(t: &Transfers, want: &Want<'_>, transfer_id: u64) -> Hello {
+    let p = want.params;
+    let mut h = Hello {
+        version: VERSION,
+        transfer_id,
+        issued_ms: unix_ms(),
+        fingerprint: t.fingerprint,
+        block_bytes: t.block_bytes as u32,
+        layers: t.layers as u16,
+        layer_group: t.layer_group,
+        max_frame: t.frame_bytes.max(t.block_bytes) as u32,
+        from_block: want.plan.from_block as u32,
+        blocks: want.plan.blocks as u32,
+        sampling: FirstToken { temperature: p.temperature, top_p: p.top_p, top_k: p.top_k, seed: p.seed },
+        extra_keys: want.extra_keys.to_bytes(),
+        prompt: want.prompt.to_vec(),
+        mac: [0; 32],
+    };
+    h.mac = h.code(&t.key);
+    h
+}
+
+/// `Ok(Some(blocks))`: imported; `Ok(None)`: the client left.
+async fn run(
+    t: &Transfers,
+    peer: &str,
+    want: &Want<'_>,
+    id: u64,
+    mut cancel: oneshot::Receiver<()>,
+) -> Result<Option<usize>, TransferError> {
+    let lease = t.lease;
+    let mut link = timeout(lease, t.transport.connect(peer, t.limits()))
+        .await
+        .map_err(|_| TransferError::Connect(format!("{peer}: no connection within {lease:?}")))??;
+    let h = hello(t, want, id);
+    link.send(&Frame::Hello(Box::new(h.clone()))).await?;
+    let mut received = 0usize;
+    let mut accepted = false;
+    let mut silent_until = tokio::time::Instant::now() + lease;
+    let mut renew_at = tokio::time::Instant::now() + lease / 3;
+    loop {
+        tokio::select! {
+            biased;
+            _ = &mut cancel => {
+                let _ = link.send(&Frame::Cancel { transfer_id: id, reason: "the client left".into() }).await;
+                return Ok(None);
+            }
+            f = link.recv() => {
+                silent_until = tokio::time::Instant::now() + lease;
+                match f? {
+                    Frame::Accept { transfer_id, mac } if transfer_id == id && !accepted => {
+                        if !accept_verifies(&t.key, &h.mac, &mac) {
+                            return Err(TransferError::Protocol("the Accept does not verify".into()));
+                        }
+                        accepted = true;
+                    }
+                    Frame::Refuse { transfer_id, code, reason } if transfer_id == id => {
+                        return Err(TransferError::Refused { code: code.as_str(), reason });
+                    }
+                    Frame::Renew { transfer_id } if transfer_id == id => {}
+                    Frame::Cancel { transfer_id, reason } if transfer_id == id => {
+                        return Err(TransferError::Cancelled(reason));
+                    }
+                    Frame::Blocks(b) if b.transfer_id == id && accepted => {
+                        let layers = b.layers.0 as usize..b.layers.1 as usize;
+                        let (n, bytes) = (b.count as usize, b.payload.len());
+                        if let Err(e) = t.engine.write_import(want.id, b.first as usize, n, layers, b.payload).await {
+                            let _ = link.send(&Frame::Cancel { transfer_id: id, reason: e.clone() }).await;
+                            return Err(TransferError::Protocol(e));
+                        }
+                        received += n;
+                        count_bytes(SIDE, bytes, n);
+                    }
+                    Frame::Done(d) if d.transfer_id == id && accepted => {
+                        if let Err(e) = t.engine.finish_import(want.id, d.first_token, d.cached_tokens as usize).await {
+                            let _ = link.send(&Frame::Cancel { transfer_id: id, reason: e.clone() }).await;
+                            return Err(TransferError::Protocol(e));
+                        }
+                        link.send(&Frame::Ack { transfer_id: id }).await?;
+                        t.transport.give_back(link);
+                        return Ok(Some(received));
+                    }
+                    other => return Err(TransferError::Protocol(format!("unexpected frame {other:?}").chars().take(200).collect())),
+                }
+            }
+            _ = sleep_until(renew_at) => {
+                link.send(&Frame::Renew { transfer_id: id }).await?;
+                renew_at = tokio::time::Instant::now() + lease / 3;
+            }
+            _ = sleep_until(silent_until) => return Err(TransferError::Expired(lease)),
+        }
+    }
+}
