@@ -196,6 +196,10 @@ async fn export<L: KvLink>(link: &mut L, t: &Transfers, h: &Hello) -> Result<usi
                     tokio::time::timeout_at(until, write).await.map_err(|_| TransferError::Expired(t.lease))??;
                     sent += kv.count;
                     count_bytes(SIDE, kv.bytes.len(), kv.count);
+                    if let Some((after, pause)) = fault_pause().filter(|(after, _)| sent >= *after && sent - kv.count < *after) {
+                        tracing::warn!(after, ?pause, "fault injection: pausing the export");
+                        tokio::time::sleep(pause).await;
+                    }
                 }
                 match (&o.finished, o.token) {
                     (None, _) => {}
@@ -229,6 +233,14 @@ async fn export<L: KvLink>(link: &mut L, t: &Transfers, h: &Hello) -> Result<usi
             },
         }
     }
+}
+
+/// Fault injection (tests only): `KVGATE_FAULT_EXPORT_PAUSE=<blocks>:<ms>` stalls an export for `ms` once it has
+/// sent `blocks` blocks (neither reading nor writing the link), as a stuck prefill worker would.
+fn fault_pause() -> Option<(usize, Duration)> {
+    let v = std::env::var("KVGATE_FAULT_EXPORT_PAUSE").ok()?;
+    let (blocks, ms) = v.split_once(':')?;
+    Some((blocks.parse().ok()?, Duration::from_millis(ms.parse().ok()?)))
 }
 
 /// Sends a chunk's blocks in frames of at most `max_frame` payload bytes (at least one block each).

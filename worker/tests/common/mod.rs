@@ -16,6 +16,8 @@ pub struct Worker {
     pub child: Child,
     pub base: String,
     pub port: u16,
+    /// `host:port` of its KV transfer listener (empty without one).
+    pub transfer: String,
     _dir: Option<tempfile::TempDir>,
 }
 
@@ -79,17 +81,21 @@ pub fn spawn_ready(mut cmd: Command, dir: Option<tempfile::TempDir>) -> Worker {
     });
     let deadline = Instant::now() + Duration::from_secs(60);
     let mut port = 0;
+    let mut transfer = String::new();
     loop {
         let left = deadline.saturating_duration_since(Instant::now());
         let line = rx.recv_timeout(left).expect("worker printed its ready line in time");
         if let Some(rest) = line.split("listening on http://").nth(1) {
             port = rest.rsplit(':').next().and_then(|p| p.trim().parse().ok()).expect("port");
         }
+        if let Some(rest) = line.split("kv transfer listening on ").nth(1) {
+            transfer = rest.trim().to_owned();
+        }
         if line.contains(" ready ") {
             break;
         }
     }
-    Worker { child, base: format!("http://127.0.0.1:{port}"), port, _dir: dir }
+    Worker { child, base: format!("http://127.0.0.1:{port}"), port, transfer, _dir: dir }
 }
 
 pub fn client() -> Client<hyper_util::client::legacy::connect::HttpConnector, Full<Bytes>> {

@@ -1,0 +1,346 @@
+//! Prefill/decode disaggregation through real worker processes on loopback: a decode worker fetches a prompt's KV
+//! from a prefill worker and decodes exactly like a worker that ran the request alone; only the blocks it lacks
+//! travel; and every failure (a killed or stopped peer, a client that leaves, a refusal, forged frames) ends in an
+//! error or a local recompute, never a hang, with both pools back at their baseline within the lease + 1 s.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use bytes::Bytes;
+use common::{get, metric, start_worker, start_worker_env, Worker};
+use http_body_util::{BodyExt, Full};
+use kvgate_shared::handoff::{sign_prefill_grant, PREFILL_GRANT_HEADER, PREFILL_PEER_HEADER};
+use serde_json::{json, Value};
+
+const SECRET: &str = "pd-test-secret";
+const MODEL: &str = "kvgate-tiny";
+
+fn prefill_worker(env: &[(&str, &str)]) -> Worker {
+    start_worker_env(
+        &["--role", "prefill", "--report-secret", SECRET, "--kv-transfer-port", "0", "--kv-transfer-lease", "1s", "--max-num-batched-tokens", "64"],
+        env,
+    )
+}
+
+fn decode_worker(extra: &[&str]) -> Worker {
+    let mut flags = vec!["--role", "decode", "--report-secret", SECRET, "--kv-transfer-lease", "1s"];
+    flags.extend_from_slice(extra);
+    start_worker(&flags)
+}
+
+fn prompt(n: u32, salt: u32) -> Vec<u32> {
+    (0..n).map(|i| (i * 37 + 11 + salt * 101) % 500 + 1).collect()
+}
+
+fn body(prompt: &[u32], max_tokens: u32, stream: bool) -> Value {
+    json!({"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": true,
+           "stream": stream})
+}
+
+fn now_ms() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
+}
+
+/// POSTs a completion to `w`, naming `peer` as its prefill worker (with a valid grant unless `grant` is given).
+async fn post_pd(w: &Worker, peer: Option<&str>, grant: Option<&str>, body: &Value) -> common::Resp {
+    let mut req = hyper::Request::builder()
+        .method("POST")
+        .uri(format!("{}/v1/completions", w.base))
+        .header("content-type", "application/json");
+    if let Some(peer) = peer {
+        let g = grant.map_or_else(|| sign_prefill_grant(SECRET, now_ms(), MODEL, peer), str::to_owned);
+        req = req.header(PREFILL_PEER_HEADER, peer).header(PREFILL_GRANT_HEADER, g);
+    }
+    let req = req.body(Full::new(Bytes::from(body.to_string()))).expect("request");
+    let resp = common::client().request(req).await.expect("response");
+    let status = resp.status().as_u16();
+    let headers = resp.headers().clone();
+    let bytes = resp.into_body().collect().await.expect("body").to_bytes();
+    common::Resp { status, headers, body: String::from_utf8_lossy(&bytes).into_owned() }
+}
+
+async fn metrics(w: &Worker) -> String {
+    get(&format!("{}/metrics", w.base)).await.body
+}
+
+async fn m(w: &Worker, series: &str) -> f64 {
+    metric(&metrics(w).await, series).unwrap_or(0.0)
+}
+
+/// Waits until `series` of `w` reads `want`; panics after `within`.
+async fn wait_metric(w: &Worker, series: &str, want: f64, within: Duration) {
+    let deadline = Instant::now() + within;
+    loop {
+        let got = m(w, series).await;
+        if got == want {
+            return;
+        }
+        assert!(Instant::now() < deadline, "{series}: {got}, want {want}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Waits until every block of `w`'s pool is free again (cached or not); panics after `within`.
+async fn pool_at_baseline(w: &Worker, within: Duration) {
+    let deadline = Instant::now() + within;
+    loop {
+        let t = metrics(w).await;
+        let (free, total) = (metric(&t, "kvgate_worker_kv_blocks{state=\"free\"}"), metric(&t, "kvgate_worker_kv_blocks{state=\"total\"}"));
+        if free.is_some() && free == total {
+            return;
+        }
+        assert!(Instant::now() < deadline, "{}: pool not back at baseline: free {free:?} of {total:?}", w.base);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+fn text_and_usage(r: &common::Resp) -> (String, Value) {
+    assert_eq!(r.status, 200, "{}", r.body);
+    let j = r.json();
+    (j["choices"][0]["text"].as_str().expect("text").to_owned(), j["usage"].clone())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_split_request_answers_like_a_whole_one_and_moves_only_missing_blocks() {
+    let (p, d, alone) = (prefill_worker(&[]), decode_worker(&[]), start_worker(&[]));
+    let pr = prompt(300, 0);
+    let want = text_and_usage(&post_pd(&alone, None, None, &body(&pr, 12, false)).await);
+    let got = text_and_usage(&post_pd(&d, Some(&p.transfer), None, &body(&pr, 12, false)).await);
+    assert_eq!(got, want, "text and usage (cached_tokens 0) equal a whole run");
+    assert_eq!(m(&d, "kvgate_worker_kv_transfers_total{side=\"import\",outcome=\"ok\"}").await, 1.0);
+    assert_eq!(m(&d, "kvgate_worker_kv_transfer_blocks_total{side=\"import\"}").await, 19.0, "ceil(300 / 16)");
+    assert_eq!(m(&p, "kvgate_worker_kv_transfers_total{side=\"export\",outcome=\"ok\"}").await, 1.0);
+    // The role is in /v1/models and /metrics.
+    let models = get(&format!("{}/v1/models", d.base)).await.json();
+    assert_eq!(models["data"][0]["role"], "decode");
+    assert_eq!(m(&p, "kvgate_worker_role{role=\"prefill\"}").await, 1.0);
+
+    // A second turn: the decode worker holds the first 304 tokens (its import entered its cache, and its own
+    // decode), so only the new blocks travel; the prefill worker serves its part from its cache too.
+    let mut turn2 = pr.clone();
+    turn2.extend(prompt(100, 7));
+    let want2 = text_and_usage(&post_pd(&alone, None, None, &body(&turn2, 8, false)).await);
+    let got2 = text_and_usage(&post_pd(&d, Some(&p.transfer), None, &body(&turn2, 8, false)).await);
+    assert_eq!(got2.0, want2.0);
+    assert_eq!(got2.1, want2.1, "cached_tokens as the prefill worker served them (288 of 400)");
+    let moved = m(&d, "kvgate_worker_kv_transfer_blocks_total{side=\"import\"}").await - 19.0;
+    assert_eq!(moved, 25.0 - 18.0, "blocks 18..25 only: the decode worker held 18 full blocks");
+    // Streamed, the same tokens arrive as SSE.
+    let s = post_pd(&d, Some(&p.transfer), None, &body(&prompt(200, 3), 6, true)).await;
+    assert_eq!(s.status, 200);
+    assert!(s.body.ends_with("data: [DONE]\n\n"), "{}", s.body);
+    pool_at_baseline(&d, Duration::from_secs(2)).await;
+    pool_at_baseline(&p, Duration::from_secs(2)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefix_in_the_decode_workers_host_tier_is_not_moved() {
+    let (p, alone) = (prefill_worker(&[]), start_worker(&[]));
+    let d = decode_worker(&["--kv-cache-tokens", "1024", "--host-kv-bytes", "4000000", "--kv-load-policy", "load"]);
+    let pr = prompt(400, 1);
+    // The decode worker computes the prompt once, then three others push it out of its 64-block pool to host.
+    post_pd(&d, None, None, &body(&pr, 4, false)).await;
+    for k in 0..3 {
+        post_pd(&d, None, None, &body(&prompt(600, 10 + k), 1, false)).await;
+    }
+    assert!(m(&d, "kvgate_worker_host_kv_stored_blocks").await >= 25.0);
+    let mut next = pr.clone();
+    next.extend(prompt(40, 9));
+    let want = text_and_usage(&post_pd(&alone, None, None, &body(&next, 4, false)).await);
+    let got = text_and_usage(&post_pd(&d, Some(&p.transfer), None, &body(&next, 4, false)).await);
+    assert_eq!(got.0, want.0);
+    let moved = m(&d, "kvgate_worker_kv_transfer_blocks_total{side=\"import\"}").await;
+    assert_eq!(moved, 28.0 - 25.0, "the 25 full blocks of the first prompt come from the host tier");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_or_stopped_prefill_worker_ends_in_a_local_recompute() {
+    let alone = start_worker(&[]);
+    let pr = prompt(600, 2);
+    let want = text_and_usage(&post_pd(&alone, None, None, &body(&pr, 6, false)).await).0;
+    let pr2 = prompt(600, 3);
+    let want2 = text_and_usage(&post_pd(&alone, None, None, &body(&pr2, 6, false)).await).0;
+    let d = decode_worker(&[]);
+    // SIGKILL mid-transfer: the prefill worker stalls after 8 blocks, and dies.
+    let mut p = prefill_worker(&[("KVGATE_FAULT_EXPORT_PAUSE", "8:30000")]);
+    let peer = p.transfer.clone();
+    let started = Instant::now();
+    let killer = tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(600)).await;
+        let _ = p.child.kill();
+        let _ = p.child.wait();
+    });
+    let got = text_and_usage(&post_pd(&d, Some(&peer), None, &body(&pr, 6, false)).await);
+    assert_eq!(got.0, want, "computed here after the peer died");
+    assert!(started.elapsed() < Duration::from_secs(3), "no hang: {:?}", started.elapsed());
+    killer.await.expect("killer");
+    assert_eq!(m(&d, "kvgate_worker_kv_transfers_total{side=\"import\",outcome=\"fallback\"}").await, 1.0);
+    pool_at_baseline(&d, Duration::from_secs(2)).await;
+
+    // SIGSTOP: the decode worker gives up after the 1 s lease; the prefill worker, resumed, drops its export.
+    let p = prefill_worker(&[("KVGATE_FAULT_EXPORT_PAUSE", "8:400")]);
+    let pid = p.child.id() as i32;
+    let (d2, peer) = (d.base.clone(), p.transfer.clone());
+    let stopper = tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        unsafe { libc::kill(pid, libc::SIGSTOP) };
+        tokio::time::sleep(Duration::from_millis(2500)).await;
+        unsafe { libc::kill(pid, libc::SIGCONT) };
+    });
+    let started = Instant::now();
+    let got = text_and_usage(&post_pd(&d, Some(&peer), None, &body(&pr2, 6, false)).await);
+    assert_eq!(got.0, want2, "a new prompt: the decode worker holds the first one since it computed it");
+    assert!(started.elapsed() < Duration::from_secs(4), "gave up after the lease: {:?}", started.elapsed());
+    assert_eq!(m(&d, "kvgate_worker_kv_transfers_total{side=\"import\",outcome=\"fallback\"}").await, 2.0, "{d2}");
+    stopper.await.expect("stopper");
+    wait_metric(&p, "kvgate_worker_kv_transfer_leases", 0.0, Duration::from_secs(2)).await;
+    pool_at_baseline(&p, Duration::from_secs(2)).await;
+    pool_at_baseline(&d, Duration::from_secs(2)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_or_stopped_decode_worker_or_a_client_that_leaves_frees_the_export() {
+    let p = prefill_worker(&[("KVGATE_FAULT_EXPORT_PAUSE", "8:800")]);
+    let pr = prompt(600, 4);
+    // SIGKILL the decode worker mid-transfer.
+    let mut d = decode_worker(&[]);
+    let (base, peer) = (d.base.clone(), p.transfer.clone());
+    let body_s = body(&pr, 4, false).to_string();
+    let sender = std::thread::spawn(move || raw_post(&base, &peer, &body_s, None));
+    std::thread::sleep(Duration::from_millis(400));
+    let _ = d.child.kill();
+    let _ = d.child.wait();
+    let _ = sender.join();
+    pool_at_baseline(&p, Duration::from_secs(3)).await;
+    // The export notices when it next touches the link (after its stall).
+    wait_metric(&p, "kvgate_worker_kv_transfers_total{side=\"export\",outcome=\"peer_lost\"}", 1.0, Duration::from_secs(2)).await;
+    wait_metric(&p, "kvgate_worker_kv_transfer_leases", 0.0, Duration::from_secs(2)).await;
+
+    // The client leaves during the transfer: both legs are cancelled.
+    let d = decode_worker(&[]);
+    let (base, peer) = (d.base.clone(), p.transfer.clone());
+    let body_s = body(&pr, 4, true).to_string();
+    raw_post(&base, &peer, &body_s, Some(Duration::from_millis(300)));
+    pool_at_baseline(&d, Duration::from_secs(2)).await;
+    pool_at_baseline(&p, Duration::from_secs(2)).await;
+    assert_eq!(m(&d, "kvgate_worker_kv_transfers_total{side=\"import\",outcome=\"client_left\"}").await, 1.0);
+    wait_metric(&p, "kvgate_worker_kv_transfer_leases", 0.0, Duration::from_secs(2)).await;
+    let t = metrics(&p).await;
+    let cancelled = metric(&t, "kvgate_worker_kv_transfers_total{side=\"export\",outcome=\"cancelled\"}").unwrap_or(0.0)
+        + metric(&t, "kvgate_worker_kv_transfers_total{side=\"export\",outcome=\"peer_lost\"}").unwrap_or(0.0);
+    assert_eq!(cancelled, 2.0, "{t}");
+
+    // SIGSTOP the decode worker: the prefill worker's lease lapses and it drops the export.
+    let d = decode_worker(&[]);
+    let pid = d.child.id() as i32;
+    let (base, peer) = (d.base.clone(), p.transfer.clone());
+    let body_s = body(&pr, 4, false).to_string();
+    let sender = std::thread::spawn(move || raw_post(&base, &peer, &body_s, None));
+    std::thread::sleep(Duration::from_millis(300));
+    unsafe { libc::kill(pid, libc::SIGSTOP) };
+    wait_metric(&p, "kvgate_worker_kv_transfer_leases_expired_total", 1.0, Duration::from_secs(3)).await;
+    wait_metric(&p, "kvgate_worker_kv_transfer_leases", 0.0, Duration::from_secs(1)).await;
+    pool_at_baseline(&p, Duration::from_secs(1)).await;
+    unsafe { libc::kill(pid, libc::SIGCONT) };
+    let _ = sender.join();
+    pool_at_baseline(&d, Duration::from_secs(2)).await;
+}
+
+/// A blocking HTTP/1.1 POST naming `peer`, reading the whole answer, or closing after `leave_after`.
+fn raw_post(base: &str, peer: &str, body: &str, leave_after: Option<Duration>) -> String {
+    let addr = base.trim_start_matches("http://");
+    let mut s = std::net::TcpStream::connect(addr).expect("connect");
+    let grant = sign_prefill_grant(SECRET, now_ms(), MODEL, peer);
+    let req = format!(
+        "POST /v1/completions HTTP/1.1\r\nhost: {addr}\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\
+         {PREFILL_PEER_HEADER}: {peer}\r\n{PREFILL_GRANT_HEADER}: {grant}\r\nconnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    s.write_all(req.as_bytes()).expect("write");
+    if let Some(after) = leave_after {
+        std::thread::sleep(after);
+        return String::new();
+    }
+    let _ = s.set_read_timeout(Some(Duration::from_secs(10)));
+    let mut out = String::new();
+    let _ = s.read_to_string(&mut out);
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refusals_forged_grants_and_forged_frames_are_errors_not_hangs() {
+    let p = prefill_worker(&[]);
+    let d = decode_worker(&["--kv-cache-tokens", "512"]);
+    let pr = prompt(300, 5);
+    // No grant, a grant for another peer: 401 before anything is allocated or dialled.
+    let r = post_pd(&d, Some(&p.transfer), Some("v1.1.00"), &body(&pr, 4, false)).await;
+    assert_eq!((r.status, r.json()["error"]["code"].as_str()), (401, Some("invalid_prefill_grant")));
+    let other = sign_prefill_grant(SECRET, now_ms(), MODEL, "127.0.0.1:1");
+    let r = post_pd(&d, Some(&p.transfer), Some(&other), &body(&pr, 4, false)).await;
+    assert_eq!(r.status, 401);
+    // The decode worker refuses before allocating (more KV than its pool holds): the prefill side never hears.
+    let r = post_pd(&d, Some(&p.transfer), None, &body(&prompt(600, 6), 4, false)).await;
+    assert_eq!(r.status, 400, "{}", r.body);
+    assert_eq!(m(&p, "kvgate_worker_kv_transfers_total{side=\"export\",outcome=\"ok\"}").await, 0.0);
+    // A prefill worker imports nothing.
+    let r = post_pd(&p, Some(&p.transfer), None, &body(&pr, 4, false)).await;
+    assert_eq!(r.status, 400);
+
+    // Forged frames at the transfer listener: a Hello under another key is refused; a 4 GiB frame closes the link
+    // without being read; the listener serves a real transfer afterwards.
+    let mut s = std::net::TcpStream::connect(&p.transfer).expect("connect");
+    s.write_all(&forged_hello()).expect("write");
+    let mut head = [0u8; 5];
+    s.read_exact(&mut head).expect("an answer");
+    assert_eq!(head[4], 3, "Refuse");
+    let mut s = std::net::TcpStream::connect(&p.transfer).expect("connect");
+    s.write_all(&[0xff, 0xff, 0xff, 0xff, 4]).expect("write");
+    let _ = s.set_read_timeout(Some(Duration::from_secs(3)));
+    let mut buf = [0u8; 16];
+    assert_eq!(s.read(&mut buf).unwrap_or(0), 0, "closed");
+    assert_eq!(m(&p, "kvgate_worker_kv_transfers_total{side=\"export\",outcome=\"refused\"}").await, 1.0);
+
+    // A fake prefill worker that answers with an Accept it cannot sign, then a 1 GiB Blocks frame: the decode
+    // worker computes the prompt itself.
+    for answer in [forged_accept(), vec![0, 0, 0, 0x40, 4]] {
+        let fake = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        let addr = fake.local_addr().expect("addr").to_string();
+        let server = std::thread::spawn(move || {
+            let (mut c, _) = fake.accept().expect("accept");
+            let mut buf = [0u8; 4096];
+            let _ = c.read(&mut buf);
+            let _ = c.write_all(&answer);
+            std::thread::sleep(Duration::from_millis(500));
+        });
+        let started = Instant::now();
+        let got = post_pd(&d, Some(&addr), None, &body(&pr, 4, false)).await;
+        assert_eq!(got.status, 200, "{}", got.body);
+        assert!(started.elapsed() < Duration::from_secs(2));
+        server.join().expect("fake");
+    }
+    assert_eq!(m(&d, "kvgate_worker_kv_transfers_total{side=\"import\",outcome=\"fallback\"}").await, 2.0);
+    pool_at_baseline(&d, Duration::from_secs(2)).await;
+}
+
+fn forged_hello() -> Vec<u8> {
+    // Hello's fixed part is 67 bytes (version 1 first); then no extra keys, one prompt token, a MAC under no key.
+    let mut body = vec![0u8; 67];
+    body[0] = 1;
+    body.extend_from_slice(&0u32.to_le_bytes());
+    body.extend_from_slice(&1u32.to_le_bytes());
+    body.extend_from_slice(&5u32.to_le_bytes());
+    body.extend_from_slice(&[7u8; 32]);
+    let mut frame = ((body.len() + 1) as u32).to_le_bytes().to_vec();
+    frame.push(1);
+    frame.extend(body);
+    frame
+}
+
+fn forged_accept() -> Vec<u8> {
+    let mut frame = (1u32 + 8 + 32).to_le_bytes().to_vec();
+    frame.push(2);
+    frame.extend_from_slice(&[0u8; 8 + 32]);
+    frame
+}
