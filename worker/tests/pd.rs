@@ -39,6 +39,14 @@ fn body(prompt: &[u32], max_tokens: u32, stream: bool) -> Value {
            "stream": stream})
 }
 
+/// Sends `sig` to a worker process this test started.
+#[allow(unsafe_code)]
+fn signal(pid: i32, sig: i32) {
+    // SAFETY: kill(2) with a pid of a child this test owns; no memory is touched.
+    let rc = unsafe { libc::kill(pid, sig) };
+    assert_eq!(rc, 0, "kill {pid} {sig}");
+}
+
 fn now_ms() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
 }
@@ -185,9 +193,9 @@ async fn a_killed_or_stopped_prefill_worker_ends_in_a_local_recompute() {
     let (d2, peer) = (d.base.clone(), p.transfer.clone());
     let stopper = tokio::spawn(async move {
         tokio::time::sleep(Duration::from_millis(200)).await;
-        unsafe { libc::kill(pid, libc::SIGSTOP) };
+        signal(pid, libc::SIGSTOP);
         tokio::time::sleep(Duration::from_millis(2500)).await;
-        unsafe { libc::kill(pid, libc::SIGCONT) };
+        signal(pid, libc::SIGCONT);
     });
     let started = Instant::now();
     let got = text_and_usage(&post_pd(&d, Some(&peer), None, &body(&pr2, 6, false)).await);
@@ -239,11 +247,11 @@ async fn a_dead_or_stopped_decode_worker_or_a_client_that_leaves_frees_the_expor
     let body_s = body(&pr, 4, false).to_string();
     let sender = std::thread::spawn(move || raw_post(&base, &peer, &body_s, None));
     std::thread::sleep(Duration::from_millis(300));
-    unsafe { libc::kill(pid, libc::SIGSTOP) };
+    signal(pid, libc::SIGSTOP);
     wait_metric(&p, "kvgate_worker_kv_transfer_leases_expired_total", 1.0, Duration::from_secs(3)).await;
     wait_metric(&p, "kvgate_worker_kv_transfer_leases", 0.0, Duration::from_secs(1)).await;
     pool_at_baseline(&p, Duration::from_secs(1)).await;
-    unsafe { libc::kill(pid, libc::SIGCONT) };
+    signal(pid, libc::SIGCONT);
     let _ = sender.join();
     pool_at_baseline(&d, Duration::from_secs(2)).await;
 }

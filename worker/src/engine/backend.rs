@@ -90,6 +90,18 @@ pub trait Backend: Send {
         Err("this backend cannot copy KV blocks".into())
     }
 
+    /// [`Backend::forward`], calling `tap(n, read)` as soon as layers `0..n` of the batch's K/V are written, where
+    /// `read(ids, layers, block_size)` returns what [`Backend::read_kv_layers`] would. Default: no taps (the
+    /// forward as a whole; [`Backend::taps_layers`] says `false`).
+    fn forward_tapped(&mut self, items: &[BatchItem<'_>], _tap: &mut LayerTap<'_>) -> Result<Vec<Option<Next>>, String> {
+        self.forward(items)
+    }
+
+    /// Whether [`Backend::forward_tapped`] calls its tap per layer (default `false`).
+    fn taps_layers(&self) -> bool {
+        false
+    }
+
     /// Layers of a block's bytes: [`Backend::read_kv_blocks`] lays a block out layer after layer, so a range of
     /// layers is a contiguous part of it (`kv_block_bytes / kv_layers` bytes each). Default 1: whole blocks only.
     fn kv_layers(&self) -> usize {
@@ -126,6 +138,11 @@ pub trait Backend: Send {
     }
 }
 
+/// Reads layers of blocks from inside a forward (`ids`, `layers`, block size): what a [`LayerTap`] is given.
+pub type LayerRead<'a> = dyn Fn(&[u32], std::ops::Range<usize>, usize) -> Result<Vec<u8>, String> + 'a;
+/// Called with `n` when layers `0..n` of a batch's K/V are written.
+pub type LayerTap<'a> = dyn FnMut(usize, &LayerRead<'_>) + 'a;
+
 /// The CPU engine: the Llama-family model with an in-memory KV store.
 #[derive(Debug)]
 pub struct CpuBackend {
@@ -147,17 +164,7 @@ impl CpuBackend {
 
 impl Backend for CpuBackend {
     fn forward(&mut self, items: &[BatchItem<'_>]) -> Result<Vec<Option<Next>>, String> {
-        let chunks: Vec<SeqChunk<'_>> = items
-            .iter()
-            .map(|it| SeqChunk {
-                tokens: &it.tokens[it.start..it.start + it.len],
-                start: it.start,
-                slots: &it.slots,
-                want_logits: it.want_next,
-            })
-            .collect();
-        let out = self.model.forward(&chunks, &mut self.kv).map_err(|e| e.to_string())?;
-        Ok(out.into_iter().map(|l| l.map(Next::Logits)).collect())
+        self.forward_tapped(items, &mut |_, _| {})
     }
 
     fn vocab_size(&self) -> usize {
@@ -197,6 +204,34 @@ impl Backend for CpuBackend {
 
     fn kv_layers(&self) -> usize {
         self.kv.num_layers()
+    }
+
+    fn taps_layers(&self) -> bool {
+        true
+    }
+
+    fn forward_tapped(&mut self, items: &[BatchItem<'_>], tap: &mut LayerTap<'_>) -> Result<Vec<Option<Next>>, String> {
+        let chunks: Vec<SeqChunk<'_>> = items
+            .iter()
+            .map(|it| SeqChunk {
+                tokens: &it.tokens[it.start..it.start + it.len],
+                start: it.start,
+                slots: &it.slots,
+                want_logits: it.want_next,
+            })
+            .collect();
+        let mut inner = |n: usize, kv: &KvStore| {
+            let read = |ids: &[u32], layers: std::ops::Range<usize>, bs: usize| -> Result<Vec<u8>, String> {
+                let mut out = Vec::new();
+                for id in ids {
+                    out.extend(kv.read_slots_layers(*id as usize * bs, bs, layers.clone())?);
+                }
+                Ok(out)
+            };
+            tap(n, &read);
+        };
+        let out = self.model.forward_tapped(&chunks, &mut self.kv, &mut inner).map_err(|e| e.to_string())?;
+        Ok(out.into_iter().map(|l| l.map(Next::Logits)).collect())
     }
 
     fn read_kv_layers(

@@ -23,7 +23,9 @@ use kvgate_shared::prompt::Prompter;
 
 pub use backend::{Backend, BatchItem, CpuBackend, Next};
 pub use pd::ImportPlan;
-pub use request::{AdmitError, EngineRequest, FinishReason, KvChunk, RequestId, SamplingParams, StepOutput};
+pub use request::{
+    AdmitError, EngineRequest, ExportSink, FinishReason, KvChunk, RequestId, SamplingParams, StepOutput,
+};
 pub use scheduler::{Scheduler, SchedulerConfig, Sequence};
 
 use crate::kv::{
@@ -473,6 +475,7 @@ impl<B: Backend> Engine<B> {
         if plan.is_empty() {
             return Vec::new();
         }
+        let mut taps = self.layer_taps(&plan);
         let result = if let Err(e) = moved {
             Err(e)
         } else {
@@ -497,7 +500,17 @@ impl<B: Backend> Engine<B> {
                     }
                 })
                 .collect();
-            self.backend.forward(&items)
+            if taps.is_empty() {
+                self.backend.forward(&items)
+            } else {
+                let (layers, bs) = (self.backend.kv_layers(), self.scheme.block_size as usize);
+                let mut tap = |n: usize, read: &backend::LayerRead<'_>| {
+                    for t in taps.iter_mut() {
+                        t.tap(n, layers, read, bs);
+                    }
+                };
+                self.backend.forward_tapped(&items, &mut tap)
+            }
         };
         let mut outputs = Vec::with_capacity(plan.len());
         let mut finished = Vec::new();
@@ -513,6 +526,7 @@ impl<B: Backend> Engine<B> {
                 for c in &plan {
                     self.sched.complete_chunk(c);
                 }
+                self.taps_done(&plan, &taps);
                 for o in self.export_chunks(&plan) {
                     if o.finished.is_some() {
                         finished.push(o.id);

@@ -16,10 +16,44 @@
 //! Invariant: the client-visible result equals a local run on the prefill worker: the same first token (sampled
 //! there, its sampling stream advanced here by the one draw it took), `cached_tokens` as the prefill side served.
 
-use super::request::{AdmitError, EngineRequest, KvChunk, RequestId, StepOutput};
+use super::backend::LayerRead;
+use super::request::{AdmitError, EngineRequest, Export, ExportSink, ImportState, KvChunk, RequestId, StepOutput};
 use super::sampler::GREEDY_BELOW;
-use super::scheduler::{ImportState, ScheduledChunk};
+use super::scheduler::ScheduledChunk;
 use super::{output, Backend, Engine};
+
+/// One exporting chunk's blocks, sent layer group by layer group from inside the forward.
+pub struct LayerExport {
+    plan_index: usize,
+    ids: Vec<u32>,
+    first: usize,
+    end: usize,
+    group: usize,
+    /// Layers sent so far.
+    done: usize,
+    failed: bool,
+    sink: ExportSink,
+}
+
+impl LayerExport {
+    /// Called with `n` when layers `0..n` are written (of `layers`): sends the group that just completed.
+    pub fn tap(&mut self, n: usize, layers: usize, read: &LayerRead<'_>, block_size: usize) {
+        if self.failed || (n % self.group != 0 && n != layers) || n <= self.done {
+            return;
+        }
+        match read(&self.ids, self.done..n, block_size) {
+            Ok(bytes) => {
+                let chunk = KvChunk { first: self.first, count: self.end - self.first, layers: self.done..n, bytes };
+                (self.sink.0)(chunk);
+                self.done = n;
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "reading KV layers to export failed: sending whole blocks instead");
+                self.failed = true;
+            }
+        }
+    }
+}
 
 /// What a decode worker lacks of a prompt it will import.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -33,48 +67,100 @@ pub struct ImportPlan {
 }
 
 impl<B: Backend> Engine<B> {
-    /// Queues a request whose blocks `from_block..` leave on its step outputs as they are written (the prefill side
-    /// of a hand-off). Checked like [`Engine::add_request`].
-    pub fn add_export(&mut self, req: EngineRequest, from_block: usize) -> Result<(), AdmitError> {
+    /// Queues a request whose blocks `from_block..` go to `sink` as they are written (the prefill side of a
+    /// hand-off): every `layer_group` layers during the forward where the backend taps layers, else whole blocks
+    /// after each prefill chunk. Checked like [`Engine::add_request`].
+    pub fn add_export(
+        &mut self,
+        req: EngineRequest,
+        from_block: usize,
+        layer_group: usize,
+        sink: ExportSink,
+    ) -> Result<(), AdmitError> {
         let blocks = req.prompt.len().div_ceil(self.scheme.block_size as usize);
         if from_block >= blocks {
-            return Err(AdmitError::InvalidParam("from_block", format!("{from_block} is past the prompt's {blocks} blocks")));
+            return Err(AdmitError::InvalidParam(
+                "from_block",
+                format!("{from_block} is past the prompt's {blocks} blocks"),
+            ));
         }
         let mut seq = self.new_sequence(req)?;
-        seq.export_next = Some(from_block);
+        seq.export = Some(Export { next: from_block, layer_group, sink });
         self.sched.add(seq);
         Ok(())
     }
 
-    /// Reads the blocks the chunks of this step completed for exporting sequences and returns them as outputs
-    /// (before the step's tokens, so a first token always follows its KV).
+    /// The blocks each exporting chunk of `plan` completes: `(plan index, block ids, first block, end block)`.
+    fn completed_blocks(&self, plan: &[ScheduledChunk]) -> Vec<(usize, Vec<u32>, usize, usize)> {
+        let bs = self.scheme.block_size as usize;
+        let mut out = Vec::new();
+        for (i, c) in plan.iter().enumerate() {
+            let seq = &self.sched.running()[c.index];
+            let Some(e) = &seq.export else { continue };
+            let end = c.start + c.len;
+            let ready = if end >= seq.prompt_len { seq.prompt_len.div_ceil(bs) } else { end / bs };
+            if ready > e.next {
+                let ids = seq.table.as_ref().map_or(&[][..], |t| t.blocks())[e.next..ready].to_vec();
+                out.push((i, ids, e.next, ready));
+            }
+        }
+        out
+    }
+
+    /// The layer taps of this step's forward: for each exporting chunk with a layer group, what to read as its
+    /// layers are written. Empty where the backend does not tap layers.
+    pub(super) fn layer_taps(&self, plan: &[ScheduledChunk]) -> Vec<LayerExport> {
+        if !self.backend.taps_layers() || self.backend.kv_layers() < 2 {
+            return Vec::new();
+        }
+        self.completed_blocks(plan)
+            .into_iter()
+            .filter_map(|(i, ids, first, end)| {
+                let e = self.sched.running()[plan[i].index].export.as_ref()?;
+                (e.layer_group > 0).then(|| LayerExport {
+                    plan_index: i,
+                    ids,
+                    first,
+                    end,
+                    group: e.layer_group,
+                    done: 0,
+                    failed: false,
+                    sink: e.sink.clone(),
+                })
+            })
+            .collect()
+    }
+
+    /// After a tapped forward: the blocks the taps sent count as exported.
+    pub(super) fn taps_done(&mut self, plan: &[ScheduledChunk], taps: &[LayerExport]) {
+        let layers = self.backend.kv_layers();
+        for t in taps.iter().filter(|t| !t.failed && t.done == layers) {
+            if let Some(e) = self.sched.running_mut()[plan[t.plan_index].index].export.as_mut() {
+                e.next = t.end;
+            }
+        }
+    }
+
+    /// Reads the blocks this step's chunks completed for exporting sequences (those no layer tap sent) into their
+    /// sinks; a failed read ends the sequence with an error output.
     pub(super) fn export_chunks(&mut self, plan: &[ScheduledChunk]) -> Vec<StepOutput> {
         let bs = self.scheme.block_size as usize;
         let layers = self.backend.kv_layers();
         let mut out = Vec::new();
-        for c in plan {
-            let seq = &self.sched.running()[c.index];
-            let Some(next) = seq.export_next else { continue };
-            let ready = if seq.num_computed >= seq.prompt_len {
-                seq.prompt_len.div_ceil(bs)
-            } else {
-                seq.num_computed / bs
-            };
-            if ready <= next {
-                continue;
-            }
-            let ids: Vec<u32> = seq.table.as_ref().map_or(&[][..], |t| t.blocks())[next..ready].to_vec();
+        for (i, ids, first, end) in self.completed_blocks(plan) {
             let read = self.backend.read_kv_layers(&ids, 0..layers, bs);
-            let seq = &mut self.sched.running_mut()[c.index];
-            let mut o = output(seq, None, None);
+            let seq = &mut self.sched.running_mut()[plan[i].index];
+            let Some(e) = seq.export.as_mut() else { continue };
             match read {
                 Ok(bytes) => {
-                    seq.export_next = Some(ready);
-                    o.kv = Some(KvChunk { first: next, count: ready - next, layers: 0..layers, bytes });
+                    e.next = end;
+                    (e.sink.0)(KvChunk { first, count: end - first, layers: 0..layers, bytes });
                 }
-                Err(e) => o.finished = Some(super::FinishReason::Error(format!("reading KV to export: {e}"))),
+                Err(err) => {
+                    let reason = super::FinishReason::Error(format!("reading KV to export: {err}"));
+                    out.push(output(seq, None, Some(reason)));
+                }
             }
-            out.push(o);
         }
         out
     }

@@ -32,16 +32,19 @@ fn cached_bytes(e: &mut Engine<CpuBackend>, tokens: &[u32]) -> Vec<Vec<u8>> {
     e.backend_mut().read_kv_blocks(&ids, 16).expect("read")
 }
 
-/// Exports `prompt` from `from_block` on a fresh engine of `dir`: the chunks, the first token, cached tokens.
+/// Exports `prompt` from `from_block` (every `group` layers): the chunks, the first token, cached tokens.
 fn export(p: &mut Engine<CpuBackend>, prompt: &[u32], from_block: usize) -> (Vec<KvChunk>, u32, usize) {
-    p.add_export(req(100, prompt.to_vec(), 1), from_block).expect("export");
-    let (mut chunks, mut first, mut cached) = (Vec::new(), None, 0);
+    export_by(p, prompt, from_block, 0)
+}
+
+fn export_by(p: &mut Engine<CpuBackend>, prompt: &[u32], from_block: usize, group: usize) -> (Vec<KvChunk>, u32, usize) {
+    let got = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let g = got.clone();
+    let sink = ExportSink(std::sync::Arc::new(move |kv| g.lock().expect("sink").push(kv)));
+    p.add_export(req(100, prompt.to_vec(), 1), from_block, group, sink).expect("export");
+    let (mut first, mut cached) = (None, 0);
     while p.has_work() {
         for o in p.step() {
-            if let Some(kv) = o.kv {
-                assert!(first.is_none(), "KV after the first token");
-                chunks.push(kv);
-            }
             if o.token.is_some() {
                 first = o.token;
                 cached = o.cached_tokens;
@@ -49,6 +52,7 @@ fn export(p: &mut Engine<CpuBackend>, prompt: &[u32], from_block: usize) -> (Vec
             }
         }
     }
+    let chunks = std::mem::take(&mut *got.lock().expect("sink"));
     (chunks, first.expect("a first token"), cached)
 }
 
@@ -149,4 +153,22 @@ fn bad_writes_are_refused_and_every_ending_frees_the_blocks() {
     assert!(d.import_to_local(4));
     assert_eq!(drain(&mut d).remove(&4).expect("ran").0, want);
     assert_eq!(d.stats().blocks_free, free, "every block is free again (cached or not)");
+}
+
+#[test]
+fn layer_groups_leave_during_the_forward_and_import_like_whole_blocks() {
+    let dir = tempfile::tempdir().expect("tmp");
+    synth_model(dir.path(), &SynthSpec::new(Preset::Tiny, 8)).expect("synth");
+    let prompt = prompt();
+    let mut local = engine(dir.path());
+    local.add_request(req(1, prompt.clone(), 8)).expect("ok");
+    let want = drain(&mut local).remove(&1).expect("local").0;
+    let (mut p, mut d) = (engine(dir.path()), engine(dir.path()));
+    let plan = d.start_import(req(2, prompt.clone(), 8)).expect("import");
+    let (chunks, first, cached) = export_by(&mut p, &prompt, plan.from_block, 1);
+    // The tiny model has 2 layers: each prefill chunk's blocks leave as two one-layer parts.
+    assert!(chunks.iter().all(|c| c.layers.len() == 1), "{:?}", chunks.iter().map(|c| c.layers.clone()).collect::<Vec<_>>());
+    assert_eq!(chunks.iter().filter(|c| c.layers == (0..1)).map(|c| c.count).sum::<usize>(), 10);
+    assert_eq!(import(&mut d, 2, &chunks, first, cached), want);
+    assert_eq!(cached_bytes(&mut d, &prompt), cached_bytes(&mut local, &prompt), "K/V bit-identical");
 }

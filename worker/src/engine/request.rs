@@ -132,3 +132,69 @@ pub enum AdmitError {
     #[error("no room to import the request's KV now ({0})")]
     NoRoom(&'static str),
 }
+
+/// Where an exporting request's blocks go as they are written (the server: the transfer link's queue).
+#[derive(Clone)]
+pub struct ExportSink(pub std::sync::Arc<dyn Fn(KvChunk) + Send + Sync>);
+
+impl std::fmt::Debug for ExportSink {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ExportSink")
+    }
+}
+
+/// The prefill side of a hand-off, per sequence.
+#[derive(Clone, Debug)]
+pub struct Export {
+    /// The next block to export.
+    pub next: usize,
+    /// Layers per chunk while a forward computes (0: whole blocks after each prefill chunk).
+    pub layer_group: usize,
+    pub sink: ExportSink,
+}
+
+/// What an importing sequence has received: one bit per (block, layer) of `from_block..blocks`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ImportState {
+    pub from_block: usize,
+    pub blocks: usize,
+    pub layers: usize,
+    received: Vec<u64>,
+    missing: usize,
+}
+
+impl ImportState {
+    pub fn new(from_block: usize, blocks: usize, layers: usize) -> Self {
+        let bits = (blocks - from_block) * layers;
+        Self { from_block, blocks, layers, received: vec![0; bits.div_ceil(64)], missing: bits }
+    }
+
+    /// Marks blocks `first..first + count`, layers `layers`, as received; `false` (and nothing marked) if any of
+    /// them is outside the declared range or was received already.
+    pub fn mark(&mut self, first: usize, count: usize, layers: std::ops::Range<usize>) -> bool {
+        let in_range = first >= self.from_block
+            && first.checked_add(count).is_some_and(|end| end <= self.blocks)
+            && layers.start < layers.end
+            && layers.end <= self.layers;
+        if !in_range {
+            return false;
+        }
+        let bit = |b: usize, l: usize| (b - self.from_block) * self.layers + l;
+        let all = || (first..first + count).flat_map(|b| layers.clone().map(move |l| (b, l)));
+        if all().any(|(b, l)| self.received[bit(b, l) / 64] >> (bit(b, l) % 64) & 1 == 1) {
+            return false;
+        }
+        for (b, l) in all() {
+            let i = bit(b, l);
+            self.received[i / 64] |= 1 << (i % 64);
+        }
+        self.missing -= count * layers.len();
+        true
+    }
+
+    /// Whether every declared block and layer has arrived.
+    pub fn complete(&self) -> bool {
+        self.missing == 0
+    }
+}
+

@@ -21,7 +21,7 @@ use std::collections::VecDeque;
 use kvgate_shared::hashing::BlockHasher;
 use kvgate_shared::prompt::SplitMix64;
 
-use super::request::{RequestId, SamplingParams};
+use super::request::{Export, ImportState, RequestId, SamplingParams};
 use crate::kv::{BlockTable, KvManager};
 
 /// Scheduling limits.
@@ -61,55 +61,10 @@ pub struct Sequence {
     pub load_ready_s: f64,
     pub rng: SplitMix64,
     pub preemptions: u32,
-    /// The prefill side of a hand-off: the next block to export (`Engine::add_export`).
-    pub export_next: Option<usize>,
+    /// The prefill side of a hand-off (`Engine::add_export`).
+    pub export: Option<Export>,
     /// The decode side of a hand-off, while its KV arrives (`Engine::start_import`).
     pub import: Option<ImportState>,
-}
-
-/// What an importing sequence has received: one bit per (block, layer) of `from_block..blocks`.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ImportState {
-    pub from_block: usize,
-    pub blocks: usize,
-    pub layers: usize,
-    received: Vec<u64>,
-    missing: usize,
-}
-
-impl ImportState {
-    pub fn new(from_block: usize, blocks: usize, layers: usize) -> Self {
-        let bits = (blocks - from_block) * layers;
-        Self { from_block, blocks, layers, received: vec![0; bits.div_ceil(64)], missing: bits }
-    }
-
-    /// Marks blocks `first..first + count`, layers `layers`, as received; `false` (and nothing marked) if any of
-    /// them is outside the declared range or was received already.
-    pub fn mark(&mut self, first: usize, count: usize, layers: std::ops::Range<usize>) -> bool {
-        let in_range = first >= self.from_block
-            && first.checked_add(count).is_some_and(|end| end <= self.blocks)
-            && layers.start < layers.end
-            && layers.end <= self.layers;
-        if !in_range {
-            return false;
-        }
-        let bit = |b: usize, l: usize| (b - self.from_block) * self.layers + l;
-        let all = || (first..first + count).flat_map(|b| layers.clone().map(move |l| (b, l)));
-        if all().any(|(b, l)| self.received[bit(b, l) / 64] >> (bit(b, l) % 64) & 1 == 1) {
-            return false;
-        }
-        for (b, l) in all() {
-            let i = bit(b, l);
-            self.received[i / 64] |= 1 << (i % 64);
-        }
-        self.missing -= count * layers.len();
-        true
-    }
-
-    /// Whether every declared block and layer has arrived.
-    pub fn complete(&self) -> bool {
-        self.missing == 0
-    }
 }
 
 impl Sequence {
@@ -128,7 +83,7 @@ impl Sequence {
             cached_estimate: 0,
             load_ready_s: 0.0,
             preemptions: 0,
-            export_next: None,
+            export: None,
             import: None,
         }
     }
@@ -143,6 +98,7 @@ impl Sequence {
         self.tokens.len() - self.num_computed
     }
 }
+
 
 /// One sequence's share of a step.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -284,6 +284,17 @@ impl LlamaModel {
         chunks: &[SeqChunk<'_>],
         kv: &mut KvStore,
     ) -> Result<Vec<Option<Vec<f32>>>, ModelError> {
+        self.forward_tapped(chunks, kv, &mut |_, _| {})
+    }
+
+    /// [`Self::forward`], calling `tap(n, kv)` as soon as layers `0..n` of this batch's K/V are written (before
+    /// layer `n - 1`'s attention), so they can leave while the rest computes.
+    pub fn forward_tapped(
+        &self,
+        chunks: &[SeqChunk<'_>],
+        kv: &mut KvStore,
+        tap: &mut dyn FnMut(usize, &KvStore),
+    ) -> Result<Vec<Option<Vec<f32>>>, ModelError> {
         let cfg = &self.cfg;
         let (heads, kvh, hd) = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim);
         let (qd, kvd) = (heads * hd, kvh * hd);
@@ -332,6 +343,7 @@ impl LlamaModel {
             let k_rows = k.squeeze(0)?.transpose(0, 1)?.contiguous()?.flatten_all()?.to_vec1::<f32>()?;
             let v_rows = v.flatten_all()?.to_vec1::<f32>()?;
             kv.write(li, &write_slots, &k_rows, &v_rows);
+            tap(li + 1, kv);
 
             // Per-chunk outputs [heads, n, hd] keyed by token offset; single-token chunks (decodes) share one
             // batched attention.

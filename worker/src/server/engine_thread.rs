@@ -19,7 +19,8 @@ use std::time::Instant;
 use tokio::sync::{mpsc, oneshot, watch};
 
 use crate::engine::{
-    AdmitError, Backend, Engine, EngineRequest, EngineStats, ImportPlan, RequestId, StepOutput,
+    AdmitError, Backend, Engine, EngineRequest, EngineStats, ExportSink, ImportPlan, KvChunk, RequestId,
+    StepOutput,
 };
 use crate::kv::{KvManager, SharedPool};
 
@@ -35,6 +36,7 @@ enum Cmd {
     AddExport {
         req: EngineRequest,
         from_block: usize,
+        layer_group: usize,
         events: mpsc::UnboundedSender<StepOutput>,
         admitted: oneshot::Sender<Result<(), Refusal>>,
     },
@@ -152,10 +154,12 @@ impl EngineHandle {
         &self,
         req: EngineRequest,
         from_block: usize,
+        layer_group: usize,
     ) -> Result<mpsc::UnboundedReceiver<StepOutput>, Refusal> {
         let (events, rx) = mpsc::unbounded_channel();
         let (admitted, ack) = oneshot::channel();
-        self.tx.send(Cmd::AddExport { req, from_block, events, admitted }).map_err(|_| Refusal::EngineGone)?;
+        let cmd = Cmd::AddExport { req, from_block, layer_group, events, admitted };
+        self.tx.send(cmd).map_err(|_| Refusal::EngineGone)?;
         ack.await.map_err(|_| Refusal::EngineGone)??;
         Ok(rx)
     }
@@ -328,14 +332,27 @@ fn handle<B: Backend>(
                 }
             }
         }
-        Cmd::AddExport { req, from_block, events, admitted } => {
+        Cmd::AddExport { req, from_block, layer_group, events, admitted } => {
             let waiting = engine.scheduler().num_waiting();
             if waiting >= max_waiting {
                 let _ = admitted.send(Err(Refusal::QueueFull { waiting }));
                 return;
             }
             let id = req.id;
-            match engine.add_export(req, from_block) {
+            // Blocks go out on the request's own channel, so they always precede its first token.
+            let tx = events.clone();
+            let sink = ExportSink(Arc::new(move |kv: KvChunk| {
+                let _ = tx.send(StepOutput {
+                    id,
+                    token: None,
+                    finished: None,
+                    prompt_tokens: 0,
+                    cached_tokens: 0,
+                    completion_tokens: 0,
+                    kv: Some(kv),
+                });
+            }));
+            match engine.add_export(req, from_block, layer_group, sink) {
                 Ok(()) => {
                     senders.insert(id, events);
                     if admitted.send(Ok(())).is_err() {

@@ -160,7 +160,8 @@ async fn export<L: KvLink>(link: &mut L, t: &Transfers, h: &Hello) -> Result<usi
     };
     let rid = t.engine.next_id();
     let req = EngineRequest { id: rid, prompt: h.prompt.clone(), params, extra_keys: keys };
-    let mut rx = match t.engine.submit_export(req, h.from_block as usize).await {
+    let group = if h.layer_group > 0 { h.layer_group } else { t.layer_group };
+    let mut rx = match t.engine.submit_export(req, h.from_block as usize, group as usize).await {
         Ok(rx) => rx,
         Err(Refusal::QueueFull { waiting }) => {
             return Err(refuse(link, id, RefuseCode::Overloaded, format!("{waiting} requests wait")).await)
