@@ -276,14 +276,26 @@ mod tests {
     fn a_prefill_grant_binds_model_peer_and_time() {
         let g = sign_prefill_grant("s", 1_000_000, "m", "10.0.0.1:9000");
         assert_eq!(verify_prefill_grant(Some("s"), &g, "m", "10.0.0.1:9000", 1_000_000), Ok(()));
-        assert_eq!(verify_prefill_grant(Some("s"), &g, "m", "10.0.0.2:9000", 1_000_000), Err(AssertionError::BadCode));
-        assert_eq!(verify_prefill_grant(Some("s"), &g, "n", "10.0.0.1:9000", 1_000_000), Err(AssertionError::BadCode));
-        assert_eq!(verify_prefill_grant(Some("t"), &g, "m", "10.0.0.1:9000", 1_000_000), Err(AssertionError::BadCode));
+        assert_eq!(
+            verify_prefill_grant(Some("s"), &g, "m", "10.0.0.2:9000", 1_000_000),
+            Err(AssertionError::BadCode)
+        );
+        assert_eq!(
+            verify_prefill_grant(Some("s"), &g, "n", "10.0.0.1:9000", 1_000_000),
+            Err(AssertionError::BadCode)
+        );
+        assert_eq!(
+            verify_prefill_grant(Some("t"), &g, "m", "10.0.0.1:9000", 1_000_000),
+            Err(AssertionError::BadCode)
+        );
         assert!(matches!(
             verify_prefill_grant(Some("s"), &g, "m", "10.0.0.1:9000", 1_000_000 + ASSERTION_WINDOW_MS + 1),
             Err(AssertionError::Expired { .. })
         ));
-        assert_eq!(verify_prefill_grant(None, &g, "m", "10.0.0.1:9000", 1_000_000), Err(AssertionError::NoSecret));
+        assert_eq!(
+            verify_prefill_grant(None, &g, "m", "10.0.0.1:9000", 1_000_000),
+            Err(AssertionError::NoSecret)
+        );
         assert_eq!(verify_prefill_grant(Some("s"), "v1.x.y", "m", "p", 0), Err(AssertionError::Malformed));
         assert_ne!(transfer_key("s"), transfer_key("t"));
     }

@@ -155,8 +155,10 @@ async fn main() {
     if !dir.join("model.safetensors").exists() {
         synth_model(&dir, &SynthSpec::new(Preset::Small, 0)).expect("synth");
     }
-    println!("kvgate KV transfer benchmark: preset small (6 layers, 4 KV heads x 32, 6 KiB a token), {} threads",
-        std::thread::available_parallelism().map_or(1, |n| n.get()));
+    println!(
+        "kvgate KV transfer benchmark: preset small (6 layers, 4 KV heads x 32, 6 KiB a token), {} threads",
+        std::thread::available_parallelism().map_or(1, |n| n.get())
+    );
 
     println!("\n## The wire: one loopback TCP link vs memcpy\n| tokens | bytes | memcpy GB/s | link GB/s | link / memcpy |\n|---|---|---|---|---|");
     for tokens in [4096usize, 32_768] {
@@ -171,42 +173,66 @@ async fn main() {
         let link = median(runs.iter().map(|r| r.0).collect());
         let memcpy = median(runs.iter().map(|r| r.1).collect());
         let gb = |s: f64| bytes as f64 / s / 1e9;
-        println!("| {tokens} | {:.0} MiB | {:.2} | {:.2} | {:.3}x |", bytes as f64 / (1 << 20) as f64, gb(memcpy), gb(link), memcpy / link);
+        println!(
+            "| {tokens} | {:.0} MiB | {:.2} | {:.2} | {:.3}x |",
+            bytes as f64 / (1 << 20) as f64,
+            gb(memcpy),
+            gb(link),
+            memcpy / link
+        );
     }
 
     println!("\n## A prompt handed from a prefill engine to a decode engine (time to the decode side's first token)");
-    println!("| tokens | chunk | KV sent | prefill alone s | handed s | exposed transfer s | hidden vs whole |\n|---|---|---|---|---|---|---|");
+    println!("| tokens | chunk | KV sent | prefill alone s | handed s | exposed transfer s | transfer alone s |\n|---|---|---|---|---|---|---|");
     let tokens = 4096;
+    let transfer_alone = median({
+        let mut v = Vec::new();
+        for _ in 0..reps {
+            v.push(wire(tokens * 6144).await.0);
+        }
+        v
+    });
     let mut salt = 0;
-    for chunk in [4096usize, 1024] {
-        let (p, peer) = side(engine(&dir, 40_960, chunk), 0, true).await;
-        let (pl, peer_l) = side(engine(&dir, 40_960, chunk), 1, true).await;
-        let (d, _) = side(engine(&dir, 40_960, 2048), 0, false).await;
-        let mut alone = Vec::new();
-        let (mut whole, mut layered) = (Vec::new(), Vec::new());
+    for (chunk, group) in [(4096usize, 0u16), (4096, 1), (1024, 0), (1024, 1)] {
+        // Pools of 3 prompts, every page touched first (a fresh pool's first writes fault its pages in).
+        let (p, peer) = side(engine(&dir, 3 * tokens, chunk), group, true).await;
+        let (d, _) = side(engine(&dir, 3 * tokens, 2048), 0, false).await;
+        for k in 0..3 {
+            local(&p.engine, &prompt(tokens, 900 + k)).await;
+            local(&d.engine, &prompt(tokens, 950 + k)).await;
+        }
+        let (mut alone, mut handed_s) = (Vec::new(), Vec::new());
         for _ in 0..reps {
             salt += 1;
             alone.push(local(&p.engine, &prompt(tokens, salt)).await);
             salt += 1;
-            whole.push(handed(&peer, &d, &prompt(tokens, salt)).await);
-            salt += 1;
-            layered.push(handed(&peer_l, &d, &prompt(tokens, salt)).await);
+            handed_s.push(handed(&peer, &d, &prompt(tokens, salt)).await);
         }
-        let (a, w, l) = (median(alone), median(whole), median(layered));
-        let sent = if chunk >= tokens { "whole, after the forward" } else { "per chunk" };
-        println!("| {tokens} | {chunk} | {sent} | {a:.3} | {w:.3} | {:.3} | - |", w - a);
-        println!("| {tokens} | {chunk} | per layer, during the forward | {a:.3} | {l:.3} | {:.3} | {:.0}% |", l - a, 100.0 * (1.0 - ((l - a) / (w - a).max(1e-9)).clamp(0.0, 1.0)));
-        drop((p, pl, d));
+        let (a, h) = (median(alone), median(handed_s));
+        let sent = match (group, chunk >= tokens) {
+            (0, true) => "whole, after the forward",
+            (0, false) => "per chunk, after each",
+            _ => "per layer, during the forward",
+        };
+        println!("| {tokens} | {chunk} | {sent} | {a:.3} | {h:.3} | {:.3} | {transfer_alone:.3} |", h - a);
     }
 
     println!("\n## Inter-token latency of 8 running streams while two {tokens}-token prompts arrive");
     println!("| prompts | ITL p50 ms | ITL p99 ms | ITL max ms |\n|---|---|---|---|");
     for mode in ["none", "aggregated", "disaggregated"] {
-        let (p, peer) = side(engine(&dir, 40_960, 2048), 0, true).await;
-        let (d, _) = side(engine(&dir, 40_960, 2048), 0, false).await;
+        let (p, peer) = side(engine(&dir, 3 * tokens, 2048), 0, true).await;
+        let (d, _) = side(engine(&dir, 4 * tokens, 2048), 0, false).await;
+        for k in 0..3 {
+            local(&p.engine, &prompt(tokens, 900 + k)).await;
+            local(&d.engine, &prompt(tokens, 950 + k)).await;
+        }
         let mut streams = Vec::new();
         for k in 0..8u64 {
-            let mut rx = d.engine.submit(req(d.engine.next_id(), prompt(128, 1000 + k as usize), 300)).await.expect("stream");
+            let mut rx = d
+                .engine
+                .submit(req(d.engine.next_id(), prompt(128, 1000 + k as usize), 300))
+                .await
+                .expect("stream");
             streams.push(tokio::spawn(async move {
                 let mut at = Vec::new();
                 while let Some(o) = rx.recv().await {
@@ -226,8 +252,12 @@ async fn main() {
             salt += 1;
             let pr = prompt(tokens, salt);
             match mode {
-                "aggregated" => { local(&d.engine, &pr).await; }
-                "disaggregated" => { handed(&peer, &d, &pr).await; }
+                "aggregated" => {
+                    local(&d.engine, &pr).await;
+                }
+                "disaggregated" => {
+                    handed(&peer, &d, &pr).await;
+                }
                 _ => tokio::time::sleep(Duration::from_millis(if k == 0 { 2500 } else { 0 })).await,
             }
         }
@@ -242,7 +272,11 @@ async fn main() {
             }
         }
         gaps.sort_by(f64::total_cmp);
-        let q = |f: f64| gaps.get(((gaps.len() as f64 * f) as usize).min(gaps.len().saturating_sub(1))).copied().unwrap_or(0.0);
+        let q = |f: f64| {
+            gaps.get(((gaps.len() as f64 * f) as usize).min(gaps.len().saturating_sub(1)))
+                .copied()
+                .unwrap_or(0.0)
+        };
         println!("| {mode} | {:.1} | {:.1} | {:.1} |", q(0.5), q(0.99), gaps.last().copied().unwrap_or(0.0));
         drop((p, d));
     }

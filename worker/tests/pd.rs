@@ -19,7 +19,18 @@ const MODEL: &str = "kvgate-tiny";
 
 fn prefill_worker(env: &[(&str, &str)]) -> Worker {
     start_worker_env(
-        &["--role", "prefill", "--report-secret", SECRET, "--kv-transfer-port", "0", "--kv-transfer-lease", "1s", "--max-num-batched-tokens", "64"],
+        &[
+            "--role",
+            "prefill",
+            "--report-secret",
+            SECRET,
+            "--kv-transfer-port",
+            "0",
+            "--kv-transfer-lease",
+            "1s",
+            "--max-num-batched-tokens",
+            "64",
+        ],
         env,
     )
 }
@@ -95,11 +106,18 @@ async fn pool_at_baseline(w: &Worker, within: Duration) {
     let deadline = Instant::now() + within;
     loop {
         let t = metrics(w).await;
-        let (free, total) = (metric(&t, "kvgate_worker_kv_blocks{state=\"free\"}"), metric(&t, "kvgate_worker_kv_blocks{state=\"total\"}"));
+        let (free, total) = (
+            metric(&t, "kvgate_worker_kv_blocks{state=\"free\"}"),
+            metric(&t, "kvgate_worker_kv_blocks{state=\"total\"}"),
+        );
         if free.is_some() && free == total {
             return;
         }
-        assert!(Instant::now() < deadline, "{}: pool not back at baseline: free {free:?} of {total:?}", w.base);
+        assert!(
+            Instant::now() < deadline,
+            "{}: pool not back at baseline: free {free:?} of {total:?}",
+            w.base
+        );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
@@ -118,7 +136,11 @@ async fn a_split_request_answers_like_a_whole_one_and_moves_only_missing_blocks(
     let got = text_and_usage(&post_pd(&d, Some(&p.transfer), None, &body(&pr, 12, false)).await);
     assert_eq!(got, want, "text and usage (cached_tokens 0) equal a whole run");
     assert_eq!(m(&d, "kvgate_worker_kv_transfers_total{side=\"import\",outcome=\"ok\"}").await, 1.0);
-    assert_eq!(m(&d, "kvgate_worker_kv_transfer_blocks_total{side=\"import\"}").await, 19.0, "ceil(300 / 16)");
+    assert_eq!(
+        m(&d, "kvgate_worker_kv_transfer_blocks_total{side=\"import\"}").await,
+        19.0,
+        "ceil(300 / 16)"
+    );
     assert_eq!(m(&p, "kvgate_worker_kv_transfers_total{side=\"export\",outcome=\"ok\"}").await, 1.0);
     // The role is in /v1/models and /metrics.
     let models = get(&format!("{}/v1/models", d.base)).await.json();
@@ -144,9 +166,16 @@ async fn a_split_request_answers_like_a_whole_one_and_moves_only_missing_blocks(
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_prefix_in_the_decode_workers_host_tier_is_not_moved() {
+async fn a_prefix_in_the_decode_workers_host_or_ssd_tier_is_not_moved() {
     let (p, alone) = (prefill_worker(&[]), start_worker(&[]));
-    let d = decode_worker(&["--kv-cache-tokens", "1024", "--host-kv-bytes", "4000000", "--kv-load-policy", "load"]);
+    let d = decode_worker(&[
+        "--kv-cache-tokens",
+        "1024",
+        "--host-kv-bytes",
+        "4000000",
+        "--kv-load-policy",
+        "load",
+    ]);
     let pr = prompt(400, 1);
     // The decode worker computes the prompt once, then three others push it out of its 64-block pool to host.
     post_pd(&d, None, None, &body(&pr, 4, false)).await;
@@ -161,6 +190,33 @@ async fn a_prefix_in_the_decode_workers_host_tier_is_not_moved() {
     assert_eq!(got.0, want.0);
     let moved = m(&d, "kvgate_worker_kv_transfer_blocks_total{side=\"import\"}").await;
     assert_eq!(moved, 28.0 - 25.0, "the 25 full blocks of the first prompt come from the host tier");
+
+    // The same with the prefix on the decode worker's SSD tier (no host tier).
+    let ssd = tempfile::tempdir().expect("tmp");
+    let path = ssd.path().display().to_string();
+    let d = decode_worker(&[
+        "--kv-cache-tokens",
+        "1024",
+        "--disk-kv-bytes",
+        "8000000",
+        "--disk-kv-path",
+        &path,
+        "--kv-load-policy",
+        "load",
+    ]);
+    post_pd(&d, None, None, &body(&pr, 4, false)).await;
+    for k in 0..3 {
+        post_pd(&d, None, None, &body(&prompt(600, 10 + k), 1, false)).await;
+    }
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while m(&d, "kvgate_worker_disk_kv_written_blocks").await < 25.0 {
+        assert!(Instant::now() < deadline, "the SSD tier did not get the evicted blocks");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let got = text_and_usage(&post_pd(&d, Some(&p.transfer), None, &body(&next, 4, false)).await);
+    assert_eq!(got.0, want.0);
+    let moved = m(&d, "kvgate_worker_kv_transfer_blocks_total{side=\"import\"}").await;
+    assert_eq!(moved, 3.0, "the 25 full blocks of the first prompt come from the SSD tier");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -201,7 +257,11 @@ async fn a_killed_or_stopped_prefill_worker_ends_in_a_local_recompute() {
     let got = text_and_usage(&post_pd(&d, Some(&peer), None, &body(&pr2, 6, false)).await);
     assert_eq!(got.0, want2, "a new prompt: the decode worker holds the first one since it computed it");
     assert!(started.elapsed() < Duration::from_secs(4), "gave up after the lease: {:?}", started.elapsed());
-    assert_eq!(m(&d, "kvgate_worker_kv_transfers_total{side=\"import\",outcome=\"fallback\"}").await, 2.0, "{d2}");
+    assert_eq!(
+        m(&d, "kvgate_worker_kv_transfers_total{side=\"import\",outcome=\"fallback\"}").await,
+        2.0,
+        "{d2}"
+    );
     stopper.await.expect("stopper");
     wait_metric(&p, "kvgate_worker_kv_transfer_leases", 0.0, Duration::from_secs(2)).await;
     pool_at_baseline(&p, Duration::from_secs(2)).await;
@@ -223,7 +283,13 @@ async fn a_dead_or_stopped_decode_worker_or_a_client_that_leaves_frees_the_expor
     let _ = sender.join();
     pool_at_baseline(&p, Duration::from_secs(3)).await;
     // The export notices when it next touches the link (after its stall).
-    wait_metric(&p, "kvgate_worker_kv_transfers_total{side=\"export\",outcome=\"peer_lost\"}", 1.0, Duration::from_secs(2)).await;
+    wait_metric(
+        &p,
+        "kvgate_worker_kv_transfers_total{side=\"export\",outcome=\"peer_lost\"}",
+        1.0,
+        Duration::from_secs(2),
+    )
+    .await;
     wait_metric(&p, "kvgate_worker_kv_transfer_leases", 0.0, Duration::from_secs(2)).await;
 
     // The client leaves during the transfer: both legs are cancelled.
@@ -236,8 +302,10 @@ async fn a_dead_or_stopped_decode_worker_or_a_client_that_leaves_frees_the_expor
     assert_eq!(m(&d, "kvgate_worker_kv_transfers_total{side=\"import\",outcome=\"client_left\"}").await, 1.0);
     wait_metric(&p, "kvgate_worker_kv_transfer_leases", 0.0, Duration::from_secs(2)).await;
     let t = metrics(&p).await;
-    let cancelled = metric(&t, "kvgate_worker_kv_transfers_total{side=\"export\",outcome=\"cancelled\"}").unwrap_or(0.0)
-        + metric(&t, "kvgate_worker_kv_transfers_total{side=\"export\",outcome=\"peer_lost\"}").unwrap_or(0.0);
+    let cancelled = metric(&t, "kvgate_worker_kv_transfers_total{side=\"export\",outcome=\"cancelled\"}")
+        .unwrap_or(0.0)
+        + metric(&t, "kvgate_worker_kv_transfers_total{side=\"export\",outcome=\"peer_lost\"}")
+            .unwrap_or(0.0);
     assert_eq!(cancelled, 2.0, "{t}");
 
     // SIGSTOP the decode worker: the prefill worker's lease lapses and it drops the export.

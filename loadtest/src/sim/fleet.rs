@@ -165,6 +165,7 @@ impl<'a> Fleet<'a> {
                         fp_rate: cfg.bloom_fp_rate,
                         instance_id: i as u64 + 1,
                         max_model_len: u32::MAX,
+                        pd: Default::default(),
                     },
                     busy_until: None,
                     pending: Vec::new(),

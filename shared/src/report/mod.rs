@@ -340,7 +340,11 @@ impl WorkerReport {
         let pd = if version >= 3 {
             let raw = r.u8("role")?;
             let role = Role::from_u8(raw).ok_or_else(|| invalid("role", format!("unknown role {raw}")))?;
-            PdInfo { role, transfer_addr: r.str("transfer_addr")?, kv_bytes_per_token: r.u32("kv_bytes_per_token")? }
+            PdInfo {
+                role,
+                transfer_addr: r.str("transfer_addr")?,
+                kv_bytes_per_token: r.u32("kv_bytes_per_token")?,
+            }
         } else {
             PdInfo::default()
         };

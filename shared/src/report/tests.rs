@@ -62,14 +62,41 @@ fn draining_flag_round_trips_and_unknown_flags_are_refused() {
     assert!(matches!(WorkerReport::decode(&bad), Err(ReportError::Invalid { field: "flags", .. })));
 }
 
+/// The version-2 encoding of `r` (no prefill/decode part), as workers before version 3 send it.
+fn encode_v2(r: &WorkerReport) -> Vec<u8> {
+    let v3 = r.encode();
+    let strings: usize = [&r.worker_id, &r.advertise_url, &r.model_id].iter().map(|s| 2 + s.len()).sum();
+    let cut = 8 + strings + 24 + 16 + 12;
+    let mut v2 = v3[..cut].to_vec();
+    v2.extend_from_slice(&v3[cut + 1 + 2 + r.pd.transfer_addr.len() + 4..]);
+    v2[4..6].copy_from_slice(&2u16.to_le_bytes());
+    v2
+}
+
+#[test]
+fn the_prefill_decode_part_round_trips_and_older_reports_read_as_both() {
+    let mut r = sample(10, 1);
+    r.pd = PdInfo { role: Role::Prefill, transfer_addr: "10.0.0.7:9100".into(), kv_bytes_per_token: 131_072 };
+    assert_eq!(WorkerReport::decode(&r.encode()).expect("v3"), r);
+    let old = WorkerReport::decode(&encode_v2(&r)).expect("v2");
+    assert_eq!(old.pd, PdInfo::default());
+    assert_eq!(old.tiers, r.tiers);
+    // An unknown role is refused.
+    let mut bad = r.encode();
+    let strings: usize = [&r.worker_id, &r.advertise_url, &r.model_id].iter().map(|s| 2 + s.len()).sum();
+    bad[8 + strings + 24 + 16 + 12] = 9;
+    assert!(matches!(WorkerReport::decode(&bad), Err(ReportError::Invalid { field: "role", .. })));
+}
+
 /// The version-1 encoding of `r` (no instance id or context length, flags 0), as older workers send it.
 fn encode_v1(r: &WorkerReport) -> Vec<u8> {
     let v2 = r.encode();
     // Header (8) + three strings + scheme (24) + seq/timestamp (16), then the v2-only 12 bytes.
     let strings: usize = [&r.worker_id, &r.advertise_url, &r.model_id].iter().map(|s| 2 + s.len()).sum();
     let cut = 8 + strings + 24 + 16;
+    let pd = 1 + 2 + r.pd.transfer_addr.len() + 4;
     let mut v1 = v2[..cut].to_vec();
-    v1.extend_from_slice(&v2[cut + 12..]);
+    v1.extend_from_slice(&v2[cut + 12 + pd..]);
     v1[4..6].copy_from_slice(&1u16.to_le_bytes());
     v1[6..8].copy_from_slice(&0u16.to_le_bytes());
     v1

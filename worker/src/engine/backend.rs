@@ -93,7 +93,11 @@ pub trait Backend: Send {
     /// [`Backend::forward`], calling `tap(n, read)` as soon as layers `0..n` of the batch's K/V are written, where
     /// `read(ids, layers, block_size)` returns what [`Backend::read_kv_layers`] would. Default: no taps (the
     /// forward as a whole; [`Backend::taps_layers`] says `false`).
-    fn forward_tapped(&mut self, items: &[BatchItem<'_>], _tap: &mut LayerTap<'_>) -> Result<Vec<Option<Next>>, String> {
+    fn forward_tapped(
+        &mut self,
+        items: &[BatchItem<'_>],
+        _tap: &mut LayerTap<'_>,
+    ) -> Result<Vec<Option<Next>>, String> {
         self.forward(items)
     }
 
@@ -210,7 +214,11 @@ impl Backend for CpuBackend {
         true
     }
 
-    fn forward_tapped(&mut self, items: &[BatchItem<'_>], tap: &mut LayerTap<'_>) -> Result<Vec<Option<Next>>, String> {
+    fn forward_tapped(
+        &mut self,
+        items: &[BatchItem<'_>],
+        tap: &mut LayerTap<'_>,
+    ) -> Result<Vec<Option<Next>>, String> {
         let chunks: Vec<SeqChunk<'_>> = items
             .iter()
             .map(|it| SeqChunk {

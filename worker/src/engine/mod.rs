@@ -602,8 +602,8 @@ fn output(seq: &Sequence, token: Option<u32>, finished: Option<FinishReason>) ->
 }
 
 #[cfg(test)]
+mod pd_tests;
+#[cfg(test)]
 mod tests;
 #[cfg(test)]
 mod tier_tests;
-#[cfg(test)]
-mod pd_tests;

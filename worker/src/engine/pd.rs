@@ -17,7 +17,9 @@
 //! there, its sampling stream advanced here by the one draw it took), `cached_tokens` as the prefill side served.
 
 use super::backend::LayerRead;
-use super::request::{AdmitError, EngineRequest, Export, ExportSink, ImportState, KvChunk, RequestId, StepOutput};
+use super::request::{
+    AdmitError, EngineRequest, Export, ExportSink, ImportState, KvChunk, RequestId, StepOutput,
+};
 use super::sampler::GREEDY_BELOW;
 use super::scheduler::ScheduledChunk;
 use super::{output, Backend, Engine};
@@ -43,7 +45,8 @@ impl LayerExport {
         }
         match read(&self.ids, self.done..n, block_size) {
             Ok(bytes) => {
-                let chunk = KvChunk { first: self.first, count: self.end - self.first, layers: self.done..n, bytes };
+                let chunk =
+                    KvChunk { first: self.first, count: self.end - self.first, layers: self.done..n, bytes };
                 (self.sink.0)(chunk);
                 self.done = n;
             }
@@ -180,7 +183,11 @@ impl<B: Backend> Engine<B> {
             return Err(AdmitError::NoRoom("not enough free KV blocks"));
         }
         let bs = self.scheme.block_size as usize;
-        let plan = ImportPlan { from_block: cached / bs, blocks: seq.prompt_len.div_ceil(bs), cached_tokens: cached };
+        let plan = ImportPlan {
+            from_block: cached / bs,
+            blocks: seq.prompt_len.div_ceil(bs),
+            cached_tokens: cached,
+        };
         seq.table = Some(table);
         seq.import = Some(ImportState::new(plan.from_block, plan.blocks, self.backend.kv_layers()));
         self.sched.add_importing(seq);
@@ -202,12 +209,19 @@ impl<B: Backend> Engine<B> {
         let seq = self.sched.importing_mut(id).ok_or("no such import")?;
         let want = count.saturating_mul(layers.len()).saturating_mul(per_layer);
         if bytes.len() != want {
-            return Err(format!("{} bytes for {count} blocks x {} layers (want {want})", bytes.len(), layers.len()));
+            return Err(format!(
+                "{} bytes for {count} blocks x {} layers (want {want})",
+                bytes.len(),
+                layers.len()
+            ));
         }
         let state = seq.import.as_mut().ok_or("not importing")?;
         let mut probe = state.clone();
         if !probe.mark(first, count, layers.clone()) {
-            return Err(format!("blocks {first}..{} layers {layers:?} are outside the transfer or repeated", first + count));
+            return Err(format!(
+                "blocks {first}..{} layers {layers:?} are outside the transfer or repeated",
+                first + count
+            ));
         }
         let ids: Vec<u32> = seq.table.as_ref().map_or(&[][..], |t| t.blocks())[first..first + count].to_vec();
         self.backend.write_kv_layers(&ids, layers, bytes, bs)?;

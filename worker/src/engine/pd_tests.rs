@@ -37,7 +37,12 @@ fn export(p: &mut Engine<CpuBackend>, prompt: &[u32], from_block: usize) -> (Vec
     export_by(p, prompt, from_block, 0)
 }
 
-fn export_by(p: &mut Engine<CpuBackend>, prompt: &[u32], from_block: usize, group: usize) -> (Vec<KvChunk>, u32, usize) {
+fn export_by(
+    p: &mut Engine<CpuBackend>,
+    prompt: &[u32],
+    from_block: usize,
+    group: usize,
+) -> (Vec<KvChunk>, u32, usize) {
     let got = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
     let g = got.clone();
     let sink = ExportSink(std::sync::Arc::new(move |kv| g.lock().expect("sink").push(kv)));
@@ -167,7 +172,11 @@ fn layer_groups_leave_during_the_forward_and_import_like_whole_blocks() {
     let plan = d.start_import(req(2, prompt.clone(), 8)).expect("import");
     let (chunks, first, cached) = export_by(&mut p, &prompt, plan.from_block, 1);
     // The tiny model has 2 layers: each prefill chunk's blocks leave as two one-layer parts.
-    assert!(chunks.iter().all(|c| c.layers.len() == 1), "{:?}", chunks.iter().map(|c| c.layers.clone()).collect::<Vec<_>>());
+    assert!(
+        chunks.iter().all(|c| c.layers.len() == 1),
+        "{:?}",
+        chunks.iter().map(|c| c.layers.clone()).collect::<Vec<_>>()
+    );
     assert_eq!(chunks.iter().filter(|c| c.layers == (0..1)).map(|c| c.count).sum::<usize>(), 10);
     assert_eq!(import(&mut d, 2, &chunks, first, cached), want);
     assert_eq!(cached_bytes(&mut d, &prompt), cached_bytes(&mut local, &prompt), "K/V bit-identical");

@@ -197,4 +197,3 @@ impl ImportState {
         self.missing == 0
     }
 }
-

@@ -99,7 +99,6 @@ impl Sequence {
     }
 }
 
-
 /// One sequence's share of a step.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ScheduledChunk {

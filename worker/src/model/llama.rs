@@ -126,7 +126,11 @@ impl KvStore {
         let d = self.kv_dim;
         let want = 2 * layers.len() * n * d * 4;
         if first + n > self.num_slots || layers.end > self.k.len() || bytes.len() != want {
-            return Err(format!("{} bytes for slots {first}..{} layers {layers:?} (want {want})", bytes.len(), first + n));
+            return Err(format!(
+                "{} bytes for slots {first}..{} layers {layers:?} (want {want})",
+                bytes.len(),
+                first + n
+            ));
         }
         let mut chunks = bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]));
         for layer in layers {

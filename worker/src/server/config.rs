@@ -352,7 +352,8 @@ impl ServeConfig {
             );
         }
         if self.kv_transfer_port.is_some() && self.report_secret.is_none() {
-            problems.push("kv-transfer-port needs report-secret (transfers are authenticated with it)".into());
+            problems
+                .push("kv-transfer-port needs report-secret (transfers are authenticated with it)".into());
         }
         if self.kv_transfer_port.is_some() && self.role == Role::Decode {
             problems.push("kv-transfer-port: a decode worker exports no KV (--role prefill or both)".into());

@@ -193,7 +193,12 @@ impl EngineHandle {
     }
 
     /// Ends an import with the first token (`Engine::finish_import`).
-    pub async fn finish_import(&self, id: RequestId, first_token: u32, cached_tokens: usize) -> Result<(), String> {
+    pub async fn finish_import(
+        &self,
+        id: RequestId,
+        first_token: u32,
+        cached_tokens: usize,
+    ) -> Result<(), String> {
         let (reply, ack) = oneshot::channel();
         let cmd = Cmd::FinishImport { id, first_token, cached_tokens, reply };
         self.tx.send(cmd).map_err(|_| "the engine has stopped".to_string())?;
@@ -383,22 +388,24 @@ fn handle<B: Backend>(
         Cmd::WriteImport { id, first, count, layers, bytes, reply } => {
             let _ = reply.send(engine.write_import(id, first, count, layers, &bytes));
         }
-        Cmd::FinishImport { id, first_token, cached_tokens, reply } => match engine.finish_import(id, first_token, cached_tokens) {
-            Ok(o) => {
-                let done = o.finished.is_some();
-                let gone = senders.get(&id).is_none_or(|tx| tx.send(o).is_err());
-                if done || gone {
-                    senders.remove(&id);
+        Cmd::FinishImport { id, first_token, cached_tokens, reply } => {
+            match engine.finish_import(id, first_token, cached_tokens) {
+                Ok(o) => {
+                    let done = o.finished.is_some();
+                    let gone = senders.get(&id).is_none_or(|tx| tx.send(o).is_err());
+                    if done || gone {
+                        senders.remove(&id);
+                    }
+                    if gone && !done {
+                        engine.abort(id);
+                    }
+                    let _ = reply.send(Ok(()));
                 }
-                if gone && !done {
-                    engine.abort(id);
+                Err(e) => {
+                    let _ = reply.send(Err(e));
                 }
-                let _ = reply.send(Ok(()));
             }
-            Err(e) => {
-                let _ = reply.send(Err(e));
-            }
-        },
+        }
         Cmd::ImportToLocal(id) => {
             engine.import_to_local(id);
         }

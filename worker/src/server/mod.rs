@@ -211,7 +211,12 @@ fn load(cfg: &ServeConfig, worker_id: &str) -> Result<ServingModel, String> {
             let mut engine = with_tiers(engine, cfg, &disk_dir, weights)?;
             // A simulated engine loads and computes at its profile's speeds: weigh those, not this machine's.
             engine.set_load_costs(profile.timing.load_costs(cfg.kv_load_policy));
-            (EngineHandle::spawn(engine, cfg.max_waiting_requests), profile.max_model_len, "sim".to_string(), None)
+            (
+                EngineHandle::spawn(engine, cfg.max_waiting_requests),
+                profile.max_model_len,
+                "sim".to_string(),
+                None,
+            )
         }
     };
     metrics::gauge!("kvgate_worker_device_info", "device" => device.clone()).set(1.0);
@@ -221,19 +226,21 @@ fn load(cfg: &ServeConfig, worker_id: &str) -> Result<ServingModel, String> {
     });
     metrics::gauge!("kvgate_worker_role", "role" => cfg.role.as_str()).set(1.0);
     let transfer = match (cfg.report_secret.as_deref(), kv) {
-        (Some(secret), Some((fingerprint, block_bytes, layers))) => Some(Arc::new(crate::transfer::Transfers {
-            key: kvgate_shared::handoff::transfer_key(secret),
-            fingerprint,
-            block_bytes,
-            layers,
-            block_size: bs,
-            lease: cfg.kv_transfer_lease,
-            layer_group: cfg.kv_transfer_layer_group,
-            frame_bytes: cfg.kv_transfer_frame_bytes,
-            max_prompt_tokens: max_model_len,
-            engine: handle.clone(),
-            transport: Default::default(),
-        })),
+        (Some(secret), Some((fingerprint, block_bytes, layers))) => {
+            Some(Arc::new(crate::transfer::Transfers {
+                key: kvgate_shared::handoff::transfer_key(secret),
+                fingerprint,
+                block_bytes,
+                layers,
+                block_size: bs,
+                lease: cfg.kv_transfer_lease,
+                layer_group: cfg.kv_transfer_layer_group,
+                frame_bytes: cfg.kv_transfer_frame_bytes,
+                max_prompt_tokens: max_model_len,
+                engine: handle.clone(),
+                transport: Default::default(),
+            }))
+        }
         _ => None,
     };
     let pd_info = kvgate_shared::report::PdInfo {
@@ -256,14 +263,21 @@ fn load(cfg: &ServeConfig, worker_id: &str) -> Result<ServingModel, String> {
 
 /// What KV transfers of this engine are valid for (the SSD tier's fingerprint: scheme, weights, layout, block
 /// bytes), a block's bytes and its layers; `None` for a backend that cannot copy blocks.
-fn transfer_parts<B: crate::engine::Backend>(engine: &Engine<B>, weights: u64) -> Option<(u64, usize, usize)> {
+fn transfer_parts<B: crate::engine::Backend>(
+    engine: &Engine<B>,
+    weights: u64,
+) -> Option<(u64, usize, usize)> {
     let block_bytes = engine.backend().kv_block_bytes(engine.scheme().block_size as usize)?;
     Some((engine.tier_fingerprint(weights, block_bytes), block_bytes, engine.backend().kv_layers()))
 }
 
 /// Binds the KV transfer listener (`--kv-transfer-port`) and serves it; returns the address decode workers reach
 /// it at.
-async fn start_transfer_listener(cfg: &ServeConfig, l: &ServingModel, advertise: &str) -> Result<Option<String>, String> {
+async fn start_transfer_listener(
+    cfg: &ServeConfig,
+    l: &ServingModel,
+    advertise: &str,
+) -> Result<Option<String>, String> {
     let (Some(port), Some(t)) = (cfg.kv_transfer_port, l.transfer.clone()) else {
         if cfg.kv_transfer_port.is_some() {
             return Err("--kv-transfer-port: this engine cannot copy KV blocks (the simulated engine)".into());
@@ -271,8 +285,9 @@ async fn start_transfer_listener(cfg: &ServeConfig, l: &ServingModel, advertise:
         return Ok(None);
     };
     let addr = format!("{}:{port}", cfg.host);
-    let listener =
-        tokio::net::TcpListener::bind(&addr).await.map_err(|e| format!("cannot listen for KV transfers on {addr}: {e}"))?;
+    let listener = tokio::net::TcpListener::bind(&addr)
+        .await
+        .map_err(|e| format!("cannot listen for KV transfers on {addr}: {e}"))?;
     let port = listener.local_addr().map_err(|e| e.to_string())?.port();
     let host = advertise
         .split("://")

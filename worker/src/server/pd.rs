@@ -30,7 +30,10 @@ pub fn prefill_peer(
     };
     let peer = text(peer, PREFILL_PEER_HEADER)?;
     if state.cfg.role == Role::Prefill {
-        return Err(ApiError::invalid(PREFILL_PEER_HEADER, "this worker's role is prefill: it imports no KV"));
+        return Err(ApiError::invalid(
+            PREFILL_PEER_HEADER,
+            "this worker's role is prefill: it imports no KV",
+        ));
     }
     if l.transfer.is_none() {
         return Err(ApiError::invalid(
@@ -38,16 +41,22 @@ pub fn prefill_peer(
             "this worker cannot import KV (it needs --report-secret and an engine that copies KV blocks)",
         ));
     }
-    let grant = headers
-        .get(PREFILL_GRANT_HEADER)
-        .map(|g| text(g, PREFILL_GRANT_HEADER))
-        .transpose()?
-        .ok_or_else(|| ApiError::unauthorized("invalid_prefill_grant", format!("{PREFILL_PEER_HEADER} needs {PREFILL_GRANT_HEADER}")))?;
+    let grant =
+        headers.get(PREFILL_GRANT_HEADER).map(|g| text(g, PREFILL_GRANT_HEADER)).transpose()?.ok_or_else(
+            || {
+                ApiError::unauthorized(
+                    "invalid_prefill_grant",
+                    format!("{PREFILL_PEER_HEADER} needs {PREFILL_GRANT_HEADER}"),
+                )
+            },
+        )?;
     let now_ms = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64);
-    handoff::verify_prefill_grant(state.cfg.report_secret.as_deref(), &grant, model, &peer, now_ms).map_err(|e| {
-        metrics::counter!("kvgate_worker_unauthorized_requests_total").increment(1);
-        ApiError::unauthorized("invalid_prefill_grant", e.to_string())
-    })?;
+    handoff::verify_prefill_grant(state.cfg.report_secret.as_deref(), &grant, model, &peer, now_ms).map_err(
+        |e| {
+            metrics::counter!("kvgate_worker_unauthorized_requests_total").increment(1);
+            ApiError::unauthorized("invalid_prefill_grant", e.to_string())
+        },
+    )?;
     Ok(Some(peer))
 }
 

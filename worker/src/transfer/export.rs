@@ -88,7 +88,10 @@ pub fn check(t: &Transfers, h: &Hello, now_ms: u64) -> Result<ExtraKeys, (Refuse
     if skew > kvgate_shared::handoff::ASSERTION_WINDOW_MS {
         return Err((RefuseCode::Unauthorized, format!("issued {skew} ms away from this worker's clock")));
     }
-    if h.fingerprint != t.fingerprint || h.block_bytes as usize != t.block_bytes || h.layers as usize != t.layers {
+    if h.fingerprint != t.fingerprint
+        || h.block_bytes as usize != t.block_bytes
+        || h.layers as usize != t.layers
+    {
         return Err((
             RefuseCode::WrongModel,
             format!(
@@ -99,7 +102,10 @@ pub fn check(t: &Transfers, h: &Hello, now_ms: u64) -> Result<ExtraKeys, (Refuse
     }
     let blocks = h.prompt.len().div_ceil(t.block_size);
     if h.prompt.is_empty() || h.blocks as usize != blocks || h.from_block as usize >= blocks {
-        return Err((RefuseCode::Invalid, format!("blocks {}..{} of a {}-token prompt", h.from_block, h.blocks, h.prompt.len())));
+        return Err((
+            RefuseCode::Invalid,
+            format!("blocks {}..{} of a {}-token prompt", h.from_block, h.blocks, h.prompt.len()),
+        ));
     }
     if (h.max_frame as usize) < t.block_bytes {
         return Err((RefuseCode::Invalid, format!("frames of {} bytes cannot hold a block", h.max_frame)));
@@ -167,7 +173,9 @@ async fn export<L: KvLink>(link: &mut L, t: &Transfers, h: &Hello) -> Result<usi
             return Err(refuse(link, id, RefuseCode::Overloaded, format!("{waiting} requests wait")).await)
         }
         Err(Refusal::Invalid(e)) => return Err(refuse(link, id, RefuseCode::Invalid, e.to_string()).await),
-        Err(Refusal::EngineGone) => return Err(refuse(link, id, RefuseCode::Failed, "the engine stopped".into()).await),
+        Err(Refusal::EngineGone) => {
+            return Err(refuse(link, id, RefuseCode::Failed, "the engine stopped".into()).await)
+        }
     };
     let mut guard = Abort { engine: &t.engine, id: rid, armed: true };
     let _lease = Lease::take();
@@ -222,7 +230,7 @@ async fn export<L: KvLink>(link: &mut L, t: &Transfers, h: &Hello) -> Result<usi
                     }
                 }
             },
-            _ = sleep_until(renew_at) => {
+            _ = sleep_until(renew_at), if first.is_none() => {
                 // A prefill waiting behind others sends nothing for a while: say it is alive.
                 link.send(&Frame::Renew { transfer_id: id }).await?;
                 renew_at = tokio::time::Instant::now() + t.lease / 3;

@@ -10,7 +10,7 @@ use tokio::sync::oneshot;
 use tokio::time::{sleep_until, timeout};
 
 use super::frame::{accept_verifies, FirstToken, Frame, Hello, VERSION};
-use super::link::{KvLink, KvTransport};
+use super::link::{KvLink, KvTransport, TcpTransport};
 use super::{count, count_bytes, unix_ms, TransferError, Transfers};
 use crate::engine::{ImportPlan, RequestId, SamplingParams};
 
@@ -93,6 +93,28 @@ fn hello(t: &Transfers, want: &Want<'_>, transfer_id: u64) -> Hello {
     h
 }
 
+/// A link to `peer` with `h` sent on it. A pooled link the peer has closed meanwhile fails at once (its reader has
+/// seen the end): then a fresh one is made.
+async fn connect(
+    t: &Transfers,
+    peer: &str,
+    h: &Hello,
+) -> Result<<TcpTransport as KvTransport>::Link, TransferError> {
+    let lease = t.lease;
+    let mut last = None;
+    for _ in 0..2 {
+        let mut link = timeout(lease, t.transport.connect(peer, t.limits()))
+            .await
+            .map_err(|_| TransferError::Connect(format!("{peer}: no connection within {lease:?}")))??;
+        match link.send(&Frame::Hello(Box::new(h.clone()))).await {
+            Ok(()) => return Ok(link),
+            Err(e) if link.reused() => last = Some(e),
+            Err(e) => return Err(e),
+        }
+    }
+    Err(last.unwrap_or_else(|| TransferError::Connect(peer.to_owned())))
+}
+
 /// `Ok(Some(blocks))`: imported; `Ok(None)`: the client left.
 async fn run(
     t: &Transfers,
@@ -102,11 +124,8 @@ async fn run(
     mut cancel: oneshot::Receiver<()>,
 ) -> Result<Option<usize>, TransferError> {
     let lease = t.lease;
-    let mut link = timeout(lease, t.transport.connect(peer, t.limits()))
-        .await
-        .map_err(|_| TransferError::Connect(format!("{peer}: no connection within {lease:?}")))??;
     let h = hello(t, want, id);
-    link.send(&Frame::Hello(Box::new(h.clone()))).await?;
+    let mut link = connect(t, peer, &h).await?;
     let mut received = 0usize;
     let mut accepted = false;
     let mut silent_until = tokio::time::Instant::now() + lease;
@@ -130,7 +149,8 @@ async fn run(
                     Frame::Refuse { transfer_id, code, reason } if transfer_id == id => {
                         return Err(TransferError::Refused { code: code.as_str(), reason });
                     }
-                    Frame::Renew { transfer_id } if transfer_id == id => {}
+                    // A Renew of this transfer, or one a previous transfer on this pooled link left behind.
+                    Frame::Renew { .. } => {}
                     Frame::Cancel { transfer_id, reason } if transfer_id == id => {
                         return Err(TransferError::Cancelled(reason));
                     }

@@ -45,12 +45,18 @@ pub trait KvLink: Send {
     ) -> impl Future<Output = Result<(), TransferError>> + Send;
     /// The next frame from the peer (cancel-safe).
     fn recv(&mut self) -> impl Future<Output = Result<Frame, TransferError>> + Send;
+    /// Whether the link served an earlier transfer (it came from a pool).
+    fn reused(&self) -> bool;
 }
 
 /// Makes links to peers, and takes back the healthy ones after a transfer.
 pub trait KvTransport: Send + Sync {
     type Link: KvLink;
-    fn connect(&self, peer: &str, limits: Limits) -> impl Future<Output = Result<Self::Link, TransferError>> + Send;
+    fn connect(
+        &self,
+        peer: &str,
+        limits: Limits,
+    ) -> impl Future<Output = Result<Self::Link, TransferError>> + Send;
     fn give_back(&self, link: Self::Link);
 }
 
@@ -60,6 +66,7 @@ pub struct TcpLink {
     frames: mpsc::Receiver<Result<Frame, TransferError>>,
     writer: OwnedWriteHalf,
     reader: tokio::task::JoinHandle<()>,
+    reused: bool,
 }
 
 impl Drop for TcpLink {
@@ -94,7 +101,7 @@ impl TcpLink {
                 }
             }
         });
-        Self { peer, frames, writer, reader }
+        Self { peer, frames, writer, reader, reused: false }
     }
 
     pub fn peer(&self) -> &str {
@@ -129,6 +136,10 @@ impl KvLink for TcpLink {
             None => Err(TransferError::PeerLost("the connection closed".into())),
         }
     }
+
+    fn reused(&self) -> bool {
+        self.reused
+    }
 }
 
 /// TCP links to peers, pooled.
@@ -147,10 +158,12 @@ impl KvTransport for TcpTransport {
             list.retain(|(l, at)| at.elapsed() < IDLE_TIMEOUT && !l.reader.is_finished());
             list.pop().map(|(l, _)| l)
         };
-        if let Some(l) = pooled {
+        if let Some(mut l) = pooled {
+            l.reused = true;
             return Ok(l);
         }
-        let stream = TcpStream::connect(peer).await.map_err(|e| TransferError::Connect(format!("{peer}: {e}")))?;
+        let stream =
+            TcpStream::connect(peer).await.map_err(|e| TransferError::Connect(format!("{peer}: {e}")))?;
         Ok(TcpLink::new(stream, peer.to_owned(), limits))
     }
 

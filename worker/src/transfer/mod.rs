@@ -93,7 +93,10 @@ pub struct Transfers {
 impl Transfers {
     /// What this worker reads on its links: prompts up to its context, payloads up to its frame limit.
     pub fn limits(&self) -> frame::Limits {
-        frame::Limits { max_prompt_tokens: self.max_prompt_tokens, max_payload: self.frame_bytes.max(self.block_bytes) }
+        frame::Limits {
+            max_prompt_tokens: self.max_prompt_tokens,
+            max_payload: self.frame_bytes.max(self.block_bytes),
+        }
     }
 }
 
