@@ -268,6 +268,67 @@ pub fn with_ids_field(body: &[u8], encoded: &str) -> Option<Vec<u8>> {
     Some(out)
 }
 
+/// Header naming the prefill worker a decode worker fetches a request's KV from (`host:port` of its KV transfer
+/// listener), for prefill/decode disaggregation. Honoured only with a valid [`PREFILL_GRANT_HEADER`].
+pub const PREFILL_PEER_HEADER: &str = "x-kvgate-prefill-peer";
+/// Header carrying the gateway's grant for [`PREFILL_PEER_HEADER`]: `v1.<issued: unix ms>.<mac: 64 hex>`, mac =
+/// keyed BLAKE3 under derive_key(GRANT_CONTEXT, secret) of "v1", issued, model, peer (each length-prefixed). No
+/// client can make a worker dial an address of its choosing.
+pub const PREFILL_GRANT_HEADER: &str = "x-kvgate-prefill-grant";
+/// Longest prefill peer address accepted.
+pub const MAX_PEER_BYTES: usize = 256;
+
+const GRANT_CONTEXT: &str = "kvgate 2026-12 prefill peer grant v1";
+const TRANSFER_CONTEXT: &str = "kvgate 2026-12 kv transfer v1";
+
+/// The key KV transfer handshakes are authenticated with (both workers derive it from the report secret).
+pub fn transfer_key(secret: &str) -> [u8; 32] {
+    blake3::derive_key(TRANSFER_CONTEXT, secret.as_bytes())
+}
+
+fn grant_code(secret: &str, issued_ms: u64, model: &str, peer: &str) -> blake3::Hash {
+    let key = blake3::derive_key(GRANT_CONTEXT, secret.as_bytes());
+    let mut h = blake3::Hasher::new_keyed(&key);
+    for part in [b"v1".as_slice(), &issued_ms.to_le_bytes(), model.as_bytes(), peer.as_bytes()] {
+        h.update(&(part.len() as u32).to_le_bytes());
+        h.update(part);
+    }
+    h.finalize()
+}
+
+/// The [`PREFILL_GRANT_HEADER`] value letting a worker serving `model` fetch KV from `peer`.
+pub fn sign_prefill_grant(secret: &str, issued_ms: u64, model: &str, peer: &str) -> String {
+    format!("v1.{issued_ms}.{}", grant_code(secret, issued_ms, model, peer).to_hex())
+}
+
+/// Checks a [`PREFILL_GRANT_HEADER`] value for `model` and `peer` at `now_ms` (within [`ASSERTION_WINDOW_MS`]).
+pub fn verify_prefill_grant(
+    secret: Option<&str>,
+    grant: &str,
+    model: &str,
+    peer: &str,
+    now_ms: u64,
+) -> Result<(), AssertionError> {
+    let secret = secret.ok_or(AssertionError::NoSecret)?;
+    if peer.len() > MAX_PEER_BYTES || grant.len() > MAX_ASSERTION_BYTES {
+        return Err(AssertionError::Malformed);
+    }
+    let parts: Vec<&str> = grant.split('.').collect();
+    let ["v1", issued, mac] = parts[..] else {
+        return Err(AssertionError::Malformed);
+    };
+    let issued_ms: u64 = issued.parse().map_err(|_| AssertionError::Malformed)?;
+    let given = blake3::Hash::from_hex(mac).map_err(|_| AssertionError::Malformed)?;
+    if given != grant_code(secret, issued_ms, model, peer) {
+        return Err(AssertionError::BadCode);
+    }
+    let skew_ms = now_ms.abs_diff(issued_ms);
+    if skew_ms > ASSERTION_WINDOW_MS {
+        return Err(AssertionError::Expired { skew_ms });
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -401,65 +462,4 @@ mod tests {
         assert_eq!(with_ids_field(b"[1]", "AAAA"), None);
         assert_eq!(with_ids_field(b"", "AAAA"), None);
     }
-}
-
-/// Header naming the prefill worker a decode worker fetches a request's KV from (`host:port` of its KV transfer
-/// listener), for prefill/decode disaggregation. Honoured only with a valid [`PREFILL_GRANT_HEADER`].
-pub const PREFILL_PEER_HEADER: &str = "x-kvgate-prefill-peer";
-/// Header carrying the gateway's grant for [`PREFILL_PEER_HEADER`]: `v1.<issued: unix ms>.<mac: 64 hex>`, mac =
-/// keyed BLAKE3 under derive_key(GRANT_CONTEXT, secret) of "v1", issued, model, peer (each length-prefixed). No
-/// client can make a worker dial an address of its choosing.
-pub const PREFILL_GRANT_HEADER: &str = "x-kvgate-prefill-grant";
-/// Longest prefill peer address accepted.
-pub const MAX_PEER_BYTES: usize = 256;
-
-const GRANT_CONTEXT: &str = "kvgate 2026-12 prefill peer grant v1";
-const TRANSFER_CONTEXT: &str = "kvgate 2026-12 kv transfer v1";
-
-/// The key KV transfer handshakes are authenticated with (both workers derive it from the report secret).
-pub fn transfer_key(secret: &str) -> [u8; 32] {
-    blake3::derive_key(TRANSFER_CONTEXT, secret.as_bytes())
-}
-
-fn grant_code(secret: &str, issued_ms: u64, model: &str, peer: &str) -> blake3::Hash {
-    let key = blake3::derive_key(GRANT_CONTEXT, secret.as_bytes());
-    let mut h = blake3::Hasher::new_keyed(&key);
-    for part in [b"v1".as_slice(), &issued_ms.to_le_bytes(), model.as_bytes(), peer.as_bytes()] {
-        h.update(&(part.len() as u32).to_le_bytes());
-        h.update(part);
-    }
-    h.finalize()
-}
-
-/// The [`PREFILL_GRANT_HEADER`] value letting a worker serving `model` fetch KV from `peer`.
-pub fn sign_prefill_grant(secret: &str, issued_ms: u64, model: &str, peer: &str) -> String {
-    format!("v1.{issued_ms}.{}", grant_code(secret, issued_ms, model, peer).to_hex())
-}
-
-/// Checks a [`PREFILL_GRANT_HEADER`] value for `model` and `peer` at `now_ms` (within [`ASSERTION_WINDOW_MS`]).
-pub fn verify_prefill_grant(
-    secret: Option<&str>,
-    grant: &str,
-    model: &str,
-    peer: &str,
-    now_ms: u64,
-) -> Result<(), AssertionError> {
-    let secret = secret.ok_or(AssertionError::NoSecret)?;
-    if peer.len() > MAX_PEER_BYTES || grant.len() > MAX_ASSERTION_BYTES {
-        return Err(AssertionError::Malformed);
-    }
-    let parts: Vec<&str> = grant.split('.').collect();
-    let ["v1", issued, mac] = parts[..] else {
-        return Err(AssertionError::Malformed);
-    };
-    let issued_ms: u64 = issued.parse().map_err(|_| AssertionError::Malformed)?;
-    let given = blake3::Hash::from_hex(mac).map_err(|_| AssertionError::Malformed)?;
-    if given != grant_code(secret, issued_ms, model, peer) {
-        return Err(AssertionError::BadCode);
-    }
-    let skew_ms = now_ms.abs_diff(issued_ms);
-    if skew_ms > ASSERTION_WINDOW_MS {
-        return Err(AssertionError::Expired { skew_ms });
-    }
-    Ok(())
 }

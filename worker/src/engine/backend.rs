@@ -133,7 +133,7 @@ pub trait Backend: Send {
         bytes: &[u8],
         block_size: usize,
     ) -> Result<(), String> {
-        if layers != (0..self.kv_layers()) || ids.is_empty() || bytes.len() % ids.len() != 0 {
+        if layers != (0..self.kv_layers()) || ids.is_empty() || !bytes.len().is_multiple_of(ids.len()) {
             return Err("this backend copies whole blocks only".into());
         }
         let per = bytes.len() / ids.len();
@@ -262,7 +262,7 @@ impl Backend for CpuBackend {
         bytes: &[u8],
         block_size: usize,
     ) -> Result<(), String> {
-        if ids.is_empty() || bytes.len() % ids.len() != 0 {
+        if ids.is_empty() || !bytes.len().is_multiple_of(ids.len()) {
             return Err(format!("{} bytes for {} blocks", bytes.len(), ids.len()));
         }
         let per = bytes.len() / ids.len();

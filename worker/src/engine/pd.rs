@@ -40,7 +40,7 @@ pub struct LayerExport {
 impl LayerExport {
     /// Called with `n` when layers `0..n` are written (of `layers`): sends the group that just completed.
     pub fn tap(&mut self, n: usize, layers: usize, read: &LayerRead<'_>, block_size: usize) {
-        if self.failed || (n % self.group != 0 && n != layers) || n <= self.done {
+        if self.failed || (!n.is_multiple_of(self.group) && n != layers) || n <= self.done {
             return;
         }
         match read(&self.ids, self.done..n, block_size) {

@@ -28,7 +28,7 @@ fn hello() -> Hello {
 }
 
 fn decode(bytes: &[u8]) -> Result<Frame, FrameError> {
-    let head: [u8; HEADER_BYTES] = bytes[..HEADER_BYTES].try_into().unwrap();
+    let head: [u8; HEADER_BYTES] = bytes[..HEADER_BYTES].try_into().expect("a header");
     let (kind, len) = decode_header(&head, &LIMITS)?;
     if bytes.len() != HEADER_BYTES + len {
         return Err(FrameError::Malformed { kind, extra: 0 });
