@@ -149,8 +149,19 @@ async fn local(e: &EngineHandle, prompt: &[u32]) -> f64 {
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
-    let quick = std::env::args().any(|a| a == "--quick");
-    let reps = if quick { 1 } else { 3 };
+    let args: Vec<String> = std::env::args().collect();
+    let quick = args.iter().any(|a| a == "--quick");
+    let reps = if quick { 1 } else { 5 };
+    let flag = |name: &str, default: usize| {
+        args.iter()
+            .position(|a| a == name)
+            .and_then(|i| args.get(i + 1))
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(default)
+    };
+    // `--itl-tokens 32768 --itl-prompts 1 --only-itl`: the long-prompt run.
+    let (itl_tokens, itl_prompts) = (flag("--itl-tokens", 4096), flag("--itl-prompts", 2));
+    let only_itl = args.iter().any(|a| a == "--only-itl");
     let dir = std::env::temp_dir().join("kvgate-bench-small");
     if !dir.join("model.safetensors").exists() {
         synth_model(&dir, &SynthSpec::new(Preset::Small, 0)).expect("synth");
@@ -160,6 +171,90 @@ async fn main() {
         std::thread::available_parallelism().map_or(1, |n| n.get())
     );
 
+    if !only_itl {
+        wire_and_handed(&dir, reps).await;
+    }
+    println!("\n## Inter-token latency of 8 running streams while {itl_prompts} {itl_tokens}-token prompt(s) arrive");
+    println!("| prompts | ITL p50 ms | ITL p99 ms | ITL max ms | window s |\n|---|---|---|---|---|");
+    for mode in ["none", "aggregated", "disaggregated"] {
+        let (p50, p99, max, window) = itl(&dir, itl_tokens, itl_prompts, mode).await;
+        println!("| {mode} | {p50:.1} | {p99:.1} | {max:.1} | {window:.1} |");
+    }
+}
+
+/// Keeps 8 streams decoding on a decode engine (each a 128-token prompt and 64 tokens, resubmitted as it ends)
+/// while `prompts` prompts of `tokens` arrive one after the other: prefilled on the decode engine (`aggregated`),
+/// imported from a prefill engine (`disaggregated`) or not at all (`none`: a 3 s window). The inter-token gaps in
+/// the window: p50, p99, max (ms) and the window (s).
+async fn itl(dir: &std::path::Path, tokens: usize, prompts: usize, mode: &str) -> (f64, f64, f64, f64) {
+    let (p, peer) = side(engine(dir, tokens + 4096, 2048), 0, true).await;
+    let (d, _) = side(engine(dir, tokens + 8 * 4096, 2048), 0, false).await;
+    local(&p.engine, &prompt(tokens.min(8192), 900)).await;
+    local(&d.engine, &prompt(tokens.min(8192), 950)).await;
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let mut streams = Vec::new();
+    for k in 0..8usize {
+        let (d, stop) = (d.clone(), stop.clone());
+        streams.push(tokio::spawn(async move {
+            let mut at = Vec::new();
+            let mut n = 0;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                n += 1;
+                let mut rx = d
+                    .engine
+                    .submit(req(d.engine.next_id(), prompt(128, 1000 + k * 97 + n), 64))
+                    .await
+                    .expect("stream");
+                let mut last = None;
+                while let Some(o) = rx.recv().await {
+                    if o.token.is_some() {
+                        let now = Instant::now();
+                        if let Some(l) = last {
+                            at.push((l, now));
+                        }
+                        last = Some(now);
+                    }
+                    if o.finished.is_some() {
+                        break;
+                    }
+                }
+            }
+            at
+        }));
+    }
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    let window = Instant::now();
+    for k in 0..prompts {
+        let pr = prompt(tokens, 5000 + k);
+        match mode {
+            "aggregated" => {
+                local(&d.engine, &pr).await;
+            }
+            "disaggregated" => {
+                handed(&peer, &d, &pr).await;
+            }
+            _ => tokio::time::sleep(Duration::from_secs(3)).await,
+        }
+    }
+    let end = Instant::now();
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let mut gaps = Vec::new();
+    for s in streams {
+        for (a, b) in s.await.expect("stream") {
+            if b > window && a < end {
+                gaps.push((b - a).as_secs_f64() * 1e3);
+            }
+        }
+    }
+    gaps.sort_by(f64::total_cmp);
+    let q = |f: f64| {
+        gaps.get(((gaps.len() as f64 * f) as usize).min(gaps.len().saturating_sub(1))).copied().unwrap_or(0.0)
+    };
+    (q(0.5), q(0.99), gaps.last().copied().unwrap_or(0.0), (end - window).as_secs_f64())
+}
+
+/// The first two tables.
+async fn wire_and_handed(dir: &std::path::Path, reps: usize) {
     println!("\n## The wire: one loopback TCP link vs memcpy\n| tokens | bytes | memcpy GB/s | link GB/s | link / memcpy |\n|---|---|---|---|---|");
     for tokens in [4096usize, 32_768] {
         let bytes = tokens * 6144;
@@ -183,7 +278,7 @@ async fn main() {
     }
 
     println!("\n## A prompt handed from a prefill engine to a decode engine (time to the decode side's first token)");
-    println!("| tokens | chunk | KV sent | prefill alone s | handed s | exposed transfer s | transfer alone s |\n|---|---|---|---|---|---|---|");
+    println!("| tokens | chunk | KV sent | prefill alone s | handed s | handed - alone s (median of pairs) | transfer alone s |\n|---|---|---|---|---|---|---|");
     let tokens = 4096;
     let transfer_alone = median({
         let mut v = Vec::new();
@@ -195,8 +290,8 @@ async fn main() {
     let mut salt = 0;
     for (chunk, group) in [(4096usize, 0u16), (4096, 1), (1024, 0), (1024, 1)] {
         // Pools of 3 prompts, every page touched first (a fresh pool's first writes fault its pages in).
-        let (p, peer) = side(engine(&dir, 3 * tokens, chunk), group, true).await;
-        let (d, _) = side(engine(&dir, 3 * tokens, 2048), 0, false).await;
+        let (p, peer) = side(engine(dir, 3 * tokens, chunk), group, true).await;
+        let (d, _) = side(engine(dir, 3 * tokens, 2048), 0, false).await;
         for k in 0..3 {
             local(&p.engine, &prompt(tokens, 900 + k)).await;
             local(&d.engine, &prompt(tokens, 950 + k)).await;
@@ -208,76 +303,14 @@ async fn main() {
             salt += 1;
             handed_s.push(handed(&peer, &d, &prompt(tokens, salt)).await);
         }
-        let (a, h) = (median(alone), median(handed_s));
+        let diffs: Vec<f64> = handed_s.iter().zip(&alone).map(|(h, a)| h - a).collect();
+        let spread = diffs.iter().fold(0f64, |m, d| m.max(d.abs()));
+        let (a, h, exposed) = (median(alone), median(handed_s), median(diffs));
         let sent = match (group, chunk >= tokens) {
             (0, true) => "whole, after the forward",
             (0, false) => "per chunk, after each",
             _ => "per layer, during the forward",
         };
-        println!("| {tokens} | {chunk} | {sent} | {a:.3} | {h:.3} | {:.3} | {transfer_alone:.3} |", h - a);
-    }
-
-    println!("\n## Inter-token latency of 8 running streams while two {tokens}-token prompts arrive");
-    println!("| prompts | ITL p50 ms | ITL p99 ms | ITL max ms |\n|---|---|---|---|");
-    for mode in ["none", "aggregated", "disaggregated"] {
-        let (p, peer) = side(engine(&dir, 3 * tokens, 2048), 0, true).await;
-        let (d, _) = side(engine(&dir, 4 * tokens, 2048), 0, false).await;
-        for k in 0..3 {
-            local(&p.engine, &prompt(tokens, 900 + k)).await;
-            local(&d.engine, &prompt(tokens, 950 + k)).await;
-        }
-        let mut streams = Vec::new();
-        for k in 0..8u64 {
-            let mut rx = d
-                .engine
-                .submit(req(d.engine.next_id(), prompt(128, 1000 + k as usize), 300))
-                .await
-                .expect("stream");
-            streams.push(tokio::spawn(async move {
-                let mut at = Vec::new();
-                while let Some(o) = rx.recv().await {
-                    if o.token.is_some() {
-                        at.push(Instant::now());
-                    }
-                    if o.finished.is_some() {
-                        break;
-                    }
-                }
-                at
-            }));
-        }
-        tokio::time::sleep(Duration::from_millis(500)).await;
-        let window = Instant::now();
-        for k in 0..2 {
-            salt += 1;
-            let pr = prompt(tokens, salt);
-            match mode {
-                "aggregated" => {
-                    local(&d.engine, &pr).await;
-                }
-                "disaggregated" => {
-                    handed(&peer, &d, &pr).await;
-                }
-                _ => tokio::time::sleep(Duration::from_millis(if k == 0 { 2500 } else { 0 })).await,
-            }
-        }
-        let end = Instant::now();
-        let mut gaps = Vec::new();
-        for s in streams {
-            let at = s.await.expect("stream");
-            for w in at.windows(2) {
-                if w[1] > window && w[0] < end {
-                    gaps.push((w[1] - w[0]).as_secs_f64() * 1e3);
-                }
-            }
-        }
-        gaps.sort_by(f64::total_cmp);
-        let q = |f: f64| {
-            gaps.get(((gaps.len() as f64 * f) as usize).min(gaps.len().saturating_sub(1)))
-                .copied()
-                .unwrap_or(0.0)
-        };
-        println!("| {mode} | {:.1} | {:.1} | {:.1} |", q(0.5), q(0.99), gaps.last().copied().unwrap_or(0.0));
-        drop((p, d));
+        println!("| {tokens} | {chunk} | {sent} | {a:.3} | {h:.3} | {exposed:.3} (max abs {spread:.3}) | {transfer_alone:.3} |");
     }
 }
