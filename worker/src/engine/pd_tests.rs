@@ -22,6 +22,17 @@ fn prompt() -> Vec<u32> {
     (0..150).map(|i| (i * 37 + 11) % 500).collect()
 }
 
+/// A tiny model, the prompt, and what a local run of it with `max_tokens` generates.
+fn setup(max_tokens: u32) -> (tempfile::TempDir, Vec<u32>, Engine<CpuBackend>, Vec<u32>) {
+    let dir = tempfile::tempdir().expect("tmp");
+    synth_model(dir.path(), &SynthSpec::new(Preset::Tiny, 8)).expect("synth");
+    let prompt = prompt();
+    let mut local = engine(dir.path());
+    local.add_request(req(1, prompt.clone(), max_tokens)).expect("ok");
+    let want = drain(&mut local).remove(&1).expect("local").0;
+    (dir, prompt, local, want)
+}
+
 /// The K/V bytes of the cached full blocks of `tokens`, by hash.
 fn cached_bytes(e: &mut Engine<CpuBackend>, tokens: &[u32]) -> Vec<Vec<u8>> {
     let hasher = BlockHasher::new(&HashScheme::new(16, 9), &ExtraKeys::none());
@@ -74,12 +85,7 @@ fn import(d: &mut Engine<CpuBackend>, id: u64, chunks: &[KvChunk], first: u32, c
 
 #[test]
 fn an_imported_prompt_decodes_like_a_local_run_with_bit_identical_blocks() {
-    let dir = tempfile::tempdir().expect("tmp");
-    synth_model(dir.path(), &SynthSpec::new(Preset::Tiny, 8)).expect("synth");
-    let prompt = prompt();
-    let mut local = engine(dir.path());
-    local.add_request(req(1, prompt.clone(), 8)).expect("ok");
-    let want = drain(&mut local).remove(&1).expect("local").0;
+    let (dir, prompt, mut local, want) = setup(8);
     let (mut p, mut d) = (engine(dir.path()), engine(dir.path()));
     let free = d.stats().blocks_free;
     let plan = d.start_import(req(2, prompt.clone(), 8)).expect("import");
@@ -100,12 +106,7 @@ fn an_imported_prompt_decodes_like_a_local_run_with_bit_identical_blocks() {
 
 #[test]
 fn only_the_blocks_the_importer_lacks_travel() {
-    let dir = tempfile::tempdir().expect("tmp");
-    synth_model(dir.path(), &SynthSpec::new(Preset::Tiny, 8)).expect("synth");
-    let prompt = prompt();
-    let mut local = engine(dir.path());
-    local.add_request(req(1, prompt.clone(), 6)).expect("ok");
-    let want = drain(&mut local).remove(&1).expect("local").0;
+    let (dir, prompt, _local, want) = setup(6);
     let (mut p, mut d) = (engine(dir.path()), engine(dir.path()));
     // The decode engine saw the first 64 tokens; the prefill engine saw the first 100.
     d.add_request(req(5, prompt[..64].iter().copied().chain([7]).collect(), 1)).expect("ok");
@@ -162,12 +163,7 @@ fn bad_writes_are_refused_and_every_ending_frees_the_blocks() {
 
 #[test]
 fn layer_groups_leave_during_the_forward_and_import_like_whole_blocks() {
-    let dir = tempfile::tempdir().expect("tmp");
-    synth_model(dir.path(), &SynthSpec::new(Preset::Tiny, 8)).expect("synth");
-    let prompt = prompt();
-    let mut local = engine(dir.path());
-    local.add_request(req(1, prompt.clone(), 8)).expect("ok");
-    let want = drain(&mut local).remove(&1).expect("local").0;
+    let (dir, prompt, mut local, want) = setup(8);
     let (mut p, mut d) = (engine(dir.path()), engine(dir.path()));
     let plan = d.start_import(req(2, prompt.clone(), 8)).expect("import");
     let (chunks, first, cached) = export_by(&mut p, &prompt, plan.from_block, 1);

@@ -318,31 +318,9 @@ fn handle<B: Backend>(
 ) {
     match cmd {
         Cmd::Add { req, events, admitted } => {
-            let waiting = engine.scheduler().num_waiting();
-            if waiting >= max_waiting {
-                let _ = admitted.send(Err(Refusal::QueueFull { waiting }));
-                return;
-            }
-            let id = req.id;
-            match engine.add_request(req) {
-                Ok(()) => {
-                    senders.insert(id, events);
-                    if admitted.send(Ok(())).is_err() {
-                        engine.abort(id);
-                        senders.remove(&id);
-                    }
-                }
-                Err(e) => {
-                    let _ = admitted.send(Err(Refusal::Invalid(e)));
-                }
-            }
+            admit(engine, senders, max_waiting, req.id, events, admitted, |e| e.add_request(req));
         }
         Cmd::AddExport { req, from_block, layer_group, events, admitted } => {
-            let waiting = engine.scheduler().num_waiting();
-            if waiting >= max_waiting {
-                let _ = admitted.send(Err(Refusal::QueueFull { waiting }));
-                return;
-            }
             let id = req.id;
             // Blocks go out on the request's own channel, so they always precede its first token.
             let tx = events.clone();
@@ -357,18 +335,9 @@ fn handle<B: Backend>(
                     kv: Some(kv),
                 });
             }));
-            match engine.add_export(req, from_block, layer_group, sink) {
-                Ok(()) => {
-                    senders.insert(id, events);
-                    if admitted.send(Ok(())).is_err() {
-                        engine.abort(id);
-                        senders.remove(&id);
-                    }
-                }
-                Err(e) => {
-                    let _ = admitted.send(Err(Refusal::Invalid(e)));
-                }
-            }
+            admit(engine, senders, max_waiting, id, events, admitted, |e| {
+                e.add_export(req, from_block, layer_group, sink)
+            });
         }
         Cmd::StartImport { req, events, reply } => {
             let id = req.id;
@@ -417,6 +386,36 @@ fn handle<B: Backend>(
             for (id, _) in senders.drain() {
                 engine.abort(id);
             }
+        }
+    }
+}
+
+/// Queues a request with `add` unless the waiting queue is full; its outputs go to `events` once admitted. A caller
+/// that stopped waiting for the answer gets its request aborted at once.
+fn admit<B: Backend>(
+    engine: &mut Engine<B>,
+    senders: &mut HashMap<RequestId, mpsc::UnboundedSender<StepOutput>>,
+    max_waiting: usize,
+    id: RequestId,
+    events: mpsc::UnboundedSender<StepOutput>,
+    admitted: oneshot::Sender<Result<(), Refusal>>,
+    add: impl FnOnce(&mut Engine<B>) -> Result<(), AdmitError>,
+) {
+    let waiting = engine.scheduler().num_waiting();
+    if waiting >= max_waiting {
+        let _ = admitted.send(Err(Refusal::QueueFull { waiting }));
+        return;
+    }
+    match add(engine) {
+        Ok(()) => {
+            senders.insert(id, events);
+            if admitted.send(Ok(())).is_err() {
+                engine.abort(id);
+                senders.remove(&id);
+            }
+        }
+        Err(e) => {
+            let _ = admitted.send(Err(Refusal::Invalid(e)));
         }
     }
 }
