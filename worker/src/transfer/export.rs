@@ -11,7 +11,7 @@ use tokio::net::TcpListener;
 use tokio::time::sleep_until;
 
 use super::frame::{accept_code, Done, Frame, Hello, RefuseCode, VERSION};
-use super::link::{KvLink, TcpLink, IDLE_TIMEOUT};
+use super::link::{send_by, send_parting, KvLink, TcpLink, IDLE_TIMEOUT};
 use super::{count, count_bytes, unix_ms, TransferError, Transfers};
 use crate::engine::{EngineRequest, SamplingParams, StepOutput};
 use crate::server::engine_thread::{EngineHandle, Refusal};
@@ -145,7 +145,7 @@ impl Drop for Lease {
 }
 
 async fn refuse<L: KvLink>(link: &mut L, id: u64, code: RefuseCode, reason: String) -> TransferError {
-    let _ = link.send(&Frame::Refuse { transfer_id: id, code, reason: reason.clone() }).await;
+    send_parting(link, &Frame::Refuse { transfer_id: id, code, reason: reason.clone() }).await;
     TransferError::Refused { code: code.as_str(), reason }
 }
 
@@ -179,7 +179,8 @@ async fn export<L: KvLink>(link: &mut L, t: &Transfers, h: &Hello) -> Result<usi
     };
     let mut guard = Abort { engine: &t.engine, id: rid, armed: true };
     let _lease = Lease::take();
-    link.send(&Frame::Accept { transfer_id: id, mac: accept_code(&t.key, &h.mac) }).await?;
+    let accept = Frame::Accept { transfer_id: id, mac: accept_code(&t.key, &h.mac) };
+    send_by(link, &accept, tokio::time::Instant::now() + t.lease, t.lease).await?;
     let mut until = tokio::time::Instant::now() + t.lease;
     let mut renew_at = tokio::time::Instant::now() + t.lease / 3;
     let (mut sent, mut first) = (0usize, None::<StepOutput>);
@@ -197,7 +198,7 @@ async fn export<L: KvLink>(link: &mut L, t: &Transfers, h: &Hello) -> Result<usi
             },
             o = rx.recv(), if first.is_none() => {
                 let Some(o) = o else {
-                    let _ = link.send(&Frame::Cancel { transfer_id: id, reason: "the engine dropped the request".into() }).await;
+                    send_parting(link, &Frame::Cancel { transfer_id: id, reason: "the engine dropped the request".into() }).await;
                     return Err(TransferError::Engine("the request was dropped".into()));
                 };
                 if let Some(kv) = &o.kv {
@@ -220,24 +221,24 @@ async fn export<L: KvLink>(link: &mut L, t: &Transfers, h: &Hello) -> Result<usi
                             prompt_tokens: o.prompt_tokens as u32,
                             cached_tokens: o.cached_tokens as u32,
                         };
-                        link.send(&Frame::Done(done)).await?;
+                        send_by(link, &Frame::Done(done), until, t.lease).await?;
                         first = Some(o);
                     }
                     (Some(reason), None) => {
                         let reason = format!("the prefill failed: {reason:?}");
-                        let _ = link.send(&Frame::Cancel { transfer_id: id, reason: reason.clone() }).await;
+                        send_parting(link, &Frame::Cancel { transfer_id: id, reason: reason.clone() }).await;
                         return Err(TransferError::Engine(reason));
                     }
                 }
             },
             _ = sleep_until(renew_at), if first.is_none() => {
                 // A prefill waiting behind others sends nothing for a while: say it is alive.
-                link.send(&Frame::Renew { transfer_id: id }).await?;
+                send_by(link, &Frame::Renew { transfer_id: id }, until, t.lease).await?;
                 renew_at = tokio::time::Instant::now() + t.lease / 3;
             },
             _ = sleep_until(until) => {
                 metrics::counter!("kvgate_worker_kv_transfer_leases_expired_total").increment(1);
-                let _ = link.send(&Frame::Cancel { transfer_id: id, reason: "the lease lapsed".into() }).await;
+                send_parting(link, &Frame::Cancel { transfer_id: id, reason: "the lease lapsed".into() }).await;
                 return Err(TransferError::Expired(t.lease));
             },
         }

@@ -10,7 +10,7 @@ use tokio::sync::oneshot;
 use tokio::time::{sleep_until, timeout};
 
 use super::frame::{accept_verifies, FirstToken, Frame, Hello, VERSION};
-use super::link::{KvLink, KvTransport, TcpTransport};
+use super::link::{send_by, send_parting, KvLink, KvTransport, TcpTransport};
 use super::{count, count_bytes, unix_ms, TransferError, Transfers};
 use crate::engine::{ImportPlan, RequestId, SamplingParams};
 
@@ -106,7 +106,8 @@ async fn connect(
         let mut link = timeout(lease, t.transport.connect(peer, t.limits()))
             .await
             .map_err(|_| TransferError::Connect(format!("{peer}: no connection within {lease:?}")))??;
-        match link.send(&Frame::Hello(Box::new(h.clone()))).await {
+        let hello = Frame::Hello(Box::new(h.clone()));
+        match send_by(&mut link, &hello, tokio::time::Instant::now() + lease, lease).await {
             Ok(()) => return Ok(link),
             Err(e) if link.reused() => last = Some(e),
             Err(e) => return Err(e),
@@ -134,7 +135,7 @@ async fn run(
         tokio::select! {
             biased;
             _ = &mut cancel => {
-                let _ = link.send(&Frame::Cancel { transfer_id: id, reason: "the client left".into() }).await;
+                send_parting(&mut link, &Frame::Cancel { transfer_id: id, reason: "the client left".into() }).await;
                 return Ok(None);
             }
             f = link.recv() => {
@@ -158,7 +159,7 @@ async fn run(
                         let layers = b.layers.0 as usize..b.layers.1 as usize;
                         let (n, bytes) = (b.count as usize, b.payload.len());
                         if let Err(e) = t.engine.write_import(want.id, b.first as usize, n, layers, b.payload).await {
-                            let _ = link.send(&Frame::Cancel { transfer_id: id, reason: e.clone() }).await;
+                            send_parting(&mut link, &Frame::Cancel { transfer_id: id, reason: e.clone() }).await;
                             return Err(TransferError::Protocol(e));
                         }
                         received += n;
@@ -166,10 +167,10 @@ async fn run(
                     }
                     Frame::Done(d) if d.transfer_id == id && accepted => {
                         if let Err(e) = t.engine.finish_import(want.id, d.first_token, d.cached_tokens as usize).await {
-                            let _ = link.send(&Frame::Cancel { transfer_id: id, reason: e.clone() }).await;
+                            send_parting(&mut link, &Frame::Cancel { transfer_id: id, reason: e.clone() }).await;
                             return Err(TransferError::Protocol(e));
                         }
-                        link.send(&Frame::Ack { transfer_id: id }).await?;
+                        send_by(&mut link, &Frame::Ack { transfer_id: id }, silent_until, lease).await?;
                         t.transport.give_back(link);
                         return Ok(Some(received));
                     }
@@ -177,7 +178,7 @@ async fn run(
                 }
             }
             _ = sleep_until(renew_at) => {
-                link.send(&Frame::Renew { transfer_id: id }).await?;
+                send_by(&mut link, &Frame::Renew { transfer_id: id }, silent_until, lease).await?;
                 renew_at = tokio::time::Instant::now() + lease / 3;
             }
             _ = sleep_until(silent_until) => return Err(TransferError::Expired(lease)),

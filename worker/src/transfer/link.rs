@@ -29,6 +29,24 @@ pub const MAX_IDLE_PER_PEER: usize = 4;
 pub const IDLE_TIMEOUT: Duration = Duration::from_secs(30);
 /// Frames decoded ahead of their consumer per link.
 const READ_AHEAD_FRAMES: usize = 2;
+/// Longest wait for a parting frame (Cancel, Refuse) to go out before the link is dropped anyway.
+pub const PARTING_WAIT: Duration = Duration::from_secs(1);
+
+/// Sends `f`, giving up at `deadline`: a peer that stopped reading fills the socket, and no send may wait for it
+/// forever (`lease` names the limit in the error).
+pub async fn send_by<L: KvLink>(
+    link: &mut L,
+    f: &Frame,
+    deadline: tokio::time::Instant,
+    lease: Duration,
+) -> Result<(), TransferError> {
+    tokio::time::timeout_at(deadline, link.send(f)).await.map_err(|_| TransferError::Expired(lease))?
+}
+
+/// Sends a parting frame if it goes out within [`PARTING_WAIT`]; the link is dropped either way.
+pub async fn send_parting<L: KvLink>(link: &mut L, f: &Frame) {
+    let _ = tokio::time::timeout(PARTING_WAIT, link.send(f)).await;
+}
 
 /// One connection to a peer.
 pub trait KvLink: Send {
