@@ -22,7 +22,7 @@ use kvgate_shared::hashing::{BlockHash, BlockHasher, HashScheme};
 use kvgate_shared::prompt::Prompter;
 
 pub use backend::{Backend, BatchItem, CpuBackend, Next};
-pub use pd::ImportPlan;
+pub use pd::{ImportError, ImportPlan};
 pub use request::{
     AdmitError, EngineRequest, ExportSink, FinishReason, KvChunk, RequestId, SamplingParams, StepOutput,
 };

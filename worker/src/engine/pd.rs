@@ -58,6 +58,26 @@ impl LayerExport {
     }
 }
 
+/// Why an import write or finish was refused (nothing was written or changed). None is worth retrying with the same
+/// frame: the transfer is given up (the decode side then computes the prompt itself).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum ImportError {
+    #[error("no import of request {0} is in the engine")]
+    Unknown(RequestId),
+    #[error("{got} bytes for {blocks} blocks x {layers} layers (want {want})")]
+    Size { got: usize, want: usize, blocks: usize, layers: usize },
+    #[error("blocks {first}..{end} layers {layers:?} are outside the transfer or repeated")]
+    Range { first: usize, end: usize, layers: std::ops::Range<usize> },
+    #[error("blocks are missing")]
+    Incomplete,
+    #[error("first token {0} is outside the vocabulary")]
+    Token(u32),
+    #[error("writing the blocks: {0}")]
+    Backend(String),
+    #[error("the engine has stopped")]
+    EngineGone,
+}
+
 /// What a decode worker lacks of a prompt it will import.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ImportPlan {
@@ -203,28 +223,21 @@ impl<B: Backend> Engine<B> {
         count: usize,
         layers: std::ops::Range<usize>,
         bytes: &[u8],
-    ) -> Result<(), String> {
+    ) -> Result<(), ImportError> {
         let bs = self.scheme.block_size as usize;
         let per_layer = self.backend.kv_block_bytes(bs).unwrap_or(0) / self.backend.kv_layers().max(1);
-        let seq = self.sched.importing_mut(id).ok_or("no such import")?;
+        let seq = self.sched.importing_mut(id).ok_or(ImportError::Unknown(id))?;
         let want = count.saturating_mul(layers.len()).saturating_mul(per_layer);
         if bytes.len() != want {
-            return Err(format!(
-                "{} bytes for {count} blocks x {} layers (want {want})",
-                bytes.len(),
-                layers.len()
-            ));
+            return Err(ImportError::Size { got: bytes.len(), want, blocks: count, layers: layers.len() });
         }
-        let state = seq.import.as_mut().ok_or("not importing")?;
+        let state = seq.import.as_mut().ok_or(ImportError::Unknown(id))?;
         let mut probe = state.clone();
         if !probe.mark(first, count, layers.clone()) {
-            return Err(format!(
-                "blocks {first}..{} layers {layers:?} are outside the transfer or repeated",
-                first + count
-            ));
+            return Err(ImportError::Range { first, end: first.saturating_add(count), layers });
         }
         let ids: Vec<u32> = seq.table.as_ref().map_or(&[][..], |t| t.blocks())[first..first + count].to_vec();
-        self.backend.write_kv_layers(&ids, layers, bytes, bs)?;
+        self.backend.write_kv_layers(&ids, layers, bytes, bs).map_err(ImportError::Backend)?;
         if let Some(seq) = self.sched.importing_mut(id) {
             seq.import = Some(probe);
         }
@@ -240,15 +253,15 @@ impl<B: Backend> Engine<B> {
         id: RequestId,
         first_token: u32,
         cached_tokens: usize,
-    ) -> Result<StepOutput, String> {
-        let seq = self.sched.importing_mut(id).ok_or("no such import")?;
+    ) -> Result<StepOutput, ImportError> {
+        let seq = self.sched.importing_mut(id).ok_or(ImportError::Unknown(id))?;
         if !seq.import.as_ref().is_some_and(ImportState::complete) {
-            return Err("blocks are missing".into());
+            return Err(ImportError::Incomplete);
         }
         if first_token as usize >= self.backend.vocab_size() {
-            return Err(format!("first token {first_token} is outside the vocabulary"));
+            return Err(ImportError::Token(first_token));
         }
-        let Some(mut seq) = self.sched.take_importing(id) else { return Err("no such import".into()) };
+        let Some(mut seq) = self.sched.take_importing(id) else { return Err(ImportError::Unknown(id)) };
         seq.import = None;
         seq.num_computed = seq.prompt_len;
         if let Some(table) = seq.table.as_mut() {

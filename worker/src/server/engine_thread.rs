@@ -19,8 +19,8 @@ use std::time::Instant;
 use tokio::sync::{mpsc, oneshot, watch};
 
 use crate::engine::{
-    AdmitError, Backend, Engine, EngineRequest, EngineStats, ExportSink, ImportPlan, KvChunk, RequestId,
-    StepOutput,
+    AdmitError, Backend, Engine, EngineRequest, EngineStats, ExportSink, ImportError, ImportPlan, KvChunk,
+    RequestId, StepOutput,
 };
 use crate::kv::{KvManager, SharedPool};
 
@@ -52,13 +52,13 @@ enum Cmd {
         count: usize,
         layers: std::ops::Range<usize>,
         bytes: Vec<u8>,
-        reply: oneshot::Sender<Result<(), String>>,
+        reply: oneshot::Sender<Result<(), ImportError>>,
     },
     FinishImport {
         id: RequestId,
         first_token: u32,
         cached_tokens: usize,
-        reply: oneshot::Sender<Result<(), String>>,
+        reply: oneshot::Sender<Result<(), ImportError>>,
     },
     /// The import failed: compute the prompt here.
     ImportToLocal(RequestId),
@@ -185,11 +185,11 @@ impl EngineHandle {
         count: usize,
         layers: std::ops::Range<usize>,
         bytes: Vec<u8>,
-    ) -> Result<(), String> {
+    ) -> Result<(), ImportError> {
         let (reply, ack) = oneshot::channel();
         let cmd = Cmd::WriteImport { id, first, count, layers, bytes, reply };
-        self.tx.send(cmd).map_err(|_| "the engine has stopped".to_string())?;
-        ack.await.map_err(|_| "the engine has stopped".to_string())?
+        self.tx.send(cmd).map_err(|_| ImportError::EngineGone)?;
+        ack.await.map_err(|_| ImportError::EngineGone)?
     }
 
     /// Ends an import with the first token (`Engine::finish_import`).
@@ -198,11 +198,11 @@ impl EngineHandle {
         id: RequestId,
         first_token: u32,
         cached_tokens: usize,
-    ) -> Result<(), String> {
+    ) -> Result<(), ImportError> {
         let (reply, ack) = oneshot::channel();
         let cmd = Cmd::FinishImport { id, first_token, cached_tokens, reply };
-        self.tx.send(cmd).map_err(|_| "the engine has stopped".to_string())?;
-        ack.await.map_err(|_| "the engine has stopped".to_string())?
+        self.tx.send(cmd).map_err(|_| ImportError::EngineGone)?;
+        ack.await.map_err(|_| ImportError::EngineGone)?
     }
 
     /// Gives an import up: the prompt is computed here.

@@ -159,16 +159,16 @@ async fn run(
                         let layers = b.layers.0 as usize..b.layers.1 as usize;
                         let (n, bytes) = (b.count as usize, b.payload.len());
                         if let Err(e) = t.engine.write_import(want.id, b.first as usize, n, layers, b.payload).await {
-                            send_parting(&mut link, &Frame::Cancel { transfer_id: id, reason: e.clone() }).await;
-                            return Err(TransferError::Protocol(e));
+                            send_parting(&mut link, &Frame::Cancel { transfer_id: id, reason: e.to_string() }).await;
+                            return Err(TransferError::Import(e));
                         }
                         received += n;
                         count_bytes(SIDE, bytes, n);
                     }
                     Frame::Done(d) if d.transfer_id == id && accepted => {
                         if let Err(e) = t.engine.finish_import(want.id, d.first_token, d.cached_tokens as usize).await {
-                            send_parting(&mut link, &Frame::Cancel { transfer_id: id, reason: e.clone() }).await;
-                            return Err(TransferError::Protocol(e));
+                            send_parting(&mut link, &Frame::Cancel { transfer_id: id, reason: e.to_string() }).await;
+                            return Err(TransferError::Import(e));
                         }
                         send_by(&mut link, &Frame::Ack { transfer_id: id }, silent_until, lease).await?;
                         t.transport.give_back(link);

@@ -56,6 +56,8 @@ pub enum TransferError {
     Expired(Duration),
     #[error("the engine: {0}")]
     Engine(String),
+    #[error("the imported KV was refused: {0}")]
+    Import(#[from] crate::engine::ImportError),
 }
 
 impl TransferError {
@@ -69,6 +71,8 @@ impl TransferError {
             Self::Cancelled(_) => "cancelled",
             Self::Expired(_) => "expired",
             Self::Engine(_) => "engine_error",
+            Self::Import(crate::engine::ImportError::EngineGone) => "engine_error",
+            Self::Import(_) => "protocol_error",
         }
     }
 }
