@@ -139,3 +139,16 @@ proptest! {
         }
     }
 }
+
+#[test]
+fn transfer_errors_say_whether_a_retry_can_help() {
+    use crate::transfer::TransferError;
+    assert!(TransferError::PeerLost("reset".into()).retryable());
+    assert!(
+        TransferError::Refused { code: RefuseCode::Overloaded.as_str(), reason: String::new() }.retryable()
+    );
+    assert!(
+        !TransferError::Refused { code: RefuseCode::WrongModel.as_str(), reason: String::new() }.retryable()
+    );
+    assert!(!TransferError::Frame(FrameError::UnknownKind(9)).retryable());
+}

@@ -55,7 +55,8 @@ pub async fn fetch(t: &Transfers, peer: &str, want: Want<'_>, cancel: oneshot::R
         }
         Ok(None) => Fetched::Cancelled,
         Err(e) => {
-            tracing::warn!(peer, transfer = transfer_id, error = %e, "KV import failed: computing the prompt here");
+            let retryable = e.retryable();
+            tracing::warn!(peer, transfer = transfer_id, error = %e, retryable, "KV import failed: computing the prompt here");
             count(SIDE, "fallback");
             t.engine.import_to_local(want.id);
             Fetched::Fallback(e)

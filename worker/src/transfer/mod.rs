@@ -61,6 +61,17 @@ pub enum TransferError {
 }
 
 impl TransferError {
+    /// Whether the same transfer may succeed if tried again (the peer was unreachable, busy, gone or silent); a
+    /// protocol breach, a refused import or a wrong model will fail the same way.
+    pub fn retryable(&self) -> bool {
+        match self {
+            Self::Connect(_) | Self::PeerLost(_) | Self::Expired(_) | Self::Cancelled(_) => true,
+            Self::Refused { code, .. } => *code == frame::RefuseCode::Overloaded.as_str(),
+            Self::Import(e) => *e == crate::engine::ImportError::EngineGone,
+            Self::Frame(_) | Self::Protocol(_) | Self::Engine(_) => false,
+        }
+    }
+
     /// The `outcome` label of `kvgate_worker_kv_transfers_total`.
     pub fn outcome(&self) -> &'static str {
         match self {
