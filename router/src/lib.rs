@@ -7,7 +7,8 @@
 //!   admission pricing and explain);
 //! - [`routing`]: the policies behind one trait, the consistent-hash ring, the ring-key chooser;
 //! - [`registry`]: worker states from the config and from reports (health, faults, staleness, overlay, load);
-//! - [`admission`]: per-class token budgets with bounded, tenant-fair wait queues.
+//! - [`admission`]: per-class token budgets with bounded, tenant-fair wait queues;
+//! - [`split`]: whether a request runs whole on one worker or is split between a prefill and a decode worker.
 //!
 //! No function here reads a clock: every one that needs the time takes `now`.
 
@@ -15,3 +16,4 @@ pub mod admission;
 pub mod registry;
 pub mod route;
 pub mod routing;
+pub mod split;

@@ -1,0 +1,130 @@
+//! `cost_model`: split iff the predicted cost of splitting is below that of running the request whole.
+//!
+//! ```text
+//! prefill_s(W, n)  = (W.queue_tokens + n) / W.prefill_tokens_per_s        (the queue ahead, then its own tokens)
+//! compute_s(W, n)  = n / W.prefill_tokens_per_s
+//! tpot(W)          = W.decode_step_s / (1 - W.stall_ratio)                 (stall ratio capped at MAX_STALL)
+//!
+//! local on L:  ttft = prefill_s(L, L.uncached) + L.decode_step_s
+//!              tpot = tpot(L)
+//!              imposed = compute_s(L, L.uncached) x L.running             (every stream on L waits out the prefill)
+//! split P->D:  bytes = (prompt - D.cached) x kv_bytes_per_token;  transfer_s = bytes / bandwidth
+//!              exposed = transfer_s                                     if P sends the KV after its prefill
+//!                      = max(transfer_s / groups, transfer_s - compute_s(P, P.uncached))   if it sends layer groups
+//!              ttft = prefill_s(P, P.uncached) + exposed + D.decode_step_s
+//!              tpot = tpot(D)
+//!              imposed = compute_s(P, P.uncached) x P.running
+//! e2e = ttft + (output - 1) x tpot;   cost = e2e + imposed
+//! choice: the option that meets both SLOs when only one does; else the lower cost; a tie stays local
+//! gain (reported) = (output - 1) x tpot(L) x L.stall_ratio - exposed     (the design's split gain)
+//! ```
+//! The gain grows with output length (more decode steps to stall) and shrinks with input length (more bytes to
+//! move): long-prompt short-answer traffic stays local, short-prompt long-answer traffic splits once co-located
+//! prefills measurably stall decodes.
+
+use super::{Choice, Prediction, Side, SplitDecision, SplitInput, SplitPolicy, SplitTerms};
+
+/// The largest stall ratio believed (a worker reporting 1.0 would otherwise make TPOT infinite).
+pub const MAX_STALL: f64 = 0.95;
+/// The slowest prefill speed believed (tokens/s): a worker reporting 0 must not make prefill free or infinite.
+pub const MIN_PREFILL_TOKENS_PER_S: f64 = 1.0;
+/// The slowest link believed (bytes/s).
+pub const MIN_BANDWIDTH: f64 = 1.0;
+
+pub struct CostModel;
+
+/// A finite, non-negative value (NaN, infinities and negatives read as `floor`).
+fn sane(v: f64, floor: f64) -> f64 {
+    if v.is_finite() && v >= floor {
+        v
+    } else {
+        floor
+    }
+}
+
+fn rate(w: &Side) -> f64 {
+    sane(w.prefill_tokens_per_s, MIN_PREFILL_TOKENS_PER_S)
+}
+
+fn prefill_s(w: &Side, n: u64) -> f64 {
+    (w.queue_tokens as f64 + n as f64) / rate(w)
+}
+
+fn compute_s(w: &Side, n: u64) -> f64 {
+    n as f64 / rate(w)
+}
+
+fn tpot(w: &Side) -> f64 {
+    sane(w.decode_step_s, 0.0) / (1.0 - sane(w.stall_ratio, 0.0).min(MAX_STALL))
+}
+
+fn finish(ttft_s: f64, tpot_s: f64, imposed_s: f64, output: u64, input: &SplitInput) -> Prediction {
+    Prediction {
+        ttft_s,
+        tpot_s,
+        e2e_s: ttft_s + output.saturating_sub(1) as f64 * tpot_s,
+        imposed_s,
+        meets_slo: ttft_s <= input.slo.ttft_s && tpot_s <= input.slo.tpot_s,
+    }
+}
+
+/// The predictions of both options and the transfer terms (every policy reports these).
+pub fn predict(input: &SplitInput) -> SplitTerms {
+    let (l, p, d) = (&input.local, &input.prefill, &input.decode);
+    let out = input.expected_output;
+    let local = finish(
+        prefill_s(l, l.uncached_tokens) + sane(l.decode_step_s, 0.0),
+        tpot(l),
+        compute_s(l, l.uncached_tokens) * l.running as f64,
+        out,
+        input,
+    );
+    let moved = input.prompt_tokens.saturating_sub(input.decode_cached_tokens);
+    let transfer_bytes = moved as f64 * sane(input.kv_bytes_per_token, 0.0);
+    let transfer_s = transfer_bytes / sane(input.bandwidth_bytes_per_s, MIN_BANDWIDTH);
+    let p_compute = compute_s(p, p.uncached_tokens);
+    let exposed_transfer_s = match input.export_groups {
+        0 | 1 => transfer_s,
+        g => (transfer_s / g as f64).max(transfer_s - p_compute),
+    };
+    let split = finish(
+        prefill_s(p, p.uncached_tokens) + exposed_transfer_s + sane(d.decode_step_s, 0.0),
+        tpot(d),
+        p_compute * p.running as f64,
+        out,
+        input,
+    );
+    let gain_s = out.saturating_sub(1) as f64 * local.tpot_s * sane(l.stall_ratio, 0.0).min(MAX_STALL)
+        - exposed_transfer_s;
+    SplitTerms { local, split, transfer_bytes, transfer_s, exposed_transfer_s, gain_s }
+}
+
+impl SplitPolicy for CostModel {
+    fn name(&self) -> &'static str {
+        "cost_model"
+    }
+
+    fn decide(&self, input: &SplitInput) -> SplitDecision {
+        let terms = predict(input);
+        let (l, s) = (&terms.local, &terms.split);
+        let (choice, reason) = match (l.meets_slo, s.meets_slo) {
+            (false, true) => (Choice::Split, "slo"),
+            (true, false) => (Choice::Local, "slo"),
+            _ if s.e2e_s + s.imposed_s < l.e2e_s + l.imposed_s => (Choice::Split, "cost"),
+            _ => (Choice::Local, "cost"),
+        };
+        tracing::debug!(
+            choice = choice.as_str(), reason,
+            local_ttft_s = l.ttft_s, local_tpot_s = l.tpot_s, local_imposed_s = l.imposed_s,
+            split_ttft_s = s.ttft_s, split_tpot_s = s.tpot_s, split_imposed_s = s.imposed_s,
+            transfer_bytes = terms.transfer_bytes, transfer_s = terms.transfer_s,
+            exposed_transfer_s = terms.exposed_transfer_s, gain_s = terms.gain_s,
+            prompt = input.prompt_tokens, output = input.expected_output,
+            local_uncached = input.local.uncached_tokens, prefill_uncached = input.prefill.uncached_tokens,
+            decode_cached = input.decode_cached_tokens, bandwidth = input.bandwidth_bytes_per_s,
+            local_stall = input.local.stall_ratio, decode_stall = input.decode.stall_ratio,
+            "split decision"
+        );
+        SplitDecision { choice, reason, terms }
+    }
+}
