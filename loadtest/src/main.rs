@@ -4,6 +4,8 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 
+mod pd_cmd;
+
 use clap::{Args, Parser, Subcommand};
 use kvgate_loadtest::commands::{self, CompareArgs, DemoArgs, RunArgs, UpArgs};
 use kvgate_loadtest::sim::{self, Pace, SimConfig, SimResult};
@@ -30,6 +32,9 @@ enum Command {
     Demo(DemoArgs),
     /// Replay a Mooncake trace in virtual time through the real routing, scheduler and prefix-cache code.
     Simulate(SimulateArgs),
+    /// Prefill/decode disaggregation in virtual time: every split policy on the seed's shapes (or a trace) at
+    /// several link bandwidths.
+    SimulatePd(pd_cmd::SimulatePdArgs),
 }
 
 #[derive(Args)]
@@ -119,6 +124,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Simulate(args) => simulate(args),
+        Command::SimulatePd(args) => pd_cmd::simulate_pd(args),
         Command::Run(a) => block_on(commands::run(a)),
         Command::Compare(a) => block_on(async { commands::compare(a).await.map(|_| ()) }),
         Command::Up(a) => block_on(commands::up(a)),

@@ -10,6 +10,7 @@
 mod admission;
 pub mod fleet;
 pub mod oracle;
+pub mod pd;
 pub mod workload;
 
 use std::collections::BTreeMap;

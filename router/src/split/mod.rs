@@ -3,8 +3,8 @@
 //! no sockets): the gateway, `route/explain` and the PD simulator call the same [`SplitPolicy`].
 //!
 //! One policy per file:
-//! - `cost_model` (default): predicted TTFT, TPOT and the delay each option imposes on the streams it shares a
-//!   worker with, from measured inputs (the formula is at the top of its file);
+//! - `cost_model` (default): predicted TTFT and TPOT of both options from measured inputs, judged by the SLOs
+//!   (the formula is at the top of its file);
 //! - `rules`: the anchors' rules, kept as comparisons: `aggregated` (never split), `always` (SGLang router / SMG
 //!   in PD mode), `dynamo` (Dynamo's conditional disaggregation), `llm_d` (llm-d's uncached-token decider).
 //!
@@ -26,7 +26,7 @@ pub struct Side {
     pub uncached_tokens: u64,
     /// Prefill tokens queued ahead of it (reported, plus uncached tokens sent since).
     pub queue_tokens: u64,
-    /// Streams running there that a prefill on it would stall (running requests reported).
+    /// Streams running there (running requests reported; the pool picks weigh it).
     pub running: u64,
     /// Measured prefill speed (tokens per second; the last non-idle interval's).
     pub prefill_tokens_per_s: f64,
@@ -93,8 +93,6 @@ pub struct Prediction {
     pub tpot_s: f64,
     /// TTFT + (output - 1) x TPOT.
     pub e2e_s: f64,
-    /// Stream-seconds this option's prefill delays the other streams on the worker that computes it.
-    pub imposed_s: f64,
     pub meets_slo: bool,
 }
 

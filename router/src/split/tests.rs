@@ -25,13 +25,14 @@ fn input(prompt: u64, output: u64, stall: f64, bandwidth: f64) -> SplitInput {
         prompt_tokens: prompt,
         expected_output: output,
         local: side(prompt, stall),
-        prefill: side(prompt, 0.0),
+        // A `both` worker with streams of its own (a dedicated, idle prefill worker is its own test).
+        prefill: Side { running: 4, ..side(prompt, 0.0) },
         decode: side(prompt, 0.0),
         decode_cached_tokens: 0,
         kv_bytes_per_token: KV_BYTES,
         bandwidth_bytes_per_s: bandwidth,
         export_groups: 1,
-        slo: Slo { ttft_s: 1e9, tpot_s: 1e9 }, // both options meet: the cost decides
+        slo: Slo { ttft_s: 0.0, tpot_s: 0.0 }, // neither option meets (tests that judge by the SLOs set them)
     }
 }
 
@@ -40,47 +41,63 @@ fn choice(i: &SplitInput) -> Choice {
 }
 
 #[test]
-fn the_seed_shapes_split_where_the_gain_is_positive() {
-    // (prompt, output, measured stall on the co-located worker, expected choice at 25 Gb/s)
+fn the_seed_shapes_split_where_only_the_split_meets_the_slos() {
+    // (prompt, output, measured stall on the co-located worker, expected choice at 25 Gb/s). At stall 0.9 local
+    // TPOT is 5.8 ms / 0.1 = 58 ms > 50 ms; the split's TPOT is D's 5.8 ms and its TTFT prefill + transfer.
     let rows = [
-        (512, 1024, 0.3, Choice::Split),    // short prompt, long answer
-        (4096, 512, 0.3, Choice::Split),    // 0.17 s to move vs 1.3 s of stalled decode
-        (4096, 4096, 0.3, Choice::Split),   // decode-heavy
-        (32768, 128, 0.3, Choice::Local),   // 1.37 s to move vs 0.33 s of stall
-        (8192, 200, 0.1, Choice::Local),    // RAG: 0.34 s to move vs 0.13 s of stall
-        (512, 1024, 0.0, Choice::Local),    // nothing stalls: nothing to gain
+        (512, 1024, 0.9, Choice::Split, "slo"),
+        (4096, 512, 0.9, Choice::Split, "slo"),
+        (4096, 4096, 0.9, Choice::Split, "slo"),
+        (32768, 128, 0.9, Choice::Local, "neither_meets"), // 0.78 s prefill + 1.37 s transfer > 2 s
+        (8192, 200, 0.9, Choice::Split, "slo"),            // 0.20 s + 0.34 s
+        (8192, 200, 0.5, Choice::Local, "both_meet"),      // local TPOT 11.6 ms: nothing to buy
+        (512, 1024, 0.0, Choice::Local, "both_meet"),
     ];
-    for (prompt, output, stall, want) in rows {
-        let i = input(prompt, output, stall, GBPS_25);
+    for (prompt, output, stall, want, reason) in rows {
+        let mut i = input(prompt, output, stall, GBPS_25);
+        i.slo = DEFAULT_SLO;
         let d = CostModel.decide(&i);
-        assert_eq!(d.choice, want, "{prompt}/{output} at stall {stall}: {:?}", d.terms);
-        // With equal queues, speeds and no other streams, the choice is the sign of the design's gain.
-        assert_eq!(d.terms.gain_s > 0.0, want == Choice::Split, "{prompt}/{output}: gain {}", d.terms.gain_s);
+        assert_eq!((d.choice, d.reason), (want, reason), "{prompt}/{output} at stall {stall}: {:?}", d.terms);
     }
 }
 
 #[test]
-fn the_choice_flips_where_the_gain_changes_sign() {
-    // 32K prompt at 25 Gb/s, stall 0.3: the gain (output - 1) x tpot x 0.3 - 1.374 s is 0 near output 535.
-    let base = input(32768, 1, 0.3, GBPS_25);
-    let t = predict(&base);
-    let per_token = t.local.tpot_s * 0.3;
-    let flip = (t.exposed_transfer_s / per_token).ceil() as u64 + 1;
-    assert_eq!(choice(&SplitInput { expected_output: flip - 1, ..base }), Choice::Local);
-    assert_eq!(choice(&SplitInput { expected_output: flip + 1, ..base }), Choice::Split);
-    // A faster link moves the flip down by the same ratio (400 Gb/s is 16x 25 Gb/s).
-    let fast = SplitInput { bandwidth_bytes_per_s: GBPS_25 * 16.0, ..base };
-    let flip_fast = (predict(&fast).exposed_transfer_s / per_token).ceil() as u64 + 1;
-    assert!((flip_fast as f64 - flip as f64 / 16.0).abs() <= 2.0, "{flip} vs {flip_fast}");
-    // Longer prompts move more bytes: the flip moves up with input length.
-    let shorter = input(8192, 1, 0.3, GBPS_25);
-    let flip_short = (predict(&shorter).exposed_transfer_s / per_token).ceil() as u64 + 1;
-    assert!(flip_short * 3 < flip, "{flip_short} vs {flip}");
+fn the_choice_flips_where_the_predictions_cross_the_slos() {
+    let step = 0.005781023922206126;
+    // Over the stall ratio: local TPOT = step / (1 - stall) crosses 50 ms at stall 1 - step / 0.05.
+    let at = 1.0 - step / DEFAULT_SLO.tpot_s;
+    for (stall, want) in [(at - 0.01, Choice::Local), (at + 0.01, Choice::Split)] {
+        let mut i = input(4096, 512, stall, GBPS_25);
+        i.slo = DEFAULT_SLO;
+        assert_eq!(choice(&i), want, "stall {stall}");
+    }
+    // Over the prompt length (stall 0.9): the split's TTFT = n / rate + n x kv bytes / bandwidth + step crosses
+    // 2 s at n = (2 - step) / (1 / rate + kv bytes / bandwidth): longer prompts stay local.
+    let flip = |bw: f64| (DEFAULT_SLO.ttft_s - step) / (0.000023872551629443412 + KV_BYTES / bw);
+    for bw in [GBPS_25, GBPS_25 * 16.0] {
+        let n = flip(bw);
+        for (prompt, want) in [((n * 0.98) as u64, Choice::Split), ((n * 1.02) as u64, Choice::Local)] {
+            let mut i = input(prompt, 128, 0.9, bw);
+            i.slo = DEFAULT_SLO;
+            assert_eq!(choice(&i), want, "{prompt} tokens at {bw} B/s (flip {n:.0})");
+        }
+    }
+    // A faster link lets longer prompts split: 25 Gb/s flips near 30K tokens, 400 Gb/s near 72K.
+    assert!(flip(GBPS_25 * 16.0) > 2.0 * flip(GBPS_25));
+}
+
+#[test]
+fn the_design_gain_grows_with_output_and_shrinks_with_input() {
+    let g = |prompt, output| predict(&input(prompt, output, 0.3, GBPS_25)).gain_s;
+    assert!(g(4096, 4096) > g(4096, 512) && g(4096, 512) > g(4096, 64));
+    assert!(g(512, 1024) > g(8192, 1024) && g(8192, 1024) > g(32768, 1024));
+    assert!(g(32768, 128) < 0.0 && g(512, 1024) > 0.0);
 }
 
 #[test]
 fn the_kv_decode_already_holds_does_not_cross_the_link() {
-    let mut i = input(32768, 128, 0.3, GBPS_25);
+    let mut i = input(32768, 128, 0.9, GBPS_25);
+    i.slo = DEFAULT_SLO;
     assert_eq!(choice(&i), Choice::Local);
     i.decode_cached_tokens = 32768 - 512; // D holds all but the last turn
     let d = CostModel.decide(&i);
@@ -112,18 +129,26 @@ fn an_slo_only_one_option_meets_decides() {
     // A queue on P that breaks the TTFT target keeps it local (both miss: the cost decides).
     i.prefill.queue_tokens = 200_000;
     let d = CostModel.decide(&i);
-    assert_eq!((d.choice, d.reason), (Choice::Local, "cost"), "{:?}", d.terms);
+    assert_eq!((d.choice, d.reason), (Choice::Local, "neither_meets"), "{:?}", d.terms);
 }
 
 #[test]
-fn a_prefill_that_would_stall_many_streams_is_moved() {
-    // Nothing stalls yet (stall 0) but 64 streams run on the local pick: its prefill would delay each of them.
-    let mut i = input(4096, 16, 0.0, GBPS_25);
-    assert_eq!(choice(&i), Choice::Local);
-    i.local.running = 64;
+fn when_both_options_meet_the_slos_the_request_stays_local() {
+    // 512/1024 at stall 0.3: the split is faster end to end, but local meets TTFT <= 2 s and TPOT <= 50 ms too.
+    let mut i = input(512, 1024, 0.3, GBPS_25);
+    i.slo = DEFAULT_SLO;
     let d = CostModel.decide(&i);
-    assert!((d.terms.local.imposed_s - 64.0 * 4096.0 * 0.000023872551629443412).abs() < 1e-9);
-    assert_eq!(d.choice, Choice::Split);
+    assert!(d.terms.local.meets_slo && d.terms.split.meets_slo && d.terms.gain_s > 0.0, "{:?}", d.terms);
+    assert_eq!((d.choice, d.reason), (Choice::Local, "both_meet"));
+    // ... unless the prefill worker runs no streams (a dedicated one): its idle capacity costs no one a stall.
+    i.prefill.running = 0;
+    assert_eq!(CostModel.decide(&i).reason, "idle_prefill");
+    // A prefill worker whose own streams miss the TPOT target is no rescue.
+    let mut j = input(4096, 512, 0.9, GBPS_25);
+    j.slo = DEFAULT_SLO;
+    assert_eq!(choice(&j), Choice::Split);
+    j.prefill.stall_ratio = 0.9;
+    assert_eq!(CostModel.decide(&j).reason, "neither_meets");
 }
 
 #[test]
