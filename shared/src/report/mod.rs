@@ -1,13 +1,16 @@
 //! The worker report: the summary every worker pushes to each gateway once a second (`POST /kvgate/v1/report`),
 //! and its compact, versioned binary encoding.
 //!
-//! # Wire format (version 2), all integers little-endian
+//! # Wire format (version 4), all integers little-endian
 //! ```text
 //! magic "KVGR" | version u16 | flags u16 (bit 0: draining; other bits 0)
 //! worker_id str | advertise_url str | model_id str            (str = len u16 + UTF-8, at most 1024 bytes)
 //! block_size u32 | hash_version u32 | tokenizer_digest u64 | fingerprint u64
 //! seq u64 | timestamp_ms u64
-//! instance_id u64 | max_model_len u32                          (version 2 only)
+//! instance_id u64 | max_model_len u32                          (version 2 on)
+//! role u8 | transfer_addr str | kv_bytes_per_token u32         (version 3 on)
+//! export_groups u16 | prefill_tokens_per_busy_s f64 | decode_step_s f64 | stall_ratio f64 (0..1)
+//! import count u8 (<= 16), then per peer: peer str | bytes u64 | seconds f64 | transfers u32   (version 4 on)
 //! waiting_requests u32 | prefill_tokens u64 | running_requests u32
 //! prefill_tokens_per_s f64 | decode_tokens_per_s f64
 //! tier count u8 (<= 3), then per tier:
@@ -15,7 +18,8 @@
 //!   has_summary u8 (0/1) [ granularity u32 | entries u64 | bloom_len u32 | bloom bytes ]
 //! ```
 //! Version 1 (no `instance_id` / `max_model_len`, flags 0) is still decoded, as `instance_id` 0 and
-//! `max_model_len` 0 (unknown), so a gateway can be upgraded before its workers. `instance_id` is random per worker
+//! `max_model_len` 0 (unknown), versions 1-2 as role `both` without a transfer listener, versions 1-3 without step
+//! timings or imports (0: unknown), so a gateway can be upgraded before its workers. `instance_id` is random per worker
 //! process: a new one means a restart, whose `seq` starts again. Nothing may follow the last tier. Decoding is
 //! strict: a wrong magic, an unknown version, a truncated field, a
 //! value out of range or trailing bytes is a [`ReportError`], never a panic.
@@ -32,8 +36,11 @@ pub use bloom::{BlockBloom, BLOOM_HEADER_BYTES, BLOOM_SEED, MAX_BLOOM_BYTES, MAX
 
 use crate::hashing::{BlockHash, HashScheme};
 
-/// Current wire version (the encoder writes it; the decoder also reads versions 1 and 2).
-pub const REPORT_VERSION: u16 = 3;
+/// Current wire version (the encoder writes it; the decoder also reads versions 1 to 3).
+pub const REPORT_VERSION: u16 = 4;
+/// Most prefill peers one report's import figures name (a decode worker importing from more sums the rest into
+/// none: the figures are a sample for the gateway's bandwidth estimate, not an account).
+pub const MAX_IMPORT_PEERS: usize = 16;
 /// `flags` bit: the worker is draining (shutting down) and takes no new requests.
 pub const FLAG_DRAINING: u16 = 1;
 /// Magic bytes at the start of every report.
@@ -52,7 +59,7 @@ pub enum ReportError {
     Truncated(&'static str),
     #[error("not a kvgate report (bad magic)")]
     BadMagic,
-    #[error("unsupported report version {0} (this build speaks 1 and {REPORT_VERSION})")]
+    #[error("unsupported report version {0} (this build speaks 1 to {REPORT_VERSION})")]
     UnsupportedVersion(u16),
     #[error("invalid report field {field}: {reason}")]
     Invalid { field: &'static str, reason: String },
@@ -239,13 +246,44 @@ impl Role {
 }
 
 /// A worker's part in prefill/decode disaggregation.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq)]
 pub struct PdInfo {
     pub role: Role,
     /// `host:port` of its KV transfer listener (empty: it exports no KV).
     pub transfer_addr: String,
     /// Bytes of K and V per token across layers, as it moves them (0: unknown).
     pub kv_bytes_per_token: u32,
+    /// Layer groups its exports send while the prefill computes (1: whole blocks after it; 0: unknown, a
+    /// version-3 sender). Version 4 on, as are the fields below.
+    pub export_groups: u16,
+    /// Its step timings over the last interval (what a split decision weighs).
+    pub timing: StepTiming,
+    /// KV it imported over the last interval, by prefill peer (at most [`MAX_IMPORT_PEERS`]).
+    pub imports: Vec<PeerImport>,
+}
+
+/// Measured step timings of one report interval (0: nothing of that kind ran).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct StepTiming {
+    /// Prompt tokens computed per second of the steps that computed prompt tokens.
+    pub prefill_tokens_per_s: f64,
+    /// Seconds per step of the steps that only decoded (a moving average).
+    pub decode_step_s: f64,
+    /// Share (0..1) of the time of decode-carrying steps that prefill chunks added: what co-located prefill costs
+    /// every stream here.
+    pub stall_ratio: f64,
+}
+
+/// KV imported from one prefill peer over a report interval.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct PeerImport {
+    /// The peer's transfer address, as the gateway named it.
+    pub peer: String,
+    pub bytes: u64,
+    /// From each transfer's first Blocks frame to its Done (an effective rate: layer-group transfers include the
+    /// peer's compute between groups, so it is a lower bound on the link's).
+    pub seconds: f64,
+    pub transfers: u32,
 }
 
 impl WorkerReport {
@@ -276,6 +314,19 @@ impl WorkerReport {
         w.push(self.pd.role as u8);
         put_str(&mut w, &self.pd.transfer_addr);
         put_u32(&mut w, self.pd.kv_bytes_per_token);
+        put_u16(&mut w, self.pd.export_groups);
+        let t = &self.pd.timing;
+        for v in [t.prefill_tokens_per_s, t.decode_step_s, t.stall_ratio] {
+            put_u64(&mut w, v.to_bits());
+        }
+        let imports = &self.pd.imports[..self.pd.imports.len().min(MAX_IMPORT_PEERS)];
+        w.push(imports.len() as u8);
+        for i in imports {
+            put_str(&mut w, &i.peer);
+            put_u64(&mut w, i.bytes);
+            put_u64(&mut w, i.seconds.to_bits());
+            put_u32(&mut w, i.transfers);
+        }
         put_u32(&mut w, self.queue.waiting_requests);
         put_u64(&mut w, self.queue.prefill_tokens);
         put_u32(&mut w, self.queue.running_requests);
@@ -340,11 +391,36 @@ impl WorkerReport {
         let pd = if version >= 3 {
             let raw = r.u8("role")?;
             let role = Role::from_u8(raw).ok_or_else(|| invalid("role", format!("unknown role {raw}")))?;
-            PdInfo {
+            let mut pd = PdInfo {
                 role,
                 transfer_addr: r.str("transfer_addr")?,
                 kv_bytes_per_token: r.u32("kv_bytes_per_token")?,
+                ..PdInfo::default()
+            };
+            if version >= 4 {
+                pd.export_groups = r.u16("export_groups")?;
+                pd.timing = StepTiming {
+                    prefill_tokens_per_s: r.rate("prefill_tokens_per_busy_s")?,
+                    decode_step_s: r.rate("decode_step_s")?,
+                    stall_ratio: r.rate("stall_ratio")?,
+                };
+                if pd.timing.stall_ratio > 1.0 {
+                    return Err(invalid("stall_ratio", format!("{} is over 1", pd.timing.stall_ratio)));
+                }
+                let n = r.u8("import count")? as usize;
+                if n > MAX_IMPORT_PEERS {
+                    return Err(invalid("imports", format!("{n} peers (at most {MAX_IMPORT_PEERS})")));
+                }
+                for _ in 0..n {
+                    pd.imports.push(PeerImport {
+                        peer: r.str("import peer")?,
+                        bytes: r.u64("import bytes")?,
+                        seconds: r.rate("import seconds")?,
+                        transfers: r.u32("import transfers")?,
+                    });
+                }
             }
+            pd
         } else {
             PdInfo::default()
         };

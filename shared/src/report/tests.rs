@@ -68,16 +68,82 @@ fn encode_v2(r: &WorkerReport) -> Vec<u8> {
     let strings: usize = [&r.worker_id, &r.advertise_url, &r.model_id].iter().map(|s| 2 + s.len()).sum();
     let cut = 8 + strings + 24 + 16 + 12;
     let mut v2 = v3[..cut].to_vec();
-    v2.extend_from_slice(&v3[cut + 1 + 2 + r.pd.transfer_addr.len() + 4..]);
+    v2.extend_from_slice(&v3[cut + pd_len(r)..]);
     v2[4..6].copy_from_slice(&2u16.to_le_bytes());
     v2
+}
+
+/// Bytes of the prefill/decode part of `r`'s encoding (version 4).
+fn pd_len(r: &WorkerReport) -> usize {
+    let imports: usize = r.pd.imports.iter().map(|i| 2 + i.peer.len() + 8 + 8 + 4).sum();
+    1 + 2 + r.pd.transfer_addr.len() + 4 + 2 + 24 + 1 + imports
+}
+
+/// The version-3 encoding of `r`: the version-4 fields after `kv_bytes_per_token` left out.
+fn encode_v3(r: &WorkerReport) -> Vec<u8> {
+    let v4 = r.encode();
+    let strings: usize = [&r.worker_id, &r.advertise_url, &r.model_id].iter().map(|s| 2 + s.len()).sum();
+    let v4_start = 8 + strings + 24 + 16 + 12 + 1 + 2 + r.pd.transfer_addr.len() + 4;
+    let mut v3 = v4[..v4_start].to_vec();
+    v3.extend_from_slice(&v4[8 + strings + 24 + 16 + 12 + pd_len(r)..]);
+    v3[4..6].copy_from_slice(&3u16.to_le_bytes());
+    v3
+}
+
+fn pd_sample() -> PdInfo {
+    PdInfo {
+        role: Role::Prefill,
+        transfer_addr: "10.0.0.7:9100".into(),
+        kv_bytes_per_token: 131_072,
+        export_groups: 8,
+        timing: StepTiming { prefill_tokens_per_s: 41_000.0, decode_step_s: 0.0058, stall_ratio: 0.25 },
+        imports: vec![PeerImport {
+            peer: "10.0.0.8:9100".into(),
+            bytes: 1 << 30,
+            seconds: 0.4,
+            transfers: 3,
+        }],
+    }
+}
+
+#[test]
+fn step_timings_and_imports_round_trip_and_hostile_ones_are_refused() {
+    let mut r = sample(10, 1);
+    r.pd = pd_sample();
+    assert_eq!(WorkerReport::decode(&r.encode()).expect("v4"), r);
+    let v3 = WorkerReport::decode(&encode_v3(&r)).expect("v3");
+    assert_eq!(
+        v3.pd,
+        PdInfo { export_groups: 0, timing: StepTiming::default(), imports: vec![], ..pd_sample() }
+    );
+    let strings: usize = [&r.worker_id, &r.advertise_url, &r.model_id].iter().map(|s| 2 + s.len()).sum();
+    let at = 8 + strings + 24 + 16 + 12 + 1 + 2 + r.pd.transfer_addr.len() + 4 + 2;
+    for (offset, value, field) in
+        [(16, 1.5f64, "stall_ratio"), (0, f64::NAN, "prefill_tokens_per_busy_s"), (8, -1.0, "decode_step_s")]
+    {
+        let mut bad = r.encode();
+        bad[at + offset..at + offset + 8].copy_from_slice(&value.to_bits().to_le_bytes());
+        let e = WorkerReport::decode(&bad);
+        assert!(matches!(e, Err(ReportError::Invalid { field: f, .. }) if f == field), "{field}: {e:?}");
+    }
+    let mut bad = r.encode();
+    bad[at + 24] = (MAX_IMPORT_PEERS + 1) as u8;
+    assert!(matches!(WorkerReport::decode(&bad), Err(ReportError::Invalid { field: "imports", .. })));
+    // The encoder never writes more peers than a decoder takes.
+    r.pd.imports = vec![PeerImport::default(); MAX_IMPORT_PEERS + 5];
+    assert_eq!(WorkerReport::decode(&r.encode()).expect("capped").pd.imports.len(), MAX_IMPORT_PEERS);
 }
 
 #[test]
 fn the_prefill_decode_part_round_trips_and_older_reports_read_as_both() {
     let mut r = sample(10, 1);
-    r.pd = PdInfo { role: Role::Prefill, transfer_addr: "10.0.0.7:9100".into(), kv_bytes_per_token: 131_072 };
-    assert_eq!(WorkerReport::decode(&r.encode()).expect("v3"), r);
+    r.pd = PdInfo {
+        role: Role::Prefill,
+        transfer_addr: "10.0.0.7:9100".into(),
+        kv_bytes_per_token: 131_072,
+        ..PdInfo::default()
+    };
+    assert_eq!(WorkerReport::decode(&r.encode()).expect("v4"), r);
     let old = WorkerReport::decode(&encode_v2(&r)).expect("v2");
     assert_eq!(old.pd, PdInfo::default());
     assert_eq!(old.tiers, r.tiers);
@@ -94,7 +160,7 @@ fn encode_v1(r: &WorkerReport) -> Vec<u8> {
     // Header (8) + three strings + scheme (24) + seq/timestamp (16), then the v2-only 12 bytes.
     let strings: usize = [&r.worker_id, &r.advertise_url, &r.model_id].iter().map(|s| 2 + s.len()).sum();
     let cut = 8 + strings + 24 + 16;
-    let pd = 1 + 2 + r.pd.transfer_addr.len() + 4;
+    let pd = pd_len(r);
     let mut v1 = v2[..cut].to_vec();
     v1.extend_from_slice(&v2[cut + 12 + pd..]);
     v1[4..6].copy_from_slice(&1u16.to_le_bytes());

@@ -116,6 +116,8 @@ pub struct SchedulerCounters {
     pub preemptions: u64,
     pub steps: u64,
     pub scheduled_tokens: u64,
+    /// Scheduled chunks that decode (one generated token past the prompt), of all the steps.
+    pub decode_chunks: u64,
 }
 
 /// The scheduler's queues.
@@ -303,6 +305,8 @@ impl Scheduler {
         }
         self.counters.steps += 1;
         self.counters.scheduled_tokens += plan.iter().map(|c| c.len as u64).sum::<u64>();
+        self.counters.decode_chunks +=
+            plan.iter().filter(|c| c.start >= self.running[c.index].prompt_len).count() as u64;
         plan
     }
 

@@ -81,6 +81,14 @@ pub struct EngineSnapshot {
     /// Tokens generated since start.
     pub decode_tokens: u64,
     pub steps: u64,
+    /// Seconds of the steps that computed prompt tokens.
+    pub prefill_step_s: f64,
+    /// Seconds of the steps that carried decodes, and the part of them prefill chunks added (each mixed step's
+    /// time less the decode-only step time below).
+    pub decode_carrying_s: f64,
+    pub stalled_s: f64,
+    /// Moving average (1/8 new) of the decode-only steps' time; 0 before the first.
+    pub decode_step_s: f64,
 }
 
 /// Handle to the engine thread (cheap to clone).
@@ -268,15 +276,18 @@ fn run<B: Backend>(
         if panic_after_steps.is_some_and(|n| totals.steps >= n) {
             panic!("fault injection: KVGATE_FAULT_ENGINE_PANIC_AFTER_STEPS");
         }
-        let before = engine.scheduler().counters().scheduled_tokens;
+        let before = engine.scheduler().counters();
         let started = Instant::now();
         let outputs = engine.step();
-        let computed = engine.scheduler().counters().scheduled_tokens - before;
-        engine.observe_prefill(computed, started.elapsed().as_secs_f64());
+        let after = engine.scheduler().counters();
+        let computed = after.scheduled_tokens - before.scheduled_tokens;
+        let elapsed = started.elapsed().as_secs_f64();
+        engine.observe_prefill(computed, elapsed);
         let generated = outputs.iter().filter(|o| o.token.is_some()).count() as u64;
         totals.decode_tokens += generated;
         totals.prefill_tokens += computed.saturating_sub(generated);
         totals.steps += 1;
+        time_step(&mut totals, after.decode_chunks - before.decode_chunks, computed, elapsed);
         // EngineSnapshot before the outputs go out: a client that reads the metrics after its response sees this step.
         publish(&engine, &mut totals, &snapshot);
         let mut aborted = false;
@@ -302,6 +313,25 @@ fn run<B: Backend>(
             elapsed_ms = started.elapsed().as_secs_f64() * 1e3,
             "engine step"
         );
+    }
+}
+
+/// Adds one step's time to the step-timing sums (`decodes` of its `computed` tokens were decode chunks).
+pub(crate) fn time_step(t: &mut EngineSnapshot, decodes: u64, computed: u64, elapsed: f64) {
+    let prefill = computed > decodes;
+    if prefill {
+        t.prefill_step_s += elapsed;
+    }
+    if decodes == 0 {
+        return;
+    }
+    t.decode_carrying_s += elapsed;
+    if prefill {
+        t.stalled_s += (elapsed - t.decode_step_s).max(0.0);
+    } else if t.decode_step_s == 0.0 {
+        t.decode_step_s = elapsed;
+    } else {
+        t.decode_step_s += (elapsed - t.decode_step_s) / 8.0;
     }
 }
 

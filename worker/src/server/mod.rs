@@ -226,27 +226,28 @@ fn load(cfg: &ServeConfig, worker_id: &str) -> Result<ServingModel, String> {
     });
     metrics::gauge!("kvgate_worker_role", "role" => cfg.role.as_str()).set(1.0);
     let transfer = match (cfg.report_secret.as_deref(), kv) {
-        (Some(secret), Some((fingerprint, block_bytes, layers))) => {
-            Some(Arc::new(crate::transfer::Transfers {
-                key: kvgate_shared::handoff::transfer_key(secret),
-                fingerprint,
-                block_bytes,
-                layers,
-                block_size: bs,
-                lease: cfg.kv_transfer_lease,
-                layer_group: cfg.kv_transfer_layer_group,
-                frame_bytes: cfg.kv_transfer_frame_bytes,
-                max_prompt_tokens: max_model_len,
-                engine: handle.clone(),
-                transport: Default::default(),
-            }))
-        }
+        (Some(secret), Some(parts)) => Some(Arc::new(crate::transfer::Transfers {
+            key: kvgate_shared::handoff::transfer_key(secret),
+            fingerprint: parts.fingerprint,
+            block_bytes: parts.block_bytes,
+            layers: parts.layers,
+            block_size: bs,
+            lease: cfg.kv_transfer_lease,
+            layer_group: cfg.kv_transfer_layer_group,
+            frame_bytes: cfg.kv_transfer_frame_bytes,
+            max_prompt_tokens: max_model_len,
+            engine: handle.clone(),
+            transport: Default::default(),
+            imports: Default::default(),
+        })),
         _ => None,
     };
     let pd_info = kvgate_shared::report::PdInfo {
         role: cfg.role,
         transfer_addr: String::new(),
-        kv_bytes_per_token: kv.map_or(0, |(_, b, _)| (b / bs) as u32),
+        kv_bytes_per_token: kv.map_or(0, |p| (p.block_bytes / bs) as u32),
+        export_groups: kv.map_or(0, |p| p.export_groups(cfg.kv_transfer_layer_group)),
+        ..Default::default()
     };
     Ok(ServingModel {
         engine: handle,
@@ -263,12 +264,35 @@ fn load(cfg: &ServeConfig, worker_id: &str) -> Result<ServingModel, String> {
 
 /// What KV transfers of this engine are valid for (the SSD tier's fingerprint: scheme, weights, layout, block
 /// bytes), a block's bytes and its layers; `None` for a backend that cannot copy blocks.
-fn transfer_parts<B: crate::engine::Backend>(
-    engine: &Engine<B>,
-    weights: u64,
-) -> Option<(u64, usize, usize)> {
-    let block_bytes = engine.backend().kv_block_bytes(engine.scheme().block_size as usize)?;
-    Some((engine.tier_fingerprint(weights, block_bytes), block_bytes, engine.backend().kv_layers()))
+/// What KV transfers need of the engine: the KV fingerprint, bytes a block, layers, and whether its forward
+/// pass lets exports read layers as they are written. `None`: it copies no KV blocks (the simulated engine).
+fn transfer_parts<B: crate::engine::Backend>(engine: &Engine<B>, weights: u64) -> Option<TransferParts> {
+    let b = engine.backend();
+    let block_bytes = b.kv_block_bytes(engine.scheme().block_size as usize)?;
+    Some(TransferParts {
+        fingerprint: engine.tier_fingerprint(weights, block_bytes),
+        block_bytes,
+        layers: b.kv_layers(),
+        taps_layers: b.taps_layers() && b.kv_layers() >= 2,
+    })
+}
+
+#[derive(Clone, Copy)]
+struct TransferParts {
+    fingerprint: u64,
+    block_bytes: usize,
+    layers: usize,
+    taps_layers: bool,
+}
+
+impl TransferParts {
+    /// Layer groups an export sends while the prefill computes (1: whole blocks after it).
+    fn export_groups(&self, layer_group: u16) -> u16 {
+        match (self.taps_layers, layer_group) {
+            (true, g) if g > 0 => self.layers.div_ceil(g as usize).min(u16::MAX as usize) as u16,
+            _ => 1,
+        }
+    }
 }
 
 /// Binds the KV transfer listener (`--kv-transfer-port`) and serves it; returns the address decode workers reach
@@ -614,6 +638,7 @@ pub async fn serve(cfg: ServeConfig) -> Result<(), String> {
                         draining: loader_state.draining.clone(),
                         report_now: loader_state.report_now.clone(),
                         draining_reported: loader_state.draining_reported.clone(),
+                        transfers: l.transfer.clone(),
                     };
                     tokio::spawn(reporter::run(source, l.engine.clone(), plan));
                 }

@@ -20,7 +20,7 @@ use bytes::Bytes;
 use http_body_util::Full;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
-use kvgate_shared::report::{Throughput, WorkerReport, REPORT_CONTENT_TYPE};
+use kvgate_shared::report::{StepTiming, Throughput, WorkerReport, REPORT_CONTENT_TYPE};
 
 use super::engine_thread::{EngineHandle, EngineSnapshot};
 pub use crate::report::{summarise, summarise_tiers, ReportSource};
@@ -39,6 +39,8 @@ pub struct ReportPlan {
     pub report_now: Arc<tokio::sync::Notify>,
     /// Notified once a draining report has been delivered (or failed) at every destination.
     pub draining_reported: Arc<tokio::sync::Notify>,
+    /// The KV transfers whose imports each report samples (`None`: this worker cannot transfer).
+    pub transfers: Option<Arc<crate::transfer::Transfers>>,
 }
 
 impl ReportSource {
@@ -59,7 +61,23 @@ impl ReportSource {
         };
         let summaries = summarise_tiers(engine.kv(), self.granularity, self.fp_rate);
         let timestamp_ms = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64);
-        self.assemble(seq, timestamp_ms, &now.stats, throughput, summaries, draining)
+        let mut r = self.assemble(seq, timestamp_ms, &now.stats, throughput, summaries, draining);
+        r.pd.timing = step_timing(prev, now);
+        r
+    }
+}
+
+/// The step timings of the interval between two snapshots (0 where nothing of that kind ran).
+pub fn step_timing(prev: &EngineSnapshot, now: &EngineSnapshot) -> StepTiming {
+    let prefill_s = now.prefill_step_s - prev.prefill_step_s;
+    let prefill_tokens = now.prefill_tokens.saturating_sub(prev.prefill_tokens) as f64;
+    let carrying = now.decode_carrying_s - prev.decode_carrying_s;
+    let stalled = now.stalled_s - prev.stalled_s;
+    let ratio = |a: f64, b: f64| if b > 0.0 && a.is_finite() { (a / b).max(0.0) } else { 0.0 };
+    StepTiming {
+        prefill_tokens_per_s: ratio(prefill_tokens, prefill_s),
+        decode_step_s: if now.decode_step_s.is_finite() { now.decode_step_s.max(0.0) } else { 0.0 },
+        stall_ratio: ratio(stalled, carrying).min(1.0),
     }
 }
 
@@ -119,7 +137,8 @@ fn fan_out(uri: &hyper::Uri, mut addrs: Vec<std::net::SocketAddr>) -> Option<Vec
 /// Runs forever: builds a report each interval (or at once when `plan.report_now` is notified) and sends it to
 /// every gateway (every address of each `--report-to` host).
 pub async fn run(source: ReportSource, engine: EngineHandle, plan: ReportPlan) {
-    let ReportPlan { targets, interval, timeout, secret, draining, report_now, draining_reported } = plan;
+    let ReportPlan { targets, interval, timeout, secret, draining, report_now, draining_reported, transfers } =
+        plan;
     let client: Client<_, Full<Bytes>> = Client::builder(TokioExecutor::new()).build_http();
     let mut busy: HashMap<String, Arc<AtomicBool>> = HashMap::new();
     let mut ticker = tokio::time::interval(interval);
@@ -135,7 +154,10 @@ pub async fn run(source: ReportSource, engine: EngineHandle, plan: ReportPlan) {
         let now = engine.snapshot();
         seq += 1;
         let draining = draining.load(Ordering::Acquire);
-        let report = source.build(&engine, seq, &prev, &now, prev_at.elapsed(), draining);
+        let mut report = source.build(&engine, seq, &prev, &now, prev_at.elapsed(), draining);
+        if let Some(t) = &transfers {
+            report.pd.imports = t.imports.lock().unwrap_or_else(|e| e.into_inner()).take();
+        }
         prev = now;
         prev_at = Instant::now();
         let body = Bytes::from(report.encode());
@@ -198,6 +220,32 @@ pub async fn run(source: ReportSource, engine: EngineHandle, plan: ReportPlan) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::server::engine_thread::time_step;
+
+    #[test]
+    fn step_timings_measure_what_prefill_chunks_add_to_decode_steps() {
+        let mut t = EngineSnapshot::default();
+        let start = t;
+        // Decode-only steps of 10 ms, then mixed steps of 40 ms (30 ms of prefill chunk each) with 2,000 prompt
+        // tokens computed in each, and a prefill-only step of 50 ms with 2,048.
+        for _ in 0..4 {
+            time_step(&mut t, 8, 8, 0.010);
+        }
+        for _ in 0..2 {
+            time_step(&mut t, 8, 2008, 0.040);
+            t.prefill_tokens += 2000;
+        }
+        time_step(&mut t, 0, 2048, 0.050);
+        t.prefill_tokens += 2048;
+        let s = step_timing(&start, &t);
+        assert!((s.decode_step_s - 0.010).abs() < 1e-12, "{s:?}");
+        // 2 x 30 ms stalled of 4 x 10 + 2 x 40 = 120 ms carrying decodes.
+        assert!((s.stall_ratio - 0.5).abs() < 1e-9, "{s:?}");
+        assert!((s.prefill_tokens_per_s - 6048.0 / 0.130).abs() < 1e-6, "{s:?}");
+        // An idle interval: nothing measured (the gateway keeps what it had).
+        let idle = step_timing(&t, &t);
+        assert_eq!((idle.prefill_tokens_per_s, idle.stall_ratio), (0.0, 0.0));
+    }
 
     #[tokio::test]
     async fn destinations_fan_out_only_over_several_addresses() {

@@ -129,6 +129,7 @@ async fn run(
     let h = hello(t, want, id);
     let mut link = connect(t, peer, &h).await?;
     let mut received = 0usize;
+    let (mut bytes_in, mut first_blocks_at) = (0u64, None::<std::time::Instant>);
     let mut accepted = false;
     let mut silent_until = tokio::time::Instant::now() + lease;
     let mut renew_at = tokio::time::Instant::now() + lease / 3;
@@ -164,12 +165,18 @@ async fn run(
                             return Err(TransferError::Import(e));
                         }
                         received += n;
+                        bytes_in += bytes as u64;
+                        first_blocks_at.get_or_insert_with(std::time::Instant::now);
                         count_bytes(SIDE, bytes, n);
                     }
                     Frame::Done(d) if d.transfer_id == id && accepted => {
                         if let Err(e) = t.engine.finish_import(want.id, d.first_token, d.cached_tokens as usize).await {
                             send_parting(&mut link, &Frame::Cancel { transfer_id: id, reason: e.to_string() }).await;
                             return Err(TransferError::Import(e));
+                        }
+                        if let Some(at) = first_blocks_at {
+                            let mut log = t.imports.lock().unwrap_or_else(|e| e.into_inner());
+                            log.record(peer, bytes_in, at.elapsed().as_secs_f64());
                         }
                         send_by(&mut link, &Frame::Ack { transfer_id: id }, silent_until, lease).await?;
                         t.transport.give_back(link);

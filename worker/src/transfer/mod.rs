@@ -103,6 +103,38 @@ pub struct Transfers {
     pub max_prompt_tokens: usize,
     pub engine: EngineHandle,
     pub transport: link::TcpTransport,
+    /// What this worker imported since the last report, by peer (the gateway's bandwidth samples).
+    pub imports: std::sync::Mutex<ImportLog>,
+}
+
+/// Per-peer sums of finished imports over one report interval, for at most `MAX_IMPORT_PEERS` peers (a transfer
+/// from a further peer is left out of the sample, not of the import).
+#[derive(Debug, Default)]
+pub struct ImportLog {
+    peers: Vec<kvgate_shared::report::PeerImport>,
+}
+
+impl ImportLog {
+    pub fn record(&mut self, peer: &str, bytes: u64, seconds: f64) {
+        let i = match self.peers.iter().position(|p| p.peer == peer) {
+            Some(i) => i,
+            None if self.peers.len() < kvgate_shared::report::MAX_IMPORT_PEERS => {
+                self.peers
+                    .push(kvgate_shared::report::PeerImport { peer: peer.to_owned(), ..Default::default() });
+                self.peers.len() - 1
+            }
+            None => return,
+        };
+        let p = &mut self.peers[i];
+        p.bytes = p.bytes.saturating_add(bytes);
+        p.seconds += seconds.max(0.0);
+        p.transfers = p.transfers.saturating_add(1);
+    }
+
+    /// The interval's figures; the log starts again empty.
+    pub fn take(&mut self) -> Vec<kvgate_shared::report::PeerImport> {
+        std::mem::take(&mut self.peers)
+    }
 }
 
 impl Transfers {
