@@ -61,6 +61,7 @@ async fn side(e: Engine<CpuBackend>, layer_group: u16, listen: bool) -> (Arc<Tra
         max_prompt_tokens: 40_000,
         engine,
         transport: Default::default(),
+        imports: Default::default(),
     });
     let mut addr = String::new();
     if listen {
