@@ -18,6 +18,8 @@ use kvgate_shared::hashing::BlockHash;
 
 use crate::registry::{Registry, SentTicket, WorkerRef};
 use crate::routing::{RequestView, RouteReason, RoutingPolicy, ScoreTerms};
+use crate::split::plan::{plan, SplitAsk, SplitPlan};
+use crate::split::Choice;
 
 /// What routing needs to know about one request.
 #[derive(Clone, Copy, Debug)]
@@ -62,6 +64,20 @@ pub struct Routed {
     pub seq: u64,
     /// The send recorded to the pick ([`Router::route`] only); hand it to [`Registry::record_done`] at the end.
     pub ticket: Option<SentTicket>,
+    /// The split considered (when asked and a pair exists), chosen or not.
+    pub split: Option<SplitPlan>,
+    /// A chosen split's prefill worker: the first candidate is then its decode worker, and the rest serve the
+    /// request whole (fallbacks recompute).
+    pub prefill: Option<Candidate>,
+    /// The prefill share recorded to it ([`Router::route`] only).
+    pub prefill_ticket: Option<SentTicket>,
+}
+
+impl Routed {
+    /// The request is split: its first candidate imports the prompt's KV from [`Routed::prefill`].
+    pub fn is_split(&self) -> bool {
+        self.prefill.is_some()
+    }
 }
 
 /// A routing policy and the request counter that feeds its tie-breaks.
@@ -87,7 +103,20 @@ impl Router {
         max_candidates: usize,
         now: Instant,
     ) -> Option<Routed> {
-        decide(self.policy.as_ref(), reg, input, self.next_seq.load(Ordering::Relaxed), max_candidates, now)
+        self.dry_run_split(reg, input, max_candidates, None, now)
+    }
+
+    /// [`Router::dry_run`], considering a split as `split` asks.
+    pub fn dry_run_split(
+        &self,
+        reg: &Registry,
+        input: &RouteInput<'_>,
+        max_candidates: usize,
+        split: Option<&SplitAsk<'_>>,
+        now: Instant,
+    ) -> Option<Routed> {
+        let seq = self.next_seq.load(Ordering::Relaxed);
+        decide(self.policy.as_ref(), reg, input, seq, max_candidates, split, now)
     }
 
     /// Decides on the registry as it is now and records the send to the pick. `None`: no healthy worker serves
@@ -99,13 +128,69 @@ impl Router {
         max_candidates: usize,
         now: Instant,
     ) -> Option<Routed> {
+        self.route_split(reg, input, max_candidates, None, now)
+    }
+
+    /// [`Router::route`], considering a split as `split` asks. A split records the prefill (its uncached
+    /// tokens) to the prefill worker and a send of no prefill tokens to the decode worker (both hold the prompt's
+    /// KV afterwards).
+    pub fn route_split(
+        &self,
+        reg: &mut Registry,
+        input: &RouteInput<'_>,
+        max_candidates: usize,
+        split: Option<&SplitAsk<'_>>,
+        now: Instant,
+    ) -> Option<Routed> {
         let seq = self.next_seq.fetch_add(1, Ordering::Relaxed);
-        let mut routed = decide(self.policy.as_ref(), reg, input, seq, max_candidates, now)?;
+        let mut routed = decide(self.policy.as_ref(), reg, input, seq, max_candidates, split, now)?;
         let pick = reg.find(routed.candidates.first()?.wref)?;
-        routed.ticket = Some(reg.record_sent(pick, input.hashes, routed.uncached_tokens, now));
+        let pick_tokens = if routed.is_split() { 0 } else { routed.uncached_tokens };
+        routed.ticket = Some(reg.record_sent(pick, input.hashes, pick_tokens, now));
         reg.record_session(pick, input.session_key, now);
+        if let Some(p) = routed.prefill.as_ref().and_then(|p| reg.find(p.wref)) {
+            routed.prefill_ticket = Some(reg.record_sent(p, input.hashes, routed.uncached_tokens, now));
+        }
         Some(routed)
     }
+}
+
+/// Workers of role prefill serve whole requests only as fallbacks: they go to the end of the ranking (the pick's
+/// predicted cache follows the pick).
+fn prefill_workers_last(
+    reg: &Registry,
+    index: &[usize],
+    views: &[crate::routing::WorkerView<'_>],
+    input: &RouteInput<'_>,
+    d: &mut crate::routing::Decision,
+) {
+    let prefill_only = |v: &usize| {
+        reg.workers()[index[*v]]
+            .report
+            .as_ref()
+            .is_some_and(|r| r.pd.role == kvgate_shared::report::Role::Prefill)
+    };
+    let first = d.ranked.first().copied();
+    let (mut ranked, last): (Vec<usize>, Vec<usize>) = d.ranked.iter().partition(|v| !prefill_only(v));
+    ranked.extend(last);
+    if ranked.first().copied() != first {
+        if let Some(&v) = ranked.first() {
+            d.predicted_cached_tokens =
+                (views[v].tier_match(input.hashes).through_disk * input.block_size).min(input.prompt_tokens);
+        }
+    }
+    d.ranked = ranked;
+}
+
+fn candidate(reg: &Registry, i: usize) -> Option<Candidate> {
+    let w = &reg.workers()[i];
+    Some(Candidate {
+        wref: reg.worker_ref(i)?,
+        id: w.id.clone(),
+        url: w.url.clone(),
+        reports: w.report.is_some(),
+        fingerprint_ok: w.report.is_some() && w.fingerprint_ok == Some(true),
+    })
 }
 
 fn decide(
@@ -114,6 +199,7 @@ fn decide(
     input: &RouteInput<'_>,
     seq: u64,
     max_candidates: usize,
+    split: Option<&SplitAsk<'_>>,
     now: Instant,
 ) -> Option<Routed> {
     let (views, registry_index) = reg.views(input.model, input.hashes, Some(input.session_key), now);
@@ -124,34 +210,43 @@ fn decide(
         shared_blocks: input.shared_blocks,
         seq,
     };
-    let d = policy.choose(&req, &views, reg.ring(), input.block_size)?;
-    let candidates: Vec<Candidate> = d
-        .ranked
+    let mut d = policy.choose(&req, &views, reg.ring(), input.block_size)?;
+    prefill_workers_last(reg, &registry_index, &views, input, &mut d);
+    let considered = split.and_then(|ask| plan(reg, &views, &registry_index, *d.ranked.first()?, input, ask));
+    let chosen = considered.as_ref().filter(|s| s.decision.choice == Choice::Split);
+    // A split: its decode worker first, then the local ranking (whole requests) as fallbacks.
+    let order: Vec<usize> = match chosen {
+        Some(s) => std::iter::once(s.decode_view)
+            .chain(d.ranked.iter().copied().filter(|v| *v != s.decode_view))
+            .collect(),
+        None => d.ranked.clone(),
+    };
+    let candidates: Vec<Candidate> = order
         .iter()
         .take(max_candidates.max(1))
-        .filter_map(|&view| {
-            let i = registry_index[view];
-            let w = &reg.workers()[i];
-            Some(Candidate {
-                wref: reg.worker_ref(i)?,
-                id: w.id.clone(),
-                url: w.url.clone(),
-                reports: w.report.is_some(),
-                fingerprint_ok: w.report.is_some() && w.fingerprint_ok == Some(true),
-            })
-        })
+        .filter_map(|&view| candidate(reg, registry_index[view]))
         .collect();
     if candidates.is_empty() {
         return None;
     }
+    let (prefill, predicted) = match chosen {
+        Some(s) => (
+            candidate(reg, registry_index[s.prefill_view]),
+            input.prompt_tokens.saturating_sub(s.input.prefill.uncached_tokens as usize),
+        ),
+        None => (None, d.predicted_cached_tokens),
+    };
     Some(Routed {
         candidates,
         reason: d.reason,
-        predicted_cached_tokens: d.predicted_cached_tokens,
-        uncached_tokens: input.prompt_tokens.saturating_sub(d.predicted_cached_tokens) as u64,
+        predicted_cached_tokens: predicted,
+        uncached_tokens: input.prompt_tokens.saturating_sub(predicted) as u64,
         terms: d.terms,
         seq,
         ticket: None,
+        split: considered,
+        prefill,
+        prefill_ticket: None,
     })
 }
 

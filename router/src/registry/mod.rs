@@ -15,6 +15,7 @@
 
 pub mod approx;
 mod metrics;
+pub mod pd;
 mod worker;
 
 use std::time::{Duration, Instant};
@@ -280,6 +281,7 @@ impl Registry {
             tracing::warn!(worker = %w.id, "report fingerprint differs from this gateway's tokenizer: no cache score");
             w.counters.fingerprint_mismatches += 1;
         }
+        w.pd.ingest(&report.pd);
         w.report = Some(report);
         w.report_at = Some(now);
         w.epoch += 1;

@@ -173,6 +173,8 @@ pub struct Worker {
     pub mean_sent_tokens: f64,
     pub sessions: Sessions,
     pub counters: WorkerCounters,
+    /// What its reports say for prefill/decode splits (step timings, P->D rates).
+    pub pd: super::pd::PdState,
 }
 
 impl Worker {
@@ -204,6 +206,7 @@ impl Worker {
             mean_sent_tokens: 0.0,
             sessions: Sessions::default(),
             counters: WorkerCounters::default(),
+            pd: Default::default(),
         }
     }
 

@@ -13,6 +13,7 @@
 //! caller serves the request locally.
 
 pub mod cost_model;
+pub mod plan;
 pub mod rules;
 
 use serde::Serialize;
@@ -150,3 +151,6 @@ pub fn split_policy_by_name(name: &str) -> Option<Box<dyn SplitPolicy>> {
 
 #[cfg(test)]
 mod tests;
+
+#[cfg(test)]
+mod plan_tests;

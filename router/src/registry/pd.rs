@@ -1,0 +1,127 @@
+//! What the registry learns of a worker for prefill/decode splits, from its reports: the step timings a split
+//! decision weighs (kept through idle intervals: an interval that ran no prefill says nothing of prefill speed) and
+//! the measured P->D rate of each prefill peer it imported from (a moving average per pair).
+//!
+//! Invariants: every figure is finite and non-negative (reports are validated; averages of them stay so); at most
+//! [`MAX_LINKS`] peers are kept per worker, the least recently measured giving way.
+
+use kvgate_shared::report::{PdInfo, StepTiming};
+use serde::Serialize;
+
+/// Most prefill peers whose rate a decode worker's entry keeps.
+pub const MAX_LINKS: usize = 16;
+/// Weight of a new measurement in the moving averages.
+pub const NEW_WEIGHT: f64 = 0.5;
+
+/// One P->D pair's measured rate.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct LinkRate {
+    /// The prefill worker's transfer address.
+    pub peer: String,
+    pub bytes_per_s: f64,
+    /// Transfers measured.
+    pub transfers: u64,
+    /// Report number (of this worker) of the latest measurement.
+    pub seen: u64,
+}
+
+/// The split inputs learned from a worker's reports.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct PdState {
+    /// Prefill tokens/s while prefilling (0: never measured).
+    pub prefill_tokens_per_s: f64,
+    /// Seconds per decode-only step (0: never measured).
+    pub decode_step_s: f64,
+    /// Share of decode-carrying step time prefill chunks added (the first report's, then a moving average: an
+    /// interval without decodes reports 0 and halves it).
+    pub stall_ratio: f64,
+    pub links: Vec<LinkRate>,
+    reports: u64,
+}
+
+fn blend(old: f64, new: f64) -> f64 {
+    if old == 0.0 {
+        new
+    } else {
+        old + NEW_WEIGHT * (new - old)
+    }
+}
+
+impl PdState {
+    /// Takes one report's figures.
+    pub fn ingest(&mut self, pd: &PdInfo) {
+        self.reports += 1;
+        let t: StepTiming = pd.timing;
+        if t.prefill_tokens_per_s > 0.0 {
+            self.prefill_tokens_per_s = blend(self.prefill_tokens_per_s, t.prefill_tokens_per_s);
+        }
+        if t.decode_step_s > 0.0 {
+            self.decode_step_s = blend(self.decode_step_s, t.decode_step_s);
+        }
+        self.stall_ratio = match self.reports {
+            1 => t.stall_ratio,
+            _ => self.stall_ratio + NEW_WEIGHT * (t.stall_ratio - self.stall_ratio),
+        }
+        .clamp(0.0, 1.0);
+        for i in &pd.imports {
+            if i.bytes == 0 || i.seconds <= 0.0 || i.peer.is_empty() {
+                continue;
+            }
+            let rate = i.bytes as f64 / i.seconds;
+            match self.links.iter_mut().find(|l| l.peer == i.peer) {
+                Some(l) => {
+                    l.bytes_per_s = blend(l.bytes_per_s, rate);
+                    l.transfers = l.transfers.saturating_add(u64::from(i.transfers));
+                    l.seen = self.reports;
+                }
+                None => {
+                    if self.links.len() >= MAX_LINKS {
+                        let oldest = (0..self.links.len()).min_by_key(|j| self.links[*j].seen).unwrap_or(0);
+                        self.links.swap_remove(oldest);
+                    }
+                    self.links.push(LinkRate {
+                        peer: i.peer.clone(),
+                        bytes_per_s: rate,
+                        transfers: u64::from(i.transfers),
+                        seen: self.reports,
+                    });
+                }
+            }
+        }
+    }
+
+    /// The measured rate from `peer`, if any transfer from it was measured.
+    pub fn link_rate(&self, peer: &str) -> Option<f64> {
+        self.links.iter().find(|l| l.peer == peer).map(|l| l.bytes_per_s)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvgate_shared::report::PeerImport;
+
+    fn pd(timing: StepTiming, imports: Vec<PeerImport>) -> PdInfo {
+        PdInfo { timing, imports, ..PdInfo::default() }
+    }
+
+    #[test]
+    fn idle_intervals_keep_speeds_and_links_average_per_peer() {
+        let mut s = PdState::default();
+        let busy = StepTiming { prefill_tokens_per_s: 40_000.0, decode_step_s: 0.006, stall_ratio: 0.4 };
+        let link =
+            |peer: &str, bytes, seconds| PeerImport { peer: peer.into(), bytes, seconds, transfers: 1 };
+        s.ingest(&pd(busy, vec![link("p:1", 1_000_000_000, 1.0)]));
+        s.ingest(&pd(StepTiming::default(), vec![link("p:1", 3_000_000_000, 1.0), link("", 5, 1.0)]));
+        assert_eq!((s.prefill_tokens_per_s, s.decode_step_s), (40_000.0, 0.006), "idle: speeds kept");
+        assert!((s.stall_ratio - 0.2).abs() < 1e-12, "the first report's stall, then it decays: {s:?}");
+        assert_eq!(s.link_rate("p:1"), Some(2e9));
+        assert_eq!(s.links.len(), 1, "an unnamed peer is no sample");
+        // Bounded: the least recently measured peer gives way.
+        for i in 0..MAX_LINKS + 3 {
+            s.ingest(&pd(StepTiming::default(), vec![link(&format!("q:{i}"), 10, 1.0)]));
+        }
+        assert_eq!(s.links.len(), MAX_LINKS);
+        assert!(s.link_rate("p:1").is_none() && s.link_rate(&format!("q:{}", MAX_LINKS + 2)).is_some());
+    }
+}

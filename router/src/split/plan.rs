@@ -1,0 +1,155 @@
+//! The two workers of a split and the policy's choice, from the registry as it is: the decode worker D (the
+//! fewest streams and queued tokens: decode load), the prefill worker P (the least prefill work: queued tokens
+//! plus what it lacks of the prompt, through its tiers), and the measured inputs of both and of the local pick.
+//!
+//! Eligible for either side: a healthy kvgate worker that reports, whose fingerprint is the gateway's, with a KV
+//! transfer listener (`pd.transfer_addr`) and a known KV size a token (the same on P and D). D: role `decode` or
+//! `both`; P: role `prefill` or `both`; never the same worker. A worker that has not measured a speed yet is
+//! given the mean of the eligible workers that have (none: 0, which the cost model reads as its slowest belief).
+
+use serde::Serialize;
+
+use super::{Side, Slo, SplitDecision, SplitInput, SplitPolicy, DEFAULT_SLO};
+use crate::registry::{Registry, Worker};
+use crate::route::RouteInput;
+use crate::routing::WorkerView;
+use kvgate_shared::report::Role;
+
+/// The P->D rate believed before a pair's first measured transfer (`--split-bandwidth-prior`), in Gb/s.
+pub const DEFAULT_BANDWIDTH_PRIOR_GBPS: f64 = 10.0;
+
+/// The gateway's split settings.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub struct SplitSettings {
+    pub slo: Slo,
+    pub bandwidth_prior_bytes_per_s: f64,
+}
+
+impl Default for SplitSettings {
+    fn default() -> Self {
+        Self { slo: DEFAULT_SLO, bandwidth_prior_bytes_per_s: DEFAULT_BANDWIDTH_PRIOR_GBPS * 1e9 / 8.0 }
+    }
+}
+
+/// What a routing decision needs to consider a split.
+#[derive(Clone, Copy)]
+pub struct SplitAsk<'a> {
+    pub policy: &'a dyn SplitPolicy,
+    pub settings: SplitSettings,
+    /// `max_tokens`, else the class's expected output.
+    pub expected_output: u64,
+}
+
+/// A considered split (chosen or not: explain shows both).
+#[derive(Clone, Debug, Serialize)]
+pub struct SplitPlan {
+    /// Indices into the views.
+    #[serde(skip)]
+    pub prefill_view: usize,
+    #[serde(skip)]
+    pub decode_view: usize,
+    pub prefill_worker: String,
+    pub decode_worker: String,
+    /// P's transfer address (the decode worker's `x-kvgate-prefill-peer`).
+    pub peer: String,
+    /// The pair's rate was measured (false: the prior).
+    pub bandwidth_measured: bool,
+    pub input: SplitInput,
+    pub decision: SplitDecision,
+}
+
+fn transfer_ready<'a>(
+    reg: &'a Registry,
+    views: &[WorkerView<'_>],
+    index: &[usize],
+    v: usize,
+) -> Option<&'a Worker> {
+    let w = &reg.workers()[index[v]];
+    let r = w.report.as_ref()?;
+    let ok = views[v].healthy
+        && w.fingerprint_ok == Some(true)
+        && !r.pd.transfer_addr.is_empty()
+        && r.pd.kv_bytes_per_token > 0;
+    ok.then_some(w)
+}
+
+fn mean_nonzero(values: impl Iterator<Item = f64>) -> f64 {
+    let (sum, n) = values.filter(|v| *v > 0.0).fold((0.0, 0usize), |(s, n), v| (s + v, n + 1));
+    if n == 0 {
+        0.0
+    } else {
+        sum / n as f64
+    }
+}
+
+/// The split `ask` would consider for `req`, with `local_view` the routing policy's pick; `None` when no pair of
+/// eligible workers exists.
+pub fn plan(
+    reg: &Registry,
+    views: &[WorkerView<'_>],
+    index: &[usize],
+    local_view: usize,
+    req: &RouteInput<'_>,
+    ask: &SplitAsk<'_>,
+) -> Option<SplitPlan> {
+    let ready: Vec<(usize, &Worker)> =
+        (0..views.len()).filter_map(|v| transfer_ready(reg, views, index, v).map(|w| (v, w))).collect();
+    let role = |w: &Worker| w.report.as_ref().map_or(Role::Both, |r| r.pd.role);
+    let uncached = |v: usize| {
+        let held = views[v].tier_match(req.hashes).through_disk * req.block_size;
+        (req.prompt_tokens.saturating_sub(held)) as u64
+    };
+    let (decode_view, d) = ready
+        .iter()
+        .filter(|(_, w)| role(w) != Role::Prefill)
+        .min_by_key(|(v, _)| (views[*v].load.requests, views[*v].load.pending_tokens, *v))
+        .copied()?;
+    let (prefill_view, p) = ready
+        .iter()
+        .filter(|(v, w)| role(w) != Role::Decode && *v != decode_view)
+        .min_by_key(|(v, _)| (views[*v].load.pending_tokens.saturating_add(uncached(*v)), *v))
+        .copied()?;
+    let (p_report, d_report) = (p.report.as_ref()?, d.report.as_ref()?);
+    if p_report.pd.kv_bytes_per_token != d_report.pd.kv_bytes_per_token {
+        return None;
+    }
+    let rate_prior = mean_nonzero(ready.iter().map(|(_, w)| w.pd.prefill_tokens_per_s));
+    let step_prior = mean_nonzero(ready.iter().map(|(_, w)| w.pd.decode_step_s));
+    let side = |v: usize| {
+        let w = &reg.workers()[index[v]];
+        let or = |own: f64, prior: f64| if own > 0.0 { own } else { prior };
+        Side {
+            uncached_tokens: uncached(v),
+            queue_tokens: views[v].load.pending_tokens,
+            running: views[v].load.requests,
+            prefill_tokens_per_s: or(w.pd.prefill_tokens_per_s, rate_prior),
+            decode_step_s: or(w.pd.decode_step_s, step_prior),
+            stall_ratio: w.pd.stall_ratio,
+        }
+    };
+    let peer = p_report.pd.transfer_addr.clone();
+    let measured = d.pd.link_rate(&peer);
+    let input = SplitInput {
+        prompt_tokens: req.prompt_tokens as u64,
+        expected_output: ask.expected_output,
+        local: side(local_view),
+        prefill: side(prefill_view),
+        decode: side(decode_view),
+        decode_cached_tokens: req.prompt_tokens as u64 - uncached(decode_view),
+        kv_bytes_per_token: f64::from(p_report.pd.kv_bytes_per_token),
+        bandwidth_bytes_per_s: measured.unwrap_or(ask.settings.bandwidth_prior_bytes_per_s),
+        export_groups: u32::from(p_report.pd.export_groups.max(1)),
+        slo: ask.settings.slo,
+    };
+    let decision = ask.policy.decide(&input);
+    Some(SplitPlan {
+        prefill_view,
+        decode_view,
+        prefill_worker: p.id.clone(),
+        decode_worker: d.id.clone(),
+        peer,
+        bandwidth_measured: measured.is_some(),
+        input,
+        decision,
+    })
+}

@@ -1,0 +1,136 @@
+//! Split routing on a registry fed real reports: pools by role, both tickets recorded, the policy's choice.
+
+use std::time::Instant;
+
+use kvgate_shared::hashing::{BlockHash, BlockHasher, ExtraKeys, HashScheme};
+use kvgate_shared::report::{
+    BlockBloom, CacheSummary, PdInfo, PeerImport, QueueStats, Role, StepTiming, Throughput, Tier, TierReport,
+    WorkerReport,
+};
+
+use super::plan::{SplitAsk, SplitSettings};
+use super::{rules, CostModel, SplitPolicy};
+use crate::registry::{Registry, RegistryConfig};
+use crate::route::{RouteInput, Router};
+use crate::routing::{policy_by_name, Weights};
+
+fn scheme() -> HashScheme {
+    HashScheme::new(16, 1)
+}
+
+fn report(id: &str, role: Role, stall: f64, imports: Vec<PeerImport>) -> WorkerReport {
+    // The `both` worker looks idle (the local pick); the others are busy.
+    let (running, queued) = if role == Role::Both { (0, 0) } else { (8, 40_000) };
+    WorkerReport {
+        pd: PdInfo {
+            role,
+            // The `both` worker of these tests cannot transfer (no listener).
+            transfer_addr: if role == Role::Both { String::new() } else { format!("{id}:9100") },
+            kv_bytes_per_token: 131_072,
+            export_groups: 8,
+            timing: StepTiming { prefill_tokens_per_s: 40_000.0, decode_step_s: 0.006, stall_ratio: stall },
+            imports,
+        },
+        worker_id: id.into(),
+        advertise_url: format!("http://{id}:8000"),
+        model_id: "m".into(),
+        scheme: scheme(),
+        fingerprint: scheme().fingerprint(),
+        seq: 1,
+        timestamp_ms: 0,
+        instance_id: 1,
+        max_model_len: 1 << 20,
+        draining: false,
+        queue: QueueStats { waiting_requests: 0, prefill_tokens: queued, running_requests: running },
+        throughput: Throughput::default(),
+        tiers: vec![TierReport {
+            tier: Tier::Device,
+            blocks_total: 1000,
+            blocks_free: 1000,
+            blocks_cached: 0,
+            summary: Some(CacheSummary {
+                granularity: 1,
+                entries: 0,
+                bloom: BlockBloom::with_capacity(1, 0.01),
+            }),
+        }],
+    }
+}
+
+fn prompt() -> Vec<BlockHash> {
+    BlockHasher::new(&scheme(), &ExtraKeys::none()).hash_blocks(&(0..1024).collect::<Vec<u32>>())
+}
+
+fn input(hashes: &[BlockHash]) -> RouteInput<'_> {
+    RouteInput { model: "m", hashes, prompt_tokens: 1024, session_key: 7, shared_blocks: 0, block_size: 16 }
+}
+
+/// A prefill worker, a decode worker, and an idle-looking `both` worker (the local pick) whose decodes
+/// co-located prefill stalls 90% (TPOT 60 ms > 50 ms).
+fn fleet(now: Instant) -> Registry {
+    let mut reg = Registry::new(RegistryConfig::default());
+    let fp = Some(scheme().fingerprint());
+    let link = PeerImport { peer: "p:9100".into(), bytes: 4_000_000_000, seconds: 1.0, transfers: 2 };
+    reg.ingest(report("p", Role::Prefill, 0.0, vec![]), fp, now);
+    reg.ingest(report("d", Role::Decode, 0.0, vec![link]), fp, now);
+    reg.ingest(report("b", Role::Both, 0.9, vec![]), fp, now);
+    reg
+}
+
+fn ask(policy: &dyn SplitPolicy) -> SplitAsk<'_> {
+    SplitAsk { policy, settings: SplitSettings::default(), expected_output: 256 }
+}
+
+#[test]
+fn a_split_goes_to_the_decode_worker_and_charges_the_prefill_to_the_prefill_worker() {
+    let now = Instant::now();
+    let mut reg = fleet(now);
+    let router = Router::new(policy_by_name("cache_aware", Weights::default()).expect("policy"));
+    let hashes = prompt();
+    let cost = CostModel;
+    let r = router.route_split(&mut reg, &input(&hashes), 3, Some(&ask(&cost)), now).expect("routed");
+    let plan = r.split.as_ref().expect("considered");
+    assert_eq!((plan.decision.choice, plan.decision.reason), (super::Choice::Split, "slo"), "{plan:?}");
+    assert!(plan.bandwidth_measured && (plan.input.bandwidth_bytes_per_s - 4e9).abs() < 1.0);
+    assert_eq!(
+        (plan.prefill_worker.as_str(), plan.decode_worker.as_str(), plan.peer.as_str()),
+        ("p", "d", "p:9100")
+    );
+    assert_eq!(r.candidates[0].id, "d", "the decode worker first");
+    assert_eq!(r.prefill.as_ref().map(|p| p.id.as_str()), Some("p"));
+    assert_eq!(r.uncached_tokens, 1024, "the prefill worker computes the prompt");
+    // Both sends are recorded: the prefill's tokens to P, no prefill tokens to D.
+    let (p, d) = (&reg.workers()[0], &reg.workers()[1]);
+    assert_eq!((p.sent_tokens_since_report, d.sent_tokens_since_report), (1024, 0));
+    assert_eq!((p.inflight, d.inflight), (1, 1));
+    reg.record_done(r.ticket.expect("ticket"));
+    reg.record_done(r.prefill_ticket.expect("prefill ticket"));
+    assert_eq!((reg.workers()[0].inflight, reg.workers()[1].inflight), (0, 0));
+}
+
+#[test]
+fn comparison_policies_and_a_fleet_without_a_pair_stay_local() {
+    let now = Instant::now();
+    let router = Router::new(policy_by_name("cache_aware", Weights::default()).expect("policy"));
+    let hashes = prompt();
+    let mut reg = fleet(now);
+    let agg = rules::Aggregated;
+    let r = router.route_split(&mut reg, &input(&hashes), 3, Some(&ask(&agg)), now).expect("routed");
+    assert!(!r.is_split() && r.split.is_some());
+    // Whole requests go to the other workers first; the prefill worker is only a fallback.
+    assert_eq!(r.candidates.iter().map(|c| c.id.as_str()).last(), Some("p"));
+    assert_eq!(r.candidates[0].id, "b");
+    // Only one transfer-capable worker: nothing to consider.
+    let mut one = Registry::new(RegistryConfig::default());
+    one.ingest(report("d", Role::Decode, 0.9, vec![]), Some(scheme().fingerprint()), now);
+    let cost = CostModel;
+    let r = router.route_split(&mut one, &input(&hashes), 3, Some(&ask(&cost)), now).expect("routed");
+    assert!(r.split.is_none() && !r.is_split());
+    // A dry run decides the same and records nothing.
+    let mut reg = fleet(now);
+    let dry = router.dry_run_split(&reg, &input(&hashes), 3, Some(&ask(&cost)), now).expect("dry");
+    assert!(dry.is_split() && dry.ticket.is_none());
+    assert_eq!(reg.workers()[0].inflight, 0);
+    let real = router.route_split(&mut reg, &input(&hashes), 3, Some(&ask(&cost)), now).expect("routed");
+    assert_eq!(real.candidates, dry.candidates);
+}
