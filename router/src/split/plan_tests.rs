@@ -118,7 +118,7 @@ fn comparison_policies_and_a_fleet_without_a_pair_stay_local() {
     let r = router.route_split(&mut reg, &input(&hashes), 3, Some(&ask(&agg)), now).expect("routed");
     assert!(!r.is_split() && r.split.is_some());
     // Whole requests go to the other workers first; the prefill worker is only a fallback.
-    assert_eq!(r.candidates.iter().map(|c| c.id.as_str()).last(), Some("p"));
+    assert_eq!(r.candidates.last().map(|c| c.id.as_str()), Some("p"));
     assert_eq!(r.candidates[0].id, "b");
     // Only one transfer-capable worker: nothing to consider.
     let mut one = Registry::new(RegistryConfig::default());
