@@ -360,9 +360,17 @@ async fn explain(State(state): State<Arc<GatewayState>>, headers: HeaderMap, bod
     };
     let max_tokens = p.fields.max_tokens.map(u64::from);
     let (_, class, expected) = class;
+    let kvgate_pool = state.pool_kind(&p.fields.model) == crate::config::WorkerKind::Kvgate;
+    let ask = state.cfg.report_secret.as_ref().filter(|_| kvgate_pool).map(|_| {
+        kvgate_router::split::plan::SplitAsk {
+            policy: state.split.as_ref(),
+            settings: state.cfg.split,
+            expected_output: max_tokens.unwrap_or(expected),
+        }
+    });
     let decision = {
         let reg = state.registry();
-        state.router.dry_run(&reg, &p.route_input(), usize::MAX, Instant::now())
+        state.router.dry_run_split(&reg, &p.route_input(), usize::MAX, ask.as_ref(), Instant::now())
     };
     let predicted = decision.as_ref().map_or(0, |d| d.predicted_cached_tokens);
     let cost = (p.ids.len().saturating_sub(predicted) as u64) + max_tokens.unwrap_or(expected);
@@ -379,6 +387,9 @@ async fn explain(State(state): State<Arc<GatewayState>>, headers: HeaderMap, bod
         "tenant": caller.tenant,
         "cost_tokens": cost,
         "max_model_len": p.max_model_len,
+        "split_policy": state.split.name(),
+        "split": decision.as_ref().and_then(|d| d.split.as_ref()),
+        "prefill": decision.as_ref().and_then(|d| d.prefill.as_ref()).map(|c| c.id.as_str()),
         "terms": decision.map(|d| d.terms),
     }))
     .into_response()

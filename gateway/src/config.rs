@@ -36,6 +36,19 @@ pub struct GatewayArgs {
     /// Routing policy: cache_aware, round_robin, least_load, consistent_hash. Default cache_aware.
     #[arg(long, env = "KVGATE_GATEWAY_POLICY")]
     pub policy: Option<String>,
+    /// Prefill/decode split policy, asked per request when a prefill worker and a decode worker that transfer KV
+    /// are reporting: cost_model (default), aggregated (never split), always, dynamo, llm_d.
+    #[arg(long, env = "KVGATE_GATEWAY_SPLIT_POLICY")]
+    pub split_policy: Option<String>,
+    /// The TTFT target the split policy judges by. Default 2s.
+    #[arg(long, env = "KVGATE_GATEWAY_SPLIT_SLO_TTFT")]
+    pub split_slo_ttft: Option<String>,
+    /// The TPOT target the split policy judges by. Default 50ms.
+    #[arg(long, env = "KVGATE_GATEWAY_SPLIT_SLO_TPOT")]
+    pub split_slo_tpot: Option<String>,
+    /// The P->D rate believed before a pair's first measured transfer, Gb/s. Default 10.
+    #[arg(long, env = "KVGATE_GATEWAY_SPLIT_BANDWIDTH_PRIOR_GBPS")]
+    pub split_bandwidth_prior_gbps: Option<f64>,
     /// Shared secret workers send with reports (`Authorization: Bearer`). Required: without it the gateway refuses
     /// to start unless `--insecure-reports` is given.
     #[arg(long, env = "KVGATE_REPORT_SECRET", hide_env_values = true)]
@@ -330,6 +343,8 @@ pub struct GatewayConfig {
     pub control_listen: String,
     pub workers: Vec<String>,
     pub policy: String,
+    pub split_policy: String,
+    pub split: kvgate_router::split::plan::SplitSettings,
     pub report_secret: Option<String>,
     pub insecure_reports: bool,
     pub advertise_allow: Vec<String>,
@@ -432,6 +447,18 @@ impl GatewayArgs {
             control_listen: pick!(control_listen).unwrap_or_else(|| "0.0.0.0:8081".into()),
             workers: pick!(workers).unwrap_or_default().into_iter().filter(|w| !w.is_empty()).collect(),
             policy: pick!(policy).unwrap_or_else(|| "cache_aware".into()),
+            split_policy: pick!(split_policy)
+                .unwrap_or_else(|| kvgate_router::split::DEFAULT_SPLIT_POLICY.into()),
+            split: kvgate_router::split::plan::SplitSettings {
+                slo: kvgate_router::split::Slo {
+                    ttft_s: duration(pick!(split_slo_ttft), "2s", "split-slo-ttft")?.as_secs_f64(),
+                    tpot_s: duration(pick!(split_slo_tpot), "50ms", "split-slo-tpot")?.as_secs_f64(),
+                },
+                bandwidth_prior_bytes_per_s: pick!(split_bandwidth_prior_gbps)
+                    .unwrap_or(kvgate_router::split::plan::DEFAULT_BANDWIDTH_PRIOR_GBPS)
+                    * 1e9
+                    / 8.0,
+            },
             report_secret: pick!(report_secret).filter(|s| !s.is_empty()),
             insecure_reports: pick!(insecure_reports).unwrap_or(false),
             advertise_allow: pick!(advertise_allow)
@@ -635,6 +662,20 @@ impl GatewayConfig {
         }
         if !(2..=crate::routing::ring_key::MAX_HUB_FANOUT).contains(&self.ring_hub_fanout) {
             p.push(format!("ring-hub-fanout {} is not in 2..=8", self.ring_hub_fanout));
+        }
+        if kvgate_router::split::split_policy_by_name(&self.split_policy).is_none() {
+            p.push(format!(
+                "split-policy {:?}: expected one of {}",
+                self.split_policy,
+                kvgate_router::split::SPLIT_POLICIES.join(", ")
+            ));
+        }
+        let bw = self.split.bandwidth_prior_bytes_per_s;
+        if !bw.is_finite() || bw <= 0.0 {
+            p.push("split-bandwidth-prior-gbps must be a number above 0".into());
+        }
+        if self.split.slo.ttft_s <= 0.0 || self.split.slo.tpot_s <= 0.0 {
+            p.push("split-slo-ttft and split-slo-tpot must be more than 0".into());
         }
         if self.first_byte.cap < self.first_byte.floor {
             p.push("first-byte-timeout-cap must not be below first-byte-timeout".into());

@@ -58,6 +58,7 @@ use crate::routing::RouteReason;
 use crate::state::GatewayState;
 use crate::tokenize::PoolError;
 use crate::upstream::{forward, unless_client_leaves, Attempt, Outcome, UsageSeen};
+use kvgate_router::split::plan::SplitAsk;
 
 /// Status logged for a request whose client went away before its answer (nginx's convention).
 pub const CLIENT_CLOSED: u16 = 499;
@@ -234,14 +235,16 @@ async fn handle(state: &Arc<GatewayState>, session: &mut Session, ctx: &mut Ctx)
         choose_class(state, &p, &caller, header(session, CLASS_HEADER))?;
     // Admission prices the request with a dry run of the routing decision: cost = predicted uncached prompt
     // tokens + max_tokens (or the class's expected output).
+    let max_tokens = p.fields.max_tokens.map(u64::from);
+    let kvgate_pool = state.pool_kind(&model) == WorkerKind::Kvgate;
+    let ask = split_ask(state, kvgate_pool, max_tokens.unwrap_or(expected_output));
     let priced = {
         let reg = state.registry();
-        state.router.dry_run(&reg, &p.route_input(), 1, Instant::now())
+        state.router.dry_run_split(&reg, &p.route_input(), 1, ask.as_ref(), Instant::now())
     };
     let Some(priced) = priced else {
         return Err(ApiError::no_worker(&model));
     };
-    let max_tokens = p.fields.max_tokens.map(u64::from);
     let cost = (priced.uncached_tokens + max_tokens.unwrap_or(expected_output)) as f64;
     // The most a pod's usage is believed: the prompt and the output the request may have had (the context left
     // without max_tokens, where the context length is known).
@@ -260,17 +263,26 @@ async fn handle(state: &Arc<GatewayState>, session: &mut Session, ctx: &mut Ctx)
     let decided_at = Instant::now();
     let routed = {
         let mut reg = state.registry();
-        state.router.route(&mut reg, &p.route_input(), state.cfg.max_attempts, Instant::now())
+        let input = p.route_input();
+        state.router.route_split(&mut reg, &input, state.cfg.max_attempts, ask.as_ref(), Instant::now())
     };
     metrics::histogram!("kvgate_gateway_decision_seconds").record(decided_at.elapsed().as_secs_f64());
     let Some(routed) = routed else {
         return Err(ApiError::no_worker(&model));
     };
+    count_split(state, &routed);
     if let Some(t) = routed.candidates.first() {
-        state.share_send(&t.id, &p.hashes, routed.uncached_tokens, p.session_key);
+        let tokens = if routed.is_split() { 0 } else { routed.uncached_tokens };
+        state.share_send(&t.id, &p.hashes, tokens, p.session_key);
     }
-    // The pick's in-flight slot is given back on every path from here on.
+    if let Some(pf) = &routed.prefill {
+        state.share_send(&pf.id, &p.hashes, routed.uncached_tokens, p.session_key);
+    }
+    // The pick's in-flight slot (and a split's prefill share) is given back on every path from here on.
     let mut first_guard = routed.ticket.map(|ticket| InflightGuard { state: state.clone(), ticket });
+    let mut prefill_guard =
+        routed.prefill_ticket.map(|ticket| InflightGuard { state: state.clone(), ticket });
+    let split_peer = routed.split.as_ref().filter(|_| routed.is_split()).map(|s| s.peer.clone());
     let (uncached, predicted) = (routed.uncached_tokens, routed.predicted_cached_tokens);
     // Pods that are not kvgate workers get the client's headers (and `authorization` with
     // --forward-authorization); kvgate workers get the gateway's token and assertion instead.
@@ -279,15 +291,15 @@ async fn handle(state: &Arc<GatewayState>, session: &mut Session, ctx: &mut Ctx)
     // The prompt handoff for kvgate workers whose tokenizer is the gateway's: the ids computed here, so the worker
     // does not tokenize again.
     let handoff = handoff(state, &p);
-    let kvgate_pool = state.pool_kind(&model) == WorkerKind::Kvgate;
-    let first_byte =
-        state.cfg.first_byte.for_request(uncached, max_tokens.unwrap_or(expected_output), p.fields.stream);
-    let mut reason = routed.reason;
+    let output = max_tokens.unwrap_or(expected_output);
+    let mut reason = if routed.is_split() { RouteReason::Split } else { routed.reason };
     let mut refused_for: Option<Duration> = None;
     for (attempt, t) in routed.candidates.iter().enumerate() {
         let guard = if attempt == 0 {
             first_guard.take()
         } else {
+            // A fallback serves the request whole: a split's prefill share is given back.
+            prefill_guard.take();
             reason = RouteReason::Fallback;
             let mut reg = state.registry();
             let ticket = reg.find(t.wref).map(|i| reg.record_sent(i, &p.hashes, uncached, Instant::now()));
@@ -301,14 +313,18 @@ async fn handle(state: &Arc<GatewayState>, session: &mut Session, ctx: &mut Ctx)
             continue; // forgotten since the decision
         };
         ctx.route = reason.as_str();
-        // The pick's uncached prompt was predicted; a fallback's is not known: its whole prompt.
+        // The pick's uncached prompt was predicted; a fallback's is not known: its whole prompt (and its
+        // first-byte budget is the whole prompt's, not the pick's).
         let uncached_here = if attempt == 0 { uncached } else { p.ids.len() as u64 };
+        let first_byte = state.cfg.first_byte.for_request(uncached_here, output, p.fields.stream);
+        let split_here = split_peer.as_deref().filter(|_| attempt == 0);
         let ids = handoff.as_ref().filter(|_| t.reports && t.fingerprint_ok);
         let body = ids.map_or(&p.body, |(body, _)| body);
         let headers = match state.cfg.report_secret.as_deref() {
             Some(secret) if kvgate_pool => {
                 let mut h = to_kvgate.clone();
                 h.extend(gateway_headers(secret, &p, ids.map(|(_, enc)| enc.as_str())));
+                h.extend(split_here.map_or_else(Vec::new, |peer| split_headers(secret, &model, peer)));
                 h
             }
             _ => forwarded.clone(),
@@ -383,6 +399,45 @@ async fn handle(state: &Arc<GatewayState>, session: &mut Session, ctx: &mut Ctx)
         Some(r) => Err(ApiError::all_refused(&model, r.as_secs_f64().ceil() as u32)),
         None => Err(ApiError::no_worker(&model)),
     }
+}
+
+/// What a request may be split by: the split policy and settings, when the model's pool is kvgate workers and
+/// the gateway holds the report secret (the grant is signed with it). `output`: the expected output tokens.
+fn split_ask(state: &GatewayState, kvgate_pool: bool, output: u64) -> Option<SplitAsk<'_>> {
+    state.cfg.report_secret.as_ref()?;
+    kvgate_pool.then(|| SplitAsk {
+        policy: state.split.as_ref(),
+        settings: state.cfg.split,
+        expected_output: output,
+    })
+}
+
+/// Counts a considered split by outcome and logs its terms.
+fn count_split(state: &GatewayState, routed: &kvgate_router::route::Routed) {
+    let Some(s) = &routed.split else { return };
+    let d = &s.decision;
+    metrics::counter!("kvgate_gateway_split_decisions_total", "policy" => state.split.name(),
+        "choice" => d.choice.as_str(), "reason" => d.reason)
+    .increment(1);
+    if routed.is_split() {
+        metrics::counter!("kvgate_gateway_split_transfer_bytes_total")
+            .increment(d.terms.transfer_bytes as u64);
+    }
+    tracing::debug!(policy = state.split.name(), choice = d.choice.as_str(), reason = d.reason,
+        prefill = %s.prefill_worker, decode = %s.decode_worker, peer = %s.peer, bandwidth_measured = s.bandwidth_measured,
+        terms = ?d.terms, input = ?s.input, "split considered");
+}
+
+/// The decode worker's headers of a split: the prefill peer and the gateway's grant for it.
+fn split_headers(secret: &str, model: &str, peer: &str) -> Vec<(HeaderName, HeaderValue)> {
+    let now_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64);
+    let grant = handoff::sign_prefill_grant(secret, now_ms, model, peer);
+    [(handoff::PREFILL_PEER_HEADER, peer.to_owned()), (handoff::PREFILL_GRANT_HEADER, grant)]
+        .into_iter()
+        .filter_map(|(n, v)| Some((HeaderName::from_static(n), HeaderValue::from_str(&v).ok()?)))
+        .collect()
 }
 
 /// What a request that a worker answered with a 2xx is charged (module docs, "Charging"): its `usage` when the

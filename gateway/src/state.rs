@@ -49,6 +49,8 @@ pub struct GatewayState {
     refused: Mutex<HashSet<String>>,
     /// The routing policy behind the one `route()` (`kvgate_router::route`).
     pub router: Router,
+    /// The prefill/decode split policy (`--split-policy`).
+    pub split: Box<dyn kvgate_router::split::SplitPolicy>,
     pub admission: Admission,
     pub keys: KeyTable,
     pub tokenize: TokenizePool,
@@ -84,6 +86,8 @@ impl GatewayState {
     pub fn new(cfg: GatewayConfig, prometheus: PrometheusHandle) -> Result<Self, String> {
         let policy = policy_by_name(&cfg.policy, cfg.weights)
             .ok_or_else(|| format!("unknown policy {}", cfg.policy))?;
+        let split = kvgate_router::split::split_policy_by_name(&cfg.split_policy)
+            .ok_or_else(|| format!("unknown split policy {}", cfg.split_policy))?;
         let mut connector = HttpConnector::new();
         connector.set_connect_timeout(Some(cfg.connect_timeout));
         connector.set_nodelay(true);
@@ -151,6 +155,7 @@ impl GatewayState {
             fetching: Mutex::new(HashSet::new()),
             refused: Mutex::new(HashSet::new()),
             router: Router::new(policy),
+            split,
             admission,
             keys,
             tokenize,

@@ -191,6 +191,8 @@ pub enum RouteReason {
     RoundRobin,
     /// A retry on the next best worker after a connection failure.
     Fallback,
+    /// The split policy chose a prefill/decode split: the decode worker imports the prompt's KV.
+    Split,
 }
 
 impl RouteReason {
@@ -202,6 +204,7 @@ impl RouteReason {
             RouteReason::Load => "load",
             RouteReason::RoundRobin => "round_robin",
             RouteReason::Fallback => "fallback",
+            RouteReason::Split => "split",
         }
     }
 }

@@ -2,9 +2,10 @@
 //! fewest streams and queued tokens: decode load), the prefill worker P (the least prefill work: queued tokens
 //! plus what it lacks of the prompt, through its tiers), and the measured inputs of both and of the local pick.
 //!
-//! Eligible for either side: a healthy kvgate worker that reports, whose fingerprint is the gateway's, with a KV
-//! transfer listener (`pd.transfer_addr`) and a known KV size a token (the same on P and D). D: role `decode` or
-//! `both`; P: role `prefill` or `both`; never the same worker. A worker that has not measured a speed yet is
+//! Eligible for either side: a healthy kvgate worker that reports, whose fingerprint is the gateway's, with a known
+//! KV size a token (its engine copies KV blocks; the same on P and D). P also needs a KV transfer listener
+//! (`pd.transfer_addr`); D imports with the report secret it reports with. D: role `decode` or `both`; P: role
+//! `prefill` or `both`; never the same worker. A worker that has not measured a speed yet is
 //! given the mean of the eligible workers that have (none: 0, which the cost model reads as its slowest belief).
 
 use serde::Serialize;
@@ -66,11 +67,12 @@ fn transfer_ready<'a>(
 ) -> Option<&'a Worker> {
     let w = &reg.workers()[index[v]];
     let r = w.report.as_ref()?;
-    let ok = views[v].healthy
-        && w.fingerprint_ok == Some(true)
-        && !r.pd.transfer_addr.is_empty()
-        && r.pd.kv_bytes_per_token > 0;
+    let ok = views[v].healthy && w.fingerprint_ok == Some(true) && r.pd.kv_bytes_per_token > 0;
     ok.then_some(w)
+}
+
+fn exports(w: &Worker) -> bool {
+    w.report.as_ref().is_some_and(|r| !r.pd.transfer_addr.is_empty())
 }
 
 fn mean_nonzero(values: impl Iterator<Item = f64>) -> f64 {
@@ -106,7 +108,7 @@ pub fn plan(
         .copied()?;
     let (prefill_view, p) = ready
         .iter()
-        .filter(|(v, w)| role(w) != Role::Decode && *v != decode_view)
+        .filter(|(v, w)| role(w) != Role::Decode && *v != decode_view && exports(w))
         .min_by_key(|(v, _)| (views[*v].load.pending_tokens.saturating_add(uncached(*v)), *v))
         .copied()?;
     let (p_report, d_report) = (p.report.as_ref()?, d.report.as_ref()?);

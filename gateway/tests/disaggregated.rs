@@ -1,0 +1,144 @@
+//! Prefill/decode splits through the gateway, on real processes: a prefill worker with a KV transfer listener and a
+//! decode worker, both reporting their roles. A split request answers exactly as the same request computed whole;
+//! the decisions are counted by outcome and shown by explain; a dead prefill worker is recomputed on the decode
+//! worker, a dead decode worker falls back to a whole request elsewhere.
+
+mod common;
+
+use common::*;
+use serde_json::{json, Value};
+
+fn pool(dir: &std::path::Path, control: &str) -> (Proc, Proc) {
+    let synth = dir.join("tiny");
+    let p = worker("p0", &synth, Some(control), &["--role", "prefill", "--kv-transfer-port", "0"]);
+    let d = worker("d0", &synth, Some(control), &["--role", "decode"]);
+    (p, d)
+}
+
+fn body(stream: bool) -> Value {
+    let prompt: Vec<u32> = (0..150u32).map(|i| (i * 37 + 11) % 500 + 1).collect();
+    json!({"model": MODEL, "prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": true,
+           "stream": stream})
+}
+
+fn decisions(metrics: &str, policy: &str, choice: &str, reason: &str) -> f64 {
+    let series = format!(
+        "kvgate_gateway_split_decisions_total{{policy=\"{policy}\",choice=\"{choice}\",reason=\"{reason}\"}}"
+    );
+    metric(metrics, &series).unwrap_or(0.0)
+}
+
+/// The text of a streamed answer (its content chunks, in order).
+fn streamed_text(body: &str) -> String {
+    body.lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter(|l| *l != "[DONE]")
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .filter_map(|v| v["choices"][0]["text"].as_str().map(str::to_owned))
+        .collect()
+}
+
+#[tokio::test]
+async fn a_split_request_answers_as_a_whole_one_and_is_counted() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let (g, control) = gateway(&["--split-policy", "always", "--admin-token", "test-admin"]);
+    let (p, d) = pool(dir.path(), &control);
+    wait_healthy(&control, 2).await;
+
+    let via = post(&format!("{}/v1/completions", g.base), &body(false), &[]).await;
+    assert_eq!(via.status, 200, "{}", via.body);
+    assert_eq!(via.header("x-kvgate-route"), "split");
+    assert_eq!(via.header("x-kvgate-worker"), "d0", "the decode worker answers");
+    // The same request computed whole on a worker of its own.
+    let whole = post(&format!("{}/v1/completions", p.base), &body(false), &[]).await;
+    assert_eq!(whole.status, 200, "{}", whole.body);
+    assert_eq!(via.json()["choices"][0]["text"], whole.json()["choices"][0]["text"]);
+    assert_eq!(via.json()["usage"]["prompt_tokens"], whole.json()["usage"]["prompt_tokens"]);
+    assert_eq!(via.json()["usage"]["completion_tokens"], 12);
+    // Streamed: the same text.
+    let s = post(&format!("{}/v1/completions", g.base), &body(true), &[]).await;
+    assert_eq!(s.status, 200, "{}", s.body);
+    assert_eq!(s.header("x-kvgate-route"), "split");
+    assert_eq!(streamed_text(&s.body), via.json()["choices"][0]["text"].as_str().expect("text"));
+
+    let gm = get(&format!("{control}/metrics")).await.body;
+    assert_eq!(decisions(&gm, "always", "split", "always"), 2.0, "{gm}");
+    let dm = get(&format!("{}/metrics", d.base)).await.body;
+    let imports = metric(&dm, "kvgate_worker_kv_transfers_total{side=\"import\",outcome=\"ok\"}");
+    assert_eq!(imports, Some(2.0), "{dm}");
+    let pm = get(&format!("{}/metrics", p.base)).await.body;
+    assert_eq!(metric(&pm, "kvgate_worker_kv_transfers_total{side=\"export\",outcome=\"ok\"}"), Some(2.0));
+
+    // Explain shows the plan the next request gets, with every term.
+    let admin = [("authorization", "Bearer test-admin")];
+    let e = post(&format!("{control}/admin/v1/route/explain"), &body(false), &admin).await;
+    assert_eq!(e.status, 200, "{}", e.body);
+    let v = e.json();
+    assert_eq!(v["split_policy"], "always");
+    assert_eq!(v["prefill"], "p0");
+    assert_eq!(v["pick"], "d0");
+    assert_eq!(v["split"]["decision"]["choice"], "split");
+    assert!(v["split"]["decision"]["terms"]["transfer_bytes"].as_f64().expect("bytes") > 0.0, "{v}");
+    assert!(v["split"]["input"]["kv_bytes_per_token"].as_f64().expect("kv") > 0.0, "{v}");
+}
+
+#[tokio::test]
+async fn the_cost_model_keeps_an_unstalled_fleet_local() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let (g, control) = gateway(&[]);
+    let (_p, _d) = pool(dir.path(), &control);
+    wait_healthy(&control, 2).await;
+    let r = post(&format!("{}/v1/completions", g.base), &body(false), &[]).await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_ne!(r.header("x-kvgate-route"), "split");
+    assert_eq!(
+        r.header("x-kvgate-worker"),
+        "d0",
+        "whole requests go to the decode worker, not the prefill one"
+    );
+    let gm = get(&format!("{control}/metrics")).await.body;
+    let local: f64 = ["both_meet", "slo", "neither_meets"]
+        .iter()
+        .map(|reason| decisions(&gm, "cost_model", "local", reason))
+        .sum();
+    assert_eq!(local, 1.0, "{gm}");
+}
+
+#[tokio::test]
+async fn a_dead_leg_never_holds_the_request() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let (g, control) = gateway(&["--split-policy", "always"]);
+    let (mut p, d) = pool(dir.path(), &control);
+    wait_healthy(&control, 2).await;
+    let want = post(&format!("{}/v1/completions", d.base), &body(false), &[]).await;
+    assert_eq!(want.status, 200, "{}", want.body);
+
+    // The prefill worker dies; the gateway still believes it for a report interval or two: the decode worker's
+    // fetch fails to connect and it computes the prompt itself.
+    p.kill();
+    let started = std::time::Instant::now();
+    let r = post(&format!("{}/v1/completions", g.base), &body(false), &[]).await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.json()["choices"][0]["text"], want.json()["choices"][0]["text"]);
+    assert!(started.elapsed() < std::time::Duration::from_secs(10), "{:?}", started.elapsed());
+    let dm = get(&format!("{}/metrics", d.base)).await.body;
+    assert_eq!(
+        metric(&dm, "kvgate_worker_kv_transfers_total{side=\"import\",outcome=\"fallback\"}"),
+        Some(1.0)
+    );
+}
+
+#[tokio::test]
+async fn a_dead_decode_worker_falls_back_to_a_whole_request() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let (g, control) = gateway(&["--split-policy", "always"]);
+    let (p, mut d) = pool(dir.path(), &control);
+    wait_healthy(&control, 2).await;
+    d.kill();
+    let r = post(&format!("{}/v1/completions", g.base), &body(false), &[]).await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.header("x-kvgate-worker"), "p0");
+    assert_eq!(r.header("x-kvgate-route"), "fallback");
+    let want = post(&format!("{}/v1/completions", p.base), &body(false), &[]).await;
+    assert_eq!(r.json()["choices"][0]["text"], want.json()["choices"][0]["text"]);
+}
