@@ -359,7 +359,8 @@ async fn explain(State(state): State<Arc<GatewayState>>, headers: HeaderMap, bod
         Err(e) => return api_error(e),
     };
     let max_tokens = p.fields.max_tokens.map(u64::from);
-    let (_, class, expected) = class;
+    let (_, class, configured) = class;
+    let expected = state.expected_output(&class, configured);
     let kvgate_pool = state.pool_kind(&p.fields.model) == crate::config::WorkerKind::Kvgate;
     let ask = state.cfg.report_secret.as_ref().filter(|_| kvgate_pool).map(|_| {
         kvgate_router::split::plan::SplitAsk {

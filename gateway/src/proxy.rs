@@ -231,8 +231,9 @@ async fn handle(state: &Arc<GatewayState>, session: &mut Session, ctx: &mut Ctx)
         PrepHeaders { session: header(session, SESSION_HEADER).map(str::to_owned), cache_salt };
     let p = prepare_on_pool(state, chat, body, prep_headers, caller.clone(), true).await?;
     let model = p.fields.model.clone();
-    let (class, class_name, expected_output) =
+    let (class, class_name, configured_output) =
         choose_class(state, &p, &caller, header(session, CLASS_HEADER))?;
+    let expected_output = state.expected_output(&class_name, configured_output);
     // Admission prices the request with a dry run of the routing decision: cost = predicted uncached prompt
     // tokens + max_tokens (or the class's expected output).
     let max_tokens = p.fields.max_tokens.map(u64::from);
@@ -356,6 +357,9 @@ async fn handle(state: &Arc<GatewayState>, session: &mut Session, ctx: &mut Ctx)
                         .increment(predicted as u64);
                 }
                 if (200..300).contains(&status) {
+                    if let (Some(u), true, None) = (&usage, completed, max_tokens) {
+                        state.learn_output(&class_name, u.completion);
+                    }
                     // A whole (not streamed) answer was computed before it was sent, however it ended.
                     let computed = completed || whole;
                     permit.reconcile(charge(cost, uncached_here, usage, tokens_sent, computed, cap));

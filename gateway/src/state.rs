@@ -39,6 +39,11 @@ pub struct ModelTokenizer {
     pub scheme: HashScheme,
 }
 
+/// Completed requests of a class (without `max_tokens`) before their output length replaces the configured estimate.
+pub const LEARNED_OUTPUT_MIN: u64 = 8;
+/// The learned output length averages over about this many recent requests.
+pub const LEARNED_OUTPUT_WINDOW: u64 = 64;
+
 /// Everything the proxy and the control listener share.
 pub struct GatewayState {
     pub cfg: GatewayConfig,
@@ -51,6 +56,9 @@ pub struct GatewayState {
     pub router: Router,
     /// The prefill/decode split policy (`--split-policy`).
     pub split: Box<dyn kvgate_router::split::SplitPolicy>,
+    /// Per class: the output length of its completed requests that named no `max_tokens` (a moving average
+    /// and a count). Keys are configured class names only.
+    learned_output: Mutex<HashMap<String, (f64, u64)>>,
     pub admission: Admission,
     pub keys: KeyTable,
     pub tokenize: TokenizePool,
@@ -162,6 +170,7 @@ impl GatewayState {
             client,
             prometheus,
             ring_keys: Mutex::new(RingKeys::new(cfg_ring.0, cfg_ring.1)),
+            learned_output: Mutex::new(HashMap::new()),
             weights: RwLock::new((weights, weights_version)),
             classes_version: AtomicU64::new(classes_version),
             sends: (cfg_share_sends).then(SendSharer::new),
@@ -294,6 +303,29 @@ impl GatewayState {
         let (weights, weights_version) = self.weights();
         let (classes, classes_version) = self.classes();
         crate::persist::Persisted { weights, weights_version, classes, classes_version }
+    }
+
+    /// The output a request of `class` without `max_tokens` is expected to have: what its completed requests
+    /// without one produced (a moving average, once [`LEARNED_OUTPUT_MIN`] of them finished), else the class's
+    /// configured `expected_output_tokens`.
+    pub fn expected_output(&self, class: &str, configured: u64) -> u64 {
+        let learned = self.learned_output.lock().unwrap_or_else(|e| e.into_inner());
+        match learned.get(class) {
+            Some(&(mean, n)) if n >= LEARNED_OUTPUT_MIN => mean.round() as u64,
+            _ => configured,
+        }
+    }
+
+    /// Learns from a completed request of `class` that named no `max_tokens` and produced `tokens`.
+    pub fn learn_output(&self, class: &str, tokens: u64) {
+        let mut learned = self.learned_output.lock().unwrap_or_else(|e| e.into_inner());
+        if !learned.contains_key(class) && learned.len() >= self.cfg.classes.len().max(1) {
+            return; // class names are configured ones: bounded by the config
+        }
+        let e = learned.entry(class.to_owned()).or_insert((0.0, 0));
+        let t = tokens as f64;
+        e.0 = if e.1 == 0 { t } else { e.0 + (t - e.0) / (e.1.min(LEARNED_OUTPUT_WINDOW) + 1) as f64 };
+        e.1 = e.1.saturating_add(1);
     }
 
     /// The registry (locks are short and never held across an await).
