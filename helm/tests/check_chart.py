@@ -102,6 +102,10 @@ VALUE_SETS: dict[str, dict] = {
     "redis-external-auth": {"redis": {"mode": "external", "url": "redis://redis.shared:6379/0", "prefix": "fleet-b",
                                       "auth": {"username": "fleet-b", "existingSecret": "shared-redis",
                                                "existingSecretKey": "fleet-b-password"}}},
+    # Prefill/decode pools (#27): a prefill pool with a KV transfer listener, a decode pool, the split settings.
+    "pd-pools": {"workers": {"replicas": 1, "prefill": {"replicas": 2, "resources": {"limits": {"cpu": "8"}}},
+                             "decode": {"replicas": 3}},
+                 "gateway": {"split": {"policy": "dynamo", "sloTtft": "1500ms", "bandwidthPriorGbps": 100}}},
     "security-overrides": {"workers": {"gpu": {"count": 1}, "runtimeClassName": "nvidia",
                                        "containerSecurityContext": {"readOnlyRootFilesystem": False}},
                            "gateway": {"podSecurityContext": {"fsGroupChangePolicy": "OnRootMismatch"}}},
@@ -149,6 +153,9 @@ BAD_VALUES: dict[str, tuple[dict, str]] = {
     "a typo in a securityContext": ({"tests": {"containerSecurityContext": {"readOnlyRootFS": True}}}, "readOnlyRootFS"),
     "a non-boolean token switch": ({"workers": {"requireGatewayToken": "yes"}}, "requireGatewayToken"),
     "a non-boolean policy switch": ({"networkPolicy": {"enabled": "on"}}, "enabled"),
+    "an unknown split policy": ({"gateway": {"split": {"policy": "sometimes"}}}, "policy"),
+    "negative prefill replicas": ({"workers": {"prefill": {"replicas": -1}}}, "replicas"),
+    "a zero bandwidth prior": ({"gateway": {"split": {"bandwidthPriorGbps": 0}}}, "bandwidthPriorGbps"),
 }
 
 chart = helm.Chart.load(str(CHART))
@@ -308,7 +315,34 @@ for name, extra in VALUE_SETS.items():
     sts = find(docs, "StatefulSet")
     w = values["workers"]
     ext = w["external"]
-    check(len(sts) == (0 if ext["service"] else 1), f"{name}: one worker StatefulSet, none when fronting pods")
+    pools = [p for p in ("prefill", "decode") if w[p]["replicas"] > 0]
+    check(len(sts) == (0 if ext["service"] else 1 + len(pools)),
+          f"{name}: one worker StatefulSet per pool, none when fronting pods")
+    check(f'split-policy = "{g["split"]["policy"]}"' in gw_toml and "split-slo-tpot" in gw_toml,
+          f"{name}: the split settings in gateway.toml")
+    if not ext["service"]:
+        for st in sts:
+            pool = next((p for p in pools if st["metadata"]["name"].endswith(f"-worker-{p}")), None)
+            c = st["spec"]["template"]["spec"]["containers"][0]
+            args = c["args"]
+            role = args[args.index("--role") + 1]
+            check(role == (pool or "both"), f"{name}: {st['metadata']['name']} serves role {role}")
+            check(("--kv-transfer-port" in args) == (pool == "prefill"), f"{name}: only the prefill pool listens for transfers")
+            if pool:
+                check(st["spec"]["replicas"] == w[pool]["replicas"], f"{name}: {pool} replicas follow values")
+                want_res = w[pool]["resources"] or w["resources"]
+                check(c["resources"] == want_res, f"{name}: {pool} resources follow values")
+            # No other StatefulSet of the release selects this one's pods (the main one's selector is a subset of
+            # every pool's, so only pools are checked against each other and against the main pool's pods).
+            labels = st["spec"]["template"]["metadata"]["labels"]
+            for other in sts:
+                if other is not st and "kvgate.io/pool" in other["spec"]["selector"]["matchLabels"]:
+                    check(not selects(other["spec"]["selector"], labels),
+                          f"{name}: {other['metadata']['name']} does not select {st['metadata']['name']}'s pods")
+        if "prefill" in pools and values["networkPolicy"]["enabled"]:
+            wnp = [n for n in find(docs, "NetworkPolicy") if n["metadata"]["name"].endswith("-worker")]
+            ports = [p["port"] for p in wnp[0]["spec"]["ingress"][0]["ports"]]
+            check(w["prefill"]["transferPort"] in ports, f"{name}: workers may reach the prefill pool's transfer port")
     gw_spec = find(docs, "Deployment", "-gateway")[0]["spec"]["template"]["spec"]
     tok_vols = [v for v in gw_spec["volumes"] if v["name"] == "tokenizer"]
     if ext["service"]:
@@ -528,7 +562,8 @@ for name, extra in VALUE_SETS.items():
         if kv_workers:
             rules = npol["kv-kvgate-worker"]["spec"]["ingress"]
             ports = [p["port"] for p in rules[0]["ports"]]
-            check(len(rules) == 1 and ports == [w["port"]] + np_vals["extraWorkerPorts"]
+            transfer = [w["prefill"]["transferPort"]] if w["prefill"]["replicas"] > 0 else []
+            check(len(rules) == 1 and ports == [w["port"]] + np_vals["extraWorkerPorts"] + transfer
                   and rules[0]["from"] == [sel("gateway"), sel("worker")] + np_vals["workerFrom"],
                   f"{name}: worker ports only from gateways, peers and workerFrom: {rules}")
             check(selects(sel("worker")["podSelector"], pods_by_comp["worker"]), f"{name}: the worker peer matches the worker pods")
