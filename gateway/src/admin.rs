@@ -354,27 +354,15 @@ async fn explain(State(state): State<Arc<GatewayState>>, headers: HeaderMap, bod
         Ok(p) => p,
         Err(e) => return api_error(e),
     };
-    let class = match crate::proxy::choose_class(&state, &p, &caller, header(CLASS_HEADER).as_deref()) {
-        Ok(c) => c,
-        Err(e) => return api_error(e),
-    };
-    let max_tokens = p.fields.max_tokens.map(u64::from);
-    let (_, class, configured) = class;
-    let expected = state.expected_output(&class, configured);
-    let kvgate_pool = state.pool_kind(&p.fields.model) == crate::config::WorkerKind::Kvgate;
-    let ask = state.cfg.report_secret.as_ref().filter(|_| kvgate_pool).map(|_| {
-        kvgate_router::split::plan::SplitAsk {
-            policy: state.split.as_ref(),
-            settings: state.cfg.split,
-            expected_output: max_tokens.unwrap_or(expected),
-        }
-    });
-    let decision = {
-        let reg = state.registry();
-        state.router.dry_run_split(&reg, &p.route_input(), usize::MAX, ask.as_ref(), Instant::now())
-    };
-    let predicted = decision.as_ref().map_or(0, |d| d.predicted_cached_tokens);
-    let cost = (p.ids.len().saturating_sub(predicted) as u64) + max_tokens.unwrap_or(expected);
+    // Stages 1 and 2 of the request pipeline: what the request would be priced at, and the decision it would get.
+    let priced =
+        match crate::pipeline::price(&state, &p, &caller, header(CLASS_HEADER).as_deref(), usize::MAX) {
+            Ok(v) => v,
+            Err(e) => return api_error(e),
+        };
+    let decision = Some(&priced.dry);
+    let (class, cost) = (&priced.class_name, priced.cost as u64);
+    let predicted = priced.dry.predicted_cached_tokens;
     Json(serde_json::json!({
         "model": p.fields.model,
         "policy": state.router.policy().name(),
@@ -391,7 +379,7 @@ async fn explain(State(state): State<Arc<GatewayState>>, headers: HeaderMap, bod
         "split_policy": state.split.name(),
         "split": decision.as_ref().and_then(|d| d.split.as_ref()),
         "prefill": decision.as_ref().and_then(|d| d.prefill.as_ref()).map(|c| c.id.as_str()),
-        "terms": decision.map(|d| d.terms),
+        "terms": decision.map(|d| &d.terms),
     }))
     .into_response()
 }

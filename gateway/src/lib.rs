@@ -28,6 +28,7 @@ pub mod keys;
 pub mod listener;
 pub mod meter;
 pub mod persist;
+pub mod pipeline;
 pub mod prepare;
 pub mod proxy;
 pub mod request;

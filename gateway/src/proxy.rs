@@ -8,17 +8,9 @@
 //! are not used. Connections reach this service through `listener.rs` (connection cap, header deadline, keep-alive
 //! idle timeout).
 //!
-//! A request's path, each step with its limit and error:
-//! 1. the body, within `--max-body-bytes` (413) and `--request-read-timeout` (408);
-//! 2. the caller, from its API key (`keys.rs`; unknown: the anonymous tenant, or 401 with `--require-api-key`);
-//! 3. parse, render, tokenize and hash on the tokenize pool (`prepare.rs`; 400, 404 `model_not_found`, 503
-//!    `tokenizer_busy`), refusing over-long requests (400 `context_length_exceeded`) before anything is charged;
-//! 4. pick the class (server rules; `x-kvgate-class` only for callers allowed to choose it, else 403), price the
-//!    request with a dry run of the routing decision and wait for the class budget (429), noticing a client that
-//!    leaves meanwhile; then route on the state as it is after the wait (`kvgate_router::route`: decide and record
-//!    the send under one lock);
-//! 5. up to `--max-attempts` workers in rank order: a worker that refuses before any byte is skipped (and left alone
-//!    for its Retry-After); a first-byte timeout is 504 and the worker turns suspect.
+//! A completion request's path is the staged pipeline of `pipeline.rs` (prepared -> priced -> admitted -> routed
+//! -> forwarded, each step with its limit and error); this file holds the pingora service, the other routes
+//! (`/v1/models`, `/health`) and what the stages share: the caller and class, the charge, the headers for workers.
 //!
 //! Charging: a request reserves its price at admission. It is then charged what the workers computed for it:
 //! - a completed response: its `usage` (uncached prompt + completion tokens; a response without usage: the price);
@@ -48,17 +40,13 @@ use pingora::http::ResponseHeader;
 use pingora::prelude::*;
 use pingora::proxy::{ProxyHttp, Session};
 
-use crate::admission::{ClassInput, CLASS_HEADER};
-use crate::config::WorkerKind;
+use crate::admission::ClassInput;
 use crate::errors::ApiError;
 use crate::keys::Caller;
 use crate::prepare::{prepare, PrepHeaders, PreparedRequest, CACHE_SALT_HEADER, SESSION_HEADER};
-use crate::registry::Fault;
-use crate::routing::RouteReason;
 use crate::state::GatewayState;
 use crate::tokenize::PoolError;
-use crate::upstream::{forward, unless_client_leaves, Attempt, Outcome, UsageSeen};
-use kvgate_router::split::plan::SplitAsk;
+use crate::upstream::UsageSeen;
 
 /// Status logged for a request whose client went away before its answer (nginx's convention).
 pub const CLIENT_CLOSED: u16 = 499;
@@ -71,11 +59,11 @@ pub struct Gateway {
 /// Per-request context.
 pub struct Ctx {
     started: Instant,
-    status: u16,
-    route: &'static str,
-    class: String,
+    pub(crate) status: u16,
+    pub(crate) route: &'static str,
+    pub(crate) class: String,
     /// Time spent waiting for the class budget.
-    admission_wait: Duration,
+    pub(crate) admission_wait: Duration,
 }
 
 #[async_trait]
@@ -127,7 +115,7 @@ async fn write_error(session: &mut Session, e: &ApiError) -> Result<()> {
     session.write_response_body(Some(body), true).await
 }
 
-async fn read_body(session: &mut Session, limit: usize) -> Result<Bytes, ApiError> {
+pub(crate) async fn read_body(session: &mut Session, limit: usize) -> Result<Bytes, ApiError> {
     if let Some(len) = session.req_header().headers.get("content-length") {
         if len.to_str().ok().and_then(|v| v.parse::<usize>().ok()).is_some_and(|n| n > limit) {
             return Err(ApiError::too_large(limit));
@@ -147,10 +135,6 @@ async fn read_body(session: &mut Session, limit: usize) -> Result<Bytes, ApiErro
         }
     }
     Ok(buf.freeze())
-}
-
-fn header<'a>(session: &'a Session, name: &str) -> Option<&'a str> {
-    session.req_header().headers.get(name).and_then(|v| v.to_str().ok())
 }
 
 /// The caller behind a request's `Authorization` header (shared, not copied per request).
@@ -206,218 +190,17 @@ async fn handle(state: &Arc<GatewayState>, session: &mut Session, ctx: &mut Ctx)
     let method = session.req_header().method.clone();
     let path = session.req_header().uri.path().to_owned();
     match (method.as_str(), path.as_str()) {
-        ("POST", "/v1/chat/completions") | ("POST", "/v1/completions") => {}
-        ("GET", "/v1/models") => return models(state, session, ctx).await,
-        ("GET", "/health") => return plain_json(session, ctx, 200, "{\"status\":\"ok\"}").await,
-        _ => return Err(ApiError::not_found_route(&path)),
-    }
-    let read_limit = state.cfg.request_read_timeout;
-    let body = tokio::time::timeout(read_limit, read_body(session, state.cfg.max_body_bytes))
-        .await
-        .map_err(|_| ApiError::read_timeout(read_limit))??;
-    let caller = caller_of(state, header(session, "authorization"))?;
-    let chat = path == "/v1/chat/completions";
-    // The salt keys the KV blocks: a header that is not text is refused here, as the worker would refuse it,
-    // rather than routed unsalted and refused after admission.
-    let cache_salt = match session.req_header().headers.get(CACHE_SALT_HEADER) {
-        None => None,
-        Some(v) => Some(
-            v.to_str()
-                .map_err(|_| ApiError::invalid(CACHE_SALT_HEADER, "the cache salt header is not text"))?
-                .to_owned(),
-        ),
-    };
-    let prep_headers =
-        PrepHeaders { session: header(session, SESSION_HEADER).map(str::to_owned), cache_salt };
-    let p = prepare_on_pool(state, chat, body, prep_headers, caller.clone(), true).await?;
-    let model = p.fields.model.clone();
-    let (class, class_name, configured_output) =
-        choose_class(state, &p, &caller, header(session, CLASS_HEADER))?;
-    let expected_output = state.expected_output(&class_name, configured_output);
-    // Admission prices the request with a dry run of the routing decision: cost = predicted uncached prompt
-    // tokens + max_tokens (or the class's expected output).
-    let max_tokens = p.fields.max_tokens.map(u64::from);
-    let kvgate_pool = state.pool_kind(&model) == WorkerKind::Kvgate;
-    let ask = split_ask(state, kvgate_pool, max_tokens.unwrap_or(expected_output));
-    let priced = {
-        let reg = state.registry();
-        state.router.dry_run_split(&reg, &p.route_input(), 1, ask.as_ref(), Instant::now())
-    };
-    let Some(priced) = priced else {
-        return Err(ApiError::no_worker(&model));
-    };
-    let cost = (priced.uncached_tokens + max_tokens.unwrap_or(expected_output)) as f64;
-    // The most a pod's usage is believed: the prompt and the output the request may have had (the context left
-    // without max_tokens, where the context length is known).
-    let output_cap = max_tokens.or(p.max_model_len.map(u64::from)).unwrap_or(1 << 24);
-    let cap = (p.ids.len() as u64).saturating_add(output_cap);
-    ctx.class = class_name.clone();
-    let admitted =
-        unless_client_leaves(session, state.admission.admit(class, Some(&caller.tenant), cost)).await;
-    let Some(permit) = admitted else {
-        ctx.status = CLIENT_CLOSED;
-        return Ok(());
-    };
-    let permit = permit.map_err(ApiError::rejected)?;
-    ctx.admission_wait = permit.waited;
-    // Decide on the registry as it is after the wait, and record the send to the pick, under one short lock.
-    let decided_at = Instant::now();
-    let routed = {
-        let mut reg = state.registry();
-        let input = p.route_input();
-        state.router.route_split(&mut reg, &input, state.cfg.max_attempts, ask.as_ref(), Instant::now())
-    };
-    metrics::histogram!("kvgate_gateway_decision_seconds").record(decided_at.elapsed().as_secs_f64());
-    let Some(routed) = routed else {
-        return Err(ApiError::no_worker(&model));
-    };
-    count_split(state, &routed);
-    if let Some(t) = routed.candidates.first() {
-        let tokens = if routed.is_split() { 0 } else { routed.uncached_tokens };
-        state.share_send(&t.id, &p.hashes, tokens, p.session_key);
-    }
-    if let Some(pf) = &routed.prefill {
-        state.share_send(&pf.id, &p.hashes, routed.uncached_tokens, p.session_key);
-    }
-    // The pick's in-flight slot (and a split's prefill share) is given back on every path from here on.
-    let mut first_guard = routed.ticket.map(|ticket| InflightGuard { state: state.clone(), ticket });
-    let mut prefill_guard =
-        routed.prefill_ticket.map(|ticket| InflightGuard { state: state.clone(), ticket });
-    let split_peer = routed.split.as_ref().filter(|_| routed.is_split()).map(|s| s.peer.clone());
-    let (uncached, predicted) = (routed.uncached_tokens, routed.predicted_cached_tokens);
-    // Pods that are not kvgate workers get the client's headers (and `authorization` with
-    // --forward-authorization); kvgate workers get the gateway's token and assertion instead.
-    let forwarded = forwarded_headers(state, session, p.salt_rewritten, true);
-    let to_kvgate = forwarded_headers(state, session, p.salt_rewritten, false);
-    // The prompt handoff for kvgate workers whose tokenizer is the gateway's: the ids computed here, so the worker
-    // does not tokenize again.
-    let handoff = handoff(state, &p);
-    let output = max_tokens.unwrap_or(expected_output);
-    let mut reason = if routed.is_split() { RouteReason::Split } else { routed.reason };
-    let mut refused_for: Option<Duration> = None;
-    for (attempt, t) in routed.candidates.iter().enumerate() {
-        let guard = if attempt == 0 {
-            first_guard.take()
-        } else {
-            // A fallback serves the request whole: a split's prefill share is given back.
-            prefill_guard.take();
-            reason = RouteReason::Fallback;
-            let mut reg = state.registry();
-            let ticket = reg.find(t.wref).map(|i| reg.record_sent(i, &p.hashes, uncached, Instant::now()));
-            drop(reg);
-            if ticket.is_some() {
-                state.share_send(&t.id, &p.hashes, uncached, p.session_key);
-            }
-            ticket.map(|ticket| InflightGuard { state: state.clone(), ticket })
-        };
-        let Some(guard) = guard else {
-            continue; // forgotten since the decision
-        };
-        ctx.route = reason.as_str();
-        // The pick's uncached prompt was predicted; a fallback's is not known: its whole prompt (and its
-        // first-byte budget is the whole prompt's, not the pick's).
-        let uncached_here = if attempt == 0 { uncached } else { p.ids.len() as u64 };
-        let first_byte = state.cfg.first_byte.for_request(uncached_here, output, p.fields.stream);
-        let split_here = split_peer.as_deref().filter(|_| attempt == 0);
-        let ids = handoff.as_ref().filter(|_| t.reports && t.fingerprint_ok);
-        let body = ids.map_or(&p.body, |(body, _)| body);
-        let headers = match state.cfg.report_secret.as_deref() {
-            Some(secret) if kvgate_pool => {
-                let mut h = to_kvgate.clone();
-                h.extend(gateway_headers(secret, &p, ids.map(|(_, enc)| enc.as_str())));
-                h.extend(split_here.map_or_else(Vec::new, |peer| split_headers(secret, &model, peer)));
-                h
-            }
-            _ => forwarded.clone(),
-        };
-        let a = Attempt {
-            url: &t.url,
-            path: &path,
-            body,
-            headers: &headers,
-            worker_id: &t.id,
-            reason,
-            class: &class_name,
-            admission_wait: ctx.admission_wait,
-            first_byte_timeout: first_byte,
-            idle_timeout: state.cfg.stream_idle_timeout,
-            strip_usage: p.strip_usage,
-        };
-        let outcome = forward(state, session, &a).await;
-        drop(guard);
-        match outcome {
-            Outcome::Responded { status, usage, tokens_sent, whole, completed, stalled } => {
-                ctx.status = status;
-                if stalled {
-                    state.registry().record_fault(t.wref, Fault::Timeout, Instant::now());
-                }
-                if let Some(u) = &usage {
-                    metrics::counter!("kvgate_gateway_reported_cached_tokens_total").increment(u.cached);
-                    metrics::counter!("kvgate_gateway_predicted_cached_tokens_total")
-                        .increment(predicted as u64);
-                }
-                if (200..300).contains(&status) {
-                    if let (Some(u), true, None) = (&usage, completed, max_tokens) {
-                        state.learn_output(&class_name, u.completion);
-                    }
-                    // A whole (not streamed) answer was computed before it was sent, however it ended.
-                    let computed = completed || whole;
-                    permit.reconcile(charge(cost, uncached_here, usage, tokens_sent, computed, cap));
-                    if !completed {
-                        metrics::counter!("kvgate_gateway_class_partial_charges_total", "class" => class_name.clone())
-                            .increment(1);
-                    }
-                }
-                // An error answer drops the permit: a full refund (the worker computed nothing).
-                return Ok(());
-            }
-            Outcome::ConnectFailed(e) => {
-                tracing::warn!(worker = %t.id, error = %e, "no response; trying the next worker");
-                state.registry().record_fault(t.wref, Fault::Refused, Instant::now());
-            }
-            Outcome::Refused { code, retry_after } => {
-                tracing::info!(worker = %t.id, %code, ?retry_after, "worker refused; trying the next worker");
-                state.registry().record_busy(t.wref, Instant::now() + retry_after);
-                refused_for = Some(refused_for.map_or(retry_after, |r| r.min(retry_after)));
-            }
-            Outcome::TimedOut => {
-                tracing::warn!(worker = %t.id, after = ?first_byte, "first-byte timeout: worker suspect");
-                state.registry().record_fault(t.wref, Fault::Timeout, Instant::now());
-                // The worker had the request: its prefill is charged.
-                permit.reconcile(uncached_here as f64);
-                return Err(ApiError::upstream_timeout(&t.id, first_byte));
-            }
-            Outcome::ClientGone => {
-                ctx.status = CLIENT_CLOSED;
-                // A stream's first token was not out yet: its prefill. A whole answer may have been all but done
-                // when the client left: its price.
-                permit.reconcile(if p.fields.stream { uncached_here as f64 } else { cost });
-                metrics::counter!("kvgate_gateway_class_partial_charges_total", "class" => class_name.clone())
-                    .increment(1);
-                return Ok(());
-            }
-            Outcome::Failed(e) => return Err(e),
+        ("POST", "/v1/chat/completions") | ("POST", "/v1/completions") => {
+            crate::pipeline::serve(state, session, ctx, &path).await
         }
+        ("GET", "/v1/models") => models(state, session, ctx).await,
+        ("GET", "/health") => plain_json(session, ctx, 200, "{\"status\":\"ok\"}").await,
+        _ => Err(ApiError::not_found_route(&path)),
     }
-    match refused_for {
-        Some(r) => Err(ApiError::all_refused(&model, r.as_secs_f64().ceil() as u32)),
-        None => Err(ApiError::no_worker(&model)),
-    }
-}
-
-/// What a request may be split by: the split policy and settings, when the model's pool is kvgate workers and
-/// the gateway holds the report secret (the grant is signed with it). `output`: the expected output tokens.
-fn split_ask(state: &GatewayState, kvgate_pool: bool, output: u64) -> Option<SplitAsk<'_>> {
-    state.cfg.report_secret.as_ref()?;
-    kvgate_pool.then(|| SplitAsk {
-        policy: state.split.as_ref(),
-        settings: state.cfg.split,
-        expected_output: output,
-    })
 }
 
 /// Counts a considered split by outcome and logs its terms.
-fn count_split(state: &GatewayState, routed: &kvgate_router::route::Routed) {
+pub(crate) fn count_split(state: &GatewayState, routed: &kvgate_router::route::Routed) {
     let Some(s) = &routed.split else { return };
     let d = &s.decision;
     metrics::counter!("kvgate_gateway_split_decisions_total", "policy" => state.split.name(),
@@ -433,7 +216,7 @@ fn count_split(state: &GatewayState, routed: &kvgate_router::route::Routed) {
 }
 
 /// The decode worker's headers of a split: the prefill peer and the gateway's grant for it.
-fn split_headers(secret: &str, model: &str, peer: &str) -> Vec<(HeaderName, HeaderValue)> {
+pub(crate) fn split_headers(secret: &str, model: &str, peer: &str) -> Vec<(HeaderName, HeaderValue)> {
     let now_ms = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_millis() as u64);
@@ -471,7 +254,7 @@ pub fn charge(
 /// gateway has a report secret (shared with its workers), the prompt was tokenized here (chat or text) and the
 /// body stays within `--max-body-bytes` (workers are expected to allow at least as much). Used only for kvgate
 /// workers whose reported fingerprint is the gateway's.
-fn handoff(state: &GatewayState, p: &PreparedRequest) -> Option<(Bytes, String)> {
+pub(crate) fn handoff(state: &GatewayState, p: &PreparedRequest) -> Option<(Bytes, String)> {
     state.cfg.report_secret.as_deref()?;
     if !state.cfg.prompt_handoff || !p.tokenized || p.ids.is_empty() {
         return None;
@@ -486,7 +269,11 @@ fn handoff(state: &GatewayState, p: &PreparedRequest) -> Option<(Bytes, String)>
 
 /// What a gateway adds for a kvgate worker: its token, and its assertion (`kvgate_shared::handoff`) of the
 /// request's tenant scope, salt, model, fingerprint and handed-off ids (`ids`: the field's value), issued now.
-fn gateway_headers(secret: &str, p: &PreparedRequest, ids: Option<&str>) -> Vec<(HeaderName, HeaderValue)> {
+pub(crate) fn gateway_headers(
+    secret: &str,
+    p: &PreparedRequest,
+    ids: Option<&str>,
+) -> Vec<(HeaderName, HeaderValue)> {
     let issued_ms = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_millis() as u64);
@@ -511,7 +298,7 @@ fn gateway_headers(secret: &str, p: &PreparedRequest, ids: Option<&str>) -> Vec<
 /// The client headers workers get: the session id, the cache salt (unless a keyed caller's tenant salt replaced
 /// it; the body carries that), `accept`, and `authorization` only with `--forward-authorization` to pods that are
 /// not kvgate workers (`foreign`).
-fn forwarded_headers(
+pub(crate) fn forwarded_headers(
     state: &GatewayState,
     session: &Session,
     salt_rewritten: bool,
@@ -534,9 +321,9 @@ fn forwarded_headers(
 }
 
 /// Gives the worker's in-flight slot back on every path.
-struct InflightGuard {
-    state: Arc<GatewayState>,
-    ticket: crate::registry::SentTicket,
+pub(crate) struct InflightGuard {
+    pub(crate) state: Arc<GatewayState>,
+    pub(crate) ticket: crate::registry::SentTicket,
 }
 
 impl Drop for InflightGuard {
