@@ -11,8 +11,8 @@
 //!    under one lock (`kvgate_router::route`), local or split (the split policy's choice), guards that give the
 //!    in-flight slots back on every path;
 //! 5. [`forward`]: the candidates in rank order (a split's decode worker, then whole-request fallbacks, each
-//!    recorded through the router's registry with its own uncached count and first-byte budget) until one
-//!    answers; the answer settles the permit (`proxy::charge`).
+//!    recorded through the router, `Router::record_fallback`, with its own uncached count: its first-byte budget
+//!    and charge) until one answers; the answer settles the permit (`proxy::charge`).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -225,15 +225,19 @@ impl Outbound {
     }
 }
 
-/// Records a fallback's send (its whole prompt as uncached tokens) and shares it; `None`: forgotten since.
-fn record_fallback(state: &Arc<GatewayState>, p: &PreparedRequest, t: &Candidate) -> Option<InflightGuard> {
-    let uncached = p.ids.len() as u64;
-    let ticket = {
+/// Records a fallback's send through the router (its own uncached tokens, from its own prefix match) and shares
+/// it; `None`: forgotten since the decision.
+fn record_fallback(
+    state: &Arc<GatewayState>,
+    p: &PreparedRequest,
+    t: &Candidate,
+) -> Option<(InflightGuard, u64)> {
+    let (ticket, uncached) = {
         let mut reg = state.registry();
-        reg.find(t.wref).map(|i| reg.record_sent(i, &p.hashes, uncached, Instant::now()))
+        state.router.record_fallback(&mut reg, t, &p.route_input(), Instant::now())
     }?;
     state.share_send(&t.id, &p.hashes, uncached, p.session_key);
-    Some(InflightGuard { state: state.clone(), ticket })
+    Some((InflightGuard { state: state.clone(), ticket }, uncached))
 }
 
 /// Stage 5.
@@ -254,20 +258,18 @@ pub async fn forward(
     let mut refused_for: Option<Duration> = None;
     for (attempt, t) in routed.candidates.iter().enumerate() {
         let guard = if attempt == 0 {
-            r.first.take()
+            r.first.take().map(|g| (g, routed.uncached_tokens))
         } else {
-            // A fallback serves the request whole: a split's prefill share is given back.
+            // A fallback serves the request whole: a split's prefill share is given back. Its uncached tokens
+            // (its first-byte budget and charge) are its own, not the first pick's.
             r.prefill.take();
             reason = RouteReason::Fallback;
             record_fallback(state, p, t)
         };
-        let Some(guard) = guard else {
+        let Some((guard, uncached)) = guard else {
             continue; // forgotten since the decision
         };
         ctx.route = reason.as_str();
-        // The pick's uncached prompt was predicted; a fallback's is not known: its whole prompt, and the
-        // first-byte budget that goes with it.
-        let uncached = if attempt == 0 { routed.uncached_tokens } else { p.ids.len() as u64 };
         let first_byte = state.cfg.first_byte.for_request(uncached, priced.output, p.fields.stream);
         let (body, headers) =
             out.for_candidate(state, p, t, priced.kvgate_pool, split_peer.filter(|_| attempt == 0));

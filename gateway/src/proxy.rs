@@ -20,7 +20,7 @@
 //! - a request a worker accepted but that never answered: on the first-byte timeout, and for a stream whose
 //!   client left before the first token, the uncached prompt (the gateway cannot see whether prefill began, so it
 //!   assumes it did); a whole (not streamed) answer whose client left: its price (it may have been all but done);
-//! - a fallback worker's uncached prompt is not predicted: its whole prompt stands for it;
+//! - a fallback worker's uncached prompt is its own prefix match's, at the fallback (`Router::record_fallback`);
 //! - a pod's usage is believed up to the prompt plus the output the request may have had;
 //! - refunded in full only when no worker computed anything: refusals, connection failures, error answers, and
 //!   every refusal before a worker was tried (admission, validation, no worker).

@@ -119,7 +119,10 @@ pub async fn forward(state: &GatewayState, session: &mut Session, a: &Attempt<'_
         Some(Ok(Err(e))) => return Outcome::ConnectFailed(e.to_string()),
         Some(Ok(Ok(r))) => r,
     };
-    metrics::histogram!("kvgate_gateway_upstream_first_byte_seconds").record(sent_at.elapsed().as_secs_f64());
+    // By path: a split's first byte waits for the prefill on another worker and the KV transfer.
+    let path = if a.reason == RouteReason::Split { "split" } else { "local" };
+    metrics::histogram!("kvgate_gateway_upstream_first_byte_seconds", "path" => path)
+        .record(sent_at.elapsed().as_secs_f64());
     let status = resp.status().as_u16();
     let (parts, body) = resp.into_parts();
     let sse = parts
@@ -202,7 +205,20 @@ pub async fn forward(state: &GatewayState, session: &mut Session, a: &Attempt<'_
         } else {
             a.idle_timeout
         };
-        match tokio::time::timeout(wait, body.frame()).await {
+        // The client may leave while the worker is silent (a split's decode worker waits for the prompt's KV
+        // before its first token): noticed now, not at the next write, so the worker drops the request at once.
+        let Some(next) = unless_client_leaves(session, tokio::time::timeout(wait, body.frame())).await else {
+            let usage = if sse { None } else { meter.finish_usage() };
+            return Outcome::Responded {
+                status,
+                usage,
+                tokens_sent: meter.tokens_sent(),
+                whole: !sse,
+                completed: false,
+                stalled: false,
+            };
+        };
+        match next {
             Ok(None) => break,
             Ok(Some(Ok(frame))) => {
                 first = false;

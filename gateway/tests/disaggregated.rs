@@ -142,3 +142,52 @@ async fn a_dead_decode_worker_falls_back_to_a_whole_request() {
     let want = post(&format!("{}/v1/completions", p.base), &body(false), &[]).await;
     assert_eq!(r.json()["choices"][0]["text"], want.json()["choices"][0]["text"]);
 }
+
+async fn wait_metric(base: &str, series: &str, want: f64, within: std::time::Duration) -> f64 {
+    let deadline = std::time::Instant::now() + within;
+    loop {
+        let m = get(&format!("{base}/metrics")).await.body;
+        let v = metric(&m, series).unwrap_or(0.0);
+        if v == want || std::time::Instant::now() > deadline {
+            return v;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test]
+async fn a_client_leaving_a_split_request_cancels_both_legs() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let synth = dir.path().join("tiny");
+    let (g, control) = gateway(&["--split-policy", "always"]);
+    // The prefill worker stalls its export after 2 blocks for 3 s: the client leaves meanwhile.
+    let p_flags = ["--role", "prefill", "--kv-transfer-port", "0", "--kv-transfer-lease", "1s"];
+    let p = worker_on(
+        free_port(),
+        "p0",
+        &synth,
+        Some(&control),
+        &p_flags,
+        &[("KVGATE_FAULT_EXPORT_PAUSE", "2:3000")],
+    );
+    let d = worker("d0", &synth, Some(&control), &["--role", "decode", "--kv-transfer-lease", "1s"]);
+    wait_healthy(&control, 2).await;
+    let url = format!("{}/v1/completions", g.base);
+    let left =
+        tokio::time::timeout(std::time::Duration::from_millis(400), post(&url, &body(true), &[])).await;
+    assert!(left.is_err(), "the answer waited on the stalled export");
+    // Both legs end within the lease and a second, not at the export's stall or the request timeout.
+    let import = "kvgate_worker_kv_transfers_total{side=\"import\",outcome=\"client_left\"}";
+    assert_eq!(wait_metric(&d.base, import, 1.0, std::time::Duration::from_secs(2)).await, 1.0);
+    let leases =
+        wait_metric(&p.base, "kvgate_worker_kv_transfer_leases", 0.0, std::time::Duration::from_secs(5));
+    assert_eq!(leases.await, 0.0);
+    let gm = get(&format!("{control}/metrics")).await.body;
+    // The stream was cut short: charged what was computed (a partial charge), not a whole answer.
+    assert_eq!(metric(&gm, "kvgate_gateway_class_partial_charges_total{class=\"short\"}"), Some(1.0), "{gm}");
+    let split = "kvgate_gateway_requests_total{policy=\"cache_aware\",route=\"split\",status=\"200\",class=\"short\"}";
+    assert_eq!(metric(&gm, split), Some(1.0), "{gm}");
+    // The fleet serves the next request as usual.
+    let r = post(&url, &body(false), &[]).await;
+    assert_eq!(r.status, 200, "{}", r.body);
+}

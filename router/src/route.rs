@@ -9,7 +9,8 @@
 //!    (in-flight count, uncached tokens, overlay) to the pick, under the caller's one registry lock, so requests
 //!    released together see each other's sends.
 //!
-//! A fallback attempt after a refused connection records its own send with [`Registry::record_sent`].
+//! A fallback attempt after a refused connection records its send with [`Router::record_fallback`] (its own
+//! uncached tokens, from its own prefix match).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
@@ -157,6 +158,29 @@ impl Router {
 
 /// Workers of role prefill serve whole requests only as fallbacks: they go to the end of the ranking (the pick's
 /// predicted cache follows the pick).
+impl Router {
+    /// Records a fallback attempt's send to `c` (the whole request on it, after the candidates before it refused
+    /// or failed): its uncached tokens are what this worker lacks of the prompt now (its own prefix match through
+    /// the tiers, not the first pick's), and they are returned for its first-byte budget and its charge. `None`:
+    /// the worker was forgotten since the decision.
+    pub fn record_fallback(
+        &self,
+        reg: &mut Registry,
+        c: &Candidate,
+        input: &RouteInput<'_>,
+        now: Instant,
+    ) -> Option<(SentTicket, u64)> {
+        let i = reg.find(c.wref)?;
+        let (views, index) = reg.views(input.model, input.hashes, None, now);
+        let held = index
+            .iter()
+            .position(|&j| j == i)
+            .map_or(0, |v| views[v].tier_match(input.hashes).through_disk * input.block_size);
+        let uncached = input.prompt_tokens.saturating_sub(held) as u64;
+        Some((reg.record_sent(i, input.hashes, uncached, now), uncached))
+    }
+}
+
 fn prefill_workers_last(
     reg: &Registry,
     index: &[usize],
@@ -322,6 +346,23 @@ mod tests {
         for t in reg.workers().iter().map(|w| w.load(now).pending_tokens) {
             assert_eq!(t, 64 * 16, "every send counted its uncached tokens");
         }
+    }
+
+    #[test]
+    fn a_fallback_is_recorded_with_its_own_uncached_tokens() {
+        // The prompt was routed to one worker (its overlay holds it); a fallback to it has nothing to compute,
+        // a fallback to a cold worker the whole prompt, whatever the first pick predicted.
+        let router = Router::new(policy_by_name("cache_aware", Weights::default()).expect("policy"));
+        let mut reg = registry(2);
+        let now = Instant::now();
+        let hashes: Vec<BlockHash> = (1..=8).map(BlockHash).collect();
+        let first = router.route(&mut reg, &input(&hashes), 2, now).expect("route");
+        let (warm, cold) = (&first.candidates[0], &first.candidates[1]);
+        let (_, u) = router.record_fallback(&mut reg, warm, &input(&hashes), now).expect("warm");
+        assert_eq!(u, 0);
+        let (t, u) = router.record_fallback(&mut reg, cold, &input(&hashes), now).expect("cold");
+        assert_eq!(u, 8 * 16);
+        assert_eq!(reg.workers()[t.idx].load(now).pending_tokens, 8 * 16);
     }
 
     #[test]

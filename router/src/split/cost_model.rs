@@ -12,9 +12,12 @@
 //!                      = max(transfer_s / groups, transfer_s - compute_s(P, P.uncached))   if it sends layer groups
 //!              ttft = prefill_s(P, P.uncached) + exposed + D.decode_step_s
 //!              tpot = tpot(D)
+//! others(W, n) = tpot(W) + compute_s(W, n) / output   if W runs streams, else 0
+//!              (the TPOT of the streams already on the worker that computes the prompt: its chunks stall each
+//!               of them for compute_s, spread over about this request's output length)
 //! e2e = ttft + (output - 1) x tpot
-//! choice: split iff the split meets both SLOs (and P's own streams meet the TPOT target: tpot(P) <= SLO) and
-//!         local does not. When both meet, local (moving the KV then costs link time and prefill capacity and buys
+//! an option meets the SLOs iff ttft <= TTFT target, tpot <= TPOT target and others <= TPOT target
+//! choice: split iff the split meets the SLOs and local does not. When both meet, local (moving the KV then costs link time and prefill capacity and buys
 //!         no goodput), except onto a prefill worker with no streams of its own (a dedicated one: its idle
 //!         capacity stalls no one) when the split's e2e is lower. When neither meets, local: the PD
 //!         simulator showed splitting an overloaded fleet's misses (by the lower e2e) costs goodput on the
@@ -63,12 +66,23 @@ fn tpot(w: &Side) -> f64 {
     sane(w.decode_step_s, 0.0) / (1.0 - sane(w.stall_ratio, 0.0).min(MAX_STALL))
 }
 
-fn finish(ttft_s: f64, tpot_s: f64, output: u64, input: &SplitInput) -> Prediction {
+/// The TPOT of the streams on `w` while it computes `n` prompt tokens (0 when it runs none).
+fn others(w: &Side, n: u64, output: u64) -> f64 {
+    if w.running == 0 {
+        return 0.0;
+    }
+    tpot(w) + compute_s(w, n) / output.max(1) as f64
+}
+
+fn finish(ttft_s: f64, tpot_s: f64, others_tpot_s: f64, output: u64, input: &SplitInput) -> Prediction {
     Prediction {
         ttft_s,
         tpot_s,
+        others_tpot_s,
         e2e_s: ttft_s + output.saturating_sub(1) as f64 * tpot_s,
-        meets_slo: ttft_s <= input.slo.ttft_s && tpot_s <= input.slo.tpot_s,
+        meets_slo: ttft_s <= input.slo.ttft_s
+            && tpot_s <= input.slo.tpot_s
+            && others_tpot_s <= input.slo.tpot_s,
     }
 }
 
@@ -76,7 +90,8 @@ fn finish(ttft_s: f64, tpot_s: f64, output: u64, input: &SplitInput) -> Predicti
 pub fn predict(input: &SplitInput) -> SplitTerms {
     let (l, p, d) = (&input.local, &input.prefill, &input.decode);
     let out = input.expected_output;
-    let local = finish(prefill_s(l, l.uncached_tokens) + sane(l.decode_step_s, 0.0), tpot(l), out, input);
+    let local_ttft = prefill_s(l, l.uncached_tokens) + sane(l.decode_step_s, 0.0);
+    let local = finish(local_ttft, tpot(l), others(l, l.uncached_tokens, out), out, input);
     let moved = input.prompt_tokens.saturating_sub(input.decode_cached_tokens);
     let transfer_bytes = moved as f64 * sane(input.kv_bytes_per_token, 0.0);
     let transfer_s = transfer_bytes / sane(input.bandwidth_bytes_per_s, MIN_BANDWIDTH);
@@ -88,6 +103,7 @@ pub fn predict(input: &SplitInput) -> SplitTerms {
     let split = finish(
         prefill_s(p, p.uncached_tokens) + exposed_transfer_s + sane(d.decode_step_s, 0.0),
         tpot(d),
+        others(p, p.uncached_tokens, out),
         out,
         input,
     );
@@ -104,9 +120,7 @@ impl SplitPolicy for CostModel {
     fn decide(&self, input: &SplitInput) -> SplitDecision {
         let terms = predict(input);
         let (l, s) = (&terms.local, &terms.split);
-        // A prefill worker whose own streams already miss the TPOT target would only pass the stall along.
-        let p_ok = tpot(&input.prefill) <= input.slo.tpot_s;
-        let (choice, reason) = match (l.meets_slo, s.meets_slo && p_ok) {
+        let (choice, reason) = match (l.meets_slo, s.meets_slo) {
             (false, true) => (Choice::Split, "slo"),
             (true, false) => (Choice::Local, "slo"),
             (true, true) if input.prefill.running == 0 && s.e2e_s < l.e2e_s => {

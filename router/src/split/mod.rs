@@ -94,6 +94,8 @@ pub struct Prediction {
     pub tpot_s: f64,
     /// TTFT + (output - 1) x TPOT.
     pub e2e_s: f64,
+    /// TPOT of the streams already on the worker that computes the prompt, while it does (0: it runs none).
+    pub others_tpot_s: f64,
     pub meets_slo: bool,
 }
 

@@ -24,9 +24,9 @@ fn report(id: &str, role: Role, stall: f64, imports: Vec<PeerImport>) -> WorkerR
     WorkerReport {
         pd: PdInfo {
             role,
-            // The `both` worker of these tests cannot transfer (no listener).
+            // The `both` worker of these tests cannot transfer (no listener, an engine that copies no KV).
             transfer_addr: if role == Role::Both { String::new() } else { format!("{id}:9100") },
-            kv_bytes_per_token: 131_072,
+            kv_bytes_per_token: if role == Role::Both { 0 } else { 131_072 },
             export_groups: 8,
             timing: StepTiming { prefill_tokens_per_s: 40_000.0, decode_step_s: 0.006, stall_ratio: stall },
             imports,

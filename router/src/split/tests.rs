@@ -152,6 +152,22 @@ fn when_both_options_meet_the_slos_the_request_stays_local() {
 }
 
 #[test]
+fn a_prefill_that_would_push_the_local_streams_over_the_target_goes_to_an_idle_prefill_worker() {
+    // 4,096 tokens take 98 ms here; spread over a 2-token answer that adds 49 ms to each of the 32 streams on
+    // the local pick (5.8 + 49 > 50 ms), though the request itself would meet its own targets.
+    let mut i = input(4096, 2, 0.0, GBPS_25);
+    i.slo = DEFAULT_SLO;
+    i.local.running = 32;
+    i.prefill.running = 0;
+    let d = CostModel.decide(&i);
+    assert!(d.terms.local.others_tpot_s > DEFAULT_SLO.tpot_s && d.terms.local.tpot_s < DEFAULT_SLO.tpot_s);
+    assert_eq!((d.choice, d.reason), (Choice::Split, "slo"), "{:?}", d.terms);
+    // A longer answer spreads the same prefill thinner: the local streams stay under the target.
+    i.expected_output = 64;
+    assert_eq!(CostModel.decide(&i).choice, Choice::Local);
+}
+
+#[test]
 fn hostile_or_missing_measurements_give_finite_terms_and_stay_local() {
     for bad in [f64::NAN, f64::INFINITY, f64::NEG_INFINITY, -1.0, 0.0] {
         let mut i = input(4096, 4096, 0.3, bad);
