@@ -1,0 +1,99 @@
+//! Configuration: defaults, precedence (flags over the file over defaults), validation.
+
+use super::*;
+use std::str::FromStr;
+
+fn secured() -> GatewayArgs {
+    GatewayArgs { report_secret: Some("s".into()), ..Default::default() }
+}
+
+#[test]
+fn models_come_from_flags_or_the_toml_file_and_are_checked() {
+    let a =
+        GatewayArgs::try_parse_from(["g", "--model", "m1=/tok/m1", "--model", "m2=/tok/m2"]).expect("flags");
+    let m = a.models.clone().expect("models");
+    assert_eq!((m[0].name.as_str(), m[0].block_size, m[0].kind), ("m1", 16, WorkerKind::Kvgate));
+    assert_eq!(m[1].tokenizer, PathBuf::from("/tok/m2"));
+    assert!("no-equals".parse::<ModelSpec>().is_err());
+    let dir = tempfile::tempdir().expect("tmp");
+    let path = dir.path().join("g.toml");
+    std::fs::write(
+        &path,
+        "[[models]]\nname = \"llama\"\ntokenizer = \"/t\"\nkind = \"vllm\"\nblock-size = 32\n\
+         workers = [\"http://10.0.0.1:8000\"]\n",
+    )
+    .expect("write");
+    let cfg = GatewayArgs { config: Some(path.clone()), ..secured() }.resolve().expect("toml");
+    assert_eq!(cfg.models[0].kind, WorkerKind::Vllm);
+    assert_eq!((cfg.models[0].block_size, cfg.models[0].workers.len()), (32, 1));
+    std::fs::write(&path, "[[models]]\nname = \"x\"\ntokenizer = \"/t\"\nkind = \"tgi\"\n").expect("write");
+    assert!(GatewayArgs { config: Some(path.clone()), ..secured() }.resolve().is_err(), "unknown kind");
+    let bad = GatewayArgs {
+        models: Some(vec![
+            ModelSpec { block_size: 0, ..ModelSpec::from_str("a=/t").expect("a") },
+            ModelSpec { workers: vec!["ftp://x".into()], ..ModelSpec::from_str("a=/t").expect("a") },
+        ]),
+        ..secured()
+    };
+    let err = bad.resolve().and_then(|c| c.validate()).expect_err("bad models");
+    assert!(err.contains("block-size 0") && err.contains("unique") && err.contains("ftp://x"), "{err}");
+}
+
+#[test]
+fn no_report_secret_is_refused_unless_insecure_reports() {
+    let err = GatewayArgs::default().resolve().expect_err("no secret");
+    assert!(err.contains("report secret"), "{err}");
+    let cfg = GatewayArgs { insecure_reports: Some(true), ..Default::default() }.resolve().expect("insecure");
+    assert!(cfg.insecure_reports && cfg.report_secret.is_none());
+}
+
+#[test]
+fn first_byte_timeout_scales_with_uncached_tokens_and_output_between_floor_and_cap() {
+    let t = FirstByteTimeout {
+        floor: Duration::from_secs(2),
+        per_prompt_token: Duration::from_millis(1),
+        per_output_token: Duration::from_millis(10),
+        cap: Duration::from_secs(20),
+    };
+    assert_eq!(t.for_request(0, 100, true), Duration::from_secs(2));
+    assert_eq!(t.for_request(3000, 100, true), Duration::from_secs(5));
+    assert_eq!(t.for_request(3000, 100, false), Duration::from_secs(6));
+    assert_eq!(t.for_request(10_000_000, 0, true), Duration::from_secs(20));
+}
+
+#[test]
+fn defaults_validate_and_problems_are_listed() {
+    let cfg = secured().resolve().expect("defaults");
+    assert_eq!(cfg.max_body_bytes, 8 << 20);
+    assert!(!cfg.forward_authorization);
+    assert_eq!(cfg.listen, "0.0.0.0:8080");
+    assert_eq!(cfg.policy, "cache_aware");
+    assert_eq!(cfg.stale_after, Duration::from_secs(3));
+    let err = GatewayArgs {
+        policy: Some("random".into()),
+        listen: Some("nowhere".into()),
+        advertise_allow: Some(vec!["10.0.0.0/99".into()]),
+        ..secured()
+    }
+    .resolve()
+    .expect_err("bad");
+    assert!(err.contains("policy") && err.contains("listen") && err.contains("advertise-allow"), "{err}");
+}
+
+#[test]
+fn toml_then_flags() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let path = dir.path().join("g.toml");
+    std::fs::write(&path, "policy = \"least_load\"\nworkers = [\"http://a:1\"]\n[weights]\nw_ring = 0.9\n")
+        .expect("w");
+    let cfg =
+        GatewayArgs { config: Some(path.clone()), w_load: Some(0.1), ..secured() }.resolve().expect("ok");
+    assert_eq!(cfg.policy, "least_load");
+    assert_eq!(cfg.workers, vec!["http://a:1".to_string()]);
+    assert_eq!(cfg.weights.w_ring, 0.9);
+    assert_eq!(cfg.weights.w_load, 0.1);
+    let cfg = GatewayArgs { config: Some(path), policy: Some("round_robin".into()), ..secured() }
+        .resolve()
+        .expect("ok");
+    assert_eq!(cfg.policy, "round_robin");
+}
