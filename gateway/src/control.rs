@@ -121,6 +121,16 @@ fn ingest(state: &GatewayState, check: &mut AdvertiseCheck, body: &[u8], peer: I
         tracing::warn!(worker = %report.worker_id, %peer, "report refused: {e}");
         Box::new(err(StatusCode::FORBIDDEN, "advertise_url_not_allowed", e))
     })?;
+    // The KV transfer address is where decode workers are told to connect (in the gateway's signed grant): the
+    // same rule as the advertise URL, so a report cannot point them at another host.
+    if !report.pd.transfer_addr.is_empty() {
+        let as_url = format!("http://{}/", report.pd.transfer_addr);
+        check.check(&as_url, peer, now).map_err(|e| {
+            count("transfer_addr_refused");
+            tracing::warn!(worker = %report.worker_id, %peer, "report refused: transfer address: {e}");
+            Box::new(err(StatusCode::FORBIDDEN, "transfer_addr_not_allowed", e))
+        })?;
+    }
     let expected = state.tokenizer(&report.model_id).map(|t| t.scheme.fingerprint());
     if expected.is_some_and(|f| f != report.fingerprint) && state.is_configured(&report.model_id) {
         // Its hashes would never match this gateway's: not registered (a [[models]] entry is the truth here).

@@ -58,9 +58,16 @@ async fn every_panel_queries_series_that_are_exported() {
     let dir = tempfile::tempdir().expect("tmp");
     let cfg = dir.path().join("gateway.toml");
     std::fs::write(&cfg, SMALL_CLASS).expect("write");
-    let (g, control) = gateway(&["--config", cfg.to_str().expect("p")]);
+    // Every request is split (the prefill/decode panels need their series): w0 decodes, p0 computes the prompts.
+    let (g, control) = gateway(&["--config", cfg.to_str().expect("p"), "--split-policy", "always"]);
     let w = worker("w0", &dir.path().join("tiny"), Some(&control), &[]);
-    wait_healthy(&control, 1).await;
+    let pf = worker(
+        "p0",
+        &dir.path().join("tiny"),
+        Some(&control),
+        &["--role", "prefill", "--kv-transfer-port", "0"],
+    );
+    wait_healthy(&control, 2).await;
     // Traffic: two admitted at once (300 of the 400-token burst), the rest wait (one is admitted after waiting)
     // or are refused (a full queue, or a wait past 1 s): 200s and 429s both.
     let url = format!("{}/v1/completions", g.base);
@@ -87,9 +94,10 @@ async fn every_panel_queries_series_that_are_exported() {
     tokio::time::sleep(Duration::from_millis(500)).await;
 
     let scraped = format!(
-        "{}\n{}",
+        "{}\n{}\n{}",
         get(&format!("{control}/metrics")).await.body,
-        get(&format!("{}/metrics", w.base)).await.body
+        get(&format!("{}/metrics", w.base)).await.body,
+        get(&format!("{}/metrics", pf.base)).await.body
     );
     let missing: Vec<&String> = wanted.iter().filter(|n| !exported(&scraped, n)).collect();
     assert!(missing.is_empty(), "the dashboard queries series nobody exports: {missing:?}");

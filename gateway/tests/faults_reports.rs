@@ -68,6 +68,13 @@ async fn reports_may_only_advertise_their_own_address_and_not_take_a_live_worker
     let r = send_report(&control, forged("x", "http://10.1.2.3:8000", 1), Some("test-secret")).await;
     assert_eq!(r.status, 403, "{}", r.body);
     assert_eq!(r.json()["error"]["code"], "advertise_url_not_allowed");
+    // Its own address, but a KV transfer address on another host (where decode workers would be sent): 403.
+    let mut pd =
+        kvgate_shared::report::WorkerReport::decode(&forged("x", "http://127.0.0.1:9", 1)).expect("decode");
+    pd.pd.transfer_addr = "10.1.2.3:9100".into();
+    let r = send_report(&control, pd.encode(), Some("test-secret")).await;
+    assert_eq!(r.status, 403, "{}", r.body);
+    assert_eq!(r.json()["error"]["code"], "transfer_addr_not_allowed");
     // Taking over the live worker w's id from another URL: 409.
     let r = send_report(
         &control,
