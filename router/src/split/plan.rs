@@ -97,10 +97,15 @@ pub fn plan(
     let ready: Vec<(usize, &Worker)> =
         (0..views.len()).filter_map(|v| transfer_ready(reg, views, index, v).map(|w| (v, w))).collect();
     let role = |w: &Worker| w.report.as_ref().map_or(Role::Both, |r| r.pd.role);
-    let uncached = |v: usize| {
-        let held = views[v].tier_match(req.hashes).through_disk * req.block_size;
-        (req.prompt_tokens.saturating_sub(held)) as u64
-    };
+    // What each eligible worker lacks of the prompt, walked once per worker (Bloom lookups per block).
+    let lacks: Vec<(usize, u64)> = ready
+        .iter()
+        .map(|&(v, _)| {
+            let held = views[v].tier_match(req.hashes).through_disk * req.block_size;
+            (v, req.prompt_tokens.saturating_sub(held) as u64)
+        })
+        .collect();
+    let uncached = |v: usize| lacks.iter().find(|(u, _)| *u == v).map_or(req.prompt_tokens as u64, |l| l.1);
     let (decode_view, d) = ready
         .iter()
         .filter(|(_, w)| role(w) != Role::Prefill)

@@ -37,8 +37,8 @@ pub struct PdRequest {
     pub arrival_s: f64,
     pub prompt: usize,
     pub output: usize,
-    /// Ids of the prompt's 512-token blocks (equal ids: equal prefixes).
-    pub blocks: Vec<u64>,
+    /// Ids of the prompt's 512-token blocks (equal ids: equal prefixes), as the caches' keys.
+    pub blocks: Vec<kvgate_shared::hashing::BlockHash>,
 }
 
 /// The fleet and the link.
@@ -274,7 +274,7 @@ impl Fleet<'_> {
     /// A prompt computed on `w` at `t`: it decodes here (its first token is out), or its KV leaves for D.
     fn prefilled(&mut self, w: usize, job: Job, t: f64) -> usize {
         let r = &self.reqs[job.req];
-        self.workers[w].cache.insert(&r.blocks);
+        self.workers[w].cache.touch(&r.blocks);
         let Some(d) = job.split_to else {
             self.state[job.req].first_token_s = Some(t);
             if r.output <= 1 {
@@ -297,7 +297,7 @@ impl Fleet<'_> {
 
     fn imported(&mut self, req: usize, d: usize, t: f64) {
         let r = &self.reqs[req];
-        self.workers[d].cache.insert(&r.blocks);
+        self.workers[d].cache.touch(&r.blocks);
         self.workers[d].waiting.push_back(Stream { req, ctx: r.prompt, left: r.output.max(1) });
         self.kick(d, t);
     }
@@ -351,7 +351,8 @@ pub fn shape_workload(n: usize, prompt: usize, output: usize, rate: f64, seed: u
             let u = ((rng >> 11) as f64 + 0.5) / (1u64 << 53) as f64;
             t += -u.ln() / rate;
             let base = (i as u64 + 1) << 24;
-            PdRequest { arrival_s: t, prompt, output, blocks: (0..blocks as u64).map(|b| base + b).collect() }
+            let ids: Vec<u64> = (0..blocks as u64).map(|b| base + b).collect();
+            PdRequest { arrival_s: t, prompt, output, blocks: worker::block_keys(&ids) }
         })
         .collect()
 }

@@ -49,7 +49,7 @@ pub fn trace_workload(name: &str, trace: &Trace, time_scale: f64) -> Workload {
             arrival_s: r.timestamp_ms as f64 / 1000.0 * time_scale,
             prompt: r.input_length,
             output: r.output_length.max(1),
-            blocks: r.hash_ids[..r.input_length.div_ceil(BLOCK_TOKENS)].to_vec(),
+            blocks: super::worker::block_keys(&r.hash_ids[..r.input_length.div_ceil(BLOCK_TOKENS)]),
         })
         .collect();
     Workload { name: name.into(), requests, ttft_slo_s: None }

@@ -21,7 +21,7 @@ fn cfg(bandwidth_gbps: f64, groups: u32) -> PdConfig {
 }
 
 fn lone(prompt: usize, output: usize) -> Vec<PdRequest> {
-    vec![PdRequest { arrival_s: 0.0, prompt, output, blocks: vec![1, 2, 3, 4] }]
+    vec![PdRequest { arrival_s: 0.0, prompt, output, blocks: super::worker::block_keys(&[1, 2, 3, 4]) }]
 }
 
 #[test]

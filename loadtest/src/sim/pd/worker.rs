@@ -6,9 +6,11 @@
 //! Invariants: a step's time is the engine's timing model of what it holds (`TimingModel`: one base per step);
 //! a stream emits one token per step it is in; a prompt chunk never exceeds what is left of its prompt.
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::VecDeque;
 
+use kvgate_router::registry::approx::ApproxIndex;
 use kvgate_router::split::Side;
+use kvgate_shared::hashing::BlockHash;
 use kvgate_shared::report::Role;
 use kvgate_worker::engine::timing::TimingModel;
 
@@ -63,38 +65,9 @@ pub struct Measured {
     pub stall_ratio: f64,
 }
 
-/// An LRU of block ids with a capacity in blocks.
-#[derive(Default)]
-pub struct BlockLru {
-    capacity: usize,
-    stamp: u64,
-    by_id: HashMap<u64, u64>,
-    by_stamp: BTreeMap<u64, u64>,
-}
-
-impl BlockLru {
-    pub fn new(capacity: usize) -> Self {
-        Self { capacity, ..Self::default() }
-    }
-
-    /// Leading ids held.
-    pub fn matched(&self, ids: &[u64]) -> usize {
-        ids.iter().take_while(|id| self.by_id.contains_key(id)).count()
-    }
-
-    pub fn insert(&mut self, ids: &[u64]) {
-        for &id in ids {
-            self.stamp += 1;
-            if let Some(old) = self.by_id.insert(id, self.stamp) {
-                self.by_stamp.remove(&old);
-            }
-            self.by_stamp.insert(self.stamp, id);
-        }
-        while self.by_id.len() > self.capacity {
-            let Some((_, id)) = self.by_stamp.pop_first() else { break };
-            self.by_id.remove(&id);
-        }
-    }
+/// Block ids as the index's keys.
+pub fn block_keys(ids: &[u64]) -> Vec<BlockHash> {
+    ids.iter().map(|&i| BlockHash(i)).collect()
 }
 
 pub struct SimWorker {
@@ -103,7 +76,9 @@ pub struct SimWorker {
     pub running: Vec<Stream>,
     pub waiting: VecDeque<Stream>,
     pub busy: bool,
-    pub cache: BlockLru,
+    /// The prompt blocks it holds, as an LRU (the router's approximate index: least recently used first, a
+    /// prompt's tail before its head).
+    pub cache: ApproxIndex,
     /// When its outgoing link is free (transfers leave one after another).
     pub link_free_at: f64,
     meter: Meter,
@@ -118,7 +93,7 @@ impl SimWorker {
             running: Vec::new(),
             waiting: VecDeque::new(),
             busy: false,
-            cache: BlockLru::new(cache_blocks),
+            cache: ApproxIndex::new(cache_blocks),
             link_free_at: 0.0,
             meter: Meter::default(),
             // Before the first report: the profile's speeds (what the gateway's priors stand for).
