@@ -10,7 +10,8 @@
 #
 #   scripts/pd-bench.sh [OUT_DIR]   (default target/pd-bench)
 #
-# MODEL (default small), WORKLOAD (the loadtest flags), SLO_TTFT_MS / SLO_TPOT_MS (default 5000 / 100: CPU speeds).
+# ROWS (default "aggregated cost_model always": rerun some; the table reads every row's last run), MODEL (default
+# small), WORKLOAD (the loadtest flags), SLO_TTFT_MS / SLO_TPOT_MS (default 5000 / 100: CPU speeds).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT="${1:-target/pd-bench}"
@@ -61,12 +62,10 @@ run_one() { # name policy layout
   cleanup
 }
 
-run_one aggregated aggregated aggregated
-echo "done: aggregated" >&2
-run_one cost_model cost_model pd
-echo "done: cost_model" >&2
-run_one always always pd
-echo "done: always" >&2
+for row in ${ROWS:-aggregated cost_model always}; do
+  if [ "$row" = aggregated ]; then run_one aggregated aggregated aggregated; else run_one "$row" "$row" pd; fi
+  echo "done: $row" >&2
+done
 
 python3 - "$OUT" "$SLO_TTFT_MS" "$SLO_TPOT_MS" <<'PY'
 import json, os, re, sys

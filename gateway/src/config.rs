@@ -148,7 +148,7 @@ pub struct GatewayArgs {
     #[arg(long, env = "KVGATE_GATEWAY_STREAM_IDLE_TIMEOUT")]
     pub stream_idle_timeout: Option<String>,
     /// Workers tried per request when they refuse before any byte (connect failure, queue_full, model_loading,
-    /// shutting_down). Default 3.
+    /// shutting_down, engine_stopped, aborted). Default 3.
     #[arg(long, env = "KVGATE_GATEWAY_MAX_ATTEMPTS")]
     pub max_attempts: Option<usize>,
     /// A reported worker silent this long is forgotten (with its metric series). Default 300s.

@@ -10,9 +10,10 @@
 //! 4. [`route`] -> [`RoutedRequest`]: decided again on the registry as it is after the wait, the send recorded
 //!    under one lock (`kvgate_router::route`), local or split (the split policy's choice), guards that give the
 //!    in-flight slots back on every path;
-//! 5. [`forward`]: the candidates in rank order (a split's decode worker, then whole-request fallbacks, each
-//!    recorded through the router, `Router::record_fallback`, with its own uncached count: its first-byte budget
-//!    and charge) until one answers; the answer settles the permit (`proxy::charge`).
+//! 5. [`forward`]: the candidates in rank order (a split's decode worker, then fallbacks, each recorded through the
+//!    router, `Router::record_fallback`, with its own uncached count: its first-byte budget and charge) until one
+//!    answers; a fallback that can import keeps the split's prefill peer (P's prefix cache holds the prompt by
+//!    then), any other serves the request whole; the answer settles the permit (`proxy::charge`).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -20,7 +21,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use hyper::header::{HeaderName, HeaderValue};
 use kvgate_router::route::{Candidate, Routed};
-use kvgate_router::split::plan::SplitAsk;
+use kvgate_router::split::plan::{can_import, SplitAsk};
 use pingora::proxy::Session;
 
 use crate::admission::{Permit, CLASS_HEADER};
@@ -253,14 +254,14 @@ pub async fn forward(
     let mut permit = Some(a.permit);
     let out = Outbound::new(state, session, p);
     let routed = &r.routed;
-    let split_peer = routed.split.as_ref().filter(|_| routed.is_split()).map(|s| s.peer.as_str());
+    let split = routed.split.as_ref().filter(|_| routed.is_split());
     let mut reason = if routed.is_split() { RouteReason::Split } else { routed.reason };
     let mut refused_for: Option<Duration> = None;
     for (attempt, t) in routed.candidates.iter().enumerate() {
         let guard = if attempt == 0 {
             r.first.take().map(|g| (g, routed.uncached_tokens))
         } else {
-            // A fallback serves the request whole: a split's prefill share is given back. Its uncached tokens
+            // A fallback: a split's prefill share is given back (P has done it, or failed). Its uncached tokens
             // (its first-byte budget and charge) are its own, not the first pick's.
             r.prefill.take();
             reason = RouteReason::Fallback;
@@ -271,8 +272,13 @@ pub async fn forward(
         };
         ctx.route = reason.as_str();
         let first_byte = state.cfg.first_byte.for_request(uncached, priced.output, p.fields.stream);
-        let (body, headers) =
-            out.for_candidate(state, p, t, priced.kvgate_pool, split_peer.filter(|_| attempt == 0));
+        // A split's decode leg retried on another worker that imports keeps the prefill peer: P holds the
+        // prompt's KV in its prefix cache now, so the new decode worker fetches it instead of recomputing it (and
+        // computes it itself if P has lost it meanwhile). Any other fallback serves the request whole.
+        let peer = split
+            .filter(|s| attempt == 0 || (t.id != s.prefill_worker && can_import(&state.registry(), t.wref)))
+            .map(|s| s.peer.as_str());
+        let (body, headers) = out.for_candidate(state, p, t, priced.kvgate_pool, peer);
         let attempt_req = Attempt {
             url: &t.url,
             path: &prep.path,

@@ -6,7 +6,7 @@
 //!
 //! The outcome says what the caller may do next ([`Outcome`]): before any byte reached the client, a connection
 //! failure, a connection the worker closed without answering, or a refusal (`queue_full`, `model_loading`,
-//! `shutting_down`, with its Retry-After) may be retried on the next-ranked worker; a first-byte timeout is a 504;
+//! `shutting_down`, `engine_stopped`, `aborted`, with its Retry-After) may be retried on the next-ranked worker; a first-byte timeout is a 504;
 //! after the first byte an upstream failure or an idle stream becomes an SSE error event and the stream ends.
 //! Dropping the upstream response (timeout, client gone) closes that connection, and the worker aborts the
 //! request and frees its KV blocks.
@@ -25,8 +25,11 @@ pub use crate::meter::UsageSeen;
 use crate::routing::RouteReason;
 use crate::state::GatewayState;
 
-/// Error codes with which a worker refuses a request it has not started; another worker may serve it.
-pub const REFUSAL_CODES: [&str; 3] = ["queue_full", "model_loading", "shutting_down"];
+/// Error codes of a 503 with which a worker says it cannot serve a request: it refused it before starting, or its
+/// engine stopped under it (`engine_stopped`, `aborted`: a whole answer of which nothing was sent; a split's
+/// decode leg that dies after the hand-off answers so). Another worker may serve it.
+pub const REFUSAL_CODES: [&str; 5] =
+    ["queue_full", "model_loading", "shutting_down", "engine_stopped", "aborted"];
 /// Largest refusal body read to learn its code.
 const REFUSAL_BODY_LIMIT: usize = 64 * 1024;
 /// Longest wait for a refusal body after its header.
@@ -308,7 +311,7 @@ mod tests {
         for code in REFUSAL_CODES {
             assert_eq!(refusal_code(body(code).as_bytes()).as_deref(), Some(code));
         }
-        assert_eq!(refusal_code(body("engine_stopped").as_bytes()), None);
+        assert_eq!(refusal_code(body("internal_error").as_bytes()), None);
         assert_eq!(refusal_code(b"<html>busy</html>"), None);
     }
 }

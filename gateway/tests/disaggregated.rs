@@ -1,7 +1,8 @@
 //! Prefill/decode splits through the gateway, on real processes: a prefill worker with a KV transfer listener and a
 //! decode worker, both reporting their roles. A split request answers exactly as the same request computed whole;
 //! the decisions are counted by outcome and shown by explain; a dead prefill worker is recomputed on the decode
-//! worker, a dead decode worker falls back to a whole request elsewhere.
+//! worker, a dead decode worker falls back to a whole request elsewhere, or to another decode worker that imports
+//! from the same prefill worker.
 
 mod common;
 
@@ -141,6 +142,38 @@ async fn a_dead_decode_worker_falls_back_to_a_whole_request() {
     assert_eq!(r.header("x-kvgate-route"), "fallback");
     let want = post(&format!("{}/v1/completions", p.base), &body(false), &[]).await;
     assert_eq!(r.json()["choices"][0]["text"], want.json()["choices"][0]["text"]);
+}
+
+#[tokio::test]
+async fn a_failed_decode_leg_is_retried_on_another_decode_worker_with_the_same_prefill_peer() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let synth = dir.path().join("tiny");
+    let (g, control) = gateway(&["--split-policy", "always"]);
+    // d0's engine dies at its first step: the split's decode leg fails before any byte reaches the client.
+    let p = worker("p0", &synth, Some(&control), &["--role", "prefill", "--kv-transfer-port", "0"]);
+    let d0 = worker_on(
+        free_port(),
+        "d0",
+        &synth,
+        Some(&control),
+        &["--role", "decode"],
+        &[("KVGATE_FAULT_ENGINE_PANIC_AFTER_STEPS", "0")],
+    );
+    wait_healthy(&control, 2).await; // d0 first in the registry: the first decode pick
+    let d1 = worker("d1", &synth, Some(&control), &["--role", "decode"]);
+    wait_healthy(&control, 3).await;
+    let want = post(&format!("{}/v1/completions", p.base), &body(false), &[]).await;
+    assert_eq!(want.status, 200, "{}", want.body);
+
+    let r = post(&format!("{}/v1/completions", g.base), &body(false), &[]).await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.header("x-kvgate-worker"), "d1");
+    assert_eq!(r.json()["choices"][0]["text"], want.json()["choices"][0]["text"]);
+    // d1 imported the prompt's KV from the same prefill worker rather than computing the request whole.
+    let dm = get(&format!("{}/metrics", d1.base)).await.body;
+    let imports = metric(&dm, "kvgate_worker_kv_transfers_total{side=\"import\",outcome=\"ok\"}");
+    assert_eq!(imports, Some(1.0), "{dm}");
+    drop(d0);
 }
 
 async fn wait_metric(base: &str, series: &str, want: f64, within: std::time::Duration) -> f64 {

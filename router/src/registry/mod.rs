@@ -429,7 +429,7 @@ impl Registry {
         }
     }
 
-    /// Records a refusal (`queue_full`, `model_loading`, `shutting_down`): out of the ring until `until`.
+    /// Records a refusal (a 503 refusal code: `queue_full`, `shutting_down`, ...): out of the ring until `until`.
     pub fn record_busy(&mut self, r: WorkerRef, until: Instant) {
         if let Some(w) = self.find_mut(r) {
             w.counters.refusals += 1;

@@ -145,7 +145,7 @@ pub struct Worker {
     pub fault: Option<(Fault, Instant)>,
     /// The latest successful probe.
     pub probe_ok_at: Option<Instant>,
-    /// It refused work (`queue_full`, `model_loading`, `shutting_down`) and asked to be left alone until then.
+    /// It refused work (a 503 refusal code: `queue_full`, `shutting_down`, ...) and asked to be left alone until then.
     pub busy_until: Option<Instant>,
     /// Drained by an operator (admin API).
     pub admin_draining: bool,

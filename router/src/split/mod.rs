@@ -36,6 +36,9 @@ pub struct Side {
     /// Share of its decode-carrying step time that prefill chunks took (0..1): what co-located prefill costs
     /// every stream there.
     pub stall_ratio: f64,
+    /// Share of the last interval it spent computing prompt tokens (0..1): how close its prefill is to
+    /// saturation, so how many later prompts a prompt queued there will delay.
+    pub prefill_busy: f64,
 }
 
 /// The latency targets a request is judged by (goodput counts requests meeting both).
@@ -96,6 +99,13 @@ pub struct Prediction {
     pub e2e_s: f64,
     /// TPOT of the streams already on the worker that computes the prompt, while it does (0: it runs none).
     pub others_tpot_s: f64,
+    /// The delay the streams already on the computing worker take in all: running x its compute time.
+    pub harm_s: f64,
+    /// e2e + harm: what the option costs everyone (the choice when both options meet the SLOs).
+    pub cost_s: f64,
+    /// The headroom left under the tighter target: min(1 - ttft / TTFT target, 1 - max(tpot, others) / TPOT
+    /// target) (below 0: missed).
+    pub slack: f64,
     pub meets_slo: bool,
 }
 

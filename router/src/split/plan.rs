@@ -11,7 +11,7 @@
 use serde::Serialize;
 
 use super::{Side, Slo, SplitDecision, SplitInput, SplitPolicy, DEFAULT_SLO};
-use crate::registry::{Registry, Worker};
+use crate::registry::{Registry, Worker, WorkerRef};
 use crate::route::RouteInput;
 use crate::routing::WorkerView;
 use kvgate_shared::report::Role;
@@ -71,6 +71,27 @@ fn transfer_ready<'a>(
     ok.then_some(w)
 }
 
+/// Whether the worker `r` names can be a decode side now (a retry of a split's decode leg goes only to one that
+/// can: any other would refuse the prefill peer).
+pub fn can_import(reg: &Registry, r: WorkerRef) -> bool {
+    reg.find(r).map(|i| &reg.workers()[i]).is_some_and(|w| {
+        w.fingerprint_ok == Some(true)
+            && w.report.as_ref().is_some_and(|r| r.pd.role != Role::Prefill && r.pd.kv_bytes_per_token > 0)
+    })
+}
+
+/// The share of its last report interval a worker spent computing prompt tokens: its interval's prefill
+/// throughput over its speed while computing (0 when either is unknown).
+fn prefill_busy(w: &Worker) -> f64 {
+    let done = w.report.as_ref().map_or(0.0, |r| r.throughput.prefill_tokens_per_s);
+    let speed = w.pd.prefill_tokens_per_s;
+    if done.is_finite() && done > 0.0 && speed > 0.0 {
+        (done / speed).min(1.0)
+    } else {
+        0.0
+    }
+}
+
 fn exports(w: &Worker) -> bool {
     w.report.as_ref().is_some_and(|r| !r.pd.transfer_addr.is_empty())
 }
@@ -128,10 +149,13 @@ pub fn plan(
         Side {
             uncached_tokens: uncached(v),
             queue_tokens: views[v].load.pending_tokens,
-            running: views[v].load.requests,
+            // The streams a prefill here would stall. A prefill worker's requests are exports that end at their
+            // first token (and the whole requests it serves as a last fallback are rare): none.
+            running: if role(w) == Role::Prefill { 0 } else { views[v].load.requests },
             prefill_tokens_per_s: or(w.pd.prefill_tokens_per_s, rate_prior),
             decode_step_s: or(w.pd.decode_step_s, step_prior),
             stall_ratio: w.pd.stall_ratio,
+            prefill_busy: prefill_busy(w),
         }
     };
     let peer = p_report.pd.transfer_addr.clone();

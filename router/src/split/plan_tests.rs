@@ -134,3 +134,28 @@ fn comparison_policies_and_a_fleet_without_a_pair_stay_local() {
     let real = router.route_split(&mut reg, &input(&hashes), 3, Some(&ask(&cost)), now).expect("routed");
     assert_eq!(real.candidates, dry.candidates);
 }
+
+#[test]
+fn a_prefill_worker_stalls_no_streams_and_reports_how_busy_it_is() {
+    let now = Instant::now();
+    let mut reg = Registry::new(RegistryConfig::default());
+    let fp = Some(scheme().fingerprint());
+    // Its 8 running requests are exports (they end at their first token): no stream to stall. It computed
+    // 10,000 prompt tokens a second over the interval at 40,000 a second while computing: busy a quarter.
+    let mut p = report("p", Role::Prefill, 0.0, vec![]);
+    p.throughput.prefill_tokens_per_s = 10_000.0;
+    reg.ingest(p, fp, now);
+    reg.ingest(report("d", Role::Decode, 0.0, vec![]), fp, now);
+    let router = Router::new(policy_by_name("cache_aware", Weights::default()).expect("policy"));
+    let hashes = prompt();
+    let cost = CostModel;
+    let r = router.dry_run_split(&reg, &input(&hashes), 3, Some(&ask(&cost)), now).expect("routed");
+    let plan = r.split.as_ref().expect("considered");
+    assert_eq!(plan.input.prefill.running, 0, "{plan:?}");
+    assert!((plan.input.prefill.prefill_busy - 0.25).abs() < 1e-9, "{plan:?}");
+    // The decode worker's requests are streams.
+    assert_eq!((plan.input.decode.running, plan.input.decode.prefill_busy), (8, 0.0));
+    // The imports a decode worker retries a split on: decode and both workers with KV, never a prefill worker.
+    let refs: Vec<_> = (0..2).map(|i| reg.worker_ref(i).expect("ref")).collect();
+    assert!(!super::plan::can_import(&reg, refs[0]) && super::plan::can_import(&reg, refs[1]));
+}

@@ -17,6 +17,7 @@ fn side(uncached: u64, stall: f64) -> Side {
         prefill_tokens_per_s: 1.0 / 0.000023872551629443412,
         decode_step_s: 0.005781023922206126,
         stall_ratio: stall,
+        prefill_busy: 0.0,
     }
 }
 
@@ -134,21 +135,76 @@ fn an_slo_only_one_option_meets_decides() {
 
 #[test]
 fn when_both_options_meet_the_slos_the_request_stays_local() {
-    // 512/1024 at stall 0.3: the split is faster end to end, but local meets TTFT <= 2 s and TPOT <= 50 ms too.
+    // 512/1024 at stall 0.3: the split is faster end to end, but local meets TTFT <= 2 s and TPOT <= 50 ms too,
+    // and a `both` prefill worker's streams would take the stall instead.
     let mut i = input(512, 1024, 0.3, GBPS_25);
     i.slo = DEFAULT_SLO;
     let d = CostModel.decide(&i);
     assert!(d.terms.local.meets_slo && d.terms.split.meets_slo && d.terms.gain_s > 0.0, "{:?}", d.terms);
     assert_eq!((d.choice, d.reason), (Choice::Local, "both_meet"));
-    // ... unless the prefill worker runs no streams (a dedicated one): its idle capacity costs no one a stall.
+    // ... unless the prefill worker runs no streams (a dedicated one) and the split leaves more headroom: D's
+    // 5.8 ms TPOT uses 12% of the target, local's 8.3 ms 17%.
     i.prefill.running = 0;
-    assert_eq!(CostModel.decide(&i).reason, "idle_prefill");
+    let d = CostModel.decide(&i);
+    assert!(d.terms.split.slack > d.terms.local.slack, "{:?}", d.terms);
+    assert_eq!(d.reason, "more_slack");
+    // A dedicated prefill worker with 1.7 s queued leaves less TTFT headroom than local has TPOT headroom.
+    i.prefill.queue_tokens = 70_000;
+    let d = CostModel.decide(&i);
+    assert!(d.terms.split.meets_slo && d.terms.split.slack < d.terms.local.slack, "{:?}", d.terms);
+    assert_eq!(d.reason, "both_meet");
     // A prefill worker whose own streams miss the TPOT target is no rescue.
     let mut j = input(4096, 512, 0.9, GBPS_25);
     j.slo = DEFAULT_SLO;
     assert_eq!(choice(&j), Choice::Split);
     j.prefill.stall_ratio = 0.9;
     assert_eq!(CostModel.decide(&j).reason, "neither_meets");
+}
+
+#[test]
+fn when_neither_option_meets_an_idle_dedicated_prefill_worker_takes_the_cheaper_one() {
+    // 32768/128 at stall 0.9 and 25 Gb/s: local TPOT 58 ms, the split's TTFT 0.78 s + 1.37 s; neither meets.
+    // On a `both` prefill worker with streams it stays local; a dedicated one takes it, as the split ends
+    // sooner (2.9 s vs 8.1 s) and stalls no one. Without this the decode workers' stall (which their own local
+    // prefills cause) would make every split look as slow as local, and nothing would ever move.
+    let mut i = input(32768, 128, 0.9, GBPS_25);
+    i.slo = DEFAULT_SLO;
+    assert_eq!(CostModel.decide(&i).reason, "neither_meets");
+    i.prefill.running = 0;
+    let d = CostModel.decide(&i);
+    assert!(!d.terms.local.meets_slo && !d.terms.split.meets_slo, "{:?}", d.terms);
+    assert!(d.terms.split.e2e_s < 3.0 && d.terms.local.e2e_s > 8.0, "{:?}", d.terms);
+    assert_eq!((d.choice, d.reason), (Choice::Split, "lower_cost"));
+    // A prefill worker busy 90% of the time: the prompts that would queue behind this one's 0.78 s (9 of
+    // them) make the split dearer than the local stall; local.
+    i.prefill.prefill_busy = 0.9;
+    let d = CostModel.decide(&i);
+    let want = 32768.0 * 0.000023872551629443412 * 9.0;
+    assert!((d.terms.split.harm_s - want).abs() < 1e-6, "{:?}", d.terms);
+    assert_eq!(d.reason, "neither_meets");
+}
+
+#[test]
+fn the_stall_a_local_prefill_puts_on_the_streams_there_is_weighed() {
+    // 4,096/512 on an unstalled fleet: local leaves the most headroom (no transfer), so it stays local.
+    let mut i = input(4096, 512, 0.0, GBPS_25);
+    i.slo = DEFAULT_SLO;
+    i.prefill.running = 0;
+    let d = CostModel.decide(&i);
+    assert!(d.terms.split.e2e_s > d.terms.local.e2e_s && d.terms.local.harm_s == 0.0, "{:?}", d.terms);
+    assert_eq!((d.choice, d.reason), (Choice::Local, "both_meet"));
+    // 16 streams on a local pick whose decodes already stall (14.5 ms at 0.6), a 64-token answer: its 98 ms of
+    // chunks take them to 16 ms, the split onto an idle dedicated prefill worker keeps them at D's 5.8 ms.
+    i.local.running = 16;
+    i.local.stall_ratio = 0.6;
+    i.expected_output = 64;
+    let d = CostModel.decide(&i);
+    assert!((d.terms.local.harm_s - 16.0 * 4096.0 * 0.000023872551629443412).abs() < 1e-9, "{:?}", d.terms);
+    assert!(d.terms.local.meets_slo && d.terms.split.harm_s == 0.0, "{:?}", d.terms);
+    assert_eq!((d.choice, d.reason), (Choice::Split, "more_slack"));
+    // The same streams on a `both` prefill worker: the split would stall them there instead; local.
+    i.prefill.running = 16;
+    assert_eq!(CostModel.decide(&i).reason, "both_meet");
 }
 
 #[test]
@@ -164,6 +220,9 @@ fn a_prefill_that_would_push_the_local_streams_over_the_target_goes_to_an_idle_p
     assert_eq!((d.choice, d.reason), (Choice::Split, "slo"), "{:?}", d.terms);
     // A longer answer spreads the same prefill thinner: the local streams stay under the target.
     i.expected_output = 64;
+    assert!(CostModel.decide(&i).terms.local.meets_slo);
+    // ... and on a `both` prefill worker with streams of its own it stays local.
+    i.prefill.running = 8;
     assert_eq!(CostModel.decide(&i).choice, Choice::Local);
 }
 

@@ -155,7 +155,7 @@ pub fn replay(reqs: &[PdRequest], cfg: &PdConfig, policy: &dyn SplitPolicy, aggr
             Event::StepEnd(w) => pending -= f.step_end(w, t),
             Event::Imported { req, decode } => f.imported(req, decode, t),
             Event::Report => {
-                f.workers.iter_mut().for_each(SimWorker::report);
+                f.workers.iter_mut().for_each(|w| w.report(cfg.report_interval_s));
                 if pending > 0 {
                     f.push(t + cfg.report_interval_s, Event::Report);
                 }

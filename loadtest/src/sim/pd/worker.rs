@@ -63,6 +63,8 @@ pub struct Measured {
     pub prefill_tokens_per_s: f64,
     pub decode_step_s: f64,
     pub stall_ratio: f64,
+    /// Share of the interval spent computing prompt tokens.
+    pub prefill_busy: f64,
 }
 
 /// Block ids as the index's keys.
@@ -101,6 +103,7 @@ impl SimWorker {
                 prefill_tokens_per_s: 1.0 / timing.prefill_per_token_s.max(1e-12),
                 decode_step_s: timing.decode(1, 1024),
                 stall_ratio: 0.0,
+                prefill_busy: 0.0,
             },
         }
     }
@@ -122,6 +125,7 @@ impl SimWorker {
             prefill_tokens_per_s: self.measured.prefill_tokens_per_s,
             decode_step_s: self.measured.decode_step_s,
             stall_ratio: self.measured.stall_ratio,
+            prefill_busy: self.measured.prefill_busy,
         }
     }
 
@@ -176,9 +180,10 @@ impl SimWorker {
 
     /// The report: this interval's measurements, half-weighted with the last ones (an idle interval keeps them,
     /// but an interval whose decodes ran without prefill lowers the stall).
-    pub fn report(&mut self) {
+    pub fn report(&mut self, interval_s: f64) {
         let m = std::mem::take(&mut self.meter);
         let blend = |old: f64, new: f64| 0.5 * old + 0.5 * new;
+        self.measured.prefill_busy = blend(self.measured.prefill_busy, (m.prefill_s / interval_s).min(1.0));
         if m.prefill_tokens > 0.0 && m.prefill_s > 0.0 {
             self.measured.prefill_tokens_per_s =
                 blend(self.measured.prefill_tokens_per_s, m.prefill_tokens / m.prefill_s);
