@@ -197,6 +197,7 @@ pub async fn forward(state: &GatewayState, session: &mut Session, a: &Attempt<'_
         }
     };
     let mut meter = Meter::new(sse, a.strip_usage);
+    let mut tpot = TpotClock::default();
     let mut stalled = false;
     let mut completed = true;
     let mut first = true;
@@ -227,6 +228,7 @@ pub async fn forward(state: &GatewayState, session: &mut Session, a: &Attempt<'_
                 first = false;
                 if let Ok(data) = frame.into_data() {
                     let out = meter.feed(&data);
+                    tpot.saw(meter.tokens_sent(), Instant::now());
                     if !out.is_empty() && session.write_response_body(Some(out), false).await.is_err() {
                         // The client went away: dropping the upstream body closes that connection, and the
                         // worker aborts the request. What it sent until then is charged (a whole answer: its
@@ -284,7 +286,33 @@ pub async fn forward(state: &GatewayState, session: &mut Session, a: &Attempt<'_
     }
     let _ = session.write_response_body(None, true).await;
     let usage = if completed { meter.usage() } else { None };
+    if let (true, Some(s)) = (completed && sse, tpot.seconds()) {
+        metrics::histogram!("kvgate_gateway_tpot_seconds", "path" => path).record(s);
+    }
     Outcome::Responded { status, usage, tokens_sent: meter.tokens_sent(), whole: !sse, completed, stalled }
+}
+
+/// A stream's time per output token as the client sees it: from the chunk that brought its first token to the one
+/// that brought its last, over the tokens between (none for fewer than 2 tokens).
+#[derive(Default)]
+struct TpotClock {
+    first: Option<(u64, Instant)>,
+    last: Option<(u64, Instant)>,
+}
+
+impl TpotClock {
+    fn saw(&mut self, tokens: u64, at: Instant) {
+        if tokens == 0 || self.last.is_some_and(|(n, _)| n == tokens) {
+            return;
+        }
+        self.first.get_or_insert((tokens, at));
+        self.last = Some((tokens, at));
+    }
+
+    fn seconds(&self) -> Option<f64> {
+        let ((n0, t0), (n1, t1)) = (self.first?, self.last?);
+        (n1 > n0).then(|| t1.duration_since(t0).as_secs_f64() / (n1 - n0) as f64)
+    }
 }
 
 async fn write_sse_error(session: &mut Session, err: &ApiError) {
@@ -303,6 +331,20 @@ pub fn refusal_code(body: &[u8]) -> Option<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn tpot_counts_from_the_first_token_to_the_last() {
+        let t0 = Instant::now();
+        let at = |ms: u64| t0 + Duration::from_millis(ms);
+        let mut c = TpotClock::default();
+        c.saw(0, at(0)); // the role chunk: no token yet
+        c.saw(1, at(500)); // the first token, after the prefill
+        assert_eq!(c.seconds(), None, "one token has no TPOT");
+        c.saw(1, at(510)); // a chunk without a token
+        c.saw(3, at(540));
+        c.saw(5, at(580));
+        assert!((c.seconds().expect("tpot") - 0.020).abs() < 1e-9, "80 ms over 4 tokens after the first");
+    }
 
     #[test]
     fn only_refusals_are_retried() {

@@ -91,6 +91,9 @@ async fn every_panel_queries_series_that_are_exported() {
         json!({"model": "kvgate-tiny", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]});
     tokio::time::sleep(Duration::from_millis(1500)).await;
     assert_eq!(post(&format!("{}/v1/chat/completions", g.base), &chat, &[]).await.status, 200);
+    // A stream: the TPOT-by-path panel's series.
+    let stream = json!({"model": "kvgate-tiny", "prompt": [1, 2, 3], "max_tokens": 4, "stream": true});
+    assert_eq!(post(&url, &stream, &[]).await.status, 200);
     tokio::time::sleep(Duration::from_millis(500)).await;
 
     let scraped = format!(
