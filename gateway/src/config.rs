@@ -46,7 +46,7 @@ pub struct GatewayArgs {
     /// The TPOT target the split policy judges by. Default 50ms.
     #[arg(long, env = "KVGATE_GATEWAY_SPLIT_SLO_TPOT")]
     pub split_slo_tpot: Option<String>,
-    /// The P->D rate believed before a pair's first measured transfer, Gb/s. Default 10.
+    /// The P->D rate believed before a pair's first measured probe or transfer, Gb/s. Default 10.
     #[arg(long, env = "KVGATE_GATEWAY_SPLIT_BANDWIDTH_PRIOR_GBPS")]
     pub split_bandwidth_prior_gbps: Option<f64>,
     /// Shared secret workers send with reports (`Authorization: Bearer`). Required: without it the gateway refuses
@@ -155,7 +155,8 @@ pub struct GatewayArgs {
     #[arg(long, env = "KVGATE_GATEWAY_FORGET_AFTER")]
     pub forget_after: Option<String>,
     /// How often a worker out of the ring for a refused connection or a timeout is probed (`GET /health`) to bring
-    /// it back (a 2xx, or a 4xx from a server without that route, brings it back). Default 2s.
+    /// it back (a 2xx, or a 4xx from a server without that route, brings it back); also how often the P->D pairs
+    /// no transfer has measured are probed (`link_probe`). Default 2s.
     #[arg(long, env = "KVGATE_GATEWAY_PROBE_INTERVAL")]
     pub probe_interval: Option<String>,
     /// Most workers in the registry; reports from further workers get 503. Default 4096.

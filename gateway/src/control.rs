@@ -261,9 +261,10 @@ pub fn router(state: Arc<GatewayState>, queue: IngestQueue) -> Router {
 }
 
 /// Background upkeep on the control runtime: every `--probe-interval`, probe workers with an open fault
-/// (`GET /health`, 1 s timeout) so a worker that answers again comes back, and forget workers silent for
-/// `--forget-after`.
+/// (`GET /health`, 1 s timeout) so a worker that answers again comes back, have decode workers probe the P->D
+/// links no transfer has measured yet (`link_probe`), and forget workers silent for `--forget-after`.
 pub async fn upkeep(state: Arc<GatewayState>) {
+    let mut links = crate::link_probe::LinkProbes::default();
     let mut tick = tokio::time::interval(state.cfg.probe_interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -285,6 +286,7 @@ pub async fn upkeep(state: Arc<GatewayState>) {
                 }
             });
         }
+        crate::link_probe::start(&state, &mut links);
         state.registry().sweep(Instant::now());
     }
 }

@@ -12,6 +12,7 @@
 //! - [`trust`]: which `advertise_url`s a report may register;
 //! - [`state`]: shared state (registry, per-model tokenizers fetched from workers, policy, client, metrics);
 //! - [`control`]: the control listener (report ingest on its own thread, metrics, worker states, upkeep);
+//!   [`link_probe`]: the decode workers' timed samples of each P->D link before its first split;
 //! - [`admin`]: the admin REST API (weights, budgets, drain, route/explain; bearer auth, ETags);
 //! - [`persist`]: the admin state file; [`auth`]: bearer tokens, constant-time comparison, control-port errors;
 //! - pods that are not kvgate workers (`[[models]]`): [`discovery`] (DNS), [`scrape`] (their metrics),
@@ -25,6 +26,7 @@ pub mod control;
 pub mod discovery;
 pub mod errors;
 pub mod keys;
+pub mod link_probe;
 pub mod listener;
 pub mod meter;
 pub mod persist;

@@ -176,6 +176,43 @@ async fn a_failed_decode_leg_is_retried_on_another_decode_worker_with_the_same_p
     drop(d0);
 }
 
+#[tokio::test]
+async fn a_new_pair_is_probed_before_its_first_split() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let (_g, control) = gateway(&["--probe-interval", "200ms", "--admin-token", "test-admin"]);
+    let (p, d) = pool(dir.path(), &control);
+    wait_healthy(&control, 2).await;
+    // No request was sent: the gateway has the decode worker time a sample of the link from the prefill worker,
+    // and the decode worker's next report carries it.
+    let admin = [("authorization", "Bearer test-admin")];
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(15);
+    let measured = loop {
+        let e = post(&format!("{control}/admin/v1/route/explain"), &body(false), &admin).await;
+        assert_eq!(e.status, 200, "{}", e.body);
+        let v = e.json();
+        if v["split"]["bandwidth_measured"] == true || std::time::Instant::now() > deadline {
+            break v;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    };
+    let gm = get(&format!("{control}/metrics")).await.body;
+    let pm = get(&format!("{}/metrics", p.base)).await.body;
+    assert_eq!(measured["split"]["bandwidth_measured"], true, "{measured}\n{gm}");
+    assert!(measured["split"]["input"]["bandwidth_bytes_per_s"].as_f64().expect("rate") > 0.0, "{measured}");
+    assert!(metric(&gm, "kvgate_gateway_link_probes_total{outcome=\"ok\"}").unwrap_or(0.0) >= 1.0, "{gm}");
+    let probes = metric(&pm, "kvgate_worker_kv_transfers_total{side=\"probe\",outcome=\"ok\"}");
+    assert!(probes.unwrap_or(0.0) >= 1.0, "{pm}");
+    // A probe without the gateway's grant is refused.
+    let r = post(
+        &format!("{}/kvgate/v1/kv-probe", d.base),
+        &json!({}),
+        &[("x-kvgate-prefill-peer", "127.0.0.1:1")],
+    )
+    .await;
+    assert_eq!(r.status, 401, "{}", r.body);
+    assert_eq!(r.json()["error"]["code"], "invalid_prefill_grant");
+}
+
 async fn wait_metric(base: &str, series: &str, want: f64, within: std::time::Duration) -> f64 {
     let deadline = std::time::Instant::now() + within;
     loop {

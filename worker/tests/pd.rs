@@ -400,6 +400,53 @@ async fn refusals_forged_grants_and_forged_frames_are_errors_not_hangs() {
     pool_at_baseline(&d, Duration::from_secs(2)).await;
 }
 
+/// POSTs a link probe to `w`, naming `peer` (with a valid grant).
+async fn post_probe(w: &Worker, peer: &str) -> common::Resp {
+    let g = sign_prefill_grant(SECRET, now_ms(), MODEL, peer);
+    let req = hyper::Request::builder()
+        .method("POST")
+        .uri(format!("{}/kvgate/v1/kv-probe", w.base))
+        .header(PREFILL_PEER_HEADER, peer)
+        .header(PREFILL_GRANT_HEADER, g)
+        .body(Full::new(Bytes::new()))
+        .expect("request");
+    let resp = common::client().request(req).await.expect("response");
+    let (status, headers) = (resp.status().as_u16(), resp.headers().clone());
+    let bytes = resp.into_body().collect().await.expect("body").to_bytes();
+    common::Resp { status, headers, body: String::from_utf8_lossy(&bytes).into_owned() }
+}
+
+#[tokio::test]
+async fn a_link_probe_is_timed_and_a_forged_one_is_refused() {
+    let p = prefill_worker(&[]);
+    let d = decode_worker(&[]);
+    let r = post_probe(&d, &p.transfer).await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    let v = r.json();
+    assert!(v["bytes"].as_u64().expect("bytes") > 0 && v["bytes_per_s"].as_f64().expect("rate") > 0.0, "{v}");
+    assert_eq!(m(&p, "kvgate_worker_kv_transfers_total{side=\"probe\",outcome=\"ok\"}").await, 1.0);
+    // The engine was not touched: the prefill worker's pool is where it was.
+    pool_at_baseline(&p, Duration::from_secs(2)).await;
+    // A prefill worker probes nothing; a dead peer is a 502.
+    assert_eq!(post_probe(&p, &p.transfer).await.status, 400);
+    let r = post_probe(&d, "127.0.0.1:1").await;
+    assert_eq!((r.status, r.json()["error"]["code"].as_str()), (502, Some("probe_failed")), "{}", r.body);
+    // A Probe under another key is refused at the listener.
+    let mut body = vec![0u8; 8 + 8];
+    body.extend_from_slice(&(1u32 << 20).to_le_bytes());
+    body.extend_from_slice(&(1u32 << 16).to_le_bytes());
+    body.extend_from_slice(&[7u8; 32]);
+    let mut frame = ((body.len() + 1) as u32).to_le_bytes().to_vec();
+    frame.push(9);
+    frame.extend(body);
+    let mut s = std::net::TcpStream::connect(&p.transfer).expect("connect");
+    s.write_all(&frame).expect("write");
+    let mut head = [0u8; 5];
+    s.read_exact(&mut head).expect("an answer");
+    assert_eq!(head[4], 3, "Refuse");
+    assert_eq!(m(&p, "kvgate_worker_kv_transfers_total{side=\"probe\",outcome=\"refused\"}").await, 1.0);
+}
+
 fn forged_hello() -> Vec<u8> {
     // Hello's fixed part is 67 bytes (version 1 first); then no extra keys, one prompt token, a MAC under no key.
     let mut body = vec![0u8; 67];

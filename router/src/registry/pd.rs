@@ -2,11 +2,79 @@
 //! decision weighs (kept through idle intervals: an interval that ran no prefill says nothing of prefill speed) and
 //! the measured P->D rate of each prefill peer it imported from (a moving average per pair).
 //!
+//! It also names the pairs no transfer has measured yet ([`Registry::unmeasured_links`]), for the gateway to have
+//! the decode worker probe them before their first split.
+//!
 //! Invariants: every figure is finite and non-negative (reports are validated; averages of them stay so); at most
 //! [`MAX_LINKS`] peers are kept per worker, the least recently measured giving way.
 
-use kvgate_shared::report::{PdInfo, StepTiming};
+use std::time::Instant;
+
+use kvgate_shared::report::{PdInfo, Role, StepTiming};
 use serde::Serialize;
+
+use super::{Registry, Worker, WorkerRef};
+
+/// A P->D pair no transfer has measured: the decode worker to ask, and the prefill peer to probe.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct UnmeasuredLink {
+    pub decode: WorkerRef,
+    pub decode_url: String,
+    pub model: String,
+    /// The prefill worker's transfer address.
+    pub peer: String,
+}
+
+impl Registry {
+    /// Up to `max` healthy (decode-capable worker, exporting worker) pairs of one model and KV layout whose rate
+    /// the decode worker has not measured (and has room to keep), decode workers in registry order.
+    pub fn unmeasured_links(&self, now: Instant, max: usize) -> Vec<UnmeasuredLink> {
+        fn pd(w: &Worker) -> Option<&PdInfo> {
+            w.report.as_ref().map(|r| &r.pd)
+        }
+        let ok = |w: &Worker| self.healthy(w, now) && w.fingerprint_ok == Some(true);
+        // The exporting workers first (a prefill pool is small): pairs cost decode workers x exporters.
+        let exporters: Vec<(&Worker, &PdInfo)> = self
+            .workers
+            .iter()
+            .filter_map(|p| Some((p, pd(p)?)))
+            .filter(|(p, pp)| {
+                pp.role != Role::Decode && !pp.transfer_addr.is_empty() && p.model.is_some() && ok(p)
+            })
+            .collect();
+        let mut out = Vec::new();
+        if exporters.is_empty() {
+            return out;
+        }
+        for (idx, d) in self.workers.iter().enumerate() {
+            let Some(dp) = pd(d).filter(|p| p.role != Role::Prefill && p.kv_bytes_per_token > 0) else {
+                continue;
+            };
+            let (Some(model), true) = (d.model.as_ref(), ok(d) && d.pd.links.len() < MAX_LINKS) else {
+                continue;
+            };
+            for (p, pp) in &exporters {
+                let same = p.uid != d.uid && p.model.as_ref() == Some(model);
+                if !same
+                    || pp.kv_bytes_per_token != dp.kv_bytes_per_token
+                    || d.pd.link_rate(&pp.transfer_addr).is_some()
+                {
+                    continue;
+                }
+                if out.len() == max {
+                    return out;
+                }
+                out.push(UnmeasuredLink {
+                    decode: WorkerRef { idx, uid: d.uid },
+                    decode_url: d.url.clone(),
+                    model: model.clone(),
+                    peer: pp.transfer_addr.clone(),
+                });
+            }
+        }
+        out
+    }
+}
 
 /// Most prefill peers whose rate a decode worker's entry keeps.
 pub const MAX_LINKS: usize = 16;

@@ -159,3 +159,24 @@ fn a_prefill_worker_stalls_no_streams_and_reports_how_busy_it_is() {
     let refs: Vec<_> = (0..2).map(|i| reg.worker_ref(i).expect("ref")).collect();
     assert!(!super::plan::can_import(&reg, refs[0]) && super::plan::can_import(&reg, refs[1]));
 }
+
+#[test]
+fn the_pairs_no_transfer_measured_are_named_for_a_probe() {
+    let now = Instant::now();
+    let mut reg = fleet(now);
+    // d measured its link from p; b cannot import (no KV layout of its own): nothing to probe.
+    assert!(reg.unmeasured_links(now, 8).is_empty());
+    let fp = Some(scheme().fingerprint());
+    reg.ingest(report("d2", Role::Decode, 0.0, vec![]), fp, now);
+    let links = reg.unmeasured_links(now, 8);
+    assert_eq!(links.len(), 1, "{links:?}");
+    assert_eq!((links[0].peer.as_str(), links[0].decode_url.as_str()), ("p:9100", "http://d2:8000"));
+    assert_eq!(links[0].model, "m");
+    assert!(reg.unmeasured_links(now, 0).is_empty(), "at most max");
+    // Once d2's report carries a transfer from p, the pair is measured.
+    let link = PeerImport { peer: "p:9100".into(), bytes: 1_000_000, seconds: 0.01, transfers: 1 };
+    let mut r = report("d2", Role::Decode, 0.0, vec![link]);
+    r.seq = 2;
+    reg.ingest(r, fp, now);
+    assert!(reg.unmeasured_links(now, 8).is_empty());
+}

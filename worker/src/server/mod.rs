@@ -351,6 +351,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/chat/completions", post(api::chat_completions))
         .route("/v1/models", get(models))
         .route("/kvgate/v1/tokenizer", get(tokenizer))
+        .route("/kvgate/v1/kv-probe", post(pd::probe))
         .route_layer(axum::middleware::from_fn_with_state(state.clone(), gateway_only));
     Router::new()
         .merge(gated)

@@ -10,7 +10,7 @@ use kvgate_shared::hashing::ExtraKeys;
 use tokio::net::TcpListener;
 use tokio::time::sleep_until;
 
-use super::frame::{accept_code, Done, Frame, Hello, RefuseCode, VERSION};
+use super::frame::{accept_code, Done, Frame, Hello, Probe, RefuseCode, MAX_PROBE_BYTES, VERSION};
 use super::link::{send_by, send_parting, KvLink, TcpLink, IDLE_TIMEOUT};
 use super::{count, count_bytes, unix_ms, TransferError, Transfers};
 use crate::engine::{EngineRequest, SamplingParams, StepOutput};
@@ -40,6 +40,17 @@ pub async fn serve_link<L: KvLink>(mut link: L, t: &Transfers) {
     loop {
         let first = match tokio::time::timeout(2 * IDLE_TIMEOUT, link.recv()).await {
             Ok(Ok(Frame::Hello(h))) => h,
+            Ok(Ok(Frame::Probe(p))) => match answer_probe(&mut link, t, &p).await {
+                Ok(()) => {
+                    count("probe", "ok");
+                    continue;
+                }
+                Err(e) => {
+                    count("probe", e.outcome());
+                    tracing::warn!(transfer = p.transfer_id, error = %e, "KV link probe ended early");
+                    return;
+                }
+            },
             Ok(Ok(other)) => {
                 tracing::warn!(frame = ?kind(&other), "KV transfer: expected Hello; closing the link");
                 return;
@@ -73,7 +84,41 @@ fn kind(f: &Frame) -> &'static str {
         Frame::Renew { .. } => "renew",
         Frame::Cancel { .. } => "cancel",
         Frame::Ack { .. } => "ack",
+        Frame::Probe(_) => "probe",
     }
+}
+
+/// Answers a link probe: checked like a Hello (the code, the clock, the size), then Accept, `bytes` of zeros in
+/// Blocks frames of at most the asker's frame size, and Done. Nothing of the engine is touched.
+async fn answer_probe<L: KvLink>(link: &mut L, t: &Transfers, p: &Probe) -> Result<(), TransferError> {
+    let id = p.transfer_id;
+    let skew = unix_ms().abs_diff(p.issued_ms);
+    let refusal = if !p.verifies(&t.key) {
+        Some((RefuseCode::Unauthorized, "the Probe does not verify under this worker's key".to_owned()))
+    } else if skew > kvgate_shared::handoff::ASSERTION_WINDOW_MS {
+        Some((RefuseCode::Unauthorized, format!("issued {skew} ms away from this worker's clock")))
+    } else if p.bytes == 0 || p.bytes > MAX_PROBE_BYTES || p.max_frame == 0 {
+        Some((RefuseCode::Invalid, format!("a probe of {} bytes in frames of {}", p.bytes, p.max_frame)))
+    } else {
+        None
+    };
+    if let Some((code, reason)) = refusal {
+        return Err(refuse(link, id, code, reason).await);
+    }
+    let deadline = tokio::time::Instant::now() + t.lease;
+    let accept = Frame::Accept { transfer_id: id, mac: accept_code(&t.key, &p.mac) };
+    send_by(link, &accept, deadline, t.lease).await?;
+    let chunk = (p.max_frame as usize).min(t.frame_bytes.max(1)).min(p.bytes as usize);
+    let zeros = vec![0u8; chunk];
+    let mut left = p.bytes as usize;
+    while left > 0 {
+        let n = left.min(chunk);
+        let write = link.send_blocks(id, 0, 1, (0, 1), &zeros[..n]);
+        tokio::time::timeout_at(deadline, write).await.map_err(|_| TransferError::Expired(t.lease))??;
+        left -= n;
+    }
+    let done = Done { transfer_id: id, first_token: 0, prompt_tokens: 0, cached_tokens: 0 };
+    send_by(link, &Frame::Done(done), deadline, t.lease).await
 }
 
 /// Checks a Hello against this worker: the code, the model and layout, the bounds. `Err` is what to refuse with.

@@ -10,6 +10,8 @@
 //! Blocks (P->D) transfer id, first block u32, count u32, layer from u16, layer to u16, xxh3 u64, payload
 //! Done   (P->D) transfer id, first token u32, prompt tokens u32, cached tokens u32
 //! Renew, Ack (D->P) transfer id                  Cancel (either) transfer id, reason (u16 len + UTF-8)
+//! Probe  (D->P) transfer id, issued unix ms u64, bytes u32, max frame u32, mac [32]: a link-rate sample; P answers
+//!               Accept, `bytes` of zeros as Blocks frames (block 0, layer 0..1) of at most max frame, then Done
 //! ```
 //! Invariants: a decoder learns a frame's length from its 5-byte header and checks it against [`Limits`] for that
 //! kind before it allocates anything; every malformed input is an error, never a panic; a Blocks payload is
@@ -25,6 +27,8 @@ pub const HEADER_BYTES: usize = 5;
 pub const MAX_REASON_BYTES: usize = 256;
 /// Longest extra-keys field in Hello.
 pub const MAX_EXTRA_KEY_BYTES: usize = 4096;
+/// Most bytes a Probe may ask for (a sample of the link, not a way to make a prefill worker send without end).
+pub const MAX_PROBE_BYTES: u32 = 64 << 20;
 /// Longest frame that is neither Hello nor Blocks.
 const MAX_CONTROL_FRAME: usize = 1 + 8 + 2 + 2 + MAX_REASON_BYTES + 64;
 /// Fixed part of a Hello body (before extra keys and the prompt) and its MAC.
@@ -41,6 +45,7 @@ const K_DONE: u8 = 5;
 const K_RENEW: u8 = 6;
 const K_CANCEL: u8 = 7;
 const K_ACK: u8 = 8;
+const K_PROBE: u8 = 9;
 
 /// How a prefill worker samples the first token (the decode worker samples the rest).
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -139,6 +144,38 @@ pub enum Frame {
     Renew { transfer_id: u64 },
     Cancel { transfer_id: u64, reason: String },
     Ack { transfer_id: u64 },
+    Probe(Probe),
+}
+
+/// A decode worker's request for `bytes` of padding, to time the link (`frame` module docs).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Probe {
+    pub transfer_id: u64,
+    pub issued_ms: u64,
+    pub bytes: u32,
+    pub max_frame: u32,
+    pub mac: [u8; 32],
+}
+
+impl Probe {
+    fn signed_bytes(&self) -> Vec<u8> {
+        let mut b = b"probe".to_vec();
+        b.extend_from_slice(&self.transfer_id.to_le_bytes());
+        b.extend_from_slice(&self.issued_ms.to_le_bytes());
+        b.extend_from_slice(&self.bytes.to_le_bytes());
+        b.extend_from_slice(&self.max_frame.to_le_bytes());
+        b
+    }
+
+    /// The MAC of this Probe under the transfer key.
+    pub fn code(&self, key: &[u8; 32]) -> [u8; 32] {
+        *blake3::keyed_hash(key, &self.signed_bytes()).as_bytes()
+    }
+
+    /// Whether the MAC verifies under `key` (constant time).
+    pub fn verifies(&self, key: &[u8; 32]) -> bool {
+        blake3::Hash::from(self.mac) == blake3::keyed_hash(key, &self.signed_bytes())
+    }
 }
 
 /// What a reader accepts: anything longer is refused from the header, before it is read.
@@ -169,7 +206,7 @@ pub fn decode_header(h: &[u8; HEADER_BYTES], limits: &Limits) -> Result<(u8, usi
     let max = match kind {
         K_HELLO => HELLO_FIXED + 4 + MAX_EXTRA_KEY_BYTES + 4 + 4 * limits.max_prompt_tokens + MAC_BYTES,
         K_BLOCKS => BLOCKS_FIXED + limits.max_payload,
-        K_ACCEPT..=K_ACK => MAX_CONTROL_FRAME,
+        K_ACCEPT..=K_PROBE => MAX_CONTROL_FRAME,
         k => return Err(FrameError::UnknownKind(k)),
     } + 1;
     if len == 0 || len > max {
@@ -258,6 +295,13 @@ pub fn decode_body(kind: u8, body: &[u8]) -> Result<Frame, FrameError> {
         K_RENEW => Frame::Renew { transfer_id: r.u64()? },
         K_CANCEL => Frame::Cancel { transfer_id: r.u64()?, reason: r.reason()? },
         K_ACK => Frame::Ack { transfer_id: r.u64()? },
+        K_PROBE => Frame::Probe(Probe {
+            transfer_id: r.u64()?,
+            issued_ms: r.u64()?,
+            bytes: r.u32()?,
+            max_frame: r.u32()?,
+            mac: r.mac()?,
+        }),
         k => return Err(FrameError::UnknownKind(k)),
     };
     r.end()?;
@@ -429,6 +473,11 @@ pub fn encode(f: &Frame) -> Vec<u8> {
         Frame::Ack { transfer_id } => {
             b.extend_from_slice(&transfer_id.to_le_bytes());
             K_ACK
+        }
+        Frame::Probe(p) => {
+            b = p.signed_bytes().split_off(5);
+            b.extend_from_slice(&p.mac);
+            K_PROBE
         }
     };
     with_header(kind, b)

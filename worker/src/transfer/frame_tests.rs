@@ -55,10 +55,31 @@ fn every_frame_round_trips() {
         Frame::Renew { transfer_id: 7 },
         Frame::Cancel { transfer_id: 7, reason: "client left".into() },
         Frame::Ack { transfer_id: 7 },
+        Frame::Probe(probe()),
     ];
     for f in frames {
         assert_eq!(decode(&encode(&f)).as_ref(), Ok(&f));
     }
+}
+
+fn probe() -> Probe {
+    let mut p = Probe {
+        transfer_id: 8,
+        issued_ms: 1_700_000_000_000,
+        bytes: 1 << 20,
+        max_frame: 1 << 16,
+        mac: [0; 32],
+    };
+    p.mac = p.code(&[3; 32]);
+    p
+}
+
+#[test]
+fn a_probe_verifies_only_under_its_key_and_unchanged() {
+    let p = probe();
+    assert!(p.verifies(&[3; 32]) && !p.verifies(&[4; 32]));
+    let bigger = Probe { bytes: MAX_PROBE_BYTES, ..p };
+    assert!(!bigger.verifies(&[3; 32]), "a changed size must not verify");
 }
 
 #[test]

@@ -9,7 +9,7 @@ use kvgate_shared::hashing::ExtraKeys;
 use tokio::sync::oneshot;
 use tokio::time::{sleep_until, timeout};
 
-use super::frame::{accept_verifies, FirstToken, Frame, Hello, VERSION};
+use super::frame::{accept_verifies, FirstToken, Frame, Hello, Probe, MAX_PROBE_BYTES, VERSION};
 use super::link::{send_by, send_parting, KvLink, KvTransport, TcpTransport};
 use super::{count, count_bytes, unix_ms, TransferError, Transfers};
 use crate::engine::{ImportPlan, RequestId, SamplingParams};
@@ -99,7 +99,7 @@ fn hello(t: &Transfers, want: &Want<'_>, transfer_id: u64) -> Hello {
 async fn connect(
     t: &Transfers,
     peer: &str,
-    h: &Hello,
+    first: &Frame,
 ) -> Result<<TcpTransport as KvTransport>::Link, TransferError> {
     let lease = t.lease;
     let mut last = None;
@@ -107,14 +107,72 @@ async fn connect(
         let mut link = timeout(lease, t.transport.connect(peer, t.limits()))
             .await
             .map_err(|_| TransferError::Connect(format!("{peer}: no connection within {lease:?}")))??;
-        let hello = Frame::Hello(Box::new(h.clone()));
-        match send_by(&mut link, &hello, tokio::time::Instant::now() + lease, lease).await {
+        match send_by(&mut link, first, tokio::time::Instant::now() + lease, lease).await {
             Ok(()) => return Ok(link),
             Err(e) if link.reused() => last = Some(e),
             Err(e) => return Err(e),
         }
     }
     Err(last.unwrap_or_else(|| TransferError::Connect(peer.to_owned())))
+}
+
+/// A timed sample of the link to `peer`: `bytes` of padding (at most [`MAX_PROBE_BYTES`]), recorded in the import
+/// log as a transfer would be (so the next report carries the pair's rate): the bytes after the first Blocks frame
+/// over the seconds from it to Done (the first frame's arrival starts the clock, so it is not counted).
+pub async fn probe(t: &Transfers, peer: &str, bytes: u32) -> Result<(u64, f64), TransferError> {
+    let lease = t.lease;
+    let id = rand_id(u64::from(bytes));
+    let mut p = Probe {
+        transfer_id: id,
+        issued_ms: unix_ms(),
+        bytes: bytes.clamp(1, MAX_PROBE_BYTES),
+        max_frame: t.frame_bytes.max(t.block_bytes) as u32,
+        mac: [0; 32],
+    };
+    p.mac = p.code(&t.key);
+    let mut link = connect(t, peer, &Frame::Probe(p)).await?;
+    let (mut accepted, mut got, mut first) = (false, 0u64, None::<(Instant, u64)>);
+    let deadline = tokio::time::Instant::now() + lease;
+    loop {
+        let f = tokio::time::timeout_at(deadline, link.recv())
+            .await
+            .map_err(|_| TransferError::Expired(lease))??;
+        match f {
+            Frame::Accept { transfer_id, mac } if transfer_id == id && !accepted => {
+                if !accept_verifies(&t.key, &p.mac, &mac) {
+                    return Err(TransferError::Protocol("the Accept does not verify".into()));
+                }
+                accepted = true;
+            }
+            Frame::Refuse { transfer_id, code, reason } if transfer_id == id => {
+                return Err(TransferError::Refused { code: code.as_str(), reason });
+            }
+            Frame::Renew { .. } => {}
+            Frame::Blocks(b) if b.transfer_id == id && accepted => {
+                got += b.payload.len() as u64;
+                first.get_or_insert_with(|| (Instant::now(), got));
+                if got > u64::from(p.bytes) {
+                    return Err(TransferError::Protocol("more probe bytes than asked for".into()));
+                }
+            }
+            Frame::Done(d) if d.transfer_id == id && accepted => {
+                if got != u64::from(p.bytes) {
+                    return Err(TransferError::Protocol(format!("{got} of {} probe bytes", p.bytes)));
+                }
+                let (bytes, seconds) =
+                    first.map_or((0, 0.0), |(at, n)| (got - n, at.elapsed().as_secs_f64()));
+                if bytes > 0 && seconds > 0.0 {
+                    t.imports.lock().unwrap_or_else(|e| e.into_inner()).record(peer, bytes, seconds);
+                }
+                t.transport.give_back(link);
+                return Ok((bytes, seconds));
+            }
+            other => {
+                let what = format!("unexpected frame {other:?}");
+                return Err(TransferError::Protocol(what.chars().take(200).collect()));
+            }
+        }
+    }
 }
 
 /// `Ok(Some(blocks))`: imported; `Ok(None)`: the client left.
@@ -127,7 +185,7 @@ async fn run(
 ) -> Result<Option<usize>, TransferError> {
     let lease = t.lease;
     let h = hello(t, want, id);
-    let mut link = connect(t, peer, &h).await?;
+    let mut link = connect(t, peer, &Frame::Hello(Box::new(h.clone()))).await?;
     let mut received = 0usize;
     let (mut bytes_in, mut first_blocks_at) = (0u64, None::<std::time::Instant>);
     let mut accepted = false;
