@@ -92,11 +92,10 @@ fn kind(f: &Frame) -> &'static str {
 /// Blocks frames of at most the asker's frame size, and Done. Nothing of the engine is touched.
 async fn answer_probe<L: KvLink>(link: &mut L, t: &Transfers, p: &Probe) -> Result<(), TransferError> {
     let id = p.transfer_id;
-    let skew = unix_ms().abs_diff(p.issued_ms);
     let refusal = if !p.verifies(&t.key) {
         Some((RefuseCode::Unauthorized, "the Probe does not verify under this worker's key".to_owned()))
-    } else if skew > kvgate_shared::handoff::ASSERTION_WINDOW_MS {
-        Some((RefuseCode::Unauthorized, format!("issued {skew} ms away from this worker's clock")))
+    } else if let Err(r) = fresh(p.issued_ms, unix_ms()) {
+        Some(r)
     } else if p.bytes == 0 || p.bytes > MAX_PROBE_BYTES || p.max_frame == 0 {
         Some((RefuseCode::Invalid, format!("a probe of {} bytes in frames of {}", p.bytes, p.max_frame)))
     } else {
@@ -121,6 +120,15 @@ async fn answer_probe<L: KvLink>(link: &mut L, t: &Transfers, p: &Probe) -> Resu
     send_by(link, &Frame::Done(done), deadline, t.lease).await
 }
 
+/// A frame issued within the assertion window of this worker's clock (a replay window, not a forever).
+fn fresh(issued_ms: u64, now_ms: u64) -> Result<(), (RefuseCode, String)> {
+    let skew = now_ms.abs_diff(issued_ms);
+    if skew > kvgate_shared::handoff::ASSERTION_WINDOW_MS {
+        return Err((RefuseCode::Unauthorized, format!("issued {skew} ms away from this worker's clock")));
+    }
+    Ok(())
+}
+
 /// Checks a Hello against this worker: the code, the model and layout, the bounds. `Err` is what to refuse with.
 pub fn check(t: &Transfers, h: &Hello, now_ms: u64) -> Result<ExtraKeys, (RefuseCode, String)> {
     if !h.verifies(&t.key) {
@@ -129,10 +137,7 @@ pub fn check(t: &Transfers, h: &Hello, now_ms: u64) -> Result<ExtraKeys, (Refuse
     if h.version != VERSION {
         return Err((RefuseCode::Invalid, format!("version {} (this worker speaks {VERSION})", h.version)));
     }
-    let skew = now_ms.abs_diff(h.issued_ms);
-    if skew > kvgate_shared::handoff::ASSERTION_WINDOW_MS {
-        return Err((RefuseCode::Unauthorized, format!("issued {skew} ms away from this worker's clock")));
-    }
+    fresh(h.issued_ms, now_ms)?;
     if h.fingerprint != t.fingerprint
         || h.block_bytes as usize != t.block_bytes
         || h.layers as usize != t.layers

@@ -116,17 +116,19 @@ async fn connect(
     Err(last.unwrap_or_else(|| TransferError::Connect(peer.to_owned())))
 }
 
-/// A timed sample of the link to `peer`: `bytes` of padding (at most [`MAX_PROBE_BYTES`]), recorded in the import
+/// A timed sample of the link to `peer`: `bytes` of padding (at least 4 frames, at most [`MAX_PROBE_BYTES`]), recorded in the import
 /// log as a transfer would be (so the next report carries the pair's rate): the bytes after the first Blocks frame
 /// over the seconds from it to Done (the first frame's arrival starts the clock, so it is not counted).
 pub async fn probe(t: &Transfers, peer: &str, bytes: u32) -> Result<(u64, f64), TransferError> {
     let lease = t.lease;
     let id = rand_id(u64::from(bytes));
+    let max_frame = t.frame_bytes.max(t.block_bytes).min(MAX_PROBE_BYTES as usize) as u32;
     let mut p = Probe {
         transfer_id: id,
         issued_ms: unix_ms(),
-        bytes: bytes.clamp(1, MAX_PROBE_BYTES),
-        max_frame: t.frame_bytes.max(t.block_bytes) as u32,
+        // At least 4 frames: the first only starts the clock.
+        bytes: bytes.max(max_frame.saturating_mul(4)).min(MAX_PROBE_BYTES),
+        max_frame,
         mac: [0; 32],
     };
     p.mac = p.code(&t.key);
