@@ -141,7 +141,14 @@ async fn a_split_request_answers_like_a_whole_one_and_moves_only_missing_blocks(
         19.0,
         "ceil(300 / 16)"
     );
-    assert_eq!(m(&p, "kvgate_worker_kv_transfers_total{side=\"export\",outcome=\"ok\"}").await, 1.0);
+    // The peer counts its export after writing Done: wait for it.
+    wait_metric(
+        &p,
+        "kvgate_worker_kv_transfers_total{side=\"export\",outcome=\"ok\"}",
+        1.0,
+        Duration::from_secs(5),
+    )
+    .await;
     // The role is in /v1/models and /metrics.
     let models = get(&format!("{}/v1/models", d.base)).await.json();
     assert_eq!(models["data"][0]["role"], "decode");
@@ -299,7 +306,13 @@ async fn a_dead_or_stopped_decode_worker_or_a_client_that_leaves_frees_the_expor
     raw_post(&base, &peer, &body_s, Some(Duration::from_millis(300)));
     pool_at_baseline(&d, Duration::from_secs(2)).await;
     pool_at_baseline(&p, Duration::from_secs(2)).await;
-    assert_eq!(m(&d, "kvgate_worker_kv_transfers_total{side=\"import\",outcome=\"client_left\"}").await, 1.0);
+    wait_metric(
+        &d,
+        "kvgate_worker_kv_transfers_total{side=\"import\",outcome=\"client_left\"}",
+        1.0,
+        Duration::from_secs(5),
+    )
+    .await;
     wait_metric(&p, "kvgate_worker_kv_transfer_leases", 0.0, Duration::from_secs(2)).await;
     let t = metrics(&p).await;
     let cancelled = metric(&t, "kvgate_worker_kv_transfers_total{side=\"export\",outcome=\"cancelled\"}")
@@ -376,7 +389,14 @@ async fn refusals_forged_grants_and_forged_frames_are_errors_not_hangs() {
     let _ = s.set_read_timeout(Some(Duration::from_secs(3)));
     let mut buf = [0u8; 16];
     assert_eq!(s.read(&mut buf).unwrap_or(0), 0, "closed");
-    assert_eq!(m(&p, "kvgate_worker_kv_transfers_total{side=\"export\",outcome=\"refused\"}").await, 1.0);
+    // The refusal is counted after its frame is written: wait for it rather than race the worker's task.
+    wait_metric(
+        &p,
+        "kvgate_worker_kv_transfers_total{side=\"export\",outcome=\"refused\"}",
+        1.0,
+        Duration::from_secs(5),
+    )
+    .await;
 
     // A fake prefill worker that answers with an Accept it cannot sign, then a 1 GiB Blocks frame: the decode
     // worker computes the prompt itself.
@@ -424,7 +444,13 @@ async fn a_link_probe_is_timed_and_a_forged_one_is_refused() {
     assert_eq!(r.status, 200, "{}", r.body);
     let v = r.json();
     assert!(v["bytes"].as_u64().expect("bytes") > 0 && v["bytes_per_s"].as_f64().expect("rate") > 0.0, "{v}");
-    assert_eq!(m(&p, "kvgate_worker_kv_transfers_total{side=\"probe\",outcome=\"ok\"}").await, 1.0);
+    wait_metric(
+        &p,
+        "kvgate_worker_kv_transfers_total{side=\"probe\",outcome=\"ok\"}",
+        1.0,
+        Duration::from_secs(5),
+    )
+    .await;
     // The engine was not touched: the prefill worker's pool is where it was.
     pool_at_baseline(&p, Duration::from_secs(2)).await;
     // A prefill worker probes nothing; a dead peer is a 502.
@@ -444,7 +470,13 @@ async fn a_link_probe_is_timed_and_a_forged_one_is_refused() {
     let mut head = [0u8; 5];
     s.read_exact(&mut head).expect("an answer");
     assert_eq!(head[4], 3, "Refuse");
-    assert_eq!(m(&p, "kvgate_worker_kv_transfers_total{side=\"probe\",outcome=\"refused\"}").await, 1.0);
+    wait_metric(
+        &p,
+        "kvgate_worker_kv_transfers_total{side=\"probe\",outcome=\"refused\"}",
+        1.0,
+        Duration::from_secs(5),
+    )
+    .await;
 }
 
 fn forged_hello() -> Vec<u8> {
