@@ -11,7 +11,7 @@ use kvgate_gateway::request::{parse, with_first_members, with_members};
 use kvgate_shared::handoff;
 use kvgate_shared::hashing::{BlockHasher, ExtraKeys, HashScheme};
 use kvgate_shared::prompt::{
-    synth_text, synth_tokenizer, ChatOptions, PromptInput, Prompter, TokenizerFiles,
+    synth_prose, synth_text, synth_tokenizer, ChatOptions, PromptInput, Prompter, TokenizerFiles,
 };
 use serde_json::json;
 use std::hint::black_box;
@@ -90,9 +90,89 @@ fn bench(c: &mut Criterion) {
     });
 }
 
+/// A 32K-token completions prompt as text whose first 30K tokens were seen before (a long document, then a new
+/// question): preparing it (parse the body, tokenize, hash the blocks) with `Tokenizer::encode` on the whole text
+/// (`whole`, before issue #28), through the prompter with nothing cached (`unseen`: the fast byte-level path), and
+/// with the document's chunks cached (`seen_30k`), a new tail every iteration. Two kinds of text: `words` draws
+/// every word anew (`synth_text`: the BPE's own word cache rarely hits), `prose` draws them Zipf-like from a
+/// lexicon as natural language does (`synth_prose`). The ids are checked equal first.
+fn long_text(c: &mut Criterion) {
+    // The vocabulary of the `small` preset that the demo and the peer bench serve.
+    let t = synth_tokenizer(8192, 0);
+    let files = TokenizerFiles {
+        tokenizer_json: t.tokenizer_json.clone(),
+        chat_template: Some(kvgate_shared::prompt::CHAT_TEMPLATE.into()),
+        bos_token: Some(kvgate_shared::prompt::BOS_TOKEN.into()),
+        eos_token: Some(kvgate_shared::prompt::EOT_TOKEN.into()),
+    };
+    let prompter = Prompter::from_files(files).expect("prompter");
+    assert_eq!((prompter.long_text_off(), prompter.fast_path_off()), (None, None));
+    let hasher = BlockHasher::new(&HashScheme::new(16, prompter.digest()), &ExtraKeys::none());
+    let body = |text: &str| json!({"model": "m", "max_tokens": 1, "prompt": text}).to_string();
+    let prepare = |body: &str, whole: bool| {
+        let (_, prompt) = parse(false, body.as_bytes(), 100_000).expect("parses");
+        let ids = match (prompt.input(), whole) {
+            (PromptInput::Text(text), true) => prompter.encode(text, true).expect("encodes"),
+            (input, _) => prompter.tokenize(&input).expect("tokenizes"),
+        };
+        hasher.hash_blocks(&ids).len()
+    };
+    type Gen = fn(u64, usize) -> String;
+    let kinds: [(&str, Gen); 2] =
+        [("words", |seed, n| synth_text(seed, n)), ("prose", |seed, n| synth_prose(0, seed, n))];
+    for (kind, gen) in kinds {
+        // About 30K tokens of document, then tails of about 2K tokens.
+        let mut n = 6_000;
+        let doc = loop {
+            let d = gen(77, n);
+            let got = prompter.encode(&d, true).expect("encodes").len();
+            if got >= 30_000 {
+                break d;
+            }
+            n = n * 30_500 / got.max(1) + 1;
+        };
+        let tail = |i: u64| format!("{doc} {}", gen(10_000 + i, n / 15));
+        let first = tail(0);
+        let ids = prompter.tokenize(&PromptInput::Text(&first)).expect("tokenizes");
+        assert_eq!(ids, prompter.encode(&first, true).expect("whole"), "same ids bit for bit");
+        eprintln!(
+            "long text ({kind}): {} tokens ({} seen), body {} bytes",
+            ids.len(),
+            prompter.encode(&doc, true).expect("ids").len(),
+            body(&first).len()
+        );
+        let long = body(&first);
+        c.bench_function(&format!("parse_text_32k_{kind}"), |b| {
+            b.iter(|| {
+                matches!(
+                    parse(false, black_box(long.as_bytes()), 100_000).expect("parses").1.input(),
+                    PromptInput::Text(_)
+                )
+            })
+        });
+        let mut i = 0u64;
+        let cases: [(&str, bool, bool); 3] =
+            [("whole", true, true), ("unseen", false, false), ("seen_30k", false, true)];
+        for (name, whole, seen) in cases {
+            c.bench_function(&format!("prepare_text_32k_{kind}_{name}"), |b| {
+                b.iter_batched(
+                    || {
+                        i += 1;
+                        // An unseen prompt is a document of its own.
+                        let text = if seen { tail(i) } else { gen(1_000_000 + i, n + n / 15) };
+                        body(&text)
+                    },
+                    |body| prepare(black_box(&body), whole),
+                    criterion::BatchSize::PerIteration,
+                )
+            });
+        }
+    }
+}
+
 criterion_group! {
     name = benches;
     config = Criterion::default().sample_size(20).measurement_time(std::time::Duration::from_secs(3));
-    targets = bench
+    targets = bench, long_text
 }
 criterion_main!(benches);

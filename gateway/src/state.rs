@@ -126,6 +126,13 @@ impl GatewayState {
             let scheme = HashScheme::new(m.block_size, prompter.digest());
             scheme.validate().map_err(|e| format!("model {}: {e}", m.name))?;
             tracing::info!(model = %m.name, kind = ?m.kind, fingerprint = scheme.fingerprint(), "tokenizer loaded from {}", m.tokenizer.display());
+            for (what, off) in
+                [("chat segments", prompter.segment_cache_off()), ("long text", prompter.long_text_off())]
+            {
+                if let Some(why) = off {
+                    tracing::info!(model = %m.name, %why, "{what} of this model are tokenized whole (not cached)");
+                }
+            }
             tokenizers.insert(m.name.clone(), Arc::new(ModelTokenizer { prompter, scheme }));
             for w in &m.workers {
                 enroll(&mut registry, m, w);
@@ -396,6 +403,9 @@ impl GatewayState {
                 .with_segment_cache_tokens(self.cfg.tokenize_cache_tokens);
             if let Some(why) = prompter.segment_cache_off() {
                 tracing::info!(%uri, %why, "chat prompts of this model are tokenized whole (no segment cache)");
+            }
+            if let Some(why) = prompter.long_text_off() {
+                tracing::info!(%uri, %why, "long text of this model is tokenized whole (no cached chunks)");
             }
             if prompter.digest() != scheme.tokenizer_digest {
                 return Err(format!("{uri}: tokenizer digest does not match the advertised scheme"));

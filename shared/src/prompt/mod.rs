@@ -5,8 +5,13 @@
 //! special tokens, since the template writes them), a text (tokenized with the tokenizer's post-processor, which
 //! adds BOS for Llama-style tokenizers), or token ids given directly (used as they are). A rendered chat is
 //! tokenized piece by piece between added tokens, earlier messages' pieces from a bounded cache (`segments.rs`;
-//! exact by construction and checked at start, else the whole text is encoded).
+//! exact by construction and checked at start, else the whole text is encoded). A long stretch of text (a
+//! completions prompt, a long message) is further cut where the pre-tokenizer must split (`long_text.rs`), so a
+//! prompt that extends one seen before is tokenized only past the shared part.
 
+pub mod fast_bpe;
+pub mod long_text;
+pub mod pretok;
 pub mod request;
 pub mod segments;
 mod synth;
@@ -15,12 +20,14 @@ mod template;
 pub use request::{chat_options, RequestPrompt, CACHE_SALT_HEADER};
 pub use segments::CacheStats;
 pub use synth::{
-    byte_to_char, synth_text, synth_tokenizer, SplitMix64, SynthTokenizer, BOS_TOKEN, CHAT_TEMPLATE,
-    EOT_TOKEN, SPECIAL_TOKENS,
+    byte_to_char, synth_prose, synth_text, synth_tokenizer, SplitMix64, SynthTokenizer, BOS_TOKEN,
+    CHAT_TEMPLATE, EOT_TOKEN, SPECIAL_TOKENS,
 };
 pub use template::ChatTemplate;
 
-use segments::{SegmentCache, Segmenter, DEFAULT_CACHE_TOKENS};
+use fast_bpe::FastBpe;
+use long_text::{Chunker, DEFAULT_CHUNK_BYTES};
+use segments::{Encoder, SegmentCache, Segmenter, DEFAULT_CACHE_TOKENS};
 
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -150,6 +157,12 @@ pub struct Prompter {
     /// Splits rendered chats at added tokens (`None`: plain encoding; `segments_off` says why).
     segmenter: Option<Segmenter>,
     segments_off: Option<String>,
+    /// Cuts long text stretches (`None`: stretches are encoded whole; `long_text_off` says why).
+    chunker: Option<Chunker>,
+    long_text_off: Option<String>,
+    /// The exact fast path of byte-level BPE tokenizers for stretches of text (`None`: `Tokenizer::encode`).
+    fast: Option<FastBpe>,
+    fast_off: Option<String>,
     segment_cache: SegmentCache,
     segment_hits: AtomicU64,
     segment_misses: AtomicU64,
@@ -177,6 +190,17 @@ impl Prompter {
             Ok(s) => (Some(s), None),
             Err(why) => (None, Some(why)),
         };
+        let (chunker, long_text_off) = match &segmenter {
+            None => (None, Some("text is split at added tokens first, and that is off".to_owned())),
+            Some(_) => match Chunker::new(&tokenizer, &files.tokenizer_json, DEFAULT_CHUNK_BYTES) {
+                Ok(c) => (Some(c), None),
+                Err(why) => (None, Some(why)),
+            },
+        };
+        let (fast, fast_off) = match FastBpe::new(&tokenizer, &files.tokenizer_json) {
+            Ok(f) => (Some(f), None),
+            Err(why) => (None, Some(why)),
+        };
         Ok(Self {
             tokenizer,
             template,
@@ -184,6 +208,10 @@ impl Prompter {
             digest,
             segmenter,
             segments_off,
+            chunker,
+            long_text_off,
+            fast,
+            fast_off,
             segment_cache: SegmentCache::new(DEFAULT_CACHE_TOKENS),
             segment_hits: AtomicU64::new(0),
             segment_misses: AtomicU64::new(0),
@@ -197,12 +225,30 @@ impl Prompter {
         self
     }
 
+    /// Sets the target chunk length of long text stretches in bytes (at least 1; stretches shorter than two chunks
+    /// are not cut). Default [`long_text::DEFAULT_CHUNK_BYTES`].
+    pub fn with_long_text_chunk_bytes(mut self, chunk_bytes: usize) -> Self {
+        self.chunker = self.chunker.map(|c| c.with_chunk_bytes(chunk_bytes));
+        self
+    }
+
     /// Why rendered chats are tokenized whole instead of piece by piece through the cache (`None`: they are not).
     pub fn segment_cache_off(&self) -> Option<&str> {
         self.segments_off.as_deref()
     }
 
-    /// Chat-segment cache hits and misses so far.
+    /// Why long text stretches are tokenized whole instead of in cached chunks (`None`: they are not).
+    pub fn long_text_off(&self) -> Option<&str> {
+        self.long_text_off.as_deref()
+    }
+
+    /// Why stretches of text go through `Tokenizer::encode` rather than the fast byte-level BPE path (`None`: they
+    /// do not).
+    pub fn fast_path_off(&self) -> Option<&str> {
+        self.fast_off.as_deref()
+    }
+
+    /// Segment cache hits and misses so far (chat stretches and long-text chunks).
     pub fn segment_cache_stats(&self) -> CacheStats {
         CacheStats {
             hits: self.segment_hits.load(Ordering::Relaxed),
@@ -300,7 +346,17 @@ impl Prompter {
     /// The token ids of a prompt: the function both sides call.
     pub fn tokenize(&self, input: &PromptInput<'_>) -> Result<Vec<u32>, PromptError> {
         match input {
-            PromptInput::Text(text) => self.encode(text, true),
+            PromptInput::Text(text) => {
+                let (Some(seg), Some(chunker)) = (&self.segmenter, &self.chunker) else {
+                    return self.encode(text, true);
+                };
+                // The post-processor's ids around the text's, which come piece by piece through the cache.
+                let (before, after) = chunker.specials();
+                let mut ids = before.to_vec();
+                ids.extend(self.cached_encode(seg, text)?);
+                ids.extend_from_slice(after);
+                Ok(ids)
+            }
             PromptInput::TokenIds(ids) => {
                 if ids.is_empty() {
                     return Err(PromptError::InvalidPrompt("prompt must not be empty".into()));
@@ -310,16 +366,25 @@ impl Prompter {
             PromptInput::Chat { messages, options } => {
                 let text = self.render_chat(messages, options)?;
                 let Some(seg) = &self.segmenter else { return self.encode(&text, false) };
-                let mut stats = CacheStats::default();
-                let ids = self
-                    .segment_cache
-                    .encode(seg, &self.tokenizer, &text, &mut stats)
-                    .map_err(|e| PromptError::InvalidPrompt(format!("cannot tokenize: {e}")))?;
-                self.segment_hits.fetch_add(stats.hits, Ordering::Relaxed);
-                self.segment_misses.fetch_add(stats.misses, Ordering::Relaxed);
-                Ok(ids)
+                self.cached_encode(seg, &text)
             }
         }
+    }
+
+    fn encoder(&self) -> Encoder<'_> {
+        Encoder { tokenizer: &self.tokenizer, fast: self.fast.as_ref() }
+    }
+
+    /// `text` without special tokens added, piece by piece through the segment cache.
+    fn cached_encode(&self, seg: &Segmenter, text: &str) -> Result<Vec<u32>, PromptError> {
+        let mut stats = CacheStats::default();
+        let ids = self
+            .segment_cache
+            .encode(seg, self.chunker.as_ref(), self.encoder(), text, &mut stats)
+            .map_err(|e| PromptError::InvalidPrompt(format!("cannot tokenize: {e}")))?;
+        self.segment_hits.fetch_add(stats.hits, Ordering::Relaxed);
+        self.segment_misses.fetch_add(stats.misses, Ordering::Relaxed);
+        Ok(ids)
     }
 }
 
@@ -353,5 +418,9 @@ fn flatten_content(message: &Json) -> Result<Json, PromptError> {
     Ok(Json::Object(out))
 }
 
+#[cfg(test)]
+mod long_text_tests;
+#[cfg(test)]
+mod pretok_tests;
 #[cfg(test)]
 mod tests;

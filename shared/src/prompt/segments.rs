@@ -26,6 +26,32 @@ use aho_corasick::{AhoCorasick, AhoCorasickBuilder, MatchKind};
 use tokenizers::Tokenizer;
 use xxhash_rust::xxh3::xxh3_128;
 
+use super::fast_bpe::FastBpe;
+use super::long_text::Chunker;
+
+/// What turns a stretch of text (no added tokens in it) into ids: the tokenizer, through its fast byte-level BPE
+/// path where it has one (`fast_bpe.rs`; the same ids).
+#[derive(Clone, Copy)]
+pub struct Encoder<'a> {
+    pub tokenizer: &'a Tokenizer,
+    pub fast: Option<&'a FastBpe>,
+}
+
+impl Encoder<'_> {
+    /// Appends the ids of `text` to `out`.
+    pub fn encode(&self, text: &str, out: &mut Vec<u32>) -> Result<(), String> {
+        match self.fast {
+            Some(f) => f.encode(self.tokenizer, text, out),
+            None => {
+                out.extend_from_slice(
+                    self.tokenizer.encode_fast(text, false).map_err(|e| e.to_string())?.get_ids(),
+                );
+                Ok(())
+            }
+        }
+    }
+}
+
 /// Default capacity of the cache in token ids (about 16 MiB of ids).
 pub const DEFAULT_CACHE_TOKENS: usize = 4 << 20;
 
@@ -194,11 +220,13 @@ impl SegmentCache {
         g.new_tokens + g.old.values().map(|v| v.len()).sum::<usize>()
     }
 
-    /// Tokenizes `text` (no special tokens added) piece by piece through the cache.
+    /// Tokenizes `text` (no special tokens added) piece by piece through the cache; with a `chunker`, a long
+    /// stretch between added tokens is cut into chunks (`long_text.rs`), each looked up on its own.
     pub fn encode(
         &self,
         seg: &Segmenter,
-        tokenizer: &Tokenizer,
+        chunker: Option<&Chunker>,
+        enc: Encoder<'_>,
         text: &str,
         stats: &mut CacheStats,
     ) -> Result<Vec<u32>, String> {
@@ -206,24 +234,38 @@ impl SegmentCache {
         for piece in seg.split(text) {
             match piece {
                 Piece::Added(id) => out.push(id),
-                Piece::Text(t) if self.capacity_tokens == 0 => {
-                    out.extend_from_slice(tokenizer.encode(t, false).map_err(|e| e.to_string())?.get_ids());
-                }
-                Piece::Text(t) => {
-                    let key = xxh3_128(t.as_bytes());
-                    if let Some(ids) = self.get(key) {
-                        stats.hits += 1;
-                        out.extend_from_slice(&ids);
-                    } else {
-                        stats.misses += 1;
-                        let enc = tokenizer.encode(t, false).map_err(|e| e.to_string())?;
-                        let ids: Arc<[u32]> = enc.get_ids().into();
-                        out.extend_from_slice(&ids);
-                        self.insert(key, ids);
+                Piece::Text(t) if self.capacity_tokens == 0 => enc.encode(t, &mut out)?,
+                Piece::Text(t) => match chunker {
+                    Some(c) if t.len() >= c.min_cut_len() => {
+                        for chunk in c.chunks(t) {
+                            self.encode_stretch(enc, chunk, &mut out, stats)?;
+                        }
                     }
-                }
+                    _ => self.encode_stretch(enc, t, &mut out, stats)?,
+                },
             }
         }
         Ok(out)
+    }
+
+    /// Appends the ids of one stretch of text, from the cache or the tokenizer.
+    fn encode_stretch(
+        &self,
+        enc: Encoder<'_>,
+        t: &str,
+        out: &mut Vec<u32>,
+        stats: &mut CacheStats,
+    ) -> Result<(), String> {
+        let key = xxh3_128(t.as_bytes());
+        if let Some(ids) = self.get(key) {
+            stats.hits += 1;
+            out.extend_from_slice(&ids);
+        } else {
+            stats.misses += 1;
+            let from = out.len();
+            enc.encode(t, out)?;
+            self.insert(key, out[from..].into());
+        }
+        Ok(())
     }
 }

@@ -94,33 +94,44 @@ const SYLLABLES: [&str; 40] = [
 ];
 const PUNCT: [&str; 8] = [",", ".", "?", "!", ":", ";", "\n", " -"];
 
-/// The pre-tokenized pieces of a seeded pseudo-language corpus, with their counts, in a fixed order.
-fn corpus_pieces(seed: u64, n_pieces: usize) -> Vec<(String, u64)> {
-    let mut rng = SplitMix64::new(seed);
-    // A Zipf-like lexicon: word k is drawn with weight 1/(k+1).
-    let lexicon: Vec<String> = (0..3000)
-        .map(|_| {
-            let n = 1 + rng.below(4) as usize;
-            (0..n).map(|_| SYLLABLES[rng.below(SYLLABLES.len() as u64) as usize]).collect()
-        })
-        .collect();
-    let mut cumulative = Vec::with_capacity(lexicon.len());
-    let mut total = 0.0;
-    for k in 0..lexicon.len() {
-        total += 1.0 / (k + 1) as f64;
-        cumulative.push(total);
+/// A seeded pseudo-language: a Zipf-like lexicon (word k drawn with weight 1/(k+1)), punctuation, numbers.
+struct Language {
+    rng: SplitMix64,
+    lexicon: Vec<String>,
+    cumulative: Vec<f64>,
+}
+
+impl Language {
+    fn new(seed: u64) -> Self {
+        let mut rng = SplitMix64::new(seed);
+        let lexicon: Vec<String> = (0..3000)
+            .map(|_| {
+                let n = 1 + rng.below(4) as usize;
+                (0..n).map(|_| SYLLABLES[rng.below(SYLLABLES.len() as u64) as usize]).collect()
+            })
+            .collect();
+        let mut cumulative = Vec::with_capacity(lexicon.len());
+        let mut total = 0.0;
+        for k in 0..lexicon.len() {
+            total += 1.0 / (k + 1) as f64;
+            cumulative.push(total);
+        }
+        Self { rng, lexicon, cumulative }
     }
-    let mut counts: HashMap<String, u64> = HashMap::new();
-    for _ in 0..n_pieces {
+
+    /// The next piece: punctuation (8%), a number (3%) or a word with its leading space (sometimes capitalised).
+    fn piece(&mut self) -> String {
+        let rng = &mut self.rng;
         let roll = rng.unit();
-        let piece = if roll < 0.08 {
+        if roll < 0.08 {
             PUNCT[rng.below(PUNCT.len() as u64) as usize].to_string()
         } else if roll < 0.11 {
             format!(" {}", rng.below(1000))
         } else {
+            let total = self.cumulative.last().copied().unwrap_or(1.0);
             let target = rng.unit() * total;
-            let k = cumulative.partition_point(|c| *c < target).min(lexicon.len() - 1);
-            let w = &lexicon[k];
+            let k = self.cumulative.partition_point(|c| *c < target).min(self.lexicon.len() - 1);
+            let w = &self.lexicon[k];
             if rng.below(10) == 0 {
                 let mut c = w.chars();
                 let first = c.next().map(|f| f.to_ascii_uppercase()).unwrap_or('A');
@@ -128,12 +139,33 @@ fn corpus_pieces(seed: u64, n_pieces: usize) -> Vec<(String, u64)> {
             } else {
                 format!(" {w}")
             }
-        };
-        *counts.entry(piece).or_default() += 1;
+        }
+    }
+}
+
+/// The pre-tokenized pieces of a seeded pseudo-language corpus, with their counts, in a fixed order.
+fn corpus_pieces(seed: u64, n_pieces: usize) -> Vec<(String, u64)> {
+    let mut lang = Language::new(seed);
+    let mut counts: HashMap<String, u64> = HashMap::new();
+    for _ in 0..n_pieces {
+        *counts.entry(lang.piece()).or_default() += 1;
     }
     let mut pieces: Vec<(String, u64)> = counts.into_iter().collect();
     pieces.sort();
     pieces
+}
+
+/// About `n_pieces` words, punctuation and numbers of the language a [`synth_tokenizer`] of the same `seed` was
+/// trained on, drawn from `text_seed`: prose-like text (frequent words repeat, as in natural language), where
+/// [`synth_text`] draws every word anew.
+pub fn synth_prose(seed: u64, text_seed: u64, n_pieces: usize) -> String {
+    let mut lang = Language::new(seed);
+    lang.rng = SplitMix64::new(text_seed ^ 0x9805_E000);
+    let mut s = String::new();
+    for _ in 0..n_pieces {
+        s.push_str(&lang.piece());
+    }
+    s.trim_start().to_owned()
 }
 
 /// Learns up to `n_merges` BPE merges over byte-level symbols; ties go to the lexicographically smallest pair.

@@ -148,6 +148,9 @@ fn load(cfg: &ServeConfig, worker_id: &str) -> Result<ServingModel, String> {
     if let Some(why) = prompter.segment_cache_off() {
         tracing::info!(%why, "chat prompts are tokenized whole (no segment cache)");
     }
+    if let Some(why) = prompter.long_text_off() {
+        tracing::info!(%why, "long text is tokenized whole (no cached chunks)");
+    }
     let prompter = Arc::new(prompter);
     let scheme = HashScheme::new(cfg.block_size, prompter.digest());
     let bs = cfg.block_size as usize;
