@@ -264,12 +264,14 @@ async fn health_stays_fast_while_8_mib_prompts_are_tokenized() {
     let (g, control) = gateway(&[]);
     let _w = worker("w", &synth, Some(&control), &[]);
     wait_healthy(&control, 1).await;
-    // 8,000,000 bytes of text: seconds of tokenization each (then refused: far over the model's context).
-    let text: String = "lorem ipsum dolor sit amet, consectetur adipiscing elit ".repeat(8_000_000 / 56);
-    let big = json!({"model": MODEL, "prompt": text, "max_tokens": 1}).to_string();
+    // 8,000,000 bytes of text each, every word drawn anew and each prompt its own (a repeated phrase would come
+    // from the tokenizer's word and chunk caches): a fraction of a second of tokenization or more each, then
+    // refused (far over the model's context).
     let mut heavy = Vec::new();
-    for _ in 0..3 {
-        let (url, body) = (format!("{}/v1/completions", g.base), big.clone());
+    for seed in 0..3u64 {
+        let text = kvgate_shared::prompt::synth_text(1_000 + seed, 1_300_000);
+        let big = json!({"model": MODEL, "prompt": text, "max_tokens": 1}).to_string();
+        let (url, body) = (format!("{}/v1/completions", g.base), big);
         heavy.push(tokio::spawn(async move {
             let t = Instant::now();
             let r = request("POST", &url, Some(body), &[]).await;
