@@ -44,6 +44,7 @@ fn bench(c: &mut Criterion) {
                 .enumerate()
                 .map(|(i, (id, s))| WorkerView {
                     id,
+                    slot: i,
                     healthy: true,
                     summary: Some(s),
                     host_summary: None,
@@ -68,8 +69,10 @@ fn bench(c: &mut Criterion) {
     let views: Vec<WorkerView<'_>> = ids
         .iter()
         .zip(&summaries)
-        .map(|(id, s)| WorkerView {
+        .enumerate()
+        .map(|(slot, (id, s))| WorkerView {
             id,
+            slot,
             healthy: true,
             summary: Some(s),
             host_summary: None,

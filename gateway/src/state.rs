@@ -108,6 +108,7 @@ impl GatewayState {
             vnodes: cfg.vnodes,
             forget_after: cfg.forget_after,
             max_workers: cfg.max_workers,
+            ..RegistryConfig::default()
         });
         let keys = match &cfg.api_keys_file {
             Some(path) => KeyTable::load(path)?,

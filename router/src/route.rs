@@ -149,8 +149,11 @@ impl Router {
         let pick_tokens = if routed.is_split() { 0 } else { routed.uncached_tokens };
         routed.ticket = Some(reg.record_sent(pick, input.hashes, pick_tokens, now));
         reg.record_session(pick, input.session_key, now);
+        let first = self.first_credited(input, seq);
+        reg.record_root(pick, input.hashes, first);
         if let Some(p) = routed.prefill.as_ref().and_then(|p| reg.find(p.wref)) {
             routed.prefill_ticket = Some(reg.record_sent(p, input.hashes, routed.uncached_tokens, now));
+            reg.record_root(p, input.hashes, first);
         }
         Some(routed)
     }
@@ -177,7 +180,21 @@ impl Router {
             .position(|&j| j == i)
             .map_or(0, |v| views[v].tier_match(input.hashes).through_disk * input.block_size);
         let uncached = input.prompt_tokens.saturating_sub(held) as u64;
-        Some((reg.record_sent(i, input.hashes, uncached, now), uncached))
+        let ticket = reg.record_sent(i, input.hashes, uncached, now);
+        reg.record_root(i, input.hashes, self.first_credited(input, 0));
+        Some((ticket, uncached))
+    }
+
+    /// The policy's first credited block of the request (`RoutingPolicy::prefix_root`).
+    fn first_credited(&self, input: &RouteInput<'_>, seq: u64) -> Option<usize> {
+        let req = RequestView {
+            hashes: input.hashes,
+            prompt_tokens: input.prompt_tokens,
+            session_key: input.session_key,
+            shared_blocks: input.shared_blocks,
+            seq,
+        };
+        self.policy.prefix_root(&req, input.block_size)
     }
 }
 
@@ -226,7 +243,6 @@ fn decide(
     split: Option<&SplitAsk<'_>>,
     now: Instant,
 ) -> Option<Routed> {
-    let (views, registry_index) = reg.views(input.model, input.hashes, Some(input.session_key), now);
     let req = RequestView {
         hashes: input.hashes,
         prompt_tokens: input.prompt_tokens,
@@ -234,6 +250,8 @@ fn decide(
         shared_blocks: input.shared_blocks,
         seq,
     };
+    let first = policy.prefix_root(&req, input.block_size);
+    let (views, registry_index) = reg.focused_views(input.model, input.hashes, input.session_key, first, now);
     let mut d = policy.choose(&req, &views, reg.ring(), input.block_size)?;
     prefill_workers_last(reg, &registry_index, &views, input, &mut d);
     let considered = split.and_then(|ask| plan(reg, &views, &registry_index, *d.ranked.first()?, input, ask));

@@ -14,16 +14,19 @@
 //! `forget_after` is removed, with its metric series. The registry holds at most `max_workers` workers.
 
 pub mod approx;
+mod focus;
 mod metrics;
 pub mod pd;
+pub mod roots;
 mod worker;
 
+use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use kvgate_shared::hashing::BlockHash;
 use kvgate_shared::report::{CacheSummary, QueueStats, Tier, WorkerReport};
 
-use crate::routing::{PrefixSignal, Ring, WorkerView};
+use crate::routing::{Ring, WorkerView};
 
 pub use worker::{
     Fault, Overlay, Scraped, Sessions, SharedLoad, Worker, WorkerCounters, WorkerStatus,
@@ -40,10 +43,21 @@ pub struct RegistryConfig {
     /// A reported worker silent this long is removed.
     pub forget_after: Duration,
     pub max_workers: usize,
+    /// Up to this many workers of a model, a decision looks into every worker's cache; past it only into the
+    /// focus: the root's holders (`roots.rs`), the first `focus_ring` workers on the request's ring walk, the
+    /// `focus_least_loaded` least loaded, and those holding its conversation.
+    pub full_scan_workers: usize,
+    pub focus_ring: usize,
+    pub focus_least_loaded: usize,
+    /// Roots remembered (`roots.rs`).
+    pub root_capacity: usize,
+    /// Roots each report is checked against.
+    pub root_discovery_budget: usize,
 }
 
 impl Default for RegistryConfig {
-    /// The gateway's defaults (3 s, 10 s, 3 s, 64 virtual nodes, 300 s, 4096 workers).
+    /// The gateway's defaults (3 s, 10 s, 3 s, 64 virtual nodes, 300 s, 4096 workers; a full scan up to 32
+    /// workers, else a focus of 8 on the ring and 8 least loaded; 65,536 roots, 1,024 checked a report).
     fn default() -> Self {
         Self {
             stale_after: Duration::from_secs(3),
@@ -52,6 +66,11 @@ impl Default for RegistryConfig {
             vnodes: 64,
             forget_after: Duration::from_secs(300),
             max_workers: 4096,
+            full_scan_workers: 32,
+            focus_ring: 8,
+            focus_least_loaded: 8,
+            root_capacity: 65_536,
+            root_discovery_budget: 1_024,
         }
     }
 }
@@ -130,11 +149,21 @@ pub struct Registry {
     workers: Vec<Worker>,
     ring: Ring,
     next_uid: u64,
+    /// Workers by uid (rebuilt with the ring, whenever workers come, go or change id).
+    by_uid: HashMap<u64, usize>,
+    roots: roots::RootIndex,
 }
 
 impl Registry {
     pub fn new(cfg: RegistryConfig) -> Self {
-        Self { cfg, workers: Vec::new(), ring: Ring::new([], cfg.vnodes), next_uid: 1 }
+        Self {
+            cfg,
+            workers: Vec::new(),
+            ring: Ring::new([], cfg.vnodes),
+            next_uid: 1,
+            by_uid: HashMap::new(),
+            roots: roots::RootIndex::new(cfg.root_capacity),
+        }
     }
 
     pub fn workers(&self) -> &[Worker] {
@@ -147,6 +176,11 @@ impl Registry {
 
     fn rebuild_ring(&mut self) {
         self.ring = Ring::new(self.workers.iter().map(|w| w.id.as_str()), self.cfg.vnodes);
+        self.by_uid = self.workers.iter().enumerate().map(|(i, w)| (w.uid, i)).collect();
+    }
+
+    pub fn config(&self) -> &RegistryConfig {
+        &self.cfg
     }
 
     fn push(&mut self, id: String, url: String, is_static: bool) -> usize {
@@ -282,6 +316,12 @@ impl Registry {
             w.counters.fingerprint_mismatches += 1;
         }
         w.pd.ingest(&report.pd);
+        if w.fingerprint_ok == Some(true) {
+            let summaries: Vec<&CacheSummary> =
+                report.tiers.iter().filter_map(|t| t.summary.as_ref()).collect();
+            self.roots.discover(w.uid, &summaries, self.cfg.root_discovery_budget);
+        }
+        let w = &mut self.workers[i];
         w.report = Some(report);
         w.report_at = Some(now);
         w.epoch += 1;
@@ -329,27 +369,7 @@ impl Registry {
             if w.model.as_deref().is_some_and(|m| m != model) {
                 continue;
             }
-            views.push(WorkerView {
-                id: &w.id,
-                healthy: self.healthy(w, now),
-                summary: self.summary(w, Tier::Device, now),
-                prefix_signal: match (&w.exact, &w.approx) {
-                    _ if self.summary(w, Tier::Device, now).is_some() => PrefixSignal::Report,
-                    (Some(_), _) => PrefixSignal::Events,
-                    (None, Some(_)) => PrefixSignal::Approximate,
-                    (None, None) => PrefixSignal::Overlay,
-                },
-                host_summary: self.summary(w, Tier::Host, now),
-                disk_summary: self.summary(w, Tier::Disk, now),
-                overlay_matched_blocks: w.overlay.matched(hashes, now).max(match (&w.exact, &w.approx) {
-                    (Some(e), _) => hashes.iter().take_while(|h| e.contains(h)).count(),
-                    (None, Some(a)) => a.matched(hashes),
-                    (None, None) => 0,
-                }),
-                load: w.load(now),
-                sessions: w.sessions.active(),
-                holds_session: session.is_some_and(|k| w.sessions.holds(k, now)),
-            });
+            views.push(self.view(i, w, hashes, session, now));
             registry_index.push(i);
         }
         (views, registry_index)
@@ -394,6 +414,7 @@ impl Registry {
         };
         w.shared_load.add(now, s.uncached_tokens.min(SharedSend::MAX_TOKENS));
         w.overlay.insert_points(&s.points, now + ttl, now);
+        self.roots.add_points(&s.points, w.uid);
         if let Some(k) = s.session {
             w.sessions.touch(k, now);
         }

@@ -13,6 +13,7 @@ fn cfg() -> RegistryConfig {
         vnodes: 16,
         forget_after: Duration::from_secs(60),
         max_workers: 3,
+        ..RegistryConfig::default()
     }
 }
 

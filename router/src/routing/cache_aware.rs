@@ -83,7 +83,7 @@ impl Default for Weights {
             w_prefix: 1.0,
             w_ring: 0.3,
             w_load: 0.5,
-            per_request_tokens: 256,
+            per_request_tokens: super::Load::DEFAULT_PER_REQUEST_TOKENS,
             load_floor_tokens: 8192,
             hotspot_abs_tokens: 1024,
             hotspot_ratio: 3.0,
@@ -122,6 +122,15 @@ impl Weights {
     }
 }
 
+/// Blocks of a cheap shared prefix: matched, but not credited (see the formula).
+fn free_blocks(req: &RequestView<'_>, w: &Weights, block_size: usize) -> usize {
+    if req.shared_blocks * block_size <= w.free_shared_tokens as usize {
+        req.shared_blocks
+    } else {
+        0
+    }
+}
+
 /// The default policy.
 pub struct CacheAware {
     weights: std::sync::RwLock<Weights>,
@@ -146,6 +155,11 @@ impl RoutingPolicy for CacheAware {
         *self.weights.write().unwrap_or_else(|e| e.into_inner()) = w;
     }
 
+    fn prefix_root(&self, req: &RequestView<'_>, block_size: usize) -> Option<usize> {
+        let free = free_blocks(req, &self.weights(), block_size);
+        (free < req.hashes.len()).then_some(free)
+    }
+
     fn choose(
         &self,
         req: &RequestView<'_>,
@@ -161,22 +175,21 @@ impl RoutingPolicy for CacheAware {
         // Bounded loads: a primary or backup holds the conversation already or has room under the cap.
         let conversations: usize = healthy.iter().map(|i| workers[*i].sessions).sum();
         let cap = (w.ring_session_bound * (conversations + 1) as f64 / healthy.len() as f64).ceil() as usize;
-        let (bounded, next) = ring.primary_backup(req.session_key, |id| {
-            workers.iter().any(|x| x.healthy && x.id == id && (x.holds_session || x.sessions < cap))
+        let view_of = super::views_by_slot(workers, ring);
+        let view = |slot: usize| view_of.get(slot).copied().flatten().map(|v| &workers[v]);
+        let (bounded, next) = ring.primary_backup_slots(req.session_key, |s| {
+            view(s).is_some_and(|x| x.healthy && (x.holds_session || x.sessions < cap))
         });
         // A conversation keeps its home while that worker is healthy, even where the cap has since moved the
         // ring walk's first choice elsewhere.
         // (Only when some worker holds it: a ring walk for a new conversation would visit every node.)
         let held = if healthy.iter().any(|i| workers[*i].holds_session) {
-            ring.primary_backup(req.session_key, |id| {
-                workers.iter().any(|x| x.healthy && x.id == id && x.holds_session)
-            })
-            .0
+            ring.first_slot(req.session_key, |s| view(s).is_some_and(|x| x.healthy && x.holds_session))
         } else {
             None
         };
         let (primary, backup) = match held {
-            Some(h) if bounded.as_deref() != Some(&*h) => (Some(h), bounded),
+            Some(h) if bounded != Some(h) => (Some(h), bounded),
             _ => (bounded, next),
         };
         let max_cost = healthy
@@ -186,26 +199,20 @@ impl RoutingPolicy for CacheAware {
             .unwrap_or(0)
             .max(w.load_floor_tokens);
         let n_blocks = req.hashes.len();
-        // Blocks of a cheap shared prefix: matched, but not credited (see the formula).
-        let free_blocks = if req.shared_blocks * block_size <= w.free_shared_tokens as usize {
-            req.shared_blocks
-        } else {
-            0
-        };
-        let mut terms = Vec::with_capacity(workers.len());
+        let free_blocks = free_blocks(req, &w, block_size);
+        let mut rows: Vec<Row> = Vec::with_capacity(workers.len());
         let mut scored: Vec<(f64, u64, usize)> = Vec::with_capacity(healthy.len());
         for (i, wk) in workers.iter().enumerate() {
             let tiers = if wk.healthy { wk.tier_match(req.hashes) } else { TierMatch::default() };
-            let matched = tiers.through_disk;
             // Blocks of [from, to) past the free shared prefix.
             let past_free = |from: usize, to: usize| to.saturating_sub(from.max(free_blocks)) as f64;
             let credited = past_free(0, tiers.device)
                 + w.credit_host * past_free(tiers.device, tiers.through_host)
                 + w.credit_disk * past_free(tiers.through_host, tiers.through_disk);
             let matched_fraction = if n_blocks == 0 { 0.0 } else { credited / n_blocks as f64 };
-            let ring_term = if primary.as_deref() == Some(wk.id) {
+            let ring_term = if primary == Some(wk.slot) {
                 1.0
-            } else if backup.as_deref() == Some(wk.id) {
+            } else if backup == Some(wk.slot) {
                 0.5
             } else {
                 0.0
@@ -216,7 +223,7 @@ impl RoutingPolicy for CacheAware {
             tracing::debug!(
                 worker = wk.id,
                 healthy = wk.healthy,
-                matched,
+                matched = tiers.through_disk,
                 device = tiers.device,
                 host = tiers.host(),
                 disk = tiers.disk(),
@@ -232,33 +239,21 @@ impl RoutingPolicy for CacheAware {
                 let tie = (i as u64 ^ req.nonce()).wrapping_mul(0x9E37_79B9_7F4A_7C15);
                 scored.push((score, tie, i));
             }
-            terms.push(ScoreTerms {
-                worker: wk.id.to_owned(),
-                healthy: wk.healthy,
-                matched_blocks: matched,
-                tiers,
-                prefix_signal: wk.prefix_signal,
-                matched_fraction,
-                ring: ring_term,
-                load: wk.load,
-                normalized_load,
-                score,
-            });
+            rows.push(Row { tiers, matched_fraction, ring: ring_term, normalized_load, score });
         }
-        scored.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
-        let mut ranked: Vec<usize> = scored.iter().map(|s| s.2).collect();
+        let mut ranked = rank(scored);
         let winner = ranked[0];
-        let mut reason = if terms[winner].matched_fraction > 0.0
-            && terms[winner].matched_fraction * w.w_prefix >= terms[winner].ring * w.w_ring
-        {
-            RouteReason::Prefix
-        } else if terms[winner].ring == 1.0 {
-            RouteReason::Primary
-        } else if terms[winner].ring == 0.5 {
-            RouteReason::Backup
-        } else {
-            RouteReason::Load
-        };
+        let row = &rows[winner];
+        let mut reason =
+            if row.matched_fraction > 0.0 && row.matched_fraction * w.w_prefix >= row.ring * w.w_ring {
+                RouteReason::Prefix
+            } else if row.ring == 1.0 {
+                RouteReason::Primary
+            } else if row.ring == 0.5 {
+                RouteReason::Backup
+            } else {
+                RouteReason::Load
+            };
         // What a match saves, in blocks: a lower tier's blocks count at their credit (a worker may load them
         // slowly, or compute them again when that is faster).
         let saved_blocks = |t: &TierMatch| {
@@ -266,7 +261,7 @@ impl RoutingPolicy for CacheAware {
         };
         // Hot-spot guard, on the work ahead of this request: queue + the prefill it would still need there.
         let ahead = |i: usize| {
-            let saved = (saved_blocks(&terms[i].tiers) * block_size as f64) as usize;
+            let saved = (saved_blocks(&rows[i].tiers) * block_size as f64) as usize;
             let uncached = req.prompt_tokens.saturating_sub(saved) as u64;
             workers[i].load.cost(w.per_request_tokens) + uncached
         };
@@ -285,7 +280,58 @@ impl RoutingPolicy for CacheAware {
             reason = RouteReason::Load;
         }
         let predicted_cached_tokens =
-            (saved_blocks(&terms[ranked[0]].tiers) * block_size as f64).round() as usize;
+            (saved_blocks(&rows[ranked[0]].tiers) * block_size as f64).round() as usize;
+        // Every worker's terms, in view order; past FULL_RANK workers only the ranked best's, best first.
+        let shown: Vec<usize> = if workers.len() <= FULL_RANK {
+            (0..workers.len()).collect()
+        } else {
+            ranked.iter().copied().take(RANKED).collect()
+        };
+        let terms = shown
+            .into_iter()
+            .map(|i| {
+                let (wk, r) = (&workers[i], &rows[i]);
+                ScoreTerms {
+                    worker: wk.id.to_owned(),
+                    healthy: wk.healthy,
+                    matched_blocks: r.tiers.through_disk,
+                    tiers: r.tiers,
+                    prefix_signal: wk.prefix_signal,
+                    matched_fraction: r.matched_fraction,
+                    ring: r.ring,
+                    load: wk.load,
+                    normalized_load: r.normalized_load,
+                    score: r.score,
+                }
+            })
+            .collect();
         Some(Decision { ranked, reason, predicted_cached_tokens, terms })
     }
+}
+
+/// Fleets up to this many workers get every worker ranked and every worker's terms.
+const FULL_RANK: usize = 64;
+/// Past [`FULL_RANK`], the best this many are ranked in order (the rest follow unordered) and shown.
+const RANKED: usize = 16;
+
+/// One worker's terms while deciding.
+struct Row {
+    tiers: TierMatch,
+    matched_fraction: f64,
+    ring: f64,
+    normalized_load: f64,
+    score: f64,
+}
+
+/// Best first: (score, tie-break, view) ordered by score, then tie-break; in full up to [`FULL_RANK`], else the best
+/// [`RANKED`] in order and the rest after them.
+fn rank(mut scored: Vec<(f64, u64, usize)>) -> Vec<usize> {
+    let cmp = |a: &(f64, u64, usize), b: &(f64, u64, usize)| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1));
+    if scored.len() > FULL_RANK {
+        scored.select_nth_unstable_by(RANKED - 1, cmp);
+        scored[..RANKED].sort_by(cmp);
+    } else {
+        scored.sort_by(cmp);
+    }
+    scored.into_iter().map(|s| s.2).collect()
 }

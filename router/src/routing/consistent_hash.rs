@@ -16,12 +16,12 @@ impl RoutingPolicy for ConsistentHash {
         ring: &Ring,
         block_size: usize,
     ) -> Option<Decision> {
-        let healthy = |id: &str| workers.iter().any(|w| w.healthy && w.id == id);
-        let (primary, backup) = ring.primary_backup(req.session_key, healthy);
-        let pos = |id: &Option<std::sync::Arc<str>>| {
-            id.as_ref().and_then(|id| workers.iter().position(|w| w.id == &**id))
-        };
-        let mut ranked: Vec<usize> = [pos(&primary), pos(&backup)].into_iter().flatten().collect();
+        let view_of = super::views_by_slot(workers, ring);
+        let (primary, backup) = ring.primary_backup_slots(req.session_key, |s| {
+            view_of.get(s).and_then(|v| *v).is_some_and(|v| workers[v].healthy)
+        });
+        let pos = |slot: Option<usize>| slot.and_then(|s| view_of.get(s).copied().flatten());
+        let mut ranked: Vec<usize> = [pos(primary), pos(backup)].into_iter().flatten().collect();
         for i in by_load(workers, 0) {
             if !ranked.contains(&i) {
                 ranked.push(i);

@@ -55,6 +55,9 @@ pub struct Load {
 }
 
 impl Load {
+    /// Tokens one queued or running request counts for, by default (`Weights::per_request_tokens`).
+    pub const DEFAULT_PER_REQUEST_TOKENS: u64 = 256;
+
     /// One number for comparisons: tokens plus a request-count term (a request costs at least `per_request`).
     pub fn cost(&self, per_request_tokens: u64) -> u64 {
         self.pending_tokens + self.requests * per_request_tokens
@@ -65,6 +68,8 @@ impl Load {
 #[derive(Clone, Debug)]
 pub struct WorkerView<'a> {
     pub id: &'a str,
+    /// The worker's slot on the ring the decision uses ([`Ring::id`]): the registry's index of the worker.
+    pub slot: usize,
     /// Fresh enough to be in the ring and receive traffic.
     pub healthy: bool,
     /// The latest cache summary of the device tier, if fresh and of the same hash scheme.
@@ -248,6 +253,14 @@ pub trait RoutingPolicy: Send + Sync {
     /// Takes new weights live (policies without weights ignore them).
     fn set_weights(&self, _weights: Weights) {}
 
+    /// The first block of the request whose match the policy credits (`None`: it credits no prefix; default). In
+    /// a large fleet only the workers that hold that block (its root, `registry/roots.rs`), the ring's first
+    /// workers for the request and the least loaded have their caches looked into (the others' views carry no
+    /// summary); below `RegistryConfig::full_scan_workers` every worker's is.
+    fn prefix_root(&self, _req: &RequestView<'_>, _block_size: usize) -> Option<usize> {
+        None
+    }
+
     /// Ranks the healthy workers for a request; `None` when none is healthy.
     fn choose(
         &self,
@@ -270,6 +283,17 @@ pub fn policy_by_name(name: &str, weights: Weights) -> Option<Box<dyn RoutingPol
         "consistent_hash" => Some(Box::new(consistent_hash::ConsistentHash)),
         _ => None,
     }
+}
+
+/// For each ring slot, the view of that worker (`None`: not a candidate of this request, e.g. another model's).
+pub(crate) fn views_by_slot(workers: &[WorkerView<'_>], ring: &Ring) -> Vec<Option<usize>> {
+    let mut of = vec![None; ring.len()];
+    for (i, w) in workers.iter().enumerate() {
+        if let Some(o) = of.get_mut(w.slot) {
+            *o = Some(i);
+        }
+    }
+    of
 }
 
 /// Indices of the healthy workers, in order.

@@ -1,33 +1,47 @@
-//! The consistent-hash ring over worker ids (hashring crate, virtual nodes). A session key's primary is the first
-//! healthy worker clockwise, its backup the next distinct healthy one: when a worker dies its keys fall to their
-//! backups and no other key moves. Positions depend only on worker ids (SipHash with fixed keys), so every gateway
-//! replica computes the same ring.
+//! The consistent-hash ring over worker ids: virtual nodes in a sorted array, walked clockwise from a session key
+//! only until the workers asked for are found. A session key's primary is the first accepted worker clockwise, its
+//! backup the next distinct accepted one: when a worker dies its keys fall to their backups and no other key moves.
+//!
+//! Positions depend only on worker ids (SipHash-2-4 with zero keys over the id and the virtual node's number, the
+//! positions of the `hashring` crate this replaced, so replicas of either version agree), so every gateway replica
+//! computes the same ring. A worker is named by its **slot**: its place in the id list the ring was built from (the
+//! registry builds it from its workers in order, so a slot is a registry index).
+//!
+//! Cost: building sorts `workers x vnodes` positions; a lookup is a binary search plus the nodes walked, which is
+//! about `vnodes` per distinct worker visited (not the whole ring).
 
 use std::hash::{Hash, Hasher};
 use std::sync::Arc;
 
-use hashring::HashRing;
+use siphasher::sip::SipHasher;
 
 /// Virtual nodes per worker.
 pub const DEFAULT_VNODES: u32 = 64;
 
-#[derive(Clone, Debug)]
-struct VNode {
-    id: Arc<str>,
+/// A virtual node's identity, hashed for its position.
+struct VNode<'a> {
+    id: &'a str,
     vnode: u32,
 }
 
-impl Hash for VNode {
+impl Hash for VNode<'_> {
     fn hash<H: Hasher>(&self, state: &mut H) {
         self.id.hash(state);
         self.vnode.hash(state);
     }
 }
 
+fn position<T: Hash + ?Sized>(t: &T) -> u64 {
+    let mut h = SipHasher::new();
+    t.hash(&mut h);
+    h.finish()
+}
+
 /// The ring of worker ids.
 #[derive(Clone)]
 pub struct Ring {
-    ring: HashRing<VNode>,
+    /// (position, slot), sorted by position (ties in slot order).
+    nodes: Vec<(u64, u32)>,
     ids: Vec<Arc<str>>,
 }
 
@@ -38,21 +52,91 @@ impl std::fmt::Debug for Ring {
 }
 
 impl Ring {
-    /// A ring over these worker ids (order does not matter).
+    /// A ring over these worker ids (order does not matter for positions; it gives the slots).
     pub fn new<'a>(ids: impl IntoIterator<Item = &'a str>, vnodes: u32) -> Self {
-        let mut ring = HashRing::new();
-        let mut all = Vec::new();
-        for id in ids {
-            let id: Arc<str> = Arc::from(id);
-            ring.batch_add((0..vnodes.max(1)).map(|v| VNode { id: id.clone(), vnode: v }).collect());
-            all.push(id);
+        let ids: Vec<Arc<str>> = ids.into_iter().map(Arc::from).collect();
+        let mut nodes = Vec::with_capacity(ids.len() * vnodes.max(1) as usize);
+        for (slot, id) in ids.iter().enumerate() {
+            for vnode in 0..vnodes.max(1) {
+                nodes.push((position(&VNode { id, vnode }), slot as u32));
+            }
         }
-        Self { ring, ids: all }
+        nodes.sort_by_key(|n| n.0);
+        Self { nodes, ids }
     }
 
-    /// The worker ids on the ring.
+    /// The worker ids on the ring, in slot order.
     pub fn ids(&self) -> impl Iterator<Item = &str> {
         self.ids.iter().map(|s| &**s)
+    }
+
+    /// Workers on the ring.
+    pub fn len(&self) -> usize {
+        self.ids.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.ids.is_empty()
+    }
+
+    /// The id in `slot`.
+    pub fn id(&self, slot: usize) -> Option<&Arc<str>> {
+        self.ids.get(slot)
+    }
+
+    /// Slots clockwise from `key`'s position, one per virtual node (a worker recurs).
+    fn walk(&self, key: u64) -> impl Iterator<Item = usize> + '_ {
+        let k = position(&key);
+        let start = self.nodes.partition_point(|n| n.0 < k);
+        self.nodes[start..].iter().chain(&self.nodes[..start]).map(|n| n.1 as usize)
+    }
+
+    /// Primary and backup slots for `key` among the slots `accept` takes. The walk stops at the backup; a worker's
+    /// later virtual nodes are skipped without asking `accept` again.
+    pub fn primary_backup_slots(
+        &self,
+        key: u64,
+        mut accept: impl FnMut(usize) -> bool,
+    ) -> (Option<usize>, Option<usize>) {
+        let mut primary = None;
+        // Slots refused so far, as bits.
+        let mut refused = vec![0u64; self.ids.len().div_ceil(64)];
+        let mut n_refused = 0;
+        for slot in self.walk(key) {
+            let (word, bit) = (slot / 64, 1u64 << (slot % 64));
+            if primary == Some(slot) || refused[word] & bit != 0 {
+                continue;
+            }
+            if !accept(slot) {
+                refused[word] |= bit;
+                n_refused += 1;
+                // Every worker has been asked: no (other) one is accepted.
+                if n_refused + usize::from(primary.is_some()) == self.ids.len() {
+                    break;
+                }
+                continue;
+            }
+            match primary {
+                None => primary = Some(slot),
+                Some(_) => return (primary, Some(slot)),
+            }
+        }
+        (primary, None)
+    }
+
+    /// The first slot clockwise from `key` that `accept` takes (each worker asked once).
+    pub fn first_slot(&self, key: u64, mut accept: impl FnMut(usize) -> bool) -> Option<usize> {
+        let mut asked = vec![0u64; self.ids.len().div_ceil(64)];
+        for slot in self.walk(key) {
+            let (word, bit) = (slot / 64, 1u64 << (slot % 64));
+            if asked[word] & bit == 0 {
+                asked[word] |= bit;
+                if accept(slot) {
+                    return Some(slot);
+                }
+            }
+        }
+        None
     }
 
     /// Primary and backup ids for `key` among the workers `healthy` accepts.
@@ -61,18 +145,76 @@ impl Ring {
         key: u64,
         healthy: impl Fn(&str) -> bool,
     ) -> (Option<Arc<str>>, Option<Arc<str>>) {
-        let Some(walk) = self.ring.get_with_replicas(&key, self.ring.len()) else { return (None, None) };
-        let mut primary: Option<Arc<str>> = None;
-        for node in walk {
-            if !healthy(&node.id) {
-                continue;
-            }
-            match &primary {
-                None => primary = Some(node.id.clone()),
-                Some(p) if **p != *node.id => return (primary, Some(node.id.clone())),
-                Some(_) => {}
+        let (p, b) = self.primary_backup_slots(key, |s| healthy(&self.ids[s]));
+        (p.map(|s| self.ids[s].clone()), b.map(|s| self.ids[s].clone()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The positions and walk of the `hashring` crate (0.3.6) that this replaced, so that replicas of the two
+    /// versions put every key on the same worker.
+    #[test]
+    fn positions_and_walks_are_the_hashring_crates() {
+        #[derive(Clone, Debug)]
+        struct Old {
+            id: Arc<str>,
+            vnode: u32,
+        }
+        impl Hash for Old {
+            fn hash<H: Hasher>(&self, state: &mut H) {
+                self.id.hash(state);
+                self.vnode.hash(state);
             }
         }
-        (primary, None)
+        let ids: Vec<String> = (0..12).map(|i| format!("http://10.1.{i}.7:8000")).collect();
+        let mut old = hashring::HashRing::new();
+        for id in &ids {
+            old.batch_add(
+                (0..DEFAULT_VNODES).map(|v| Old { id: Arc::from(id.as_str()), vnode: v }).collect(),
+            );
+        }
+        let ring = Ring::new(ids.iter().map(String::as_str), DEFAULT_VNODES);
+        for k in 0..2_000u64 {
+            let key = k.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+            // It walks one node past the whole ring (the first again).
+            let walk = old.get_with_replicas(&key, old.len()).expect("ring");
+            let mine: Vec<&str> = ring.walk(key).map(|s| &*ring.ids[s]).collect();
+            assert_eq!(walk.len(), mine.len() + 1);
+            assert!(
+                walk.iter().take(mine.len()).map(|n| &*n.id).eq(mine.iter().copied()),
+                "key {key}: the walks differ"
+            );
+        }
+    }
+
+    #[test]
+    fn a_walk_asks_about_each_worker_once_and_stops_at_the_backup() {
+        let ids: Vec<String> = (0..100).map(|i| format!("w{i}")).collect();
+        let ring = Ring::new(ids.iter().map(String::as_str), DEFAULT_VNODES);
+        let asked = std::cell::RefCell::new(Vec::new());
+        let (p, b) = ring.primary_backup_slots(7, |s| {
+            asked.borrow_mut().push(s);
+            s % 3 == 0
+        });
+        let asked = asked.into_inner();
+        let mut dedup = asked.clone();
+        dedup.sort();
+        dedup.dedup();
+        assert_eq!(dedup.len(), asked.len(), "no worker asked twice");
+        assert!(p.is_some_and(|p| p % 3 == 0) && b.is_some_and(|b| b % 3 == 0 && Some(b) != p));
+        assert_eq!(asked.last().copied(), b, "the walk ends at the backup");
+        // Nobody accepted: every worker asked once, then the walk ends.
+        let n = std::cell::Cell::new(0);
+        assert_eq!(
+            ring.primary_backup_slots(7, |_| {
+                n.set(n.get() + 1);
+                false
+            }),
+            (None, None)
+        );
+        assert_eq!(n.get(), 100);
     }
 }

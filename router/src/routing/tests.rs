@@ -29,6 +29,7 @@ fn views<'a>(summaries: &'a [Option<CacheSummary>], loads: &[u64], healthy: &[bo
         .enumerate()
         .map(|(i, id)| WorkerView {
             id,
+            slot: i,
             healthy: healthy[i],
             summary: summaries[i].as_ref(),
             host_summary: None,

@@ -1,0 +1,164 @@
+//! The views of a large fleet: every worker's cheap state (health, load, conversations), and its cache (summaries,
+//! overlay, event set) only where the decision needs it. Up to `RegistryConfig::full_scan_workers` workers of a
+//! model every view has its cache; past it only the **focus** does:
+//! - the holders of the request's root (`roots.rs`): the workers whose caches can earn prefix credit;
+//! - the first `focus_ring` distinct workers on the request's ring walk (its primary and backup are among them);
+//! - the `focus_least_loaded` least loaded healthy workers (where a request with no prefix goes);
+//! - the workers that hold its conversation.
+//!
+//! The other views carry no summary and no overlay match: their prefix terms are 0, which is what they would be
+//! for a worker without the root. So the work that grows with the fleet is a few numbers per worker; the Bloom
+//! lookups, overlay walks and event-set lookups are bounded by the focus.
+
+use std::time::Instant;
+
+use kvgate_shared::hashing::BlockHash;
+use kvgate_shared::report::Tier;
+
+use super::{roots, Registry};
+use crate::routing::{Load, PrefixSignal, WorkerView};
+
+impl Registry {
+    /// [`Registry::views`], with the caches of the focus only when the model has more than `full_scan_workers`
+    /// workers. `first_credited`: the policy's first credited block (`RoutingPolicy::prefix_root`).
+    pub fn focused_views(
+        &self,
+        model: &str,
+        hashes: &[BlockHash],
+        session: u64,
+        first_credited: Option<usize>,
+        now: Instant,
+    ) -> (Vec<WorkerView<'_>>, Vec<usize>) {
+        let of_model = |w: &super::Worker| w.model.as_deref().is_none_or(|m| m == model);
+        let n = self.workers.iter().filter(|w| of_model(w)).count();
+        if n <= self.cfg.full_scan_workers {
+            return self.views(model, hashes, Some(session), now);
+        }
+        // Health and load once per worker (None: another model's).
+        let state: Vec<Option<(bool, Load)>> =
+            self.workers.iter().map(|w| of_model(w).then(|| (self.healthy(w, now), w.load(now)))).collect();
+        let focus = self.focus(hashes, session, first_credited, &state);
+        let mut views = Vec::with_capacity(n);
+        let mut registry_index = Vec::with_capacity(n);
+        for (i, w) in self.workers.iter().enumerate() {
+            let Some((healthy, load)) = state[i] else { continue };
+            let holds_session = w.sessions.holds(session, now);
+            let view = if focus[i] || holds_session {
+                self.view(i, w, hashes, Some(session), now)
+            } else {
+                WorkerView {
+                    id: &w.id,
+                    slot: i,
+                    healthy,
+                    summary: None,
+                    host_summary: None,
+                    disk_summary: None,
+                    overlay_matched_blocks: 0,
+                    prefix_signal: PrefixSignal::Overlay,
+                    load,
+                    sessions: w.sessions.active(),
+                    holds_session,
+                }
+            };
+            views.push(view);
+            registry_index.push(i);
+        }
+        (views, registry_index)
+    }
+
+    /// Registry indices in the focus (see the module docs), as a mask; `state`: each worker's health and load.
+    fn focus(
+        &self,
+        hashes: &[BlockHash],
+        session: u64,
+        first: Option<usize>,
+        state: &[Option<(bool, Load)>],
+    ) -> Vec<bool> {
+        let mut focus = vec![false; self.workers.len()];
+        if let Some(at) = first.and_then(|f| roots::root_block(f, hashes.len())) {
+            for uid in self.roots.holders(hashes[at]) {
+                if let Some(&i) = self.by_uid.get(uid) {
+                    focus[i] = true;
+                }
+            }
+        }
+        let mut on_ring = 0;
+        self.ring.primary_backup_slots(session, |s| {
+            if s < focus.len() && !focus[s] {
+                focus[s] = true;
+            }
+            on_ring += 1;
+            on_ring > self.cfg.focus_ring
+        });
+        let k = self.cfg.focus_least_loaded;
+        let mut loads: Vec<(u64, usize)> = state
+            .iter()
+            .enumerate()
+            .filter_map(|(i, s)| match s {
+                Some((true, load)) => Some((load.cost(Load::DEFAULT_PER_REQUEST_TOKENS), i)),
+                _ => None,
+            })
+            .collect();
+        if loads.len() > k && k > 0 {
+            loads.select_nth_unstable(k - 1);
+            loads.truncate(k);
+        }
+        for (_, i) in loads {
+            focus[i] = true;
+        }
+        focus
+    }
+
+    /// The full view of worker `i`.
+    pub(super) fn view<'a>(
+        &'a self,
+        i: usize,
+        w: &'a super::Worker,
+        hashes: &[BlockHash],
+        session: Option<u64>,
+        now: Instant,
+    ) -> WorkerView<'a> {
+        WorkerView {
+            id: &w.id,
+            slot: i,
+            healthy: self.healthy(w, now),
+            summary: self.summary(w, Tier::Device, now),
+            prefix_signal: match (&w.exact, &w.approx) {
+                _ if self.summary(w, Tier::Device, now).is_some() => PrefixSignal::Report,
+                (Some(_), _) => PrefixSignal::Events,
+                (None, Some(_)) => PrefixSignal::Approximate,
+                (None, None) => PrefixSignal::Overlay,
+            },
+            host_summary: self.summary(w, Tier::Host, now),
+            disk_summary: self.summary(w, Tier::Disk, now),
+            overlay_matched_blocks: w.overlay.matched(hashes, now).max(match (&w.exact, &w.approx) {
+                (Some(e), _) => hashes.iter().take_while(|h| e.contains(h)).count(),
+                (None, Some(a)) => a.matched(hashes),
+                (None, None) => 0,
+            }),
+            load: w.load(now),
+            sessions: w.sessions.active(),
+            holds_session: session.is_some_and(|k| w.sessions.holds(k, now)),
+        }
+    }
+
+    /// Enters worker `i` under the request's root (a request was sent there); `first_credited` as in
+    /// [`Registry::focused_views`].
+    pub fn record_root(&mut self, i: usize, hashes: &[BlockHash], first_credited: Option<usize>) {
+        let (Some(at), Some(w)) =
+            (first_credited.and_then(|f| roots::root_block(f, hashes.len())), self.workers.get(i))
+        else {
+            return;
+        };
+        self.roots.add(hashes, at, w.uid);
+    }
+
+    /// Roots remembered now.
+    pub fn roots_len(&self) -> usize {
+        self.roots.len()
+    }
+}
+
+#[cfg(test)]
+#[path = "focus_tests.rs"]
+mod tests;
