@@ -149,8 +149,9 @@ pub struct Registry {
     workers: Vec<Worker>,
     ring: Ring,
     next_uid: u64,
-    /// Workers by uid (rebuilt with the ring, whenever workers come, go or change id).
+    /// Workers by uid and by id (rebuilt with the ring, whenever workers come, go or change id).
     by_uid: HashMap<u64, usize>,
+    by_id: HashMap<String, usize>,
     roots: roots::RootIndex,
 }
 
@@ -162,6 +163,7 @@ impl Registry {
             ring: Ring::new([], cfg.vnodes),
             next_uid: 1,
             by_uid: HashMap::new(),
+            by_id: HashMap::new(),
             roots: roots::RootIndex::new(cfg.root_capacity),
         }
     }
@@ -177,6 +179,7 @@ impl Registry {
     fn rebuild_ring(&mut self) {
         self.ring = Ring::new(self.workers.iter().map(|w| w.id.as_str()), self.cfg.vnodes);
         self.by_uid = self.workers.iter().enumerate().map(|(i, w)| (w.uid, i)).collect();
+        self.by_id = self.workers.iter().enumerate().map(|(i, w)| (w.id.clone(), i)).collect();
     }
 
     pub fn config(&self) -> &RegistryConfig {
@@ -409,7 +412,9 @@ impl Registry {
     /// Applies another replica's send ([`SharedSend`]); false if no worker has its id here.
     pub fn record_shared_send(&mut self, s: &SharedSend, now: Instant) -> bool {
         let ttl = self.cfg.overlay_ttl;
-        let Some(w) = self.workers.iter_mut().find(|w| w.id == s.worker) else {
+        let Some(w) =
+            self.by_id.get(&s.worker).and_then(|&i| self.workers.get_mut(i)).filter(|w| w.id == s.worker)
+        else {
             return false;
         };
         w.shared_load.add(now, s.uncached_tokens.min(SharedSend::MAX_TOKENS));
