@@ -5,7 +5,9 @@
 # cache. Token-id workloads are sent as text (`--text-prompts`: SMG refuses token-id prompts). Requests per worker
 # come from the workers' own counters (SMG sets no worker header). Everything listens on 127.0.0.1 and stops by
 # itself. mooncake replays the trace's 10 largest prefix families (`--top-roots`, 189 requests that reuse 94% of
-# their blocks; a window of consecutive requests has almost no reuse) at 0.1x their recorded gaps (about 100 s).
+# their blocks; a window of consecutive requests has almost no reuse) at 0.1x their recorded gaps (about 100 s);
+# mooncake-long its 100 largest (998 requests, median 15.5K trace tokens of text) at the same pace; heavy-multi-turn
+# is multi-turn with a 2,048-word system prompt and 200-word turns.
 #
 #   scripts/peer-bench.sh [OUT_DIR]      (default target/peer-bench; prints a Markdown table)
 #
@@ -16,7 +18,7 @@ OUT="${1:-target/peer-bench}"
 SMG_VERSION="${SMG_VERSION:-1.13.0}"
 WORKERS="${WORKERS:-4}"
 TRACE="${TRACE:-loadtest/traces/mooncake-synthetic.jsonl}"
-WORKLOADS="${WORKLOADS:-multi-turn shared-prefix mooncake}"
+WORKLOADS="${WORKLOADS:-multi-turn heavy-multi-turn shared-prefix mooncake mooncake-long}"
 # shellcheck source=scripts/bench-lib.sh
 . scripts/bench-lib.sh
 if [ ! -x "$OUT/venv/bin/smg" ]; then
@@ -30,6 +32,8 @@ declare -A WORKLOAD=(
   [multi-turn]="--workload multi-turn --users 16 --turns 5 --rate 2 --system-words 1024 --output-tokens 64"
   [shared-prefix]="--workload shared-prefix --groups 16 --prompts-per-group 8 --system-tokens 2048 --question-tokens 128 --rate 8 --output-tokens 64 --text-prompts"
   [mooncake]="--workload mooncake --trace $TRACE --top-roots ${TOP_ROOTS:-10} --time-scale ${TIME_SCALE:-0.1} --text-prompts"
+  [mooncake-long]="--workload mooncake --trace $TRACE --top-roots 100 --time-scale ${TIME_SCALE:-0.1} --text-prompts"
+  [heavy-multi-turn]="--workload multi-turn --users 16 --turns 5 --rate 2 --system-words 2048 --question-words 200 --output-tokens 64"
 )
 ROUTERS=(kvgate:cache_aware smg:cache_aware smg:round_robin)
 

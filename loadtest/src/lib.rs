@@ -16,4 +16,5 @@ pub mod runner;
 pub mod sim;
 pub mod stats;
 pub mod trace;
+pub mod trace_gen;
 pub mod workload;

@@ -35,6 +35,53 @@ enum Command {
     /// Prefill/decode disaggregation in virtual time: every split policy on the seed's shapes (or a trace) at
     /// several link bandwidths.
     SimulatePd(pd_cmd::SimulatePdArgs),
+    /// Write a synthetic trace in the Mooncake format: `long-document` (questions about a few long documents).
+    GenTrace(GenTraceArgs),
+}
+
+#[derive(Args)]
+struct GenTraceArgs {
+    /// The shape: long-document.
+    #[arg(long, default_value = "long-document")]
+    kind: String,
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// Distinct documents.
+    #[arg(long, default_value_t = 32)]
+    documents: usize,
+    #[arg(long, default_value_t = 2_000)]
+    requests: usize,
+    /// Mean arrivals per second.
+    #[arg(long, default_value_t = 2.0)]
+    rate: f64,
+    /// Where the JSON lines go.
+    #[arg(long)]
+    out: PathBuf,
+}
+
+fn gen_trace(a: GenTraceArgs) -> Result<(), String> {
+    use kvgate_loadtest::trace_gen::{long_document, to_jsonl, LongDocument};
+    if a.kind != "long-document" {
+        return Err(format!("unknown trace kind {:?} (long-document)", a.kind));
+    }
+    if a.documents == 0 || a.requests == 0 || !(a.rate.is_finite() && a.rate > 0.0) {
+        return Err("documents and requests must be at least 1, rate a positive number".into());
+    }
+    let t = long_document(&LongDocument {
+        seed: a.seed,
+        documents: a.documents,
+        requests: a.requests,
+        rate: a.rate,
+        ..LongDocument::default()
+    });
+    std::fs::write(&a.out, to_jsonl(&t)).map_err(|e| format!("{}: {e}", a.out.display()))?;
+    eprintln!(
+        "{} requests, {} distinct blocks -> {}",
+        t.requests.len(),
+        t.distinct_blocks(),
+        a.out.display()
+    );
+    Ok(())
 }
 
 #[derive(Args)]
@@ -125,6 +172,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Simulate(args) => simulate(args),
         Command::SimulatePd(args) => pd_cmd::simulate_pd(args),
+        Command::GenTrace(args) => gen_trace(args),
         Command::Run(a) => block_on(commands::run(a)),
         Command::Compare(a) => block_on(async { commands::compare(a).await.map(|_| ()) }),
         Command::Up(a) => block_on(commands::up(a)),

@@ -1,0 +1,97 @@
+#!/usr/bin/env bash
+# Router throughput on short chats: one kvgate gateway (2 proxy threads, the default) and SMG (PyPI `smg`,
+# cache_aware) in turn in front of the same kind of fleet, driven closed-loop by `kvgate-loadtest run` at a fixed
+# concurrency. Per router: requests/s served, and the router's CPU time per request (its processes' utime + stime
+# from /proc over the run, divided by the requests served). The fleet is `kvgate-loadtest up`: $WORKERS simulated
+# workers (`--engine sim`, gpu-h100-llama3-8b timing in real time: a short chat's prefill and one output token
+# take a few ms, so the workers are not what limits); each router gets a fresh fleet. Everything shares this
+# machine's cores and listens on 127.0.0.1; every process stops by itself.
+#
+#   scripts/throughput-bench.sh [OUT_DIR]      (default target/throughput-bench; prints a Markdown table)
+#
+# Knobs (env): WORKERS (8), CONCURRENCY (64), DURATION (30s), SMG_VERSION (1.13.0).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT="${1:-target/throughput-bench}"
+SMG_VERSION="${SMG_VERSION:-1.13.0}"
+WORKERS="${WORKERS:-8}"
+CONCURRENCY="${CONCURRENCY:-64}"
+DURATION="${DURATION:-30s}"
+# shellcheck source=scripts/bench-lib.sh
+. scripts/bench-lib.sh
+if [ ! -x "$OUT/venv/bin/smg" ]; then
+  python3 -m venv "$OUT/venv"
+  "$OUT/venv/bin/pip" install -q "smg==$SMG_VERSION"
+fi
+SMG="$OUT/venv/bin/smg"
+TICKS=$(getconf CLK_TCK)
+
+# CPU seconds (user + system) of a process and its descendants, alive ones only.
+cpu_of_tree() { # pid
+  local pids
+  pids=$(pstree -p "$1" 2>/dev/null | grep -o '([0-9]\+)' | tr -d '()' || echo "$1")
+  local t=0
+  for p in $pids; do
+    [ -r "/proc/$p/stat" ] || continue
+    t=$((t + $(awk '{print $14 + $15}' "/proc/$p/stat")))
+  done
+  python3 -c "print($t / $TICKS)"
+}
+
+run_one() { # router
+  local router=$1 log="$OUT/$1"
+  rm -rf "$log" && mkdir -p "$log"
+  "$BIN/kvgate-loadtest" up --workers "$WORKERS" --engine sim --policy cache_aware --kv-cache-tokens 262144 \
+    --log-dir "$log/fleet" >"$log/up.out" 2>"$log/up.err" &
+  local up=$!
+  PIDS+=("$up")
+  for _ in $(seq 1 600); do grep -q '^workers:' "$log/up.out" 2>/dev/null && break; sleep 0.2; done
+  grep -q '^workers:' "$log/up.out" || { echo "fleet did not start: $(cat "$log/up.err")" >&2; exit 1; }
+  local target workers pid
+  target=$(sed -n 's/^kvgate is up: gateway \([^ ]*\) .*/\1/p' "$log/up.out")
+  workers=$(sed -n 's/^workers: //p' "$log/up.out")
+  pid=$(pgrep -f "kvgate-gateway.*$(echo "$target" | sed 's/.*://')" | head -1 || true)
+  [ -n "$pid" ] || pid=$(pgrep -P "$up" -f kvgate-gateway | head -1)
+  if [ "$router" = smg ]; then
+    local port mport
+    port=$(free_port); mport=$(free_port)
+    # shellcheck disable=SC2086
+    "$SMG" launch --host 127.0.0.1 --port "$port" --prometheus-port "$mport" --policy cache_aware \
+      --worker-urls $workers >"$log/smg.log" 2>&1 &
+    pid=$!
+    PIDS+=("$pid")
+    target="http://127.0.0.1:$port"
+    for _ in $(seq 1 300); do curl -sf "$target/v1/models" >/dev/null 2>&1 && break; sleep 0.2; done
+    curl -sf "$target/v1/models" >/dev/null || { echo "smg did not start: $(tail -5 "$log/smg.log")" >&2; exit 1; }
+    sleep 2 # let SMG's health checks admit every worker
+  fi
+  local before after
+  before=$(cpu_of_tree "$pid")
+  "$BIN/kvgate-loadtest" run --target "$target" --model kvgate-tiny --workload multi-turn --users 100000 --turns 1 \
+    --system-words 48 --question-words 16 --output-tokens 1 --think-time 0 --concurrency "$CONCURRENCY" \
+    --seed 42 --duration "$DURATION" --no-progress --out "$log/run" >"$log/run.out" 2>&1 ||
+    { cat "$log/run.out" >&2; exit 1; }
+  after=$(cpu_of_tree "$pid")
+  python3 -c "print($after - $before)" >"$log/cpu"
+  cleanup
+}
+
+for r in kvgate smg; do
+  run_one "$r"
+  echo "done: $r" >&2
+done
+
+python3 - "$OUT" "$CONCURRENCY" "$WORKERS" <<'EOF'
+import json, os, sys
+out, conc, workers = sys.argv[1], sys.argv[2], sys.argv[3]
+print(f"| router | concurrency | workers | requests | errors | requests/s | router CPU ms per request | TTFT p50 ms | TTFT p99 ms |")
+print("|---|---|---|---|---|---|---|---|---|")
+for router in ["kvgate", "smg"]:
+    d = os.path.join(out, router)
+    s = json.load(open(os.path.join(d, "run", "results.json")))["runs"][0]["summary"]
+    cpu = float(open(os.path.join(d, "cpu")).read())
+    ok = s["ok"]
+    rps = ok / s["wall_s"]
+    print(f"| {router} | {conc} | {workers} | {s['requests']} | {s['errors']} | {rps:.0f} | "
+          f"{1000 * cpu / max(ok, 1):.3f} | {s['ttft_p50_ms']:.1f} | {s['ttft_p99_ms']:.1f} |")
+EOF
