@@ -57,7 +57,7 @@ pub struct RegistryConfig {
 
 impl Default for RegistryConfig {
     /// The gateway's defaults (3 s, 10 s, 3 s, 64 virtual nodes, 300 s, 4096 workers; a full scan up to 32
-    /// workers, else a focus of 8 on the ring and 8 least loaded; 65,536 roots, 1,024 checked a report).
+    /// workers, else a focus of 8 on the ring and 8 least loaded; 32,768 roots, 1,024 checked a report).
     fn default() -> Self {
         Self {
             stale_after: Duration::from_secs(3),
@@ -69,7 +69,7 @@ impl Default for RegistryConfig {
             full_scan_workers: 32,
             focus_ring: 8,
             focus_least_loaded: 8,
-            root_capacity: 65_536,
+            root_capacity: 32_768,
             root_discovery_budget: 1_024,
         }
     }

@@ -15,9 +15,10 @@
 //! Bounds: at most `capacity` roots (two generations of half each: a root seen again is promoted; when the newer
 //! fills, the older is dropped), each with at most [`MAX_HOLDERS`] workers (the most recent first) and the hashes of
 //! the [`PROBE_BLOCKS`] blocks from the root on (so that a summary of granularity up to that many blocks is probed
-//! at a block it represents). Holders are worker uids: a forgotten worker's are skipped, never reused.
+//! at a block it represents); the order roots were last sent in, as at most `capacity` keys (a report checks the
+//! newest). Holders are worker uids: a forgotten worker's are skipped, never reused.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet, VecDeque};
 
 use kvgate_shared::hashing::BlockHash;
 use kvgate_shared::report::CacheSummary;
@@ -27,7 +28,7 @@ use super::Overlay;
 /// Most workers kept under one root.
 pub const MAX_HOLDERS: usize = 16;
 /// Hashes kept from a root on, for summaries of coarser granularity.
-pub const PROBE_BLOCKS: usize = 16;
+pub const PROBE_BLOCKS: usize = 8;
 
 /// The block a root moves to from the first credited block `first` of a prompt of `n` blocks (`None`: past it).
 pub fn root_block(first: usize, n: usize) -> Option<usize> {
@@ -48,12 +49,14 @@ struct Root {
 pub struct RootIndex {
     new: HashMap<BlockHash, Root>,
     old: HashMap<BlockHash, Root>,
+    /// Roots in the order they were last sent (a key may recur; the newest at the back).
+    recent: VecDeque<BlockHash>,
     capacity: usize,
 }
 
 impl RootIndex {
     pub fn new(capacity: usize) -> Self {
-        Self { new: HashMap::new(), old: HashMap::new(), capacity: capacity.max(2) }
+        Self { new: HashMap::new(), old: HashMap::new(), recent: VecDeque::new(), capacity: capacity.max(2) }
     }
 
     /// Roots held now (both generations).
@@ -85,12 +88,13 @@ impl RootIndex {
             }
             self.new.insert(key, root);
         }
+        if self.recent.back() != Some(&key) {
+            if self.recent.len() >= self.capacity {
+                self.recent.pop_front();
+            }
+            self.recent.push_back(key);
+        }
         self.new.get_mut(&key)
-    }
-
-    /// Notes a request's root (block `at` of `hashes`): it is checked at the next reports.
-    pub fn see(&mut self, hashes: &[BlockHash], at: usize) {
-        self.entry(at, hashes.get(at..).unwrap_or_default());
     }
 
     /// Enters worker `uid` under the root at block `at` of `hashes` (a request with it was sent there).
@@ -109,8 +113,8 @@ impl RootIndex {
         }
     }
 
-    /// Checks the most recent roots (at most `budget`) against a report's summaries: worker `uid` is entered under
-    /// those a summary holds and taken out of the others.
+    /// Checks the most recently sent roots (at most `budget` of them) against a report's summaries: worker `uid` is
+    /// entered under those a summary holds and taken out of the others.
     pub fn discover(&mut self, uid: u64, summaries: &[&CacheSummary], budget: usize) {
         // A summary holds the root if it holds the first block from the root on that it represents.
         let held = |r: &Root| {
@@ -120,18 +124,19 @@ impl RootIndex {
                     .is_some_and(|j| s.bloom.contains(r.probe[j]))
             })
         };
-        let mut left = budget;
-        for gen in [&mut self.new, &mut self.old] {
-            for r in gen.values_mut() {
-                if left == 0 {
-                    return;
-                }
-                left -= 1;
-                if held(r) {
-                    put_first(&mut r.holders, uid);
-                } else {
-                    r.holders.retain(|h| *h != uid);
-                }
+        let mut checked: HashSet<BlockHash> = HashSet::with_capacity(budget.min(self.recent.len()));
+        for key in self.recent.iter().rev() {
+            if checked.len() >= budget {
+                break;
+            }
+            if !checked.insert(*key) {
+                continue;
+            }
+            let Some(r) = self.new.get_mut(key).or_else(|| self.old.get_mut(key)) else { continue };
+            if held(r) {
+                put_first(&mut r.holders, uid);
+            } else {
+                r.holders.retain(|h| *h != uid);
             }
         }
     }
@@ -142,4 +147,62 @@ fn put_first(holders: &mut Vec<u64>, uid: u64) {
     holders.retain(|h| *h != uid);
     holders.insert(0, uid);
     holders.truncate(MAX_HOLDERS);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvgate_shared::report::BlockBloom;
+
+    fn summary(hashes: &[BlockHash], granularity: u32) -> CacheSummary {
+        let mut bloom = BlockBloom::with_capacity(1_024, 0.001);
+        hashes.iter().for_each(|h| bloom.insert(*h));
+        CacheSummary { granularity, entries: hashes.len() as u64, bloom }
+    }
+
+    fn prompt(seed: u64) -> Vec<BlockHash> {
+        (0..32u64).map(|i| BlockHash(seed << 20 | i)).collect()
+    }
+
+    #[test]
+    fn reports_check_the_newest_roots_within_their_budget_and_take_a_worker_out_of_what_it_lost() {
+        let mut idx = RootIndex::new(1_000);
+        let prompts: Vec<Vec<BlockHash>> = (1..=10).map(prompt).collect();
+        for p in &prompts {
+            idx.add(p, 7, 1);
+        }
+        // Worker 2 holds prompts 1..=10 at granularity 4 (it represents block 7: (7 + 1) % 4 == 0).
+        let all: Vec<BlockHash> = prompts.iter().flatten().copied().collect();
+        idx.discover(2, &[&summary(&all, 4)], 3);
+        let has = |idx: &RootIndex, p: &[BlockHash], uid: u64| idx.holders(p[7]).contains(&uid);
+        let found: Vec<bool> = prompts.iter().map(|p| has(&idx, p, 2)).collect();
+        assert_eq!(
+            found,
+            [false, false, false, false, false, false, false, true, true, true],
+            "the 3 newest"
+        );
+        // A report without them takes it out again; worker 1 (entered by sends) stays where its report is silent.
+        idx.discover(2, &[&summary(&[], 4)], 100);
+        assert!(prompts.iter().all(|p| !has(&idx, p, 2) && has(&idx, p, 1)));
+        // A summary of granularity 3 is probed at the first block from the root it represents (block 8).
+        idx.discover(3, &[&summary(&prompts[0][8..9], 3)], 100);
+        assert!(has(&idx, &prompts[0], 3));
+    }
+
+    #[test]
+    fn the_index_is_bounded_and_shared_sends_enter_known_roots_only() {
+        let mut idx = RootIndex::new(8);
+        for s in 0..100 {
+            idx.add(&prompt(s), 7, s);
+        }
+        assert!(idx.len() <= 8 && idx.recent.len() <= 8, "{} roots", idx.len());
+        for uid in 0..40 {
+            idx.add(&prompt(99), 7, 1_000 + uid);
+        }
+        assert_eq!(idx.holders(prompt(99)[7]).len(), MAX_HOLDERS);
+        assert_eq!(idx.holders(prompt(99)[7])[0], 1_039, "the most recent first");
+        idx.add_points(&[prompt(98)[7], BlockHash(12345)], 5);
+        assert!(idx.holders(prompt(98)[7]).contains(&5));
+        assert!(idx.holders(BlockHash(12345)).is_empty(), "no root is made from a peer's points");
+    }
 }
