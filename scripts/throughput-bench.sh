@@ -29,7 +29,7 @@ TICKS=$(getconf CLK_TCK)
 # CPU seconds (user + system) of a process and its descendants, alive ones only.
 cpu_of_tree() { # pid
   local pids
-  pids=$(pstree -p "$1" 2>/dev/null | grep -o '([0-9]\+)' | tr -d '()' || echo "$1")
+  pids=$(pstree -p -T "$1" 2>/dev/null | grep -o '([0-9]\+)' | tr -d '()' || echo "$1")
   local t=0
   for p in $pids; do
     [ -r "/proc/$p/stat" ] || continue
