@@ -6,8 +6,9 @@
 # come from the workers' own counters (SMG sets no worker header). Everything listens on 127.0.0.1 and stops by
 # itself. mooncake replays the trace's 10 largest prefix families (`--top-roots`, 189 requests that reuse 94% of
 # their blocks; a window of consecutive requests has almost no reuse) at 0.1x their recorded gaps (about 100 s);
-# mooncake-long its 100 largest (998 requests, median 15.5K trace tokens of text) at the same pace; heavy-multi-turn
-# is multi-turn with a 2,048-word system prompt and 200-word turns.
+# mooncake-long its 20 largest (325 requests, 56K tokens on average once rendered as text, about 3x the trace's
+# count) at 0.2x (about 200 s; 0.27 of what 4 workers can prefill in the simulator; its 40 largest at 0.2x are 1.4x,
+# and every router times out there); heavy-multi-turn is multi-turn with a 2,048-word system prompt and 200-word turns.
 #
 #   scripts/peer-bench.sh [OUT_DIR]      (default target/peer-bench; prints a Markdown table)
 #
@@ -32,7 +33,7 @@ declare -A WORKLOAD=(
   [multi-turn]="--workload multi-turn --users 16 --turns 5 --rate 2 --system-words 1024 --output-tokens 64"
   [shared-prefix]="--workload shared-prefix --groups 16 --prompts-per-group 8 --system-tokens 2048 --question-tokens 128 --rate 8 --output-tokens 64 --text-prompts"
   [mooncake]="--workload mooncake --trace $TRACE --top-roots ${TOP_ROOTS:-10} --time-scale ${TIME_SCALE:-0.1} --text-prompts"
-  [mooncake-long]="--workload mooncake --trace $TRACE --top-roots 100 --time-scale ${TIME_SCALE:-0.1} --text-prompts"
+  [mooncake-long]="--workload mooncake --trace $TRACE --top-roots 20 --time-scale 0.2 --text-prompts"
   [heavy-multi-turn]="--workload multi-turn --users 16 --turns 5 --rate 2 --system-words 2048 --question-words 200 --output-tokens 64"
 )
 ROUTERS=(kvgate:cache_aware smg:cache_aware smg:round_robin)
