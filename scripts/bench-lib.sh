@@ -46,6 +46,48 @@ start_sim_workers() { # report_to logdir [flags...]
   for w in "${WORKER_URLS[@]}"; do wait_http "$w/ready" "worker $w"; done
 }
 
+# The peer router SMG (PyPI `smg==$SMG_VERSION`, default 1.13.0) in a venv under $OUT, installed on first use; sets
+# SMG to its binary.
+ensure_smg() {
+  if [ ! -x "$OUT/venv/bin/smg" ]; then
+    python3 -m venv "$OUT/venv"
+    "$OUT/venv/bin/pip" install -q "smg==${SMG_VERSION:-1.13.0}"
+  fi
+  SMG="$OUT/venv/bin/smg"
+}
+
+# A fresh fleet (`kvgate-loadtest up`: a gateway and $WORKERS simulated workers, 262,144 KV tokens each) logging
+# under $1; waits until it is up. Sets FLEET_PID, FLEET_GATEWAY (the gateway's URL) and FLEET_WORKERS (the
+# workers' URLs, space-separated).
+start_fleet() { # logdir
+  local log=$1
+  "$BIN/kvgate-loadtest" up --workers "$WORKERS" --engine sim --policy cache_aware --kv-cache-tokens 262144 \
+    --log-dir "$log/fleet" >"$log/up.out" 2>"$log/up.err" &
+  FLEET_PID=$!
+  PIDS+=("$FLEET_PID")
+  for _ in $(seq 1 600); do grep -q '^workers:' "$log/up.out" 2>/dev/null && break; sleep 0.2; done
+  grep -q '^workers:' "$log/up.out" || { echo "fleet did not start: $(cat "$log/up.err")" >&2; exit 1; }
+  FLEET_GATEWAY=$(sed -n 's/^kvgate is up: gateway \([^ ]*\) .*/\1/p' "$log/up.out")
+  FLEET_WORKERS=$(sed -n 's/^workers: //p' "$log/up.out")
+}
+
+# SMG with policy $2 in front of $FLEET_WORKERS, logging to $1/smg.log; waits until it answers and has had time to
+# admit every worker. Sets SMG_PID and SMG_URL.
+start_smg() { # logdir policy
+  local port mport
+  port=$(free_port)
+  mport=$(free_port)
+  # shellcheck disable=SC2086
+  "$SMG" launch --host 127.0.0.1 --port "$port" --prometheus-port "$mport" --policy "$2" \
+    --worker-urls $FLEET_WORKERS >"$1/smg.log" 2>&1 &
+  SMG_PID=$!
+  PIDS+=("$SMG_PID")
+  SMG_URL="http://127.0.0.1:$port"
+  for _ in $(seq 1 300); do curl -sf "$SMG_URL/v1/models" >/dev/null 2>&1 && break; sleep 0.2; done
+  curl -sf "$SMG_URL/v1/models" >/dev/null || { echo "smg did not start: $(tail -5 "$1/smg.log")" >&2; exit 1; }
+  sleep 2 # let SMG's health checks admit every worker
+}
+
 PIDS=()
 cleanup() {
   for p in "${PIDS[@]:-}"; do [ -n "$p" ] && kill "$p" 2>/dev/null || true; done

@@ -16,17 +16,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT="${1:-target/peer-bench}"
-SMG_VERSION="${SMG_VERSION:-1.13.0}"
 WORKERS="${WORKERS:-4}"
 TRACE="${TRACE:-loadtest/traces/mooncake-synthetic.jsonl}"
 WORKLOADS="${WORKLOADS:-multi-turn heavy-multi-turn shared-prefix mooncake mooncake-long}"
 # shellcheck source=scripts/bench-lib.sh
 . scripts/bench-lib.sh
-if [ ! -x "$OUT/venv/bin/smg" ]; then
-  python3 -m venv "$OUT/venv"
-  "$OUT/venv/bin/pip" install -q "smg==$SMG_VERSION"
-fi
-SMG="$OUT/venv/bin/smg"
+ensure_smg
 
 # workload name -> loadtest arguments
 declare -A WORKLOAD=(
@@ -42,28 +37,11 @@ run_one() { # router policy workload
   local router=$1 policy=$2 workload=$3 tag="$1-$2-$3"
   local log="$OUT/$tag"
   rm -rf "$log" && mkdir -p "$log"
-  "$BIN/kvgate-loadtest" up --workers "$WORKERS" --engine sim --policy cache_aware --kv-cache-tokens 262144 \
-    --log-dir "$log/fleet" >"$log/up.out" 2>"$log/up.err" &
-  PIDS+=($!)
-  for _ in $(seq 1 600); do grep -q '^workers:' "$log/up.out" 2>/dev/null && break; sleep 0.2; done
-  grep -q '^workers:' "$log/up.out" || { echo "fleet did not start: $(cat "$log/up.err")" >&2; exit 1; }
-  local gateway workers target
-  gateway=$(sed -n 's/^kvgate is up: gateway \([^ ]*\) .*/\1/p' "$log/up.out")
-  workers=$(sed -n 's/^workers: //p' "$log/up.out")
-  target=$gateway
+  start_fleet "$log"
+  local workers=$FLEET_WORKERS target=$FLEET_GATEWAY
   if [ "$router" = smg ]; then
-    local port mport
-    port=$(free_port); mport=$(free_port)
-    # shellcheck disable=SC2086
-    "$SMG" launch --host 127.0.0.1 --port "$port" --prometheus-port "$mport" --policy "$policy" \
-      --worker-urls $workers >"$log/smg.log" 2>&1 &
-    PIDS+=($!)
-    target="http://127.0.0.1:$port"
-    for _ in $(seq 1 300); do
-      curl -sf "$target/v1/models" >/dev/null 2>&1 && break; sleep 0.2
-    done
-    curl -sf "$target/v1/models" >/dev/null || { echo "smg did not start: $(tail -5 "$log/smg.log")" >&2; exit 1; }
-    sleep 2 # let SMG's health checks admit every worker
+    start_smg "$log" "$policy"
+    target=$SMG_URL
   fi
   # shellcheck disable=SC2086
   "$BIN/kvgate-loadtest" run --target "$target" --model kvgate-tiny ${WORKLOAD[$workload]} --seed 42 \

@@ -10,8 +10,8 @@ sim() { ./target/release/kvgate-loadtest simulate --workers 8 --policy all --mar
 SYN=loadtest/traces/mooncake-synthetic.jsonl
 echo "mooncake-synthetic"
 # The trace has 43,924 distinct 512-token blocks (22.5M tokens); per worker: 1/8, 1/4 (default), 1/2 of them.
-for load in 0.5 0.7 0.9; do sim --trace $SYN --target-load "$load" | if [ "$load" = 0.5 ]; then cat; else tail -n +3; fi; done
-for kv in 351392 1405568; do sim --trace $SYN --target-load 0.7 --kv-tokens-per-worker "$kv" | tail -n +3; done
+for load in 0.5 0.7 0.9; do sim --trace "$SYN" --target-load "$load" | if [ "$load" = 0.5 ]; then cat; else tail -n +3; fi; done
+for kv in 351392 1405568; do sim --trace "$SYN" --target-load 0.7 --kv-tokens-per-worker "$kv" | tail -n +3; done
 for t in mooncake-conversation long-document-synthetic; do
   echo "$t"
   sim --trace "loadtest/traces/$t.jsonl" --target-load 0.7 | tail -n +3

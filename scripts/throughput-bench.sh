@@ -13,17 +13,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT="${1:-target/throughput-bench}"
-SMG_VERSION="${SMG_VERSION:-1.13.0}"
 WORKERS="${WORKERS:-8}"
 CONCURRENCY="${CONCURRENCY:-64}"
 DURATION="${DURATION:-30s}"
 # shellcheck source=scripts/bench-lib.sh
 . scripts/bench-lib.sh
-if [ ! -x "$OUT/venv/bin/smg" ]; then
-  python3 -m venv "$OUT/venv"
-  "$OUT/venv/bin/pip" install -q "smg==$SMG_VERSION"
-fi
-SMG="$OUT/venv/bin/smg"
+ensure_smg
 TICKS=$(getconf CLK_TCK)
 
 # CPU seconds (user + system) of a process and its descendants, alive ones only.
@@ -41,29 +36,14 @@ cpu_of_tree() { # pid
 run_one() { # router
   local router=$1 log="$OUT/$1"
   rm -rf "$log" && mkdir -p "$log"
-  "$BIN/kvgate-loadtest" up --workers "$WORKERS" --engine sim --policy cache_aware --kv-cache-tokens 262144 \
-    --log-dir "$log/fleet" >"$log/up.out" 2>"$log/up.err" &
-  local up=$!
-  PIDS+=("$up")
-  for _ in $(seq 1 600); do grep -q '^workers:' "$log/up.out" 2>/dev/null && break; sleep 0.2; done
-  grep -q '^workers:' "$log/up.out" || { echo "fleet did not start: $(cat "$log/up.err")" >&2; exit 1; }
-  local target workers pid
-  target=$(sed -n 's/^kvgate is up: gateway \([^ ]*\) .*/\1/p' "$log/up.out")
-  workers=$(sed -n 's/^workers: //p' "$log/up.out")
+  start_fleet "$log"
+  local target=$FLEET_GATEWAY pid
   pid=$(pgrep -f "kvgate-gateway.*$(echo "$target" | sed 's/.*://')" | head -1 || true)
-  [ -n "$pid" ] || pid=$(pgrep -P "$up" -f kvgate-gateway | head -1)
+  [ -n "$pid" ] || pid=$(pgrep -P "$FLEET_PID" -f kvgate-gateway | head -1)
   if [ "$router" = smg ]; then
-    local port mport
-    port=$(free_port); mport=$(free_port)
-    # shellcheck disable=SC2086
-    "$SMG" launch --host 127.0.0.1 --port "$port" --prometheus-port "$mport" --policy cache_aware \
-      --worker-urls $workers >"$log/smg.log" 2>&1 &
-    pid=$!
-    PIDS+=("$pid")
-    target="http://127.0.0.1:$port"
-    for _ in $(seq 1 300); do curl -sf "$target/v1/models" >/dev/null 2>&1 && break; sleep 0.2; done
-    curl -sf "$target/v1/models" >/dev/null || { echo "smg did not start: $(tail -5 "$log/smg.log")" >&2; exit 1; }
-    sleep 2 # let SMG's health checks admit every worker
+    start_smg "$log" cache_aware
+    pid=$SMG_PID
+    target=$SMG_URL
   fi
   local before after
   before=$(cpu_of_tree "$pid")

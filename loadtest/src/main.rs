@@ -41,9 +41,9 @@ enum Command {
 
 #[derive(Args)]
 struct GenTraceArgs {
-    /// The shape: long-document.
-    #[arg(long, default_value = "long-document")]
-    kind: String,
+    /// The shape.
+    #[arg(long, value_enum, default_value_t = TraceKind::LongDocument)]
+    kind: TraceKind,
     #[arg(long, default_value_t = 1)]
     seed: u64,
     /// Distinct documents.
@@ -59,22 +59,24 @@ struct GenTraceArgs {
     out: PathBuf,
 }
 
-fn gen_trace(a: GenTraceArgs) -> Result<(), String> {
-    use kvgate_loadtest::trace_gen::{long_document, to_jsonl, LongDocument};
-    if a.kind != "long-document" {
-        return Err(format!("unknown trace kind {:?} (long-document)", a.kind));
-    }
-    if a.documents == 0 || a.requests == 0 || !(a.rate.is_finite() && a.rate > 0.0) {
-        return Err("documents and requests must be at least 1, rate a positive number".into());
-    }
-    let t = long_document(&LongDocument {
+/// The shapes `gen-trace` writes.
+#[derive(Clone, Copy, Debug, clap::ValueEnum)]
+enum TraceKind {
+    /// Questions about a few long documents.
+    LongDocument,
+}
+
+fn gen_trace(a: GenTraceArgs) -> Result<(), kvgate_loadtest::trace_gen::TraceGenError> {
+    use kvgate_loadtest::trace_gen::{write_long_document, LongDocument};
+    let TraceKind::LongDocument = a.kind;
+    let shape = LongDocument {
         seed: a.seed,
         documents: a.documents,
         requests: a.requests,
         rate: a.rate,
         ..LongDocument::default()
-    });
-    std::fs::write(&a.out, to_jsonl(&t)).map_err(|e| format!("{}: {e}", a.out.display()))?;
+    };
+    let t = write_long_document(&shape, &a.out)?;
     eprintln!(
         "{} requests, {} distinct blocks -> {}",
         t.requests.len(),
@@ -172,7 +174,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Simulate(args) => simulate(args),
         Command::SimulatePd(args) => pd_cmd::simulate_pd(args),
-        Command::GenTrace(args) => gen_trace(args),
+        Command::GenTrace(args) => gen_trace(args).map_err(|e| e.to_string()),
         Command::Run(a) => block_on(commands::run(a)),
         Command::Compare(a) => block_on(async { commands::compare(a).await.map(|_| ()) }),
         Command::Up(a) => block_on(commands::up(a)),

@@ -3,9 +3,20 @@
 //! its own question, documents drawn Zipf-like (a few are asked about most), Poisson arrivals. The cache decides
 //! almost everything: a hit prefills a question, a miss prefills a whole document.
 
+use std::path::{Path, PathBuf};
+
 use kvgate_shared::prompt::SplitMix64;
 
 use crate::trace::{Trace, TraceRequest, TRACE_BLOCK_TOKENS};
+
+/// Why a trace was not generated. None of these goes away on a retry with the same arguments.
+#[derive(Debug, thiserror::Error)]
+pub enum TraceGenError {
+    #[error("invalid trace shape: {0}")]
+    Shape(&'static str),
+    #[error("writing {path}: {source}")]
+    Write { path: PathBuf, source: std::io::Error },
+}
 
 /// The long-document trace's shape.
 #[derive(Clone, Copy, Debug)]
@@ -39,6 +50,22 @@ impl Default for LongDocument {
 
 fn uniform(rng: &mut SplitMix64, (lo, hi): (usize, usize)) -> usize {
     lo + rng.below((hi.max(lo) - lo + 1) as u64) as usize
+}
+
+impl LongDocument {
+    /// Refuses a shape with no documents or requests, or a rate that is not a positive number.
+    pub fn validate(&self) -> Result<(), TraceGenError> {
+        if self.documents == 0 {
+            return Err(TraceGenError::Shape("documents must be at least 1"));
+        }
+        if self.requests == 0 {
+            return Err(TraceGenError::Shape("requests must be at least 1"));
+        }
+        if !(self.rate.is_finite() && self.rate > 0.0) {
+            return Err(TraceGenError::Shape("rate must be a positive number"));
+        }
+        Ok(())
+    }
 }
 
 /// The trace (hash ids: each document's blocks, then a fresh id per question block).
@@ -87,6 +114,15 @@ pub fn long_document(c: &LongDocument) -> Trace {
     Trace { requests }
 }
 
+/// Generates the trace of shape `c` and writes it to `path` as JSON lines.
+pub fn write_long_document(c: &LongDocument, path: &Path) -> Result<Trace, TraceGenError> {
+    c.validate()?;
+    let t = long_document(c);
+    std::fs::write(path, to_jsonl(&t))
+        .map_err(|source| TraceGenError::Write { path: path.to_owned(), source })?;
+    Ok(t)
+}
+
 /// The trace as JSON lines (the published traces' format).
 pub fn to_jsonl(t: &Trace) -> String {
     let mut out = String::new();
@@ -120,5 +156,23 @@ mod tests {
         assert!((24_576..=98_304 + 1_024).contains(&mean), "{mean}");
         // Every request but the first of each document reuses all of it.
         assert!(t.distinct_blocks() * 4 < t.requests.iter().map(|r| r.hash_ids.len()).sum::<usize>());
+    }
+
+    #[test]
+    fn a_shape_without_documents_requests_or_rate_is_refused_by_name() {
+        let ok = LongDocument::default();
+        for (bad, what) in [
+            (LongDocument { documents: 0, ..ok }, "documents"),
+            (LongDocument { requests: 0, ..ok }, "requests"),
+            (LongDocument { rate: f64::NAN, ..ok }, "rate"),
+            (LongDocument { rate: 0.0, ..ok }, "rate"),
+        ] {
+            let err = bad.validate().expect_err(what).to_string();
+            assert!(err.contains(what), "{err}");
+        }
+        let dir = tempfile::tempdir().expect("tempdir");
+        let err =
+            write_long_document(&ok, &dir.path().join("missing/trace.jsonl")).expect_err("no such folder");
+        assert!(matches!(err, TraceGenError::Write { .. }), "{err}");
     }
 }
