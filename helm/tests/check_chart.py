@@ -68,6 +68,7 @@ VALUE_SETS: dict[str, dict] = {
     "hpa-on": {"gateway": {"hpa": {"enabled": True, "minReplicas": 3, "maxReplicas": 12}, "antiAffinity": "hard"}},
     "existing-secret": {"secrets": {"existingSecret": "my-kvgate-secrets"}},
     "given-secrets": {"secrets": {"reportSecret": "r3port", "adminToken": "adm1n"}},
+    "guard-weights": {"gateway": {"weights": {"hotspotWasteFactor": 2.5, "hotspotCopyTokens": 16384}}},
     "e2e": {"workers": {"engine": "sim", "model": {"source": "synth", "synthPreset": "tiny"}},
             "gateway": {"classes": [{"name": "short", "refill_tokens_per_s": 500000, "burst_tokens": 1000000,
                                      "expected_output_tokens": 64, "match": {"max_prompt_tokens": 8192}},
@@ -123,6 +124,7 @@ BAD_VALUES: dict[str, tuple[dict, str]] = {
     "an hpa without redis": ({"gateway": {"replicas": 1, "hpa": {"enabled": True}}, "redis": {"enabled": False}}, "/redis/enabled"),
     "typo in a key": ({"gateway": {"replica": 3}}, "replica"),
     "hotspot ratio under 1": ({"gateway": {"weights": {"hotspotRatio": 0.5}}}, "hotspotRatio"),
+    "negative waste factor": ({"gateway": {"weights": {"hotspotWasteFactor": -1}}}, "hotspotWasteFactor"),
     "bad duration": ({"gateway": {"staleAfter": "soon"}}, "staleAfter"),
     "negative gpus": ({"workers": {"gpu": {"count": -1}}}, "count"),
     "unknown gpu dtype": ({"workers": {"gpu": {"count": 1, "dtype": "int4"}}}, "dtype"),
@@ -284,6 +286,9 @@ for name, extra in VALUE_SETS.items():
     check(f"max-connections = {g['maxConnections']}" in gw_toml and "header-read-timeout" in gw_toml,
           f"{name}: connection limits in gateway.toml")
     check(("advertise-allow" in gw_toml) == bool(g["advertiseAllow"]), f"{name}: advertise-allow follows values")
+    for key, toml_key in [("hotspotWasteFactor", "hotspot_waste_factor"), ("hotspotCopyTokens", "hotspot_copy_tokens")]:
+        set_ = g["weights"][key] is not None
+        check((toml_key in gw_toml) == set_, f"{name}: {toml_key} in gateway.toml only when set (else the code's default)")
     gw_pod = find(docs, "Deployment", "-gateway")[0]["spec"]["template"]["spec"]
     key_vols = [v for v in gw_pod["volumes"] if v.get("secret", {}).get("secretName") == g["apiKeysSecret"]]
     check(("api-keys-file" in gw_toml) == bool(g["apiKeysSecret"]) == bool(key_vols),

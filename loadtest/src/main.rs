@@ -122,7 +122,8 @@ struct SimulateArgs {
     #[arg(long, default_value_t = 64)]
     max_num_seqs: usize,
     /// A routing weight, NAME=VALUE (repeatable): w_prefix, w_ring, w_load, per_request_tokens, load_floor_tokens,
-    /// hotspot_abs_tokens, hotspot_ratio, free_shared_tokens, ring_session_bound. Defaults: the gateway's.
+    /// hotspot_abs_tokens, hotspot_ratio, hotspot_waste_factor, hotspot_copy_tokens, free_shared_tokens,
+    /// ring_session_bound, credit_host, credit_disk. Defaults: the gateway's.
     #[arg(long = "weight", value_name = "NAME=VALUE")]
     weights: Vec<String>,
     /// The gateway's `--ring-hub-fanout`: a block followed by this many distinct blocks is a shared prefix's end.

@@ -35,15 +35,33 @@
 //! ```
 //! The best score wins; exact ties are broken by the request's nonce (a hash of its number at the router).
 //!
-//! **Hot-spot guard**: with `ahead(w) = cost(w) + prompt_tokens - saved_blocks(w) * block_size` (the queue plus
-//! the prefill the request would still need there, in tokens; `saved_blocks = device + credit_host * host +
-//! credit_disk * disk`, also the predicted cached tokens that price the request), if the winner's `ahead` exceeds the smallest
-//! `ahead` of any healthy worker by more than `hotspot_abs_tokens` **and** by a factor of more than
-//! `hotspot_ratio`, that worker is chosen instead (reason `load`): no prefix is worth queueing behind a hot spot,
-//! and a cached prefix counts for what it saves.
+//! **Hot-spot guard**, on the work ahead of the request at each worker, in tokens:
+//! ```text
+//! ahead(w)  = cost(w) + uncached(w)         uncached(w) = prompt_tokens - saved_blocks(w) * block_size
+//!     saved_blocks = device + credit_host * host + credit_disk * disk (also the predicted cached tokens that
+//!     price the request)
+//! waste(w)  = max(0, uncached(w) - uncached(winner))   (cached tokens a move to w gives up: the fleet computes
+//!                                                        them again, and holds a second copy)
+//! k         = hotspot_waste_factor * (1 + min cost over healthy workers / load_floor_tokens)
+//!     (recomputing is cheap on an idle fleet and dear on a busy one: the extra work delays every request queued
+//!     behind it)
+//! target    = the healthy worker with the least ahead(w) + k * waste(w)
+//! gain      = ahead(winner) - ahead(target)
+//! ```
+//! The request goes to `target` instead of the score's winner (reason `load`) when
+//! - the move gives up cached tokens (`waste(target) > 0`) and `gain > hotspot_abs_tokens + k * waste(target) +
+//!   hotspot_copy_tokens` (a copy of a conversation costs KV room and its next turns, beyond this request);
+//! - it gives up none, and the prompt begins with a prefix other conversations share (its ring key names this
+//!   conversation only, so the ring brings no one else to the winner): `gain > hotspot_abs_tokens`;
+//! - it gives up none, and its ring key may be another request's too (a prompt family's first request: the ring
+//!   is where its family will meet): `cost(winner) > hotspot_ratio * cost(target) + hotspot_abs_tokens`.
+//!
+//! No prefix is worth queueing behind a hot spot, and a cached prefix counts for what it saves.
 //!
 //! Knobs ([`Weights`], live-changeable): `w_prefix` 1.0, `w_ring` 0.3, `w_load` 0.5, `per_request_tokens` 256,
-//! `load_floor_tokens` 8192, `hotspot_abs_tokens` 1024, `hotspot_ratio` 3.0, `free_shared_tokens` 4096,
+//! `load_floor_tokens` 8192, `hotspot_abs_tokens` 1024, `hotspot_ratio` 3.0, `hotspot_waste_factor` 3.0,
+//! `hotspot_copy_tokens` 24576 (the guard's three chosen on the simulator table, BENCHMARKS.md: the conversation
+//! trace and the synthetic one at every load), `free_shared_tokens` 4096,
 //! `credit_host` 0.7, `credit_disk` 0.3 (the tier credits: roughly what a load from that tier saves against a
 //! device hit, before the load-vs-recompute measurements of the KV tiers tune them), `ring_session_bound` 1.1 (chosen on the Mooncake replay and the
 //! multi-turn demo, BENCHMARKS.md: with 16384 / 4.0 users sharing a system prompt all piled onto the first worker that
@@ -64,8 +82,14 @@ pub struct Weights {
     pub per_request_tokens: u64,
     /// Smallest denominator of the load normalisation.
     pub load_floor_tokens: u64,
+    /// Wait a hot-spot move must save at least, in tokens.
     pub hotspot_abs_tokens: u64,
+    /// A move that gives up no cached tokens and may split a prompt family: the winner's queue over the target's.
     pub hotspot_ratio: f64,
+    /// Tokens of wait a hot-spot move must save per cached token it gives up, on an idle fleet (>= 0).
+    pub hotspot_waste_factor: f64,
+    /// Wait a hot-spot move that gives up cached tokens must save beyond that, in tokens.
+    pub hotspot_copy_tokens: u64,
     /// A prefix shared by other conversations earns no prefix credit up to this many tokens (0: always credited).
     pub free_shared_tokens: u64,
     /// A ring primary holds at most this times the mean number of recent conversations (>= 1; a large value turns
@@ -87,6 +111,8 @@ impl Default for Weights {
             load_floor_tokens: 8192,
             hotspot_abs_tokens: 1024,
             hotspot_ratio: 3.0,
+            hotspot_waste_factor: 3.0,
+            hotspot_copy_tokens: 24576,
             free_shared_tokens: 4096,
             ring_session_bound: 1.1,
             credit_host: 0.7,
@@ -99,7 +125,13 @@ impl Weights {
     /// Every problem with the values.
     pub fn validate(&self) -> Vec<String> {
         let mut p = Vec::new();
-        for (name, v) in [("w_prefix", self.w_prefix), ("w_ring", self.w_ring), ("w_load", self.w_load)] {
+        let non_negative = [
+            ("w_prefix", self.w_prefix),
+            ("w_ring", self.w_ring),
+            ("w_load", self.w_load),
+            ("hotspot_waste_factor", self.hotspot_waste_factor),
+        ];
+        for (name, v) in non_negative {
             if !v.is_finite() || v < 0.0 {
                 p.push(format!("{name} must be a finite number >= 0, got {v}"));
             }
@@ -259,24 +291,22 @@ impl RoutingPolicy for CacheAware {
         let saved_blocks = |t: &TierMatch| {
             t.device as f64 + w.credit_host * t.host() as f64 + w.credit_disk * t.disk() as f64
         };
-        // Hot-spot guard, on the work ahead of this request: queue + the prefill it would still need there.
-        let ahead = |i: usize| {
-            let saved = (saved_blocks(&rows[i].tiers) * block_size as f64) as usize;
-            let uncached = req.prompt_tokens.saturating_sub(saved) as u64;
-            workers[i].load.cost(w.per_request_tokens) + uncached
+        let uncached: Vec<u64> = rows
+            .iter()
+            .map(|r| {
+                req.prompt_tokens.saturating_sub((saved_blocks(&r.tiers) * block_size as f64) as usize) as u64
+            })
+            .collect();
+        let guard = Guard {
+            w: &w,
+            workers,
+            healthy: &healthy,
+            uncached: &uncached,
+            hub_shared: req.shared_blocks > 0,
         };
-        let lightest = *healthy.iter().min_by_key(|i| (ahead(**i), **i)).unwrap_or(&winner);
-        let (aw, al) = (ahead(winner), ahead(lightest));
-        if lightest != winner && aw > al + w.hotspot_abs_tokens && aw as f64 > al as f64 * w.hotspot_ratio {
-            tracing::debug!(
-                winner = workers[winner].id,
-                lightest = workers[lightest].id,
-                ahead_winner = aw,
-                ahead_lightest = al,
-                "hot-spot guard"
-            );
-            ranked.retain(|i| *i != lightest);
-            ranked.insert(0, lightest);
+        if let Some(target) = guard.target(winner) {
+            ranked.retain(|i| *i != target);
+            ranked.insert(0, target);
             reason = RouteReason::Load;
         }
         let predicted_cached_tokens =
@@ -306,6 +336,58 @@ impl RoutingPolicy for CacheAware {
             })
             .collect();
         Some(Decision { ranked, reason, predicted_cached_tokens, terms })
+    }
+}
+
+/// The hot-spot guard's inputs (formula at the top of the module).
+struct Guard<'a> {
+    w: &'a Weights,
+    workers: &'a [WorkerView<'a>],
+    healthy: &'a [usize],
+    /// Prompt tokens each view would still prefill (by view index).
+    uncached: &'a [u64],
+    /// The prompt begins with a prefix other conversations share: its ring key names this conversation only.
+    hub_shared: bool,
+}
+
+impl Guard<'_> {
+    fn cost(&self, i: usize) -> u64 {
+        self.workers[i].load.cost(self.w.per_request_tokens)
+    }
+
+    /// The worker to take the request from the score's `winner`, if the winner is a hot spot.
+    fn target(&self, winner: usize) -> Option<usize> {
+        let w = self.w;
+        let ahead = |i: usize| (self.cost(i) + self.uncached[i]) as f64;
+        let waste = |i: usize| self.uncached[i].saturating_sub(self.uncached[winner]) as f64;
+        let min_cost = self.healthy.iter().map(|i| self.cost(*i)).min().unwrap_or(0);
+        let k = w.hotspot_waste_factor * (1.0 + min_cost as f64 / w.load_floor_tokens.max(1) as f64);
+        let target = *self.healthy.iter().min_by(|a, b| {
+            (ahead(**a) + k * waste(**a)).total_cmp(&(ahead(**b) + k * waste(**b))).then(a.cmp(b))
+        })?;
+        if target == winner {
+            return None;
+        }
+        let (gain, lost, abs) = (ahead(winner) - ahead(target), waste(target), w.hotspot_abs_tokens as f64);
+        let moves = if lost > 0.0 {
+            gain > abs + k * lost + w.hotspot_copy_tokens as f64
+        } else if self.hub_shared {
+            gain > abs
+        } else {
+            self.cost(winner) as f64 > w.hotspot_ratio * self.cost(target) as f64 + abs
+        };
+        tracing::debug!(
+            winner = self.workers[winner].id,
+            target = self.workers[target].id,
+            ahead_winner = ahead(winner),
+            ahead_target = ahead(target),
+            gain,
+            waste = lost,
+            k,
+            moves,
+            "hot-spot guard"
+        );
+        moves.then_some(target)
     }
 }
 

@@ -192,6 +192,61 @@ fn hot_spot_guard_overrides_the_prefix() {
 }
 
 #[test]
+fn a_move_that_costs_no_cache_follows_the_queue_unless_the_ring_may_gather_a_family() {
+    let summaries: Vec<Option<CacheSummary>> = vec![None; IDS.len()];
+    let req_hashes = hashes(4, 11);
+    let key = (0u64..)
+        .find(|k| ring().primary_backup(*k, |_| true).0.as_deref() == Some(IDS[0]))
+        .expect("some key lands on the first worker");
+    let p = CacheAware::new(Weights::default());
+    // Every worker is busy, the ring primary most: the score still picks the primary (its ring term outweighs
+    // 0.5 x its 23% higher load), and nothing is cached anywhere.
+    let ws = views(&summaries, &[130_000, 100_000, 100_000, 100_000, 100_000], &[true; 5]);
+    let pick = |shared_blocks: usize| {
+        let req =
+            RequestView { hashes: &req_hashes, prompt_tokens: 64, session_key: key, shared_blocks, seq: 1 };
+        let d = p.choose(&req, &ws, &ring(), 16).expect("decision");
+        (ws[d.ranked[0]].id, d.reason)
+    };
+    // A prompt family's first request (no shared prefix: its ring key may be its family's): 130K queued is under
+    // 3 x 100K + 1,024, so it stays where the family will meet.
+    assert_eq!(pick(0), ("w0", RouteReason::Primary));
+    // A new conversation after a shared system prompt (its ring key is its own): 30K tokens less wait elsewhere
+    // is over hotspot_abs_tokens, and the move gives up nothing.
+    let (to, reason) = pick(1);
+    assert_ne!(to, "w0");
+    assert_eq!(reason, RouteReason::Load);
+}
+
+#[test]
+fn a_move_that_gives_up_cached_tokens_must_save_more_the_busier_the_fleet() {
+    // 24,000-token prompt, 20,000 of them cached on w1 only: a move elsewhere gives up 20,000 cached tokens.
+    let req_hashes = hashes(1500, 5);
+    let mut summaries: Vec<Option<CacheSummary>> = vec![None; IDS.len()];
+    summaries[1] = Some(summary_of(&req_hashes[..1250]));
+    let p = CacheAware::new(Weights { w_ring: 0.0, ..Weights::default() });
+    let req =
+        RequestView { hashes: &req_hashes, prompt_tokens: 24_000, session_key: 9, shared_blocks: 0, seq: 1 };
+    let pick = |w1_queue: u64, others: u64| {
+        let mut loads = [others; 5];
+        loads[1] = w1_queue;
+        let ws = views(&summaries, &loads, &[true; 5]);
+        let d = p.choose(&req, &ws, &ring(), 16).expect("decision");
+        (ws[d.ranked[0]].id, d.reason)
+    };
+    // An idle fleet (k = 3): a move must save 1,024 + 3 x 20,000 + 24,576 = 85,600 tokens of wait. Behind 100K
+    // queued tokens it saves 100,000 + 4,000 - 24,000 = 80,000: it stays.
+    assert_eq!(pick(100_000, 0), ("w1", RouteReason::Prefix));
+    // Behind 120K it saves 100,000: it moves.
+    let (to, reason) = pick(120_000, 0);
+    assert_ne!(to, "w1");
+    assert_eq!(reason, RouteReason::Load);
+    // The same queue on a busy fleet (16,000 tokens queued on every other worker: k = 3 x (1 + 16,000 / 8,192)):
+    // recomputing 20,000 tokens there delays everyone queued behind them, and it stays.
+    assert_eq!(pick(120_000, 16_000), ("w1", RouteReason::Prefix));
+}
+
+#[test]
 fn baselines() {
     let req_hashes = hashes(2, 4);
     let summaries: Vec<Option<CacheSummary>> = vec![None; 5];
@@ -218,8 +273,8 @@ fn baselines() {
 
 #[test]
 fn weights_validation_lists_problems() {
-    let w = Weights { w_prefix: -1.0, hotspot_ratio: 0.5, ..Weights::default() };
-    assert_eq!(w.validate().len(), 2);
+    let w = Weights { w_prefix: -1.0, hotspot_ratio: 0.5, hotspot_waste_factor: -1.0, ..Weights::default() };
+    assert_eq!(w.validate().len(), 3);
     assert!(Weights::default().validate().is_empty());
 }
 
