@@ -39,7 +39,8 @@
 //! ```text
 //! ahead(w)  = cost(w) + uncached(w)         uncached(w) = prompt_tokens - saved_blocks(w) * block_size
 //!     saved_blocks = device + credit_host * host + credit_disk * disk (also the predicted cached tokens that
-//!     price the request)
+//!     price the request), here at least the cheap shared prefix's blocks (`free_shared_tokens`: counted as held
+//!     everywhere, since each worker computes it once; a move neither chases it nor is held back by it)
 //! waste(w)  = max(0, uncached(w) - uncached(winner))   (cached tokens a move to w gives up: the fleet computes
 //!                                                        them again, and holds a second copy)
 //! k         = hotspot_waste_factor * (1 + min cost over healthy workers / load_floor_tokens)
@@ -291,10 +292,13 @@ impl RoutingPolicy for CacheAware {
         let saved_blocks = |t: &TierMatch| {
             t.device as f64 + w.credit_host * t.host() as f64 + w.credit_disk * t.disk() as f64
         };
+        // A cheap shared prefix counts as held everywhere (each worker computes it once, and the score does not
+        // credit it): no move chases it, and no move is held back by it.
         let uncached: Vec<u64> = rows
             .iter()
             .map(|r| {
-                req.prompt_tokens.saturating_sub((saved_blocks(&r.tiers) * block_size as f64) as usize) as u64
+                let saved = saved_blocks(&r.tiers).max(free_blocks as f64);
+                req.prompt_tokens.saturating_sub((saved * block_size as f64) as usize) as u64
             })
             .collect();
         let guard = Guard {
