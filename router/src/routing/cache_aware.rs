@@ -233,6 +233,11 @@ impl RoutingPolicy for CacheAware {
             .max(w.load_floor_tokens);
         let n_blocks = req.hashes.len();
         let free_blocks = free_blocks(req, &w, block_size);
+        // What a match saves, in blocks: a lower tier's blocks count at their credit (a worker may load them
+        // slowly, or compute them again when that is faster).
+        let saved_blocks = |t: &TierMatch| {
+            t.device as f64 + w.credit_host * t.host() as f64 + w.credit_disk * t.disk() as f64
+        };
         let mut rows: Vec<Row> = Vec::with_capacity(workers.len());
         let mut scored: Vec<(f64, u64, usize)> = Vec::with_capacity(healthy.len());
         for (i, wk) in workers.iter().enumerate() {
@@ -272,7 +277,12 @@ impl RoutingPolicy for CacheAware {
                 let tie = (i as u64 ^ req.nonce()).wrapping_mul(0x9E37_79B9_7F4A_7C15);
                 scored.push((score, tie, i));
             }
-            rows.push(Row { tiers, matched_fraction, ring: ring_term, normalized_load, score });
+            // The prefill the request would still need here, for the hot-spot guard: a cheap shared prefix counts
+            // as held everywhere (each worker computes it once, and the score does not credit it), so that no move
+            // chases it and none is held back by it.
+            let saved = saved_blocks(&tiers).max(free_blocks as f64);
+            let uncached = req.prompt_tokens.saturating_sub((saved * block_size as f64) as usize) as u64;
+            rows.push(Row { tiers, matched_fraction, ring: ring_term, normalized_load, score, uncached });
         }
         let mut ranked = rank(scored);
         let winner = ranked[0];
@@ -287,27 +297,8 @@ impl RoutingPolicy for CacheAware {
             } else {
                 RouteReason::Load
             };
-        // What a match saves, in blocks: a lower tier's blocks count at their credit (a worker may load them
-        // slowly, or compute them again when that is faster).
-        let saved_blocks = |t: &TierMatch| {
-            t.device as f64 + w.credit_host * t.host() as f64 + w.credit_disk * t.disk() as f64
-        };
-        // A cheap shared prefix counts as held everywhere (each worker computes it once, and the score does not
-        // credit it): no move chases it, and no move is held back by it.
-        let uncached: Vec<u64> = rows
-            .iter()
-            .map(|r| {
-                let saved = saved_blocks(&r.tiers).max(free_blocks as f64);
-                req.prompt_tokens.saturating_sub((saved * block_size as f64) as usize) as u64
-            })
-            .collect();
-        let guard = Guard {
-            w: &w,
-            workers,
-            healthy: &healthy,
-            uncached: &uncached,
-            hub_shared: req.shared_blocks > 0,
-        };
+        let guard =
+            Guard { w: &w, workers, healthy: &healthy, rows: &rows, hub_shared: req.shared_blocks > 0 };
         if let Some(target) = guard.target(winner) {
             ranked.retain(|i| *i != target);
             ranked.insert(0, target);
@@ -348,8 +339,8 @@ struct Guard<'a> {
     w: &'a Weights,
     workers: &'a [WorkerView<'a>],
     healthy: &'a [usize],
-    /// Prompt tokens each view would still prefill (by view index).
-    uncached: &'a [u64],
+    /// Each view's terms (`uncached`: the prompt tokens it would still prefill).
+    rows: &'a [Row],
     /// The prompt begins with a prefix other conversations share: its ring key names this conversation only.
     hub_shared: bool,
 }
@@ -362,8 +353,8 @@ impl Guard<'_> {
     /// The worker to take the request from the score's `winner`, if the winner is a hot spot.
     fn target(&self, winner: usize) -> Option<usize> {
         let w = self.w;
-        let ahead = |i: usize| (self.cost(i) + self.uncached[i]) as f64;
-        let waste = |i: usize| self.uncached[i].saturating_sub(self.uncached[winner]) as f64;
+        let ahead = |i: usize| (self.cost(i) + self.rows[i].uncached) as f64;
+        let waste = |i: usize| self.rows[i].uncached.saturating_sub(self.rows[winner].uncached) as f64;
         let min_cost = self.healthy.iter().map(|i| self.cost(*i)).min().unwrap_or(0);
         let k = w.hotspot_waste_factor * (1.0 + min_cost as f64 / w.load_floor_tokens.max(1) as f64);
         let target = *self.healthy.iter().min_by(|a, b| {
@@ -407,6 +398,8 @@ struct Row {
     ring: f64,
     normalized_load: f64,
     score: f64,
+    /// Prompt tokens it would still prefill, a cheap shared prefix counted as held (the hot-spot guard's).
+    uncached: u64,
 }
 
 /// Best first: (score, tie-break, view) ordered by score, then tie-break; in full up to [`FULL_RANK`], else the best

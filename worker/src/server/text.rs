@@ -1,7 +1,9 @@
 //! Output text: incremental detokenization for streaming (never splitting a UTF-8 character), and stop strings
 //! (the text ends before the first stop string; text that could still become a stop string is held back).
 //!
-//! Each token costs a bounded amount of work, not the whole answer so far: the stream decodes only a window of
+//! Each token that adds text costs a bounded amount of work, not the whole answer so far (a run of tokens that add
+//! none, or a decoder that rewrites its context, grows the window until text comes or the flush, as in vLLM's
+//! incremental detokenizer): the stream decodes only a window of
 //! recent ids (`ids[prefix..]`, where `ids[prefix..read]` were already shown; the prefix gives the decoder the
 //! context a token's leading space depends on), appends what the window adds past its prefix once that is whole
 //! characters, and looks for stop strings only where a new one can end. Invariant: `text` is what decoding every
