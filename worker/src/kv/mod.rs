@@ -23,7 +23,7 @@ use xxhash_rust::xxh3::xxh3_64_with_seed;
 pub use costs::{LoadCosts, LoadPolicy, Source};
 pub use disk::{DiskCounters, DiskTier, Want};
 pub use host::{HostCounters, HostInsert, HostTier, Stored, TierIndex};
-pub use pool::{BlockId, BlockKey, BlockPool, Evicted, Parent, PoolCounters};
+pub use pool::{BlockId, BlockKey, BlockPool, Evicted, Parent, PoolCounters, Registered};
 pub use read_ahead::ReadAhead;
 
 /// Seed of the chain check (any constant other than the block hash's).
@@ -437,11 +437,18 @@ impl KvManager {
                         parent_hash: i.checked_sub(1).map(|j| hashes[j]),
                     };
                     match pool.register(*id, i, key, parent, block_tokens) {
-                        Some(uid) => {
+                        Some(Registered::New(uid)) => {
                             loads.push(PendingLoad { id: *id, source, uid: pool.uid(*id), payload });
                             blocks.push(*id);
                             chain.push(uid);
                             host_blocks += 1;
+                        }
+                        Some(Registered::Duplicate { block, uid }) => {
+                            // Cached on the device after all: hold that copy, nothing to load.
+                            pool.share(block);
+                            pool.release(&[*id]);
+                            blocks.push(block);
+                            chain.push(uid);
                         }
                         None => {
                             // A collision in the pool: stop here, give back what is left.
@@ -640,8 +647,17 @@ impl KvManager {
                 check: table.checks[i],
                 parent_hash: i.checked_sub(1).map(|j| table.hashes[j]),
             };
-            if let Some(uid) = pool.register(table.blocks[i], i, key, parent, block_tokens) {
-                table.chain.push(uid);
+            match pool.register(table.blocks[i], i, key, parent, block_tokens) {
+                Some(Registered::New(uid)) => table.chain.push(uid),
+                Some(Registered::Duplicate { block, uid }) => {
+                    // Another request cached this content first: hold its block and free ours, so the blocks
+                    // after this one chain to a block this sequence holds (never to one evicted under it).
+                    pool.share(block);
+                    let own = std::mem::replace(&mut table.blocks[i], block);
+                    pool.release(&[own]);
+                    table.chain.push(uid);
+                }
+                None => {}
             }
         }
         table.committed = full;

@@ -74,6 +74,15 @@ pub struct BlockKey {
     pub parent_hash: Option<BlockHash>,
 }
 
+/// What [`BlockPool::register`] did with a block.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Registered {
+    /// The block caches the content now (or did already); its identity.
+    New(u64),
+    /// Another block caches the same content: the sequence should hold that one instead.
+    Duplicate { block: BlockId, uid: u64 },
+}
+
 /// Cached content the pool just evicted, for a lower tier to keep (its memory is intact until the next forward).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Evicted {
@@ -338,10 +347,12 @@ impl BlockPool {
     }
 
     /// Records that referenced block `id`, block number `index` of its sequence, now holds the full block
-    /// `tokens` extending `parent`, with chained hash `hash`. Returns the identity of that content in the cache (the
-    /// parent of the sequence's next block): this block's new one, or, when another block already caches the same
-    /// chain, that block's (this one then stays uncached: a duplicate, freed without caching). `None` when another
-    /// chain holds the hash (a collision): this block stays uncached, and so must the sequence's later blocks.
+    /// `tokens` extending `parent`, with chained hash `hash`. [`Registered::New`]: the content's identity in the
+    /// cache (the parent of the sequence's next block). [`Registered::Duplicate`]: another block already caches the
+    /// same chain (two requests prefilled one prefix at once); the caller moves its sequence onto that block
+    /// ([`Self::share`]) and releases its own, so the sequence's later blocks chain to a block it holds. `None`
+    /// when another chain holds the hash (a collision): this block stays uncached, and so must the sequence's
+    /// later blocks.
     pub fn register(
         &mut self,
         id: BlockId,
@@ -349,13 +360,16 @@ impl BlockPool {
         key: BlockKey,
         parent: Parent,
         tokens: &[u32],
-    ) -> Option<u64> {
+    ) -> Option<Registered> {
         let hash = key.hash;
         debug_assert_eq!(tokens.len(), self.block_size);
         if let Some(&(other, _)) = self.cached.get(&hash) {
             let o = &self.blocks[other as usize];
             if o.parent == parent && &*o.tokens == tokens {
-                return Some(o.uid);
+                return Some(match other == id {
+                    true => Registered::New(o.uid),
+                    false => Registered::Duplicate { block: other, uid: o.uid },
+                });
             }
             self.counters.collisions += 1;
             return None;
@@ -386,7 +400,16 @@ impl BlockPool {
             self.registered.push(r);
         }
         self.cached.insert(hash, (id, index.min(u32::MAX as usize) as u32));
-        Some(uid)
+        Some(Registered::New(uid))
+    }
+
+    /// One more reference to cached block `id` (a sequence moving onto the cached copy of content it computed
+    /// again: [`Registered::Duplicate`]).
+    pub fn share(&mut self, id: BlockId) {
+        if self.blocks[id as usize].ref_count == 0 {
+            self.unlink(id);
+        }
+        self.blocks[id as usize].ref_count += 1;
     }
 
     /// Drops one reference to each block, last block first (so tails are evicted before heads).

@@ -193,3 +193,38 @@ fn shared_blocks_are_referenced_twice_and_survive_one_release() {
     assert_eq!(pool.ref_count(shared), 0);
     pool.check_invariants().expect("invariants");
 }
+
+#[test]
+fn a_duplicate_prefill_keeps_its_chain_when_the_other_copy_is_evicted() {
+    // Two requests prefill the same 8-token prefix at once: both miss, both compute it, the first to commit caches it.
+    let kv = KvManager::new(16, BS);
+    let prefix: Vec<u32> = (0..8).collect();
+    let a: Vec<u32> = prefix.iter().copied().chain(100..105).collect();
+    let b: Vec<u32> = prefix.iter().copied().chain(200..205).collect();
+    let mut ta = kv.start(hasher(), &a);
+    let mut tb = kv.start(hasher(), &b);
+    assert_eq!((ta.cached_tokens(), tb.cached_tokens()), (0, 0));
+    assert!(kv.reserve(&mut ta, a.len()) && kv.reserve(&mut tb, b.len()));
+    kv.commit(&mut ta, &a, a.len());
+    kv.commit(&mut tb, &b, b.len());
+    // A finishes; B decodes on (its next block is completed and cached) while a flood evicts all that is free.
+    drop(ta);
+    let mut b2 = b.clone();
+    b2.extend(300..303);
+    assert!(kv.reserve(&mut tb, b2.len()));
+    kv.commit(&mut tb, &b2, b2.len());
+    {
+        let mut pool = kv.pool().lock();
+        let n = pool.num_free();
+        let flood = pool.allocate(n).expect("free blocks");
+        pool.release(&flood);
+        pool.check_invariants().expect("invariants");
+    }
+    drop(tb);
+    // B's next turn finds its whole history: the shared prefix it computed and the blocks after it.
+    let mut next = b2.clone();
+    next.extend(400..410);
+    let t = kv.start(hasher(), &next);
+    assert_eq!(t.cached_tokens(), 16, "the conversation's 4 full blocks hit");
+    kv.pool().lock().check_invariants().expect("invariants");
+}
