@@ -346,6 +346,8 @@ impl Settle<'_> {
                 }
                 let permit = permit.take()?;
                 if (200..300).contains(&status) {
+                    // The pod has the prompt's KV now (an approximate index credits it only on success).
+                    state.registry().record_served(t.wref, &self.p.hashes);
                     if let (Some(u), true, None) = (&usage, completed, priced.max_tokens) {
                         state.learn_output(&priced.class_name, u.completion);
                     }

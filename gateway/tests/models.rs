@@ -113,6 +113,12 @@ async fn reports_of_a_worker_whose_scheme_differs_from_its_models_entry_are_refu
 /// One plain pod behind a `[[models]]` entry of `kv_tokens`, the routing overlay forgotten after 100 ms: what is
 /// left of a prefix's credit after the overlay is gone comes from the approximate index.
 async fn routes_after_the_overlay_expires(kv_tokens: usize) -> Vec<String> {
+    routes_around_a_refusal(kv_tokens, false).await
+}
+
+/// [`routes_after_the_overlay_expires`], with (`refused`) a long prompt the pod refuses between the two sends of
+/// the same conversation.
+async fn routes_around_a_refusal(kv_tokens: usize, refused: bool) -> Vec<String> {
     let dir = tempfile::tempdir().expect("tmp");
     let synth = dir.path().join("tiny");
     let pod = worker("p0", &synth, None, &[]);
@@ -136,8 +142,24 @@ async fn routes_after_the_overlay_expires(kv_tokens: usize) -> Vec<String> {
         assert_eq!(r.status, 200, "{}", r.body);
         routes.push(r.header("x-kvgate-route"));
         tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+        if refused && routes.len() == 1 {
+            // A prompt of many more blocks than the index holds, which the pod refuses (a parameter out of its
+            // range: the gateway passes it on to a pod that is not a kvgate worker).
+            let long = "words the pod never computes because it refuses this request ".repeat(40);
+            let body = json!({"model": MODEL, "max_tokens": 1, "top_p": 7.0,
+                "messages": [{"role": "user", "content": long}]});
+            let r = post(&format!("{}/v1/chat/completions", g.base), &body, &[]).await;
+            assert_eq!(r.status, 400, "{}", r.body);
+        }
     }
     routes
+}
+
+#[tokio::test]
+async fn a_prompt_the_pod_refuses_is_not_credited_to_its_approximate_index() {
+    // Room for a and b, not for the refused prompt: had it been credited at send, a would be gone.
+    let routes = routes_around_a_refusal(512, true).await;
+    assert_eq!(routes[2], "prefix", "{routes:?}");
 }
 
 #[tokio::test]

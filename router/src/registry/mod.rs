@@ -403,9 +403,6 @@ impl Registry {
         w.overlay.insert(hashes, now + ttl, now);
         let t = uncached_tokens as f64;
         w.mean_sent_tokens = if w.mean_sent_tokens == 0.0 { t } else { 0.9 * w.mean_sent_tokens + 0.1 * t };
-        if let Some(a) = w.approx.as_mut() {
-            a.touch(hashes);
-        }
         SentTicket { idx: i, uid: w.uid, epoch: w.epoch, uncached_tokens }
     }
 
@@ -430,6 +427,17 @@ impl Registry {
     pub fn record_session(&mut self, i: usize, session: u64, now: Instant) {
         if let Some(w) = self.workers.get_mut(i) {
             w.sessions.touch(session, now);
+        }
+    }
+
+    /// Records that worker `r` served a prompt (it answered with a success, so it computed or found the prompt's
+    /// KV): a pod without reports is then believed to hold its blocks ([`approx::ApproxIndex`]). Only then: a
+    /// request the pod refused (over its context, a bad parameter) or never answered is not in its cache, and
+    /// crediting it at send would push real conversations out of the index. Until the answer, the send's overlay
+    /// credits the prefix.
+    pub fn record_served(&mut self, r: WorkerRef, hashes: &[BlockHash]) {
+        if let Some(a) = self.find_mut(r).and_then(|w| w.approx.as_mut()) {
+            a.touch(hashes);
         }
     }
 

@@ -315,9 +315,17 @@ fn pods_without_reports_match_by_their_approximate_index_or_their_events() {
     r.identify("http://pod-a:8000", "pod-a", "m", 0);
     assert!(r.track_sends("http://pod-a:8000", 100));
     assert!(!r.track_sends("http://nowhere:1", 100));
+    // A send the pod refuses (over its context, say) is never credited: only the send's overlay counts it, and
+    // only while it lasts.
+    let refused = r.record_sent(0, &h, 64, t0);
+    r.record_done(refused);
+    assert_eq!(r.views("m", &h, None, t0).0[0].overlay_matched_blocks, 4, "in flight: the overlay");
+    assert_eq!(r.views("m", &h, None, later).0[0].overlay_matched_blocks, 0, "refused: nothing remembered");
+    assert_eq!(r.status(later)[0].approx_blocks, Some([0, 100]));
     let t = r.record_sent(0, &h, 64, t0);
+    r.record_served(WorkerRef { idx: t.idx, uid: t.uid }, &h);
     r.record_done(t);
-    // The overlay has expired; the approximate index still remembers.
+    // Served: the overlay has expired; the approximate index still remembers.
     assert_eq!(r.views("m", &h, None, later).0[0].overlay_matched_blocks, 4);
     assert_eq!(r.views("m", &h, None, later).0[0].prefix_signal, crate::routing::PrefixSignal::Approximate);
     // The pod's metrics say how big its cache is: the index follows (here it shrinks to three blocks, keeping
