@@ -31,7 +31,7 @@ fn main() {
             let uid = pool
                 .register(*id, i, key, parent, &tokens[i * block..(i + 1) * block])
                 .expect("no collision");
-            parent = Parent::Block(uid);
+            parent = Parent::Block(uid.uid());
         }
         seqs.push(hashes);
     }

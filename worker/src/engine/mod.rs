@@ -29,8 +29,7 @@ pub use request::{
 pub use scheduler::{Scheduler, SchedulerConfig, Sequence};
 
 use crate::kv::{
-    DiskCounters, DiskTier, Evicted, HostCounters, HostInsert, HostTier, KvManager, LoadCosts, PendingLoad,
-    Source, WritePolicy,
+    Clock, DiskCounters, DiskTier, HostCounters, HostTier, KvManager, LoadCosts, Source, WritePolicy,
 };
 
 /// Turns output ids into text, to find stop strings.
@@ -237,108 +236,25 @@ impl<B: Backend> Engine<B> {
         kv.set_costs(c);
     }
 
-    /// Copies blocks down while their memory holds their K/V: the pool's evictions (before the forward overwrites
-    /// them) go to the host tier, or to the SSD tier when there is no host tier; with write-through (`through`),
-    /// the blocks this step completed (after the forward) go to both. What the host tier lets go for room goes on
-    /// to the SSD tier. Parents go before children; a block a tier holds already is not read again (only marked
-    /// used). Disk writes are queued for the SSD tier's IO thread, never waited for.
-    fn copy_down(&mut self, mut blocks: Vec<Evicted>, through: bool) {
-        let kv = self.sched.kv().clone();
-        let (host, disk) = (kv.host().cloned(), kv.disk().cloned());
-        if blocks.is_empty() || (host.is_none() && disk.is_none()) {
-            return;
-        }
-        let block_size = self.scheme.block_size as usize;
-        blocks.sort_by_key(|e| e.index);
-        let to_host = |e: &Evicted| host.as_ref().is_some_and(|h| !h.lock().contains(e.hash));
-        let to_disk = |e: &Evicted| {
-            disk.as_ref().is_some_and(|d| (through || host.is_none()) && !d.index().contains(e.hash))
-        };
-        let mut work: Vec<(Evicted, bool, bool)> = Vec::with_capacity(blocks.len());
-        for e in blocks {
-            let (h, d) = (to_host(&e), to_disk(&e));
-            if h || d {
-                work.push((e, h, d));
-            } else if let Some(host) = &host {
-                // Held already (a copy kept at promotion; its device memory may not even be written yet).
-                host.lock().refresh(e.hash);
-            }
-        }
-        let ids: Vec<u32> = work.iter().map(|(e, ..)| e.id).collect();
-        let payloads =
-            if ids.is_empty() { Ok(Vec::new()) } else { self.backend.read_kv_blocks(&ids, block_size) };
-        let pool = kv.pool().lock();
-        let mut host = host.as_ref().map(|h| h.lock());
-        let payloads = match payloads {
-            Ok(p) => p,
-            Err(err) => {
-                tracing::error!(error = %err, blocks = work.len(), "copying KV blocks to a lower tier failed");
-                if let Some(host) = host.as_mut() {
-                    for (e, ..) in &work {
-                        host.drop_descendants(e.hash);
-                    }
-                }
-                return;
-            }
-        };
-        // Blocks of this batch go to disk parents first: a child's parent among them counts as held above.
-        let to_disk_now: std::collections::HashSet<_> =
-            work.iter().filter(|w| w.2).map(|w| w.0.hash).collect();
-        for ((e, h, d), payload) in work.into_iter().zip(payloads) {
-            let on_device = e.parent_hash.is_some_and(|p| pool.is_cached(p));
-            let payload: Arc<[u8]> = Arc::from(payload);
-            let b = HostInsert {
-                hash: e.hash,
-                check: e.check,
-                index: e.index,
-                tokens: e.tokens,
-                payload,
-                parent: e.parent_hash,
-            };
-            if let (true, Some(disk)) = (d, &disk) {
-                let in_host = host.as_ref().is_some_and(|hh| e.parent_hash.is_some_and(|p| hh.contains(p)));
-                let in_batch = e.parent_hash.is_some_and(|p| to_disk_now.contains(&p));
-                disk.write(b.clone(), on_device || in_host || in_batch);
-            }
-            if let (true, Some(host)) = (h, host.as_mut()) {
-                host.insert(b, on_device);
-            }
-        }
-        if let (Some(host), Some(disk)) = (host.as_mut(), &disk) {
-            // Parents first: the IO thread stores them before their children, which then find them on disk.
-            let mut spilled = host.take_spilled();
-            spilled.sort_by_key(|b| b.index);
-            let batch: std::collections::HashSet<_> = spilled.iter().map(|b| b.hash).collect();
-            for b in spilled {
-                let above =
-                    b.parent.is_some_and(|p| pool.is_cached(p) || host.contains(p) || batch.contains(&p));
-                disk.write(b, above);
-            }
-        }
-    }
-
-    /// Copies the blocks the pool just evicted down to the host tier (their memory is intact until the forward),
-    /// then writes the host blocks promoted by this step's lookups into their device blocks. Runs between
+    /// Copies the blocks the pool just evicted down to the tiers (their memory is intact until the forward), then
+    /// writes the lower-tier blocks promoted by this step's claims into their device blocks. Runs between
     /// scheduling and the forward. An error writing a promotion drops those blocks from the cache and fails the
     /// step's batch (it would read them).
     fn move_blocks(&mut self) -> Result<(), String> {
         let kv = self.sched.kv().clone();
-        if kv.host().is_none() && kv.disk().is_none() {
+        if kv.tiers().is_empty() {
             return Ok(());
         }
         let block_size = self.scheme.block_size as usize;
         let evicted = kv.pool().lock().take_evicted();
-        self.copy_down(evicted, false);
-        let loads = kv.take_loads();
-        if loads.is_empty() {
+        let backend = &mut self.backend;
+        kv.write_back(evicted, false, &mut |ids| backend.read_kv_blocks(ids, block_size));
+        let (live, wait) = kv.take_loads();
+        if live.is_empty() {
             return Ok(());
         }
-        let live: Vec<PendingLoad> = {
-            let pool = kv.pool().lock();
-            loads.into_iter().filter(|l| pool.uid(l.id) == l.uid).collect()
-        };
         let from_host = live.iter().filter(|l| l.source == Source::Host).count();
-        self.backend.note_kv_loaded(from_host, kv.take_load_wait(), block_size);
+        self.backend.note_kv_loaded(from_host, wait, block_size);
         let writes: Vec<(u32, &[u8])> = live.iter().map(|l| (l.id, &*l.payload)).collect();
         let started = std::time::Instant::now();
         let written = self.backend.write_kv_blocks(&writes, block_size);
@@ -453,12 +369,12 @@ impl<B: Backend> Engine<B> {
         let hasher = BlockHasher::new(&self.scheme, &req.extra_keys);
         let mut seq = Sequence::new(req.id, req.prompt, req.params, hasher);
         // The SSD reads a request would wait for overlap the engine work queued ahead of it.
-        self.sched.kv().set_now(self.clock_s());
-        let ahead = self.sched.prefill_tokens() as f64 * self.sched.kv().costs().prefill_s_per_token;
-        self.sched.kv().set_ahead_s(ahead);
-        seq.cached_estimate = self.sched.kv().cached_prefix_tokens(&seq.hasher, &seq.tokens);
+        let kv = self.sched.kv();
+        let ahead_s = self.sched.prefill_tokens() as f64 * kv.costs().prefill_s_per_token;
+        let at = Clock { now: self.clock_s(), ahead_s, running: self.sched.running().len() };
+        seq.cached_estimate = kv.cached_prefix_tokens(&seq.hasher, &seq.tokens, &at);
         // What only the SSD tier holds (and is worth loading) is read ahead while the request waits for admission.
-        seq.load_ready_s = self.sched.kv().prefetch(&seq.hasher, &seq.tokens);
+        seq.load_ready_s = kv.prefetch(&seq.hasher, &seq.tokens, &at);
         Ok(seq)
     }
 
@@ -469,8 +385,7 @@ impl<B: Backend> Engine<B> {
 
     /// Runs one step; returns what each scheduled request produced.
     pub fn step(&mut self) -> Vec<StepOutput> {
-        self.sched.kv().set_now(self.clock_s());
-        let plan = self.sched.schedule();
+        let plan = self.sched.schedule(self.clock_s());
         let moved = self.move_blocks();
         if plan.is_empty() {
             return Vec::new();
@@ -560,9 +475,11 @@ impl<B: Backend> Engine<B> {
             }
         }
         self.sched.retire(&finished);
-        if self.sched.kv().host().is_some() || self.sched.kv().disk().is_some() {
-            let registered = self.sched.kv().pool().lock().take_registered();
-            self.copy_down(registered, true);
+        let kv = self.sched.kv().clone();
+        if !kv.tiers().is_empty() {
+            let registered = kv.pool().lock().take_registered();
+            let (backend, bs) = (&mut self.backend, self.scheme.block_size as usize);
+            kv.write_back(registered, true, &mut |ids| backend.read_kv_blocks(ids, bs));
         }
         outputs
     }

@@ -22,7 +22,7 @@ use kvgate_shared::hashing::BlockHasher;
 use kvgate_shared::prompt::SplitMix64;
 
 use super::request::{Export, ImportState, RequestId, SamplingParams};
-use crate::kv::{BlockTable, KvManager};
+use crate::kv::{BlockTable, Claim, Clock, KvManager};
 
 /// Scheduling limits.
 #[derive(Clone, Debug, PartialEq)]
@@ -59,6 +59,9 @@ pub struct Sequence {
     /// While waiting: when (engine clock, seconds) the SSD blocks read ahead for it will all be in memory;
     /// admission passes it over until then while other work can run (`KvManager::prefetch`).
     pub load_ready_s: f64,
+    /// While waiting: the deadline (engine clock) of the SSD reads its claim asked for; past it, what has not
+    /// arrived is computed again.
+    pub read_until: Option<f64>,
     pub rng: SplitMix64,
     pub preemptions: u32,
     /// The prefill side of a hand-off (`Engine::add_export`).
@@ -82,6 +85,7 @@ impl Sequence {
             cached_prompt_tokens: None,
             cached_estimate: 0,
             load_ready_s: 0.0,
+            read_until: None,
             preemptions: 0,
             export: None,
             import: None,
@@ -260,8 +264,8 @@ impl Scheduler {
         Some(id)
     }
 
-    /// Plans the next step.
-    pub fn schedule(&mut self) -> Vec<ScheduledChunk> {
+    /// Plans the next step; `now`: the engine's clock (seconds).
+    pub fn schedule(&mut self, now: f64) -> Vec<ScheduledChunk> {
         let mut budget = self.cfg.max_num_batched_tokens;
         let mut plan = Vec::new();
         let mut preempted = false;
@@ -301,7 +305,7 @@ impl Scheduler {
             i += 1;
         }
         if !preempted {
-            self.admit(&mut budget, &mut plan);
+            self.admit(&mut budget, &mut plan, now);
         }
         self.counters.steps += 1;
         self.counters.scheduled_tokens += plan.iter().map(|c| c.len as u64).sum::<u64>();
@@ -311,10 +315,9 @@ impl Scheduler {
     }
 
     /// Admits waiting requests in order while the budget and the batch have room. A request whose SSD prefix is
-    /// still being read ahead is passed over (it keeps its place) while anything else can run, so the read
-    /// overlaps other work instead of stalling the step.
-    fn admit(&mut self, budget: &mut usize, plan: &mut Vec<ScheduledChunk>) {
-        let now = self.kv.now();
+    /// still being read ahead (or whose claim found SSD blocks not in memory yet) is passed over (it keeps its
+    /// place) while anything else can run, so the read overlaps other work instead of stalling the step.
+    fn admit(&mut self, budget: &mut usize, plan: &mut Vec<ScheduledChunk>, now: f64) {
         let mut passed = Vec::new();
         self.admit_ready(budget, plan, now, &mut passed);
         for seq in passed.into_iter().rev() {
@@ -330,14 +333,16 @@ impl Scheduler {
         passed: &mut Vec<Sequence>,
     ) {
         while *budget > 0 && self.running.len() + self.importing.len() < self.cfg.max_num_seqs {
-            // A read not done at admission stalls every running request (load-vs-recompute weighs that).
-            self.kv.set_running(self.running.len());
             let Some(mut seq) = self.waiting.pop_front() else { break };
-            if seq.load_ready_s > now && !(self.running.is_empty() && self.waiting.is_empty()) {
+            let alone = self.running.is_empty() && self.waiting.is_empty();
+            if seq.load_ready_s > now && !alone {
                 passed.push(seq);
                 continue;
             }
-            let table = self.kv.start(seq.hasher, &seq.tokens);
+            let Some(table) = self.claim(&mut seq, now, alone) else {
+                passed.push(seq);
+                continue;
+            };
             let cached = table.cached_tokens();
             let mut table = table;
             let n = (seq.tokens.len() - cached).min(*budget);
@@ -348,6 +353,7 @@ impl Scheduler {
                 break;
             }
             seq.num_computed = cached;
+            seq.read_until = None;
             seq.cached_prompt_tokens.get_or_insert(cached.min(seq.prompt_len));
             seq.table = Some(table);
             let target = cached + n;
@@ -359,6 +365,31 @@ impl Scheduler {
             });
             *budget -= n;
             self.running.push(seq);
+        }
+    }
+
+    /// The sequence's table, or `None` while SSD blocks it would load are being read (asked for here; the
+    /// sequence is passed over and claims again next step). Past the read's deadline, what is not in memory is
+    /// computed again. `alone` (nothing else could run meanwhile): waits for the read here, holding no lock.
+    fn claim(&mut self, seq: &mut Sequence, now: f64, alone: bool) -> Option<BlockTable> {
+        let at = Clock { now, ahead_s: 0.0, running: self.running.len() };
+        let give_up = seq.read_until.is_some_and(|u| now >= u);
+        let wait = match self.kv.claim(seq.hasher, &seq.tokens, &at, give_up) {
+            Claim::Table(t) => return Some(t),
+            Claim::Read(w) => w,
+        };
+        let until = *seq.read_until.get_or_insert(wait.until);
+        if !self.kv.request_reads(&wait) {
+            if !alone {
+                return None;
+            }
+            let left = std::time::Duration::from_secs_f64((until - now).clamp(0.0, 60.0));
+            self.kv.wait_reads(&wait, left);
+        }
+        // In memory now (or given up on): claim again, computing whatever did not arrive.
+        match self.kv.claim(seq.hasher, &seq.tokens, &at, true) {
+            Claim::Table(t) => Some(t),
+            Claim::Read(_) => None,
         }
     }
 

@@ -402,3 +402,94 @@ fn a_request_whose_ssd_prefix_is_read_ahead_waits_its_turn_then_loads_it() {
     let first = e.step();
     assert!(first.iter().any(|o| o.id == 3 && o.cached_tokens == 36), "admitted at once, prefix loaded");
 }
+
+/// A simulated engine (IO thread, write-through, always load) whose 40-token prompt `a` is on the SSD only, with
+/// a long request running so that `a`'s claim has other work to let run; the clock frozen at 10 s.
+fn ssd_only_prefix_behind_work() -> (Engine<SimBackend>, Vec<u32>, tempfile::TempDir) {
+    let ssd = tempfile::tempdir().expect("ssd");
+    let mut e =
+        sim_ssd_engine(ssd.path(), 200, 4, (false, WritePolicy::WriteThrough), LoadPolicy::AlwaysLoad, 1e-9);
+    let a: Vec<u32> = (0..40).map(|i| i * 3 + 1).collect();
+    e.add_request(req(1, a.clone(), 1)).expect("ok");
+    drain(&mut e);
+    e.scheduler().kv().disk().expect("disk").flush();
+    {
+        let mut pool = e.scheduler().kv().pool().lock();
+        let hashes: Vec<_> = pool.cached_hashes().collect();
+        for h in hashes {
+            let id = pool.block_of(h).expect("cached");
+            pool.invalidate(id);
+        }
+    }
+    e.add_request(req(2, (0..400).map(|i| i % 900 + 2).collect(), 200)).expect("ok");
+    freeze(&mut e);
+    e.step();
+    (e, a, ssd)
+}
+
+fn freeze(e: &mut Engine<SimBackend>) {
+    freeze_at(e, 10.0);
+}
+
+fn freeze_at(e: &mut Engine<SimBackend>, t: f64) {
+    e.backend_mut().take_elapsed();
+    e.backend_mut().set_now(t);
+}
+
+#[test]
+fn a_dropped_read_ahead_is_asked_again_and_the_engine_never_reads_the_disk_itself() {
+    let (mut e, a, _ssd) = ssd_only_prefix_behind_work();
+    let disk = e.scheduler().kv().disk().expect("disk").clone();
+    // A full IO queue drops the read-ahead at arrival and the request of the first claim.
+    disk.drop_next_requests(2);
+    e.add_request(req(3, a.clone(), 1)).expect("ok");
+    // Claimed once the read-ahead it was promised would be done (request 2's prefill takes the first steps' whole
+    // budget: no admission runs before it is done either).
+    let at = e.scheduler().waiting().next().expect("waiting").load_ready_s + 1e-6;
+    for _ in 0..20 {
+        freeze_at(&mut e, at);
+        e.step();
+        assert_eq!(e.scheduler().num_waiting(), 1, "passed over: its blocks are not in memory");
+        assert_eq!(disk.counters().read_blocks, 0, "nothing read on the engine's thread");
+        if disk.counters().dropped_reads == 2 {
+            break;
+        }
+    }
+    assert_eq!(disk.counters().dropped_reads, 2);
+    // The next claim asks again; the IO thread reads (the queue is FIFO: a flush waits for the read).
+    freeze_at(&mut e, at);
+    e.step();
+    assert_eq!(e.scheduler().num_waiting(), 1);
+    disk.flush();
+    let mut cached = None;
+    while e.has_work() && cached.is_none() {
+        freeze_at(&mut e, at);
+        cached = e.step().into_iter().find(|o| o.id == 3).map(|o| o.cached_tokens);
+    }
+    assert_eq!(cached, Some(36), "admitted with its nine blocks loaded from the SSD");
+    let c = disk.counters();
+    assert_eq!((c.read_blocks, c.prefetch_hits), (9, 9), "every block came through the read-ahead");
+    assert!(c.prefetched_blocks >= 9);
+}
+
+#[test]
+fn a_read_that_never_arrives_is_given_up_at_its_deadline_and_the_prefix_computed() {
+    let (mut e, a, _ssd) = ssd_only_prefix_behind_work();
+    let disk = e.scheduler().kv().disk().expect("disk").clone();
+    disk.drop_next_requests(usize::MAX);
+    e.add_request(req(3, a, 1)).expect("ok");
+    freeze(&mut e);
+    e.step();
+    assert_eq!(e.scheduler().num_waiting(), 1, "waiting for its read");
+    // Past the deadline (at least MIN_READ_WAIT_S after the first claim): admitted, the prefix computed.
+    e.backend_mut().take_elapsed();
+    e.backend_mut().set_now(10.0 + crate::kv::tiers::MIN_READ_WAIT_S + 0.01);
+    let mut cached = None;
+    while e.has_work() && cached.is_none() {
+        cached = e.step().into_iter().find(|o| o.id == 3).map(|o| o.cached_tokens);
+    }
+    assert_eq!(cached, Some(0));
+    assert_eq!(disk.counters().read_blocks, 0);
+    let recomputes = e.scheduler().kv().decisions().recomputes.load(std::sync::atomic::Ordering::Relaxed);
+    assert!(recomputes >= 1);
+}

@@ -1,30 +1,29 @@
-//! Paged KV bookkeeping: the block pool with its prefix cache ([`pool`]), the host DRAM tier under it ([`host`]),
-//! and per-sequence block tables that give their blocks back when dropped, so every path that ends a sequence
-//! (finish, abort, preempt, error) frees them. What reports say of the pool is `crate::report`.
+//! Paged KV bookkeeping: the block pool with its prefix cache ([`pool`]), the tiers under it ([`tiers`]: host
+//! DRAM, SSD, read-ahead, load-vs-recompute, write-back), and per-sequence block tables that give their blocks back
+//! when dropped, so every path that ends a sequence (finish, abort, preempt, error) frees them. What reports say
+//! of the pool is `crate::report`.
 //!
-//! Tiers: a prefix lookup ([`KvManager::start`]) walks the request's blocks from the first through the device pool,
-//! then the host tier; host hits are promoted (device blocks allocated and registered at once, their K/V bytes
-//! queued as [`PendingLoad`]s that the engine writes before the next forward). Evictions from the pool are copied
-//! down by the engine between scheduling and the forward (write-back), while the evicted memory is intact.
+//! [`KvManager`] is the scheduler's front door: [`KvManager::claim`] walks a prompt's blocks from the first
+//! through the device pool (referencing the hits), then hands the rest of the walk to the tiers; [`KvManager::commit`]
+//! registers completed blocks. A sequence that computed content another request cached first moves onto the
+//! cached block (`pool::Registered::Duplicate`), so its later blocks always chain to blocks it holds.
 
-pub mod costs;
-pub mod disk;
-pub mod host;
 pub mod pool;
-pub mod read_ahead;
-pub mod segment;
+pub mod tiers;
 
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use kvgate_shared::hashing::{BlockHash, BlockHasher};
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
-pub use costs::{LoadCosts, LoadPolicy, Source};
-pub use disk::{DiskCounters, DiskTier, Want};
-pub use host::{HostCounters, HostInsert, HostTier, Stored, TierIndex};
 pub use pool::{BlockId, BlockKey, BlockPool, Evicted, Parent, PoolCounters, Registered};
-pub use read_ahead::ReadAhead;
+pub use tiers::disk::{self, DiskCounters, DiskTier, Want};
+pub use tiers::host::{self, HostCounters, HostInsert, HostTier, Stored, TierIndex};
+pub use tiers::{costs, read_ahead, segment};
+pub use tiers::{
+    Clock, Decisions, LoadCosts, LoadPlan, LoadPolicy, Loaded, PendingLoad, ReadAhead, ReadWait, SharedHost,
+    Source, Tiers,
+};
 
 /// Seed of the chain check (any constant other than the block hash's).
 const CHECK_SEED: u64 = 0x6b76_6761_7465_2d63;
@@ -66,27 +65,6 @@ impl WritePolicy {
             "write-through" => Ok(WritePolicy::WriteThrough),
             o => Err(format!("kv-write-policy {o}: expected write-back or write-through")),
         }
-    }
-}
-
-/// A host block promoted into the device pool, to be written before the next forward.
-#[derive(Clone, Debug)]
-pub struct PendingLoad {
-    pub id: BlockId,
-    /// The tier it comes from.
-    pub source: Source,
-    /// The block's content identity at promotion: the write is skipped if the block was evicted since.
-    pub uid: u64,
-    pub payload: Arc<[u8]>,
-}
-
-/// The host tier, shared like the pool.
-#[derive(Clone, Debug)]
-pub struct SharedHost(Arc<Mutex<HostTier>>);
-
-impl SharedHost {
-    pub fn lock(&self) -> MutexGuard<'_, HostTier> {
-        self.0.lock().unwrap_or_else(|e| e.into_inner())
     }
 }
 
@@ -165,51 +143,63 @@ impl Drop for BlockTable {
     }
 }
 
-/// Front door of the KV bookkeeping for the scheduler.
+/// A prompt as the walk sees it: its blocks' chained hashes and chain checks, computed once.
+#[derive(Debug)]
+pub struct Prompt<'a> {
+    pub root: u64,
+    pub tokens: &'a [u32],
+    pub hashes: Vec<BlockHash>,
+    pub checks: Vec<u64>,
+    /// Blocks that may be served from a cache (at least one token is always left to compute).
+    pub max_hit: usize,
+    pub bs: usize,
+}
+
+impl<'a> Prompt<'a> {
+    pub fn new(hasher: &BlockHasher, tokens: &'a [u32], bs: usize) -> Self {
+        let hashes = hasher.hash_blocks(tokens);
+        let mut checks = Vec::new();
+        extend_checks(hasher.root_id(), &mut checks, tokens, bs, hashes.len());
+        Self {
+            root: hasher.root_id(),
+            tokens,
+            hashes,
+            checks,
+            max_hit: tokens.len().saturating_sub(1) / bs,
+            bs,
+        }
+    }
+
+    pub fn block(&self, i: usize) -> &'a [u32] {
+        &self.tokens[i * self.bs..(i + 1) * self.bs]
+    }
+
+    /// Block `i` as a read the SSD tier can serve.
+    pub fn want(&self, i: usize) -> Want {
+        Want { hash: self.hashes[i], check: self.checks[i], index: i as u32, tokens: self.block(i).into() }
+    }
+
+    /// The parent of block `i` given the chain identities of the blocks before it.
+    fn parent(&self, chain: &[u64]) -> Parent {
+        chain.last().map_or(Parent::Root(self.root), |u| Parent::Block(*u))
+    }
+}
+
+/// What [`KvManager::claim`] gives admission.
+#[derive(Debug)]
+pub enum Claim {
+    /// The sequence's table, holding its cached prefix.
+    Table(BlockTable),
+    /// SSD blocks to read first (nothing held): ask for them ([`KvManager::request_reads`]) and claim again.
+    Read(ReadWait),
+}
+
+/// Front door of the KV bookkeeping for the scheduler: the pool and the tiers under it.
 #[derive(Clone, Debug)]
 pub struct KvManager {
     pool: SharedPool,
     block_size: usize,
-    host: Option<SharedHost>,
-    disk: Option<DiskTier>,
-    loads: Arc<Mutex<Vec<PendingLoad>>>,
-    /// What load-vs-recompute weighs, the engine work queued ahead of a new request (seconds, f64 bits; set by the
-    /// engine), and what it chose.
-    costs: Arc<Mutex<LoadCosts>>,
-    ahead: Arc<AtomicU64>,
-    /// Requests running (a read not done at admission stalls the step for all of them).
-    running: Arc<AtomicUsize>,
-    decisions: Arc<Decisions>,
-    /// The engine's clock (seconds, f64 bits; set before scheduling), the SSD read channel's schedule, and the
-    /// longest SSD wait of the loads queued since the engine last took them.
-    now: Arc<AtomicU64>,
-    read_ahead: Arc<Mutex<ReadAhead>>,
-    load_wait: Arc<Mutex<f64>>,
-}
-
-/// Load-vs-recompute choices since start: runs of lower-tier blocks loaded (wholly or partly) or not, and tokens.
-#[derive(Debug, Default)]
-pub struct Decisions {
-    pub loads: AtomicU64,
-    pub recomputes: AtomicU64,
-    pub loaded_tokens: AtomicU64,
-    pub recomputed_tokens: AtomicU64,
-}
-
-impl Decisions {
-    fn record(&self, run: usize, loaded: usize, block_size: usize) {
-        if run == 0 {
-            return;
-        }
-        if loaded > 0 {
-            self.loads.fetch_add(1, Ordering::Relaxed);
-            self.loaded_tokens.fetch_add((loaded * block_size) as u64, Ordering::Relaxed);
-        }
-        if loaded < run {
-            self.recomputes.fetch_add(1, Ordering::Relaxed);
-            self.recomputed_tokens.fetch_add(((run - loaded) * block_size) as u64, Ordering::Relaxed);
-        }
-    }
+    tiers: Tiers,
 }
 
 impl KvManager {
@@ -217,20 +207,11 @@ impl KvManager {
         Self {
             pool: SharedPool::new(BlockPool::new(num_blocks, block_size)),
             block_size,
-            host: None,
-            disk: None,
-            loads: Arc::new(Mutex::new(Vec::new())),
-            costs: Arc::new(Mutex::new(LoadCosts::default())),
-            ahead: Arc::new(AtomicU64::new(0f64.to_bits())),
-            running: Arc::new(AtomicUsize::new(0)),
-            decisions: Arc::new(Decisions::default()),
-            now: Arc::new(AtomicU64::new(0f64.to_bits())),
-            read_ahead: Arc::new(Mutex::new(ReadAhead::default())),
-            load_wait: Arc::new(Mutex::new(0.0)),
+            tiers: Tiers::default(),
         }
     }
 
-    /// Adds a host tier under the pool (the pool then records its evictions for the engine to copy down).
+    /// Adds a host tier under the pool (the pool then records its evictions for the tiers to copy down).
     pub fn with_host(mut self, host: HostTier) -> Self {
         self.set_host(host, WritePolicy::WriteBack);
         self
@@ -242,9 +223,7 @@ impl KvManager {
         pool.set_record_evictions(true);
         pool.set_record_registrations(policy == WritePolicy::WriteThrough);
         drop(pool);
-        let mut host = host;
-        host.set_spill(self.disk.is_some());
-        self.host = Some(SharedHost(Arc::new(Mutex::new(host))));
+        self.tiers.set_host(host);
     }
 
     /// Adds the SSD tier under the host tier (or, without one, under the pool), with a write policy.
@@ -255,99 +234,60 @@ impl KvManager {
             pool.set_record_registrations(true);
         }
         drop(pool);
-        if let Some(h) = &self.host {
-            h.lock().set_spill(true);
-        }
-        self.disk = Some(disk);
+        self.tiers.set_disk(disk);
+    }
+
+    pub fn tiers(&self) -> &Tiers {
+        &self.tiers
     }
 
     pub fn disk(&self) -> Option<&DiskTier> {
-        self.disk.as_ref()
+        self.tiers.disk()
+    }
+
+    pub fn host(&self) -> Option<&SharedHost> {
+        self.tiers.host()
+    }
+
+    /// Turns the SSD read-ahead of queued requests on or off (benchmarks of the path without it).
+    pub fn set_read_ahead(&self, on: bool) {
+        self.tiers.set_read_ahead(on);
     }
 
     /// Sets what load-vs-recompute weighs (`costs.rs`).
     pub fn set_costs(&self, costs: LoadCosts) {
-        *self.costs.lock().unwrap_or_else(|e| e.into_inner()) = costs;
+        self.tiers.set_costs(costs);
     }
 
-    /// What load-vs-recompute weighs now: the set costs, with the SSD tier's measured read speed once it has one.
+    /// What load-vs-recompute weighs now.
     pub fn costs(&self) -> LoadCosts {
-        let mut c = *self.costs.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(s) = self.disk.as_ref().and_then(DiskTier::read_s_per_byte) {
-            c.disk_s_per_byte = s;
-        }
-        c
+        self.tiers.costs()
     }
 
     /// Folds a timed copy of `bytes` from host memory into the device pool into the host tier's speed.
     pub fn observe_host_load(&self, bytes: usize, secs: f64) {
-        let mut c = self.costs.lock().unwrap_or_else(|e| e.into_inner());
-        c.host_s_per_byte = costs::observe(c.host_s_per_byte, bytes, secs);
-    }
-
-    /// Records the engine work (seconds) queued ahead of a request being added (the engine, before it adds one).
-    pub fn set_ahead_s(&self, s: f64) {
-        self.ahead.store(s.to_bits(), Ordering::Relaxed);
-    }
-
-    /// Seconds until an SSD read of a request arriving now would have to be done: the read overlaps the engine
-    /// work queued ahead of it.
-    fn ahead_s(&self) -> f64 {
-        f64::from_bits(self.ahead.load(Ordering::Relaxed))
-    }
-
-    /// Requests running now (set by the scheduler before each admission).
-    pub fn set_running(&self, n: usize) {
-        self.running.store(n, Ordering::Relaxed);
+        self.tiers.observe_host_load(bytes, secs);
     }
 
     /// The load-vs-recompute choices so far.
-    /// The engine's clock now, in seconds (the SSD channel's schedule is kept in it).
-    pub fn set_now(&self, now: f64) {
-        self.now.store(now.to_bits(), Ordering::Relaxed);
-    }
-
-    pub fn now(&self) -> f64 {
-        f64::from_bits(self.now.load(Ordering::Relaxed))
-    }
-
-    /// The longest wait for SSD reads among the loads queued since the last call (a simulated step pays it).
-    pub fn take_load_wait(&self) -> f64 {
-        std::mem::take(&mut *self.load_wait.lock().unwrap_or_else(|e| e.into_inner()))
-    }
-
-    /// Seconds until each block of a lower-tier run is in memory: SSD blocks by the read channel's schedule, 0
-    /// for host blocks (their copy is costed by `LoadCosts`).
-    fn waits(&self, hashes: &[BlockHash], sources: &[Source], costs: &LoadCosts) -> Vec<f64> {
-        if !sources.contains(&Source::Disk) {
-            return vec![0.0; sources.len()];
-        }
-        let disk: Vec<BlockHash> =
-            hashes.iter().zip(sources).filter(|(_, s)| **s == Source::Disk).map(|(h, _)| *h).collect();
-        let ra = self.read_ahead.lock().unwrap_or_else(|e| e.into_inner());
-        let mut disk_waits = ra.waits(&disk, self.now(), costs.disk_block_s(self.block_size)).into_iter();
-        sources
-            .iter()
-            .map(|s| if *s == Source::Disk { disk_waits.next().unwrap_or(0.0) } else { 0.0 })
-            .collect()
-    }
-
     pub fn decisions(&self) -> &Decisions {
-        &self.decisions
+        self.tiers.decisions()
     }
 
     pub fn pool(&self) -> &SharedPool {
         &self.pool
     }
 
-    pub fn host(&self) -> Option<&SharedHost> {
-        self.host.as_ref()
+    /// The promotions queued since the last call that are still wanted, and the longest SSD wait among them.
+    pub fn take_loads(&self) -> (Vec<PendingLoad>, f64) {
+        self.tiers.take_loads(&self.pool.lock())
     }
 
-    /// The promotions queued since the last call (the engine writes them before the next forward).
-    pub fn take_loads(&self) -> Vec<PendingLoad> {
-        std::mem::take(&mut *self.loads.lock().unwrap_or_else(|e| e.into_inner()))
+    /// Copies blocks down to the tiers ([`Tiers::write_back`]); `read` reads their bytes off the device.
+    pub fn write_back(&self, blocks: Vec<Evicted>, through: bool, read: &mut tiers::ReadBlocks<'_>) {
+        self.tiers.write_back(&self.pool, blocks, through, read);
     }
+
     pub fn block_size(&self) -> usize {
         self.block_size
     }
@@ -357,120 +297,53 @@ impl KvManager {
         n.div_ceil(self.block_size)
     }
 
-    /// A table for a new (or recomputed) sequence, holding the longest cached prefix of `tokens` (whole blocks,
-    /// token-verified). At least one token is always left to compute, so the model produces logits.
-    pub fn start(&self, hasher: BlockHasher, tokens: &[u32]) -> BlockTable {
-        let bs = self.block_size;
-        let hashes = hasher.hash_blocks(tokens);
-        let mut checks = Vec::new();
-        extend_checks(hasher.root_id(), &mut checks, tokens, bs, hashes.len());
-        let max_hit = tokens.len().saturating_sub(1) / bs;
+    /// The device pool's part of the walk, read-only: how many leading blocks it holds, chain-verified.
+    fn device_run(&self, pool: &BlockPool, p: &Prompt<'_>) -> usize {
+        let mut parent = Parent::Root(p.root);
+        let mut n = 0;
+        while n < p.max_hit {
+            match pool.probe(p.hashes[n], parent, p.block(n)) {
+                Some(uid) => parent = Parent::Block(uid),
+                None => break,
+            }
+            n += 1;
+        }
+        n
+    }
+
+    /// Admission: a table holding the longest cached prefix of `tokens` (whole blocks, token-verified) that the
+    /// device pool holds and the tiers would load, or [`Claim::Read`] when SSD blocks must be read first
+    /// (never when `give_up`: what is not in memory is then computed again).
+    pub fn claim(&self, hasher: BlockHasher, tokens: &[u32], at: &Clock, give_up: bool) -> Claim {
+        let p = Prompt::new(&hasher, tokens, self.block_size);
+        let mut pool = self.pool.lock();
+        let device = self.device_run(&pool, &p);
+        let plan = match self.tiers.plan(&pool, &p, device, at, give_up) {
+            Ok(plan) => plan,
+            Err(w) => return Claim::Read(w),
+        };
+        // The device hits, referenced (and counted: the walk stops at a lookup that misses, as `device_run` did).
         let mut blocks = Vec::new();
         let mut chain = Vec::new();
-        let mut host_blocks = 0;
-        let mut disk_blocks = 0;
-        {
-            let mut pool = self.pool.lock();
-            for (i, h) in hashes.iter().enumerate().take(max_hit) {
-                let block_tokens = &tokens[i * bs..(i + 1) * bs];
-                let parent = chain.last().map_or(Parent::Root(hasher.root_id()), |u| Parent::Block(*u));
-                match pool.lookup(*h, parent, block_tokens) {
-                    Some((id, uid)) => {
-                        blocks.push(id);
-                        chain.push(uid);
-                    }
-                    None => break,
+        for i in 0..p.max_hit {
+            match pool.lookup(p.hashes[i], p.parent(&chain), p.block(i)) {
+                Some((id, uid)) => {
+                    blocks.push(id);
+                    chain.push(uid);
                 }
-            }
-            if self.host.is_some() || self.disk.is_some() {
-                // The prefix continues in host DRAM, then on SSD: promote what the pool has room for.
-                let mut host = self.host.as_ref().map(SharedHost::lock);
-                let from = blocks.len();
-                let source = |i: usize, host: &Option<MutexGuard<'_, HostTier>>| {
-                    let t = &tokens[i * bs..(i + 1) * bs];
-                    if host.as_ref().is_some_and(|h| h.holds(hashes[i], checks[i], i as u32, t)) {
-                        Some(Source::Host)
-                    } else if self.disk.as_ref().is_some_and(|d| d.holds(hashes[i], checks[i], i as u32, t)) {
-                        Some(Source::Disk)
-                    } else {
-                        None
-                    }
-                };
-                let sources: Vec<Source> = (from..max_hit).map_while(|i| source(i, &host)).collect();
-                // Load what saves time, recompute the rest (costs.rs).
-                let costs = self.costs();
-                // A read not done yet stalls this step for every running request (one read ahead is not).
-                let stall = (1 + self.running.load(Ordering::Relaxed)) as f64;
-                let mut waits = self.waits(&hashes[from..from + sources.len()], &sources, &costs);
-                waits.iter_mut().for_each(|w| *w *= stall);
-                let found = costs.choose(&sources, &waits, from, bs).load_blocks;
-                self.decisions.record(sources.len(), found, bs);
-                let room = found.min(pool.num_free());
-                let ids = pool.allocate(room).unwrap_or_default();
-                let mut loads = self.loads.lock().unwrap_or_else(|e| e.into_inner());
-                let mut read_now = Vec::new();
-                for (k, id) in ids.iter().enumerate() {
-                    let i = from + k;
-                    let block_tokens = &tokens[i * bs..(i + 1) * bs];
-                    let from_host =
-                        host.as_mut().and_then(|h| h.get(hashes[i], checks[i], i as u32, block_tokens));
-                    let payload = match from_host {
-                        Some(p) => Some((p, Source::Host)),
-                        None => self
-                            .disk
-                            .as_ref()
-                            .and_then(|d| d.read(hashes[i], checks[i], i as u32, block_tokens))
-                            .map(|v| {
-                                disk_blocks += 1;
-                                read_now.push(hashes[i]);
-                                (Arc::<[u8]>::from(v), Source::Disk)
-                            }),
-                    };
-                    let Some((payload, source)) = payload else {
-                        pool.release(&ids[k..]);
-                        break;
-                    };
-                    let parent = chain.last().map_or(Parent::Root(hasher.root_id()), |u| Parent::Block(*u));
-                    let key = BlockKey {
-                        hash: hashes[i],
-                        check: checks[i],
-                        parent_hash: i.checked_sub(1).map(|j| hashes[j]),
-                    };
-                    match pool.register(*id, i, key, parent, block_tokens) {
-                        Some(Registered::New(uid)) => {
-                            loads.push(PendingLoad { id: *id, source, uid: pool.uid(*id), payload });
-                            blocks.push(*id);
-                            chain.push(uid);
-                            host_blocks += 1;
-                        }
-                        Some(Registered::Duplicate { block, uid }) => {
-                            // Cached on the device after all: hold that copy, nothing to load.
-                            pool.share(block);
-                            pool.release(&[*id]);
-                            blocks.push(block);
-                            chain.push(uid);
-                        }
-                        None => {
-                            // A collision in the pool: stop here, give back what is left.
-                            pool.release(&ids[k..]);
-                            break;
-                        }
-                    }
-                }
-                if !read_now.is_empty() {
-                    let block_s = costs.disk_block_s(bs);
-                    let wait = self.read_ahead.lock().unwrap_or_else(|e| e.into_inner()).take(
-                        &read_now,
-                        self.now(),
-                        block_s,
-                    );
-                    let mut w = self.load_wait.lock().unwrap_or_else(|e| e.into_inner());
-                    *w = w.max(wait);
-                }
+                None => break,
             }
         }
+        debug_assert_eq!(blocks.len(), device);
+        let loaded = self.tiers.load(&mut pool, &p, (blocks.len(), p.parent(&chain)), plan, at);
+        let (lower, disk_blocks) = (loaded.blocks.len(), loaded.disk_blocks);
+        blocks.extend(loaded.blocks);
+        chain.extend(loaded.chain);
+        drop(pool);
+        let bs = self.block_size;
         let n = blocks.len();
-        BlockTable {
+        let Prompt { hashes, checks, .. } = p;
+        Claim::Table(BlockTable {
             pool: self.pool.clone(),
             block_size: bs,
             hasher,
@@ -480,125 +353,47 @@ impl KvManager {
             committed: n,
             chain,
             cached_tokens: n * bs,
-            host_tokens: host_blocks * bs,
+            host_tokens: lower * bs,
             disk_tokens: disk_blocks * bs,
+        })
+    }
+
+    /// [`Self::claim`] that never waits for a read (tests, and a sequence that cannot wait).
+    pub fn start(&self, hasher: BlockHasher, tokens: &[u32]) -> BlockTable {
+        match self.claim(hasher, tokens, &Clock::default(), true) {
+            Claim::Table(t) => t,
+            Claim::Read(_) => unreachable!("a claim that gives up never asks for reads"),
         }
     }
 
-    /// Prompt tokens `start` would find cached now (the same whole-block, token-verified walk, read-only: nothing
-    /// referenced, no counters).
-    pub fn cached_prefix_tokens(&self, hasher: &BlockHasher, tokens: &[u32]) -> usize {
-        let bs = self.block_size;
-        let hashes = hasher.hash_blocks(tokens);
-        let max_hit = tokens.len().saturating_sub(1) / bs;
+    /// Asks the SSD tier for what a claim waits for; true when it is all in memory now.
+    pub fn request_reads(&self, w: &ReadWait) -> bool {
+        self.tiers.request_reads(w)
+    }
+
+    /// Waits, holding no lock, until a claim's reads are done or `timeout` passes.
+    pub fn wait_reads(&self, w: &ReadWait, timeout: std::time::Duration) {
+        self.tiers.wait_reads(w, timeout);
+    }
+
+    /// Prompt tokens a request added now would find cached (the same walk as a claim, read-only: nothing
+    /// referenced, no counters); a lower-tier hit counts only where it would be loaded.
+    pub fn cached_prefix_tokens(&self, hasher: &BlockHasher, tokens: &[u32], at: &Clock) -> usize {
+        let p = Prompt::new(hasher, tokens, self.block_size);
         let pool = self.pool.lock();
-        let mut parent = Parent::Root(hasher.root_id());
-        let mut n = 0;
-        for (i, h) in hashes.iter().enumerate().take(max_hit) {
-            match pool.probe(*h, parent, &tokens[i * bs..(i + 1) * bs]) {
-                Some(uid) => {
-                    parent = Parent::Block(uid);
-                    n += 1;
-                }
-                None => break,
-            }
-        }
-        if self.host.is_some() || self.disk.is_some() {
-            // A lower-tier hit is a load, not a prefill: it does not count as work ahead.
-            let host = self.host.as_ref().map(SharedHost::lock);
-            let mut checks = Vec::new();
-            extend_checks(hasher.root_id(), &mut checks, tokens, bs, max_hit);
-            let mut sources = Vec::new();
-            for i in n..max_hit {
-                let t = &tokens[i * bs..(i + 1) * bs];
-                if host.as_ref().is_some_and(|h| h.holds(hashes[i], checks[i], i as u32, t)) {
-                    sources.push(Source::Host);
-                } else if self.disk.as_ref().is_some_and(|d| d.holds(hashes[i], checks[i], i as u32, t)) {
-                    sources.push(Source::Disk);
-                } else {
-                    break;
-                }
-            }
-            // Only what would be loaded is not work ahead (what would be computed again is): the choice `prefetch`
-            // makes for a request added now.
-            let costs = self.costs();
-            let ahead = self.ahead_s();
-            let mut waits = self.waits(&hashes[n..n + sources.len()], &sources, &costs);
-            waits.iter_mut().for_each(|w| *w = (*w - ahead).max(0.0));
-            n += costs.choose(&sources, &waits, n, bs).load_blocks;
-        }
-        n * bs
+        let device = self.device_run(&pool, &p);
+        (device + self.tiers.probe(device, &p, at)) * self.block_size
     }
 
-    /// Asks the SSD tier to read ahead the part of `tokens`' cached prefix that only it holds (after what the pool
-    /// and the host tier hold) and that load-vs-recompute would load if read from now, so the request finds it in
-    /// memory when it is admitted. Returns when (engine clock) the last of it will be in memory; 0 when nothing is
-    /// read (no SSD tier, nothing there, or computing it again is cheaper).
-    pub fn prefetch(&self, hasher: &BlockHasher, tokens: &[u32]) -> f64 {
-        let Some(disk) = &self.disk else { return 0.0 };
-        let bs = self.block_size;
-        let hashes = hasher.hash_blocks(tokens);
-        let max_hit = tokens.len().saturating_sub(1) / bs;
-        let mut checks = Vec::new();
-        extend_checks(hasher.root_id(), &mut checks, tokens, bs, max_hit);
-        let mut n = 0;
-        {
-            let pool = self.pool.lock();
-            let mut parent = Parent::Root(hasher.root_id());
-            while n < max_hit {
-                match pool.probe(hashes[n], parent, &tokens[n * bs..(n + 1) * bs]) {
-                    Some(uid) => parent = Parent::Block(uid),
-                    None => break,
-                }
-                n += 1;
-            }
-        }
-        if let Some(host) = &self.host {
-            let host = host.lock();
-            while n < max_hit && host.holds(hashes[n], checks[n], n as u32, &tokens[n * bs..(n + 1) * bs]) {
-                n += 1;
-            }
-        }
-        let mut wants: Vec<Want> = (n..max_hit)
-            .map(|i| Want {
-                hash: hashes[i],
-                check: checks[i],
-                index: i as u32,
-                tokens: tokens[i * bs..(i + 1) * bs].into(),
-            })
-            .take_while(|w| disk.holds(w.hash, w.check, w.index, &w.tokens))
-            .take(disk::MAX_PREFETCH_BLOCKS)
-            .collect();
-        if wants.is_empty() {
+    /// Asks the SSD tier to read ahead what only it holds of the prompt's cached prefix and would be loaded
+    /// ([`Tiers::prefetch`]); returns when (engine clock) it will be in memory, 0 when nothing is read.
+    pub fn prefetch(&self, hasher: &BlockHasher, tokens: &[u32], at: &Clock) -> f64 {
+        if self.tiers.disk().is_none() {
             return 0.0;
         }
-        // At most what the read-ahead memory holds, and only what would be loaded: reading the rest would delay
-        // other requests' reads for nothing.
-        let costs = self.costs();
-        let block_bytes = bs as f64 * costs.kv_bytes_per_token;
-        let cap = match block_bytes > 0.0 {
-            true => ((disk::MAX_PREFETCH_BYTES as f64 / block_bytes) as usize).max(1),
-            false => disk::MAX_PREFETCH_BLOCKS,
-        };
-        wants.truncate(cap);
-        let sources = vec![Source::Disk; wants.len()];
-        let run: Vec<BlockHash> = wants.iter().map(|w| w.hash).collect();
-        // The read overlaps the work queued ahead of the request: only what is left of it costs.
-        let ahead = self.ahead_s();
-        let mut waits = self.waits(&run, &sources, &costs);
-        waits.iter_mut().for_each(|w| *w = (*w - ahead).max(0.0));
-        wants.truncate(costs.choose(&sources, &waits, n, bs).load_blocks);
-        if wants.is_empty() {
-            return 0.0;
-        }
-        // The read channel's schedule.
-        let hashes: Vec<BlockHash> = wants.iter().map(|w| w.hash).collect();
-        let mut ra = self.read_ahead.lock().unwrap_or_else(|e| e.into_inner());
-        ra.prefetch(&hashes, self.now(), costs.disk_block_s(bs), cap);
-        let ready = ra.waits(&hashes, self.now(), costs.disk_block_s(bs)).into_iter().fold(0.0, f64::max);
-        drop(ra);
-        disk.prefetch(wants);
-        self.now() + ready
+        let p = Prompt::new(hasher, tokens, self.block_size);
+        let device = self.device_run(&self.pool.lock(), &p);
+        self.tiers.prefetch(device, &p, at)
     }
 
     /// Grows `table` to hold `n_positions`; `false` (and no change) when the pool lacks free blocks.
@@ -664,7 +459,5 @@ impl KvManager {
     }
 }
 
-#[cfg(test)]
-mod disk_tests;
 #[cfg(test)]
 mod tests;

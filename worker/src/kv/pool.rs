@@ -83,6 +83,15 @@ pub enum Registered {
     Duplicate { block: BlockId, uid: u64 },
 }
 
+impl Registered {
+    /// The identity of the content in the cache (the parent of the sequence's next block).
+    pub fn uid(self) -> u64 {
+        match self {
+            Registered::New(uid) | Registered::Duplicate { uid, .. } => uid,
+        }
+    }
+}
+
 /// Cached content the pool just evicted, for a lower tier to keep (its memory is intact until the next forward).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Evicted {

@@ -248,6 +248,11 @@ impl<P: Clone> TierIndex<P> {
         self.blocks.iter().map(|(h, b)| (*h, &b.payload))
     }
 
+    /// A block's payload by its hash alone (the SSD tier's compaction checks a record is still the block's).
+    pub fn payloads_of(&self, hash: BlockHash) -> Option<P> {
+        self.blocks.get(&hash).map(|b| b.payload.clone())
+    }
+
     /// A block's payload if it holds exactly this content, without counting a use (a read-ahead).
     pub fn peek(&self, hash: BlockHash, check: u64, index: u32, tokens: &[u32]) -> Option<&P> {
         self.holds(hash, check, index, tokens).then(|| self.blocks.get(&hash).map(|b| &b.payload)).flatten()

@@ -14,6 +14,11 @@
 //!   tier's: a worker whose tier is larger than its memory limit restarts like any other.
 //! - A write that fails (a full disk) is cut off the segment again (truncated to its last whole record) and the
 //!   next write starts a new segment: no torn record is left mid-file and no later offset shifts.
+//! - Reads run on the IO thread (a read-ahead, [`DiskTier::request`]) into a bounded buffer the engine takes
+//!   bytes from ([`DiskTier::take`]); the engine never reads a file, and never waits on the disk while holding a
+//!   lock of the pool or host tier. A request the IO queue cannot take is counted (`dropped_reads`) and asked
+//!   again at the next claim; the inline tier (the simulator's) reads on the caller's thread instead.
+//! - Compaction copies one record at a time, taking the files' lock only to append it.
 //! - The directory is the worker's alone: created 0700, segments 0600 (they hold token ids in clear), and an
 //!   exclusive lock on `LOCK` for as long as the tier is open; a second worker on the same directory fails to start,
 //!   naming it.
@@ -45,6 +50,8 @@ pub const MAX_STAGED_BYTES: usize = 256 << 20;
 pub const MAX_PREFETCH_BYTES: usize = 1 << 30;
 /// Most blocks one prefetch asks for.
 pub const MAX_PREFETCH_BLOCKS: usize = 4096;
+/// Most blocks asked of the IO thread and not read yet; a request past it is dropped (counted) and asked again.
+pub const MAX_PENDING_READS: usize = 65_536;
 
 /// Where a block's record is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -69,6 +76,8 @@ pub struct DiskCounters {
     /// Blocks read ahead for queued requests, and of those, the ones a request then took.
     pub prefetched_blocks: u64,
     pub prefetch_hits: u64,
+    /// Read requests the IO queue could not take (asked again later).
+    pub dropped_reads: u64,
 }
 
 #[derive(Default)]
@@ -81,6 +90,7 @@ struct Counters {
     recovered_blocks: AtomicU64,
     prefetched_blocks: AtomicU64,
     prefetch_hits: AtomicU64,
+    dropped_reads: AtomicU64,
 }
 
 /// A block a queued request will want: read it ahead.
@@ -92,12 +102,13 @@ pub struct Want {
     pub tokens: Box<[u32]>,
 }
 
-/// Blocks read ahead, oldest first out.
+/// Blocks read ahead, oldest first out, and those asked of the IO thread and not read yet.
 #[derive(Default)]
 struct Ready {
     map: HashMap<BlockHash, Vec<u8>>,
     order: std::collections::VecDeque<BlockHash>,
     bytes: usize,
+    pending: std::collections::HashSet<BlockHash>,
 }
 
 impl Ready {
@@ -242,8 +253,14 @@ fn lock_dir(dir: &Path) -> Result<File, String> {
 }
 
 struct Shared {
+    dir: PathBuf,
     index: Mutex<TierIndex<Location>>,
     ready: Mutex<Ready>,
+    /// Signalled when a block read ahead arrives (or a read ends without it).
+    arrived: std::sync::Condvar,
+    /// Tests: request calls left to drop as if the IO queue were full.
+    #[cfg(test)]
+    drop_requests: AtomicUsize,
     files: Mutex<Files>,
     fingerprint: u64,
     capacity_bytes: u64,
@@ -368,8 +385,12 @@ impl DiskTier {
             fail_after: None,
         };
         let shared = Arc::new(Shared {
+            dir: dir.to_owned(),
             index: Mutex::new(index),
             ready: Mutex::new(Ready::default()),
+            arrived: std::sync::Condvar::new(),
+            #[cfg(test)]
+            drop_requests: AtomicUsize::new(0),
             files: Mutex::new(files),
             fingerprint,
             capacity_bytes,
@@ -413,6 +434,7 @@ impl DiskTier {
             recovered_blocks: c.recovered_blocks.load(Ordering::Relaxed),
             prefetched_blocks: c.prefetched_blocks.load(Ordering::Relaxed),
             prefetch_hits: c.prefetch_hits.load(Ordering::Relaxed),
+            dropped_reads: c.dropped_reads.load(Ordering::Relaxed),
         }
     }
 
@@ -464,17 +486,94 @@ impl DiskTier {
         self.index().holds(hash, check, index, tokens)
     }
 
-    /// Asks the IO thread to read these blocks ahead (a queued request's prefix; never waits, a full queue skips
-    /// it): the request's admission then finds them in memory.
-    pub fn prefetch(&self, mut wants: Vec<Want>) {
+    /// Asks for these blocks to be read into memory (a queued request's prefix, or a claim waiting for it): the
+    /// IO thread reads them ahead; the inline tier reads them now, on this thread. Never waits on the IO queue (a
+    /// full one drops the request, counted; the caller asks again). True when they are all in memory now.
+    pub fn request(&self, mut wants: Vec<Want>) -> bool {
         wants.truncate(MAX_PREFETCH_BLOCKS);
-        if !wants.is_empty() && !self.inline {
-            let _ = self.tx.try_send(Job::Prefetch(wants));
+        if self.inline {
+            for w in &wants {
+                if lock(&self.shared.ready).map.contains_key(&w.hash) {
+                    continue;
+                }
+                let loc = self.index().peek(w.hash, w.check, w.index, &w.tokens).copied();
+                let payload = loc.and_then(|l| read_at(&self.shared, l, w.hash, w.check, w.index, &w.tokens));
+                match payload {
+                    Some(p) => lock(&self.shared.ready).put(w.hash, p),
+                    None => return false,
+                }
+            }
+            return true;
+        }
+        let mut ready = lock(&self.shared.ready);
+        wants.retain(|w| !ready.map.contains_key(&w.hash) && !ready.pending.contains(&w.hash));
+        if wants.is_empty() {
+            return false;
+        }
+        #[cfg(test)]
+        let refused = self
+            .shared
+            .drop_requests
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1))
+            .is_ok();
+        #[cfg(not(test))]
+        let refused = false;
+        let hashes: Vec<BlockHash> = wants.iter().map(|w| w.hash).collect();
+        if refused
+            || ready.pending.len() + wants.len() > MAX_PENDING_READS
+            || self.tx.try_send(Job::Prefetch(wants)).is_err()
+        {
+            self.shared.counters.dropped_reads.fetch_add(1, Ordering::Relaxed);
+            return false;
+        }
+        ready.pending.extend(hashes);
+        false
+    }
+
+    /// Tests: the next `n` requests are dropped as if the IO queue were full.
+    #[cfg(test)]
+    pub fn drop_next_requests(&self, n: usize) {
+        self.shared.drop_requests.store(n, Ordering::Release);
+    }
+
+    /// Whether a block's bytes are in memory (read ahead).
+    pub fn in_memory(&self, hash: BlockHash) -> bool {
+        lock(&self.shared.ready).map.contains_key(&hash)
+    }
+
+    /// Waits until each of `wants` is in memory or no read of it is under way, at most `timeout`. Holds no lock
+    /// of the caller's: for a claim with nothing else to let run.
+    pub fn wait_in_memory(&self, wants: &[Want], timeout: std::time::Duration) {
+        let deadline = std::time::Instant::now() + timeout;
+        let mut ready = lock(&self.shared.ready);
+        loop {
+            let done =
+                wants.iter().all(|w| ready.map.contains_key(&w.hash) || !ready.pending.contains(&w.hash));
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            if done || left.is_zero() {
+                return;
+            }
+            ready = match self.shared.arrived.wait_timeout(ready, left) {
+                Ok((g, _)) => g,
+                Err(e) => e.into_inner().0,
+            };
         }
     }
 
-    /// Reads a block's K/V bytes (taken from what was read ahead when it was); a block whose record fails its
-    /// checks is forgotten (with its descendants).
+    /// Takes a block's bytes read ahead, if it holds exactly this block and they are in memory (never reads).
+    pub fn take(&self, hash: BlockHash, check: u64, index: u32, tokens: &[u32]) -> Option<Vec<u8>> {
+        self.index().get(hash, check, index, tokens)?;
+        let p = lock(&self.shared.ready).take(hash)?;
+        if !self.inline {
+            self.shared.counters.prefetch_hits.fetch_add(1, Ordering::Relaxed);
+        }
+        self.shared.counters.read_blocks.fetch_add(1, Ordering::Relaxed);
+        Some(p)
+    }
+
+    /// Reads a block's K/V bytes now, on this thread (taken from what was read ahead when it was); a block whose
+    /// record fails its checks is forgotten (with its descendants). Tests and tools: the engine takes bytes read
+    /// ahead ([`Self::take`]) instead.
     pub fn read(&self, hash: BlockHash, check: u64, index: u32, tokens: &[u32]) -> Option<Vec<u8>> {
         let loc = self.index().get(hash, check, index, tokens)?;
         if let Some(p) = lock(&self.shared.ready).take(hash) {
@@ -499,9 +598,8 @@ fn read_at(
     index: u32,
     tokens: &[u32],
 ) -> Option<Vec<u8>> {
-    let dir = lock(&s.files).dir.clone();
     let started = std::time::Instant::now();
-    let result = File::open(seg_path(&dir, loc.segment)).and_then(|f| {
+    let result = File::open(seg_path(&s.dir, loc.segment)).and_then(|f| {
         let mut buf = vec![0u8; loc.len as usize];
         f.read_exact_at(&mut buf, loc.offset)?;
         Ok(buf)
@@ -529,17 +627,32 @@ fn read_at(
 }
 
 fn prefetch(s: &Shared, wants: Vec<Want>) {
-    for w in wants {
+    let mut done = 0;
+    for w in &wants {
         if lock(&s.ready).map.contains_key(&w.hash) {
+            lock(&s.ready).pending.remove(&w.hash);
+            done += 1;
             continue;
         }
         // Where it is now (no use counted: the request has not taken it yet).
         let loc = lock(&s.index).peek(w.hash, w.check, w.index, &w.tokens).copied();
         let Some(loc) = loc else { break }; // the prefix ends here
         let Some(payload) = read_at(s, loc, w.hash, w.check, w.index, &w.tokens) else { break };
-        lock(&s.ready).put(w.hash, payload);
+        let mut ready = lock(&s.ready);
+        ready.pending.remove(&w.hash);
+        ready.put(w.hash, payload);
+        drop(ready);
+        s.arrived.notify_all();
         s.counters.prefetched_blocks.fetch_add(1, Ordering::Relaxed);
+        done += 1;
     }
+    // What was not read (the prefix ended, a record failed) is no longer under way.
+    let mut ready = lock(&s.ready);
+    for w in &wants[done..] {
+        ready.pending.remove(&w.hash);
+    }
+    drop(ready);
+    s.arrived.notify_all();
 }
 
 fn io_loop(s: Arc<Shared>, rx: Receiver<Job>) {
@@ -621,26 +734,31 @@ fn compact_if_needed(s: &Shared) {
     let Some(seg) = victim else { return };
     let moving: Vec<(BlockHash, Location)> =
         lock(&s.index).payloads().filter(|(_, l)| l.segment == seg).map(|(h, l)| (h, *l)).collect();
-    let mut files = lock(&s.files);
-    let old = seg_path(&files.dir, seg);
+    let old = seg_path(&s.dir, seg);
+    // One record at a time: the files' lock is held only to append it.
     for (hash, loc) in moving {
         let mut buf = vec![0u8; loc.len as usize];
         let ok = File::open(&old).and_then(|f| f.read_exact_at(&mut buf, loc.offset)).is_ok()
             && Record::decode(&buf, s.fingerprint).is_ok();
-        let mut index = lock(&s.index);
         if !ok {
             s.counters.corrupt_blocks.fetch_add(1, Ordering::Relaxed);
-            index.forget(hash);
+            lock(&s.index).forget(hash);
             continue;
         }
-        match files.append(&buf) {
-            Ok(new) => {
+        let mut files = lock(&s.files);
+        let appended = files.append(&buf);
+        let mut index = lock(&s.index);
+        match appended {
+            // Still the block's record (not forgotten or rewritten while it was copied).
+            Ok(new) if index.payloads_of(hash) == Some(loc) => {
                 index.set_payload(hash, new);
                 *files.live.entry(new.segment).or_default() += u64::from(new.len);
             }
+            Ok(_) => {}
             Err(_) => index.forget(hash),
         }
     }
+    let mut files = lock(&s.files);
     files.live.remove(&seg);
     files.size.remove(&seg);
     let _ = std::fs::remove_file(old);
