@@ -17,6 +17,27 @@ use super::{ModelConfig, ModelError, ModelWeights};
 pub const QUERY_TILE: usize = 256;
 
 /// K and V memory of every layer: `[slots, kv_heads * head_dim]` each, a slot being `block * block_size + offset`.
+
+/// Appends `rows` as little-endian bytes (a memcpy on a little-endian machine).
+fn put_le(out: &mut Vec<u8>, rows: &[f32]) {
+    if cfg!(target_endian = "little") {
+        out.extend_from_slice(bytemuck::cast_slice(rows));
+    } else {
+        out.extend(rows.iter().flat_map(|x| x.to_le_bytes()));
+    }
+}
+
+/// Fills `rows` from little-endian bytes (`src.len() == 4 * rows.len()`; a memcpy on a little-endian machine).
+fn get_le(rows: &mut [f32], src: &[u8]) {
+    if cfg!(target_endian = "little") && src.len() == rows.len() * 4 {
+        bytemuck::cast_slice_mut::<f32, u8>(rows).copy_from_slice(src);
+    } else {
+        for (x, c) in rows.iter_mut().zip(src.chunks_exact(4)) {
+            *x = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+        }
+    }
+}
+
 /// (The pool layout `[num_blocks, block_size, kv_heads, head_dim]` flattened.)
 #[derive(Debug)]
 pub struct KvStore {
@@ -62,7 +83,7 @@ impl KvStore {
         let mut out = Vec::with_capacity(self.bytes_for(n));
         for layer in 0..self.k.len() {
             for rows in [&self.k[layer], &self.v[layer]] {
-                out.extend(rows[first * d..(first + n) * d].iter().flat_map(|x| x.to_le_bytes()));
+                put_le(&mut out, &rows[first * d..(first + n) * d]);
             }
         }
         Ok(out)
@@ -79,12 +100,11 @@ impl KvStore {
                 self.bytes_for(n)
             ));
         }
-        let mut chunks = bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]));
+        // Layer after layer, K then V: one contiguous run of `n * d` floats each, converted in place.
+        let mut runs = bytes.chunks_exact(n * d * 4);
         for layer in 0..self.k.len() {
             for rows in [&mut self.k[layer], &mut self.v[layer]] {
-                for x in &mut rows[first * d..(first + n) * d] {
-                    *x = chunks.next().unwrap_or(0.0);
-                }
+                get_le(&mut rows[first * d..(first + n) * d], runs.next().unwrap_or_default());
             }
         }
         Ok(())
@@ -109,7 +129,7 @@ impl KvStore {
         let mut out = Vec::with_capacity(2 * layers.len() * n * d * 4);
         for layer in layers {
             for rows in [&self.k[layer], &self.v[layer]] {
-                out.extend(rows[first * d..(first + n) * d].iter().flat_map(|x| x.to_le_bytes()));
+                put_le(&mut out, &rows[first * d..(first + n) * d]);
             }
         }
         Ok(out)

@@ -12,7 +12,9 @@
 //!     wait(i) -= the engine work queued ahead of it (prefill tokens x prefill_s_per_token): the read runs on the
 //!     IO thread while the request queues, so a longer queue makes loading cheaper; admission passes the request
 //!     over until its read ahead is done while anything else can run
-//! when it is admitted: wait(i) *= 1 + running requests (a read not done stalls the step for the whole batch)
+//! when it is admitted: wait(i) *= 1 + running requests (in the simulator a read not done stalls the step for
+//!     the whole batch; a worker passes the request over while its IO thread reads instead, so there the factor
+//!     leans toward recomputing)
 //! loaded blocks = the prefix length L (from the first lower-tier block) that maximises
 //!                 sum over i < L of recompute(i) - load(L); 0 when nothing saves time
 //! ```

@@ -105,14 +105,14 @@ pub struct Want {
 /// Blocks read ahead, oldest first out, and those asked of the IO thread and not read yet.
 #[derive(Default)]
 struct Ready {
-    map: HashMap<BlockHash, Vec<u8>>,
+    map: HashMap<BlockHash, Arc<[u8]>>,
     order: std::collections::VecDeque<BlockHash>,
     bytes: usize,
     pending: std::collections::HashSet<BlockHash>,
 }
 
 impl Ready {
-    fn put(&mut self, hash: BlockHash, payload: Vec<u8>) {
+    fn put(&mut self, hash: BlockHash, payload: Arc<[u8]>) {
         self.bytes += payload.len();
         if self.map.insert(hash, payload).is_none() {
             self.order.push_back(hash);
@@ -125,7 +125,7 @@ impl Ready {
         }
     }
 
-    fn take(&mut self, hash: BlockHash) -> Option<Vec<u8>> {
+    fn take(&mut self, hash: BlockHash) -> Option<Arc<[u8]>> {
         let p = self.map.remove(&hash)?;
         self.bytes -= p.len();
         Some(p)
@@ -561,7 +561,7 @@ impl DiskTier {
     }
 
     /// Takes a block's bytes read ahead, if it holds exactly this block and they are in memory (never reads).
-    pub fn take(&self, hash: BlockHash, check: u64, index: u32, tokens: &[u32]) -> Option<Vec<u8>> {
+    pub fn take(&self, hash: BlockHash, check: u64, index: u32, tokens: &[u32]) -> Option<Arc<[u8]>> {
         self.index().get(hash, check, index, tokens)?;
         let p = lock(&self.shared.ready).take(hash)?;
         if !self.inline {
@@ -579,17 +579,18 @@ impl DiskTier {
         if let Some(p) = lock(&self.shared.ready).take(hash) {
             self.shared.counters.prefetch_hits.fetch_add(1, Ordering::Relaxed);
             self.shared.counters.read_blocks.fetch_add(1, Ordering::Relaxed);
-            return Some(p);
+            return Some(p.to_vec());
         }
         let payload = read_at(&self.shared, loc, hash, check, index, tokens);
         if payload.is_some() {
             self.shared.counters.read_blocks.fetch_add(1, Ordering::Relaxed);
         }
-        payload
+        payload.map(|p| p.to_vec())
     }
 }
 
-/// Reads and checks one record; forgets the block when it fails its checks.
+/// Reads and checks one record (its payload copied once, out of the read buffer); forgets the block when it
+/// fails its checks.
 fn read_at(
     s: &Shared,
     loc: Location,
@@ -597,7 +598,7 @@ fn read_at(
     check: u64,
     index: u32,
     tokens: &[u32],
-) -> Option<Vec<u8>> {
+) -> Option<Arc<[u8]>> {
     let started = std::time::Instant::now();
     let result = File::open(seg_path(&s.dir, loc.segment)).and_then(|f| {
         let mut buf = vec![0u8; loc.len as usize];
@@ -611,19 +612,17 @@ fn read_at(
         let avg = super::costs::observe(avg, loc.len as usize, started.elapsed().as_secs_f64());
         s.read_s_per_byte.store(avg.to_bits(), Ordering::Relaxed);
     }
-    let good = result
-        .ok()
-        .and_then(|buf| Record::decode(&buf, s.fingerprint).ok())
-        .filter(|(r, _)| r.hash == hash && r.check == check && r.index == index && r.tokens == tokens);
-    match good {
-        Some((r, _)) => Some(r.payload),
-        None => {
-            tracing::warn!(?hash, segment = loc.segment, "SSD KV tier: a block failed its checks, forgotten");
-            s.counters.corrupt_blocks.fetch_add(1, Ordering::Relaxed);
-            lock(&s.index).forget(hash);
-            None
-        }
+    let good = result.ok().and_then(|buf| {
+        let (m, payload, _) = Record::verify(&buf, s.fingerprint).ok()?;
+        let same = m.hash == hash && m.check == check && m.index == index && m.tokens == tokens;
+        same.then(|| Arc::<[u8]>::from(&buf[payload]))
+    });
+    if good.is_none() {
+        tracing::warn!(?hash, segment = loc.segment, "SSD KV tier: a block failed its checks, forgotten");
+        s.counters.corrupt_blocks.fetch_add(1, Ordering::Relaxed);
+        lock(&s.index).forget(hash);
     }
+    good
 }
 
 fn prefetch(s: &Shared, wants: Vec<Want>) {
@@ -739,7 +738,7 @@ fn compact_if_needed(s: &Shared) {
     for (hash, loc) in moving {
         let mut buf = vec![0u8; loc.len as usize];
         let ok = File::open(&old).and_then(|f| f.read_exact_at(&mut buf, loc.offset)).is_ok()
-            && Record::decode(&buf, s.fingerprint).is_ok();
+            && Record::verify(&buf, s.fingerprint).is_ok();
         if !ok {
             s.counters.corrupt_blocks.fetch_add(1, Ordering::Relaxed);
             lock(&s.index).forget(hash);

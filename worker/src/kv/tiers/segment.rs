@@ -149,6 +149,22 @@ impl Record {
     /// Decodes one whole record from the start of `b` (which may hold more), checking all of it for
     /// `fingerprint`.
     pub fn decode(b: &[u8], fingerprint: u64) -> Result<(Record, usize), Bad> {
+        let (m, payload, len) = Self::verify(b, fingerprint)?;
+        let record = Record {
+            fingerprint,
+            hash: m.hash,
+            parent: m.parent,
+            check: m.check,
+            index: m.index,
+            tokens: m.tokens,
+            payload: b[payload].to_vec(),
+        };
+        Ok((record, len))
+    }
+
+    /// Checks a record at the start of `b` (header, token ids, whole checksum) without copying it: its index
+    /// entry, where its payload is in `b`, and its length.
+    pub fn verify(b: &[u8], fingerprint: u64) -> Result<(Meta, std::ops::Range<usize>, usize), Bad> {
         let len = plausible(b)?;
         if b.len() < len {
             return Err(Bad::Truncated);
@@ -157,21 +173,15 @@ impl Record {
         let n_tokens = u32_at(r, 44) as usize;
         let tb = &r[HEADER_BYTES..HEADER_BYTES + 4 * n_tokens];
         let (m, _) = meta(r, tb, fingerprint)?;
-        let mut zeroed = r.to_vec();
-        zeroed[64..72].fill(0);
-        if xxh3_64(&zeroed) != u64_at(r, 64) {
+        // The checksum covers the record with its own 8 bytes zeroed.
+        let mut h = xxhash_rust::xxh3::Xxh3::new();
+        h.update(&r[..64]);
+        h.update(&[0u8; 8]);
+        h.update(&r[72..]);
+        if h.digest() != u64_at(r, 64) {
             return Err(Bad::Corrupt { len });
         }
-        let record = Record {
-            fingerprint,
-            hash: m.hash,
-            parent: m.parent,
-            check: m.check,
-            index: m.index,
-            tokens: m.tokens,
-            payload: r[HEADER_BYTES + 4 * n_tokens..].to_vec(),
-        };
-        Ok((record, len))
+        Ok((m, HEADER_BYTES + 4 * n_tokens..len, len))
     }
 }
 
