@@ -23,6 +23,7 @@ use super::request::{
 use super::sampler::GREEDY_BELOW;
 use super::scheduler::ScheduledChunk;
 use super::{output, Backend, Engine};
+use crate::kv::Clock;
 
 /// One exporting chunk's blocks, sent layer group by layer group from inside the forward.
 pub struct LayerExport {
@@ -197,7 +198,10 @@ impl<B: Backend> Engine<B> {
         }
         let mut seq = self.new_sequence(req)?;
         let kv = self.sched.kv().clone();
-        let mut table = kv.start(seq.hasher, &seq.tokens);
+        // What this worker's tiers hold is not imported: SSD blocks are read (waited for outside every lock, up to
+        // the read's deadline) rather than moved over the network.
+        let at = Clock { now: self.clock_s(), ahead_s: 0.0, running: self.sched.running().len() };
+        let mut table = kv.claim_waiting(seq.hasher, &seq.tokens, &at);
         let cached = table.cached_tokens();
         if !kv.reserve(&mut table, seq.prompt_len + 1) {
             return Err(AdmitError::NoRoom("not enough free KV blocks"));

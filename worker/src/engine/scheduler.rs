@@ -374,22 +374,16 @@ impl Scheduler {
     fn claim(&mut self, seq: &mut Sequence, now: f64, alone: bool) -> Option<BlockTable> {
         let at = Clock { now, ahead_s: 0.0, running: self.running.len() };
         let give_up = seq.read_until.is_some_and(|u| now >= u);
-        let wait = match self.kv.claim(seq.hasher, &seq.tokens, &at, give_up) {
-            Claim::Table(t) => return Some(t),
-            Claim::Read(w) => w,
-        };
-        let until = *seq.read_until.get_or_insert(wait.until);
-        if !self.kv.request_reads(&wait) {
-            if !alone {
-                return None;
-            }
-            let left = std::time::Duration::from_secs_f64((until - now).clamp(0.0, 60.0));
-            self.kv.wait_reads(&wait, left);
+        if alone && !give_up {
+            return Some(self.kv.claim_waiting(seq.hasher, &seq.tokens, &at));
         }
-        // In memory now (or given up on): claim again, computing whatever did not arrive.
-        match self.kv.claim(seq.hasher, &seq.tokens, &at, true) {
+        match self.kv.claim(seq.hasher, &seq.tokens, &at, give_up) {
             Claim::Table(t) => Some(t),
-            Claim::Read(_) => None,
+            Claim::Read(wait) => {
+                seq.read_until.get_or_insert(wait.until);
+                // The inline tier has read them now: claim again. Else the IO thread reads meanwhile.
+                self.kv.request_reads(&wait).then(|| self.kv.start_at(seq.hasher, &seq.tokens, &at))
+            }
         }
     }
 

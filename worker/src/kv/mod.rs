@@ -360,7 +360,25 @@ impl KvManager {
 
     /// [`Self::claim`] that never waits for a read (tests, and a sequence that cannot wait).
     pub fn start(&self, hasher: BlockHasher, tokens: &[u32]) -> BlockTable {
-        match self.claim(hasher, tokens, &Clock::default(), true) {
+        self.start_at(hasher, tokens, &Clock::default())
+    }
+
+    /// [`Self::claim`] for a sequence that cannot be passed over (a decode worker starting an import): SSD blocks
+    /// not in memory are asked for and waited for here, holding no lock, until the read's deadline at most; what
+    /// has not arrived by then is left to compute (or to import).
+    pub fn claim_waiting(&self, hasher: BlockHasher, tokens: &[u32], at: &Clock) -> BlockTable {
+        if let Claim::Read(w) = self.claim(hasher, tokens, at, false) {
+            if !self.request_reads(&w) {
+                let left = std::time::Duration::from_secs_f64((w.until - at.now).clamp(0.0, 60.0));
+                self.wait_reads(&w, left);
+            }
+        }
+        self.start_at(hasher, tokens, at)
+    }
+
+    /// [`Self::claim`] that never waits: what is not in memory is computed again.
+    pub fn start_at(&self, hasher: BlockHasher, tokens: &[u32], at: &Clock) -> BlockTable {
+        match self.claim(hasher, tokens, at, true) {
             Claim::Table(t) => t,
             Claim::Read(_) => unreachable!("a claim that gives up never asks for reads"),
         }

@@ -539,6 +539,8 @@ async fn metrics_text(State(state): State<Arc<AppState>>) -> Response {
             metrics::gauge!("kvgate_worker_disk_kv_recovered_blocks").set(d.recovered_blocks as f64);
             metrics::gauge!("kvgate_worker_disk_kv_prefetched_blocks").set(d.prefetched_blocks as f64);
             metrics::gauge!("kvgate_worker_disk_kv_prefetch_hits").set(d.prefetch_hits as f64);
+            // Reads the IO queue could not take (asked again at the next claim).
+            metrics::gauge!("kvgate_worker_disk_kv_dropped_reads").set(d.dropped_reads as f64);
         }
     }
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], state.prometheus.render()).into_response()
