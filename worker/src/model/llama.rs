@@ -16,8 +16,6 @@ use super::{ModelConfig, ModelError, ModelWeights};
 /// Query rows per attention tile.
 pub const QUERY_TILE: usize = 256;
 
-/// K and V memory of every layer: `[slots, kv_heads * head_dim]` each, a slot being `block * block_size + offset`.
-
 /// Appends `rows` as little-endian bytes (a memcpy on a little-endian machine).
 fn put_le(out: &mut Vec<u8>, rows: &[f32]) {
     if cfg!(target_endian = "little") {
@@ -38,6 +36,7 @@ fn get_le(rows: &mut [f32], src: &[u8]) {
     }
 }
 
+/// K and V memory of every layer: `[slots, kv_heads * head_dim]` each, a slot being `block * block_size + offset`.
 /// (The pool layout `[num_blocks, block_size, kv_heads, head_dim]` flattened.)
 #[derive(Debug)]
 pub struct KvStore {

@@ -412,10 +412,11 @@ impl Tiers {
             let payload = match run[k] {
                 Source::Host => host.as_mut().and_then(|h| h.get(hash, check, i as u32, tokens)),
                 Source::Disk => {
-                    self.disk.as_ref().and_then(|d| d.take(hash, check, i as u32, tokens)).map(|v| {
+                    let taken = self.disk.as_ref().and_then(|d| d.take(hash, check, i as u32, tokens));
+                    if taken.is_some() {
                         from_disk.push(hash);
-                        Arc::<[u8]>::from(v)
-                    })
+                    }
+                    taken
                 }
             };
             let Some(payload) = payload else {
