@@ -367,11 +367,13 @@ impl KvManager {
     /// not in memory are asked for and waited for here, holding no lock, until the read's deadline at most; what
     /// has not arrived by then is left to compute (or to import).
     pub fn claim_waiting(&self, hasher: BlockHasher, tokens: &[u32], at: &Clock) -> BlockTable {
-        if let Claim::Read(w) = self.claim(hasher, tokens, at, false) {
-            if !self.request_reads(&w) {
-                let left = std::time::Duration::from_secs_f64((w.until - at.now).clamp(0.0, 60.0));
-                self.wait_reads(&w, left);
-            }
+        let w = match self.claim(hasher, tokens, at, false) {
+            Claim::Table(t) => return t,
+            Claim::Read(w) => w,
+        };
+        if !self.request_reads(&w) {
+            let left = std::time::Duration::from_secs_f64((w.until - at.now).clamp(0.0, 60.0));
+            self.wait_reads(&w, left);
         }
         self.start_at(hasher, tokens, at)
     }

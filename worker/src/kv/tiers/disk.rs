@@ -490,7 +490,6 @@ impl DiskTier {
     /// IO thread reads them ahead; the inline tier reads them now, on this thread. Never waits on the IO queue (a
     /// full one drops the request, counted; the caller asks again). True when they are all in memory now.
     pub fn request(&self, mut wants: Vec<Want>) -> bool {
-        wants.truncate(MAX_PREFETCH_BLOCKS);
         if self.inline {
             for w in &wants {
                 if lock(&self.shared.ready).map.contains_key(&w.hash) {
@@ -518,16 +517,27 @@ impl DiskTier {
             .is_ok();
         #[cfg(not(test))]
         let refused = false;
-        let hashes: Vec<BlockHash> = wants.iter().map(|w| w.hash).collect();
-        if refused
-            || ready.pending.len() + wants.len() > MAX_PENDING_READS
-            || self.tx.try_send(Job::Prefetch(wants)).is_err()
-        {
+        if refused || ready.pending.len() + wants.len() > MAX_PENDING_READS {
             self.shared.counters.dropped_reads.fetch_add(1, Ordering::Relaxed);
             return false;
         }
-        ready.pending.extend(hashes);
+        // In jobs of at most MAX_PREFETCH_BLOCKS; what the queue cannot take is asked again next time.
+        while !wants.is_empty() {
+            let rest = wants.split_off(wants.len().min(MAX_PREFETCH_BLOCKS));
+            let hashes: Vec<BlockHash> = wants.iter().map(|w| w.hash).collect();
+            if self.tx.try_send(Job::Prefetch(wants)).is_err() {
+                self.shared.counters.dropped_reads.fetch_add(1, Ordering::Relaxed);
+                return false;
+            }
+            ready.pending.extend(hashes);
+            wants = rest;
+        }
         false
+    }
+
+    /// Whether reads happen on the caller's thread (the simulator's tier).
+    pub fn is_inline(&self) -> bool {
+        self.inline
     }
 
     /// Tests: the next `n` requests are dropped as if the IO queue were full.

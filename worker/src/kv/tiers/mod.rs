@@ -330,11 +330,7 @@ impl Tiers {
         // At most what the read-ahead memory holds, and only what would be loaded: reading the rest would delay
         // other requests' reads for nothing.
         let costs = self.costs();
-        let block_bytes = p.bs as f64 * costs.kv_bytes_per_token;
-        let cap = match block_bytes > 0.0 {
-            true => ((disk::MAX_PREFETCH_BYTES as f64 / block_bytes) as usize).max(1),
-            false => disk::MAX_PREFETCH_BLOCKS,
-        };
+        let cap = self.read_ahead_cap(p.bs);
         run.truncate(cap);
         let n = self.choose(p, start, &run, at, Weigh::Queued);
         if n == 0 {
@@ -349,6 +345,16 @@ impl Tiers {
         };
         disk.request((start..start + n).map(|i| p.want(i)).collect());
         at.now + ready
+    }
+
+    /// Blocks the read-ahead memory holds ([`disk::MAX_PREFETCH_BYTES`]; [`disk::MAX_PREFETCH_BLOCKS`] when a
+    /// block's bytes are unknown).
+    fn read_ahead_cap(&self, bs: usize) -> usize {
+        let block_bytes = bs as f64 * self.costs().kv_bytes_per_token;
+        match block_bytes > 0.0 {
+            true => ((disk::MAX_PREFETCH_BYTES as f64 / block_bytes) as usize).max(1),
+            false => disk::MAX_PREFETCH_BLOCKS,
+        }
     }
 
     /// Admission's part below the pool, first half (read-only, called with the pool locked): the lower-tier run
@@ -372,6 +378,13 @@ impl Tiers {
         };
         let mut load = self.choose(p, device, &run, at, Weigh::Admitted);
         if let Some(disk) = &self.disk {
+            if !disk.is_inline() {
+                // What the IO thread reads must fit the read-ahead memory at once: past it, computed again.
+                let cap = self.read_ahead_cap(p.bs);
+                if let Some((k, _)) = run.iter().enumerate().filter(|(_, s)| **s == Source::Disk).nth(cap) {
+                    load = load.min(k);
+                }
+            }
             let room = load.min(pool.num_free());
             let missing: Vec<usize> = (0..room)
                 .filter(|k| run[*k] == Source::Disk && !disk.in_memory(p.hashes[device + k]))
