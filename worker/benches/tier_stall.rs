@@ -4,7 +4,8 @@
 //! no SSD traffic). Every block of the pool is written once before (the CPU KV store's pages are mapped lazily).
 //! Every step is timed; the table gives p50, p99 and max of the step time, side by side in one run.
 //!
-//! `cargo bench -p kvgate-worker --bench tier_stall` (add `-- --quick` for one repetition instead of three).
+//! `cargo bench -p kvgate-worker --bench tier_stall` (add `-- --quick` for one repetition instead of three;
+//! `TIER_STALL_DEBUG=1` prints each run's ten slowest steps).
 
 use std::time::Instant;
 
