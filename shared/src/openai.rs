@@ -186,6 +186,79 @@ impl SamplingFields {
     }
 }
 
+/// Request fields a kvgate worker does not implement, with the value that asks for nothing (a request may send
+/// it): set to anything else, the worker refuses the request with 400 `unsupported_parameter` naming the field
+/// rather than ignore it. Fields outside this list and the typed ones are not sampling controls and are ignored.
+pub const UNSUPPORTED_PARAMETERS: &[(&str, Neutral)] = &[
+    ("logprobs", Neutral::FalseOrZero),
+    ("top_logprobs", Neutral::FalseOrZero),
+    ("prompt_logprobs", Neutral::FalseOrZero),
+    ("logit_bias", Neutral::EmptyObject),
+    ("presence_penalty", Neutral::FalseOrZero),
+    ("frequency_penalty", Neutral::FalseOrZero),
+    ("repetition_penalty", Neutral::One),
+    ("min_p", Neutral::FalseOrZero),
+    ("min_tokens", Neutral::FalseOrZero),
+    ("best_of", Neutral::One),
+    ("use_beam_search", Neutral::FalseOrZero),
+    ("length_penalty", Neutral::One),
+    ("suffix", Neutral::EmptyString),
+    ("response_format", Neutral::TextFormat),
+    ("tool_choice", Neutral::AutoOrNone),
+    ("function_call", Neutral::AutoOrNone),
+    ("functions", Neutral::Absent),
+    ("guided_json", Neutral::Absent),
+    ("guided_regex", Neutral::Absent),
+    ("guided_choice", Neutral::Absent),
+    ("guided_grammar", Neutral::Absent),
+    ("structured_outputs", Neutral::Absent),
+];
+
+/// What value of an unsupported field asks for nothing (`null` always does).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Neutral {
+    /// `false` or 0.
+    FalseOrZero,
+    /// 1.
+    One,
+    /// `{}`.
+    EmptyObject,
+    /// `""`.
+    EmptyString,
+    /// `{"type": "text"}`.
+    TextFormat,
+    /// `"auto"` or `"none"` (the model answers in text).
+    AutoOrNone,
+    /// Only `null`.
+    Absent,
+}
+
+impl Neutral {
+    fn accepts(self, v: &Value) -> bool {
+        if v.is_null() {
+            return true;
+        }
+        match self {
+            Neutral::FalseOrZero => v == &Value::Bool(false) || v.as_f64() == Some(0.0),
+            Neutral::One => v.as_f64() == Some(1.0),
+            Neutral::EmptyObject => v.as_object().is_some_and(Map::is_empty),
+            Neutral::EmptyString => v.as_str() == Some(""),
+            Neutral::TextFormat => v.get("type").and_then(Value::as_str) == Some("text"),
+            Neutral::AutoOrNone => matches!(v.as_str(), Some("auto" | "none")),
+            Neutral::Absent => false,
+        }
+    }
+}
+
+/// The first field of `extra` (a request's untyped fields) that asks for something a kvgate worker does not
+/// implement ([`UNSUPPORTED_PARAMETERS`]).
+pub fn unsupported_parameter(extra: &Map<String, Value>) -> Option<&'static str> {
+    UNSUPPORTED_PARAMETERS
+        .iter()
+        .find(|(name, neutral)| extra.get(*name).is_some_and(|v| !neutral.accepts(v)))
+        .map(|(name, _)| *name)
+}
+
 /// `POST /v1/completions`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct CompletionRequest {
@@ -515,5 +588,31 @@ mod tests {
         assert_eq!(v["choices"][0]["finish_reason"], json!("length"));
         assert_eq!(v["choices"][0]["delta"], json!({"content": "x"}));
         assert_eq!(sse_data("{}"), "data: {}\n\n");
+    }
+
+    #[test]
+    fn unimplemented_parameters_are_named_unless_they_ask_for_nothing() {
+        let req = |extra: Value| -> Map<String, Value> { extra.as_object().cloned().unwrap_or_default() };
+        let neutral = json!({"logprobs": false, "top_logprobs": 0, "logit_bias": {}, "presence_penalty": 0.0,
+            "frequency_penalty": null, "repetition_penalty": 1.0, "min_p": 0, "response_format": {"type": "text"},
+            "tool_choice": "auto", "suffix": "", "metadata": {"anything": 1}, "store": true});
+        assert_eq!(unsupported_parameter(&req(neutral)), None);
+        for (field, value) in [
+            ("logprobs", json!(true)),
+            ("top_logprobs", json!(5)),
+            ("logit_bias", json!({"50256": -100})),
+            ("presence_penalty", json!(0.5)),
+            ("frequency_penalty", json!(-0.1)),
+            ("repetition_penalty", json!(1.1)),
+            ("min_p", json!(0.05)),
+            ("response_format", json!({"type": "json_object"})),
+            ("tool_choice", json!("required")),
+            ("tool_choice", json!({"type": "function", "function": {"name": "f"}})),
+            ("best_of", json!(3)),
+            ("guided_json", json!({})),
+        ] {
+            let got = unsupported_parameter(&req(json!({ field: value })));
+            assert_eq!(got, Some(field), "{field} = {value}");
+        }
     }
 }

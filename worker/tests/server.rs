@@ -213,6 +213,39 @@ async fn bad_input_gets_openai_errors() {
         "invalid_value",
         Some("n"),
     );
+    // Parameters a kvgate worker does not implement are refused by name, never ignored; their neutral values pass.
+    let chat_with = |field: &str, value: serde_json::Value| {
+        let mut b = json!({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 1});
+        b[field] = value;
+        b
+    };
+    for (field, value) in [
+        ("logprobs", json!(true)),
+        ("top_logprobs", json!(3)),
+        ("logit_bias", json!({"5": 10})),
+        ("presence_penalty", json!(0.4)),
+        ("frequency_penalty", json!(0.4)),
+        ("repetition_penalty", json!(1.2)),
+        ("min_p", json!(0.1)),
+        ("response_format", json!({"type": "json_object"})),
+        ("tool_choice", json!("required")),
+    ] {
+        check(post(&chat, &chat_with(field, value)).await, 400, "unsupported_parameter", Some(field));
+    }
+    let neutral = post(&chat, &chat_with("presence_penalty", json!(0))).await;
+    assert_eq!(neutral.status, 200, "{}", neutral.body);
+    check(
+        post(&comp, &json!({"model": MODEL, "prompt": [1, 2], "logprobs": 2})).await,
+        400,
+        "unsupported_parameter",
+        Some("logprobs"),
+    );
+    check(
+        post(&comp, &json!({"model": MODEL, "prompt": [1, 2], "suffix": "end"})).await,
+        400,
+        "unsupported_parameter",
+        Some("suffix"),
+    );
     check(
         post(&comp, &json!({"model": MODEL, "prompt": [1, 2], "max_tokens": 5000})).await,
         400,

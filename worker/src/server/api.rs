@@ -13,7 +13,7 @@ use futures_util::stream;
 use kvgate_shared::handoff::{self, TenantScope};
 use kvgate_shared::hashing::ExtraKeys;
 use kvgate_shared::openai::{
-    sse_data, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
+    sse_data, unsupported_parameter, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
     ChatCompletionResponse, ChatDelta, ChatMessage, CompletionChoice, CompletionRequest, CompletionResponse,
     FinishReason as ApiFinish, SamplingFields, SinglePrompt, Usage, SSE_DONE,
 };
@@ -143,10 +143,10 @@ pub async fn completions(State(state): State<Arc<AppState>>, headers: HeaderMap,
             return Err(ApiError::model_not_found(&req.model, &l.model_id));
         }
         if req.echo == Some(true) || req.logprobs.is_some() {
-            return Err(ApiError::invalid(
-                if req.logprobs.is_some() { "logprobs" } else { "echo" },
-                "not supported",
-            ));
+            return Err(ApiError::unsupported(if req.logprobs.is_some() { "logprobs" } else { "echo" }));
+        }
+        if let Some(p) = unsupported_parameter(&req.extra) {
+            return Err(ApiError::unsupported(p));
         }
         let input = match req.prompt.single().map_err(|m| ApiError::invalid("prompt", m))? {
             SinglePrompt::Text(t) => PromptInput::Text(t),
@@ -187,6 +187,9 @@ pub async fn chat_completions(
         let req: ChatCompletionRequest = parse_body(body, state.cfg.max_body_bytes).await?;
         if req.model != l.model_id {
             return Err(ApiError::model_not_found(&req.model, &l.model_id));
+        }
+        if let Some(p) = unsupported_parameter(&req.extra) {
+            return Err(ApiError::unsupported(p));
         }
         let options =
             chat_options(req.add_generation_prompt, req.tools.clone(), req.chat_template_kwargs.clone());

@@ -26,6 +26,15 @@ impl ApiError {
         e.param = Some(param.into());
         e
     }
+    /// 400 for a field kvgate workers do not implement (`kvgate_shared::openai::UNSUPPORTED_PARAMETERS`).
+    pub fn unsupported(param: &str) -> Self {
+        let message =
+            format!("{param} is not supported by kvgate workers (leave it out, or send its neutral value)");
+        let mut e =
+            Self::new(StatusCode::BAD_REQUEST, "invalid_request_error", "unsupported_parameter", message);
+        e.param = Some(param.into());
+        e
+    }
     pub fn bad_json(message: impl Into<String>) -> Self {
         Self::new(StatusCode::BAD_REQUEST, "invalid_request_error", "invalid_json", message)
     }
