@@ -188,16 +188,13 @@ impl SamplingFields {
 
 /// Request fields a kvgate worker does not implement, with the value that asks for nothing (a request may send
 /// it): set to anything else, the worker refuses the request with 400 `unsupported_parameter` naming the field
-/// rather than ignore it. Fields outside this list and the typed ones are not sampling controls and are ignored.
+/// rather than ignore it. The worker implements the typed fields and, from the untyped ones, `presence_penalty`,
+/// `frequency_penalty`, `repetition_penalty`, `min_p` and `logit_bias`; other fields are not sampling controls and
+/// are ignored.
 pub const UNSUPPORTED_PARAMETERS: &[(&str, Neutral)] = &[
     ("logprobs", Neutral::FalseOrZero),
     ("top_logprobs", Neutral::FalseOrZero),
     ("prompt_logprobs", Neutral::FalseOrZero),
-    ("logit_bias", Neutral::EmptyObject),
-    ("presence_penalty", Neutral::FalseOrZero),
-    ("frequency_penalty", Neutral::FalseOrZero),
-    ("repetition_penalty", Neutral::One),
-    ("min_p", Neutral::FalseOrZero),
     ("min_tokens", Neutral::FalseOrZero),
     ("best_of", Neutral::One),
     ("use_beam_search", Neutral::FalseOrZero),
@@ -593,18 +590,13 @@ mod tests {
     #[test]
     fn unimplemented_parameters_are_named_unless_they_ask_for_nothing() {
         let req = |extra: Value| -> Map<String, Value> { extra.as_object().cloned().unwrap_or_default() };
-        let neutral = json!({"logprobs": false, "top_logprobs": 0, "logit_bias": {}, "presence_penalty": 0.0,
-            "frequency_penalty": null, "repetition_penalty": 1.0, "min_p": 0, "response_format": {"type": "text"},
-            "tool_choice": "auto", "suffix": "", "metadata": {"anything": 1}, "store": true});
+        let neutral = json!({"logprobs": false, "top_logprobs": 0, "best_of": 1, "prompt_logprobs": null,
+            "response_format": {"type": "text"}, "tool_choice": "auto", "suffix": "", "metadata": {"anything": 1},
+            "store": true, "logit_bias": {"1": 5}, "presence_penalty": 1.0});
         assert_eq!(unsupported_parameter(&req(neutral)), None);
         for (field, value) in [
             ("logprobs", json!(true)),
             ("top_logprobs", json!(5)),
-            ("logit_bias", json!({"50256": -100})),
-            ("presence_penalty", json!(0.5)),
-            ("frequency_penalty", json!(-0.1)),
-            ("repetition_penalty", json!(1.1)),
-            ("min_p", json!(0.05)),
             ("response_format", json!({"type": "json_object"})),
             ("tool_choice", json!("required")),
             ("tool_choice", json!({"type": "function", "function": {"name": "f"}})),

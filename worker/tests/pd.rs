@@ -129,6 +129,23 @@ fn text_and_usage(r: &common::Resp) -> (String, Value) {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_with_logit_controls_is_served_whole_by_the_decode_worker() {
+    // The prefill worker samples a split's first token from temperature, top-p, top-k and seed only: a request
+    // with a logit bias (or penalties, or min-p) is computed where it arrived, and answers like a whole run.
+    let (p, d, alone) = (prefill_worker(&[]), decode_worker(&[]), start_worker(&[]));
+    let mut b = body(&prompt(100, 3), 4, false);
+    b["logit_bias"] = json!({"42": 100});
+    let want = text_and_usage(&post_pd(&alone, None, None, &b).await);
+    let got = text_and_usage(&post_pd(&d, Some(&p.transfer), None, &b).await);
+    assert_eq!(got, want);
+    assert_eq!(
+        m(&d, "kvgate_worker_kv_transfer_blocks_total{side=\"import\"}").await,
+        0.0,
+        "nothing imported"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_split_request_answers_like_a_whole_one_and_moves_only_missing_blocks() {
     let (p, d, alone) = (prefill_worker(&[]), decode_worker(&[]), start_worker(&[]));
     let pr = prompt(300, 0);

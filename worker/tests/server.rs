@@ -222,18 +222,26 @@ async fn bad_input_gets_openai_errors() {
     for (field, value) in [
         ("logprobs", json!(true)),
         ("top_logprobs", json!(3)),
-        ("logit_bias", json!({"5": 10})),
-        ("presence_penalty", json!(0.4)),
-        ("frequency_penalty", json!(0.4)),
-        ("repetition_penalty", json!(1.2)),
-        ("min_p", json!(0.1)),
         ("response_format", json!({"type": "json_object"})),
         ("tool_choice", json!("required")),
+        ("best_of", json!(2)),
     ] {
         check(post(&chat, &chat_with(field, value)).await, 400, "unsupported_parameter", Some(field));
     }
-    let neutral = post(&chat, &chat_with("presence_penalty", json!(0))).await;
+    let neutral = post(&chat, &chat_with("logprobs", json!(false))).await;
     assert_eq!(neutral.status, 200, "{}", neutral.body);
+    // The logit controls a worker implements are checked like the typed fields.
+    for (field, value) in [
+        ("presence_penalty", json!(3)),
+        ("frequency_penalty", json!("a lot")),
+        ("repetition_penalty", json!(0)),
+        ("min_p", json!(1.5)),
+        ("logit_bias", json!({"5": 101})),
+        ("logit_bias", json!({"five": 1})),
+        ("logit_bias", json!([1, 2])),
+    ] {
+        check(post(&chat, &chat_with(field, value)).await, 400, "invalid_value", Some(field));
+    }
     check(
         post(&comp, &json!({"model": MODEL, "prompt": [1, 2], "logprobs": 2})).await,
         400,
@@ -272,6 +280,33 @@ async fn bad_input_gets_openai_errors() {
     assert_eq!(r.status, 200);
     let m = get(&format!("{}/metrics", w.base)).await.body;
     assert_eq!(metric(&m, "kvgate_worker_kv_blocks{state=\"used\"}"), Some(0.0));
+}
+
+#[tokio::test]
+async fn logit_bias_changes_what_is_sampled() {
+    let w = start_worker(&[]);
+    let comp = format!("{}/v1/completions", w.base);
+    let text = |r: &common::Resp| {
+        assert_eq!(r.status, 200, "{}", r.body);
+        r.json()["choices"][0]["text"].as_str().expect("text").to_owned()
+    };
+    let ask = |prompt: Vec<u32>, extra: serde_json::Value| {
+        let mut b =
+            json!({"model": MODEL, "prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": true});
+        for (k, v) in extra.as_object().expect("object") {
+            b[k] = v.clone();
+        }
+        b
+    };
+    // Greedy with +100 on one token: that token, whatever the prompt.
+    let bias = json!({"logit_bias": {"77": 100}});
+    let a = text(&post(&comp, &ask(ids(12, 1), bias.clone())).await);
+    let b = text(&post(&comp, &ask(ids(12, 2), bias)).await);
+    assert_eq!(a, b, "the bias decides");
+    let plain = text(&post(&comp, &ask(ids(12, 1), json!({}))).await);
+    assert_ne!(a, plain);
+    // (The penalties' formula is checked in the sampler's tests.)
+    assert_eq!(text(&post(&comp, &ask(ids(12, 1), json!({}))).await), plain, "deterministic without a bias");
 }
 
 #[tokio::test]

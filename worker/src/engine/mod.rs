@@ -411,7 +411,8 @@ impl<B: Backend> Engine<B> {
                         len: c.len,
                         slots,
                         want_next: c.sample,
-                        greedy: seq.params.temperature < sampler::GREEDY_BELOW,
+                        greedy: seq.params.temperature < sampler::GREEDY_BELOW
+                            && !seq.params.modifies_logits(),
                     }
                 })
                 .collect();
@@ -455,7 +456,9 @@ impl<B: Backend> Engine<B> {
                     let seq = &mut self.sched.running_mut()[c.index];
                     let token = match next {
                         Some(Next::Token(t)) => t,
-                        Some(Next::Logits(l)) => sampler::sample(&l, &seq.params, &mut seq.rng),
+                        Some(Next::Logits(l)) => {
+                            sampler::sample_seq(&l, &seq.params, &mut seq.rng, &seq.tokens, seq.prompt_len)
+                        }
                         None => {
                             let reason =
                                 FinishReason::Error("backend returned nothing to sample from".into());

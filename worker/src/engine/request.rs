@@ -23,7 +23,20 @@ pub struct SamplingParams {
     /// Strings that end generation when they appear in the output text.
     pub stop: Vec<String>,
     pub ignore_eos: bool,
+    /// OpenAI's presence and frequency penalties over the generated tokens ([-2, 2]; 0 = off).
+    pub presence_penalty: f32,
+    pub frequency_penalty: f32,
+    /// vLLM's repetition penalty over the prompt's and the generated tokens ((0, 2]; 1 = off): a seen token's
+    /// positive logit is divided by it, a negative one multiplied.
+    pub repetition_penalty: f32,
+    /// Drops tokens whose probability is under `min_p` times the most likely one's ([0, 1]; 0 = off).
+    pub min_p: f32,
+    /// Added to these tokens' logits ([-100, 100] each; at most [`MAX_LOGIT_BIAS`] tokens).
+    pub logit_bias: Vec<(u32, f32)>,
 }
+
+/// Most tokens one request's `logit_bias` may name (OpenAI's limit).
+pub const MAX_LOGIT_BIAS: usize = 300;
 
 impl Default for SamplingParams {
     fn default() -> Self {
@@ -36,6 +49,11 @@ impl Default for SamplingParams {
             stop_token_ids: Vec::new(),
             stop: Vec::new(),
             ignore_eos: false,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            repetition_penalty: 1.0,
+            min_p: 0.0,
+            logit_bias: Vec::new(),
         }
     }
 }
@@ -60,7 +78,39 @@ impl SamplingParams {
         if self.stop.iter().any(String::is_empty) {
             return Err(("stop", "stop strings must not be empty".into()));
         }
+        for (field, v) in
+            [("presence_penalty", self.presence_penalty), ("frequency_penalty", self.frequency_penalty)]
+        {
+            if !(v.is_finite() && (-2.0..=2.0).contains(&v)) {
+                return Err((field, format!("{v} is not in [-2, 2]")));
+            }
+        }
+        let r = self.repetition_penalty;
+        if !(r.is_finite() && r > 0.0 && r <= 2.0) {
+            return Err(("repetition_penalty", format!("{r} is not in (0, 2]")));
+        }
+        if !(self.min_p.is_finite() && (0.0..=1.0).contains(&self.min_p)) {
+            return Err(("min_p", format!("{} is not in [0, 1]", self.min_p)));
+        }
+        if self.logit_bias.len() > MAX_LOGIT_BIAS {
+            return Err(("logit_bias", format!("at most {MAX_LOGIT_BIAS} tokens")));
+        }
+        if let Some((t, b)) =
+            self.logit_bias.iter().find(|(_, b)| !(b.is_finite() && (-100.0..=100.0).contains(b)))
+        {
+            return Err(("logit_bias", format!("the bias of token {t}, {b}, is not in [-100, 100]")));
+        }
         Ok(())
+    }
+
+    /// Whether anything changes the logits before sampling (then the backend's greedy shortcut, an arg-max on
+    /// the device, cannot be used, and a prefill worker cannot sample the first token from its wire frame).
+    pub fn modifies_logits(&self) -> bool {
+        self.presence_penalty != 0.0
+            || self.frequency_penalty != 0.0
+            || self.repetition_penalty != 1.0
+            || self.min_p > 0.0
+            || !self.logit_bias.is_empty()
     }
 }
 

@@ -1,5 +1,8 @@
-//! Picking the next token from logits: greedy, or temperature with top-k and top-p, from a per-request seeded
-//! stream (so a request with a `seed` is reproducible whatever else is in its batch).
+//! Picking the next token from logits: greedy, or temperature with top-k, top-p and min-p, from a per-request
+//! seeded stream (so a request with a `seed` is reproducible whatever else is in its batch). Before either, the
+//! logits are adjusted (`adjust`): repetition penalty (vLLM: a token seen in the prompt or the output has a positive
+//! logit divided by it, a negative one multiplied), frequency and presence penalties (OpenAI: minus `count *
+//! frequency + presence` for a token generated `count > 0` times), then `logit_bias` added.
 
 use kvgate_shared::prompt::SplitMix64;
 
@@ -21,7 +24,57 @@ pub fn argmax(logits: &[f32]) -> u32 {
 /// Temperatures below this sample greedily (arg-max, lowest id on ties).
 pub const GREEDY_BELOW: f32 = 1e-5;
 
-/// Samples one token.
+/// Applies the penalties and the bias to `logits` (`tokens`: the sequence so far, of which the first
+/// `prompt_len` are the prompt).
+pub fn adjust(logits: &mut [f32], params: &SamplingParams, tokens: &[u32], prompt_len: usize) {
+    let vocab = logits.len();
+    if params.repetition_penalty != 1.0 {
+        let mut seen = vec![false; vocab];
+        for &t in tokens {
+            if let Some(s) = seen.get_mut(t as usize) {
+                *s = true;
+            }
+        }
+        let r = params.repetition_penalty;
+        for (l, _) in logits.iter_mut().zip(&seen).filter(|(_, s)| **s) {
+            *l = if *l > 0.0 { *l / r } else { *l * r };
+        }
+    }
+    if params.presence_penalty != 0.0 || params.frequency_penalty != 0.0 {
+        let mut counts: std::collections::HashMap<u32, u32> = std::collections::HashMap::new();
+        for &t in tokens.get(prompt_len..).unwrap_or_default() {
+            *counts.entry(t).or_default() += 1;
+        }
+        for (t, n) in counts {
+            if let Some(l) = logits.get_mut(t as usize) {
+                *l -= n as f32 * params.frequency_penalty + params.presence_penalty;
+            }
+        }
+    }
+    for &(t, b) in &params.logit_bias {
+        if let Some(l) = logits.get_mut(t as usize) {
+            *l += b;
+        }
+    }
+}
+
+/// Samples one token after adjusting the logits ([`adjust`]) when the request asks for it.
+pub fn sample_seq(
+    logits: &[f32],
+    params: &SamplingParams,
+    rng: &mut SplitMix64,
+    tokens: &[u32],
+    prompt_len: usize,
+) -> u32 {
+    if !params.modifies_logits() {
+        return sample(logits, params, rng);
+    }
+    let mut adjusted = logits.to_vec();
+    adjust(&mut adjusted, params, tokens, prompt_len);
+    sample(&adjusted, params, rng)
+}
+
+/// Samples one token from logits as they are (no penalties or bias: [`sample_seq`] applies those).
 pub fn sample(logits: &[f32], params: &SamplingParams, rng: &mut SplitMix64) -> u32 {
     if params.temperature < GREEDY_BELOW || logits.len() <= 1 {
         return argmax(logits);
@@ -41,11 +94,16 @@ pub fn sample(logits: &[f32], params: &SamplingParams, rng: &mut SplitMix64) -> 
         idx.iter().map(|&i| f64::from((logits[i as usize] * inv_t - max).exp())).collect();
     let total: f64 = probs.iter().sum();
     probs.iter_mut().for_each(|p| *p /= total);
-    // Nucleus: the smallest prefix whose mass reaches top_p (always at least one token).
+    // Min-p: only tokens at least min_p times as likely as the most likely one (always at least one token).
     let mut keep = probs.len();
+    if params.min_p > 0.0 {
+        let floor = probs[0] * f64::from(params.min_p);
+        keep = probs.iter().take_while(|p| **p >= floor).count().max(1);
+    }
+    // Nucleus: the smallest prefix whose mass reaches top_p (always at least one token).
     if params.top_p < 1.0 {
         let mut mass = 0.0;
-        for (n, p) in probs.iter().enumerate() {
+        for (n, p) in probs[..keep].iter().enumerate() {
             mass += p;
             if mass >= f64::from(params.top_p) {
                 keep = n + 1;
@@ -103,5 +161,45 @@ mod tests {
         };
         assert_eq!(draw(7), draw(7));
         assert_ne!(draw(7), draw(8));
+    }
+
+    #[test]
+    fn penalties_and_bias_move_the_logits_as_documented() {
+        // Prompt [0, 1], output [1, 2, 2].
+        let tokens = [0u32, 1, 1, 2, 2];
+        let base = [2.0f32, 2.0, -2.0, 1.0];
+        let run = |p: SamplingParams| {
+            let mut l = base;
+            adjust(&mut l, &p, &tokens, 2);
+            l
+        };
+        let rep = run(SamplingParams { repetition_penalty: 2.0, ..SamplingParams::default() });
+        assert_eq!(rep, [1.0, 1.0, -4.0, 1.0], "seen tokens (prompt or output) penalised, token 3 not");
+        let freq = run(SamplingParams {
+            frequency_penalty: 0.5,
+            presence_penalty: 0.25,
+            ..SamplingParams::default()
+        });
+        assert_eq!(freq, [2.0, 2.0 - 0.75, -2.0 - 1.25, 1.0], "generated tokens only, by count");
+        let bias = run(SamplingParams { logit_bias: vec![(3, 5.0), (99, 1.0)], ..SamplingParams::default() });
+        assert_eq!(bias, [2.0, 2.0, -2.0, 6.0], "a bias past the vocabulary is ignored");
+        // Greedy follows the adjusted logits.
+        let mut rng = SplitMix64::new(1);
+        let p = SamplingParams { logit_bias: vec![(3, 5.0)], ..SamplingParams::greedy(1) };
+        assert_eq!(sample_seq(&base, &p, &mut rng, &tokens, 2), 3);
+        assert_eq!(sample_seq(&base, &SamplingParams::greedy(1), &mut rng, &tokens, 2), 0);
+    }
+
+    #[test]
+    fn min_p_keeps_only_tokens_near_the_most_likely() {
+        // Probabilities about 0.64, 0.24, 0.09, 0.03: min_p 0.3 keeps the first two.
+        let logits = [3.0f32, 2.0, 1.0, 0.0];
+        let p = SamplingParams { min_p: 0.3, ..params(1.0, 0, 1.0) };
+        let mut rng = SplitMix64::new(7);
+        let drawn: std::collections::HashSet<u32> = (0..500).map(|_| sample(&logits, &p, &mut rng)).collect();
+        assert_eq!(drawn, [0u32, 1].into_iter().collect());
+        let all: std::collections::HashSet<u32> =
+            (0..2000).map(|_| sample(&logits, &params(1.0, 0, 1.0), &mut rng)).collect();
+        assert_eq!(all.len(), 4);
     }
 }

@@ -19,12 +19,14 @@ use kvgate_shared::openai::{
 };
 use kvgate_shared::prompt::{chat_options, PromptError, PromptInput, RequestPrompt, CACHE_SALT_HEADER};
 use serde::de::DeserializeOwned;
+use serde_json::{Map, Value};
 use tokio::sync::mpsc::UnboundedReceiver;
 
 use super::engine_thread::{EngineHandle, Refusal};
 use super::errors::ApiError;
 use super::text::TextStream;
 use super::{AppState, ServingModel};
+use crate::engine::request::MAX_LOGIT_BIAS;
 use crate::engine::{AdmitError, EngineRequest, FinishReason, RequestId, SamplingParams, StepOutput};
 
 /// Most stop strings per request.
@@ -86,8 +88,43 @@ fn header_salt(headers: &HeaderMap) -> Result<Option<&str>, ApiError> {
         .transpose()
 }
 
-/// OpenAI sampling fields -> engine parameters.
-fn sampling(f: &SamplingFields, default_max: u32) -> Result<SamplingParams, ApiError> {
+/// A number field of `extra` (`None`: absent or null).
+fn number(extra: &Map<String, Value>, field: &str) -> Result<Option<f32>, ApiError> {
+    match extra.get(field) {
+        None | Some(Value::Null) => Ok(None),
+        Some(v) => v
+            .as_f64()
+            .map(|x| Some(x as f32))
+            .ok_or_else(|| ApiError::invalid(field, format!("{field} must be a number"))),
+    }
+}
+
+/// `logit_bias`: token id (as a string, OpenAI's form) -> bias.
+fn logit_bias(extra: &Map<String, Value>) -> Result<Vec<(u32, f32)>, ApiError> {
+    let Some(Value::Object(m)) = extra.get("logit_bias") else {
+        return match extra.get("logit_bias") {
+            None | Some(Value::Null) => Ok(Vec::new()),
+            Some(_) => {
+                Err(ApiError::invalid("logit_bias", "logit_bias must be an object of token id -> bias"))
+            }
+        };
+    };
+    if m.len() > MAX_LOGIT_BIAS {
+        return Err(ApiError::invalid("logit_bias", format!("at most {MAX_LOGIT_BIAS} tokens")));
+    }
+    let bad =
+        |k: &str| ApiError::invalid("logit_bias", format!("{k:?} is not a token id with a numeric bias"));
+    m.iter()
+        .map(|(k, v)| Ok((k.parse::<u32>().map_err(|_| bad(k))?, v.as_f64().ok_or_else(|| bad(k))? as f32)))
+        .collect()
+}
+
+/// OpenAI sampling fields (the typed ones, and the logit controls among the untyped `extra`) -> engine parameters.
+fn sampling(
+    f: &SamplingFields,
+    extra: &Map<String, Value>,
+    default_max: u32,
+) -> Result<SamplingParams, ApiError> {
     if f.n.is_some_and(|n| n != 1) {
         return Err(ApiError::invalid("n", "only n = 1 is supported"));
     }
@@ -113,6 +150,11 @@ fn sampling(f: &SamplingFields, default_max: u32) -> Result<SamplingParams, ApiE
         stop_token_ids: f.stop_token_ids.clone().unwrap_or_default(),
         stop,
         ignore_eos: f.ignore_eos.unwrap_or(false),
+        presence_penalty: number(extra, "presence_penalty")?.unwrap_or(0.0),
+        frequency_penalty: number(extra, "frequency_penalty")?.unwrap_or(0.0),
+        repetition_penalty: number(extra, "repetition_penalty")?.unwrap_or(1.0),
+        min_p: number(extra, "min_p")?.unwrap_or(0.0),
+        logit_bias: logit_bias(extra)?,
     };
     p.validate().map_err(|(field, m)| ApiError::invalid(field, m))?;
     Ok(p)
@@ -162,7 +204,7 @@ pub async fn completions(State(state): State<Arc<AppState>>, headers: HeaderMap,
         prompt.scope = v.scope.as_ref();
         let ids = prompt.token_ids(&l.prompter, v.ids).map_err(|e| prompt_error(e, prompt.param()))?;
         let extra = prompt.extra_keys();
-        let params = sampling(&req.sampling, 16)?;
+        let params = sampling(&req.sampling, &req.extra, 16)?;
         let peer = super::pd::prefill_peer(&state, &l, &headers, &req.model)?;
         Ok((l, ids, params, extra, req.sampling, peer))
     }
@@ -205,7 +247,7 @@ pub async fn chat_completions(
         let extra = prompt.extra_keys();
         // Without max_tokens a chat may use the rest of the context, up to --default-max-tokens.
         let room = l.max_model_len.saturating_sub(ids.len()).max(1) as u32;
-        let params = sampling(&req.sampling, state.cfg.default_max_tokens.min(room))?;
+        let params = sampling(&req.sampling, &req.extra, state.cfg.default_max_tokens.min(room))?;
         let peer = super::pd::prefill_peer(&state, &l, &headers, &req.model)?;
         Ok((l, ids, params, extra, req.sampling, peer))
     }
@@ -374,6 +416,9 @@ async fn run(
 ) -> Response {
     let id = l.engine.next_id();
     let stops = params.stop.clone();
+    // A prefill worker samples the first token from a fixed frame (temperature, top-p, top-k, seed): a request
+    // whose logits are adjusted first (penalties, bias, min-p) is served whole here instead.
+    let peer = peer.filter(|_| !params.modifies_logits());
     let req = EngineRequest { id, prompt: ids, params, extra_keys };
     let started_leg = match peer {
         None => l.engine.submit(req).await.map(|rx| (rx, None)),
