@@ -448,7 +448,8 @@ async fn sigterm_drains_then_exits() {
     let r = stream.await.expect("join");
     let events = sse_events(&r.body);
     assert_eq!(events.last().map(String::as_str), Some("[DONE]"), "the stream ends cleanly");
-    assert!(r.body.contains("\"finish_reason\":\"abort\""), "aborted at the end of the grace period");
+    assert!(r.body.contains("\"code\":\"aborted\""), "aborted at the end of the grace period: {}", r.body);
+    assert!(!r.body.contains("\"finish_reason\":\"abort\""), "an error event, not a made-up finish reason");
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
         if let Some(status) = w.child.try_wait().expect("wait") {

@@ -395,12 +395,26 @@ impl Timing {
     }
 }
 
+/// OpenAI's finish reason of a request that ended normally (an abort or an error ends with an error instead).
 fn api_finish(r: &FinishReason) -> ApiFinish {
     match r {
-        FinishReason::Stop(_) => ApiFinish::Stop,
         FinishReason::Length => ApiFinish::Length,
-        FinishReason::Abort | FinishReason::Error(_) => ApiFinish::Abort,
+        FinishReason::Stop(_) | FinishReason::Abort | FinishReason::Error(_) => ApiFinish::Stop,
     }
+}
+
+/// A request the engine ended before its finish (the worker is shutting down, or the request was cancelled).
+fn aborted() -> ApiError {
+    ApiError::unavailable(
+        "aborted",
+        "the request was aborted before it finished (the worker is shutting down)",
+    )
+}
+
+/// Ends a stream with an error event (`data: {"error": ...}`) and `[DONE]`.
+fn error_event(out: &mut String, err: &ApiError) {
+    out.push_str(&sse_data(&err.body().to_json()));
+    out.push_str(SSE_DONE);
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -540,9 +554,8 @@ fn stream_response(
         }
         loop {
             let Some(o) = st.rx.recv().await else {
-                // The engine dropped the request (shutdown): say so and end.
-                out.push_str(&sse_data(&st.ctx.chunk(None, false, Some(ApiFinish::Abort), st.include_usage)));
-                out.push_str(SSE_DONE);
+                // The engine dropped the request (shutdown): an error event, not a made-up finish reason.
+                error_event(&mut out, &aborted());
                 st.done = true;
                 break;
             };
@@ -557,9 +570,13 @@ fn stream_response(
             if let Some(reason) = &o.finished {
                 st.guard.done = true;
                 st.done = true;
-                if let FinishReason::Error(msg) = reason {
-                    let err = ApiError::internal(format!("generation failed: {msg}"));
-                    out.push_str(&sse_data(&err.body().to_json()));
+                let failed = match reason {
+                    FinishReason::Error(msg) => Some(ApiError::internal(format!("generation failed: {msg}"))),
+                    FinishReason::Abort => Some(aborted()),
+                    FinishReason::Stop(_) | FinishReason::Length => None,
+                };
+                if let Some(err) = failed {
+                    error_event(&mut out, &err);
                     st.timing.finish(&o, st.ctx.kind, "error");
                     break;
                 }
@@ -600,8 +617,7 @@ async fn full_response(
     let mut body = String::new();
     let last = loop {
         let Some(o) = rx.recv().await else {
-            return ApiError::unavailable("aborted", "the request was aborted (worker shutting down)")
-                .into_response();
+            return aborted().into_response();
         };
         if o.token.is_some() {
             timing.token();
@@ -613,9 +629,16 @@ async fn full_response(
     };
     guard.done = true;
     let reason = last.finished.clone().unwrap_or(FinishReason::Abort);
-    if let FinishReason::Error(msg) = &reason {
-        timing.finish(&last, ctx.kind, "error");
-        return ApiError::internal(format!("generation failed: {msg}")).into_response();
+    match &reason {
+        FinishReason::Error(msg) => {
+            timing.finish(&last, ctx.kind, "error");
+            return ApiError::internal(format!("generation failed: {msg}")).into_response();
+        }
+        FinishReason::Abort => {
+            timing.finish(&last, ctx.kind, "error");
+            return aborted().into_response();
+        }
+        FinishReason::Stop(_) | FinishReason::Length => {}
     }
     timing.finish(&last, ctx.kind, "ok");
     let usage = Some(usage_of(&last));
