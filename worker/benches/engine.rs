@@ -3,15 +3,16 @@
 //!
 //! `cargo bench -p kvgate-worker --bench engine` (add `-- --quick` for fewer repetitions).
 
+mod common;
+
 use std::time::Instant;
 
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 use candle_transformers::models::llama;
-use kvgate_shared::hashing::{ExtraKeys, HashScheme};
-use kvgate_worker::engine::{
-    CpuBackend, Engine, EngineConfig, EngineRequest, SamplingParams, SchedulerConfig,
-};
+use common::request;
+use kvgate_shared::hashing::HashScheme;
+use kvgate_worker::engine::{CpuBackend, Engine, EngineConfig, SchedulerConfig};
 use kvgate_worker::model::llama::LlamaModel;
 use kvgate_worker::model::synth::{synth_model, Preset, SynthSpec};
 
@@ -64,15 +65,6 @@ fn engine(dir: &std::path::Path, num_blocks: usize) -> Engine<CpuBackend> {
     let cfg =
         EngineConfig { num_blocks, scheme: HashScheme::new(16, 1), scheduler: SchedulerConfig::default() };
     Engine::new(cfg, backend, None)
-}
-
-fn request(id: u64, prompt: Vec<u32>, max_tokens: u32) -> EngineRequest {
-    EngineRequest {
-        id,
-        prompt,
-        params: SamplingParams { ignore_eos: true, ..SamplingParams::greedy(max_tokens) },
-        extra_keys: ExtraKeys::none(),
-    }
 }
 
 /// Seconds until the request's first token (its whole prefill, chunked by the scheduler).

@@ -7,12 +7,13 @@
 //! `cargo bench -p kvgate-worker --bench tier_stall` (add `-- --quick` for one repetition instead of three;
 //! `TIER_STALL_DEBUG=1` prints each run's ten slowest steps).
 
+mod common;
+
 use std::time::Instant;
 
-use kvgate_shared::hashing::{ExtraKeys, HashScheme};
-use kvgate_worker::engine::{
-    CpuBackend, Engine, EngineConfig, EngineRequest, SamplingParams, SchedulerConfig,
-};
+use common::request;
+use kvgate_shared::hashing::HashScheme;
+use kvgate_worker::engine::{CpuBackend, Engine, EngineConfig, SchedulerConfig};
 use kvgate_worker::kv::{LoadCosts, LoadPolicy, WritePolicy};
 use kvgate_worker::model::llama::LlamaModel;
 use kvgate_worker::model::synth::{synth_model, Preset, SynthSpec};
@@ -22,15 +23,6 @@ const ARRIVALS: usize = 6;
 const STREAMS: usize = 8;
 const EVERY: usize = 25;
 const STREAM_TOKENS: u32 = 300;
-
-fn request(id: u64, prompt: Vec<u32>, max_tokens: u32) -> EngineRequest {
-    EngineRequest {
-        id,
-        prompt,
-        params: SamplingParams { ignore_eos: true, ..SamplingParams::greedy(max_tokens) },
-        extra_keys: ExtraKeys::none(),
-    }
-}
 
 fn prefix(k: usize) -> Vec<u32> {
     (0..PREFIX).map(|i| ((i * 7919 + k * 104_729 + 13) % 8000) as u32).collect()

@@ -239,6 +239,7 @@ async fn bad_input_gets_openai_errors() {
         ("logit_bias", json!({"5": 101})),
         ("logit_bias", json!({"five": 1})),
         ("logit_bias", json!([1, 2])),
+        ("logit_bias", json!({"999999": 1})),
     ] {
         check(post(&chat, &chat_with(field, value)).await, 400, "invalid_value", Some(field));
     }

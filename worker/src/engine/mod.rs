@@ -340,6 +340,10 @@ impl<B: Backend> Engine<B> {
         if let Some(t) = req.prompt.iter().find(|t| **t as usize >= vocab) {
             return Err(AdmitError::TokenOutOfRange(*t, vocab));
         }
+        if let Some((t, _)) = req.params.logit_bias.iter().find(|(t, _)| *t as usize >= vocab) {
+            let m = format!("token {t} is not in the vocabulary of {vocab}");
+            return Err(AdmitError::InvalidParam("logit_bias", m));
+        }
         let total = req.prompt.len() + req.params.max_tokens as usize;
         let limit = self.backend.max_model_len();
         if total > limit {
@@ -372,9 +376,8 @@ impl<B: Backend> Engine<B> {
         let kv = self.sched.kv();
         let ahead_s = self.sched.prefill_tokens() as f64 * kv.costs().prefill_s_per_token;
         let at = Clock { now: self.clock_s(), ahead_s, running: self.sched.running().len() };
-        seq.cached_estimate = kv.cached_prefix_tokens(&seq.hasher, &seq.tokens, &at);
         // What only the SSD tier holds (and is worth loading) is read ahead while the request waits for admission.
-        seq.load_ready_s = kv.prefetch(&seq.hasher, &seq.tokens, &at);
+        (seq.cached_estimate, seq.load_ready_s) = kv.arrive(&seq.hasher, &seq.tokens, &at);
         Ok(seq)
     }
 

@@ -182,7 +182,7 @@ mod tests {
         });
         assert_eq!(freq, [2.0, 2.0 - 0.75, -2.0 - 1.25, 1.0], "generated tokens only, by count");
         let bias = run(SamplingParams { logit_bias: vec![(3, 5.0), (99, 1.0)], ..SamplingParams::default() });
-        assert_eq!(bias, [2.0, 2.0, -2.0, 6.0], "a bias past the vocabulary is ignored");
+        assert_eq!(bias, [2.0, 2.0, -2.0, 6.0], "(admission refuses a token past the vocabulary)");
         // Greedy follows the adjusted logits.
         let mut rng = SplitMix64::new(1);
         let p = SamplingParams { logit_bias: vec![(3, 5.0)], ..SamplingParams::greedy(1) };

@@ -470,6 +470,9 @@ fn a_dropped_read_ahead_is_asked_again_and_the_engine_never_reads_the_disk_itsel
     let c = disk.counters();
     assert_eq!((c.read_blocks, c.prefetch_hits), (9, 9), "every block came through the read-ahead");
     assert!(c.prefetched_blocks >= 9);
+    drain(&mut e);
+    let s = e.stats();
+    assert_eq!(s.blocks_free, s.blocks_total, "every block back once the requests are done");
 }
 
 #[test]
@@ -490,6 +493,9 @@ fn a_read_that_never_arrives_is_given_up_at_its_deadline_and_the_prefix_computed
     }
     assert_eq!(cached, Some(0));
     assert_eq!(disk.counters().read_blocks, 0);
+    drain(&mut e);
+    let s = e.stats();
+    assert_eq!(s.blocks_free, s.blocks_total, "the waits held no block");
     let recomputes = e.scheduler().kv().decisions().recomputes.load(std::sync::atomic::Ordering::Relaxed);
     assert!(recomputes >= 1);
 }

@@ -156,10 +156,13 @@ pub struct Prompt<'a> {
 }
 
 impl<'a> Prompt<'a> {
-    pub fn new(hasher: &BlockHasher, tokens: &'a [u32], bs: usize) -> Self {
+    /// `with_checks`: compute the chain checks (the lower tiers and the table need them; the pool does not).
+    pub fn new(hasher: &BlockHasher, tokens: &'a [u32], bs: usize, with_checks: bool) -> Self {
         let hashes = hasher.hash_blocks(tokens);
         let mut checks = Vec::new();
-        extend_checks(hasher.root_id(), &mut checks, tokens, bs, hashes.len());
+        if with_checks {
+            extend_checks(hasher.root_id(), &mut checks, tokens, bs, hashes.len());
+        }
         Self {
             root: hasher.root_id(),
             tokens,
@@ -315,7 +318,7 @@ impl KvManager {
     /// device pool holds and the tiers would load, or [`Claim::Read`] when SSD blocks must be read first
     /// (never when `give_up`: what is not in memory is then computed again).
     pub fn claim(&self, hasher: BlockHasher, tokens: &[u32], at: &Clock, give_up: bool) -> Claim {
-        let p = Prompt::new(&hasher, tokens, self.block_size);
+        let p = Prompt::new(&hasher, tokens, self.block_size, true);
         let mut pool = self.pool.lock();
         let device = self.device_run(&pool, &p);
         let plan = match self.tiers.plan(&pool, &p, device, at, give_up) {
@@ -396,24 +399,15 @@ impl KvManager {
         self.tiers.wait_reads(w, timeout);
     }
 
-    /// Prompt tokens a request added now would find cached (the same walk as a claim, read-only: nothing
-    /// referenced, no counters); a lower-tier hit counts only where it would be loaded.
-    pub fn cached_prefix_tokens(&self, hasher: &BlockHasher, tokens: &[u32], at: &Clock) -> usize {
-        let p = Prompt::new(hasher, tokens, self.block_size);
-        let pool = self.pool.lock();
-        let device = self.device_run(&pool, &p);
-        (device + self.tiers.probe(device, &p, at)) * self.block_size
-    }
-
-    /// Asks the SSD tier to read ahead what only it holds of the prompt's cached prefix and would be loaded
-    /// ([`Tiers::prefetch`]); returns when (engine clock) it will be in memory, 0 when nothing is read.
-    pub fn prefetch(&self, hasher: &BlockHasher, tokens: &[u32], at: &Clock) -> f64 {
-        if self.tiers.disk().is_none() {
-            return 0.0;
-        }
-        let p = Prompt::new(hasher, tokens, self.block_size);
+    /// A request added now: the prompt tokens it would find cached (the same walk as a claim, read-only: nothing
+    /// referenced, no counters; a lower-tier hit counts only where it would be loaded), and when (engine clock) the
+    /// part only the SSD tier holds and would be loaded, asked of it now ([`Tiers::prefetch`]), will be in memory
+    /// (0: nothing read). The prompt is hashed once for both; its chain checks only when there are tiers.
+    pub fn arrive(&self, hasher: &BlockHasher, tokens: &[u32], at: &Clock) -> (usize, f64) {
+        let p = Prompt::new(hasher, tokens, self.block_size, !self.tiers.is_empty());
         let device = self.device_run(&self.pool.lock(), &p);
-        self.tiers.prefetch(device, &p, at)
+        let cached = (device + self.tiers.probe(device, &p, at)) * self.block_size;
+        (cached, self.tiers.prefetch(device, &p, at))
     }
 
     /// Grows `table` to hold `n_positions`; `false` (and no change) when the pool lacks free blocks.
