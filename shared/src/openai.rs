@@ -189,8 +189,9 @@ impl SamplingFields {
 /// Request fields a kvgate worker does not implement, with the value that asks for nothing (a request may send
 /// it): set to anything else, the worker refuses the request with 400 `unsupported_parameter` naming the field
 /// rather than ignore it. The worker implements the typed fields and, from the untyped ones, `presence_penalty`,
-/// `frequency_penalty`, `repetition_penalty`, `min_p` and `logit_bias`; other fields are not sampling controls and
-/// are ignored.
+/// `frequency_penalty`, `repetition_penalty`, `min_p` and `logit_bias` (and the chat endpoint takes `logprobs` and
+/// `top_logprobs` out before this check: it implements them); other fields are not sampling controls and are
+/// ignored.
 pub const UNSUPPORTED_PARAMETERS: &[(&str, Neutral)] = &[
     ("logprobs", Neutral::FalseOrZero),
     ("top_logprobs", Neutral::FalseOrZero),

@@ -220,8 +220,7 @@ async fn bad_input_gets_openai_errors() {
         b
     };
     for (field, value) in [
-        ("logprobs", json!(true)),
-        ("top_logprobs", json!(3)),
+        ("prompt_logprobs", json!(2)),
         ("response_format", json!({"type": "json_object"})),
         ("tool_choice", json!("required")),
         ("best_of", json!(2)),
@@ -240,6 +239,9 @@ async fn bad_input_gets_openai_errors() {
         ("logit_bias", json!({"five": 1})),
         ("logit_bias", json!([1, 2])),
         ("logit_bias", json!({"999999": 1})),
+        ("logprobs", json!(1)),
+        ("top_logprobs", json!(3)),
+        ("top_logprobs", json!(21)),
     ] {
         check(post(&chat, &chat_with(field, value)).await, 400, "invalid_value", Some(field));
     }
@@ -308,6 +310,59 @@ async fn logit_bias_changes_what_is_sampled() {
     assert_ne!(a, plain);
     // (The penalties' formula is checked in the sampler's tests.)
     assert_eq!(text(&post(&comp, &ask(ids(12, 1), json!({}))).await), plain, "deterministic without a bias");
+}
+
+#[tokio::test]
+async fn chat_logprobs_report_each_token_and_its_alternatives() {
+    let w = start_worker(&[]);
+    let chat = format!("{}/v1/chat/completions", w.base);
+    let ask = |stream: bool, extra: Value| {
+        let mut b = json!({"model": MODEL, "messages": [{"role": "user", "content": "count to ten"}],
+            "max_tokens": 6, "temperature": 0, "ignore_eos": true, "logprobs": true, "top_logprobs": 3,
+            "stream": stream});
+        for (k, v) in extra.as_object().expect("object") {
+            b[k] = v.clone();
+        }
+        b
+    };
+    let entries = |r: &common::Resp| {
+        assert_eq!(r.status, 200, "{}", r.body);
+        r.json()["choices"][0]["logprobs"]["content"].as_array().expect("content").clone()
+    };
+    let content = entries(&post(&chat, &ask(false, json!({}))).await);
+    assert_eq!(content.len(), 6, "one entry per completion token: {content:?}");
+    for e in &content {
+        let top = e["top_logprobs"].as_array().expect("top");
+        assert_eq!(top.len(), 3);
+        assert!(e["logprob"].as_f64().expect("logprob") <= 0.0);
+        let tops: Vec<f64> = top.iter().map(|t| t["logprob"].as_f64().expect("lp")).collect();
+        assert!(tops.windows(2).all(|w| w[0] >= w[1]), "most likely first: {tops:?}");
+        assert!(tops.iter().map(|l| l.exp()).sum::<f64>() <= 1.0 + 1e-4);
+        // Greedy: the sampled token is the most likely one.
+        assert_eq!((&e["token"], e["logprob"].as_f64()), (&top[0]["token"], top[0]["logprob"].as_f64()));
+        let bytes: Vec<u8> = serde_json::from_value(e["bytes"].clone()).expect("bytes");
+        assert_eq!(bytes, e["token"].as_str().expect("token").as_bytes());
+    }
+    // Streamed: the same entries, spread over the chunks.
+    let r = post(&chat, &ask(true, json!({}))).await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    let mut streamed = Vec::new();
+    for ev in sse_events(&r.body).iter().filter(|e| e.as_str() != "[DONE]") {
+        let c: Value = serde_json::from_str(ev).expect("chunk");
+        if let Some(a) = c["choices"][0]["logprobs"]["content"].as_array() {
+            streamed.extend(a.iter().cloned());
+        }
+    }
+    assert_eq!(streamed, content);
+    // The log-probabilities are the model's, before the bias: a token forced by a bias keeps its own.
+    let forced =
+        entries(&post(&chat, &ask(false, json!({"logit_bias": {"77": 100}, "top_logprobs": 0}))).await);
+    assert!(forced.iter().all(|e| e["top_logprobs"].as_array().is_some_and(Vec::is_empty)));
+    let first = forced[0]["logprob"].as_f64().expect("lp");
+    assert!(first < content[0]["logprob"].as_f64().expect("lp"), "{first} is not the most likely token's");
+    // Without logprobs, none.
+    let r = post(&chat, &ask(false, json!({"logprobs": false, "top_logprobs": 0}))).await;
+    assert!(r.json()["choices"][0]["logprobs"].is_null(), "{}", r.body);
 }
 
 #[tokio::test]

@@ -3,7 +3,7 @@
 //!
 //! - `request`: requests, sampling parameters, step outputs, admission errors;
 //! - `scheduler`: continuous batching with chunked prefill and recompute preemption;
-//! - `sampler`: greedy / temperature / top-k / top-p sampling;
+//! - `sampler`: penalties and bias, greedy / temperature / top-k / top-p / min-p sampling, log-probabilities;
 //! - `backend`: the compute trait and the CPU model backend;
 //! - `sim`, `timing`: the simulated backend (deterministic tokens) and its timing model / profile files.
 
@@ -25,6 +25,7 @@ pub use backend::{Backend, BatchItem, CpuBackend, Next};
 pub use pd::{ImportError, ImportPlan};
 pub use request::{
     AdmitError, EngineRequest, ExportSink, FinishReason, KvChunk, RequestId, SamplingParams, StepOutput,
+    TokenLogprobs,
 };
 pub use scheduler::{Scheduler, SchedulerConfig, Sequence};
 
@@ -414,8 +415,7 @@ impl<B: Backend> Engine<B> {
                         len: c.len,
                         slots,
                         want_next: c.sample,
-                        greedy: seq.params.temperature < sampler::GREEDY_BELOW
-                            && !seq.params.modifies_logits(),
+                        greedy: seq.params.temperature < sampler::GREEDY_BELOW && !seq.params.needs_logits(),
                     }
                 })
                 .collect();
@@ -457,10 +457,25 @@ impl<B: Backend> Engine<B> {
                         continue;
                     }
                     let seq = &mut self.sched.running_mut()[c.index];
-                    let token = match next {
-                        Some(Next::Token(t)) => t,
+                    let want = seq.params.logprobs.map(|n| n as usize);
+                    let (token, logprobs) = match next {
+                        // A backend that picks the token itself (the simulated model) is certain of it.
+                        Some(Next::Token(t)) => (
+                            t,
+                            want.map(|n| TokenLogprobs {
+                                logprob: 0.0,
+                                top: vec![(t, 0.0)][..n.min(1)].to_vec(),
+                            }),
+                        ),
                         Some(Next::Logits(l)) => {
-                            sampler::sample_seq(&l, &seq.params, &mut seq.rng, &seq.tokens, seq.prompt_len)
+                            let t = sampler::sample_seq(
+                                &l,
+                                &seq.params,
+                                &mut seq.rng,
+                                &seq.tokens,
+                                seq.prompt_len,
+                            );
+                            (t, want.map(|n| sampler::logprobs(&l, t, n)))
                         }
                         None => {
                             let reason =
@@ -476,7 +491,7 @@ impl<B: Backend> Engine<B> {
                     if reason.is_some() {
                         finished.push(seq.id);
                     }
-                    outputs.push(output(seq, Some(token), reason));
+                    outputs.push(StepOutput { logprobs, ..output(seq, Some(token), reason) });
                 }
             }
         }
@@ -520,6 +535,7 @@ fn output(seq: &Sequence, token: Option<u32>, finished: Option<FinishReason>) ->
         prompt_tokens: seq.prompt_len,
         cached_tokens: seq.cached_prompt_tokens.unwrap_or(0),
         completion_tokens: seq.output().len(),
+        logprobs: None,
         kv: None,
     }
 }

@@ -33,7 +33,14 @@ pub struct SamplingParams {
     pub min_p: f32,
     /// Added to these tokens' logits ([-100, 100] each; at most [`MAX_LOGIT_BIAS`] tokens).
     pub logit_bias: Vec<(u32, f32)>,
+    /// Report each sampled token's log-probability and this many most likely alternatives (`None`: off; at most
+    /// [`MAX_TOP_LOGPROBS`]). Taken from the model's logits before penalties, bias and temperature (vLLM's default
+    /// `raw_logprobs`).
+    pub logprobs: Option<u32>,
 }
+
+/// Most alternatives per token a request may ask for (`top_logprobs`; OpenAI's limit).
+pub const MAX_TOP_LOGPROBS: u32 = 20;
 
 /// Most tokens one request's `logit_bias` may name (OpenAI's limit).
 pub const MAX_LOGIT_BIAS: usize = 300;
@@ -54,6 +61,7 @@ impl Default for SamplingParams {
             repetition_penalty: 1.0,
             min_p: 0.0,
             logit_bias: Vec::new(),
+            logprobs: None,
         }
     }
 }
@@ -95,6 +103,9 @@ impl SamplingParams {
         if self.logit_bias.len() > MAX_LOGIT_BIAS {
             return Err(("logit_bias", format!("at most {MAX_LOGIT_BIAS} tokens")));
         }
+        if self.logprobs.is_some_and(|n| n > MAX_TOP_LOGPROBS) {
+            return Err(("top_logprobs", format!("at most {MAX_TOP_LOGPROBS}")));
+        }
         if let Some((t, b)) =
             self.logit_bias.iter().find(|(_, b)| !(b.is_finite() && (-100.0..=100.0).contains(b)))
         {
@@ -111,6 +122,12 @@ impl SamplingParams {
             || self.repetition_penalty != 1.0
             || self.min_p > 0.0
             || !self.logit_bias.is_empty()
+    }
+
+    /// Whether sampling needs the logits on the host: they are adjusted, or log-probabilities are reported (then
+    /// the device arg-max shortcut is off, and a split request is served whole by one worker).
+    pub fn needs_logits(&self) -> bool {
+        self.modifies_logits() || self.logprobs.is_some()
     }
 }
 
@@ -148,8 +165,18 @@ pub struct StepOutput {
     /// Prompt tokens whose KV came from the prefix cache.
     pub cached_tokens: usize,
     pub completion_tokens: usize,
+    /// The sampled token's log-probability and the most likely alternatives, when the request asks for them.
+    pub logprobs: Option<TokenLogprobs>,
     /// K/V bytes of blocks the request exports (the prefill side of a hand-off, `Engine::add_export`).
     pub kv: Option<KvChunk>,
+}
+
+/// One sampled token's log-probability and the `n` most likely tokens with theirs (most likely first, lower id
+/// first among equals).
+#[derive(Clone, Debug, PartialEq)]
+pub struct TokenLogprobs {
+    pub logprob: f32,
+    pub top: Vec<(u32, f32)>,
 }
 
 /// Blocks `first..first + count` of an exporting request, layers `layers` of each, as one payload: per block, per

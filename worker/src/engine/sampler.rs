@@ -6,7 +6,7 @@
 
 use kvgate_shared::prompt::SplitMix64;
 
-use super::request::SamplingParams;
+use super::request::{SamplingParams, TokenLogprobs};
 
 /// Index of the largest logit (the lowest index among equals).
 pub fn argmax(logits: &[f32]) -> u32 {
@@ -72,6 +72,24 @@ pub fn sample_seq(
     let mut adjusted = logits.to_vec();
     adjust(&mut adjusted, params, tokens, prompt_len);
     sample(&adjusted, params, rng)
+}
+
+/// The log-probability of `token` under `logits` (log-softmax) and the `top` most likely tokens with theirs.
+pub fn logprobs(logits: &[f32], token: u32, top: usize) -> TokenLogprobs {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let sum: f64 = logits.iter().map(|&l| f64::from(l - max).exp()).sum();
+    let lse = max + sum.ln() as f32;
+    let lp = |t: u32| logits.get(t as usize).map_or(f32::NEG_INFINITY, |l| l - lse);
+    let by_logit = |a: &u32, b: &u32| logits[*b as usize].total_cmp(&logits[*a as usize]).then(a.cmp(b));
+    let top = top.min(logits.len());
+    let mut idx: Vec<u32> = Vec::new();
+    if top > 0 {
+        idx = (0..logits.len() as u32).collect();
+        idx.select_nth_unstable_by(top - 1, by_logit);
+        idx.truncate(top);
+        idx.sort_unstable_by(by_logit);
+    }
+    TokenLogprobs { logprob: lp(token), top: idx.into_iter().map(|t| (t, lp(t))).collect() }
 }
 
 /// Samples one token from logits as they are (no penalties or bias: [`sample_seq`] applies those).
@@ -188,6 +206,21 @@ mod tests {
         let p = SamplingParams { logit_bias: vec![(3, 5.0)], ..SamplingParams::greedy(1) };
         assert_eq!(sample_seq(&base, &p, &mut rng, &tokens, 2), 3);
         assert_eq!(sample_seq(&base, &SamplingParams::greedy(1), &mut rng, &tokens, 2), 0);
+    }
+
+    #[test]
+    fn logprobs_are_a_log_softmax_with_the_top_tokens_in_order() {
+        let logits = [1.0f32, 3.0, 2.0, 3.0];
+        let got = logprobs(&logits, 2, 3);
+        let lse = logits.iter().map(|l| f64::from(*l).exp()).sum::<f64>().ln() as f32;
+        assert!((got.logprob - (2.0 - lse)).abs() < 1e-6);
+        let top: Vec<u32> = got.top.iter().map(|(t, _)| *t).collect();
+        assert_eq!(top, [1, 3, 2], "most likely first, the lower id first among equals");
+        assert!((got.top[0].1 - (3.0 - lse)).abs() < 1e-6);
+        let total: f64 = logits.iter().map(|l| f64::from(l - lse).exp()).sum();
+        assert!((total - 1.0).abs() < 1e-6);
+        assert!(logprobs(&logits, 0, 0).top.is_empty());
+        assert_eq!(logprobs(&logits, 0, 99).top.len(), 4);
     }
 
     #[test]

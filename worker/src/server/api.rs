@@ -24,6 +24,7 @@ use tokio::sync::mpsc::UnboundedReceiver;
 
 use super::engine_thread::{EngineHandle, Refusal};
 use super::errors::ApiError;
+use super::logprobs::{self, Collector};
 use super::text::TextStream;
 use super::{AppState, ServingModel};
 use crate::engine::request::MAX_LOGIT_BIAS;
@@ -124,6 +125,7 @@ fn sampling(
     f: &SamplingFields,
     extra: &Map<String, Value>,
     default_max: u32,
+    logprobs: Option<u32>,
 ) -> Result<SamplingParams, ApiError> {
     if f.n.is_some_and(|n| n != 1) {
         return Err(ApiError::invalid("n", "only n = 1 is supported"));
@@ -155,6 +157,7 @@ fn sampling(
         repetition_penalty: number(extra, "repetition_penalty")?.unwrap_or(1.0),
         min_p: number(extra, "min_p")?.unwrap_or(0.0),
         logit_bias: logit_bias(extra)?,
+        logprobs,
     };
     p.validate().map_err(|(field, m)| ApiError::invalid(field, m))?;
     Ok(p)
@@ -204,7 +207,7 @@ pub async fn completions(State(state): State<Arc<AppState>>, headers: HeaderMap,
         prompt.scope = v.scope.as_ref();
         let ids = prompt.token_ids(&l.prompter, v.ids).map_err(|e| prompt_error(e, prompt.param()))?;
         let extra = prompt.extra_keys();
-        let params = sampling(&req.sampling, &req.extra, 16)?;
+        let params = sampling(&req.sampling, &req.extra, 16, None)?;
         let peer = super::pd::prefill_peer(&state, &l, &headers, &req.model)?;
         Ok((l, ids, params, extra, req.sampling, peer))
     }
@@ -226,10 +229,11 @@ pub async fn chat_completions(
     let started = Instant::now();
     let result = async {
         let l = loaded(&state)?;
-        let req: ChatCompletionRequest = parse_body(body, state.cfg.max_body_bytes).await?;
+        let mut req: ChatCompletionRequest = parse_body(body, state.cfg.max_body_bytes).await?;
         if req.model != l.model_id {
             return Err(ApiError::model_not_found(&req.model, &l.model_id));
         }
+        let logprobs = logprobs::take_chat_fields(&mut req.extra)?;
         if let Some(p) = unsupported_parameter(&req.extra) {
             return Err(ApiError::unsupported(p));
         }
@@ -247,7 +251,7 @@ pub async fn chat_completions(
         let extra = prompt.extra_keys();
         // Without max_tokens a chat may use the rest of the context, up to --default-max-tokens.
         let room = l.max_model_len.saturating_sub(ids.len()).max(1) as u32;
-        let params = sampling(&req.sampling, &req.extra, state.cfg.default_max_tokens.min(room))?;
+        let params = sampling(&req.sampling, &req.extra, state.cfg.default_max_tokens.min(room), logprobs)?;
         let peer = super::pd::prefill_peer(&state, &l, &headers, &req.model)?;
         Ok((l, ids, params, extra, req.sampling, peer))
     }
@@ -431,8 +435,9 @@ async fn run(
     let id = l.engine.next_id();
     let stops = params.stop.clone();
     // A prefill worker samples the first token from a fixed frame (temperature, top-p, top-k, seed): a request
-    // whose logits are adjusted first (penalties, bias, min-p) is served whole here instead.
-    let peer = peer.filter(|_| !params.modifies_logits());
+    // whose logits are adjusted first (penalties, bias, min-p) or reported (logprobs) is served whole here instead.
+    let peer = peer.filter(|_| !params.needs_logits());
+    let collector = params.logprobs.map(|_| Collector::new(l.prompter.clone()));
     let req = EngineRequest { id, prompt: ids, params, extra_keys };
     let started_leg = match peer {
         None => l.engine.submit(req).await.map(|rx| (rx, None)),
@@ -454,9 +459,9 @@ async fn run(
     };
     if fields.stream {
         let include_usage = fields.stream_options.as_ref().is_some_and(|o| o.include_usage);
-        stream_response(ctx, rx, guard, text, timing, include_usage)
+        stream_response(ctx, rx, guard, text, timing, include_usage, collector)
     } else {
-        full_response(ctx, rx, guard, text, timing).await
+        full_response(ctx, rx, guard, text, timing, collector).await
     }
 }
 
@@ -474,6 +479,7 @@ impl Ctx {
         role: bool,
         finish: Option<ApiFinish>,
         usage_null: bool,
+        logprobs: Option<Value>,
     ) -> String {
         let json = match self.kind {
             Endpoint::Chat => serde_json::to_string(&ChatCompletionChunk {
@@ -484,7 +490,7 @@ impl Ctx {
                 choices: vec![ChatChunkChoice {
                     index: 0,
                     delta: ChatDelta { role: role.then(|| "assistant".into()), content: delta },
-                    logprobs: None,
+                    logprobs,
                     finish_reason: finish,
                 }],
                 usage: None,
@@ -530,6 +536,7 @@ struct StreamState {
     text: TextStream,
     timing: Timing,
     include_usage: bool,
+    logprobs: Option<Collector>,
     sent_role: bool,
     done: bool,
 }
@@ -541,8 +548,10 @@ fn stream_response(
     text: TextStream,
     timing: Timing,
     include_usage: bool,
+    logprobs: Option<Collector>,
 ) -> Response {
-    let st = StreamState { ctx, rx, guard, text, timing, include_usage, sent_role: false, done: false };
+    let st =
+        StreamState { ctx, rx, guard, text, timing, include_usage, logprobs, sent_role: false, done: false };
     let events = stream::unfold(st, |mut st| async move {
         if st.done {
             return None;
@@ -550,7 +559,7 @@ fn stream_response(
         let mut out = String::new();
         if !st.sent_role && st.ctx.kind == Endpoint::Chat {
             st.sent_role = true;
-            out.push_str(&sse_data(&st.ctx.chunk(Some(String::new()), true, None, st.include_usage)));
+            out.push_str(&sse_data(&st.ctx.chunk(Some(String::new()), true, None, st.include_usage, None)));
         }
         loop {
             let Some(o) = st.rx.recv().await else {
@@ -562,10 +571,14 @@ fn stream_response(
             if o.token.is_some() {
                 st.timing.token();
             }
+            if let (Some(c), Some(t), Some(lp)) = (&mut st.logprobs, o.token, &o.logprobs) {
+                c.push(t, lp);
+            }
             let last = o.finished.is_some();
             let delta = st.text.push(o.token, last);
             if !delta.is_empty() {
-                out.push_str(&sse_data(&st.ctx.chunk(Some(delta), false, None, st.include_usage)));
+                let lp = st.logprobs.as_mut().map(Collector::take);
+                out.push_str(&sse_data(&st.ctx.chunk(Some(delta), false, None, st.include_usage, lp)));
             }
             if let Some(reason) = &o.finished {
                 st.guard.done = true;
@@ -585,6 +598,7 @@ fn stream_response(
                     false,
                     Some(api_finish(reason)),
                     st.include_usage,
+                    st.logprobs.as_mut().map(Collector::take),
                 )));
                 if st.include_usage {
                     out.push_str(&sse_data(&st.ctx.usage_chunk(usage_of(&o))));
@@ -613,6 +627,7 @@ async fn full_response(
     mut guard: AbortGuard,
     mut text: TextStream,
     mut timing: Timing,
+    mut logprobs: Option<Collector>,
 ) -> Response {
     let mut body = String::new();
     let last = loop {
@@ -621,6 +636,9 @@ async fn full_response(
         };
         if o.token.is_some() {
             timing.token();
+        }
+        if let (Some(c), Some(t), Some(lp)) = (&mut logprobs, o.token, &o.logprobs) {
+            c.push(t, lp);
         }
         body.push_str(&text.push(o.token, o.finished.is_some()));
         if o.finished.is_some() {
@@ -652,7 +670,7 @@ async fn full_response(
             choices: vec![ChatChoice {
                 index: 0,
                 message: ChatMessage { role: "assistant".into(), content: Some(body) },
-                logprobs: None,
+                logprobs: logprobs.as_mut().map(Collector::take),
                 finish_reason,
             }],
             usage,

@@ -18,6 +18,7 @@ pub mod api;
 pub mod config;
 pub mod engine_thread;
 pub mod errors;
+pub mod logprobs;
 pub mod pd;
 pub mod reporter;
 pub mod text;
