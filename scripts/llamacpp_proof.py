@@ -14,6 +14,9 @@ that know nothing of kvgate, on the multi-turn workload, once per routing policy
    reuses KV, and "prompt eval time = ... / M tokens" for every prompt it evaluates, so
    hit rate = sum(N) / (sum(N) + sum(M)) over all pods.
 
+3. Pass-through (#30): a pod started with `--embedding true` behind a gateway: `POST /v1/embeddings` through the
+   gateway answers the vector the pod answers directly, and `GET /v1/models/{id}` is the gateway's card.
+
 Prints one JSON object (also written to OUT/proof.json); exits 1 if the conversion check fails or a request fails.
 
 usage: llamacpp_proof.py --bin-dir target/release --out DIR [--pods 3] [--users 8] [--turns 4] ...
@@ -28,6 +31,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -95,12 +99,12 @@ class Procs:
         self.procs = []
 
 
-def llama_pod(procs, gguf, log_path, threads, n_ctx):
+def llama_pod(procs, gguf, log_path, threads, n_ctx, extra=()):
     port = free_port()
     log = open(log_path, "w")
     p = procs.start([sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--host", "127.0.0.1",
                      "--port", str(port), "--model_alias", MODEL, "--cache", "true", "--n_ctx", str(n_ctx),
-                     "--n_threads", str(threads), "--n_threads_batch", str(threads)], log)
+                     "--n_threads", str(threads), "--n_threads_batch", str(threads), *extra], log)
     url = f"http://127.0.0.1:{port}"
     wait(f"{url}/v1/models", "llama.cpp server", p)
     return url
@@ -136,6 +140,50 @@ def check_conversion(args, procs, model_dir, gguf, out):
     return {"ok": ok, "token_ids_equal_without_bos": ids_equal, "greedy_chat": chats}
 
 
+def gateway_for(procs, args, d, model_dir, pods, policy="cache_aware"):
+    """A gateway with one `[[models]]` entry of kind `openai` over `pods`; its base URL."""
+    cfg = d / "gateway.toml"
+    cfg.write_text(f'[[models]]\nname = "{MODEL}"\ntokenizer = "{model_dir}"\nkind = "openai"\n'
+                   f"kv-tokens = {args.n_ctx}\nworkers = [{', '.join(json.dumps(p) for p in pods)}]\n")
+    port, cport = free_port(), free_port()
+    g = procs.start([str(args.bin_dir / "kvgate-gateway"), "--config", str(cfg), "--policy", policy,
+                     "--listen", f"127.0.0.1:{port}", "--control-listen", f"127.0.0.1:{cport}",
+                     "--report-secret", f"proof-{os.getpid()}"], open(d / "gateway.log", "w"),
+                    env={**os.environ, "KVGATE_DATA_DIR": str(d / "gateway-data"), "RUST_LOG": "warn"})
+    gateway = f"http://127.0.0.1:{port}"
+    wait(f"{gateway}/health", "gateway", g)
+    return gateway
+
+
+def check_passthrough(args, procs, model_dir, gguf, out):
+    """Endpoints the gateway does not route by prefix reach the pod (issue #30): `/v1/embeddings` through the
+    gateway answers what the llama.cpp pod answers directly; `GET /v1/models/{id}` is the gateway's card."""
+    d = out / "passthrough"
+    d.mkdir(parents=True, exist_ok=True)
+    pod = llama_pod(procs, gguf, d / "pod.log", args.threads, args.n_ctx, ["--embedding", "true"])
+    gateway = gateway_for(procs, args, d, model_dir, [pod])
+    body = {"model": MODEL, "input": "the quick brown fox"}
+    direct = http(f"{pod}/v1/embeddings", body)
+    deadline = time.time() + 30
+    while True:  # the gateway marks the pod healthy after its first scrape
+        try:
+            through = http(f"{gateway}/v1/embeddings", body)
+            break
+        except urllib.error.HTTPError as e:
+            if e.code != 503 or time.time() > deadline:
+                raise
+            time.sleep(0.2)
+    card = http(f"{gateway}/v1/models/{MODEL}")
+    procs.stop()
+    def flat(v):  # a model without pooling answers one vector per token
+        return [y for x in v for y in flat(x)] if isinstance(v, list) else [v]
+
+    a, b = flat(direct["data"][0]["embedding"]), flat(through["data"][0]["embedding"])
+    same = len(a) == len(b) and all(abs(x - y) < 1e-6 for x, y in zip(a, b))
+    return {"ok": same and card.get("id") == MODEL, "embedding_equal": same, "dims": len(b),
+            "usage": through.get("usage"), "model_card": card.get("id")}
+
+
 def pod_hits(log_path):
     text = Path(log_path).read_text(errors="replace")
     hit = sum(int(m.group(1)) for m in HIT.finditer(text))
@@ -147,16 +195,7 @@ def run_policy(args, procs, policy, model_dir, gguf, out):
     d = out / policy
     d.mkdir(parents=True, exist_ok=True)
     pods = [llama_pod(procs, gguf, d / f"pod{i}.log", args.threads, args.n_ctx) for i in range(args.pods)]
-    cfg = d / "gateway.toml"
-    cfg.write_text(f'[[models]]\nname = "{MODEL}"\ntokenizer = "{model_dir}"\nkind = "openai"\n'
-                   f"kv-tokens = {args.n_ctx}\nworkers = [{', '.join(json.dumps(p) for p in pods)}]\n")
-    port, cport = free_port(), free_port()
-    g = procs.start([str(args.bin_dir / "kvgate-gateway"), "--config", str(cfg), "--policy", policy,
-                     "--listen", f"127.0.0.1:{port}", "--control-listen", f"127.0.0.1:{cport}",
-                     "--report-secret", f"proof-{os.getpid()}"], open(d / "gateway.log", "w"),
-                    env={**os.environ, "KVGATE_DATA_DIR": str(d / "gateway-data"), "RUST_LOG": "warn"})
-    gateway = f"http://127.0.0.1:{port}"
-    wait(f"{gateway}/health", "gateway", g)
+    gateway = gateway_for(procs, args, d, model_dir, pods, policy)
     t0 = time.time()
     lt = subprocess.run([str(args.bin_dir / "kvgate-loadtest"), "run", "--target", gateway, "--model", MODEL,
                          "--workload", "multi-turn", "--seed", str(args.seed), "--users", str(args.users),
@@ -233,12 +272,13 @@ def main():
             "users", "turns", "system_words", "question_words", "output_tokens", "rate", "think_time", "seed")}}
         if not args.skip_conversion_check:
             result["conversion"] = check_conversion(args, procs, model_dir, gguf, out)
+        result["passthrough"] = check_passthrough(args, procs, model_dir, gguf, out)
         result["policies"] = {p: run_policy(args, procs, p, model_dir, gguf, out) for p in args.policies.split(",")}
     finally:
         procs.stop()
     (out / "proof.json").write_text(json.dumps(result, indent=1))
     print(json.dumps(result, indent=1))
-    failed = not result.get("conversion", {"ok": True})["ok"] or any(
+    failed = not result.get("conversion", {"ok": True})["ok"] or not result["passthrough"]["ok"] or any(
         p["ok"] != p["requests"] for p in result["policies"].values())
     sys.exit(1 if failed else 0)
 

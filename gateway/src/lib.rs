@@ -3,7 +3,8 @@
 //! - [`listener`]: the public accept loop (connection cap, header deadline, keep-alive idle timeout) in front of
 //!   pingora's HTTP handling;
 //! - [`proxy`]: the pingora `ProxyHttp` service (body, caller, prepare, route, admit, forward); [`upstream`]: one
-//!   attempt at one worker (first-byte and idle timeouts, refusals, streaming back);
+//!   attempt at one worker (first-byte and idle timeouts, refusals, streaming back); [`passthrough`]: the
+//!   endpoints passed to a worker by load (embeddings, responses, rerank, score, tokenize);
 //! - [`request`]: the lean, bounded request parser; [`prepare`]: parse + tokenize + hash + context check;
 //!   [`tokenize`]: the bounded pool that runs it off the proxy threads;
 //! - [`keys`]: API keys -> tenant, classes a caller may choose, forced cache salt;
@@ -29,6 +30,7 @@ pub mod keys;
 pub mod link_probe;
 pub mod listener;
 pub mod meter;
+pub mod passthrough;
 pub mod persist;
 pub mod pipeline;
 pub mod prepare;

@@ -31,11 +31,13 @@ pub struct UsageSeen {
 }
 
 impl UsageSeen {
-    /// The usage in `text` (the last occurrence of each number; usage ends both response shapes).
+    /// The usage in `text` (the last occurrence of each number; usage ends both response shapes). Also the
+    /// Responses API's names (`input_tokens`, `output_tokens`) and an embedding's usage (no output).
     pub fn parse(text: &[u8]) -> Option<Self> {
+        let number = |a: &[u8], b: &[u8]| last_number_after(text, a).or_else(|| last_number_after(text, b));
         Some(Self {
-            prompt: last_number_after(text, b"\"prompt_tokens\":")?,
-            completion: last_number_after(text, b"\"completion_tokens\":")?,
+            prompt: number(b"\"prompt_tokens\":", b"\"input_tokens\":")?,
+            completion: number(b"\"completion_tokens\":", b"\"output_tokens\":").unwrap_or(0),
             cached: last_number_after(text, b"\"cached_tokens\":").unwrap_or(0),
         })
     }
@@ -372,6 +374,16 @@ mod tests {
         let out = m.feed(chunk("z").as_bytes());
         assert_eq!(out.len(), chunk("z").len() - ",\"usage\":null".len());
         assert_eq!(m.token_events(), 2);
+    }
+
+    #[test]
+    fn usage_of_embeddings_and_responses_is_read_too() {
+        let emb = br#"{"data":[{"embedding":[0.1]}],"usage":{"prompt_tokens":9,"total_tokens":9}}"#;
+        assert_eq!(UsageSeen::parse(emb), Some(UsageSeen { prompt: 9, completion: 0, cached: 0 }));
+        let resp = br#"{"output":[],"usage":{"input_tokens":30,"input_tokens_details":{"cached_tokens":16},
+            "output_tokens":5,"total_tokens":35}}"#;
+        assert_eq!(UsageSeen::parse(resp), Some(UsageSeen { prompt: 30, completion: 5, cached: 16 }));
+        assert_eq!(UsageSeen::parse(br#"{"tokens":[1,2]}"#), None);
     }
 
     #[test]

@@ -24,7 +24,7 @@ use kvgate_router::route::{Candidate, Routed};
 use kvgate_router::split::plan::{can_import, SplitAsk};
 use pingora::proxy::Session;
 
-use crate::admission::{Permit, CLASS_HEADER};
+use crate::admission::{ClassInput, Permit, CLASS_HEADER};
 use crate::config::WorkerKind;
 use crate::errors::ApiError;
 use crate::keys::Caller;
@@ -72,7 +72,7 @@ pub struct RoutedRequest {
     prefill: Option<InflightGuard>,
 }
 
-fn header<'a>(session: &'a Session, name: &str) -> Option<&'a str> {
+pub(crate) fn header<'a>(session: &'a Session, name: &str) -> Option<&'a str> {
     session.req_header().headers.get(name).and_then(|v| v.to_str().ok())
 }
 
@@ -112,7 +112,13 @@ pub fn price<'s>(
     header_class: Option<&str>,
     max_candidates: usize,
 ) -> Result<Priced<'s>, ApiError> {
-    let (class, class_name, configured) = proxy::choose_class(state, p, caller, header_class)?;
+    let input = ClassInput {
+        prompt_tokens: p.ids.len() as u64,
+        max_tokens: p.fields.max_tokens.map(u64::from),
+        model: &p.fields.model,
+        reasoning: p.fields.reasoning,
+    };
+    let (class, class_name, configured) = proxy::choose_class(state, &input, caller, header_class)?;
     let max_tokens = p.fields.max_tokens.map(u64::from);
     let output = max_tokens.unwrap_or_else(|| state.expected_output(&class_name, configured));
     let kvgate_pool = state.pool_kind(&p.fields.model) == WorkerKind::Kvgate;

@@ -150,7 +150,7 @@ pub fn caller_of(state: &GatewayState, authorization: Option<&str>) -> Result<Ar
 /// A request's class: the server's rules, or the one named in `x-kvgate-class` if the caller may choose it.
 pub fn choose_class(
     state: &GatewayState,
-    p: &PreparedRequest,
+    input: &ClassInput<'_>,
     caller: &Caller,
     header_class: Option<&str>,
 ) -> Result<(usize, String, u64), ApiError> {
@@ -159,12 +159,7 @@ pub fn choose_class(
             state.admission.class_by_name(name).ok_or_else(|| ApiError::unknown_class(name))
         }
         Some(name) => Err(ApiError::class_not_allowed(name)),
-        None => Ok(state.admission.classify(&ClassInput {
-            prompt_tokens: p.ids.len() as u64,
-            max_tokens: p.fields.max_tokens.map(u64::from),
-            model: &p.fields.model,
-            reasoning: p.fields.reasoning,
-        })),
+        None => Ok(state.admission.classify(input)),
     }
 }
 
@@ -194,6 +189,12 @@ async fn handle(state: &Arc<GatewayState>, session: &mut Session, ctx: &mut Ctx)
             crate::pipeline::serve(state, session, ctx, &path).await
         }
         ("GET", "/v1/models") => models(state, session, ctx).await,
+        ("GET", p) if p.starts_with(MODEL_PATH) => {
+            model_card(state, session, ctx, &p[MODEL_PATH.len()..]).await
+        }
+        ("POST", p) if crate::passthrough::PATHS.contains(&p) => {
+            crate::passthrough::serve(state, session, ctx, &path).await
+        }
         ("GET", "/health") => plain_json(session, ctx, 200, "{\"status\":\"ok\"}").await,
         _ => Err(ApiError::not_found_route(&path)),
     }
@@ -332,7 +333,12 @@ impl Drop for InflightGuard {
     }
 }
 
-async fn plain_json(session: &mut Session, ctx: &mut Ctx, status: u16, body: &str) -> Result<(), ApiError> {
+pub(crate) async fn plain_json(
+    session: &mut Session,
+    ctx: &mut Ctx,
+    status: u16,
+    body: &str,
+) -> Result<(), ApiError> {
     ctx.status = status;
     let io = |e: Box<pingora::Error>| ApiError::internal(e.to_string());
     let mut h = ResponseHeader::build(status, Some(2)).map_err(io)?;
@@ -342,30 +348,43 @@ async fn plain_json(session: &mut Session, ctx: &mut Ctx, status: u16, body: &st
     session.write_response_body(Some(Bytes::from(body.to_owned())), true).await.map_err(io)
 }
 
+/// `GET /v1/models/{id}` (an id may hold slashes).
+const MODEL_PATH: &str = "/v1/models/";
+
+/// The cards of the models some healthy worker serves now.
+fn model_cards(state: &GatewayState) -> Vec<ModelCard> {
+    let reg = state.registry();
+    reg.models(Instant::now())
+        .into_iter()
+        .map(|id| ModelCard {
+            max_model_len: reg.max_model_len(&id),
+            id,
+            object: "model".into(),
+            created: 0,
+            owned_by: "kvgate".into(),
+            device: None,
+            role: None,
+        })
+        .collect()
+}
+
 async fn models(state: &GatewayState, session: &mut Session, ctx: &mut Ctx) -> Result<(), ApiError> {
-    let (names, reg_lens): (Vec<String>, Vec<Option<u32>>) = {
-        let reg = state.registry();
-        let names = reg.models(Instant::now());
-        let lens = names.iter().map(|m| reg.max_model_len(m)).collect();
-        (names, lens)
-    };
-    let list = ModelList {
-        object: "list".into(),
-        data: names
-            .into_iter()
-            .zip(reg_lens)
-            .map(|(id, max_model_len)| ModelCard {
-                id,
-                object: "model".into(),
-                created: 0,
-                owned_by: "kvgate".into(),
-                max_model_len,
-                device: None,
-                role: None,
-            })
-            .collect(),
-    };
+    let list = ModelList { object: "list".into(), data: model_cards(state) };
     let body = serde_json::to_string(&list).map_err(|e| ApiError::internal(e.to_string()))?;
+    plain_json(session, ctx, 200, &body).await
+}
+
+/// `GET /v1/models/{id}`: the gateway answers it (it knows the pools), 404 `model_not_found` for a model no
+/// healthy worker serves.
+async fn model_card(
+    state: &GatewayState,
+    session: &mut Session,
+    ctx: &mut Ctx,
+    id: &str,
+) -> Result<(), ApiError> {
+    let card =
+        model_cards(state).into_iter().find(|c| c.id == id).ok_or_else(|| ApiError::model_not_found(id))?;
+    let body = serde_json::to_string(&card).map_err(|e| ApiError::internal(e.to_string()))?;
     plain_json(session, ctx, 200, &body).await
 }
 

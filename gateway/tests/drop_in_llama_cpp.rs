@@ -47,6 +47,12 @@ fn conversations_stick_to_one_llama_cpp_pod_and_reuse_more_of_its_cache_than_rou
     assert_eq!(conv["ok"], true, "{conv}");
     assert!(conv["greedy_chat"].as_array().is_some_and(|c| c.len() == 2), "{conv}");
 
+    // What the gateway does not route by prefix reaches the pod (#30): embeddings through it equal the pod's own.
+    let pass = &proof["passthrough"];
+    assert_eq!(pass["embedding_equal"], true, "{pass}");
+    assert!(pass["dims"].as_u64().is_some_and(|d| d > 0), "{pass}");
+    assert_eq!(pass["model_card"], "kvgate-small", "{pass}");
+
     let (ca, rr) = (&proof["policies"]["cache_aware"], &proof["policies"]["round_robin"]);
     for p in [ca, rr] {
         assert_eq!(p["ok"], p["requests"], "every request answered: {p}");

@@ -18,6 +18,7 @@ use std::time::Instant;
 use kvgate_shared::hashing::BlockHash;
 
 use crate::registry::{Registry, SentTicket, WorkerRef};
+use crate::routing::least_load::LeastLoad;
 use crate::routing::{RequestView, RouteReason, RoutingPolicy, ScoreTerms};
 use crate::split::plan::{plan, SplitAsk, SplitPlan};
 use crate::split::Choice;
@@ -155,6 +156,26 @@ impl Router {
             routed.prefill_ticket = Some(reg.record_sent(p, input.hashes, routed.uncached_tokens, now));
             reg.record_root(p, input.hashes, first);
         }
+        Some(routed)
+    }
+}
+
+impl Router {
+    /// Decides by load alone, whatever the policy (requests whose prompt the gateway does not read: embeddings,
+    /// rerank, tokenize, passed through), and records the send (in flight, `input.prompt_tokens` uncached) to the
+    /// pick. No session or prefix is remembered.
+    pub fn route_by_load(
+        &self,
+        reg: &mut Registry,
+        input: &RouteInput<'_>,
+        max_candidates: usize,
+        now: Instant,
+    ) -> Option<Routed> {
+        let seq = self.next_seq.fetch_add(1, Ordering::Relaxed);
+        let policy = LeastLoad::new(crate::routing::Load::DEFAULT_PER_REQUEST_TOKENS);
+        let mut routed = decide(&policy, reg, input, seq, max_candidates, None, now)?;
+        let pick = reg.find(routed.candidates.first()?.wref)?;
+        routed.ticket = Some(reg.record_sent(pick, input.hashes, input.prompt_tokens as u64, now));
         Some(routed)
     }
 }
@@ -381,6 +402,25 @@ mod tests {
         let (t, u) = router.record_fallback(&mut reg, cold, &input(&hashes), now).expect("cold");
         assert_eq!(u, 8 * 16);
         assert_eq!(reg.workers()[t.idx].load(now).pending_tokens, 8 * 16);
+    }
+
+    #[test]
+    fn a_passed_through_request_goes_to_the_least_loaded_worker_whatever_the_policy() {
+        // Under the cache-aware policy a conversation would stick to its worker; by load, the requests spread and
+        // each send counts its (estimated) tokens where it went.
+        let router = Router::new(policy_by_name("consistent_hash", Weights::default()).expect("policy"));
+        let mut reg = registry(3);
+        let now = Instant::now();
+        let body = RouteInput { prompt_tokens: 100, ..input(&[]) };
+        let mut picks: Vec<String> = (0..3)
+            .map(|_| router.route_by_load(&mut reg, &body, 1, now).expect("route").candidates[0].id.clone())
+            .collect();
+        picks.sort();
+        picks.dedup();
+        assert_eq!(picks.len(), 3, "{picks:?}");
+        for w in reg.workers() {
+            assert_eq!((w.load(now).requests, w.load(now).pending_tokens), (1, 100));
+        }
     }
 
     #[test]

@@ -171,7 +171,7 @@ fn prompt_error(e: PromptError, param: &str) -> ApiError {
     }
 }
 
-fn loaded(state: &AppState) -> Result<Arc<ServingModel>, ApiError> {
+pub(super) fn loaded(state: &AppState) -> Result<Arc<ServingModel>, ApiError> {
     if state.draining() {
         return Err(ApiError::unavailable("shutting_down", "the worker is shutting down"));
     }

@@ -22,6 +22,7 @@ pub mod logprobs;
 pub mod pd;
 pub mod reporter;
 pub mod text;
+pub mod tokens;
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -354,6 +355,8 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/completions", post(api::completions))
         .route("/v1/chat/completions", post(api::chat_completions))
         .route("/v1/models", get(models))
+        .route("/tokenize", post(tokens::tokenize))
+        .route("/detokenize", post(tokens::detokenize))
         .route("/kvgate/v1/tokenizer", get(tokenizer))
         .route("/kvgate/v1/kv-probe", post(pd::probe))
         .route_layer(axum::middleware::from_fn_with_state(state.clone(), gateway_only));
