@@ -8,6 +8,8 @@ use std::time::Duration;
 use clap::Parser;
 use serde::Deserialize;
 
+use kvgate_shared::settings::Layers;
+
 use crate::admission::{default_classes, ClassConfig};
 use crate::routing::{Weights, POLICIES};
 
@@ -24,38 +26,42 @@ pub struct GatewayArgs {
     #[arg(long, env = "KVGATE_GATEWAY_CONFIG")]
     #[serde(skip)]
     pub config: Option<PathBuf>,
-    /// Public listener (OpenAI API). Default 0.0.0.0:8080.
-    #[arg(long, env = "KVGATE_GATEWAY_LISTEN")]
+    /// Which values clap took from their defaults (they lose to the TOML file).
+    #[arg(skip)]
+    #[serde(skip)]
+    pub layers: Layers,
+    /// Public listener (OpenAI API).
+    #[arg(long, env = "KVGATE_GATEWAY_LISTEN", default_value = "0.0.0.0:8080")]
     pub listen: Option<String>,
-    /// Control listener (metrics, report ingest, admin). Default 0.0.0.0:8081.
-    #[arg(long, env = "KVGATE_GATEWAY_CONTROL_LISTEN")]
+    /// Control listener (metrics, report ingest, admin).
+    #[arg(long, env = "KVGATE_GATEWAY_CONTROL_LISTEN", default_value = "0.0.0.0:8081")]
     pub control_listen: Option<String>,
     /// Static worker base URL (repeatable; env: comma-separated). Workers also register by reporting.
     #[arg(long = "worker", env = "KVGATE_GATEWAY_WORKERS", value_delimiter = ',')]
     pub workers: Option<Vec<String>>,
-    /// Routing policy: cache_aware, round_robin, least_load, consistent_hash. Default cache_aware.
-    #[arg(long, env = "KVGATE_GATEWAY_POLICY")]
+    /// Routing policy: cache_aware, round_robin, least_load, consistent_hash.
+    #[arg(long, env = "KVGATE_GATEWAY_POLICY", default_value = "cache_aware")]
     pub policy: Option<String>,
     /// Prefill/decode split policy, asked per request when a prefill worker and a decode worker that transfer KV
-    /// are reporting: cost_model (default), aggregated (never split), always, dynamo, llm_d.
-    #[arg(long, env = "KVGATE_GATEWAY_SPLIT_POLICY")]
+    /// are reporting: cost_model, aggregated (never split), always, dynamo, llm_d.
+    #[arg(long, env = "KVGATE_GATEWAY_SPLIT_POLICY", default_value = kvgate_router::split::DEFAULT_SPLIT_POLICY)]
     pub split_policy: Option<String>,
-    /// The TTFT target the split policy judges by. Default 2s.
-    #[arg(long, env = "KVGATE_GATEWAY_SPLIT_SLO_TTFT")]
+    /// The TTFT target the split policy judges by.
+    #[arg(long, env = "KVGATE_GATEWAY_SPLIT_SLO_TTFT", default_value = "2s")]
     pub split_slo_ttft: Option<String>,
-    /// The TPOT target the split policy judges by. Default 50ms.
-    #[arg(long, env = "KVGATE_GATEWAY_SPLIT_SLO_TPOT")]
+    /// The TPOT target the split policy judges by.
+    #[arg(long, env = "KVGATE_GATEWAY_SPLIT_SLO_TPOT", default_value = "50ms")]
     pub split_slo_tpot: Option<String>,
-    /// The P->D rate believed before a pair's first measured probe or transfer, Gb/s. Default 10.
-    #[arg(long, env = "KVGATE_GATEWAY_SPLIT_BANDWIDTH_PRIOR_GBPS")]
+    /// The P->D rate believed before a pair's first measured probe or transfer, Gb/s.
+    #[arg(long, env = "KVGATE_GATEWAY_SPLIT_BANDWIDTH_PRIOR_GBPS", default_value = kvgate_shared::default_text!(kvgate_router::split::plan::DEFAULT_BANDWIDTH_PRIOR_GBPS))]
     pub split_bandwidth_prior_gbps: Option<f64>,
     /// Shared secret workers send with reports (`Authorization: Bearer`). Required: without it the gateway refuses
     /// to start unless `--insecure-reports` is given.
     #[arg(long, env = "KVGATE_REPORT_SECRET", hide_env_values = true)]
     pub report_secret: Option<String>,
     /// Accept reports without a secret (anyone who reaches the control port can then register a worker). Only for
-    /// closed test setups. Default false.
-    #[arg(long, env = "KVGATE_GATEWAY_INSECURE_REPORTS", num_args = 0..=1, default_missing_value = "true")]
+    /// closed test setups.
+    #[arg(long, env = "KVGATE_GATEWAY_INSECURE_REPORTS", num_args = 0..=1, default_missing_value = "true", default_value = "false")]
     pub insecure_reports: Option<bool>,
     /// Where reported workers may live: an `advertise_url` host must match one entry: an IP, a CIDR
     /// (`10.0.0.0/8`), a host name, or a `*.suffix` pattern (`*.kvgate-worker.serving.svc.cluster.local`).
@@ -63,131 +69,129 @@ pub struct GatewayArgs {
     /// that resolves to it).
     #[arg(long = "advertise-allow", env = "KVGATE_GATEWAY_ADVERTISE_ALLOW", value_delimiter = ',')]
     pub advertise_allow: Option<Vec<String>>,
-    /// Forward the client's `Authorization` header to workers. Default false (it is the client's key to this
+    /// Forward the client's `Authorization` header to workers.(it is the client's key to this
     /// gateway, not to the workers).
-    #[arg(long, env = "KVGATE_GATEWAY_FORWARD_AUTHORIZATION", num_args = 0..=1, default_missing_value = "true")]
+    #[arg(long, env = "KVGATE_GATEWAY_FORWARD_AUTHORIZATION", num_args = 0..=1, default_missing_value = "true", default_value = "false")]
     pub forward_authorization: Option<bool>,
     /// Hand the prompt's token ids to kvgate workers (body field `kvgate_prompt_ids`, authenticated with the
-    /// report secret) so they do not tokenize again. Needs `--report-secret`. Default true.
-    #[arg(long, env = "KVGATE_GATEWAY_PROMPT_HANDOFF", num_args = 0..=1, default_missing_value = "true")]
+    /// report secret) so they do not tokenize again. Needs `--report-secret`.
+    #[arg(long, env = "KVGATE_GATEWAY_PROMPT_HANDOFF", num_args = 0..=1, default_missing_value = "true", default_value = "true")]
     pub prompt_handoff: Option<bool>,
     /// API key table (TOML `[[keys]]`: `key` or `key_sha256`, `tenant`, `classes`, `cache_salt`; see keys.rs).
     /// Default none: every caller is the anonymous tenant and no caller may choose its class.
     #[arg(long, env = "KVGATE_GATEWAY_API_KEYS_FILE")]
     pub api_keys_file: Option<PathBuf>,
-    /// Refuse requests without a known API key (401). Default false (unknown callers share the anonymous tenant).
-    #[arg(long, env = "KVGATE_GATEWAY_REQUIRE_API_KEY", num_args = 0..=1, default_missing_value = "true")]
+    /// Refuse requests without a known API key (401).(unknown callers share the anonymous tenant).
+    #[arg(long, env = "KVGATE_GATEWAY_REQUIRE_API_KEY", num_args = 0..=1, default_missing_value = "true", default_value = "false")]
     pub require_api_key: Option<bool>,
-    /// No report for this long: the worker's cache summary is ignored. Default 3s.
-    #[arg(long, env = "KVGATE_GATEWAY_STALE_AFTER")]
+    /// No report for this long: the worker's cache summary is ignored.
+    #[arg(long, env = "KVGATE_GATEWAY_STALE_AFTER", default_value = "3s")]
     pub stale_after: Option<String>,
     /// No report for this long (or refused connections): the worker leaves the ring until it reports again.
-    /// Default 10s.
-    #[arg(long, env = "KVGATE_GATEWAY_DEAD_AFTER")]
+    #[arg(long, env = "KVGATE_GATEWAY_DEAD_AFTER", default_value = "10s")]
     pub dead_after: Option<String>,
-    /// How long what this gateway routed to a worker counts as cached there (the overlay). Default 3s.
-    #[arg(long, env = "KVGATE_GATEWAY_OVERLAY_TTL")]
+    /// How long what this gateway routed to a worker counts as cached there (the overlay).
+    #[arg(long, env = "KVGATE_GATEWAY_OVERLAY_TTL", default_value = "3s")]
     pub overlay_ttl: Option<String>,
-    /// Virtual nodes per worker on the ring. Default 64.
-    #[arg(long, env = "KVGATE_GATEWAY_VNODES")]
+    /// Virtual nodes per worker on the ring.
+    #[arg(long, env = "KVGATE_GATEWAY_VNODES", default_value = "64")]
     pub vnodes: Option<u32>,
-    /// Largest request body in bytes; beyond it 413. Default 8 MiB (the worker's default: a body a worker would
-    /// refuse is refused here first).
-    #[arg(long, env = "KVGATE_GATEWAY_MAX_BODY_BYTES")]
+    /// Largest request body in bytes; beyond it 413. The worker's default is the same (a body a worker would refuse
+    /// is refused here first).
+    #[arg(long, env = "KVGATE_GATEWAY_MAX_BODY_BYTES", default_value = kvgate_shared::default_text!(kvgate_shared::openai::DEFAULT_MAX_BODY_BYTES))]
     pub max_body_bytes: Option<usize>,
     /// Most JSON values in a chat request's `messages`, `tools` and `chat_template_kwargs` together; beyond it 400.
-    /// Default 200000.
-    #[arg(long, env = "KVGATE_GATEWAY_MAX_CHAT_JSON_VALUES")]
+    #[arg(long, env = "KVGATE_GATEWAY_MAX_CHAT_JSON_VALUES", default_value = "200000")]
     pub max_chat_json_values: Option<usize>,
     /// Ring key: a prompt block followed by this many distinct next blocks recently is a hub (a shared system
-    /// prompt's end); the key is the block after a prompt's last hub (2..=8). Default 2.
-    #[arg(long, env = "KVGATE_GATEWAY_RING_HUB_FANOUT")]
+    /// prompt's end); the key is the block after a prompt's last hub (2..=8).
+    #[arg(long, env = "KVGATE_GATEWAY_RING_HUB_FANOUT", default_value = kvgate_shared::default_text!(crate::routing::ring_key::DEFAULT_HUB_FANOUT))]
     pub ring_hub_fanout: Option<usize>,
-    /// Blocks the ring-key sketch remembers per generation (two generations; about 40 bytes each). Default 65536.
-    #[arg(long, env = "KVGATE_GATEWAY_RING_SKETCH_ENTRIES")]
+    /// Blocks the ring-key sketch remembers per generation (two generations; about 40 bytes each).
+    #[arg(long, env = "KVGATE_GATEWAY_RING_SKETCH_ENTRIES", default_value = kvgate_shared::default_text!(crate::routing::ring_key::DEFAULT_SKETCH_ENTRIES))]
     pub ring_sketch_entries: Option<usize>,
-    /// Most open client connections; beyond it a new connection gets 503 and is closed. Default 4096.
-    #[arg(long, env = "KVGATE_GATEWAY_MAX_CONNECTIONS")]
+    /// Most open client connections; beyond it a new connection gets 503 and is closed.
+    #[arg(long, env = "KVGATE_GATEWAY_MAX_CONNECTIONS", default_value = "4096")]
     pub max_connections: Option<usize>,
     /// A request's header must arrive whole within this long of its first byte (and a new connection must send
-    /// its first byte within it); else 408 and the connection closes. Default 10s.
-    #[arg(long, env = "KVGATE_GATEWAY_HEADER_READ_TIMEOUT")]
+    /// its first byte within it); else 408 and the connection closes.
+    #[arg(long, env = "KVGATE_GATEWAY_HEADER_READ_TIMEOUT", default_value = "10s")]
     pub header_read_timeout: Option<String>,
-    /// An idle keep-alive connection is closed after this long. Default 60s.
-    #[arg(long, env = "KVGATE_GATEWAY_KEEPALIVE_TIMEOUT")]
+    /// An idle keep-alive connection is closed after this long.
+    #[arg(long, env = "KVGATE_GATEWAY_KEEPALIVE_TIMEOUT", default_value = "60s")]
     pub keepalive_timeout: Option<String>,
-    /// The whole request body must arrive within this long; else 408. Default 60s.
-    #[arg(long, env = "KVGATE_GATEWAY_REQUEST_READ_TIMEOUT")]
+    /// The whole request body must arrive within this long; else 408.
+    #[arg(long, env = "KVGATE_GATEWAY_REQUEST_READ_TIMEOUT", default_value = "60s")]
     pub request_read_timeout: Option<String>,
     /// Threads that parse and tokenize prompts (off the proxy threads). Default: the number of CPUs.
     #[arg(long, env = "KVGATE_GATEWAY_TOKENIZE_THREADS")]
     pub tokenize_threads: Option<usize>,
-    /// Requests waiting for a tokenize thread; beyond it 503 `tokenizer_busy`. Default 256.
-    #[arg(long, env = "KVGATE_GATEWAY_TOKENIZE_QUEUE")]
+    /// Requests waiting for a tokenize thread; beyond it 503 `tokenizer_busy`.
+    #[arg(long, env = "KVGATE_GATEWAY_TOKENIZE_QUEUE", default_value = "256")]
     pub tokenize_queue: Option<usize>,
     /// Token ids of recent chat messages kept per model, so a conversation's history is tokenized once (pieces
-    /// between special tokens; exact). 0 turns the cache off. Default 4194304 (about 16 MiB per model).
-    #[arg(long, env = "KVGATE_GATEWAY_TOKENIZE_CACHE_TOKENS")]
+    /// between special tokens; exact). 0 turns the cache off. (4 bytes a token: the default is about 16 MiB per model).
+    #[arg(long, env = "KVGATE_GATEWAY_TOKENIZE_CACHE_TOKENS", default_value = kvgate_shared::default_text!(kvgate_shared::prompt::segments::DEFAULT_CACHE_TOKENS))]
     pub tokenize_cache_tokens: Option<usize>,
-    /// Timeout to connect to a worker. Default 1s.
-    #[arg(long, env = "KVGATE_GATEWAY_CONNECT_TIMEOUT")]
+    /// Timeout to connect to a worker.
+    #[arg(long, env = "KVGATE_GATEWAY_CONNECT_TIMEOUT", default_value = "1s")]
     pub connect_timeout: Option<String>,
-    /// Least time a worker gets to send its response header (first byte). Default 30s.
-    #[arg(long, env = "KVGATE_GATEWAY_FIRST_BYTE_TIMEOUT")]
+    /// Least time a worker gets to send its response header (first byte).
+    #[arg(long, env = "KVGATE_GATEWAY_FIRST_BYTE_TIMEOUT", default_value = "30s")]
     pub first_byte_timeout: Option<String>,
-    /// Added to the first-byte timeout per uncached prompt token (prefill). Default 1ms.
-    #[arg(long, env = "KVGATE_GATEWAY_FIRST_BYTE_PER_PROMPT_TOKEN")]
+    /// Added to the first-byte timeout per uncached prompt token (prefill).
+    #[arg(long, env = "KVGATE_GATEWAY_FIRST_BYTE_PER_PROMPT_TOKEN", default_value = "1ms")]
     pub first_byte_per_prompt_token: Option<String>,
-    /// Added per `max_tokens` for a non-streamed request (its header comes after the last token). Default 100ms.
-    #[arg(long, env = "KVGATE_GATEWAY_FIRST_BYTE_PER_OUTPUT_TOKEN")]
+    /// Added per `max_tokens` for a non-streamed request (its header comes after the last token).
+    #[arg(long, env = "KVGATE_GATEWAY_FIRST_BYTE_PER_OUTPUT_TOKEN", default_value = "100ms")]
     pub first_byte_per_output_token: Option<String>,
-    /// Most the first-byte timeout can grow to. Default 600s.
-    #[arg(long, env = "KVGATE_GATEWAY_FIRST_BYTE_TIMEOUT_CAP")]
+    /// Most the first-byte timeout can grow to.
+    #[arg(long, env = "KVGATE_GATEWAY_FIRST_BYTE_TIMEOUT_CAP", default_value = "600s")]
     pub first_byte_timeout_cap: Option<String>,
-    /// Longest silence between two chunks of a response; then the stream ends with an error event. Default 60s.
-    #[arg(long, env = "KVGATE_GATEWAY_STREAM_IDLE_TIMEOUT")]
+    /// Longest silence between two chunks of a response; then the stream ends with an error event.
+    #[arg(long, env = "KVGATE_GATEWAY_STREAM_IDLE_TIMEOUT", default_value = "60s")]
     pub stream_idle_timeout: Option<String>,
     /// Workers tried per request when they refuse before any byte (connect failure, queue_full, model_loading,
-    /// shutting_down, engine_stopped, aborted). Default 3.
-    #[arg(long, env = "KVGATE_GATEWAY_MAX_ATTEMPTS")]
+    /// shutting_down, engine_stopped, aborted).
+    #[arg(long, env = "KVGATE_GATEWAY_MAX_ATTEMPTS", default_value = "3")]
     pub max_attempts: Option<usize>,
-    /// A reported worker silent this long is forgotten (with its metric series). Default 300s.
-    #[arg(long, env = "KVGATE_GATEWAY_FORGET_AFTER")]
+    /// A reported worker silent this long is forgotten (with its metric series).
+    #[arg(long, env = "KVGATE_GATEWAY_FORGET_AFTER", default_value = "300s")]
     pub forget_after: Option<String>,
     /// How often a worker out of the ring for a refused connection or a timeout is probed (`GET /health`) to bring
     /// it back (a 2xx, or a 4xx from a server without that route, brings it back); also how often the P->D pairs
-    /// no transfer has measured are probed (`link_probe`). Default 2s.
-    #[arg(long, env = "KVGATE_GATEWAY_PROBE_INTERVAL")]
+    /// no transfer has measured are probed (`link_probe`).
+    #[arg(long, env = "KVGATE_GATEWAY_PROBE_INTERVAL", default_value = "2s")]
     pub probe_interval: Option<String>,
-    /// Most workers in the registry; reports from further workers get 503. Default 4096.
-    #[arg(long, env = "KVGATE_GATEWAY_MAX_WORKERS")]
+    /// Most workers in the registry; reports from further workers get 503.
+    #[arg(long, env = "KVGATE_GATEWAY_MAX_WORKERS", default_value = "4096")]
     pub max_workers: Option<usize>,
-    /// Largest tokenizer a worker may serve to this gateway, in bytes. Default 64 MiB.
-    #[arg(long, env = "KVGATE_GATEWAY_MAX_TOKENIZER_BYTES")]
+    /// Largest tokenizer a worker may serve to this gateway, in bytes. (64 MiB).
+    #[arg(long, env = "KVGATE_GATEWAY_MAX_TOKENIZER_BYTES", default_value = "67108864")]
     pub max_tokenizer_bytes: Option<usize>,
-    /// Worker threads of the proxy. Default 2.
-    #[arg(long, env = "KVGATE_GATEWAY_THREADS")]
+    /// Worker threads of the proxy.
+    #[arg(long, env = "KVGATE_GATEWAY_THREADS", default_value = "2")]
     pub threads: Option<usize>,
-    /// On SIGTERM, how long requests in flight get to finish before the proxy exits. Default 10s.
-    #[arg(long, env = "KVGATE_GATEWAY_SHUTDOWN_GRACE")]
+    /// On SIGTERM, how long requests in flight get to finish before the proxy exits.
+    #[arg(long, env = "KVGATE_GATEWAY_SHUTDOWN_GRACE", default_value = "10s")]
     pub shutdown_grace: Option<String>,
     /// Scoring weights of cache_aware (TOML `[weights]`; see routing/cache_aware.rs for the formula).
     #[arg(skip)]
     pub weights: Option<Weights>,
-    /// cache_aware prefix weight. Default 1.0.
+    /// cache_aware prefix weight, over `[weights]` (whose defaults are `Weights::default()`, routing/cache_aware.rs).
     #[arg(long, env = "KVGATE_GATEWAY_W_PREFIX")]
     #[serde(skip)]
     pub w_prefix: Option<f64>,
-    /// cache_aware ring weight. Default 0.3.
+    /// cache_aware ring weight, over `[weights]` (whose defaults are `Weights::default()`, routing/cache_aware.rs).
     #[arg(long, env = "KVGATE_GATEWAY_W_RING")]
     #[serde(skip)]
     pub w_ring: Option<f64>,
-    /// cache_aware load weight. Default 0.5.
+    /// cache_aware load weight, over `[weights]` (whose defaults are `Weights::default()`, routing/cache_aware.rs).
     #[arg(long, env = "KVGATE_GATEWAY_W_LOAD")]
     #[serde(skip)]
     pub w_load: Option<f64>,
     /// Logs as JSON lines.
-    #[arg(long, env = "KVGATE_GATEWAY_LOG_JSON", num_args = 0..=1, default_missing_value = "true")]
+    #[arg(long, env = "KVGATE_GATEWAY_LOG_JSON", num_args = 0..=1, default_missing_value = "true", default_value = "false")]
     pub log_json: Option<bool>,
     /// Bearer token of the admin API (control listener). Default none: the admin routes are off (404).
     #[arg(long, env = "KVGATE_ADMIN_TOKEN", hide_env_values = true)]
@@ -209,8 +213,8 @@ pub struct GatewayArgs {
     /// Secret). When both are given this one wins. Default none.
     #[arg(long, env = "KVGATE_GATEWAY_REDIS_PASSWORD", hide_env_values = true)]
     pub redis_password: Option<String>,
-    /// Prefix of every Redis key and channel (gateways of different fleets can share one Redis). Default `kvgate`.
-    #[arg(long, env = "KVGATE_GATEWAY_REDIS_PREFIX")]
+    /// Prefix of every Redis key and channel (gateways of different fleets can share one Redis).
+    #[arg(long, env = "KVGATE_GATEWAY_REDIS_PREFIX", default_value = "kvgate")]
     pub redis_prefix: Option<String>,
     /// This replica's name in Redis heartbeats and audit lines. Default: `$HOSTNAME` (the pod name), else
     /// `gateway-<pid>`.
@@ -218,8 +222,8 @@ pub struct GatewayArgs {
     pub replica_id: Option<String>,
     /// With `--redis-url`: publish every send (worker, the prompt's overlay points, uncached tokens, ring key) to
     /// the other replicas, which count it as load and overlay until the worker's next report (see
-    /// shared_state/sends.rs). Default true.
-    #[arg(long, env = "KVGATE_GATEWAY_SHARE_SENDS", num_args = 0..=1, default_missing_value = "true")]
+    /// shared_state/sends.rs).
+    #[arg(long, env = "KVGATE_GATEWAY_SHARE_SENDS", num_args = 0..=1, default_missing_value = "true", default_value = "true")]
     pub share_sends: Option<bool>,
     /// Request classes and their token budgets (TOML `[[classes]]`; default: short / long / reasoning, see
     /// admission/classes.rs).
@@ -413,12 +417,40 @@ impl FirstByteTimeout {
     }
 }
 
-fn duration(v: Option<String>, default: &str, name: &str) -> Result<Duration, String> {
-    kvgate_shared::duration::parse_duration(v.as_deref().unwrap_or(default))
-        .map_err(|e| format!("--{name}: {e}"))
+fn duration(v: String, name: &str) -> Result<Duration, String> {
+    kvgate_shared::duration::parse_duration(&v).map_err(|e| format!("--{name}: {e}"))
 }
 
 impl GatewayArgs {
+    /// The flags and environment of this process (exits with clap's message on bad flags or `--help`).
+    pub fn from_command_line() -> Self {
+        Self::from_iter_args(std::env::args_os()).unwrap_or_else(|e| e.exit())
+    }
+
+    /// Parses `args` (the first is the program name), remembering which values are clap's defaults.
+    pub fn from_iter_args<I, T>(args: I) -> Result<Self, clap::Error>
+    where
+        I: IntoIterator<Item = T>,
+        T: Into<std::ffi::OsString> + Clone,
+    {
+        use clap::{CommandFactory, FromArgMatches};
+        let m = Self::command().try_get_matches_from(args)?;
+        let mut a = Self::from_arg_matches(&m)?;
+        a.layers = Layers::from_matches(&m);
+        Ok(a)
+    }
+
+    /// The configuration reference (`docs/reference/gateway.md`), generated from the flags.
+    pub fn reference() -> String {
+        kvgate_shared::settings::reference_markdown(
+            &<Self as clap::CommandFactory>::command(),
+            "kvgate-gateway configuration",
+            "Every setting is a flag, an environment variable and a key of the TOML file given with `--config` \
+             (precedence: flags > environment > file > default). `[[models]]`, `[[classes]]` and `[weights]` are \
+             TOML tables: see docs/operating/gateway.md.",
+        )
+    }
+
     /// Merges flags/env over the TOML file over defaults and validates.
     pub fn resolve(self) -> Result<GatewayConfig, String> {
         let file = match &self.config {
@@ -428,9 +460,19 @@ impl GatewayArgs {
             }
             None => GatewayArgs::default(),
         };
+        let cmd = <GatewayArgs as clap::CommandFactory>::command();
+        // A setting without a declared default: flags/env (unless clap filled them in), else the file.
         macro_rules! pick {
             ($f:ident) => {
-                self.$f.clone().or(file.$f.clone())
+                self.$f.clone().filter(|_| self.layers.given(stringify!($f))).or(file.$f.clone())
+            };
+        }
+        // A setting with a declared default (`default_value`): the default written once, on the flag.
+        macro_rules! set {
+            ($f:ident) => {
+                self.layers.pick(&cmd, stringify!($f), &self.$f, &file.$f).ok_or_else(|| {
+                    format!("--{}: no value and no default", stringify!($f).replace('_', "-"))
+                })?
             };
         }
         let mut weights = pick!(weights).unwrap_or_default();
@@ -444,76 +486,62 @@ impl GatewayArgs {
             weights.w_load = v;
         }
         let mut cfg = GatewayConfig {
-            listen: pick!(listen).unwrap_or_else(|| "0.0.0.0:8080".into()),
-            control_listen: pick!(control_listen).unwrap_or_else(|| "0.0.0.0:8081".into()),
+            listen: set!(listen),
+            control_listen: set!(control_listen),
             workers: pick!(workers).unwrap_or_default().into_iter().filter(|w| !w.is_empty()).collect(),
-            policy: pick!(policy).unwrap_or_else(|| "cache_aware".into()),
-            split_policy: pick!(split_policy)
-                .unwrap_or_else(|| kvgate_router::split::DEFAULT_SPLIT_POLICY.into()),
+            policy: set!(policy),
+            split_policy: set!(split_policy),
             split: kvgate_router::split::plan::SplitSettings {
                 slo: kvgate_router::split::Slo {
-                    ttft_s: duration(pick!(split_slo_ttft), "2s", "split-slo-ttft")?.as_secs_f64(),
-                    tpot_s: duration(pick!(split_slo_tpot), "50ms", "split-slo-tpot")?.as_secs_f64(),
+                    ttft_s: duration(set!(split_slo_ttft), "split-slo-ttft")?.as_secs_f64(),
+                    tpot_s: duration(set!(split_slo_tpot), "split-slo-tpot")?.as_secs_f64(),
                 },
-                bandwidth_prior_bytes_per_s: pick!(split_bandwidth_prior_gbps)
-                    .unwrap_or(kvgate_router::split::plan::DEFAULT_BANDWIDTH_PRIOR_GBPS)
-                    * 1e9
-                    / 8.0,
+                bandwidth_prior_bytes_per_s: set!(split_bandwidth_prior_gbps) * 1e9 / 8.0,
             },
             report_secret: pick!(report_secret).filter(|s| !s.is_empty()),
-            insecure_reports: pick!(insecure_reports).unwrap_or(false),
+            insecure_reports: set!(insecure_reports),
             advertise_allow: pick!(advertise_allow)
                 .unwrap_or_default()
                 .into_iter()
                 .filter(|a| !a.is_empty())
                 .collect(),
-            forward_authorization: pick!(forward_authorization).unwrap_or(false),
-            prompt_handoff: pick!(prompt_handoff).unwrap_or(true),
+            forward_authorization: set!(forward_authorization),
+            prompt_handoff: set!(prompt_handoff),
             api_keys_file: pick!(api_keys_file),
-            require_api_key: pick!(require_api_key).unwrap_or(false),
-            stale_after: duration(pick!(stale_after), "3s", "stale-after")?,
-            dead_after: duration(pick!(dead_after), "10s", "dead-after")?,
-            overlay_ttl: duration(pick!(overlay_ttl), "3s", "overlay-ttl")?,
-            vnodes: pick!(vnodes).unwrap_or(64),
-            max_body_bytes: pick!(max_body_bytes).unwrap_or(8 << 20),
-            max_chat_json_values: pick!(max_chat_json_values).unwrap_or(200_000),
-            ring_hub_fanout: pick!(ring_hub_fanout).unwrap_or(crate::routing::ring_key::DEFAULT_HUB_FANOUT),
-            ring_sketch_entries: pick!(ring_sketch_entries)
-                .unwrap_or(crate::routing::ring_key::DEFAULT_SKETCH_ENTRIES),
-            max_connections: pick!(max_connections).unwrap_or(4096),
-            header_read_timeout: duration(pick!(header_read_timeout), "10s", "header-read-timeout")?,
-            keepalive_timeout: duration(pick!(keepalive_timeout), "60s", "keepalive-timeout")?,
-            request_read_timeout: duration(pick!(request_read_timeout), "60s", "request-read-timeout")?,
+            require_api_key: set!(require_api_key),
+            stale_after: duration(set!(stale_after), "stale-after")?,
+            dead_after: duration(set!(dead_after), "dead-after")?,
+            overlay_ttl: duration(set!(overlay_ttl), "overlay-ttl")?,
+            vnodes: set!(vnodes),
+            max_body_bytes: set!(max_body_bytes),
+            max_chat_json_values: set!(max_chat_json_values),
+            ring_hub_fanout: set!(ring_hub_fanout),
+            ring_sketch_entries: set!(ring_sketch_entries),
+            max_connections: set!(max_connections),
+            header_read_timeout: duration(set!(header_read_timeout), "header-read-timeout")?,
+            keepalive_timeout: duration(set!(keepalive_timeout), "keepalive-timeout")?,
+            request_read_timeout: duration(set!(request_read_timeout), "request-read-timeout")?,
             tokenize_threads: pick!(tokenize_threads)
                 .unwrap_or_else(|| std::thread::available_parallelism().map_or(2, |n| n.get())),
-            tokenize_queue: pick!(tokenize_queue).unwrap_or(256),
-            tokenize_cache_tokens: pick!(tokenize_cache_tokens)
-                .unwrap_or(kvgate_shared::prompt::segments::DEFAULT_CACHE_TOKENS),
-            connect_timeout: duration(pick!(connect_timeout), "1s", "connect-timeout")?,
+            tokenize_queue: set!(tokenize_queue),
+            tokenize_cache_tokens: set!(tokenize_cache_tokens),
+            connect_timeout: duration(set!(connect_timeout), "connect-timeout")?,
             first_byte: FirstByteTimeout {
-                floor: duration(pick!(first_byte_timeout), "30s", "first-byte-timeout")?,
-                per_prompt_token: duration(
-                    pick!(first_byte_per_prompt_token),
-                    "1ms",
-                    "first-byte-per-prompt-token",
-                )?,
-                per_output_token: duration(
-                    pick!(first_byte_per_output_token),
-                    "100ms",
-                    "first-byte-per-output-token",
-                )?,
-                cap: duration(pick!(first_byte_timeout_cap), "600s", "first-byte-timeout-cap")?,
+                floor: duration(set!(first_byte_timeout), "first-byte-timeout")?,
+                per_prompt_token: duration(set!(first_byte_per_prompt_token), "first-byte-per-prompt-token")?,
+                per_output_token: duration(set!(first_byte_per_output_token), "first-byte-per-output-token")?,
+                cap: duration(set!(first_byte_timeout_cap), "first-byte-timeout-cap")?,
             },
-            stream_idle_timeout: duration(pick!(stream_idle_timeout), "60s", "stream-idle-timeout")?,
-            max_attempts: pick!(max_attempts).unwrap_or(3),
-            forget_after: duration(pick!(forget_after), "300s", "forget-after")?,
-            probe_interval: duration(pick!(probe_interval), "2s", "probe-interval")?,
-            max_workers: pick!(max_workers).unwrap_or(4096),
-            max_tokenizer_bytes: pick!(max_tokenizer_bytes).unwrap_or(64 << 20),
-            shutdown_grace: duration(pick!(shutdown_grace), "10s", "shutdown-grace")?,
-            threads: pick!(threads).unwrap_or(2),
+            stream_idle_timeout: duration(set!(stream_idle_timeout), "stream-idle-timeout")?,
+            max_attempts: set!(max_attempts),
+            forget_after: duration(set!(forget_after), "forget-after")?,
+            probe_interval: duration(set!(probe_interval), "probe-interval")?,
+            max_workers: set!(max_workers),
+            max_tokenizer_bytes: set!(max_tokenizer_bytes),
+            shutdown_grace: duration(set!(shutdown_grace), "shutdown-grace")?,
+            threads: set!(threads),
             weights,
-            log_json: pick!(log_json).unwrap_or(false),
+            log_json: set!(log_json),
             classes: pick!(classes).unwrap_or_else(default_classes),
             models: pick!(models).unwrap_or_default(),
             admin_token: pick!(admin_token).filter(|t| !t.is_empty()),
@@ -521,12 +549,12 @@ impl GatewayArgs {
             redis_url: pick!(redis_url).filter(|u| !u.is_empty()),
             redis_username: pick!(redis_username).filter(|u| !u.is_empty()),
             redis_password: pick!(redis_password).filter(|p| !p.is_empty()),
-            redis_prefix: pick!(redis_prefix).unwrap_or_else(|| "kvgate".into()),
+            redis_prefix: set!(redis_prefix),
             replica_id: pick!(replica_id)
                 .or_else(|| std::env::var("HOSTNAME").ok())
                 .filter(|r| !r.is_empty())
                 .unwrap_or_else(|| format!("gateway-{}", std::process::id())),
-            share_sends: pick!(share_sends).unwrap_or(true),
+            share_sends: set!(share_sends),
         };
         cfg.state_file = state_file(pick!(state_file), cfg.admin_token.is_some());
         cfg.validate()?;

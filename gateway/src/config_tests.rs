@@ -10,7 +10,7 @@ fn secured() -> GatewayArgs {
 #[test]
 fn models_come_from_flags_or_the_toml_file_and_are_checked() {
     let a =
-        GatewayArgs::try_parse_from(["g", "--model", "m1=/tok/m1", "--model", "m2=/tok/m2"]).expect("flags");
+        GatewayArgs::from_iter_args(["g", "--model", "m1=/tok/m1", "--model", "m2=/tok/m2"]).expect("flags");
     let m = a.models.clone().expect("models");
     assert_eq!((m[0].name.as_str(), m[0].block_size, m[0].kind), ("m1", 16, WorkerKind::Kvgate));
     assert_eq!(m[1].tokenizer, PathBuf::from("/tok/m2"));
@@ -96,4 +96,29 @@ fn toml_then_flags() {
         .resolve()
         .expect("ok");
     assert_eq!(cfg.policy, "round_robin");
+}
+
+#[test]
+fn a_default_is_written_once_and_loses_to_the_file_which_loses_to_a_flag() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let path = dir.path().join("g.toml");
+    std::fs::write(&path, "report-secret = \"s\"\nstale-after = \"7s\"\nvnodes = 8\n").expect("write");
+    let p = path.to_str().expect("path");
+    let cfg = GatewayArgs::from_iter_args(["g", "--config", p]).expect("flags").resolve().expect("ok");
+    assert_eq!((cfg.stale_after, cfg.vnodes), (Duration::from_secs(7), 8), "the file beats clap's defaults");
+    assert_eq!(cfg.dead_after, Duration::from_secs(10), "the declared default");
+    let cfg = GatewayArgs::from_iter_args(["g", "--config", p, "--stale-after", "9s"])
+        .expect("flags")
+        .resolve()
+        .expect("ok");
+    assert_eq!(cfg.stale_after, Duration::from_secs(9), "a flag beats the file");
+    // The same defaults without clap (a struct built in code).
+    assert_eq!(secured().resolve().expect("ok").dead_after, Duration::from_secs(10));
+}
+
+#[test]
+fn the_committed_configuration_reference_is_what_the_flags_declare() {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/reference/gateway.md");
+    kvgate_shared::settings::check_reference(&path, &GatewayArgs::reference())
+        .unwrap_or_else(|e| panic!("{e}"));
 }

@@ -4,7 +4,6 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
 
-use clap::Parser;
 use kvgate_gateway::config::{GatewayArgs, WorkerKind};
 use kvgate_gateway::control::IngestQueue;
 use kvgate_gateway::listener::{ConnLimits, PublicListener};
@@ -15,7 +14,7 @@ use pingora::server::configuration::ServerConf;
 use pingora::server::Server;
 
 fn main() -> ExitCode {
-    let cfg = match GatewayArgs::parse().resolve() {
+    let cfg = match GatewayArgs::from_command_line().resolve() {
         Ok(c) => c,
         Err(e) => {
             eprintln!("kvgate-gateway: {e}");

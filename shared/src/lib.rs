@@ -5,7 +5,8 @@
 //! - [`prompt`]: chat-template rendering and tokenization, identical on both sides;
 //! - [`openai`]: the OpenAI API types and error body;
 //! - [`handoff`]: token ids the gateway computed, passed to the worker (authenticated) so it skips tokenizing;
-//! - [`duration`]: configuration durations (`1s`, `500ms`).
+//! - [`duration`]: configuration durations (`1s`, `500ms`); [`settings`]: defaults written once (clap), the
+//!   flags > environment > TOML > default layering, and the generated configuration references.
 //! - [`ports`]: free loopback ports for local fleets (tests, benches, the load tester's fleet).
 
 pub mod duration;
@@ -15,5 +16,6 @@ pub mod openai;
 pub mod ports;
 pub mod prompt;
 pub mod report;
+pub mod settings;
 #[cfg(any(test, feature = "test-strategies"))]
 pub mod testing;

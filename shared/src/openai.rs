@@ -491,6 +491,9 @@ pub fn sse_data(json: &str) -> String {
 /// The last SSE event of every OpenAI stream.
 pub const SSE_DONE: &str = "data: [DONE]\n\n";
 
+/// The largest request body a gateway or a worker reads by default (`--max-body-bytes`): 8 MiB.
+pub const DEFAULT_MAX_BODY_BYTES: usize = 8 << 20;
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -129,7 +129,13 @@ enum Command {
 }
 
 fn main() -> ExitCode {
-    match Cli::parse().command {
+    let matches = <Cli as clap::CommandFactory>::command().get_matches();
+    let mut cli = <Cli as clap::FromArgMatches>::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
+    if let (Command::Serve(args), Some(("serve", m))) = (&mut cli.command, matches.subcommand()) {
+        // Values clap filled in from their defaults lose to the TOML file.
+        args.layers = kvgate_shared::settings::Layers::from_matches(m);
+    }
+    match cli.command {
         Command::SynthModel { out, preset, seed, arch, dtype, shards } => {
             let architecture = match arch {
                 Arch::Llama => Architecture::Llama,

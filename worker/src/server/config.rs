@@ -1,6 +1,7 @@
 //! `kvgate-worker serve` configuration: flags, each with an environment fallback (`KVGATE_WORKER_*`), over an
 //! optional TOML file (`--config`), over defaults. Precedence: defaults < TOML < environment < flags.
-//! Every field, its default and its meaning are in the `ServeArgs` docs (`kvgate-worker serve --help`).
+//! Every field, its default (written once, as the flag's clap `default_value`) and its meaning are in the `ServeArgs`
+//! docs (`kvgate-worker serve --help`, docs/reference/worker.md, generated from them).
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -9,6 +10,7 @@ use clap::Args;
 use serde::Deserialize;
 
 use kvgate_shared::report::Role;
+use kvgate_shared::settings::Layers;
 
 use crate::cuda::{DType, DeviceChoice};
 use crate::kv::{LoadPolicy, WritePolicy};
@@ -25,6 +27,10 @@ pub struct ServeArgs {
     #[arg(long, env = "KVGATE_WORKER_CONFIG")]
     #[serde(skip)]
     pub config: Option<PathBuf>,
+    /// Which values clap took from their defaults (they lose to the TOML file).
+    #[arg(skip)]
+    #[serde(skip)]
+    pub layers: Layers,
     /// Hugging Face model directory (config.json, safetensors, tokenizer.json, tokenizer_config.json).
     #[arg(long, env = "KVGATE_WORKER_MODEL")]
     pub model: Option<PathBuf>,
@@ -35,35 +41,34 @@ pub struct ServeArgs {
     /// `models/<preset>-<seed>`.
     #[arg(long, env = "KVGATE_WORKER_SYNTH_DIR")]
     pub synth_dir: Option<PathBuf>,
-    /// Seed of `--synth`. Default 0.
-    #[arg(long, env = "KVGATE_WORKER_SYNTH_SEED")]
+    /// Seed of `--synth`.
+    #[arg(long, env = "KVGATE_WORKER_SYNTH_SEED", default_value = "0")]
     pub synth_seed: Option<u64>,
     /// Compute engine: `cpu` (the model's real math) or `sim` (deterministic tokens, time from --sim-profile;
-    /// the tokenizer still comes from --model / --synth). Default cpu.
-    #[arg(long, env = "KVGATE_WORKER_ENGINE")]
+    /// the tokenizer still comes from --model / --synth).
+    #[arg(long, env = "KVGATE_WORKER_ENGINE", default_value = "cpu")]
     pub engine: Option<String>,
     /// Where `--engine cpu` (the model's real math) computes: `auto` (CUDA GPU 0 when a driver and a GPU are
     /// found, else the CPU; the choice is logged and shown in /v1/models and /metrics), `cpu`, `cuda` or `cuda:N`.
-    /// Default auto.
-    #[arg(long, env = "KVGATE_WORKER_DEVICE")]
+    #[arg(long, env = "KVGATE_WORKER_DEVICE", default_value = "auto")]
     pub device: Option<String>,
     /// Storage dtype of weights, activations and KV on CUDA: `bfloat16`, `float16` or `float32` (the CPU engine
-    /// always computes in float32). Default bfloat16.
-    #[arg(long, env = "KVGATE_WORKER_DTYPE")]
+    /// always computes in float32).
+    #[arg(long, env = "KVGATE_WORKER_DTYPE", default_value = "bfloat16")]
     pub dtype: Option<String>,
     /// On CUDA, without --kv-cache-tokens: the fraction of the GPU memory free after loading the weights that the
-    /// KV pool and the step scratch may take (like vLLM's). Default 0.9.
-    #[arg(long, env = "KVGATE_WORKER_GPU_MEMORY_UTILIZATION")]
+    /// KV pool and the step scratch may take (like vLLM's).
+    #[arg(long, env = "KVGATE_WORKER_GPU_MEMORY_UTILIZATION", default_value = "0.9")]
     pub gpu_memory_utilization: Option<f64>,
     /// Timing-model profile of `--engine sim`: a TOML file, or the name of a shipped one (`gpu-h100-llama3-8b`,
     /// `cpu-small`; see worker/profiles/).
     #[arg(long, env = "KVGATE_WORKER_SIM_PROFILE")]
     pub sim_profile: Option<PathBuf>,
-    /// Listen address. Default 0.0.0.0.
-    #[arg(long, env = "KVGATE_WORKER_HOST")]
+    /// Listen address.
+    #[arg(long, env = "KVGATE_WORKER_HOST", default_value = "0.0.0.0")]
     pub host: Option<String>,
-    /// Listen port (0 = any free port; the chosen one is logged). Default 8000.
-    #[arg(long, env = "KVGATE_WORKER_PORT")]
+    /// Listen port (0 = any free port; the chosen one is logged).
+    #[arg(long, env = "KVGATE_WORKER_PORT", default_value = "8000")]
     pub port: Option<u16>,
     /// Id in reports and `x-kvgate-worker`. Default `worker-<port>`.
     #[arg(long, env = "KVGATE_WORKER_ID")]
@@ -77,80 +82,80 @@ pub struct ServeArgs {
     /// Gateway control base URL to push reports to (repeatable; env: comma-separated). Default none.
     #[arg(long = "report-to", env = "KVGATE_WORKER_REPORT_TO", value_delimiter = ',')]
     pub report_to: Option<Vec<String>>,
-    /// Report interval (`1s`, `500ms`). Default 1s.
-    #[arg(long, env = "KVGATE_WORKER_REPORT_INTERVAL")]
+    /// Report interval (`1s`, `500ms`).
+    #[arg(long, env = "KVGATE_WORKER_REPORT_INTERVAL", default_value = "1s")]
     pub report_interval: Option<String>,
-    /// Timeout of one report POST. Default 500ms.
-    #[arg(long, env = "KVGATE_WORKER_REPORT_TIMEOUT")]
+    /// Timeout of one report POST.
+    #[arg(long, env = "KVGATE_WORKER_REPORT_TIMEOUT", default_value = "500ms")]
     pub report_timeout: Option<String>,
     /// Shared secret sent as `Authorization: Bearer` with reports. Default none (gateways may refuse).
     #[arg(long, env = "KVGATE_REPORT_SECRET", hide_env_values = true)]
     pub report_secret: Option<String>,
     /// Answer the OpenAI API (`/v1/*`) and the tokenizer endpoint only to gateways: callers must present
     /// `Authorization: Bearer <the gateway token>`, derived from `--report-secret` (which it then needs); others get
-    /// 401. `/health`, `/ready` and `/metrics` stay open. Default false.
-    #[arg(long, env = "KVGATE_WORKER_REQUIRE_GATEWAY_TOKEN", num_args = 0..=1, default_missing_value = "true")]
+    /// 401. `/health`, `/ready` and `/metrics` stay open.
+    #[arg(long, env = "KVGATE_WORKER_REQUIRE_GATEWAY_TOKEN", num_args = 0..=1, default_missing_value = "true", default_value = "false")]
     pub require_gateway_token: Option<bool>,
-    /// Summarise every k-th cached block in reports (size / k, matched length rounded down to k blocks). Default 4.
-    #[arg(long, env = "KVGATE_WORKER_SUMMARY_GRANULARITY")]
+    /// Summarise every k-th cached block in reports (size / k, matched length rounded down to k blocks).
+    #[arg(long, env = "KVGATE_WORKER_SUMMARY_GRANULARITY", default_value = "4")]
     pub summary_granularity: Option<u32>,
-    /// False-positive rate of the report's Bloom filter. Default 0.01.
-    #[arg(long, env = "KVGATE_WORKER_BLOOM_FP_RATE")]
+    /// False-positive rate of the report's Bloom filter.
+    #[arg(long, env = "KVGATE_WORKER_BLOOM_FP_RATE", default_value = "0.01")]
     pub bloom_fp_rate: Option<f64>,
     /// KV cache size in tokens. Default: 65536 on the CPU; on CUDA, what --gpu-memory-utilization leaves.
     #[arg(long, env = "KVGATE_WORKER_KV_CACHE_TOKENS")]
     pub kv_cache_tokens: Option<usize>,
     /// Host DRAM tier under the KV pool, in bytes: blocks evicted from the pool are copied here and served back on
-    /// a prefix hit. Default 0 (off).
-    #[arg(long, env = "KVGATE_WORKER_HOST_KV_BYTES")]
+    /// a prefix hit. 0 is off.
+    #[arg(long, env = "KVGATE_WORKER_HOST_KV_BYTES", default_value = "0")]
     pub host_kv_bytes: Option<usize>,
     /// SSD tier under the host tier (or under the pool without one), in bytes: segment files in
-    /// --disk-kv-path, kept across restarts. Default 0 (off).
-    #[arg(long, env = "KVGATE_WORKER_DISK_KV_BYTES")]
+    /// --disk-kv-path, kept across restarts. 0 is off.
+    #[arg(long, env = "KVGATE_WORKER_DISK_KV_BYTES", default_value = "0")]
     pub disk_kv_bytes: Option<u64>,
     /// Directory of the SSD tier's segment files (a local NVMe path). Required with --disk-kv-bytes.
     #[arg(long, env = "KVGATE_WORKER_DISK_KV_PATH")]
     pub disk_kv_path: Option<PathBuf>,
     /// When blocks are copied to the lower tiers: `write-back` (when the tier above lets them go) or
-    /// `write-through` (every completed block at once, to every tier). Default write-back.
-    #[arg(long, env = "KVGATE_WORKER_KV_WRITE_POLICY")]
+    /// `write-through` (every completed block at once, to every tier).
+    #[arg(long, env = "KVGATE_WORKER_KV_WRITE_POLICY", default_value = "write-back")]
     pub kv_write_policy: Option<String>,
     /// Whether a prefix found in a lower tier is loaded or computed again: `auto` (whichever is faster, from the
-    /// tiers' measured bandwidths and the engine's measured prefill speed), `load` or `recompute`. Default auto.
-    #[arg(long, env = "KVGATE_WORKER_KV_LOAD_POLICY")]
+    /// tiers' measured bandwidths and the engine's measured prefill speed), `load` or `recompute`.
+    #[arg(long, env = "KVGATE_WORKER_KV_LOAD_POLICY", default_value = "auto")]
     pub kv_load_policy: Option<String>,
-    /// Tokens per KV block (must equal the gateway's). Default 16.
-    #[arg(long, env = "KVGATE_WORKER_BLOCK_SIZE")]
+    /// Tokens per KV block (must equal the gateway's).
+    #[arg(long, env = "KVGATE_WORKER_BLOCK_SIZE", default_value = "16")]
     pub block_size: Option<u32>,
-    /// Most tokens computed per engine step. Default 2048.
-    #[arg(long, env = "KVGATE_WORKER_MAX_NUM_BATCHED_TOKENS")]
+    /// Most tokens computed per engine step.
+    #[arg(long, env = "KVGATE_WORKER_MAX_NUM_BATCHED_TOKENS", default_value = "2048")]
     pub max_num_batched_tokens: Option<usize>,
-    /// Most sequences running at once. Default 64.
-    #[arg(long, env = "KVGATE_WORKER_MAX_NUM_SEQS")]
+    /// Most sequences running at once.
+    #[arg(long, env = "KVGATE_WORKER_MAX_NUM_SEQS", default_value = "64")]
     pub max_num_seqs: Option<usize>,
-    /// Most requests waiting for admission; beyond it 503 with Retry-After. Default 256.
-    #[arg(long, env = "KVGATE_WORKER_MAX_WAITING_REQUESTS")]
+    /// Most requests waiting for admission; beyond it 503 with Retry-After.
+    #[arg(long, env = "KVGATE_WORKER_MAX_WAITING_REQUESTS", default_value = "256")]
     pub max_waiting_requests: Option<usize>,
-    /// Largest request body in bytes; beyond it 413. Default 8 MiB.
-    #[arg(long, env = "KVGATE_WORKER_MAX_BODY_BYTES")]
+    /// Largest request body in bytes; beyond it 413.
+    #[arg(long, env = "KVGATE_WORKER_MAX_BODY_BYTES", default_value = kvgate_shared::default_text!(kvgate_shared::openai::DEFAULT_MAX_BODY_BYTES))]
     pub max_body_bytes: Option<usize>,
-    /// `max_tokens` of chat requests that give none (capped by the context). Default 1024.
-    #[arg(long, env = "KVGATE_WORKER_DEFAULT_MAX_TOKENS")]
+    /// `max_tokens` of chat requests that give none (capped by the context).
+    #[arg(long, env = "KVGATE_WORKER_DEFAULT_MAX_TOKENS", default_value = "1024")]
     pub default_max_tokens: Option<u32>,
     /// Token ids of recent chat pieces kept (text between special tokens tokenizes independently, so earlier
-    /// messages are tokenized once and reused exactly). 0 turns the cache off. Default 4194304.
-    #[arg(long, env = "KVGATE_WORKER_TOKENIZE_CACHE_TOKENS")]
+    /// messages are tokenized once and reused exactly). 0 turns the cache off.
+    #[arg(long, env = "KVGATE_WORKER_TOKENIZE_CACHE_TOKENS", default_value = kvgate_shared::default_text!(kvgate_shared::prompt::segments::DEFAULT_CACHE_TOKENS))]
     pub tokenize_cache_tokens: Option<usize>,
-    /// After SIGTERM: time running requests get to finish before they are aborted. Default 30s.
-    #[arg(long, env = "KVGATE_WORKER_SHUTDOWN_GRACE")]
+    /// After SIGTERM: time running requests get to finish before they are aborted.
+    #[arg(long, env = "KVGATE_WORKER_SHUTDOWN_GRACE", default_value = "30s")]
     pub shutdown_grace: Option<String>,
     /// Logs as JSON lines instead of text.
-    #[arg(long, env = "KVGATE_WORKER_LOG_JSON")]
+    #[arg(long, env = "KVGATE_WORKER_LOG_JSON", default_value = "false")]
     pub log_json: Option<bool>,
     /// Part in prefill/decode disaggregation: `both` (whole requests, and either side of a split), `prefill`
     /// (exports prompts' KV; still serves whole requests) or `decode` (imports KV; exports none). In reports,
-    /// /v1/models and /metrics. Default both.
-    #[arg(long, env = "KVGATE_WORKER_ROLE")]
+    /// /v1/models and /metrics.
+    #[arg(long, env = "KVGATE_WORKER_ROLE", default_value = "both")]
     pub role: Option<String>,
     /// Port of the KV transfer listener decode workers fetch prompts' KV from (0: any free port, logged). Needs
     /// --report-secret (transfers are authenticated with a key derived from it); not with --role decode. Default
@@ -162,15 +167,14 @@ pub struct ServeArgs {
     #[arg(long, env = "KVGATE_WORKER_KV_TRANSFER_ADVERTISE")]
     pub kv_transfer_advertise: Option<String>,
     /// Lease of a transfer: a prefill worker drops an export (and a decode worker gives up an import and computes
-    /// the prompt itself) when its peer has shown no sign of life for this long. Default 30s.
-    #[arg(long, env = "KVGATE_WORKER_KV_TRANSFER_LEASE")]
+    /// the prompt itself) when its peer has shown no sign of life for this long.
+    #[arg(long, env = "KVGATE_WORKER_KV_TRANSFER_LEASE", default_value = "30s")]
     pub kv_transfer_lease: Option<String>,
     /// Layers per transfer frame while a prompt computes (0: whole blocks once each prefill chunk is done).
-    /// Default 0.
-    #[arg(long, env = "KVGATE_WORKER_KV_TRANSFER_LAYER_GROUP")]
+    #[arg(long, env = "KVGATE_WORKER_KV_TRANSFER_LAYER_GROUP", default_value = "0")]
     pub kv_transfer_layer_group: Option<u16>,
-    /// Largest payload of one transfer frame in bytes (a chunk's blocks are split to fit). Default 8 MiB.
-    #[arg(long, env = "KVGATE_WORKER_KV_TRANSFER_FRAME_BYTES")]
+    /// Largest payload of one transfer frame in bytes (a chunk's blocks are split to fit). (8 MiB by default).
+    #[arg(long, env = "KVGATE_WORKER_KV_TRANSFER_FRAME_BYTES", default_value = "8388608")]
     pub kv_transfer_frame_bytes: Option<usize>,
 }
 
@@ -245,6 +249,21 @@ fn default_cache_dir() -> PathBuf {
 }
 
 impl ServeArgs {
+    /// `serve`'s clap command (its flags, defaults and help).
+    pub fn command() -> clap::Command {
+        <Self as Args>::augment_args(clap::Command::new("serve"))
+    }
+
+    /// The configuration reference (`docs/reference/worker.md`), generated from the flags.
+    pub fn reference() -> String {
+        kvgate_shared::settings::reference_markdown(
+            &Self::command(),
+            "kvgate-worker serve configuration",
+            "Every setting of `kvgate-worker serve` is a flag, an environment variable and a key of the TOML file \
+             given with `--config` (precedence: flags > environment > file > default).",
+        )
+    }
+
     /// Merges flags/env over the TOML file over defaults, then validates.
     pub fn resolve(self) -> Result<ServeConfig, String> {
         let file = match &self.config {
@@ -254,16 +273,26 @@ impl ServeArgs {
             }
             None => ServeArgs::default(),
         };
+        let cmd = ServeArgs::command();
+        // A setting without a declared default: flags/env (unless clap filled them in), else the file.
         macro_rules! pick {
             ($f:ident) => {
-                self.$f.clone().or(file.$f.clone())
+                self.$f.clone().filter(|_| self.layers.given(stringify!($f))).or(file.$f.clone())
+            };
+        }
+        // A setting with a declared default (`default_value`): the default written once, on the flag.
+        macro_rules! set {
+            ($f:ident) => {
+                self.layers.pick(&cmd, stringify!($f), &self.$f, &file.$f).ok_or_else(|| {
+                    format!("--{}: no value and no default", stringify!($f).replace('_', "-"))
+                })?
             };
         }
         let model = match (pick!(model), pick!(synth)) {
             (Some(_), Some(_)) => return Err("give either --model or --synth, not both".into()),
             (Some(dir), None) => ModelSource::Dir(dir),
             (None, Some(preset)) => {
-                let seed = pick!(synth_seed).unwrap_or(0);
+                let seed = set!(synth_seed);
                 let name = format!("{}-{seed}", format!("{preset:?}").to_lowercase());
                 let dir = pick!(synth_dir).unwrap_or_else(|| default_cache_dir().join("models").join(name));
                 ModelSource::Synth { preset, seed, dir }
@@ -276,10 +305,8 @@ impl ServeArgs {
                 )
             }
         };
-        let dur = |v: Option<String>, default: &str, name: &str| {
-            parse_duration(v.as_deref().unwrap_or(default)).map_err(|e| format!("--{name}: {e}"))
-        };
-        let engine = match (pick!(engine).as_deref().unwrap_or("cpu"), pick!(sim_profile)) {
+        let dur = |v: String, name: &str| parse_duration(&v).map_err(|e| format!("--{name}: {e}"));
+        let engine = match (set!(engine).as_str(), pick!(sim_profile)) {
             ("cpu", None) => EngineKind::Cpu,
             ("cpu", Some(_)) => return Err("--sim-profile needs --engine sim".into()),
             ("sim", Some(profile)) => EngineKind::Sim { profile },
@@ -291,48 +318,46 @@ impl ServeArgs {
         let cfg = ServeConfig {
             model,
             engine,
-            host: pick!(host).unwrap_or_else(|| "0.0.0.0".into()),
-            port: pick!(port).unwrap_or(8000),
+            host: set!(host),
+            port: set!(port),
             worker_id: pick!(worker_id),
             advertise_url: pick!(advertise_url),
             model_id: pick!(model_id),
             report_to: pick!(report_to).unwrap_or_default().into_iter().filter(|u| !u.is_empty()).collect(),
-            report_interval: dur(pick!(report_interval), "1s", "report-interval")?,
-            report_timeout: dur(pick!(report_timeout), "500ms", "report-timeout")?,
+            report_interval: dur(set!(report_interval), "report-interval")?,
+            report_timeout: dur(set!(report_timeout), "report-timeout")?,
             report_secret: pick!(report_secret).filter(|s| !s.is_empty()),
-            require_gateway_token: pick!(require_gateway_token).unwrap_or(false),
-            summary_granularity: pick!(summary_granularity).unwrap_or(4),
-            bloom_fp_rate: pick!(bloom_fp_rate).unwrap_or(0.01),
+            require_gateway_token: set!(require_gateway_token),
+            summary_granularity: set!(summary_granularity),
+            bloom_fp_rate: set!(bloom_fp_rate),
             kv_cache_tokens: pick!(kv_cache_tokens),
-            host_kv_bytes: pick!(host_kv_bytes).unwrap_or(0),
-            disk_kv_bytes: pick!(disk_kv_bytes).unwrap_or(0),
+            host_kv_bytes: set!(host_kv_bytes),
+            disk_kv_bytes: set!(disk_kv_bytes),
             disk_kv_path: pick!(disk_kv_path),
-            kv_write_policy: WritePolicy::parse(pick!(kv_write_policy).as_deref().unwrap_or("write-back"))?,
-            kv_load_policy: LoadPolicy::parse(pick!(kv_load_policy).as_deref().unwrap_or("auto"))?,
-            device: DeviceChoice::parse(pick!(device).as_deref().unwrap_or("auto"))
-                .map_err(|e| format!("--device: {e}"))?,
-            dtype: match pick!(dtype) {
-                None => DType::BF16,
-                Some(d) => DType::parse(&d)
-                    .ok_or_else(|| format!("--dtype {d:?} is not bfloat16, float16 or float32"))?,
+            kv_write_policy: WritePolicy::parse(set!(kv_write_policy).as_str())?,
+            kv_load_policy: LoadPolicy::parse(set!(kv_load_policy).as_str())?,
+            device: DeviceChoice::parse(set!(device).as_str()).map_err(|e| format!("--device: {e}"))?,
+            dtype: {
+                let d = set!(dtype);
+                DType::parse(&d)
+                    .ok_or_else(|| format!("--dtype {d:?} is not bfloat16, float16 or float32"))?
             },
-            gpu_memory_utilization: pick!(gpu_memory_utilization).unwrap_or(0.9),
-            block_size: pick!(block_size).unwrap_or(16),
-            max_num_batched_tokens: pick!(max_num_batched_tokens).unwrap_or(2048),
-            max_num_seqs: pick!(max_num_seqs).unwrap_or(64),
-            max_waiting_requests: pick!(max_waiting_requests).unwrap_or(256),
-            max_body_bytes: pick!(max_body_bytes).unwrap_or(8 << 20),
-            default_max_tokens: pick!(default_max_tokens).unwrap_or(1024),
-            tokenize_cache_tokens: pick!(tokenize_cache_tokens)
-                .unwrap_or(kvgate_shared::prompt::segments::DEFAULT_CACHE_TOKENS),
-            shutdown_grace: dur(pick!(shutdown_grace), "30s", "shutdown-grace")?,
-            log_json: pick!(log_json).unwrap_or(false),
-            role: Role::parse(pick!(role).as_deref().unwrap_or("both")).map_err(|e| format!("--{e}"))?,
+            gpu_memory_utilization: set!(gpu_memory_utilization),
+            block_size: set!(block_size),
+            max_num_batched_tokens: set!(max_num_batched_tokens),
+            max_num_seqs: set!(max_num_seqs),
+            max_waiting_requests: set!(max_waiting_requests),
+            max_body_bytes: set!(max_body_bytes),
+            default_max_tokens: set!(default_max_tokens),
+            tokenize_cache_tokens: set!(tokenize_cache_tokens),
+            shutdown_grace: dur(set!(shutdown_grace), "shutdown-grace")?,
+            log_json: set!(log_json),
+            role: Role::parse(set!(role).as_str()).map_err(|e| format!("--{e}"))?,
             kv_transfer_port: pick!(kv_transfer_port),
             kv_transfer_advertise: pick!(kv_transfer_advertise),
-            kv_transfer_lease: dur(pick!(kv_transfer_lease), "30s", "kv-transfer-lease")?,
-            kv_transfer_layer_group: pick!(kv_transfer_layer_group).unwrap_or(0),
-            kv_transfer_frame_bytes: pick!(kv_transfer_frame_bytes).unwrap_or(8 << 20),
+            kv_transfer_lease: dur(set!(kv_transfer_lease), "kv-transfer-lease")?,
+            kv_transfer_layer_group: set!(kv_transfer_layer_group),
+            kv_transfer_frame_bytes: set!(kv_transfer_frame_bytes),
         };
         cfg.validate()?;
         Ok(cfg)
@@ -443,5 +468,36 @@ mod tests {
             .resolve()
             .expect_err("unknown")
             .contains("bogus"));
+    }
+}
+
+#[cfg(test)]
+mod reference_tests {
+    use super::*;
+
+    #[test]
+    fn the_file_beats_a_default_clap_filled_in_and_a_flag_beats_the_file() {
+        use clap::FromArgMatches;
+        let dir = tempfile::tempdir().expect("tmp");
+        let path = dir.path().join("w.toml");
+        std::fs::write(&path, "synth = \"tiny\"\nport = 9000\nreport-interval = \"2s\"\n").expect("write");
+        let parse = |args: &[&str]| {
+            let m = ServeArgs::command().try_get_matches_from(args).expect("flags");
+            let mut a = ServeArgs::from_arg_matches(&m).expect("args");
+            a.layers = Layers::from_matches(&m);
+            a.resolve().expect("ok")
+        };
+        let p = path.to_str().expect("path");
+        let cfg = parse(&["serve", "--config", p]);
+        assert_eq!((cfg.port, cfg.report_interval), (9000, Duration::from_secs(2)));
+        assert_eq!(cfg.max_num_seqs, 64, "the declared default");
+        assert_eq!(parse(&["serve", "--config", p, "--port", "9100"]).port, 9100);
+    }
+
+    #[test]
+    fn the_committed_configuration_reference_is_what_the_flags_declare() {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/reference/worker.md");
+        kvgate_shared::settings::check_reference(&path, &ServeArgs::reference())
+            .unwrap_or_else(|e| panic!("{e}"));
     }
 }
