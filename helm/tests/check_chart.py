@@ -12,6 +12,7 @@ import base64
 import copy
 import hashlib
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -61,6 +62,10 @@ VALUE_SETS: dict[str, dict] = {
                                               "tokenizer": {"image": "registry/tokenizer:1"}}}},
     "external-sglang-image": {"workers": {"external": {"service": "sglang", "port": 30000, "kind": "sglang",
                                                        "model": "qwen", "tokenizer": {"image": "registry/qwen-tok:1"}}}},
+    "tuned": {"gateway": {"policy": "least_load", "staleAfter": "5s", "maxConnections": 100, "weights": {"creditDisk": 0},
+                          "split": {"policy": "dynamo", "sloTtft": "1s"}},
+              "workers": {"blockSize": 32, "maxNumSeqs": 8, "reportInterval": "2s", "gpu": {"count": 1, "dtype": "float16"},
+                          "external": {"blockSize": 32}}},
     "dashboard": {"grafana": {"dashboard": {"enabled": True, "annotations": {"grafana_folder": "kvgate"}}}},
     "single-replica": {"gateway": {"replicas": 1}, "redis": {"enabled": False}},
     "redis-url-secret": {"redis": {"enabled": True, "mode": "external", "urlSecret": "redis-auth"}},
@@ -283,8 +288,16 @@ for name, extra in VALUE_SETS.items():
           f"{name}: the public Service does not expose the control port")
     g = values["gateway"]
     gw_toml = next((cm["data"]["gateway.toml"] for cm in find(docs, "ConfigMap") if "gateway.toml" in cm["data"]), "")
-    check(f"max-connections = {g['maxConnections']}" in gw_toml and "header-read-timeout" in gw_toml,
-          f"{name}: connection limits in gateway.toml")
+    # A setting left null is not written: the binary's own default applies (each default is written once, in code).
+    for key, toml_key, value in [("maxConnections", "max-connections", g["maxConnections"]),
+                                 ("staleAfter", "stale-after", g["staleAfter"]), ("policy", "policy", g["policy"]),
+                                 ("split.policy", "split-policy", g["split"]["policy"]),
+                                 ("split.sloTtft", "split-slo-ttft", g["split"]["sloTtft"]),
+                                 ("weights.creditDisk", "credit_disk", g["weights"]["creditDisk"])]:
+        lines = [l.strip() for l in gw_toml.splitlines() if l.strip().startswith(f"{toml_key} =")]
+        want = [] if value is None else [f"{toml_key} = " + (f'"{value}"' if isinstance(value, str) else
+                                                             f"{float(value):.6f}" if key.startswith("weights") else str(value))]
+        check(lines == want, f"{name}: {key} in gateway.toml only when set ({lines} vs {want})")
     check(("advertise-allow" in gw_toml) == bool(g["advertiseAllow"]), f"{name}: advertise-allow follows values")
     for key, toml_key in [("hotspotWasteFactor", "hotspot_waste_factor"), ("hotspotCopyTokens", "hotspot_copy_tokens")]:
         set_ = g["weights"][key] is not None
@@ -323,8 +336,6 @@ for name, extra in VALUE_SETS.items():
     pools = [p for p in ("prefill", "decode") if w[p]["replicas"] > 0]
     check(len(sts) == (0 if ext["service"] else 1 + len(pools)),
           f"{name}: one worker StatefulSet per pool, none when fronting pods")
-    check(f'split-policy = "{g["split"]["policy"]}"' in gw_toml and "split-slo-tpot" in gw_toml,
-          f"{name}: the split settings in gateway.toml")
     if not ext["service"]:
         for st in sts:
             pool = next((p for p in pools if st["metadata"]["name"].endswith(f"-worker-{p}")), None)
@@ -333,6 +344,10 @@ for name, extra in VALUE_SETS.items():
             role = args[args.index("--role") + 1]
             check(role == (pool or "both"), f"{name}: {st['metadata']['name']} serves role {role}")
             check(("--kv-transfer-port" in args) == (pool == "prefill"), f"{name}: only the prefill pool listens for transfers")
+            for flag, value in [("--block-size", w["blockSize"]), ("--max-num-seqs", w["maxNumSeqs"]),
+                                ("--report-interval", w["reportInterval"])]:
+                got = args[args.index(flag) + 1] if flag in args else None
+                check(got == (None if value is None else str(value)), f"{name}: {flag} only when set ({got})")
             if pool:
                 check(st["spec"]["replicas"] == w[pool]["replicas"], f"{name}: {pool} replicas follow values")
                 want_res = w[pool]["resources"] or w["resources"]
@@ -375,18 +390,20 @@ for name, extra in VALUE_SETS.items():
             check(limits.get("nvidia.com/gpu") == w["gpu"]["count"], f"{name}: GPUs per worker follow values")
             check(pod.get("runtimeClassName") == (w["runtimeClassName"] or None), f"{name}: runtimeClassName")
             check(args[args.index("--device") + 1] == "cuda", f"{name}: GPU workers run --device cuda")
-            check(args[args.index("--dtype") + 1] == w["gpu"]["dtype"], f"{name}: --dtype follows values")
+            dtype = args[args.index("--dtype") + 1] if "--dtype" in args else None
+            check(dtype == w["gpu"]["dtype"], f"{name}: --dtype follows values (absent when null)")
             check(c["image"].endswith("-gpu") or c["image"] == w["gpu"]["image"], f"{name}: GPU workers use the GPU image")
         else:
             check("nvidia.com/gpu" not in limits, f"{name}: no GPU asked for")
             check(args[args.index("--device") + 1] == "cpu", f"{name}: CPU workers run --device cpu")
-        check(("--kv-cache-tokens" in args) == (w["kvCacheTokens"] > 0),
-              f"{name}: --kv-cache-tokens only when set (0: sized from GPU memory)")
+        check(("--kv-cache-tokens" in args) == ((w["kvCacheTokens"] or 0) > 0),
+              f"{name}: --kv-cache-tokens only when set (null or 0: the worker's default, sized from GPU memory on GPUs)")
         check(("--engine" in args) == (w["engine"] == "sim"), f"{name}: --engine sim follows values")
-        check(("--host-kv-bytes" in args) == (w["hostKvBytes"] > 0), f"{name}: --host-kv-bytes only when set")
-        if w["hostKvBytes"] > 0:
-            check(args[args.index("--host-kv-bytes") + 1] == str(w["hostKvBytes"])
-                  and args[args.index("--kv-write-policy") + 1] == w["kvWritePolicy"], f"{name}: host tier args")
+        check(("--host-kv-bytes" in args) == ((w["hostKvBytes"] or 0) > 0), f"{name}: --host-kv-bytes only when set")
+        if (w["hostKvBytes"] or 0) > 0:
+            check(args[args.index("--host-kv-bytes") + 1] == str(w["hostKvBytes"]), f"{name}: host tier args")
+        policy = args[args.index("--kv-write-policy") + 1] if "--kv-write-policy" in args else None
+        check(policy == w["kvWritePolicy"], f"{name}: --kv-write-policy only when set")
         check(("--disk-kv-path" in args) == w["kvSsd"]["enabled"], f"{name}: --disk-kv-path with the SSD volume")
         if w["kvSsd"]["enabled"]:
             check(args[args.index("--disk-kv-path") + 1] == "/var/lib/kvgate/kv-ssd/$(POD_NAME)"
@@ -451,7 +468,6 @@ for name, extra in VALUE_SETS.items():
     tests = [d for d in docs if d["metadata"].get("annotations", {}).get("helm.sh/hook") == "test"]
     check(len(tests) == 1 and "chat/completions" in str(tests[0]["spec"]), f"{name}: a helm test sends a chat completion")
     conf = yaml.safe_load(yaml.safe_dump(find(docs, "ConfigMap")[0]["data"]))["gateway.toml"]
-    check(f'policy = "{values["gateway"]["policy"]}"' in conf, f"{name}: policy in the gateway config")
     if values["gateway"]["classes"]:
         check(conf.count("[[classes]]") == len(values["gateway"]["classes"]), f"{name}: classes in the gateway config")
     dash = find(docs, "ConfigMap", "-dashboard")
@@ -622,6 +638,15 @@ for name, (extra, word) in BAD_VALUES.items():
     except helm.HelmValuesError as e:
         check(word in str(e), f"schema error for {name} names {word}: {e}")
         print(f"ok: rejected {name}")
+
+# The values reference is what values.yaml says (KVGATE_BLESS=1 writes it).
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import values_doc  # noqa: E402
+
+if os.environ.get("KVGATE_BLESS") == "1":
+    values_doc.PAGE.write_text(values_doc.page())
+check(values_doc.PAGE.exists() and values_doc.PAGE.read_text() == values_doc.page(),
+      f"{values_doc.PAGE} is what helm/kvgate/values.yaml says (regenerate: KVGATE_BLESS=1 python helm/tests/check_chart.py)")
 
 if failures:
     print(f"\n{len(failures)} failure(s):", file=sys.stderr)

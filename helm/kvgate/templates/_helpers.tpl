@@ -169,3 +169,13 @@ redis://{{ include "kvgate.redisName" . }}.{{ .Release.Namespace }}.svc.cluster.
 
 {{/* A float for TOML (always with a decimal point). */}}
 {{- define "kvgate.float" -}}{{ printf "%.6f" (float64 .) }}{{- end -}}
+
+{{- /* One TOML line, `key = value`, unless the value is null: then the line is left out and the binary's own
+default applies (each default is written once, in the code: docs/reference/). (list key value kind), kind: str,
+int, float or bool. */ -}}
+{{- define "kvgate.toml" -}}
+{{- $k := index . 0 -}}{{- $v := index . 1 -}}{{- $t := index . 2 -}}
+{{- if not (kindIs "invalid" $v) -}}
+{{ $k }} = {{ if eq $t "str" }}{{ $v | quote }}{{ else if eq $t "int" }}{{ int64 $v }}{{ else if eq $t "float" }}{{ include "kvgate.float" $v }}{{ else }}{{ $v }}{{ end }}
+{{- end -}}
+{{- end -}}
