@@ -1,18 +1,21 @@
 #!/usr/bin/env bash
 # Installs what a fresh Debian 12 + Rust machine lacks for building and testing kvgate. Idempotent; safe to rerun.
-#  - cmake, a C/C++ toolchain and pkg-config (native parts of the dependency tree);
-#  - redis-server: the tests of the gateway replicas' shared state start their own on a free port;
-#  - .venv: a Python venv with the reference libraries the tests compare against (transformers, jinja2) and the
+#  - cmake, a C/C++ toolchain and pkg-config (native parts of the dependency tree): all that building needs, and all
+#    that `--build` (the demo's set-up) installs;
+#  - for the tests: redis-server (the tests of the gateway replicas' shared state start their own on a free port) and
+#    .venv, a Python venv with the reference libraries the tests compare against (transformers, jinja2) and the
 #    third-party servers they run (llama-cpp-python, compiled for any x86-64 CPU rather than this one's, so the wheel
 #    pip caches stays valid on another machine).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+build_only=false
+[ "${1:-}" = "--build" ] && build_only=true
 
 need_apt=()
 command -v cmake >/dev/null 2>&1 || need_apt+=(cmake)
 command -v c++ >/dev/null 2>&1 || need_apt+=(g++)
 command -v pkg-config >/dev/null 2>&1 || need_apt+=(pkg-config)
-command -v redis-server >/dev/null 2>&1 || need_apt+=(redis-server)
+$build_only || command -v redis-server >/dev/null 2>&1 || need_apt+=(redis-server)
 if [ ${#need_apt[@]} -gt 0 ]; then
   echo "setup: installing ${need_apt[*]}"
   SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
@@ -20,6 +23,8 @@ if [ ${#need_apt[@]} -gt 0 ]; then
   $SUDO apt-get update -qq
   $SUDO apt-get install -y -qq "${need_apt[@]}" >/dev/null
 fi
+
+$build_only && exit 0
 
 PY_REQS="scripts/python-requirements.txt"
 stamp=".venv/.kvgate-reqs"
