@@ -225,6 +225,14 @@ pub struct GatewayArgs {
     /// shared_state/sends.rs).
     #[arg(long, env = "KVGATE_GATEWAY_SHARE_SENDS", num_args = 0..=1, default_missing_value = "true", default_value = "true")]
     pub share_sends: Option<bool>,
+    /// Export request traces (spans: request, prepare, admit, route, forward, first byte) to this OpenTelemetry
+    /// collector's OTLP/HTTP receiver, e.g. `http://otel-collector:4318` (protobuf to `/v1/traces`). A client's W3C
+    /// `traceparent` is the request's parent, and workers get one naming the forward attempt. None: no tracing.
+    #[arg(long, env = "KVGATE_GATEWAY_OTLP_ENDPOINT")]
+    pub otlp_endpoint: Option<String>,
+    /// Share of requests without a sampled `traceparent` that are traced ([0, 1]).
+    #[arg(long, env = "KVGATE_GATEWAY_TRACE_SAMPLE_RATIO", default_value = "1")]
+    pub trace_sample_ratio: Option<f64>,
     /// Request classes and their token budgets (TOML `[[classes]]`; default: short / long / reasoning, see
     /// admission/classes.rs).
     #[arg(skip)]
@@ -394,6 +402,8 @@ pub struct GatewayConfig {
     pub redis_prefix: String,
     pub replica_id: String,
     pub share_sends: bool,
+    pub otlp_endpoint: Option<String>,
+    pub trace_sample_ratio: f64,
 }
 
 /// The first-byte timeout of a request: `floor + uncached prompt tokens x per_prompt_token` (+ `max_tokens x
@@ -555,6 +565,8 @@ impl GatewayArgs {
                 .filter(|r| !r.is_empty())
                 .unwrap_or_else(|| format!("gateway-{}", std::process::id())),
             share_sends: set!(share_sends),
+            otlp_endpoint: pick!(otlp_endpoint).filter(|e| !e.is_empty()),
+            trace_sample_ratio: set!(trace_sample_ratio),
         };
         cfg.state_file = state_file(pick!(state_file), cfg.admin_token.is_some());
         cfg.validate()?;
@@ -586,6 +598,9 @@ impl GatewayConfig {
     /// Every problem at once.
     pub fn validate(&self) -> Result<(), String> {
         let mut p = Vec::new();
+        if !(0.0..=1.0).contains(&self.trace_sample_ratio) {
+            p.push(format!("trace-sample-ratio {} is not in [0, 1]", self.trace_sample_ratio));
+        }
         if !POLICIES.contains(&self.policy.as_str()) {
             p.push(format!("policy {:?} is not one of {}", self.policy, POLICIES.join(", ")));
         }

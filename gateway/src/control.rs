@@ -206,6 +206,11 @@ async fn report(
 }
 
 async fn metrics_text(State(state): State<Arc<GatewayState>>) -> Response {
+    let t = state.tracer.counters();
+    for (outcome, n) in [("exported", &t.exported), ("dropped", &t.dropped), ("failed", &t.failed)] {
+        metrics::counter!("kvgate_gateway_trace_spans_total", "outcome" => outcome)
+            .absolute(n.load(std::sync::atomic::Ordering::Relaxed));
+    }
     let mut text = state.prometheus.render();
     text.push_str(&state.registry().render_metrics(Instant::now()));
     ([("content-type", "text/plain; version=0.0.4")], text).into_response()

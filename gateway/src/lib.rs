@@ -7,6 +7,7 @@
 //!   endpoints passed to a worker by load (embeddings, responses, rerank, score, tokenize);
 //! - [`request`]: the lean, bounded request parser; [`prepare`]: parse + tokenize + hash + context check;
 //!   [`tokenize`]: the bounded pool that runs it off the proxy threads;
+//! - [`spans`]: a request's trace (stages and forward attempts) for the OTLP exporter;
 //! - [`keys`]: API keys -> tenant, classes a caller may choose, forced cache salt;
 //! - [`admission`], [`registry`], [`routing`], [`route`]: the pure routing core, re-exported from the
 //!   `kvgate-router` crate (the simulator links it without the HTTP stack);
@@ -38,6 +39,7 @@ pub mod proxy;
 pub mod request;
 pub mod scrape;
 pub mod shared_state;
+pub mod spans;
 pub mod state;
 pub mod tokenize;
 pub mod trust;

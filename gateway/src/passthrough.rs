@@ -206,6 +206,9 @@ pub async fn serve(
         };
         let Some(guard) = guard else { continue };
         ctx.route = routed.reason.as_str();
+        let trace = ctx.trace.as_ref().map(|r| r.attempt());
+        let mut hdrs = hdrs.clone();
+        hdrs.extend(trace.as_ref().and_then(|t| t.header()));
         let a = Attempt {
             url: &t.url,
             path,
@@ -218,9 +221,14 @@ pub async fn serve(
             first_byte_timeout: first_byte,
             idle_timeout: state.cfg.stream_idle_timeout,
             strip_usage: false,
+            trace: trace.as_ref(),
         };
         let outcome = crate::upstream::forward(state, session, &a).await;
         drop(guard);
+        if let Some(tr) = trace {
+            tr.finish(&state.tracer, &t.id, routed.reason.as_str(), outcome.name(), outcome.status());
+        }
+        ctx.worker = Some(t.id.clone());
         match outcome {
             Outcome::Responded { status, usage, tokens_sent, whole, completed, stalled } => {
                 ctx.status = status;

@@ -284,7 +284,9 @@ pub async fn forward(
         let peer = split
             .filter(|s| attempt == 0 || (t.id != s.prefill_worker && can_import(&state.registry(), t.wref)))
             .map(|s| s.peer.as_str());
-        let (body, headers) = out.for_candidate(state, p, t, priced.kvgate_pool, peer);
+        let (body, mut headers) = out.for_candidate(state, p, t, priced.kvgate_pool, peer);
+        let trace = ctx.trace.as_ref().map(|r| r.attempt());
+        headers.extend(trace.as_ref().and_then(|t| t.header()));
         let attempt_req = Attempt {
             url: &t.url,
             path: &prep.path,
@@ -297,9 +299,14 @@ pub async fn forward(
             first_byte_timeout: first_byte,
             idle_timeout: state.cfg.stream_idle_timeout,
             strip_usage: p.strip_usage,
+            trace: trace.as_ref(),
         };
         let outcome = crate::upstream::forward(state, session, &attempt_req).await;
         drop(guard);
+        if let Some(tr) = trace {
+            tr.finish(&state.tracer, &t.id, reason.as_str(), outcome.name(), outcome.status());
+        }
+        ctx.worker = Some(t.id.clone());
         let s =
             Settle { state, p, priced, t, uncached, first_byte, predicted: routed.predicted_cached_tokens };
         if let Some(done) = s.settle(ctx, outcome, &mut permit, &mut refused_for) {
@@ -413,7 +420,19 @@ pub async fn serve(
     ctx: &mut Ctx,
     path: &str,
 ) -> Result<(), ApiError> {
+    let stage = |ctx: &Ctx, name, start, attrs| {
+        if let Some(t) = &ctx.trace {
+            t.stage(&state.tracer, name, start, attrs);
+        }
+    };
+    let t0 = Instant::now();
     let prep = prepare(state, session, path).await?;
+    let prompt = vec![
+        ("gen_ai.request.model", prep.p.fields.model.clone()),
+        ("kvgate.prompt_tokens", prep.p.ids.len().to_string()),
+    ];
+    stage(ctx, "prepare", t0, prompt);
+    let t1 = Instant::now();
     let priced = price(state, &prep.p, &prep.caller, header(session, CLASS_HEADER), 1)?;
     ctx.class = priced.class_name.clone();
     let Some(admitted) = admit(state, session, &prep.caller, priced).await? else {
@@ -421,6 +440,11 @@ pub async fn serve(
         return Ok(());
     };
     ctx.admission_wait = admitted.permit.waited;
+    stage(ctx, "admit", t1, vec![("kvgate.class", ctx.class.clone())]);
+    let t2 = Instant::now();
     let routed = route(state, &prep, &admitted)?;
+    let picked = routed.routed.candidates.first().map(|c| c.id.clone()).unwrap_or_default();
+    let reason = if routed.routed.is_split() { RouteReason::Split } else { routed.routed.reason };
+    stage(ctx, "route", t2, vec![("kvgate.worker", picked), ("kvgate.route", reason.as_str().to_owned())]);
     forward(state, session, ctx, &prep, admitted, routed).await
 }

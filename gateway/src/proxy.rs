@@ -64,6 +64,10 @@ pub struct Ctx {
     pub(crate) class: String,
     /// Time spent waiting for the class budget.
     pub(crate) admission_wait: Duration,
+    /// The request's trace, when traced (`spans.rs`).
+    pub(crate) trace: Option<crate::spans::RequestTrace>,
+    /// The worker that answered (traces).
+    pub(crate) worker: Option<String>,
 }
 
 #[async_trait]
@@ -77,6 +81,8 @@ impl ProxyHttp for Gateway {
             route: "none",
             class: String::new(),
             admission_wait: Duration::ZERO,
+            trace: None,
+            worker: None,
         }
     }
 
@@ -86,6 +92,9 @@ impl ProxyHttp for Gateway {
     }
 
     async fn request_filter(&self, session: &mut Session, ctx: &mut Ctx) -> Result<bool> {
+        let traceparent = session.req_header().headers.get(kvgate_shared::trace::TRACEPARENT);
+        ctx.trace =
+            crate::spans::RequestTrace::begin(&self.state.tracer, traceparent.and_then(|v| v.to_str().ok()));
         let result = handle(&self.state, session, ctx).await;
         if let Err(e) = result {
             ctx.status = e.status;
@@ -94,7 +103,11 @@ impl ProxyHttp for Gateway {
         Ok(true)
     }
 
-    async fn logging(&self, _session: &mut Session, _e: Option<&pingora::Error>, ctx: &mut Ctx) {
+    async fn logging(&self, session: &mut Session, _e: Option<&pingora::Error>, ctx: &mut Ctx) {
+        if let Some(t) = &ctx.trace {
+            let path = session.req_header().uri.path();
+            t.end(&self.state.tracer, path, ctx.status, ctx.route, &ctx.class, ctx.worker.as_deref());
+        }
         metrics::counter!("kvgate_gateway_requests_total", "policy" => self.state.router.policy().name(),
             "route" => ctx.route, "status" => ctx.status.to_string(), "class" => ctx.class.clone())
         .increment(1);

@@ -76,6 +76,8 @@ pub struct GatewayState {
     pub sends: Option<SendSharer>,
     /// Workers drained through the admin API, as shared through Redis, with the version (sorted ids).
     drains: RwLock<(Vec<String>, u64)>,
+    /// Request spans to an OTLP collector (`--otlp-endpoint`; off without one).
+    pub tracer: kvgate_shared::trace::Tracer,
 }
 
 /// Adds a pod of `m`'s pool as a static worker: one that is not a kvgate worker is identified at once (its id is
@@ -162,6 +164,17 @@ impl GatewayState {
             password: cfg.redis_password.as_deref(),
         });
         let shared = SharedState::new(target, cfg.replica_id.clone())?;
+        let tracer = match &cfg.otlp_endpoint {
+            None => kvgate_shared::trace::Tracer::off(),
+            Some(endpoint) => {
+                let export = kvgate_shared::trace::ExportConfig {
+                    endpoint: endpoint.clone(),
+                    service: "kvgate-gateway".into(),
+                    resource: vec![("service.instance.id", cfg.replica_id.clone())],
+                };
+                kvgate_shared::trace::Tracer::start(export, cfg.trace_sample_ratio)?
+            }
+        };
         let cfg_ring = (cfg.ring_sketch_entries, cfg.ring_hub_fanout);
         let cfg_share_sends = cfg.share_sends && cfg.redis_url.is_some();
         Ok(Self {
@@ -184,6 +197,7 @@ impl GatewayState {
             sends: (cfg_share_sends).then(SendSharer::new),
             shared,
             drains: RwLock::new((Vec::new(), 1)),
+            tracer,
             admin: Mutex::new(()),
         })
     }

@@ -53,6 +53,8 @@ pub struct Attempt<'a> {
     pub idle_timeout: Duration,
     /// The gateway asked the stream for usage the client did not ask for: take it out again (`meter.rs`).
     pub strip_usage: bool,
+    /// The attempt's span, when traced (its `first_byte` is recorded here).
+    pub trace: Option<&'a crate::spans::AttemptTrace>,
 }
 
 /// How an attempt ended.
@@ -83,6 +85,28 @@ pub enum Outcome {
     ClientGone,
     /// Any other failure before the response started.
     Failed(ApiError),
+}
+
+impl Outcome {
+    /// Its name in traces.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Outcome::Responded { .. } => "responded",
+            Outcome::ConnectFailed(_) => "connect_failed",
+            Outcome::Refused { .. } => "refused",
+            Outcome::TimedOut => "timed_out",
+            Outcome::ClientGone => "client_gone",
+            Outcome::Failed(_) => "failed",
+        }
+    }
+
+    /// The worker's status, when it answered.
+    pub fn status(&self) -> Option<u16> {
+        match self {
+            Outcome::Responded { status, .. } => Some(*status),
+            _ => None,
+        }
+    }
 }
 
 /// Resolves when the client closes its connection (or sends bytes it should not, which pingora treats the same).
@@ -126,6 +150,9 @@ pub async fn forward(state: &GatewayState, session: &mut Session, a: &Attempt<'_
     let path = if a.reason == RouteReason::Split { "split" } else { "local" };
     metrics::histogram!("kvgate_gateway_upstream_first_byte_seconds", "path" => path)
         .record(sent_at.elapsed().as_secs_f64());
+    if let Some(t) = a.trace {
+        t.first_byte(&state.tracer, sent_at);
+    }
     let status = resp.status().as_u16();
     let (parts, body) = resp.into_parts();
     let sse = parts

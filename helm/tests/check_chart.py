@@ -62,6 +62,7 @@ VALUE_SETS: dict[str, dict] = {
                                               "tokenizer": {"image": "registry/tokenizer:1"}}}},
     "external-sglang-image": {"workers": {"external": {"service": "sglang", "port": 30000, "kind": "sglang",
                                                        "model": "qwen", "tokenizer": {"image": "registry/qwen-tok:1"}}}},
+    "traced": {"tracing": {"otlpEndpoint": "http://otel-collector.observability:4318", "sampleRatio": 0.25}},
     "tuned": {"gateway": {"policy": "least_load", "staleAfter": "5s", "maxConnections": 100, "weights": {"creditDisk": 0},
                           "split": {"policy": "dynamo", "sloTtft": "1s"}},
               "workers": {"blockSize": 32, "maxNumSeqs": 8, "reportInterval": "2s", "gpu": {"count": 1, "dtype": "float16"},
@@ -298,6 +299,9 @@ for name, extra in VALUE_SETS.items():
         want = [] if value is None else [f"{toml_key} = " + (f'"{value}"' if isinstance(value, str) else
                                                              f"{float(value):.6f}" if key.startswith("weights") else str(value))]
         check(lines == want, f"{name}: {key} in gateway.toml only when set ({lines} vs {want})")
+    otlp = values["tracing"]["otlpEndpoint"]
+    check((f'otlp-endpoint = "{otlp}"' in gw_toml) == bool(otlp) and ("otlp-endpoint" in gw_toml) == bool(otlp),
+          f"{name}: the gateway exports traces exactly when tracing.otlpEndpoint is set")
     check(("advertise-allow" in gw_toml) == bool(g["advertiseAllow"]), f"{name}: advertise-allow follows values")
     for key, toml_key in [("hotspotWasteFactor", "hotspot_waste_factor"), ("hotspotCopyTokens", "hotspot_copy_tokens")]:
         set_ = g["weights"][key] is not None
@@ -344,6 +348,9 @@ for name, extra in VALUE_SETS.items():
             role = args[args.index("--role") + 1]
             check(role == (pool or "both"), f"{name}: {st['metadata']['name']} serves role {role}")
             check(("--kv-transfer-port" in args) == (pool == "prefill"), f"{name}: only the prefill pool listens for transfers")
+            envs = {e["name"]: e.get("value") for e in c.get("env", [])}
+            check(envs.get("KVGATE_WORKER_OTLP_ENDPOINT") == values["tracing"]["otlpEndpoint"],
+                  f"{name}: workers export traces exactly when tracing.otlpEndpoint is set")
             for flag, value in [("--block-size", w["blockSize"]), ("--max-num-seqs", w["maxNumSeqs"]),
                                 ("--report-interval", w["reportInterval"])]:
                 got = args[args.index(flag) + 1] if flag in args else None

@@ -7,6 +7,7 @@
 //! - [`handoff`]: token ids the gateway computed, passed to the worker (authenticated) so it skips tokenizing;
 //! - [`duration`]: configuration durations (`1s`, `500ms`); [`settings`]: defaults written once (clap), the
 //!   flags > environment > TOML > default layering, and the generated configuration references.
+//! - [`trace`]: W3C `traceparent`, spans and their OTLP/HTTP export (bounded, never blocking a request);
 //! - [`ports`]: free loopback ports for local fleets (tests, benches, the load tester's fleet).
 
 pub mod duration;
@@ -19,3 +20,4 @@ pub mod report;
 pub mod settings;
 #[cfg(any(test, feature = "test-strategies"))]
 pub mod testing;
+pub mod trace;

@@ -377,6 +377,7 @@ impl<B: Backend> Engine<B> {
         let kv = self.sched.kv();
         let ahead_s = self.sched.prefill_tokens() as f64 * kv.costs().prefill_s_per_token;
         let at = Clock { now: self.clock_s(), ahead_s, running: self.sched.running().len() };
+        seq.arrived_s = at.now;
         // What only the SSD tier holds (and is worth loading) is read ahead while the request waits for admission.
         (seq.cached_estimate, seq.load_ready_s) = kv.arrive(&seq.hasher, &seq.tokens, &at);
         Ok(seq)
@@ -535,6 +536,7 @@ fn output(seq: &Sequence, token: Option<u32>, finished: Option<FinishReason>) ->
         prompt_tokens: seq.prompt_len,
         cached_tokens: seq.cached_prompt_tokens.unwrap_or(0),
         completion_tokens: seq.output().len(),
+        queued_s: seq.admitted_s.map(|a| (a - seq.arrived_s).max(0.0)),
         logprobs: None,
         kv: None,
     }

@@ -213,6 +213,7 @@ impl<B: Backend> Engine<B> {
             cached_tokens: cached,
         };
         seq.table = Some(table);
+        seq.admitted_s = Some(at.now);
         seq.import = Some(ImportState::new(plan.from_block, plan.blocks, self.backend.kv_layers()));
         self.sched.add_importing(seq);
         Ok(plan)

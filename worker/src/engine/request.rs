@@ -165,6 +165,8 @@ pub struct StepOutput {
     /// Prompt tokens whose KV came from the prefix cache.
     pub cached_tokens: usize,
     pub completion_tokens: usize,
+    /// Seconds (engine clock) between its arrival and its first admission, once admitted (traces' queue span).
+    pub queued_s: Option<f64>,
     /// The sampled token's log-probability and the most likely alternatives, when the request asks for them.
     pub logprobs: Option<TokenLogprobs>,
     /// K/V bytes of blocks the request exports (the prefill side of a hand-off, `Engine::add_export`).

@@ -68,6 +68,9 @@ pub struct Sequence {
     pub export: Option<Export>,
     /// The decode side of a hand-off, while its KV arrives (`Engine::start_import`).
     pub import: Option<ImportState>,
+    /// Engine clock (seconds) when it arrived, and when it was first admitted (its time in the queue: traces).
+    pub arrived_s: f64,
+    pub admitted_s: Option<f64>,
 }
 
 impl Sequence {
@@ -89,6 +92,8 @@ impl Sequence {
             preemptions: 0,
             export: None,
             import: None,
+            arrived_s: 0.0,
+            admitted_s: None,
         }
     }
 
@@ -355,6 +360,7 @@ impl Scheduler {
             seq.num_computed = cached;
             seq.read_until = None;
             seq.cached_prompt_tokens.get_or_insert(cached.min(seq.prompt_len));
+            seq.admitted_s.get_or_insert(now);
             seq.table = Some(table);
             let target = cached + n;
             plan.push(ScheduledChunk {

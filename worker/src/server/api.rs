@@ -25,6 +25,7 @@ use tokio::sync::mpsc::UnboundedReceiver;
 use super::engine_thread::{EngineHandle, Refusal};
 use super::errors::ApiError;
 use super::logprobs::{self, Collector};
+use super::spans::RequestSpans;
 use super::text::TextStream;
 use super::{AppState, ServingModel};
 use crate::engine::request::MAX_LOGIT_BIAS;
@@ -214,7 +215,8 @@ pub async fn completions(State(state): State<Arc<AppState>>, headers: HeaderMap,
     .await;
     match result {
         Ok((l, ids, params, extra, fields, peer)) => {
-            run(l, Endpoint::Completion, ids, params, extra, &fields, started, peer).await
+            let spans = RequestSpans::begin(&state.tracer, &headers, &l.worker_id, &l.model_id);
+            run(l, Endpoint::Completion, ids, params, extra, &fields, started, peer, spans).await
         }
         Err(e) => e.into_response(),
     }
@@ -258,7 +260,8 @@ pub async fn chat_completions(
     .await;
     match result {
         Ok((l, ids, params, extra, fields, peer)) => {
-            run(l, Endpoint::Chat, ids, params, extra, &fields, started, peer).await
+            let spans = RequestSpans::begin(&state.tracer, &headers, &l.worker_id, &l.model_id);
+            run(l, Endpoint::Chat, ids, params, extra, &fields, started, peer, spans).await
         }
         Err(e) => e.into_response(),
     }
@@ -366,14 +369,26 @@ impl Drop for AbortGuard {
     }
 }
 
-/// Per-request measurements reported when it ends.
+/// Per-request measurements reported when it ends (metrics, and spans when traced).
 struct Timing {
     started: Instant,
     first: Option<Instant>,
     last: Option<Instant>,
+    /// Seconds from arrival to admission (engine clock), once admitted.
+    queued: Option<f64>,
+    spans: Option<RequestSpans>,
 }
 
 impl Timing {
+    fn saw(&mut self, o: &StepOutput) {
+        if self.queued.is_none() {
+            self.queued = o.queued_s;
+        }
+        if o.token.is_some() {
+            self.token();
+        }
+    }
+
     fn token(&mut self) {
         let now = Instant::now();
         if self.first.is_none() {
@@ -396,6 +411,9 @@ impl Timing {
             }
         }
         metrics::histogram!("kvgate_worker_e2e_seconds").record(self.started.elapsed().as_secs_f64());
+        if let Some(s) = &self.spans {
+            s.finish(self.started, self.queued, self.first, out, status);
+        }
     }
 }
 
@@ -431,12 +449,16 @@ async fn run(
     fields: &SamplingFields,
     started: Instant,
     peer: Option<String>,
+    mut spans: Option<RequestSpans>,
 ) -> Response {
     let id = l.engine.next_id();
     let stops = params.stop.clone();
     // A prefill worker samples the first token from a fixed frame (temperature, top-p, top-k, seed): a request
     // whose logits are adjusted first (penalties, bias, min-p) or reported (logprobs) is served whole here instead.
     let peer = peer.filter(|_| !params.needs_logits());
+    if let Some(s) = &mut spans {
+        s.split = peer.is_some();
+    }
     let collector = params.logprobs.map(|_| Collector::new(l.prompter.clone()));
     let req = EngineRequest { id, prompt: ids, params, extra_keys };
     let started_leg = match peer {
@@ -449,7 +471,7 @@ async fn run(
     };
     let guard = AbortGuard { engine: l.engine.clone(), id, done: false, _import: import };
     let text = TextStream::new(l.prompter.clone(), stops);
-    let timing = Timing { started, first: None, last: None };
+    let timing = Timing { started, first: None, last: None, queued: None, spans };
     let prefix = if kind == Endpoint::Chat { "chatcmpl" } else { "cmpl" };
     let ctx = Ctx {
         kind,
@@ -568,9 +590,7 @@ fn stream_response(
                 st.done = true;
                 break;
             };
-            if o.token.is_some() {
-                st.timing.token();
-            }
+            st.timing.saw(&o);
             if let (Some(c), Some(t), Some(lp)) = (&mut st.logprobs, o.token, &o.logprobs) {
                 c.push(t, lp);
             }
@@ -634,9 +654,7 @@ async fn full_response(
         let Some(o) = rx.recv().await else {
             return aborted().into_response();
         };
-        if o.token.is_some() {
-            timing.token();
-        }
+        timing.saw(&o);
         if let (Some(c), Some(t), Some(lp)) = (&mut logprobs, o.token, &o.logprobs) {
             c.push(t, lp);
         }

@@ -176,6 +176,14 @@ pub struct ServeArgs {
     /// Largest payload of one transfer frame in bytes (a chunk's blocks are split to fit). (8 MiB by default).
     #[arg(long, env = "KVGATE_WORKER_KV_TRANSFER_FRAME_BYTES", default_value = "8388608")]
     pub kv_transfer_frame_bytes: Option<usize>,
+    /// Export request traces (spans: request, queue, prefill or transfer, decode) to this OpenTelemetry
+    /// collector's OTLP/HTTP receiver, e.g. `http://otel-collector:4318` (protobuf to `/v1/traces`). A request's
+    /// W3C `traceparent` (the gateway sends one) is its parent. None: no tracing.
+    #[arg(long, env = "KVGATE_WORKER_OTLP_ENDPOINT")]
+    pub otlp_endpoint: Option<String>,
+    /// Share of requests without a sampled `traceparent` that are traced ([0, 1]).
+    #[arg(long, env = "KVGATE_WORKER_TRACE_SAMPLE_RATIO", default_value = "1")]
+    pub trace_sample_ratio: Option<f64>,
 }
 
 /// The resolved configuration.
@@ -220,6 +228,8 @@ pub struct ServeConfig {
     pub kv_transfer_lease: Duration,
     pub kv_transfer_layer_group: u16,
     pub kv_transfer_frame_bytes: usize,
+    pub otlp_endpoint: Option<String>,
+    pub trace_sample_ratio: f64,
 }
 
 /// Which compute engine runs.
@@ -358,6 +368,8 @@ impl ServeArgs {
             kv_transfer_lease: dur(set!(kv_transfer_lease), "kv-transfer-lease")?,
             kv_transfer_layer_group: set!(kv_transfer_layer_group),
             kv_transfer_frame_bytes: set!(kv_transfer_frame_bytes),
+            otlp_endpoint: pick!(otlp_endpoint).filter(|e| !e.is_empty()),
+            trace_sample_ratio: set!(trace_sample_ratio),
         };
         cfg.validate()?;
         Ok(cfg)
@@ -412,6 +424,9 @@ impl ServeConfig {
         }
         if self.max_body_bytes < 1024 {
             problems.push("max-body-bytes must be at least 1024".into());
+        }
+        if !(0.0..=1.0).contains(&self.trace_sample_ratio) {
+            problems.push(format!("trace-sample-ratio {} is not in [0, 1]", self.trace_sample_ratio));
         }
         if self.default_max_tokens == 0 {
             problems.push("default-max-tokens must be at least 1".into());

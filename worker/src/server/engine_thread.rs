@@ -362,6 +362,7 @@ fn handle<B: Backend>(
                     prompt_tokens: 0,
                     cached_tokens: 0,
                     completion_tokens: 0,
+                    queued_s: None,
                     logprobs: None,
                     kv: Some(kv),
                 });

@@ -21,6 +21,7 @@ pub mod errors;
 pub mod logprobs;
 pub mod pd;
 pub mod reporter;
+pub mod spans;
 pub mod text;
 pub mod tokens;
 
@@ -80,6 +81,8 @@ pub struct AppState {
     draining_reported: Arc<tokio::sync::Notify>,
     prometheus: PrometheusHandle,
     created: u64,
+    /// Request spans to an OTLP collector (`--otlp-endpoint`; off without one).
+    pub tracer: kvgate_shared::trace::Tracer,
 }
 
 impl AppState {
@@ -493,6 +496,11 @@ fn with_load_costs<B: crate::engine::Backend>(mut engine: Engine<B>, cfg: &confi
 }
 
 async fn metrics_text(State(state): State<Arc<AppState>>) -> Response {
+    let t = state.tracer.counters();
+    for (outcome, n) in [("exported", &t.exported), ("dropped", &t.dropped), ("failed", &t.failed)] {
+        metrics::counter!("kvgate_worker_trace_spans_total", "outcome" => outcome)
+            .absolute(n.load(Ordering::Relaxed));
+    }
     if let Some(l) = state.loaded() {
         let p = l.engine.snapshot();
         let s = p.stats;
@@ -595,6 +603,17 @@ pub async fn serve(cfg: ServeConfig) -> Result<(), String> {
         created: std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_secs()),
+        tracer: match &cfg.otlp_endpoint {
+            None => kvgate_shared::trace::Tracer::off(),
+            Some(endpoint) => {
+                let export = kvgate_shared::trace::ExportConfig {
+                    endpoint: endpoint.clone(),
+                    service: "kvgate-worker".into(),
+                    resource: vec![("service.instance.id", worker_id.clone())],
+                };
+                kvgate_shared::trace::Tracer::start(export, cfg.trace_sample_ratio)?
+            }
+        },
     });
 
     let loader_state = state.clone();
