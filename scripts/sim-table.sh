@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# The simulator's acceptance table (BENCHMARKS.md): the Mooncake trace, 8 simulated GPU workers, every policy,
-# at several offered loads and KV capacities; then the Mooncake conversation trace (every request shares its root
-# block) and the synthetic long-document trace at load 0.7. Prints Markdown rows, each group after a line naming its
-# trace.
+# The simulator's acceptance table (docs/benchmarks/routing.md): the Mooncake trace, 8 simulated GPU workers,
+# every policy, at several offered loads and KV capacities; then the Mooncake conversation trace (every request
+# shares its root block) and the synthetic long-document trace at load 0.7. Prints Markdown rows, each group after a
+# line naming its trace.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cargo build --release --quiet -p kvgate-loadtest

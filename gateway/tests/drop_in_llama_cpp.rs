@@ -64,7 +64,8 @@ fn conversations_stick_to_one_llama_cpp_pod_and_reuse_more_of_its_cache_than_rou
     assert!(rr["mean_pods_per_session"].as_f64().expect("mean") > 1.5, "{rr}");
     // The pods' own logs: more of the prompts came from their KV cache under cache_aware. The margin depends on the
     // machine's load (alone: 0.746 vs 0.641; inside the full suite on 2 cores, 0.708 vs 0.679, 2026-12-02), so the
-    // test asks for strictly better, and for fewer prompt tokens evaluated; BENCHMARKS.md has the measured run.
+    // test asks for strictly better, and for fewer prompt tokens evaluated; docs/benchmarks/peers.md has the
+    // measured run.
     let (hca, hrr) = (ca["hit_rate"].as_f64().expect("hit"), rr["hit_rate"].as_f64().expect("hit"));
     assert!(hca > hrr, "cache_aware {hca} vs round_robin {hrr}");
     assert!(ca["prompt_tokens_evaluated"].as_u64() < rr["prompt_tokens_evaluated"].as_u64(), "{ca} {rr}");

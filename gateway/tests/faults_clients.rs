@@ -135,7 +135,7 @@ async fn idle_and_trickling_connections_are_closed_in_time_and_cost_normal_reque
     );
     // A regression guard, not the measurement: a gateway that let slow clients hold its threads would add
     // hundreds of ms. The precise ratio (target: within 10%) is measured side by side by `--bench hostile`
-    // (BENCHMARKS.md); on 2 shared cores a ~1 ms p99 moves by +-50% from run to run.
+    // (docs/benchmarks/gateway.md); on 2 shared cores a ~1 ms p99 moves by +-50% from run to run.
     assert!(a <= q * 2.0 + 2.0, "p99 {a:.2} ms under attack vs {q:.2} ms quiet");
 
     // Timeouts: the gateway closes idle connections after the keep-alive timeout and answers tricklers 408 after
@@ -299,7 +299,7 @@ async fn health_stays_fast_while_8_mib_prompts_are_tokenized() {
         lat.len()
     );
     // A regression guard (tokenizing on the proxy threads stalls /health for seconds); the 10 ms target is
-    // measured by `--bench hostile` (BENCHMARKS.md).
+    // measured by `--bench hostile` (docs/benchmarks/gateway.md).
     assert!(p < 50.0, "/health p99 {p:.2} ms");
 }
 

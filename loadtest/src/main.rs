@@ -165,7 +165,7 @@ struct SimulateArgs {
     /// Print one JSON object per policy (one line each) instead of a table.
     #[arg(long, conflicts_with = "markdown")]
     json: bool,
-    /// Print the table as Markdown rows (for BENCHMARKS.md).
+    /// Print the table as Markdown rows (for docs/benchmarks/).
     #[arg(long)]
     markdown: bool,
 }

@@ -1,4 +1,4 @@
-//! Mooncake request traces (`../shared/traces/README.md`): one JSON object a line with `timestamp` (ms from the
+//! Mooncake request traces (`loadtest/traces/README.md`): one JSON object a line with `timestamp` (ms from the
 //! first request), `input_length`, `output_length` and `hash_ids` (chained prefix-block ids, 512 tokens a block).
 //!
 //! Replaying a trace needs real tokens: [`expand_prompt`] turns each hash id into 512 deterministic token ids

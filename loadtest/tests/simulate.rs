@@ -13,7 +13,7 @@ fn trace_path() -> PathBuf {
 }
 
 /// cache_aware must keep at least this multiple of round_robin's hit rate on the shortened replay (measured 5.2x
-/// when this test was written; see BENCHMARKS.md for the full trace).
+/// when this test was written; see docs/benchmarks/routing.md for the full trace).
 const MIN_HIT_FACTOR_OVER_ROUND_ROBIN: f64 = 3.0;
 
 #[test]

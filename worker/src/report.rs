@@ -4,7 +4,8 @@
 //!
 //! Size: only every `granularity`-th block's chained hash is summarised (block `i` iff `(i + 1) % k == 0`). Because
 //! hashes chain, the k-th block's hash stands for the whole prefix up to it; the gateway matches at the same
-//! granularity and loses at most `k - 1` blocks of predicted match. Measured trade-off in BENCHMARKS.md.
+//! granularity and loses at most `k - 1` blocks of predicted match. Measured trade-off in
+//! docs/benchmarks/engine.md.
 
 use kvgate_shared::hashing::HashScheme;
 use kvgate_shared::report::{

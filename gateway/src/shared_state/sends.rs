@@ -9,8 +9,8 @@
 //! a replica skips its own, checks each send against `SharedSend`'s limits and applies it with
 //! `Registry::record_shared_send`: load until the worker's next report, the prompt's overlay points, the ring key.
 //!
-//! Why immediately and not batched on a timer: in the simulator (BENCHMARKS.md, "Gateway replicas and the
-//! routing overlay") a 10 ms delay already gives back a third of what sharing gains at TTFT p50.
+//! Why immediately and not batched on a timer: in the simulator (docs/benchmarks/replicas.md, "Gateway replicas
+//! and shared sends") a 10 ms delay already gives back about a quarter of what sharing gains at TTFT p50.
 //!
 //! Message (JSON): `{"from": replica id, "nonce": per-process random, "sends": [{"worker", "points": [u64],
 //! "uncached_tokens", "session"}]}`. While Redis is unreachable sends are dropped (counted), never buffered.

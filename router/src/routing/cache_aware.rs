@@ -61,11 +61,11 @@
 //!
 //! Knobs ([`Weights`], live-changeable): `w_prefix` 1.0, `w_ring` 0.3, `w_load` 0.5, `per_request_tokens` 256,
 //! `load_floor_tokens` 8192, `hotspot_abs_tokens` 1024, `hotspot_ratio` 3.0, `hotspot_waste_factor` 3.0,
-//! `hotspot_copy_tokens` 24576 (the guard's three chosen on the simulator table, BENCHMARKS.md: the conversation
-//! trace and the synthetic one at every load), `free_shared_tokens` 4096,
+//! `hotspot_copy_tokens` 24576 (the guard's three chosen on the simulator table, docs/benchmarks/routing.md and
+//! log.md: the conversation trace and the synthetic one at every load), `free_shared_tokens` 4096,
 //! `credit_host` 0.7, `credit_disk` 0.3 (the tier credits: roughly what a load from that tier saves against a
 //! device hit, before the load-vs-recompute measurements of the KV tiers tune them), `ring_session_bound` 1.1 (chosen on the Mooncake replay and the
-//! multi-turn demo, BENCHMARKS.md: with 16384 / 4.0 users sharing a system prompt all piled onto the first worker that
+//! multi-turn demo, docs/benchmarks/log.md: with 16384 / 4.0 users sharing a system prompt all piled onto the first worker that
 //! cached it). Every term is logged at debug.
 
 use serde::{Deserialize, Serialize};

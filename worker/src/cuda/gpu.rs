@@ -13,7 +13,7 @@ use super::compile;
 use super::DType;
 
 /// Decode-sized products (at most this many rows) run on the GEMV kernel instead of cuBLAS. Measured on an H200
-/// (BENCHMARKS.md): at 8 rows the kernel was slower than cuBLAS, at 1 row faster.
+/// (docs/benchmarks/gpu.md): at 8 rows the kernel was slower than cuBLAS, at 1 row faster.
 pub const GEMV_MAX_ROWS: usize = 2;
 
 /// A failure of the device or a library call (never retried: the step fails, the engine carries on).

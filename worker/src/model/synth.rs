@@ -2,7 +2,7 @@
 //! (`config.json`, `model.safetensors` or shards + index, `tokenizer.json`, `tokenizer_config.json`,
 //! `generation_config.json`), deterministic for a seed. No model hub is reachable here, so tests and demos use these.
 //!
-//! Presets (measured figures in BENCHMARKS.md):
+//! Presets (measured figures in docs/benchmarks/engine.md):
 //! - `tiny`: unit tests. hidden 64, 2 layers, 4 heads / 2 KV heads (GQA), vocab 512, llama3 RoPE scaling.
 //! - `small`: the embedded default for demos. hidden 256, 6 layers, 8 heads / 4 KV heads, intermediate 768,
 //!   vocab 8192, tied embeddings (6.8M parameters): a 2K-token prefill takes about a second on 2 cores, so

@@ -2,9 +2,10 @@
 //! the model loads), loads the model on a blocking thread, runs the engine on its own thread, serves the OpenAI
 //! API, and pushes cache summaries to gateways.
 //!
-//! Routes: `POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models`, `GET /health` (alive: the
-//! engine thread runs), `GET /ready` (model loaded, engine alive, not draining), `GET /metrics` (Prometheus),
-//! `GET /kvgate/v1/tokenizer` (what a gateway needs to tokenize and hash exactly like this worker).
+//! Routes: `POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models`, vLLM's `POST /tokenize` and
+//! `POST /detokenize`, `GET /health` (alive: the engine thread runs), `GET /ready` (model loaded, engine alive, not
+//! draining), `GET /metrics` (Prometheus), `GET /kvgate/v1/tokenizer` (what a gateway needs to tokenize and hash
+//! exactly like this worker), `POST /kvgate/v1/kv-probe` (a decode worker's timed sample of a link, `pd.rs`).
 //!
 //! Shutdown on SIGTERM/SIGINT: `/ready` turns 503, new requests are refused (`shutting_down`) and a report saying
 //! `draining` goes to every gateway at once; running requests get `shutdown_grace` to finish, then are aborted;

@@ -95,7 +95,7 @@ pub fn run(cfg: &PdConfig, workloads: &[Workload], bandwidths_gbps: &[f64]) -> V
     rows
 }
 
-/// Markdown rows (BENCHMARKS.md).
+/// Markdown rows (docs/benchmarks/pd.md).
 pub fn markdown(rows: &[Row]) -> String {
     let mut s = String::from(
         "| workload | TTFT SLO s | Gb/s | policy | layout | goodput tok/s | SLO met | TTFT p50 / p99 s | TPOT p50 / p99 ms | split |\n\
