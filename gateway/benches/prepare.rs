@@ -7,7 +7,7 @@
 //! `cargo bench -p kvgate-gateway --bench prepare`
 
 use criterion::{criterion_group, criterion_main, Criterion};
-use kvgate_gateway::request::{parse, with_first_members, with_members};
+use kvgate_gateway::serve::request::{parse, with_first_members, with_members};
 use kvgate_shared::handoff;
 use kvgate_shared::hashing::{BlockHasher, ExtraKeys, HashScheme};
 use kvgate_shared::prompt::{

@@ -203,7 +203,7 @@ pub struct GatewayArgs {
     #[arg(long, env = "KVGATE_GATEWAY_STATE_FILE")]
     pub state_file: Option<PathBuf>,
     /// Redis shared by the gateway replicas (`redis://[:password@]host:port[/db]`; `rediss://` for TLS): admin
-    /// state is kept and announced there (see shared_state/). Default none: one replica, state in the state file.
+    /// state is kept and announced there (see replicas/). Default none: one replica, state in the state file.
     #[arg(long, env = "KVGATE_GATEWAY_REDIS_URL", hide_env_values = true)]
     pub redis_url: Option<String>,
     /// User name for Redis (an ACL user, e.g. the chart's `kvgate`), instead of one in `--redis-url`. Default none.
@@ -222,7 +222,7 @@ pub struct GatewayArgs {
     pub replica_id: Option<String>,
     /// With `--redis-url`: publish every send (worker, the prompt's overlay points, uncached tokens, ring key) to
     /// the other replicas, which count it as load and overlay until the worker's next report (see
-    /// shared_state/sends.rs).
+    /// replicas/sends.rs).
     #[arg(long, env = "KVGATE_GATEWAY_SHARE_SENDS", num_args = 0..=1, default_missing_value = "true", default_value = "true")]
     pub share_sends: Option<bool>,
     /// Export request traces (spans: request, prepare, admit, route, forward, first byte) to this OpenTelemetry
@@ -674,7 +674,7 @@ impl GatewayConfig {
             );
         }
         for a in &self.advertise_allow {
-            if let Err(e) = crate::trust::AllowEntry::parse(a) {
+            if let Err(e) = crate::control::trust::AllowEntry::parse(a) {
                 p.push(format!("advertise-allow {a:?}: {e}"));
             }
         }

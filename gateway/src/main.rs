@@ -6,8 +6,8 @@ use std::time::Duration;
 
 use kvgate_gateway::config::{GatewayArgs, WorkerKind};
 use kvgate_gateway::control::IngestQueue;
-use kvgate_gateway::listener::{ConnLimits, PublicListener};
-use kvgate_gateway::proxy::Gateway;
+use kvgate_gateway::serve::listener::{ConnLimits, PublicListener};
+use kvgate_gateway::serve::proxy::Gateway;
 use kvgate_gateway::state::GatewayState;
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
 use pingora::server::configuration::ServerConf;
@@ -108,11 +108,11 @@ fn main() -> ExitCode {
                     }
                 });
                 tokio::spawn(kvgate_gateway::control::upkeep(control_state.clone()));
-                kvgate_gateway::vllm_subscriber::spawn_all(&control_state);
-                kvgate_gateway::scrape::spawn_all(&control_state);
-                kvgate_gateway::discovery::spawn_all(&control_state);
-                tokio::spawn(kvgate_gateway::shared_state::sync::run(control_state.clone()));
-                tokio::spawn(kvgate_gateway::shared_state::budgets::run(control_state.clone()));
+                kvgate_gateway::pods::vllm_subscriber::spawn_all(&control_state);
+                kvgate_gateway::pods::scrape::spawn_all(&control_state);
+                kvgate_gateway::pods::discovery::spawn_all(&control_state);
+                tokio::spawn(kvgate_gateway::replicas::sync::run(control_state.clone()));
+                tokio::spawn(kvgate_gateway::replicas::budgets::run(control_state.clone()));
                 let app = kvgate_gateway::control::router(control_state, queue)
                     .into_make_service_with_connect_info::<std::net::SocketAddr>();
                 if let Err(e) = axum::serve(listener, app).await {

@@ -19,13 +19,13 @@ use metrics_exporter_prometheus::PrometheusHandle;
 
 use crate::admission::Admission;
 use crate::config::{GatewayConfig, ModelSpec, WorkerKind};
-use crate::keys::KeyTable;
+use crate::control::keys::KeyTable;
 use crate::registry::{Registry, RegistryConfig, SharedSend};
+use crate::replicas::sends::SendSharer;
+use crate::replicas::{RedisTarget, Resource, SharedState};
 use crate::route::Router;
 use crate::routing::{policy_by_name, RingKeys, Weights};
-use crate::shared_state::sends::SendSharer;
-use crate::shared_state::{RedisTarget, Resource, SharedState};
-use crate::tokenize::TokenizePool;
+use crate::serve::tokenize::TokenizePool;
 
 /// HTTP client to workers.
 pub type HttpClient = Client<HttpConnector, Full<Bytes>>;
@@ -70,9 +70,9 @@ pub struct GatewayState {
     weights: RwLock<(Weights, u64)>,
     classes_version: AtomicU64,
     admin: Mutex<()>,
-    /// What the replicas share through Redis (`shared_state/`), and the mode.
+    /// What the replicas share through Redis (`replicas/`), and the mode.
     pub shared: SharedState,
-    /// The replicas' shared sends (`--share-sends` with `--redis-url`; `shared_state/sends.rs`).
+    /// The replicas' shared sends (`--share-sends` with `--redis-url`; `replicas/sends.rs`).
     pub sends: Option<SendSharer>,
     /// Workers drained through the admin API, as shared through Redis, with the version (sorted ids).
     drains: RwLock<(Vec<String>, u64)>,
@@ -142,7 +142,7 @@ impl GatewayState {
             }
         }
         // Admin changes persisted by an earlier run win over the configuration.
-        let persisted = cfg.state_file.as_deref().and_then(crate::persist::load_or_set_aside);
+        let persisted = cfg.state_file.as_deref().and_then(crate::control::persist::load_or_set_aside);
         if let (Some(path), Some(p)) = (&cfg.state_file, &persisted) {
             tracing::warn!(
                 "admin changes kept in {} override the configured weights and classes (versions {} and {})",
@@ -300,7 +300,7 @@ impl GatewayState {
     /// is down); a failure is logged, not fatal.
     pub fn save_local_copy(&self) {
         let Some(path) = &self.cfg.state_file else { return };
-        let save = || crate::persist::save_state(path, &self.persisted());
+        let save = || crate::control::persist::save_state(path, &self.persisted());
         // fsync may take a while: off the (multi-threaded) control runtime's worker thread meanwhile.
         let multi_thread = tokio::runtime::Handle::try_current()
             .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread);
@@ -321,10 +321,10 @@ impl GatewayState {
     }
 
     /// What the state file keeps.
-    pub fn persisted(&self) -> crate::persist::Persisted {
+    pub fn persisted(&self) -> crate::control::persist::Persisted {
         let (weights, weights_version) = self.weights();
         let (classes, classes_version) = self.classes();
-        crate::persist::Persisted { weights, weights_version, classes, classes_version }
+        crate::control::persist::Persisted { weights, weights_version, classes, classes_version }
     }
 
     /// The output a request of `class` without `max_tokens` is expected to have: what its completed requests

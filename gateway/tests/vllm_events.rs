@@ -4,7 +4,7 @@
 
 mod common;
 
-use kvgate_gateway::vllm_events::{decode_frames, ExternalHash, KvEvent};
+use kvgate_gateway::pods::vllm_events::{decode_frames, ExternalHash, KvEvent};
 use serde_json::Value;
 
 fn unhex(s: &str) -> Vec<u8> {
@@ -85,7 +85,7 @@ fn golden_frames_from_vllm_decode_exactly() {
 
 #[test]
 fn a_golden_batch_indexes_vllm_blocks_under_kvgate_hashes() {
-    use kvgate_gateway::vllm_index::{Applied, EventIndex};
+    use kvgate_router::registry::event_index::{Applied, EventIndex};
     use kvgate_shared::hashing::{BlockHasher, ExtraKeys, HashScheme};
     let golden: Value = serde_json::from_str(include_str!("golden/vllm_kv_events.json")).expect("golden");
     let frame = golden["frames"]
@@ -119,7 +119,7 @@ fn a_golden_batch_indexes_vllm_blocks_under_kvgate_hashes() {
 /// set after each batch is what the batch leaves.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_libzmq_publisher_feeds_the_subscriber_and_its_exact_set() {
-    use kvgate_gateway::vllm_subscriber::follow;
+    use kvgate_gateway::pods::vllm_subscriber::follow;
     use kvgate_shared::hashing::{BlockHash, BlockHasher, ExtraKeys, HashScheme};
     use std::collections::HashSet;
     use std::sync::{Arc, Mutex};
@@ -193,7 +193,7 @@ for seq, name in ((1, "map-events/bytes-hashes"), (2, "map-events/int-hashes")):
 /// vLLM's), so the index keeps what the missed batch stored instead of being cleared.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_missed_batch_is_replayed_instead_of_clearing_the_index() {
-    use kvgate_gateway::vllm_subscriber::follow;
+    use kvgate_gateway::pods::vllm_subscriber::follow;
     use kvgate_shared::hashing::{BlockHash, BlockHasher, ExtraKeys, HashScheme};
     use std::collections::HashSet;
     use std::sync::{Arc, Mutex};

@@ -41,7 +41,7 @@ pub enum Rejection {
     Timeout { class: String, retry_after_s: u32 },
 }
 
-/// One class's budget as seen by the replica: what a lease decision needs (`gateway/src/shared_state/budgets.rs`).
+/// One class's budget as seen by the replica: what a lease decision needs (`gateway/src/replicas/budgets.rs`).
 #[derive(Clone, Debug, PartialEq)]
 pub struct ClassBudget {
     pub name: String,

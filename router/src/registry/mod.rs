@@ -14,7 +14,9 @@
 //! `forget_after` is removed, with its metric series. The registry holds at most `max_workers` workers.
 
 pub mod approx;
+pub mod event_index;
 mod focus;
+pub mod kv_events;
 mod metrics;
 pub mod pd;
 pub mod roots;

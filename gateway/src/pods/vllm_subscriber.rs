@@ -12,9 +12,9 @@ use std::time::Duration;
 
 use kvgate_shared::hashing::HashScheme;
 
-use crate::vllm_events::decode_frames;
-use crate::vllm_index::{Applied, Delta, EventIndex};
-use crate::zmtp::{Kind, Socket};
+use crate::pods::vllm_events::decode_frames;
+use crate::pods::zmtp::{Kind, Socket};
+use kvgate_router::registry::event_index::{Applied, Delta, EventIndex};
 
 /// How long to wait before connecting again after a failure.
 pub const RECONNECT_DELAY: Duration = Duration::from_secs(1);
@@ -25,7 +25,7 @@ fn count(result: &'static str) {
 
 /// `tcp://<host of base_url>:<port>`, or `None` for a URL without a host.
 pub fn endpoint(base_url: &str, port: u16) -> Option<String> {
-    let host = crate::trust::url_host(base_url)?;
+    let host = crate::control::trust::url_host(base_url)?;
     Some(match host.contains(':') {
         true => format!("tcp://[{host}]:{port}"),
         false => format!("tcp://{host}:{port}"),
@@ -57,7 +57,7 @@ async fn replay_into(ix: &mut EventIndex, replay: &str, first: i64, until: i64) 
         loop {
             let msg = sock.recv().await.ok()?;
             let parts = replay_parts(&msg)?;
-            let seq = crate::vllm_events::sequence(parts[1]).ok()?;
+            let seq = crate::pods::vllm_events::sequence(parts[1]).ok()?;
             if seq < 0 {
                 return Some(batches);
             }

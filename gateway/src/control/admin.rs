@@ -13,7 +13,7 @@
 //!   to the log as an audit line.
 //! - With `--redis-url` a change is a compare-and-set in Redis instead (one version order across all replicas; a
 //!   stale `If-Match` on any replica is 412; 503 `shared_state_unavailable` while Redis is unreachable), applied
-//!   here at once and by the other replicas within a second (`shared_state/`); the state file keeps this replica's
+//!   here at once and by the other replicas within a second (`replicas/`); the state file keeps this replica's
 //!   copy.
 //! - The token is checked by the control listener before any body byte is read (`control.rs`).
 
@@ -32,11 +32,11 @@ use axum::{Json, Router};
 use serde::Serialize;
 
 use crate::admission::{ClassConfig, CLASS_HEADER};
-use crate::auth::secrets_equal;
-use crate::persist::{save_state, Persisted};
-use crate::prepare::{PrepHeaders, CACHE_SALT_HEADER, SESSION_HEADER};
+use crate::control::auth::secrets_equal;
+use crate::control::persist::{save_state, Persisted};
+use crate::replicas::{Commit, IfMatch, RedisStore, Resource};
 use crate::routing::Weights;
-use crate::shared_state::{Commit, IfMatch, RedisStore, Resource};
+use crate::serve::prepare::{PrepHeaders, CACHE_SALT_HEADER, SESSION_HEADER};
 use crate::state::GatewayState;
 
 /// 503 `shared_state_version_exhausted`: the resource's version in Redis is the last one below the cap, which no
@@ -60,7 +60,7 @@ fn exhausted(r: Resource, current: u64) -> Response {
 }
 
 fn error(status: StatusCode, code: &str, message: String) -> Response {
-    crate::auth::error_response(status, code, message)
+    crate::control::auth::error_response(status, code, message)
 }
 
 /// Checks the bearer token; `Err` is the response to send.
@@ -301,10 +301,10 @@ async fn drain(state: Arc<GatewayState>, headers: HeaderMap, id: String, drainin
                 }
                 Ok(Commit::Stale(_)) if attempt < 5 => {
                     attempt += 1;
-                    if let Ok(crate::shared_state::redis_store::Stored::Valid(v, value)) =
+                    if let Ok(crate::replicas::redis_store::Stored::Valid(v, value)) =
                         store.get(Resource::Drains).await
                     {
-                        crate::shared_state::sync::apply_remote(&state, Resource::Drains, v, &value);
+                        crate::replicas::sync::apply_remote(&state, Resource::Drains, v, &value);
                     }
                 }
                 Ok(Commit::Exhausted(current)) => return exhausted(Resource::Drains, current),
@@ -345,18 +345,21 @@ async fn explain(State(state): State<Arc<GatewayState>>, headers: HeaderMap, bod
     let chat = serde_json::from_slice::<serde_json::Value>(&body).is_ok_and(|v| v.get("messages").is_some());
     let header = |name: &str| headers.get(name).and_then(|v| v.to_str().ok()).map(str::to_owned);
     // The caller being explained is named by `x-kvgate-explain-authorization` (the admin token is in Authorization).
-    let caller = match crate::proxy::caller_of(&state, header("x-kvgate-explain-authorization").as_deref()) {
-        Ok(c) => c,
-        Err(e) => return api_error(e),
-    };
+    let caller =
+        match crate::serve::proxy::caller_of(&state, header("x-kvgate-explain-authorization").as_deref()) {
+            Ok(c) => c,
+            Err(e) => return api_error(e),
+        };
     let prep = PrepHeaders { session: header(SESSION_HEADER), cache_salt: header(CACHE_SALT_HEADER) };
-    let p = match crate::proxy::prepare_on_pool(&state, chat, body, prep, caller.clone(), false).await {
+    let p = match crate::serve::proxy::prepare_on_pool(&state, chat, body, prep, caller.clone(), false).await
+    {
         Ok(p) => p,
         Err(e) => return api_error(e),
     };
     // Stages 1 and 2 of the request pipeline: what the request would be priced at, and the decision it would get.
     let priced =
-        match crate::pipeline::price(&state, &p, &caller, header(CLASS_HEADER).as_deref(), usize::MAX) {
+        match crate::serve::pipeline::price(&state, &p, &caller, header(CLASS_HEADER).as_deref(), usize::MAX)
+        {
             Ok(v) => v,
             Err(e) => return api_error(e),
         };

@@ -71,7 +71,7 @@ pub fn start(state: &Arc<GatewayState>, probes: &mut LinkProbes) {
 
 async fn probe(state: &GatewayState, secret: &str, l: &UnmeasuredLink) {
     let mut req = hyper::Request::post(format!("{}/kvgate/v1/kv-probe", l.decode_url));
-    for (name, value) in crate::proxy::split_headers(secret, &l.model, &l.peer) {
+    for (name, value) in crate::serve::proxy::split_headers(secret, &l.model, &l.peer) {
         req = req.header(name, value);
     }
     if let Ok(v) = HeaderValue::from_str(&format!("Bearer {}", kvgate_shared::handoff::gateway_token(secret)))

@@ -1,4 +1,5 @@
-//! An exact index of one vLLM pod's device KV cache, kept from its KV events (`vllm_events`): which of kvgate's own
+//! An exact index of one vLLM pod's device KV cache, kept from its KV events (`kv_events`, decoded by the
+//! gateway's `pods::vllm_events`): which of kvgate's own
 //! chained block hashes the pod holds. A `BlockStored` event carries its blocks' token ids, so each block's kvgate
 //! hash is rebuilt from its parent's (found by the parent's vLLM hash) and its tokens, exactly as a kvgate worker
 //! would hash it; the gateway can then summarise the pod like a kvgate worker's report. Pure: no sockets, no clocks.
@@ -14,7 +15,7 @@ use std::collections::HashMap;
 
 use kvgate_shared::hashing::{BlockHash, BlockHasher, ExtraKeys, HashScheme};
 
-use crate::vllm_events::{EventBatch, ExternalHash, KvEvent};
+use super::kv_events::{EventBatch, ExternalHash, KvEvent};
 
 /// Most blocks indexed per pod (a pod with 1M tokens of KV in blocks of 16 has 65,536).
 pub const MAX_INDEXED_BLOCKS: usize = 1 << 22;

@@ -20,9 +20,9 @@ use pingora::http::ResponseHeader;
 use pingora::proxy::Session;
 
 use crate::errors::ApiError;
-use crate::meter::Meter;
-pub use crate::meter::UsageSeen;
 use crate::routing::RouteReason;
+use crate::serve::meter::Meter;
+pub use crate::serve::meter::UsageSeen;
 use crate::state::GatewayState;
 
 /// Error codes of a 503 with which a worker says it cannot serve a request: it refused it before starting, or its
@@ -54,7 +54,7 @@ pub struct Attempt<'a> {
     /// The gateway asked the stream for usage the client did not ask for: take it out again (`meter.rs`).
     pub strip_usage: bool,
     /// The attempt's span, when traced (its `first_byte` is recorded here).
-    pub trace: Option<&'a crate::spans::AttemptTrace>,
+    pub trace: Option<&'a crate::serve::spans::AttemptTrace>,
 }
 
 /// How an attempt ended.

@@ -89,8 +89,8 @@ async fn run(state: Arc<GatewayState>, m: ModelSpec) {
                 state.fetch_tokenizer_in_background(url.clone());
             }
             let tasks = [
-                crate::scrape::spawn_pod(&state, &m, &url),
-                crate::vllm_subscriber::spawn_pod(&state, &m, &url),
+                crate::pods::scrape::spawn_pod(&state, &m, &url),
+                crate::pods::vllm_subscriber::spawn_pod(&state, &m, &url),
             ];
             pods.insert(url, tasks.into_iter().flatten().collect());
         }

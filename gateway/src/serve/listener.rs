@@ -29,7 +29,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::Semaphore;
 use tokio::time::Instant;
 
-use crate::proxy::Gateway;
+use crate::serve::proxy::Gateway;
 
 /// Largest request header accepted.
 pub const MAX_HEADER_BYTES: usize = 64 * 1024;

@@ -11,6 +11,17 @@
 //!   with a bounded queue ([`INGEST_QUEUE`]; full: 503), so admin calls cannot delay reports and reports cannot pile
 //!   up memory.
 
+//!
+//! The rest of the room: `admin` (the admin REST API), `auth` (bearer tokens, constant-time comparison, control-port
+//! errors), `keys` (API keys -> tenant, classes a caller may choose, forced cache salt), `trust` (which
+//! `advertise_url`s a report may register), `persist` (the admin state file).
+
+pub mod admin;
+pub mod auth;
+pub mod keys;
+pub mod persist;
+pub mod trust;
+
 use std::net::{IpAddr, SocketAddr};
 use std::sync::mpsc::{sync_channel, SyncSender, TrySendError};
 use std::sync::Arc;
@@ -26,10 +37,10 @@ use axum::{Extension, Json, Router};
 use kvgate_shared::report::{WorkerReport, MAX_REPORT_BYTES};
 use tokio::sync::oneshot;
 
-use crate::auth::{bearer, error_response as err, secrets_equal};
+use crate::control::auth::{bearer, error_response as err, secrets_equal};
+use crate::control::trust::AdvertiseCheck;
 use crate::registry::Ingest;
 use crate::state::GatewayState;
-use crate::trust::AdvertiseCheck;
 
 /// Largest body of an admin write (weights, budgets).
 pub const ADMIN_BODY_LIMIT: usize = 1 << 20;
@@ -64,7 +75,7 @@ async fn report_gate(State(state): State<Arc<GatewayState>>, req: Request, next:
 
 /// Admin auth, before the body.
 async fn admin_gate(State(state): State<Arc<GatewayState>>, req: Request, next: Next) -> Response {
-    if let Err(r) = crate::admin::authorize(&state, req.headers()) {
+    if let Err(r) = crate::control::admin::authorize(&state, req.headers()) {
         return r;
     }
     let limit = if req.uri().path() == "/admin/v1/route/explain" {
@@ -252,7 +263,7 @@ pub fn router(state: Arc<GatewayState>, queue: IngestQueue) -> Router {
         .route_layer(middleware::from_fn_with_state(state.clone(), report_gate))
         .layer(Extension(queue));
     let explain_limit = state.cfg.max_body_bytes;
-    let admin = crate::admin::router(explain_limit)
+    let admin = crate::control::admin::router(explain_limit)
         .layer(DefaultBodyLimit::max(ADMIN_BODY_LIMIT))
         .route_layer(middleware::from_fn_with_state(state.clone(), admin_gate));
     Router::new()
@@ -269,7 +280,7 @@ pub fn router(state: Arc<GatewayState>, queue: IngestQueue) -> Router {
 /// (`GET /health`, 1 s timeout) so a worker that answers again comes back, have decode workers probe the P->D
 /// links no transfer has measured yet (`link_probe`), and forget workers silent for `--forget-after`.
 pub async fn upkeep(state: Arc<GatewayState>) {
-    let mut links = crate::link_probe::LinkProbes::default();
+    let mut links = crate::pods::link_probe::LinkProbes::default();
     let mut tick = tokio::time::interval(state.cfg.probe_interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -291,7 +302,7 @@ pub async fn upkeep(state: Arc<GatewayState>) {
                 }
             });
         }
-        crate::link_probe::start(&state, &mut links);
+        crate::pods::link_probe::start(&state, &mut links);
         state.registry().sweep(Instant::now());
     }
 }

@@ -30,14 +30,14 @@ use serde::Deserialize;
 use crate::admission::{ClassInput, CLASS_HEADER};
 use crate::config::WorkerKind;
 use crate::errors::ApiError;
-use crate::pipeline::header;
-use crate::prepare::{salt_for, CACHE_SALT_HEADER};
-use crate::proxy::{self, Ctx, InflightGuard, CLIENT_CLOSED};
 use crate::registry::Fault;
-use crate::request::{with_first_members, with_members};
 use crate::route::RouteInput;
+use crate::serve::pipeline::header;
+use crate::serve::prepare::{salt_for, CACHE_SALT_HEADER};
+use crate::serve::proxy::{self, Ctx, InflightGuard, CLIENT_CLOSED};
+use crate::serve::request::{with_first_members, with_members};
+use crate::serve::upstream::{unless_client_leaves, Attempt, Outcome};
 use crate::state::GatewayState;
-use crate::upstream::{unless_client_leaves, Attempt, Outcome};
 
 /// The POST paths passed through.
 pub const PATHS: &[&str] =
@@ -87,7 +87,7 @@ fn model_of(state: &GatewayState, named: Option<String>) -> Result<String, ApiEr
 /// Reads, checks and prices the body; rewrites a keyed caller's salt.
 fn read(
     state: &GatewayState,
-    caller: &crate::keys::Caller,
+    caller: &crate::control::keys::Caller,
     path: &str,
     body: Bytes,
     header_salt: Option<&str>,
@@ -223,7 +223,7 @@ pub async fn serve(
             strip_usage: false,
             trace: trace.as_ref(),
         };
-        let outcome = crate::upstream::forward(state, session, &a).await;
+        let outcome = crate::serve::upstream::forward(state, session, &a).await;
         drop(guard);
         if let Some(tr) = trace {
             tr.finish(&state.tracer, &t.id, routed.reason.as_str(), outcome.name(), outcome.status());

@@ -17,7 +17,7 @@ use tokio::net::TcpStream;
 
 /// Longest frame accepted: the event decoder's limit (`vllm_events::MAX_FRAME_BYTES`; a vLLM batch with the token
 /// ids of a million-token prompt is a few MB).
-pub const MAX_FRAME_BYTES: u64 = crate::vllm_events::MAX_FRAME_BYTES as u64;
+pub const MAX_FRAME_BYTES: u64 = crate::pods::vllm_events::MAX_FRAME_BYTES as u64;
 /// Most frames in one message (vLLM's are 3, a replayed one 4).
 pub const MAX_FRAMES: usize = 16;
 /// Largest message, all frames together (checked before a frame is read).

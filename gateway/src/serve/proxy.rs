@@ -41,12 +41,12 @@ use pingora::prelude::*;
 use pingora::proxy::{ProxyHttp, Session};
 
 use crate::admission::ClassInput;
+use crate::control::keys::Caller;
 use crate::errors::ApiError;
-use crate::keys::Caller;
-use crate::prepare::{prepare, PrepHeaders, PreparedRequest, CACHE_SALT_HEADER, SESSION_HEADER};
+use crate::serve::prepare::{prepare, PrepHeaders, PreparedRequest, CACHE_SALT_HEADER, SESSION_HEADER};
+use crate::serve::tokenize::PoolError;
+use crate::serve::upstream::UsageSeen;
 use crate::state::GatewayState;
-use crate::tokenize::PoolError;
-use crate::upstream::UsageSeen;
 
 /// Status logged for a request whose client went away before its answer (nginx's convention).
 pub const CLIENT_CLOSED: u16 = 499;
@@ -65,7 +65,7 @@ pub struct Ctx {
     /// Time spent waiting for the class budget.
     pub(crate) admission_wait: Duration,
     /// The request's trace, when traced (`spans.rs`).
-    pub(crate) trace: Option<crate::spans::RequestTrace>,
+    pub(crate) trace: Option<crate::serve::spans::RequestTrace>,
     /// The worker that answered (traces).
     pub(crate) worker: Option<String>,
 }
@@ -93,8 +93,10 @@ impl ProxyHttp for Gateway {
 
     async fn request_filter(&self, session: &mut Session, ctx: &mut Ctx) -> Result<bool> {
         let traceparent = session.req_header().headers.get(kvgate_shared::trace::TRACEPARENT);
-        ctx.trace =
-            crate::spans::RequestTrace::begin(&self.state.tracer, traceparent.and_then(|v| v.to_str().ok()));
+        ctx.trace = crate::serve::spans::RequestTrace::begin(
+            &self.state.tracer,
+            traceparent.and_then(|v| v.to_str().ok()),
+        );
         let result = handle(&self.state, session, ctx).await;
         if let Err(e) = result {
             ctx.status = e.status;
@@ -199,14 +201,14 @@ async fn handle(state: &Arc<GatewayState>, session: &mut Session, ctx: &mut Ctx)
     let path = session.req_header().uri.path().to_owned();
     match (method.as_str(), path.as_str()) {
         ("POST", "/v1/chat/completions") | ("POST", "/v1/completions") => {
-            crate::pipeline::serve(state, session, ctx, &path).await
+            crate::serve::pipeline::serve(state, session, ctx, &path).await
         }
         ("GET", "/v1/models") => models(state, session, ctx).await,
         ("GET", p) if p.starts_with(MODEL_PATH) => {
             model_card(state, session, ctx, &p[MODEL_PATH.len()..]).await
         }
-        ("POST", p) if crate::passthrough::PATHS.contains(&p) => {
-            crate::passthrough::serve(state, session, ctx, &path).await
+        ("POST", p) if crate::serve::passthrough::PATHS.contains(&p) => {
+            crate::serve::passthrough::serve(state, session, ctx, &path).await
         }
         ("GET", "/health") => plain_json(session, ctx, 200, "{\"status\":\"ok\"}").await,
         _ => Err(ApiError::not_found_route(&path)),

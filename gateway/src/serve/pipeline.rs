@@ -26,14 +26,14 @@ use pingora::proxy::Session;
 
 use crate::admission::{ClassInput, Permit, CLASS_HEADER};
 use crate::config::WorkerKind;
+use crate::control::keys::Caller;
 use crate::errors::ApiError;
-use crate::keys::Caller;
-use crate::prepare::{PrepHeaders, PreparedRequest, CACHE_SALT_HEADER, SESSION_HEADER};
-use crate::proxy::{self, Ctx, InflightGuard, CLIENT_CLOSED};
 use crate::registry::Fault;
 use crate::routing::RouteReason;
+use crate::serve::prepare::{PrepHeaders, PreparedRequest, CACHE_SALT_HEADER, SESSION_HEADER};
+use crate::serve::proxy::{self, Ctx, InflightGuard, CLIENT_CLOSED};
+use crate::serve::upstream::{unless_client_leaves, Attempt, Outcome};
 use crate::state::GatewayState;
-use crate::upstream::{unless_client_leaves, Attempt, Outcome};
 
 /// Stage 1: a request read and prepared.
 pub struct Prepared {
@@ -301,7 +301,7 @@ pub async fn forward(
             strip_usage: p.strip_usage,
             trace: trace.as_ref(),
         };
-        let outcome = crate::upstream::forward(state, session, &attempt_req).await;
+        let outcome = crate::serve::upstream::forward(state, session, &attempt_req).await;
         drop(guard);
         if let Some(tr) = trace {
             tr.finish(&state.tracer, &t.id, reason.as_str(), outcome.name(), outcome.status());

@@ -157,7 +157,7 @@ impl KeyTable {
         }
         let d = digest(key.as_bytes());
         let (found, caller) = self.by_digest.get_key_value(&d)?;
-        crate::auth::secrets_equal(found, &d).then(|| caller.clone())
+        crate::control::auth::secrets_equal(found, &d).then(|| caller.clone())
     }
 }
 

@@ -17,12 +17,12 @@ use kvgate_shared::handoff::{tenant_salt, TenantScope, TENANT_SALT_PREFIX};
 use kvgate_shared::hashing::{BlockHash, BlockHasher};
 use kvgate_shared::prompt::RequestPrompt;
 
+use crate::control::keys::Caller;
 use crate::errors::ApiError;
-use crate::keys::Caller;
-use crate::request::{
+use crate::route::RouteInput;
+use crate::serve::request::{
     parse, stream_options_with_usage, with_first_members, with_members, PromptBody, RoutingFields,
 };
-use crate::route::RouteInput;
 use crate::state::GatewayState;
 
 /// Header carrying a session id for the ring.
