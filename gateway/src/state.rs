@@ -21,7 +21,7 @@ use crate::admission::Admission;
 use crate::config::{GatewayConfig, ModelSpec, WorkerKind};
 use crate::control::keys::KeyTable;
 use crate::registry::{Registry, RegistryConfig, SharedSend};
-use crate::replicas::sends::SendSharer;
+use crate::replicas::sends::{SendSharer, SendsHost};
 use crate::replicas::{RedisTarget, Resource, SharedState};
 use crate::route::Router;
 use crate::routing::{policy_by_name, RingKeys, Weights};
@@ -465,5 +465,17 @@ impl GatewayState {
             }
             state.fetching.lock().unwrap_or_else(|e| e.into_inner()).remove(&url);
         });
+    }
+}
+
+impl SendsHost for GatewayState {
+    fn shared(&self) -> &SharedState {
+        &self.shared
+    }
+    fn sharer(&self) -> Option<&SendSharer> {
+        self.sends.as_ref()
+    }
+    fn registry(&self) -> MutexGuard<'_, Registry> {
+        GatewayState::registry(self)
     }
 }

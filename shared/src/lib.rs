@@ -3,7 +3,8 @@
 //! - [`hashing`]: the chained block hashes that key the prefix cache (pinned by golden vectors);
 //! - [`report`]: the summary a worker pushes to gateways every second, with its Bloom filter of cached blocks;
 //! - [`prompt`]: chat-template rendering and tokenization, identical on both sides;
-//! - [`openai`]: the OpenAI API types and error body;
+//! - [`openai`]: the OpenAI API types and error body; [`errors`]: the one `ApiError` (axum adapter with feature
+//!   `axum`);
 //! - [`handoff`]: token ids the gateway computed, passed to the worker (authenticated) so it skips tokenizing;
 //! - [`duration`]: configuration durations (`1s`, `500ms`); [`settings`]: defaults written once (clap), the
 //!   flags > environment > TOML > default layering, and the generated configuration references.
@@ -11,6 +12,7 @@
 //! - [`ports`]: free loopback ports for local fleets (tests, benches, the load tester's fleet).
 
 pub mod duration;
+pub mod errors;
 pub mod handoff;
 pub mod hashing;
 pub mod openai;

@@ -59,7 +59,7 @@ fn exhausted(r: Resource, current: u64) -> Response {
     )
 }
 
-fn error(status: StatusCode, code: &str, message: String) -> Response {
+fn error(status: StatusCode, code: &'static str, message: String) -> Response {
     crate::control::auth::error_response(status, code, message)
 }
 

@@ -1,19 +1,20 @@
 //! Control-port auth pieces shared by report ingest and the admin API: the bearer token of a request, constant-time
-//! secret comparison, and the OpenAI-shaped error both answer with.
+//! secret comparison, and the error both answer with (kvgate's one `ApiError`, through its axum adapter).
 
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 
+use crate::errors::ApiError;
+
 /// An OpenAI-shaped error response (`type` from the status: authentication, permission, server or request error).
-pub fn error_response(status: StatusCode, code: &str, msg: String) -> Response {
+pub fn error_response(status: StatusCode, code: &'static str, msg: String) -> Response {
     let kind = match status {
         StatusCode::UNAUTHORIZED => "authentication_error",
         StatusCode::FORBIDDEN => "permission_error",
         s if s.is_server_error() => "server_error",
         _ => "invalid_request_error",
     };
-    let body = kvgate_shared::openai::ErrorBody::new(kind, code, msg, None);
-    (status, [("content-type", "application/json")], body.to_json()).into_response()
+    ApiError::new(status.as_u16(), kind, code, msg).into_response()
 }
 
 /// Constant-time comparison of secrets.

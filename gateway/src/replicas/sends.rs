@@ -27,11 +27,19 @@ use std::sync::Arc;
 use std::sync::Mutex;
 use std::time::Instant;
 
-use kvgate_router::registry::SharedSend;
+use kvgate_router::registry::{Registry, SharedSend};
 use serde::{Deserialize, Serialize};
 use tokio::sync::mpsc;
 
-use crate::state::GatewayState;
+use super::SharedState;
+
+/// What the sends' tasks touch, and nothing else: the shared-state connection, the sharer, the registry
+/// (`state::GatewayState` implements it; this module does not import the state).
+pub trait SendsHost: Send + Sync + 'static {
+    fn shared(&self) -> &SharedState;
+    fn sharer(&self) -> Option<&SendSharer>;
+    fn registry(&self) -> std::sync::MutexGuard<'_, Registry>;
+}
 
 /// Sends queued for the publisher at most; more are dropped (counted).
 pub const QUEUE: usize = 4096;
@@ -91,20 +99,20 @@ impl SendSharer {
 }
 
 /// Publishes queued sends until the gateway stops (spawned on the control runtime with the sync loop).
-pub async fn publish(state: Arc<GatewayState>) {
-    let (Some(store), Some(sharer)) = (state.shared.store(), state.sends.as_ref()) else { return };
+pub async fn publish<H: SendsHost>(state: Arc<H>) {
+    let (Some(store), Some(sharer)) = (state.shared().store(), state.sharer()) else { return };
     let Some(mut rx) = sharer.rx.lock().unwrap_or_else(|e| e.into_inner()).take() else { return };
     let channel = store.key("sends");
     let mut batch = Vec::with_capacity(MAX_BATCH);
     while rx.recv_many(&mut batch, MAX_BATCH).await > 0 {
-        if !state.shared.redis_up() {
+        if !state.shared().redis_up() {
             count("dropped", batch.len() as u64);
             batch.clear();
             continue;
         }
         for sends in split(std::mem::take(&mut batch)) {
             let n = sends.len() as u64;
-            let msg = SendBatch { from: state.shared.replica_id().to_owned(), nonce: sharer.nonce, sends };
+            let msg = SendBatch { from: state.shared().replica_id().to_owned(), nonce: sharer.nonce, sends };
             let payload = serde_json::to_string(&msg).unwrap_or_default();
             match store.publish(&channel, &payload).await {
                 Ok(()) => count("published", n),
@@ -177,9 +185,9 @@ pub fn decode(payload: &[u8], own_nonce: u64, live: impl Fn(&str) -> bool) -> Re
 }
 
 /// Applies a message received on `{prefix}:sends` (not this process's own; invalid sends skipped and counted).
-pub fn apply(state: &GatewayState, payload: &[u8]) {
-    let Some(sharer) = state.sends.as_ref() else { return };
-    let (sends, invalid) = match decode(payload, sharer.nonce, |id| state.shared.is_live_replica(id)) {
+pub fn apply(state: &impl SendsHost, payload: &[u8]) {
+    let Some(sharer) = state.sharer() else { return };
+    let (sends, invalid) = match decode(payload, sharer.nonce, |id| state.shared().is_live_replica(id)) {
         Received::Own => return,
         Received::Invalid => {
             count("invalid", 1);
@@ -189,7 +197,7 @@ pub fn apply(state: &GatewayState, payload: &[u8]) {
             // A replica that started since the last sync, or no replica at all: refresh the live set now (its
             // next sends are believed once its heartbeat is seen).
             count("unknown_replica", 1);
-            state.shared.wake();
+            state.shared().wake();
             return;
         }
         Received::Sends(s, invalid) => (s, invalid),

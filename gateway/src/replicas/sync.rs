@@ -160,7 +160,7 @@ async fn subscribe(state: Arc<GatewayState>) {
                 let mut messages = pubsub.on_message();
                 while let Some(m) = messages.next().await {
                     if m.get_channel_name() == sends_channel {
-                        super::sends::apply(&state, m.get_payload_bytes());
+                        super::sends::apply(state.as_ref(), m.get_payload_bytes());
                         continue;
                     }
                     let payload: String = m.get_payload().unwrap_or_default();

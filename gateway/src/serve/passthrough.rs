@@ -29,7 +29,7 @@ use serde::Deserialize;
 
 use crate::admission::{ClassInput, CLASS_HEADER};
 use crate::config::WorkerKind;
-use crate::errors::ApiError;
+use crate::errors::{ApiError, GatewayErrors};
 use crate::registry::Fault;
 use crate::route::RouteInput;
 use crate::serve::pipeline::header;
@@ -96,7 +96,7 @@ fn read(
         if e.is_syntax() || e.is_eof() {
             ApiError::bad_json(format!("the body is not valid JSON: {e}"))
         } else {
-            ApiError::invalid("body", &format!("invalid request: {e}"))
+            ApiError::invalid("body", format!("invalid request: {e}"))
         }
     })?;
     let model = model_of(state, f.model)?;

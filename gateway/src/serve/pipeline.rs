@@ -27,7 +27,7 @@ use pingora::proxy::Session;
 use crate::admission::{ClassInput, Permit, CLASS_HEADER};
 use crate::config::WorkerKind;
 use crate::control::keys::Caller;
-use crate::errors::ApiError;
+use crate::errors::{ApiError, GatewayErrors};
 use crate::registry::Fault;
 use crate::routing::RouteReason;
 use crate::serve::prepare::{PrepHeaders, PreparedRequest, CACHE_SALT_HEADER, SESSION_HEADER};

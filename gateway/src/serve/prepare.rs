@@ -18,7 +18,7 @@ use kvgate_shared::hashing::{BlockHash, BlockHasher};
 use kvgate_shared::prompt::RequestPrompt;
 
 use crate::control::keys::Caller;
-use crate::errors::ApiError;
+use crate::errors::{ApiError, GatewayErrors};
 use crate::route::RouteInput;
 use crate::serve::request::{
     parse, stream_options_with_usage, with_first_members, with_members, PromptBody, RoutingFields,
@@ -124,7 +124,7 @@ pub fn prepare(
         // the derivation is public, so this is what keeps a tenant's namespace its own).
         return Err(ApiError::invalid(
             "cache_salt",
-            &format!("a cache salt may not start with {TENANT_SALT_PREFIX:?} (reserved for tenants' salts)"),
+            format!("a cache salt may not start with {TENANT_SALT_PREFIX:?} (reserved for tenants' salts)"),
         ));
     }
     let (tenant_salt, scope, salt_rewritten) =
@@ -195,15 +195,16 @@ pub fn prepare(
 /// length, or a prompt that leaves no room for the output (at least one token).
 pub fn check_context(prompt_tokens: usize, max_tokens: Option<u32>, limit: u32) -> Result<(), ApiError> {
     if let Some(m) = max_tokens.filter(|m| *m > limit) {
-        return Err(ApiError::context_length(format!(
-            "max_tokens is {m}, more than the model's context length of {limit} tokens"
-        )));
+        return Err(ApiError::context_length(
+            format!("max_tokens is {m}, more than the model's context length of {limit} tokens"),
+            "max_tokens",
+        ));
     }
     let out = u64::from(max_tokens.unwrap_or(1).max(1));
     if prompt_tokens as u64 + out > u64::from(limit) {
         return Err(ApiError::context_length(format!(
             "the prompt has {prompt_tokens} tokens and asks for {out} more; the model's context length is {limit}"
-        )));
+        ), "max_tokens"));
     }
     Ok(())
 }

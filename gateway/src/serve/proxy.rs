@@ -42,7 +42,7 @@ use pingora::proxy::{ProxyHttp, Session};
 
 use crate::admission::ClassInput;
 use crate::control::keys::Caller;
-use crate::errors::ApiError;
+use crate::errors::{ApiError, GatewayErrors};
 use crate::serve::prepare::{prepare, PrepHeaders, PreparedRequest, CACHE_SALT_HEADER, SESSION_HEADER};
 use crate::serve::tokenize::PoolError;
 use crate::serve::upstream::UsageSeen;
@@ -157,7 +157,7 @@ pub fn caller_of(state: &GatewayState, authorization: Option<&str>) -> Result<Ar
     static ANONYMOUS: std::sync::OnceLock<Arc<Caller>> = std::sync::OnceLock::new();
     match state.keys.identify(authorization) {
         Some(c) => Ok(c),
-        None if state.cfg.require_api_key => Err(ApiError::unauthorized()),
+        None if state.cfg.require_api_key => Err(ApiError::missing_api_key()),
         None => Ok(ANONYMOUS.get_or_init(|| Arc::new(Caller::anonymous())).clone()),
     }
 }
@@ -192,7 +192,7 @@ pub async fn prepare_on_pool(
     match state.tokenize.run(move || prepare(&s, chat, body, &headers, &caller, learn)).await {
         Ok(r) => r,
         Err(PoolError::Busy) => Err(ApiError::tokenizer_busy()),
-        Err(PoolError::Failed) => Err(ApiError::internal("preparing the request failed".into())),
+        Err(PoolError::Failed) => Err(ApiError::internal("preparing the request failed")),
     }
 }
 

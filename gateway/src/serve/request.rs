@@ -243,7 +243,7 @@ fn typed<'a, T: Deserialize<'a>>(body: &'a [u8]) -> Result<T, ApiError> {
         }
         let msg = inner.to_string();
         let param = if path == "." { msg.split('`').nth(1).unwrap_or("body").to_owned() } else { path };
-        ApiError::invalid(&param, &format!("invalid request: {param}: {msg}"))
+        ApiError::invalid(&param, format!("invalid request: {param}: {msg}"))
     })?;
     de.end().map_err(|e| ApiError::bad_json(format!("the body is not valid JSON: {e}")))?;
     Ok(v)
@@ -260,7 +260,7 @@ fn bounded(raw: &RawValue, budget: &Cell<usize>, field: &str) -> Result<Value, A
                  accepts (--max-chat-json-values)",
             )
         } else {
-            ApiError::invalid(field, &format!("invalid request: {field}: {e}"))
+            ApiError::invalid(field, format!("invalid request: {field}: {e}"))
         }
     })
 }
@@ -344,7 +344,7 @@ impl<'de> Visitor<'de> for BudgetSeed<'_> {
 /// `body` (an object without any of these keys) with the members of `set` added first: a copy, no parse (the
 /// common case: a stream asked for its usage, a tenant's salt, in a body that has neither).
 pub fn with_first_members(body: &[u8], set: &[(&str, String)]) -> Result<Vec<u8>, ApiError> {
-    let not_object = || ApiError::bad_json("the body is not a JSON object".into());
+    let not_object = || ApiError::bad_json("the body is not a JSON object");
     let open = body.iter().position(|b| !b.is_ascii_whitespace()).ok_or_else(not_object)?;
     if body[open] != b'{' {
         return Err(not_object());
@@ -393,7 +393,7 @@ pub fn with_members(body: &[u8], set: &[(&str, String)]) -> Result<Vec<u8>, ApiE
             d.deserialize_map(V)
         }
     }
-    let text = std::str::from_utf8(body).map_err(|_| ApiError::bad_json("the body is not UTF-8".into()))?;
+    let text = std::str::from_utf8(body).map_err(|_| ApiError::bad_json("the body is not UTF-8"))?;
     let entries: Entries<'_> = serde_json::from_str(text)
         .map_err(|e| ApiError::bad_json(format!("the body is not valid JSON: {e}")))?;
     let extra: usize = set.iter().map(|(k, v)| k.len() + v.len() + 4).sum();

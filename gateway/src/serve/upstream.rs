@@ -19,7 +19,7 @@ use hyper::header::{HeaderName, HeaderValue};
 use pingora::http::ResponseHeader;
 use pingora::proxy::Session;
 
-use crate::errors::ApiError;
+use crate::errors::{ApiError, GatewayErrors};
 use crate::routing::RouteReason;
 use crate::serve::meter::Meter;
 pub use crate::serve::meter::UsageSeen;

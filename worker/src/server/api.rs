@@ -23,7 +23,7 @@ use serde_json::{Map, Value};
 use tokio::sync::mpsc::UnboundedReceiver;
 
 use super::engine_thread::{EngineHandle, Refusal};
-use super::errors::ApiError;
+use super::errors::{ApiError, WorkerErrors};
 use super::logprobs::{self, Collector};
 use super::spans::RequestSpans;
 use super::text::TextStream;
@@ -339,7 +339,7 @@ pub(super) fn refusal(r: Refusal) -> ApiError {
         Refusal::EngineGone => ApiError::unavailable("engine_stopped", "the engine has stopped"),
         Refusal::Invalid(e) => match e {
             AdmitError::ContextTooLong { .. } | AdmitError::ExceedsKvCapacity { .. } => {
-                ApiError::context_length(e.to_string())
+                ApiError::context_length(e.to_string(), "messages")
             }
             AdmitError::EmptyPrompt | AdmitError::TokenOutOfRange(..) => {
                 ApiError::invalid("prompt", e.to_string())

@@ -12,7 +12,7 @@ fn check(bytes: &[u8]) -> Result<(), TestCaseError> {
     let errors =
         [parse_json::<CompletionRequest>(bytes).err(), parse_json::<ChatCompletionRequest>(bytes).err()];
     for e in errors.into_iter().flatten() {
-        prop_assert!(e.status.is_client_error(), "{e:?}");
+        prop_assert!((400..500).contains(&e.status), "{e:?}");
         let body: Value = serde_json::from_str(&e.body().to_json()).expect("json");
         prop_assert!(body["error"]["message"].is_string() && body["error"]["code"].is_string());
     }
@@ -27,7 +27,7 @@ fn a_million_token_ids_parse_without_a_json_tree() {
     assert_eq!(parse_json::<CompletionRequest>(b"{oops").expect_err("syntax").code, "invalid_json");
     let e = parse_json::<CompletionRequest>(br#"{"model": "m", "prompt": [1], "max_tokens": "x"}"#)
         .expect_err("type");
-    assert_eq!((e.status.as_u16(), e.code), (400, "invalid_value"));
+    assert_eq!((e.status, e.code), (400, "invalid_value"));
     let e = parse_json::<CompletionRequest>(br#"{"model": "m", "prompt": {"a": 1}}"#).expect_err("shape");
     assert_eq!(e.param.as_deref(), Some("prompt"));
 }

@@ -100,7 +100,7 @@ mod tests {
             (json!({"top_logprobs": 3}), "top_logprobs"),
         ] {
             let e = fields(body.clone()).expect_err("refused");
-            assert_eq!((e.status.as_u16(), e.param.as_deref()), (400, Some(param)), "{body}");
+            assert_eq!((e.status, e.param.as_deref()), (400, Some(param)), "{body}");
         }
     }
 }

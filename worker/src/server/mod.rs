@@ -369,13 +369,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/health", get(health))
         .route("/ready", get(ready))
         .route("/metrics", get(metrics_text))
-        .fallback(|| async {
-            let mut e = ApiError::invalid("path", "no such route");
-            e.status = StatusCode::NOT_FOUND;
-            e.kind = "not_found_error";
-            e.code = "route_not_found";
-            e
-        })
+        .fallback(|uri: axum::http::Uri| async move { ApiError::not_found_route(uri.path()) })
         .layer(axum::middleware::map_response(move |mut r: Response| {
             let worker = worker.clone();
             async move {
@@ -582,6 +576,7 @@ async fn tokenizer(State(state): State<Arc<AppState>>) -> Response {
 /// Runs the server until SIGTERM/SIGINT and the end of the drain.
 pub async fn serve(cfg: ServeConfig) -> Result<(), String> {
     let prometheus = install_metrics()?;
+    kvgate_shared::errors::set_error_metric("kvgate_worker_errors_total");
     let addr: SocketAddr = format!("{}:{}", cfg.host, cfg.port)
         .parse()
         .map_err(|e| format!("listen address {}:{}: {e}", cfg.host, cfg.port))?;

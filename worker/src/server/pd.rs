@@ -125,7 +125,7 @@ pub async fn probe(
         }
         Err(e) => {
             let mut err = ApiError::internal(format!("probing {peer}: {e}"));
-            err.status = axum::http::StatusCode::BAD_GATEWAY;
+            err.status = 502;
             err.code = "probe_failed";
             err.into_response()
         }

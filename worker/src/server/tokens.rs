@@ -16,7 +16,7 @@ use serde::Deserialize;
 use serde_json::{json, Map, Value};
 
 use super::api::parse_body;
-use super::errors::ApiError;
+use super::errors::{ApiError, WorkerErrors};
 use super::AppState;
 
 #[derive(Deserialize)]
