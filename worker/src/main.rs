@@ -355,13 +355,14 @@ fn calibrate(a: CalibrateArgs) -> ExitCode {
                 Some(d) => GpuModel::from_dir(d, n, dt),
                 None => GpuModel::random(kvgate_worker::cuda::check::llama3_8b(), n, dt, 1),
             };
-            loaded.and_then(|l| CudaBackend::new(l, points.slots().next_multiple_of(16) + 16, 16)).and_then(
-                |mut b| {
+            loaded
+                .and_then(|l| CudaBackend::new(l, points.slots().next_multiple_of(16) + 16, 16))
+                .map_err(String::from)
+                .and_then(|mut b| {
                     let note = format!("{note}, {}, {date}", b.describe());
                     let name = a.name.clone().unwrap_or_else(|| "calibrated-cuda".into());
                     calibrate::calibrate(&mut b, &points, reps, &name, &note)
-                },
-            )
+                })
         }
         _ => {
             let threads = std::thread::available_parallelism().map_or(1, |n| n.get());

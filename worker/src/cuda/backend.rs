@@ -84,13 +84,13 @@ pub fn kv_slots_for(
             budget >> 20,
             free >> 20,
             scratch >> 20
-        )),
+        ).into()),
         Some(t) => Ok(t / block_size * block_size),
         None if fits < block_size => Err(format!(
             "no room for KV blocks: {} MiB free x {utilization} less {} MiB scratch",
             free >> 20,
             scratch >> 20
-        )),
+        ).into()),
         None => Ok(fits),
     }
 }
@@ -242,7 +242,11 @@ impl Backend for CudaBackend {
     }
 
     fn read_kv_blocks(&mut self, ids: &[u32], block_size: usize) -> Result<Vec<Vec<u8>>, String> {
-        ids.iter().map(|id| self.kv.read_slots(&self.gpu, *id as usize * block_size, block_size)).collect()
+        ids.iter()
+            .map(|id| {
+                self.kv.read_slots(&self.gpu, *id as usize * block_size, block_size).map_err(String::from)
+            })
+            .collect()
     }
 
     fn write_kv_blocks(&mut self, blocks: &[(u32, &[u8])], block_size: usize) -> Result<(), String> {

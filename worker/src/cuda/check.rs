@@ -114,7 +114,9 @@ pub fn logits(dir: &Path, ordinal: usize, dt: DType, out: &Path, cpu: bool) -> G
             if !s.want {
                 continue;
             }
-            let Some(Out::Logits(v)) = &got[i] else { return Err(format!("no logits for {}", s.scenario)) };
+            let Some(Out::Logits(v)) = &got[i] else {
+                return Err(format!("no logits for {}", s.scenario).into());
+            };
             rows.push(Row { scenario: s.scenario, position: s.start + s.len - 1 });
             gpu_rows.push(v.clone());
             if let Some(c) = &cpu_got {

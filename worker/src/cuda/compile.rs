@@ -10,6 +10,8 @@ use std::path::{Path, PathBuf};
 
 use cudarc::nvrtc::{result as nvrtc, sys};
 
+use super::gpu::{GpuError, GpuResult};
+
 const COMMON: &str = include_str!("kernels/common.cuh");
 
 /// The kernel families, one source file each (name, source).
@@ -39,15 +41,15 @@ pub fn nvrtc_available() -> bool {
 }
 
 /// NVRTC's version, e.g. `(13, 0)`.
-pub fn nvrtc_version() -> Result<(i32, i32), String> {
+pub fn nvrtc_version() -> GpuResult<(i32, i32)> {
     if !nvrtc_available() {
-        return Err("libnvrtc is not on the loader path".into());
+        return Err(GpuError::NoDevice("libnvrtc is not on the loader path".into()));
     }
     let (mut major, mut minor) = (0, 0);
     // SAFETY: two out-parameters.
     unsafe { sys::nvrtcVersion(&mut major, &mut minor) }
         .result()
-        .map_err(|e| format!("nvrtcVersion: {e:?}"))?;
+        .map_err(|e| GpuError::Call { what: "nvrtcVersion".into(), error: format!("{e:?}") })?;
     Ok((major, minor))
 }
 
@@ -57,13 +59,15 @@ pub fn full_source(src: &str) -> String {
 }
 
 /// Compiles one kernel file to CUBIN for `arch` (`sm_80`, `sm_90`, ...). Errors carry NVRTC's log.
-pub fn compile_cubin(name: &str, src: &str, arch: &str) -> Result<Vec<u8>, String> {
+pub fn compile_cubin(name: &str, src: &str, arch: &str) -> GpuResult<Vec<u8>> {
     if !nvrtc_available() {
-        return Err("libnvrtc is not on the loader path".into());
+        return Err(GpuError::NoDevice("libnvrtc is not on the loader path".into()));
     }
-    let source = CString::new(full_source(src)).map_err(|_| format!("{name}: NUL in source"))?;
-    let cname = CString::new(format!("{name}.cu")).map_err(|_| "bad name".to_string())?;
-    let prog = nvrtc::create_program(&source, Some(&cname)).map_err(|e| format!("{name}: create: {e:?}"))?;
+    let source =
+        CString::new(full_source(src)).map_err(|_| GpuError::Invalid(format!("{name}: NUL in source")))?;
+    let cname = CString::new(format!("{name}.cu")).map_err(|_| GpuError::Invalid("bad name".into()))?;
+    let prog = nvrtc::create_program(&source, Some(&cname))
+        .map_err(|e| GpuError::Call { what: format!("{name}: create program"), error: format!("{e:?}") })?;
     let mut opts: Vec<String> = OPTIONS.iter().map(|s| s.to_string()).collect();
     opts.extend(extra_options());
     opts.push(format!("--gpu-architecture={arch}"));
@@ -75,18 +79,28 @@ pub fn compile_cubin(name: &str, src: &str, arch: &str) -> Result<Vec<u8>, Strin
                 let log = nvrtc::get_program_log(prog)
                     .map(|l| CStr::from_ptr(l.as_ptr()).to_string_lossy().into_owned())
                     .unwrap_or_default();
-                Err(format!("{name}.cu for {arch}: {e:?}\n{log}"))
+                Err(GpuError::Compile {
+                    kernel: format!("{name}.cu"),
+                    arch: arch.to_owned(),
+                    error: format!("{e:?}"),
+                    log,
+                })
             }
             Ok(()) => {
                 let mut size = 0usize;
                 match sys::nvrtcGetCUBINSize(prog, &mut size).result() {
-                    Err(e) => Err(format!("{name}: cubin size: {e:?}")),
+                    Err(e) => {
+                        Err(GpuError::Call { what: format!("{name}: cubin size"), error: format!("{e:?}") })
+                    }
                     Ok(()) => {
                         let mut buf = vec![0u8; size];
                         sys::nvrtcGetCUBIN(prog, buf.as_mut_ptr() as *mut c_char)
                             .result()
                             .map(|_| buf)
-                            .map_err(|e| format!("{name}: cubin: {e:?}"))
+                            .map_err(|e| GpuError::Call {
+                                what: format!("{name}: cubin"),
+                                error: format!("{e:?}"),
+                            })
                     }
                 }
             }
@@ -113,7 +127,7 @@ fn cache_path(dir: &Path, name: &str, src: &str, arch: &str, version: (i32, i32)
 }
 
 /// [`compile_cubin`] through the on-disk cache (a cache that cannot be written is only logged).
-pub fn compile_cached(name: &str, src: &str, arch: &str, dir: Option<&Path>) -> Result<Vec<u8>, String> {
+pub fn compile_cached(name: &str, src: &str, arch: &str, dir: Option<&Path>) -> GpuResult<Vec<u8>> {
     let version = nvrtc_version()?;
     let path = dir.map(|d| cache_path(d, name, src, arch, version));
     if let Some(p) = &path {
@@ -137,7 +151,7 @@ pub fn compile_cached(name: &str, src: &str, arch: &str, dir: Option<&Path>) -> 
 }
 
 /// Compiles every kernel file for each of `archs`; returns how many (file, arch) pairs compiled.
-pub fn compile_all(archs: &[&str]) -> Result<usize, String> {
+pub fn compile_all(archs: &[&str]) -> GpuResult<usize> {
     let mut n = 0;
     for arch in archs {
         for (name, src) in KERNEL_FILES {

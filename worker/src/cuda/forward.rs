@@ -12,7 +12,7 @@
 //! prefix) run as cuBLAS GEMMs over their gathered K/V, in query tiles bounded by [`SCORE_BUDGET`].
 
 use super::attention::{self, Heads, PrefillScratch, SCORE_BUDGET};
-use super::gpu::{DevBuf, Gpu, GpuResult, Scratch};
+use super::gpu::{DevBuf, Gpu, GpuError, GpuResult, Scratch};
 use super::weights::{ptr, GpuWeights};
 use super::DType;
 use crate::model::ModelConfig;
@@ -45,7 +45,7 @@ impl GpuKv {
     /// Where slots `first..first + n` are: every layer's K, then its V (the layout of a lower-tier block).
     fn ranges(&self, first: usize, n: usize) -> GpuResult<Vec<(&DevBuf, usize)>> {
         if first + n > self.num_slots {
-            return Err(format!("slots {first}..{} past {}", first + n, self.num_slots));
+            return Err(format!("slots {first}..{} past {}", first + n, self.num_slots).into());
         }
         let off = first * self.row_bytes();
         Ok(self.k.iter().zip(&self.v).flat_map(|(k, v)| [(k, off), (v, off)]).collect())
@@ -174,10 +174,10 @@ pub fn forward(
     for c in chunks {
         let end = c.start + c.tokens.len();
         if c.slots.len() < end || end > cfg.max_position_embeddings {
-            return Err(format!("chunk needs {end} positions, has {} slots", c.slots.len()));
+            return Err(format!("chunk needs {end} positions, has {} slots", c.slots.len()).into());
         }
         if let Some(t) = c.tokens.iter().find(|t| **t as usize >= vocab) {
-            return Err(format!("token id {t} is outside the vocabulary ({vocab})"));
+            return Err(format!("token id {t} is outside the vocabulary ({vocab})").into());
         }
         if c.slots[..end].iter().any(|s| *s >= kv.num_slots) {
             return Err("slot outside the KV store".into());
@@ -460,12 +460,14 @@ pub fn upload_raw(gpu: &Gpu, dst: u64, bytes: &[u8]) -> GpuResult<()> {
     }
     gpu.sync()?;
     // SAFETY: callers give an address inside a scratch buffer sized for `bytes`.
-    unsafe { cudarc::driver::result::memcpy_htod_sync(dst, bytes) }.map_err(|e| format!("upload: {e:?}"))
+    unsafe { cudarc::driver::result::memcpy_htod_sync(dst, bytes) }
+        .map_err(|e| GpuError::Call { what: "upload".into(), error: format!("{e:?}") })
 }
 
 /// Device memory at `src` into `out` (waits for the stream).
 pub fn download_raw<T: Copy>(gpu: &Gpu, out: &mut [T], src: u64) -> GpuResult<()> {
     gpu.sync()?;
     // SAFETY: callers give an address inside a live buffer holding out.len() elements.
-    unsafe { cudarc::driver::result::memcpy_dtoh_sync(out, src) }.map_err(|e| format!("download: {e:?}"))
+    unsafe { cudarc::driver::result::memcpy_dtoh_sync(out, src) }
+        .map_err(|e| GpuError::Call { what: "download".into(), error: format!("{e:?}") })
 }

@@ -16,11 +16,47 @@ use super::DType;
 /// (docs/benchmarks/gpu.md): at 8 rows the kernel was slower than cuBLAS, at 1 row faster.
 pub const GEMV_MAX_ROWS: usize = 2;
 
-/// A failure of the device or a library call (never retried: the step fails, the engine carries on).
-pub type GpuResult<T> = Result<T, String>;
+/// A failure on the GPU (never retried: the step fails, the engine carries on; at start the worker exits with it).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum GpuError {
+    /// No usable device: no driver library, fewer GPUs than the ordinal, an architecture without kernels.
+    #[error("{0}")]
+    NoDevice(String),
+    /// A CUDA driver, cuBLAS or NVRTC call failed: what was being done and the library's error.
+    #[error("{what}: {error}")]
+    Call { what: String, error: String },
+    /// The host refused an argument before any call (a copy out of a buffer's bounds, a shape the kernels lack).
+    #[error("{0}")]
+    Invalid(String),
+    /// NVRTC refused a kernel source: its log says why.
+    #[error("{kernel} for {arch}: {error}\n{log}")]
+    Compile { kernel: String, arch: String, error: String, log: String },
+}
 
-fn derr(what: &str, e: impl std::fmt::Debug) -> String {
-    format!("{what}: {e:?}")
+impl From<String> for GpuError {
+    fn from(s: String) -> Self {
+        GpuError::Invalid(s)
+    }
+}
+
+impl From<&str> for GpuError {
+    fn from(s: &str) -> Self {
+        GpuError::Invalid(s.to_owned())
+    }
+}
+
+/// The engine's backend boundary speaks `String` errors (CPU, simulated and CUDA backends alike).
+impl From<GpuError> for String {
+    fn from(e: GpuError) -> Self {
+        e.to_string()
+    }
+}
+
+/// A result on the GPU.
+pub type GpuResult<T> = Result<T, GpuError>;
+
+fn derr(what: &str, e: impl std::fmt::Debug) -> GpuError {
+    GpuError::Call { what: what.to_owned(), error: format!("{e:?}") }
 }
 
 /// Whether a CUDA driver library can be loaded and sees at least one GPU.
@@ -62,13 +98,15 @@ impl Gpu {
     /// Opens GPU `ordinal`, compiles (or loads from the cache) every kernel for its architecture.
     pub fn open(ordinal: usize) -> GpuResult<Self> {
         if driver_gpu_count() <= ordinal {
-            return Err(format!("no CUDA GPU {ordinal} (driver library missing or fewer GPUs)"));
+            return Err(GpuError::NoDevice(format!(
+                "no CUDA GPU {ordinal} (driver library missing or fewer GPUs)"
+            )));
         }
         if !compile::nvrtc_available() {
-            return Err(
+            return Err(GpuError::NoDevice(
                 "libnvrtc.so.13 is not on the loader path (CUDA 13 runtime or the nvidia-cuda-nvrtc wheel)"
                     .into(),
-            );
+            ));
         }
         let ctx = CudaContext::new(ordinal).map_err(|e| derr("cuda context", e))?;
         // One stream only: cudarc's per-buffer event tracking is not needed.
@@ -152,7 +190,7 @@ impl Gpu {
     pub fn upload<T: Copy>(&self, dst: &DevBuf, src: &[T]) -> GpuResult<()> {
         let bytes = std::mem::size_of_val(src);
         if bytes > dst.bytes {
-            return Err(format!("upload of {bytes} bytes into a {} byte buffer", dst.bytes));
+            return Err(format!("upload of {bytes} bytes into a {} byte buffer", dst.bytes).into());
         }
         if bytes == 0 {
             return Ok(());
@@ -198,7 +236,7 @@ impl Gpu {
     /// a lower tier; ordered before later launches like [`Gpu::upload`]).
     pub fn write_ranges(&self, ranges: &[(&DevBuf, usize)], len: usize, src: &[u8]) -> GpuResult<()> {
         if src.len() != ranges.len() * len || ranges.iter().any(|(b, off)| off + len > b.bytes) {
-            return Err(format!("write of {} bytes to {} ranges of {len}", src.len(), ranges.len()));
+            return Err(format!("write of {} bytes to {} ranges of {len}", src.len(), ranges.len()).into());
         }
         if len == 0 {
             return Ok(());
@@ -272,7 +310,7 @@ impl Gpu {
             let name = match y_dt == dt {
                 true => format!("gemv_{}_m{m}", dt.suffix()),
                 false if y_dt == DType::F32 => format!("gemv_{}_f32out_m{m}", dt.suffix()),
-                false => return Err(format!("no GEMV from {dt:?} to {y_dt:?}")),
+                false => return Err(format!("no GEMV from {dt:?} to {y_dt:?}").into()),
             };
             let (mut a, mut b, mut c, mut d, mut e, mut f, mut g) =
                 (y, ldy as i32, x, ldx as i32, w, n as i32, k as i32);
@@ -499,5 +537,22 @@ mod tests {
         ] {
             assert!(all.iter().any(|x| x == n), "{n} missing from {all:?}");
         }
+    }
+}
+
+#[cfg(test)]
+mod gpu_error_tests {
+    use super::*;
+
+    #[test]
+    fn errors_say_what_failed_and_reach_the_backend_boundary_as_text() {
+        let e = derr("launch rmsnorm", "CUDA_ERROR_LAUNCH_FAILED");
+        assert_eq!(
+            e,
+            GpuError::Call { what: "launch rmsnorm".into(), error: "\"CUDA_ERROR_LAUNCH_FAILED\"".into() }
+        );
+        assert_eq!(String::from(e), "launch rmsnorm: \"CUDA_ERROR_LAUNCH_FAILED\"");
+        let none = Gpu::open(usize::MAX).map(|_| ()).expect_err("no such GPU");
+        assert!(matches!(none, GpuError::NoDevice(ref m) if m.contains("no CUDA GPU")), "{none:?}");
     }
 }

@@ -3,7 +3,7 @@
 //! Loaded from a model directory (through the CPU loader, converted on the device), or random (benchmarks of
 //! large shapes without writing gigabytes of safetensors).
 
-use super::gpu::{DevBuf, Gpu, GpuResult};
+use super::gpu::{DevBuf, Gpu, GpuError, GpuResult};
 use super::DType;
 use crate::model::{ModelConfig, ModelWeights};
 
@@ -92,7 +92,7 @@ pub fn ptr<T>(v: &mut T) -> *mut std::ffi::c_void {
 }
 
 fn values(t: &candle_core::Tensor) -> GpuResult<Vec<f32>> {
-    t.flatten_all().and_then(|t| t.to_vec1::<f32>()).map_err(|e| format!("weights: {e}"))
+    t.flatten_all().and_then(|t| t.to_vec1::<f32>()).map_err(|e| GpuError::Invalid(format!("weights: {e}")))
 }
 
 fn stacked(gpu: &Gpu, dt: DType, parts: &[&candle_core::Tensor]) -> GpuResult<DevBuf> {
