@@ -479,3 +479,12 @@ impl SendsHost for GatewayState {
         GatewayState::registry(self)
     }
 }
+
+impl crate::replicas::budgets::BudgetsHost for GatewayState {
+    fn shared(&self) -> &SharedState {
+        &self.shared
+    }
+    fn admission(&self) -> &Admission {
+        &self.admission
+    }
+}

@@ -16,8 +16,14 @@ use std::time::Duration;
 use redis::RedisError;
 
 use super::redis_store::RedisStore;
-use crate::admission::ClassBudget;
-use crate::state::GatewayState;
+use super::SharedState;
+use crate::admission::{Admission, ClassBudget};
+
+/// What the lease loop touches, and nothing else (`state::GatewayState` implements it).
+pub trait BudgetsHost: Send + Sync + 'static {
+    fn shared(&self) -> &SharedState;
+    fn admission(&self) -> &Admission;
+}
 
 /// How often leases are taken and returned.
 pub const LEASE_INTERVAL: Duration = Duration::from_millis(50);
@@ -91,17 +97,17 @@ async fn give(store: &RedisStore, b: &ClassBudget, n: f64) -> Result<(), RedisEr
 }
 
 /// One round over the classes while Redis is up.
-async fn lease_once(state: &GatewayState, store: &RedisStore) -> Result<(), RedisError> {
-    for b in state.admission.budgets() {
+async fn lease_once(state: &impl BudgetsHost, store: &RedisStore) -> Result<(), RedisError> {
+    for b in state.admission().budgets() {
         let delta = lease_delta(&b);
         if delta > 0.0 {
             let granted = take(store, &b, delta).await?;
             if granted > 0.0 {
-                state.admission.credit(&b.name, granted);
+                state.admission().credit(&b.name, granted);
             }
         } else if delta < 0.0 {
             // Debit here first: a failed give-back loses tokens (fewer admitted), never mints them.
-            state.admission.credit(&b.name, delta);
+            state.admission().credit(&b.name, delta);
             give(store, &b, -delta).await?;
         }
         metrics::gauge!("kvgate_gateway_class_budget_tokens", "class" => b.name.clone()).set(b.level);
@@ -111,33 +117,33 @@ async fn lease_once(state: &GatewayState, store: &RedisStore) -> Result<(), Redi
 
 /// The lease loop: runs for the life of the gateway when Redis is configured. The rate scale follows the mode:
 /// 0 while Redis is reachable (leases feed the buckets), 1/N while it is not.
-pub async fn run(state: std::sync::Arc<GatewayState>) {
-    let Some(store) = state.shared.store() else { return };
+pub async fn run<H: BudgetsHost>(state: std::sync::Arc<H>) {
+    let Some(store) = state.shared().store() else { return };
     let mut leasing = false;
     loop {
-        if state.shared.redis_up() {
-            state.admission.set_rate_scale(0.0);
+        if state.shared().redis_up() {
+            state.admission().set_rate_scale(0.0);
             if !leasing {
                 // Entering leased mode (at start: a full local burst per replica would let N replicas admit N
                 // bursts): what the local buckets hold goes back to the shared ones (capped at their burst there).
                 leasing = true;
-                for b in state.admission.budgets() {
+                for b in state.admission().budgets() {
                     if b.level > 0.0 {
-                        state.admission.credit(&b.name, -b.level.floor());
+                        state.admission().credit(&b.name, -b.level.floor());
                         if let Err(e) = give(store, &b, b.level.floor()).await {
                             tracing::debug!(error = %e, "shared budgets: give-back failed");
                         }
                     }
                 }
             }
-            if let Err(e) = lease_once(&state, store).await {
+            if let Err(e) = lease_once(state.as_ref(), store).await {
                 tracing::debug!(error = %e, "shared budgets: lease failed");
-                state.shared.lost();
+                state.shared().lost();
             }
         } else {
             leasing = false;
-            state.admission.set_rate_scale(1.0 / state.shared.live_replicas() as f64);
-            for b in state.admission.budgets() {
+            state.admission().set_rate_scale(1.0 / state.shared().live_replicas() as f64);
+            for b in state.admission().budgets() {
                 metrics::gauge!("kvgate_gateway_class_budget_tokens", "class" => b.name.clone()).set(b.level);
             }
         }
