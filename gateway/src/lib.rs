@@ -23,3 +23,9 @@ pub mod serve;
 pub mod state;
 
 pub use kvgate_router::{admission, registry, route, routing};
+
+/// The HTTP client to workers and pods (pooled; one per gateway).
+pub type HttpClient = hyper_util::client::legacy::Client<
+    hyper_util::client::legacy::connect::HttpConnector,
+    http_body_util::Full<bytes::Bytes>,
+>;

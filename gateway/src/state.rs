@@ -27,8 +27,7 @@ use crate::route::Router;
 use crate::routing::{policy_by_name, RingKeys, Weights};
 use crate::serve::tokenize::TokenizePool;
 
-/// HTTP client to workers.
-pub type HttpClient = Client<HttpConnector, Full<Bytes>>;
+pub use crate::HttpClient;
 
 /// Longest a tokenizer fetch from a worker may take, body included.
 pub const TOKENIZER_FETCH_TIMEOUT: Duration = Duration::from_secs(10);
@@ -486,5 +485,29 @@ impl crate::replicas::budgets::BudgetsHost for GatewayState {
     }
     fn admission(&self) -> &Admission {
         &self.admission
+    }
+}
+
+impl crate::pods::PodsHost for GatewayState {
+    fn cfg(&self) -> &GatewayConfig {
+        &self.cfg
+    }
+    fn registry(&self) -> MutexGuard<'_, Registry> {
+        GatewayState::registry(self)
+    }
+    fn client(&self) -> &HttpClient {
+        &self.client
+    }
+    fn scheme(&self, model: &str) -> Option<HashScheme> {
+        GatewayState::tokenizer(self, model).map(|t| t.scheme)
+    }
+    fn enroll(&self, m: &ModelSpec, url: &str) {
+        enroll(&mut GatewayState::registry(self), m, url);
+    }
+    fn fetch_tokenizer(self: &Arc<Self>, url: String) {
+        self.fetch_tokenizer_in_background(url);
+    }
+    fn split_policy(&self) -> &'static str {
+        self.split.name()
     }
 }

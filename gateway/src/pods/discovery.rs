@@ -9,8 +9,8 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
+use super::PodsHost;
 use crate::config::ModelSpec;
-use crate::state::{enroll, GatewayState};
 
 /// Time between two lookups of one name.
 pub const DISCOVERY_INTERVAL: Duration = Duration::from_secs(5);
@@ -41,13 +41,13 @@ fn count(result: &'static str) {
 }
 
 /// Keeps every discovered pool up to date, forever (on the calling runtime).
-pub fn spawn_all(state: &Arc<GatewayState>) {
-    for m in state.cfg.models.iter().filter(|m| m.discover.is_some()) {
+pub fn spawn_all<H: PodsHost>(state: &Arc<H>) {
+    for m in state.cfg().models.iter().filter(|m| m.discover.is_some()) {
         tokio::spawn(run(state.clone(), m.clone()));
     }
 }
 
-async fn run(state: Arc<GatewayState>, m: ModelSpec) {
+async fn run<H: PodsHost>(state: Arc<H>, m: ModelSpec) {
     let Some(name) = m.discover.clone() else { return };
     // A pod's background tasks (scrape, KV events), aborted when it leaves.
     let mut pods: BTreeMap<String, Vec<tokio::task::JoinHandle<()>>> = BTreeMap::new();
@@ -84,9 +84,9 @@ async fn run(state: Arc<GatewayState>, m: ModelSpec) {
         }
         for url in added {
             tracing::info!(%name, %url, "discovery: pod found");
-            enroll(&mut state.registry(), &m, &url);
+            state.enroll(&m, &url);
             if m.kind == crate::config::WorkerKind::Kvgate {
-                state.fetch_tokenizer_in_background(url.clone());
+                state.fetch_tokenizer(url.clone());
             }
             let tasks = [
                 crate::pods::scrape::spawn_pod(&state, &m, &url),

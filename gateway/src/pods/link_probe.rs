@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use hyper::header::{HeaderValue, AUTHORIZATION};
 use kvgate_router::registry::pd::UnmeasuredLink;
 
-use crate::state::GatewayState;
+use super::PodsHost;
 
 /// Probes started per upkeep tick (`--probe-interval`).
 pub const PROBES_PER_TICK: usize = 2;
@@ -55,9 +55,9 @@ impl LinkProbes {
 }
 
 /// Starts the probes due (called from the control runtime's upkeep).
-pub fn start(state: &Arc<GatewayState>, probes: &mut LinkProbes) {
-    let Some(secret) = state.cfg.report_secret.clone() else { return };
-    if state.split.name() == "aggregated" {
+pub fn start<H: PodsHost>(state: &Arc<H>, probes: &mut LinkProbes) {
+    let Some(secret) = state.cfg().report_secret.clone() else { return };
+    if state.split_policy() == "aggregated" {
         return;
     }
     let now = Instant::now();
@@ -65,11 +65,11 @@ pub fn start(state: &Arc<GatewayState>, probes: &mut LinkProbes) {
     for l in probes.due(links, now) {
         let s = state.clone();
         let secret = secret.clone();
-        tokio::spawn(async move { probe(&s, &secret, &l).await });
+        tokio::spawn(async move { probe(s.as_ref(), &secret, &l).await });
     }
 }
 
-async fn probe(state: &GatewayState, secret: &str, l: &UnmeasuredLink) {
+async fn probe(state: &impl PodsHost, secret: &str, l: &UnmeasuredLink) {
     let mut req = hyper::Request::post(format!("{}/kvgate/v1/kv-probe", l.decode_url));
     for (name, value) in crate::serve::proxy::split_headers(secret, &l.model, &l.peer) {
         req = req.header(name, value);
@@ -79,7 +79,7 @@ async fn probe(state: &GatewayState, secret: &str, l: &UnmeasuredLink) {
         req = req.header(AUTHORIZATION, v);
     }
     let Ok(req) = req.body(http_body_util::Full::new(bytes::Bytes::new())) else { return };
-    let outcome = match tokio::time::timeout(PROBE_TIMEOUT, state.client.request(req)).await {
+    let outcome = match tokio::time::timeout(PROBE_TIMEOUT, state.client().request(req)).await {
         Ok(Ok(r)) if r.status().is_success() => "ok",
         Ok(Ok(r)) => {
             tracing::warn!(decode = %l.decode_url, peer = %l.peer, status = %r.status(), "link probe refused");

@@ -10,3 +10,27 @@ pub mod scrape;
 pub mod vllm_events;
 pub mod vllm_subscriber;
 pub mod zmtp;
+
+use std::sync::{Arc, MutexGuard};
+
+use kvgate_shared::hashing::HashScheme;
+
+use crate::config::{GatewayConfig, ModelSpec};
+use crate::registry::Registry;
+use crate::HttpClient;
+
+/// What the pods' tasks touch, and nothing else of the gateway (`state::GatewayState` implements it; this room
+/// imports nothing from the state): the configuration, the registry, the client to pods, a model's hash scheme,
+/// and the split policy's name.
+pub trait PodsHost: Send + Sync + 'static {
+    fn cfg(&self) -> &GatewayConfig;
+    fn registry(&self) -> MutexGuard<'_, Registry>;
+    fn client(&self) -> &HttpClient;
+    /// The hash scheme the gateway tokenizes `model` with, once known.
+    fn scheme(&self, model: &str) -> Option<HashScheme>;
+    /// Adds a discovered pod of `m`'s pool to the registry (`state::enroll`).
+    fn enroll(&self, m: &ModelSpec, url: &str);
+    /// Starts fetching a kvgate worker's tokenizer in the background.
+    fn fetch_tokenizer(self: &Arc<Self>, url: String);
+    fn split_policy(&self) -> &'static str;
+}

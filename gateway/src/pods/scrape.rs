@@ -26,8 +26,8 @@ use bytes::Bytes;
 use http_body_util::{BodyExt, Full, Limited};
 use kvgate_router::registry::Scraped;
 
+use super::PodsHost;
 use crate::config::WorkerKind;
-use crate::state::GatewayState;
 
 /// Time between two scrapes of one pod.
 pub const SCRAPE_INTERVAL: Duration = Duration::from_secs(1);
@@ -62,11 +62,11 @@ pub fn parse_models(body: &[u8], model: &str) -> Option<u32> {
     card.max_model_len?.as_u64().filter(|n| *n > 0).and_then(|n| u32::try_from(n).ok())
 }
 
-async fn models_once(state: &GatewayState, url: &str, model: &str) -> Option<u32> {
+async fn models_once(state: &impl PodsHost, url: &str, model: &str) -> Option<u32> {
     let uri = format!("{}/v1/models", url.trim_end_matches('/'));
     let req = hyper::Request::get(&uri).body(Full::new(Bytes::new())).ok()?;
     let fetch = async {
-        let resp = state.client.request(req).await.ok()?;
+        let resp = state.client().request(req).await.ok()?;
         if !resp.status().is_success() {
             return None;
         }
@@ -191,7 +191,7 @@ fn count(result: &'static str) {
 }
 
 async fn scrape_once(
-    state: &GatewayState,
+    state: &impl PodsHost,
     url: &str,
     names: &MetricNames,
     block_size: u32,
@@ -199,7 +199,7 @@ async fn scrape_once(
     let uri = format!("{}/metrics", url.trim_end_matches('/'));
     let req = hyper::Request::get(&uri).body(Full::new(Bytes::new())).map_err(|_| "request")?;
     let fetch = async {
-        let resp = state.client.request(req).await.map_err(|_| "connect")?;
+        let resp = state.client().request(req).await.map_err(|_| "connect")?;
         if !resp.status().is_success() {
             return Err("status");
         }
@@ -212,8 +212,8 @@ async fn scrape_once(
 }
 
 /// Scrapes every configured static pod with known metrics, forever (on the calling runtime).
-pub fn spawn_all(state: &Arc<GatewayState>) {
-    for m in &state.cfg.models {
+pub fn spawn_all<H: PodsHost>(state: &Arc<H>) {
+    for m in &state.cfg().models {
         for url in &m.workers {
             spawn_pod(state, m, url);
         }
@@ -221,8 +221,8 @@ pub fn spawn_all(state: &Arc<GatewayState>) {
 }
 
 /// Scrapes one pod of `model`'s pool once a second until the task is aborted (`None`: nothing to scrape).
-pub fn spawn_pod(
-    state: &Arc<GatewayState>,
+pub fn spawn_pod<H: PodsHost>(
+    state: &Arc<H>,
     model: &crate::config::ModelSpec,
     url: &str,
 ) -> Option<tokio::task::JoinHandle<()>> {
@@ -237,12 +237,12 @@ pub fn spawn_pod(
             tick.tick().await;
             n = n.wrapping_add(1);
             if n % MODELS_EVERY == 1 {
-                if let Some(len) = models_once(&s, &url, &name).await {
+                if let Some(len) = models_once(s.as_ref(), &url, &name).await {
                     let len = configured.map_or(len, |c| c.min(len));
                     s.registry().set_max_model_len(&url, len);
                 }
             }
-            match scrape_once(&s, &url, &names, block_size).await {
+            match scrape_once(s.as_ref(), &url, &names, block_size).await {
                 Ok(page) => {
                     s.registry().set_scraped(&url, &page);
                     count("ok");

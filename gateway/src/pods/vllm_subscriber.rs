@@ -153,8 +153,8 @@ pub async fn follow(
 }
 
 /// Starts following every configured static pod's events (on the calling runtime).
-pub fn spawn_all(state: &Arc<crate::state::GatewayState>) {
-    for m in &state.cfg.models {
+pub fn spawn_all<H: super::PodsHost>(state: &Arc<H>) {
+    for m in &state.cfg().models {
         for url in &m.workers {
             spawn_pod(state, m, url);
         }
@@ -163,19 +163,19 @@ pub fn spawn_all(state: &Arc<crate::state::GatewayState>) {
 
 /// Follows one pod of `model`'s pool until the task is aborted (`None`: the pool has no events port, or the URL
 /// no host).
-pub fn spawn_pod(
-    state: &Arc<crate::state::GatewayState>,
+pub fn spawn_pod<H: super::PodsHost>(
+    state: &Arc<H>,
     model: &crate::config::ModelSpec,
     url: &str,
 ) -> Option<tokio::task::JoinHandle<()>> {
     let port = model.kv_events_port?;
-    let tok = state.tokenizer(&model.name)?;
+    let scheme = state.scheme(&model.name)?;
     let Some(ep) = endpoint(url, port) else {
         tracing::error!(%url, "KV events: no host in the worker URL");
         return None;
     };
     let replay = model.kv_events_replay_port.and_then(|p| endpoint(url, p));
-    let (s, url, scheme, topic) = (state.clone(), url.to_owned(), tok.scheme, model.kv_events_topic.clone());
+    let (s, url, topic) = (state.clone(), url.to_owned(), model.kv_events_topic.clone());
     Some(tokio::spawn(follow(ep, replay, topic, scheme, move |d: Delta| {
         s.registry().apply_exact(&url, d.cleared, &d.changes);
     })))
