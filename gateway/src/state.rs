@@ -511,3 +511,33 @@ impl crate::pods::PodsHost for GatewayState {
         self.split.name()
     }
 }
+
+impl crate::replicas::sync::SyncHost for GatewayState {
+    fn resource_json(&self, r: Resource) -> (u64, String) {
+        GatewayState::resource_json(self, r)
+    }
+    fn weights_version(&self) -> u64 {
+        self.weights().1
+    }
+    fn apply_weights(&self, w: Weights, version: u64) -> bool {
+        GatewayState::apply_weights(self, w, version)
+    }
+    fn classes_version(&self) -> u64 {
+        self.classes().1
+    }
+    fn apply_classes(&self, c: Vec<crate::admission::ClassConfig>, version: u64) -> bool {
+        GatewayState::apply_classes(self, c, version)
+    }
+    fn set_drains(&self, ids: Vec<String>, version: u64) -> bool {
+        GatewayState::set_drains(self, ids, version)
+    }
+    fn apply_drains(&self) {
+        GatewayState::apply_drains(self)
+    }
+    fn save_local_copy(&self) {
+        GatewayState::save_local_copy(self)
+    }
+    fn max_workers(&self) -> usize {
+        self.cfg.max_workers
+    }
+}

@@ -304,7 +304,7 @@ async fn drain(state: Arc<GatewayState>, headers: HeaderMap, id: String, drainin
                     if let Ok(crate::replicas::redis_store::Stored::Valid(v, value)) =
                         store.get(Resource::Drains).await
                     {
-                        crate::replicas::sync::apply_remote(&state, Resource::Drains, v, &value);
+                        crate::replicas::sync::apply_remote(state.as_ref(), Resource::Drains, v, &value);
                     }
                 }
                 Ok(Commit::Exhausted(current)) => return exhausted(Resource::Drains, current),
