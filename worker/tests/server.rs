@@ -366,6 +366,30 @@ async fn chat_logprobs_report_each_token_and_its_alternatives() {
 }
 
 #[tokio::test]
+async fn a_worker_with_an_fp8_kv_cache_serves_and_cuda_refuses_it_by_name() {
+    // The CPU engine's FP8 reference cache serves like any other (its accuracy: tests/kv_fp8.rs).
+    let w = start_worker(&["--kv-cache-dtype", "fp8"]);
+    let r = post(
+        &format!("{}/v1/completions", w.base),
+        &json!({"model": MODEL, "prompt": ids(40, 3), "max_tokens": 4, "ignore_eos": true}),
+    )
+    .await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.json()["usage"]["completion_tokens"], 4);
+    // CUDA has no FP8 kernels yet: refused at start, by name, before touching a GPU.
+    let dir = tempfile::tempdir().expect("tmp");
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvgate-worker"))
+        .args(["serve", "--synth", "tiny", "--synth-dir"])
+        .arg(dir.path().join("tiny"))
+        .args(["--host", "127.0.0.1", "--port", "0", "--device", "cuda:0", "--kv-cache-dtype", "fp8"])
+        .env("RUST_LOG", "warn")
+        .output()
+        .expect("runs");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && stderr.contains("--kv-cache-dtype fp8 on cuda:0"), "{stderr}");
+}
+
+#[tokio::test]
 async fn full_queue_is_503_with_retry_after() {
     let w = start_worker(&["--max-num-seqs", "1", "--max-waiting-requests", "1"]);
     let url = format!("{}/v1/completions", w.base);

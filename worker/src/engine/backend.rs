@@ -2,6 +2,7 @@
 //! (`crate::cuda::CudaBackend`) and the timing-model simulation (`sim::SimBackend`). A backend owns the KV memory
 //! the block ids point at.
 
+use crate::model::fp8::KvCacheDtype;
 use crate::model::llama::{KvStore, LlamaModel, SeqChunk};
 
 /// One sequence's part of a batch.
@@ -152,13 +153,19 @@ pub type LayerTap<'a> = dyn FnMut(usize, &LayerRead<'_>) + 'a;
 pub struct CpuBackend {
     model: LlamaModel,
     kv: KvStore,
+    kv_dtype: KvCacheDtype,
 }
 
 impl CpuBackend {
     /// A backend with KV memory for `num_slots` positions (blocks x block size).
     pub fn new(model: LlamaModel, num_slots: usize) -> Self {
-        let kv = model.new_kv_store(num_slots);
-        Self { model, kv }
+        Self::with_kv_dtype(model, num_slots, KvCacheDtype::Auto)
+    }
+
+    /// [`Self::new`] with a KV cache of `dtype` (`Fp8`: the reference math of an FP8 cache, `model::fp8`).
+    pub fn with_kv_dtype(model: LlamaModel, num_slots: usize, kv_dtype: KvCacheDtype) -> Self {
+        let kv = model.new_kv_store_as(num_slots, kv_dtype);
+        Self { model, kv, kv_dtype }
     }
 
     pub fn model(&self) -> &LlamaModel {
@@ -185,8 +192,10 @@ impl Backend for CpuBackend {
 
     fn kv_layout(&self) -> String {
         let c = self.model.config();
+        // An FP8-rounded cache's blocks are not an f32 cache's: tiers and transfers must not mix them.
+        let dtype = if self.kv_dtype == KvCacheDtype::Fp8 { "f32 fp8-e4m3-rounded" } else { "f32" };
         format!(
-            "cpu f32 layers={} kv_heads={} head_dim={}",
+            "cpu {dtype} layers={} kv_heads={} head_dim={}",
             c.num_hidden_layers, c.num_key_value_heads, c.head_dim
         )
     }

@@ -44,6 +44,8 @@ pub struct KvStore {
     v: Vec<Vec<f32>>,
     kv_dim: usize,
     num_slots: usize,
+    /// With `--kv-cache-dtype fp8`: the head size each written row is rounded through FP8 by (`fp8::round_heads`).
+    fp8_head_dim: Option<usize>,
 }
 
 impl KvStore {
@@ -55,7 +57,14 @@ impl KvStore {
             v: (0..num_layers).map(|_| vec![0.0; n]).collect(),
             kv_dim,
             num_slots,
+            fp8_head_dim: None,
         }
+    }
+
+    /// The same store holding what an FP8 cache would (each written row rounded through E4M3, a scale per head).
+    pub fn with_fp8(mut self, head_dim: usize) -> Self {
+        self.fp8_head_dim = Some(head_dim);
+        self
     }
 
     /// Bytes of K and V per token across all layers.
@@ -165,8 +174,13 @@ impl KvStore {
     fn write(&mut self, layer: usize, slots: &[usize], k_rows: &[f32], v_rows: &[f32]) {
         let d = self.kv_dim;
         for (i, &s) in slots.iter().enumerate() {
-            self.k[layer][s * d..(s + 1) * d].copy_from_slice(&k_rows[i * d..(i + 1) * d]);
-            self.v[layer][s * d..(s + 1) * d].copy_from_slice(&v_rows[i * d..(i + 1) * d]);
+            let (k, v) = (&mut self.k[layer][s * d..(s + 1) * d], &mut self.v[layer][s * d..(s + 1) * d]);
+            k.copy_from_slice(&k_rows[i * d..(i + 1) * d]);
+            v.copy_from_slice(&v_rows[i * d..(i + 1) * d]);
+            if let Some(hd) = self.fp8_head_dim {
+                super::fp8::round_heads(k, hd);
+                super::fp8::round_heads(v, hd);
+            }
         }
     }
 
@@ -279,7 +293,16 @@ impl LlamaModel {
 
     /// A KV store for this model's shape.
     pub fn new_kv_store(&self, num_slots: usize) -> KvStore {
-        KvStore::new(self.cfg.num_hidden_layers, num_slots, self.cfg.kv_dim())
+        self.new_kv_store_as(num_slots, super::fp8::KvCacheDtype::Auto)
+    }
+
+    /// A KV store of `dtype` (`Fp8`: rounded through E4M3 as written, the reference of an FP8 cache).
+    pub fn new_kv_store_as(&self, num_slots: usize, dtype: super::fp8::KvCacheDtype) -> KvStore {
+        let kv = KvStore::new(self.cfg.num_hidden_layers, num_slots, self.cfg.kv_dim());
+        match dtype {
+            super::fp8::KvCacheDtype::Auto => kv,
+            super::fp8::KvCacheDtype::Fp8 => kv.with_fp8(self.cfg.head_dim),
+        }
     }
 
     /// cos and sin `[T, head_dim / 2]` of each position.

@@ -8,6 +8,7 @@
 //! - `llama`: the forward pass (Llama 2/3, Qwen2, Mistral) reading and writing the paged KV pool.
 
 pub mod config;
+pub mod fp8;
 pub mod identity;
 pub mod llama;
 pub mod synth;

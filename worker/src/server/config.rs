@@ -14,6 +14,7 @@ use kvgate_shared::settings::Layers;
 
 use crate::cuda::{DType, DeviceChoice};
 use crate::kv::{LoadPolicy, WritePolicy};
+use crate::model::fp8::KvCacheDtype;
 use crate::model::synth::Preset;
 
 /// KV cache tokens of the CPU engine when none are configured.
@@ -176,6 +177,11 @@ pub struct ServeArgs {
     /// Largest payload of one transfer frame in bytes (a chunk's blocks are split to fit). (8 MiB by default).
     #[arg(long, env = "KVGATE_WORKER_KV_TRANSFER_FRAME_BYTES", default_value = "8388608")]
     pub kv_transfer_frame_bytes: Option<usize>,
+    /// What the KV cache stores: `auto` (the engine's own: f32 on the CPU, the `--dtype` on CUDA) or `fp8` (E4M3,
+    /// a scale per token and KV head: on the CPU engine as reference math, each row rounded as it is written, for
+    /// checking device kernels and accuracy; CUDA refuses it until its FP8 kernels exist).
+    #[arg(long, env = "KVGATE_WORKER_KV_CACHE_DTYPE", default_value = "auto")]
+    pub kv_cache_dtype: Option<String>,
     /// Export request traces (spans: request, queue, prefill or transfer, decode) to this OpenTelemetry
     /// collector's OTLP/HTTP receiver, e.g. `http://otel-collector:4318` (protobuf to `/v1/traces`). A request's
     /// W3C `traceparent` (the gateway sends one) is its parent. None: no tracing.
@@ -230,6 +236,7 @@ pub struct ServeConfig {
     pub kv_transfer_frame_bytes: usize,
     pub otlp_endpoint: Option<String>,
     pub trace_sample_ratio: f64,
+    pub kv_cache_dtype: KvCacheDtype,
 }
 
 /// Which compute engine runs.
@@ -370,6 +377,7 @@ impl ServeArgs {
             kv_transfer_frame_bytes: set!(kv_transfer_frame_bytes),
             otlp_endpoint: pick!(otlp_endpoint).filter(|e| !e.is_empty()),
             trace_sample_ratio: set!(trace_sample_ratio),
+            kv_cache_dtype: KvCacheDtype::parse(&set!(kv_cache_dtype)).map_err(|e| format!("--{e}"))?,
         };
         cfg.validate()?;
         Ok(cfg)
@@ -425,6 +433,11 @@ impl ServeConfig {
         if self.max_body_bytes < 1024 {
             problems.push("max-body-bytes must be at least 1024".into());
         }
+        if self.kv_cache_dtype == KvCacheDtype::Fp8 && matches!(self.engine, EngineKind::Sim { .. }) {
+            problems.push(
+                "kv-cache-dtype fp8 needs --engine cpu (the simulated engine keeps no KV values)".into(),
+            );
+        }
         if !(0.0..=1.0).contains(&self.trace_sample_ratio) {
             problems.push(format!("trace-sample-ratio {} is not in [0, 1]", self.trace_sample_ratio));
         }
@@ -460,6 +473,24 @@ mod tests {
         };
         let err = args.resolve().expect_err("invalid");
         assert!(err.contains("block-size") && err.contains("summary-granularity"), "{err}");
+    }
+
+    #[test]
+    fn the_kv_cache_dtype_is_checked() {
+        let with = |dtype: &str, engine: Option<&str>| {
+            ServeArgs {
+                synth: Some(Preset::Tiny),
+                kv_cache_dtype: Some(dtype.into()),
+                engine: engine.map(str::to_owned),
+                sim_profile: engine.map(|_| PathBuf::from("cpu-small")),
+                ..ServeArgs::default()
+            }
+            .resolve()
+        };
+        assert_eq!(with("fp8", None).expect("cpu").kv_cache_dtype, KvCacheDtype::Fp8);
+        assert_eq!(with("auto", None).expect("cpu").kv_cache_dtype, KvCacheDtype::Auto);
+        assert!(with("int4", None).expect_err("unknown").contains("kv-cache-dtype"));
+        assert!(with("fp8", Some("sim")).expect_err("sim keeps no KV").contains("kv-cache-dtype fp8"));
     }
 
     #[test]

@@ -48,6 +48,7 @@ use crate::cuda::DeviceChoice;
 use crate::engine::sim::{SimBackend, SimClock};
 use crate::engine::timing::SimProfile;
 use crate::engine::{CpuBackend, Engine, EngineConfig, SchedulerConfig};
+use crate::model::fp8::KvCacheDtype;
 use crate::model::llama::LlamaModel;
 use crate::model::synth::{synth_model, SynthSpec};
 
@@ -176,6 +177,12 @@ fn load(cfg: &ServeConfig, worker_id: &str) -> Result<ServingModel, String> {
     let (handle, max_model_len, device, kv) = match &cfg.engine {
         EngineKind::Cpu => match cfg.device.resolve() {
             DeviceChoice::Cuda(ordinal) => {
+                if cfg.kv_cache_dtype == KvCacheDtype::Fp8 {
+                    return Err(format!(
+                        "--kv-cache-dtype fp8 on cuda:{ordinal}: the CUDA FP8 KV kernels are not built yet (only the CPU \
+                         engine's reference math is); use --kv-cache-dtype auto"
+                    ));
+                }
                 let l = crate::cuda::backend::GpuModel::from_dir(&dir, ordinal, cfg.dtype)
                     .map_err(|e| format!("--device cuda:{ordinal}: {e} (--device cpu serves on the CPU)"))?;
                 let slots = crate::cuda::backend::kv_slots_for(
@@ -200,8 +207,9 @@ fn load(cfg: &ServeConfig, worker_id: &str) -> Result<ServingModel, String> {
                 let tokens = cfg.kv_cache_tokens.unwrap_or(config::CPU_KV_CACHE_TOKENS);
                 let model = LlamaModel::load(&dir).map_err(|e| e.to_string())?;
                 let max_model_len = model.config().max_position_embeddings;
-                let backend = CpuBackend::new(model, tokens / bs * bs);
-                tracing::info!(device = "cpu", requested = %cfg.device, kv_cache_tokens = tokens / bs * bs, "CPU engine");
+                let backend = CpuBackend::with_kv_dtype(model, tokens / bs * bs, cfg.kv_cache_dtype);
+                tracing::info!(device = "cpu", requested = %cfg.device, kv_cache_tokens = tokens / bs * bs,
+                    kv_cache_dtype = ?cfg.kv_cache_dtype, "CPU engine");
                 let engine = Engine::new(engine_cfg(tokens / bs), backend, Some(prompter.clone()));
                 let engine = with_tiers(engine, cfg, &disk_dir, weights)?;
                 let engine = with_load_costs(engine, cfg);
