@@ -12,7 +12,7 @@ use super::gpu::{Gpu, GpuResult};
 use super::weights::GpuWeights;
 use super::DType;
 use crate::engine::{Backend, BatchItem, Next};
-use crate::model::{ModelConfig, ModelWeights};
+use crate::model::ModelConfig;
 
 /// The CUDA engine.
 pub struct CudaBackend {
@@ -43,8 +43,10 @@ impl GpuModel {
         let cfg = ModelConfig::from_dir(dir).map_err(|e| e.to_string())?;
         super::weights::check_shape(&cfg)?;
         let gpu = Gpu::open(ordinal)?;
-        let host = ModelWeights::load(dir, &cfg).map_err(|e| e.to_string())?;
-        let weights = GpuWeights::upload(&gpu, &cfg, &host, dt)?;
+        // The files as stored: bf16/f16 bytes go to the device as they are (no f32 copy of the model on the host).
+        let stored = crate::model::stored::StoredTensors::open(dir)
+            .map_err(|e| super::gpu::GpuError::Invalid(e.to_string()))?;
+        let weights = GpuWeights::from_stored(&gpu, &cfg, &stored, dt)?;
         Ok(Self { gpu, cfg, weights })
     }
 

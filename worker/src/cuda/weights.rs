@@ -1,10 +1,12 @@
 //! The model's tensors in device memory, in the storage dtype, laid out for the forward pass: Hugging Face
 //! `[out, in]` Linear weights as they are (cuBLAS transposes), q/k/v and gate/up fused by stacking rows.
-//! Loaded from a model directory (through the CPU loader, converted on the device), or random (benchmarks of
-//! large shapes without writing gigabytes of safetensors).
+//! Loaded from a model directory as stored (`from_stored`: bf16/f16 bytes uploaded as they are when the dtype
+//! matches, else converted a piece at a time; no f32 copy of the model on the host), from f32 CPU weights
+//! (`upload`), or random (benchmarks of large shapes without writing gigabytes of safetensors).
 
 use super::gpu::{DevBuf, Gpu, GpuError, GpuResult};
 use super::DType;
+use crate::model::stored::{Stored, StoredDtype, StoredTensors};
 use crate::model::{ModelConfig, ModelWeights};
 
 /// One decoder layer.
@@ -103,6 +105,42 @@ fn stacked(gpu: &Gpu, dt: DType, parts: &[&candle_core::Tensor]) -> GpuResult<De
     upload_as(gpu, dt, &all)
 }
 
+/// Whether bytes stored as `s` are already `dt`'s.
+fn same(s: StoredDtype, dt: DType) -> bool {
+    matches!(
+        (s, dt),
+        (StoredDtype::F32, DType::F32) | (StoredDtype::BF16, DType::BF16) | (StoredDtype::F16, DType::F16)
+    )
+}
+
+/// `parts` one after another in one buffer of `dt`: bytes as stored when they are `dt` already, else converted a
+/// piece at a time (f32 on the host, `dt` on the device), so the host never holds a tensor in f32.
+fn stacked_stored(gpu: &Gpu, dt: DType, parts: &[Stored<'_>]) -> GpuResult<DevBuf> {
+    const PIECE: usize = 1 << 22;
+    let total: usize = parts.iter().map(Stored::len).sum();
+    let out = gpu.alloc(total * dt.size())?;
+    let converting = parts.iter().any(|p| !same(p.dtype, dt));
+    let tmp = if converting { Some(gpu.alloc(PIECE.min(total.max(1)) * 4)?) } else { None };
+    let mut at = 0usize;
+    for p in parts {
+        let dst = out.ptr() + (at * dt.size()) as u64;
+        match &tmp {
+            Some(tmp) if !same(p.dtype, dt) => {
+                for start in (0..p.len()).step_by(PIECE) {
+                    let end = (start + PIECE).min(p.len());
+                    gpu.upload(tmp, &p.f32_range(start..end))?;
+                    convert_from_f32(gpu, dt, dst + (start * dt.size()) as u64, tmp.ptr(), end - start)?;
+                    gpu.sync()?;
+                }
+            }
+            _ => super::forward::upload_raw(gpu, dst, p.bytes)?,
+        }
+        at += p.len();
+    }
+    gpu.sync()?;
+    Ok(out)
+}
+
 /// Checks the shape limits of the GPU kernels.
 pub fn check_shape(cfg: &ModelConfig) -> Result<(), String> {
     let hd = cfg.head_dim;
@@ -145,6 +183,58 @@ impl GpuWeights {
             embed: stacked(gpu, dt, &[&w.embed_tokens])?,
             layers,
             norm: stacked(gpu, dt, &[&w.norm])?,
+            lm_head,
+            inv_freq: gpu.upload_new(&cfg.rope_inv_freq())?,
+        })
+    }
+
+    /// From the tensors as stored in the model's files (`model::stored`): what loading a real model takes.
+    pub fn from_stored(gpu: &Gpu, cfg: &ModelConfig, st: &StoredTensors, dt: DType) -> GpuResult<Self> {
+        check_shape(cfg)?;
+        gpu.bind()?;
+        let (h, q, kv, i) =
+            (cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim, cfg.kv_dim(), cfg.intermediate_size);
+        let get =
+            |name: &str, shape: &[usize]| st.get(name, shape).map_err(|e| GpuError::Invalid(e.to_string()));
+        let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
+        for l in 0..cfg.num_hidden_layers {
+            let p = |s: &str| format!("model.layers.{l}.{s}");
+            let bqkv = if cfg.attention_bias {
+                let parts = [
+                    get(&p("self_attn.q_proj.bias"), &[q])?,
+                    get(&p("self_attn.k_proj.bias"), &[kv])?,
+                    get(&p("self_attn.v_proj.bias"), &[kv])?,
+                ];
+                Some(stacked_stored(gpu, dt, &parts)?)
+            } else {
+                None
+            };
+            let qkv = [
+                get(&p("self_attn.q_proj.weight"), &[q, h])?,
+                get(&p("self_attn.k_proj.weight"), &[kv, h])?,
+                get(&p("self_attn.v_proj.weight"), &[kv, h])?,
+            ];
+            let gate_up =
+                [get(&p("mlp.gate_proj.weight"), &[i, h])?, get(&p("mlp.up_proj.weight"), &[i, h])?];
+            layers.push(GpuLayer {
+                input_norm: stacked_stored(gpu, dt, &[get(&p("input_layernorm.weight"), &[h])?])?,
+                wqkv: stacked_stored(gpu, dt, &qkv)?,
+                bqkv,
+                wo: stacked_stored(gpu, dt, &[get(&p("self_attn.o_proj.weight"), &[h, q])?])?,
+                post_norm: stacked_stored(gpu, dt, &[get(&p("post_attention_layernorm.weight"), &[h])?])?,
+                wgate_up: stacked_stored(gpu, dt, &gate_up)?,
+                wdown: stacked_stored(gpu, dt, &[get(&p("mlp.down_proj.weight"), &[h, i])?])?,
+            });
+        }
+        let lm_head = match cfg.tie_word_embeddings {
+            true => None,
+            false => Some(stacked_stored(gpu, dt, &[get("lm_head.weight", &[cfg.vocab_size, h])?])?),
+        };
+        Ok(Self {
+            dt,
+            embed: stacked_stored(gpu, dt, &[get("model.embed_tokens.weight", &[cfg.vocab_size, h])?])?,
+            layers,
+            norm: stacked_stored(gpu, dt, &[get("model.norm.weight", &[h])?])?,
             lm_head,
             inv_freq: gpu.upload_new(&cfg.rope_inv_freq())?,
         })

@@ -11,6 +11,7 @@ pub mod config;
 pub mod fp8;
 pub mod identity;
 pub mod llama;
+pub mod stored;
 pub mod synth;
 pub mod weights;
 

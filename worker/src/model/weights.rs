@@ -35,6 +35,44 @@ pub struct ModelWeights {
     pub lm_head: Tensor,
 }
 
+/// The safetensors files of a model directory: `model.safetensors`, or the shards `model.safetensors.index.json`
+/// names (plain file names only).
+pub fn model_files(dir: &Path) -> Result<Vec<PathBuf>, ModelError> {
+    let single = dir.join("model.safetensors");
+    let index = dir.join("model.safetensors.index.json");
+    let files: Vec<PathBuf> = if index.exists() {
+        let file = index.display().to_string();
+        let text = std::fs::read_to_string(&index)
+            .map_err(|e| ModelError::File { file: file.clone(), reason: e.to_string() })?;
+        let json: serde_json::Value = serde_json::from_str(&text)
+            .map_err(|e| ModelError::File { file: file.clone(), reason: format!("not valid JSON: {e}") })?;
+        let map = json.get("weight_map").and_then(|m| m.as_object()).ok_or_else(|| ModelError::Field {
+            file: file.clone(),
+            field: "weight_map".into(),
+            reason: "missing or not an object".into(),
+        })?;
+        let mut names: Vec<String> = map.values().filter_map(|v| v.as_str().map(str::to_owned)).collect();
+        names.sort();
+        names.dedup();
+        if names.iter().any(|n| n.contains('/') || n.contains("..")) {
+            return Err(ModelError::Field {
+                file,
+                field: "weight_map".into(),
+                reason: "shard names must be plain file names".into(),
+            });
+        }
+        names.into_iter().map(|n| dir.join(n)).collect()
+    } else if single.exists() {
+        vec![single]
+    } else {
+        return Err(ModelError::File {
+            file: single.display().to_string(),
+            reason: "missing (and no model.safetensors.index.json either)".into(),
+        });
+    };
+    Ok(files)
+}
+
 /// The tensors of every safetensors file of a model directory, and which file each came from.
 struct TensorFiles {
     tensors: HashMap<String, (Tensor, PathBuf)>,
@@ -42,41 +80,7 @@ struct TensorFiles {
 
 impl TensorFiles {
     fn open(dir: &Path) -> Result<Self, ModelError> {
-        let single = dir.join("model.safetensors");
-        let index = dir.join("model.safetensors.index.json");
-        let files: Vec<PathBuf> = if index.exists() {
-            let file = index.display().to_string();
-            let text = std::fs::read_to_string(&index)
-                .map_err(|e| ModelError::File { file: file.clone(), reason: e.to_string() })?;
-            let json: serde_json::Value = serde_json::from_str(&text).map_err(|e| ModelError::File {
-                file: file.clone(),
-                reason: format!("not valid JSON: {e}"),
-            })?;
-            let map =
-                json.get("weight_map").and_then(|m| m.as_object()).ok_or_else(|| ModelError::Field {
-                    file: file.clone(),
-                    field: "weight_map".into(),
-                    reason: "missing or not an object".into(),
-                })?;
-            let mut names: Vec<String> = map.values().filter_map(|v| v.as_str().map(str::to_owned)).collect();
-            names.sort();
-            names.dedup();
-            if names.iter().any(|n| n.contains('/') || n.contains("..")) {
-                return Err(ModelError::Field {
-                    file,
-                    field: "weight_map".into(),
-                    reason: "shard names must be plain file names".into(),
-                });
-            }
-            names.into_iter().map(|n| dir.join(n)).collect()
-        } else if single.exists() {
-            vec![single]
-        } else {
-            return Err(ModelError::File {
-                file: single.display().to_string(),
-                reason: "missing (and no model.safetensors.index.json either)".into(),
-            });
-        };
+        let files = model_files(dir)?;
         let mut tensors = HashMap::new();
         for path in files {
             let loaded =
