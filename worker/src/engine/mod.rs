@@ -3,7 +3,8 @@
 //!
 //! - `request`: requests, sampling parameters, step outputs, admission errors;
 //! - `scheduler`: continuous batching with chunked prefill and recompute preemption;
-//! - `sampler`: penalties and bias, greedy / temperature / top-k / top-p / min-p sampling, log-probabilities;
+//! - `sampler`: penalties and bias, greedy / temperature / top-k / top-p / min-p sampling (linear in the
+//!   vocabulary), log-probabilities;
 //! - `backend`: the compute trait and the CPU model backend;
 //! - `sim`, `timing`: the simulated backend (deterministic tokens) and its timing model / profile files.
 

@@ -92,52 +92,123 @@ pub fn logprobs(logits: &[f32], token: u32, top: usize) -> TokenLogprobs {
     TokenLogprobs { logprob: lp(token), top: idx.into_iter().map(|t| (t, lp(t))).collect() }
 }
 
+/// Bins of the logit histogram that finds the top-p cut without sorting every candidate.
+const NUCLEUS_BINS: usize = 4096;
+
 /// Samples one token from logits as they are (no penalties or bias: [`sample_seq`] applies those).
+///
+/// Linear in the vocabulary: the weights (`exp((logit - max) / T)`) are computed once; top-k selects its k
+/// candidates (partial selection); min-p keeps the candidates over its floor; top-p finds its cut from a histogram
+/// of the candidates' logits and sorts only the boundary bin; the draw is over the kept candidates in any order.
+/// The kept set is exactly what sorting everything would keep (the tests check the distribution against that
+/// definition); a given seed draws a different token than the full-sort version this replaced did.
 pub fn sample(logits: &[f32], params: &SamplingParams, rng: &mut SplitMix64) -> u32 {
     if params.temperature < GREEDY_BELOW || logits.len() <= 1 {
         return argmax(logits);
     }
     let inv_t = 1.0 / params.temperature;
-    // Candidates sorted by logit, descending; cut to top_k first (cheap partial selection).
-    let mut idx: Vec<u32> = (0..logits.len() as u32).collect();
     let by_logit = |a: &u32, b: &u32| logits[*b as usize].total_cmp(&logits[*a as usize]).then(a.cmp(b));
-    let k = if params.top_k > 0 { (params.top_k as usize).min(idx.len()) } else { idx.len() };
-    if k < idx.len() {
-        idx.select_nth_unstable_by(k - 1, by_logit);
-        idx.truncate(k);
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let w: Vec<f32> = logits.iter().map(|&l| ((l - max) * inv_t).exp()).collect();
+    // Candidates: every token (`None`), or the top k.
+    let mut cand: Option<Vec<u32>> = None;
+    if params.top_k > 0 && (params.top_k as usize) < logits.len() {
+        let k = params.top_k as usize;
+        let mut c: Vec<u32> = (0..logits.len() as u32).collect();
+        c.select_nth_unstable_by(k - 1, by_logit);
+        c.truncate(k);
+        cand = Some(c);
     }
-    idx.sort_unstable_by(by_logit);
-    let max = logits[idx[0] as usize] * inv_t;
-    let mut probs: Vec<f64> =
-        idx.iter().map(|&i| f64::from((logits[i as usize] * inv_t - max).exp())).collect();
-    let total: f64 = probs.iter().sum();
-    probs.iter_mut().for_each(|p| *p /= total);
-    // Min-p: only tokens at least min_p times as likely as the most likely one (always at least one token).
-    let mut keep = probs.len();
+    let total: f64 = match &cand {
+        None => w.iter().map(|&x| f64::from(x)).sum(),
+        Some(c) => c.iter().map(|&i| f64::from(w[i as usize])).sum(),
+    };
+    // Min-p: only tokens at least min_p times as likely as the most likely one (whose weight is 1).
     if params.min_p > 0.0 {
-        let floor = probs[0] * f64::from(params.min_p);
-        keep = probs.iter().take_while(|p| **p >= floor).count().max(1);
+        let keep = |i: &u32| w[*i as usize] >= params.min_p;
+        cand = Some(match cand {
+            None => (0..logits.len() as u32).filter(keep).collect(),
+            Some(mut c) => {
+                c.retain(keep);
+                c
+            }
+        });
     }
-    // Nucleus: the smallest prefix whose mass reaches top_p (always at least one token).
     if params.top_p < 1.0 {
-        let mut mass = 0.0;
-        for (n, p) in probs[..keep].iter().enumerate() {
-            mass += p;
-            if mass >= f64::from(params.top_p) {
-                keep = n + 1;
-                break;
+        let c = cand.unwrap_or_else(|| (0..logits.len() as u32).collect());
+        cand = Some(nucleus(c, logits, &w, f64::from(params.top_p) * total, by_logit));
+    }
+    let mut draw = |ids: &mut dyn Iterator<Item = u32>, mass: f64| -> Option<u32> {
+        let mut r = rng.unit() * mass;
+        let mut last = None;
+        for i in ids {
+            r -= f64::from(w[i as usize]);
+            last = Some(i);
+            if r <= 0.0 {
+                return Some(i);
             }
         }
-    }
-    let kept: f64 = probs[..keep].iter().sum();
-    let mut r = rng.unit() * kept;
-    for (n, p) in probs[..keep].iter().enumerate() {
-        r -= p;
-        if r <= 0.0 {
-            return idx[n];
+        last
+    };
+    let picked = match &cand {
+        None => draw(&mut (0..logits.len() as u32), total),
+        Some(c) => {
+            let kept: f64 = c.iter().map(|&i| f64::from(w[i as usize])).sum();
+            draw(&mut c.iter().copied(), kept)
         }
+    };
+    picked.unwrap_or_else(|| argmax(logits))
+}
+
+/// The top-p cut of `cand`: the smallest set of the most likely candidates whose weight reaches `need`, found from a
+/// histogram of their logits (every bin above the boundary kept, the boundary bin sorted); the order of the result
+/// is not the candidates' order by logit.
+fn nucleus(
+    mut cand: Vec<u32>,
+    logits: &[f32],
+    w: &[f32],
+    need: f64,
+    by_logit: impl Fn(&u32, &u32) -> std::cmp::Ordering,
+) -> Vec<u32> {
+    let (lo, hi) = cand.iter().fold((f32::INFINITY, f32::NEG_INFINITY), |(lo, hi), &i| {
+        (lo.min(logits[i as usize]), hi.max(logits[i as usize]))
+    });
+    if hi.partial_cmp(&lo) != Some(std::cmp::Ordering::Greater) {
+        cand.sort_unstable_by(&by_logit);
+        return cut_sorted(cand, w, need, 0.0);
     }
-    idx[keep - 1]
+    let scale = (NUCLEUS_BINS - 1) as f32 / (hi - lo);
+    let bin = |i: u32| (((hi - logits[i as usize]) * scale) as usize).min(NUCLEUS_BINS - 1);
+    let mut mass = vec![0f64; NUCLEUS_BINS];
+    for &i in &cand {
+        mass[bin(i)] += f64::from(w[i as usize]);
+    }
+    let mut above = 0.0;
+    let mut boundary = NUCLEUS_BINS - 1;
+    for (b, m) in mass.iter().enumerate() {
+        if above + m >= need {
+            boundary = b;
+            break;
+        }
+        above += m;
+    }
+    let mut kept: Vec<u32> = cand.iter().copied().filter(|&i| bin(i) < boundary).collect();
+    let mut edge: Vec<u32> = cand.into_iter().filter(|&i| bin(i) == boundary).collect();
+    edge.sort_unstable_by(&by_logit);
+    kept.extend(cut_sorted(edge, w, need, above));
+    kept
+}
+
+/// The prefix of `sorted` that takes the weight from `have` to `need` (at least one element; all if it never does).
+fn cut_sorted(mut sorted: Vec<u32>, w: &[f32], need: f64, have: f64) -> Vec<u32> {
+    let mut mass = have;
+    if let Some(n) = sorted.iter().position(|&i| {
+        mass += f64::from(w[i as usize]);
+        mass >= need
+    }) {
+        sorted.truncate(n + 1);
+    }
+    sorted
 }
 
 #[cfg(test)]
@@ -221,6 +292,66 @@ mod tests {
         assert!((total - 1.0).abs() < 1e-6);
         assert!(logprobs(&logits, 0, 0).top.is_empty());
         assert_eq!(logprobs(&logits, 0, 99).top.len(), 4);
+    }
+
+    /// The exact distribution of a draw, by sorting everything (the definition the sampler must follow).
+    fn expected(logits: &[f32], p: &SamplingParams) -> Vec<f64> {
+        let mut idx: Vec<usize> = (0..logits.len()).collect();
+        idx.sort_by(|a, b| logits[*b].total_cmp(&logits[*a]).then(a.cmp(b)));
+        if p.top_k > 0 {
+            idx.truncate(p.top_k as usize);
+        }
+        let max = logits[idx[0]] / p.temperature;
+        let w: Vec<f64> = idx.iter().map(|&i| f64::from((logits[i] / p.temperature - max).exp())).collect();
+        let total: f64 = w.iter().sum();
+        let probs: Vec<f64> = w.iter().map(|x| x / total).collect();
+        let mut keep = probs.iter().take_while(|q| **q >= probs[0] * f64::from(p.min_p)).count().max(1);
+        if p.top_p < 1.0 {
+            let mut mass = 0.0;
+            if let Some(n) = probs[..keep].iter().position(|q| {
+                mass += q;
+                mass >= f64::from(p.top_p)
+            }) {
+                keep = n + 1;
+            }
+        }
+        let kept: f64 = probs[..keep].iter().sum();
+        let mut out = vec![0.0; logits.len()];
+        for n in 0..keep {
+            out[idx[n]] = probs[n] / kept;
+        }
+        out
+    }
+
+    #[test]
+    fn every_cut_draws_the_distribution_sorting_everything_defines() {
+        let mut g = SplitMix64::new(5);
+        let logits: Vec<f32> = (0..60).map(|_| (g.unit() as f32 - 0.5) * 6.0).collect();
+        for (t, k, tp, mp) in [
+            (1.0, 0, 1.0, 0.0),
+            (0.7, 0, 0.9, 0.0),
+            (1.3, 0, 0.5, 0.0),
+            (1.0, 15, 1.0, 0.0),
+            (1.0, 15, 0.8, 0.0),
+            (1.0, 0, 1.0, 0.2),
+            (1.0, 0, 0.9, 0.05),
+            (2.0, 30, 0.95, 0.01),
+        ] {
+            let p = SamplingParams { min_p: mp, ..params(t, k, tp) };
+            let want = expected(&logits, &p);
+            let n = 10_000;
+            let mut got = vec![0.0f64; logits.len()];
+            let mut rng = SplitMix64::new(11);
+            for _ in 0..n {
+                got[sample(&logits, &p, &mut rng) as usize] += 1.0 / n as f64;
+            }
+            let tv: f64 = want.iter().zip(&got).map(|(a, b)| (a - b).abs()).sum::<f64>() / 2.0;
+            assert!(tv < 0.05, "t {t} top_k {k} top_p {tp} min_p {mp}: total variation {tv:.4}");
+            assert!(
+                got.iter().zip(&want).all(|(g, w)| *w > 0.0 || *g == 0.0),
+                "a token outside the cut was drawn"
+            );
+        }
     }
 
     #[test]
