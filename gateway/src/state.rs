@@ -163,17 +163,13 @@ impl GatewayState {
             password: cfg.redis_password.as_deref(),
         });
         let shared = SharedState::new(target, cfg.replica_id.clone())?;
-        let tracer = match &cfg.otlp_endpoint {
-            None => kvgate_shared::trace::Tracer::off(),
-            Some(endpoint) => {
-                let export = kvgate_shared::trace::ExportConfig {
-                    endpoint: endpoint.clone(),
-                    service: "kvgate-gateway".into(),
-                    resource: vec![("service.instance.id", cfg.replica_id.clone())],
-                };
-                kvgate_shared::trace::Tracer::start(export, cfg.trace_sample_ratio)?
-            }
-        };
+        let tracer = kvgate_shared::trace::Tracer::from_flags(
+            cfg.otlp_endpoint.as_deref(),
+            "kvgate-gateway",
+            &cfg.replica_id,
+            cfg.trace_sample_ratio,
+        )
+        .map_err(|e| e.to_string())?;
         let cfg_ring = (cfg.ring_sketch_entries, cfg.ring_hub_fanout);
         let cfg_share_sends = cfg.share_sends && cfg.redis_url.is_some();
         Ok(Self {

@@ -70,6 +70,20 @@ async fn tokenize_and_detokenize_pass_through_by_load_with_the_callers_key_and_l
     assert_eq!((r.status, r.json()["error"]["code"].clone()), (413, json!("request_too_large")));
     let r = request("POST", &url("/tokenize"), Some("{nope".into()), &key).await;
     assert_eq!((r.status, r.json()["error"]["code"].clone()), (400, json!("invalid_json")));
+    // A field the worker does not implement: refused by name, never ignored.
+    for (body, param) in [
+        (json!({"prompt": "x", "continue_final_message": true}), "continue_final_message"),
+        (
+            json!({"messages": [{"role": "user", "content": "x"}], "add_special_tokens": true}),
+            "add_special_tokens",
+        ),
+        (json!({"prompt": "x", "add_generation_prompt": true}), "add_generation_prompt"),
+        (json!({"tokens": [1], "skip_special_tokens": true}), "skip_special_tokens"),
+    ] {
+        let path = if body.get("tokens").is_some() { "/detokenize" } else { "/tokenize" };
+        let r = post(&url(path), &body, &key).await;
+        assert_eq!((r.status, r.json()["error"]["param"].clone()), (400, json!(param)), "{}", r.body);
+    }
     let r = post(&url("/detokenize"), &json!({"tokens": [99_999_999]}), &key).await;
     assert_eq!((r.status, r.json()["error"]["param"].clone()), (400, json!("tokens")), "the worker's 400");
     // A path the pool does not serve (kvgate workers have no embeddings): the worker's own 404, passed on.
@@ -84,8 +98,15 @@ async fn tokenize_and_detokenize_pass_through_by_load_with_the_callers_key_and_l
     let r = request("GET", &url("/v1/models/gpt-4"), None, &key).await;
     assert_eq!((r.status, r.json()["error"]["code"].clone()), (404, json!("model_not_found")));
 
-    // Counted by path: the requests read and checked (6 texts and a chat; not the refused ones).
+    // Every attempt gave its in-flight slot back, the refused and the failed ones too.
+    for w in ["w0", "w1"] {
+        let st = worker_state(&control, w).await.expect("worker");
+        assert_eq!(st["inflight"], 0, "{st}");
+    }
+
+    // Counted by path: the requests the gateway read and passed on (6 texts, a chat and the 3 the worker refused;
+    // not the ones the gateway refused itself).
     let m = get(&format!("{control}/metrics")).await.body;
     let n = metric(&m, "kvgate_gateway_passthrough_requests_total{path=\"/tokenize\"}").expect("counted");
-    assert_eq!(n, 7.0);
+    assert_eq!(n, 10.0);
 }

@@ -9,6 +9,21 @@ use std::str::FromStr;
 use clap::parser::ValueSource;
 use clap::{ArgMatches, Command};
 
+/// Why a setting or a reference could not be had (configuration and build-time errors: a retry cannot help).
+#[derive(Debug, thiserror::Error)]
+pub enum SettingError {
+    /// Neither the flags, the environment, the file nor a declared default gives it (a default that does not parse
+    /// as its type is this too: the reference test catches it).
+    #[error("--{flag}: no value and no default")]
+    NoValue { flag: String },
+    /// A committed reference page is not what the code declares.
+    #[error("{path} is not what the code declares; regenerate it with KVGATE_BLESS=1 and the same test")]
+    Stale { path: String },
+    /// The page could not be written.
+    #[error("{path}: {error}")]
+    Write { path: String, error: std::io::Error },
+}
+
 /// A constant's text as a `&'static str`, for a clap `default_value` (clap's `default_value_t` does not fit the
 /// `Option` fields the TOML layering needs): `default_value = kvgate_shared::default_text!(MY_CONST)`.
 #[macro_export]
@@ -43,19 +58,24 @@ impl Layers {
         !self.defaulted.contains(id)
     }
 
-    /// The winning value of setting `id`: `flag` (flags or environment) unless defaulted, else `file`, else the
-    /// default declared on `cmd`.
-    pub fn pick<T: FromStr + Clone>(
+    /// The winning value of setting `id` that declares no default: `flag` (flags or environment) unless clap
+    /// filled it in, else `file`.
+    pub fn value<T: Clone>(&self, id: &str, flag: &Option<T>, file: &Option<T>) -> Option<T> {
+        flag.clone().filter(|_| self.given(id)).or_else(|| file.clone())
+    }
+
+    /// The winning value of setting `id` with a declared default: [`Layers::value`], else the default declared on
+    /// `cmd`.
+    pub fn setting<T: FromStr + Clone>(
         &self,
         cmd: &Command,
         id: &str,
         flag: &Option<T>,
         file: &Option<T>,
-    ) -> Option<T> {
-        flag.clone()
-            .filter(|_| !self.defaulted.contains(id))
-            .or_else(|| file.clone())
+    ) -> Result<T, SettingError> {
+        self.value(id, flag, file)
             .or_else(|| default_of(cmd, id))
+            .ok_or_else(|| SettingError::NoValue { flag: id.replace('_', "-") })
     }
 }
 
@@ -101,16 +121,14 @@ pub fn reference_markdown(cmd: &Command, title: &str, intro: &str) -> String {
 
 /// Compares a generated reference with the committed file at `path`; with `KVGATE_BLESS=1` writes it instead.
 /// The error says how to regenerate.
-pub fn check_reference(path: &std::path::Path, generated: &str) -> Result<(), String> {
+pub fn check_reference(path: &std::path::Path, generated: &str) -> Result<(), SettingError> {
     if std::env::var_os("KVGATE_BLESS").is_some_and(|v| v == "1") {
-        return std::fs::write(path, generated).map_err(|e| format!("{}: {e}", path.display()));
+        return std::fs::write(path, generated)
+            .map_err(|error| SettingError::Write { path: path.display().to_string(), error });
     }
     let committed = std::fs::read_to_string(path).unwrap_or_default();
     if committed == generated {
         return Ok(());
     }
-    Err(format!(
-        "{} is not what the code declares; regenerate it with KVGATE_BLESS=1 and the same test",
-        path.display()
-    ))
+    Err(SettingError::Stale { path: path.display().to_string() })
 }

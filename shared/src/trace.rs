@@ -213,6 +213,37 @@ pub struct ExportConfig {
     pub resource: Vec<(&'static str, String)>,
 }
 
+/// What went wrong setting up or exporting traces.
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+pub enum TraceError {
+    /// `--otlp-endpoint` is not `http://host[:port][/base]` (configuration: a retry cannot help).
+    #[error("OTLP endpoint {endpoint:?}: {why}")]
+    Endpoint { endpoint: String, why: &'static str },
+    /// `--trace-sample-ratio` is not in [0, 1].
+    #[error("trace sample ratio {0} is not in [0, 1]")]
+    Ratio(f64),
+    /// The exporter thread could not start.
+    #[error("cannot start the trace exporter: {0}")]
+    Spawn(String),
+    /// An export request did not reach the collector (it may be up again for the next batch).
+    #[error("the collector at {target} is unreachable: {why}")]
+    Unreachable { target: String, why: String },
+    /// The collector answered a status other than 2xx (a 5xx or 429 may pass later, a 4xx will not).
+    #[error("the collector at {target} answered {status}")]
+    Refused { target: String, status: String },
+}
+
+impl TraceError {
+    /// Whether sending again later may succeed (the exporter itself never resends a batch: it is dropped).
+    pub fn retryable(&self) -> bool {
+        match self {
+            TraceError::Unreachable { .. } => true,
+            TraceError::Refused { status, .. } => status.starts_with('5') || status == "429",
+            TraceError::Endpoint { .. } | TraceError::Ratio(_) | TraceError::Spawn(_) => false,
+        }
+    }
+}
+
 /// Counters of the exporter (the binaries publish them as metrics).
 #[derive(Debug, Default)]
 pub struct Counters {
@@ -243,11 +274,27 @@ impl Tracer {
         Self { tx: None, ratio: 0.0, counters: Arc::default() }
     }
 
+    /// A binary's tracer: off without an endpoint, else exporting as `service` (instance `instance`).
+    pub fn from_flags(
+        endpoint: Option<&str>,
+        service: &str,
+        instance: &str,
+        ratio: f64,
+    ) -> Result<Self, TraceError> {
+        let Some(endpoint) = endpoint else { return Ok(Self::off()) };
+        let cfg = ExportConfig {
+            endpoint: endpoint.to_owned(),
+            service: service.to_owned(),
+            resource: vec![("service.instance.id", instance.to_owned())],
+        };
+        Self::start(cfg, ratio)
+    }
+
     /// Starts the exporter thread for `cfg`; requests without a `traceparent` are traced with probability `ratio`.
-    pub fn start(cfg: ExportConfig, ratio: f64) -> Result<Self, String> {
+    pub fn start(cfg: ExportConfig, ratio: f64) -> Result<Self, TraceError> {
         let target = Target::parse(&cfg.endpoint)?;
         if !(0.0..=1.0).contains(&ratio) {
-            return Err(format!("trace sample ratio {ratio} is not in [0, 1]"));
+            return Err(TraceError::Ratio(ratio));
         }
         let (tx, rx) = sync_channel(MAX_QUEUED_SPANS);
         let counters = Arc::new(Counters::default());
@@ -255,7 +302,7 @@ impl Tracer {
         std::thread::Builder::new()
             .name("otlp-export".into())
             .spawn(move || export_loop(rx, target, cfg, c))
-            .map_err(|e| format!("cannot start the trace exporter: {e}"))?;
+            .map_err(|e| TraceError::Spawn(e.to_string()))?;
         Ok(Self { tx: Some(tx), ratio, counters })
     }
 
@@ -307,34 +354,37 @@ struct Target {
 }
 
 impl Target {
-    fn parse(endpoint: &str) -> Result<Self, String> {
-        let rest = endpoint.strip_prefix("http://").ok_or_else(|| {
-            format!("OTLP endpoint {endpoint:?} is not http://host:port (https is not supported)")
-        })?;
+    fn parse(endpoint: &str) -> Result<Self, TraceError> {
+        let bad = |why| TraceError::Endpoint { endpoint: endpoint.to_owned(), why };
+        let rest =
+            endpoint.strip_prefix("http://").ok_or(bad("not http://host:port (https is not supported)"))?;
         let (authority, base) = rest.split_once('/').map_or((rest, ""), |(a, p)| (a, p));
         let (host, port) = match authority.rsplit_once(':') {
-            Some((h, p)) => {
-                (h, p.parse::<u16>().map_err(|_| format!("OTLP endpoint {endpoint:?}: bad port"))?)
-            }
+            Some((h, p)) => (h, p.parse::<u16>().map_err(|_| bad("bad port"))?),
             None => (authority, 4318),
         };
         if host.is_empty() {
-            return Err(format!("OTLP endpoint {endpoint:?} has no host"));
+            return Err(bad("no host"));
         }
         let base = base.trim_end_matches('/');
         let path = if base.is_empty() { "/v1/traces".to_owned() } else { format!("/{base}/v1/traces") };
         Ok(Self { host: host.trim_matches(['[', ']']).to_owned(), port, path })
     }
 
-    fn post(&self, body: &[u8]) -> Result<(), String> {
+    fn post(&self, body: &[u8]) -> Result<(), TraceError> {
+        let target = format!("{}:{}", self.host, self.port);
+        let unreachable = |e: &dyn std::fmt::Display| TraceError::Unreachable {
+            target: target.clone(),
+            why: e.to_string(),
+        };
         let addr = (self.host.as_str(), self.port)
             .to_socket_addrs()
-            .map_err(|e| e.to_string())?
+            .map_err(|e| unreachable(&e))?
             .next()
-            .ok_or("the collector's host resolves to nothing")?;
-        let mut s = TcpStream::connect_timeout(&addr, EXPORT_TIMEOUT).map_err(|e| e.to_string())?;
-        s.set_write_timeout(Some(EXPORT_TIMEOUT)).map_err(|e| e.to_string())?;
-        s.set_read_timeout(Some(EXPORT_TIMEOUT)).map_err(|e| e.to_string())?;
+            .ok_or_else(|| unreachable(&"the host resolves to nothing"))?;
+        let mut s = TcpStream::connect_timeout(&addr, EXPORT_TIMEOUT).map_err(|e| unreachable(&e))?;
+        s.set_write_timeout(Some(EXPORT_TIMEOUT)).map_err(|e| unreachable(&e))?;
+        s.set_read_timeout(Some(EXPORT_TIMEOUT)).map_err(|e| unreachable(&e))?;
         let head = format!(
             "POST {} HTTP/1.1\r\nHost: {}:{}\r\nContent-Type: application/x-protobuf\r\nContent-Length: {}\r\n\
              Connection: close\r\n\r\n",
@@ -343,12 +393,15 @@ impl Target {
             self.port,
             body.len()
         );
-        s.write_all(head.as_bytes()).and_then(|_| s.write_all(body)).map_err(|e| e.to_string())?;
+        s.write_all(head.as_bytes()).and_then(|_| s.write_all(body)).map_err(|e| unreachable(&e))?;
         let mut status = [0u8; 12];
-        s.read_exact(&mut status).map_err(|e| e.to_string())?;
+        s.read_exact(&mut status).map_err(|e| unreachable(&e))?;
         match &status[9..10] {
             b"2" => Ok(()),
-            _ => Err(format!("the collector answered {}", String::from_utf8_lossy(&status[9..12]))),
+            _ => Err(TraceError::Refused {
+                target,
+                status: String::from_utf8_lossy(&status[9..12]).into_owned(),
+            }),
         }
     }
 }
@@ -375,7 +428,7 @@ fn export_loop(rx: Receiver<Span>, target: Target, cfg: ExportConfig, counters: 
             match target.post(&body) {
                 Ok(()) => counters.exported.fetch_add(n, Ordering::Relaxed),
                 Err(e) => {
-                    eprintln!("kvgate: exporting {n} spans to {}:{} failed: {e}", target.host, target.port);
+                    eprintln!("kvgate: {n} spans dropped (retryable: {}): {e}", e.retryable());
                     counters.failed.fetch_add(n, Ordering::Relaxed)
                 }
             };
@@ -511,6 +564,13 @@ mod tests {
         assert_eq!((t.host.as_str(), t.port, t.path.as_str()), ("collector", 4318, "/v1/traces"));
         assert_eq!(Target::parse("http://127.0.0.1:9/otlp/").expect("ok").path, "/otlp/v1/traces");
         assert!(Target::parse("https://c:4318").is_err() && Target::parse("http://:1").is_err());
+        let cfg = ExportConfig { endpoint: "http://c".into(), service: "s".into(), resource: vec![] };
+        assert!(matches!(Tracer::start(cfg, 2.0), Err(TraceError::Ratio(_))));
+        let closed =
+            Target::parse("http://127.0.0.1:9").expect("ok").post(b"x").expect_err("nothing listens on 9");
+        assert!(closed.retryable(), "{closed}");
+        assert!(!TraceError::Refused { target: "c".into(), status: "400".into() }.retryable());
+        assert!(Tracer::from_flags(None, "s", "i", 1.0).is_ok_and(|t| !t.enabled()));
         let long = "é".repeat(400);
         let Value::Str(s) = Value::from(long.as_str()) else { unreachable!() };
         assert!(s.len() <= MAX_ATTRIBUTE_BYTES && s.chars().all(|c| c == 'é'));

@@ -33,7 +33,7 @@ use crate::errors::{ApiError, GatewayErrors};
 use crate::registry::Fault;
 use crate::route::RouteInput;
 use crate::serve::pipeline::header;
-use crate::serve::prepare::{salt_for, CACHE_SALT_HEADER};
+use crate::serve::prepare::salt_for;
 use crate::serve::proxy::{self, Ctx, InflightGuard, CLIENT_CLOSED};
 use crate::serve::request::{with_first_members, with_members};
 use crate::serve::upstream::{unless_client_leaves, Attempt, Outcome};
@@ -147,20 +147,10 @@ pub async fn serve(
     ctx: &mut Ctx,
     path: &str,
 ) -> Result<(), ApiError> {
-    let read_limit = state.cfg.request_read_timeout;
-    let body = tokio::time::timeout(read_limit, proxy::read_body(session, state.cfg.max_body_bytes))
-        .await
-        .map_err(|_| ApiError::read_timeout(read_limit))??;
-    let caller = proxy::caller_of(state, header(session, "authorization"))?;
-    let header_salt = match session.req_header().headers.get(CACHE_SALT_HEADER) {
-        None => None,
-        Some(v) => Some(
-            v.to_str()
-                .map_err(|_| ApiError::invalid(CACHE_SALT_HEADER, "the cache salt header is not text"))?,
-        ),
-    };
-    let p = read(state, &caller, path, body, header_salt.map(str::to_owned).as_deref())?;
-    metrics::counter!("kvgate_gateway_passthrough_requests_total", "path" => path.to_owned()).increment(1);
+    let (body, caller, header_salt) = crate::serve::pipeline::read_request(state, session).await?;
+    let p = read(state, &caller, path, body, header_salt.as_deref())?;
+    let label = PATHS.iter().copied().find(|p| *p == path).unwrap_or("other");
+    metrics::counter!("kvgate_gateway_passthrough_requests_total", "path" => label).increment(1);
     // Class and budget, as a completion's.
     let input = ClassInput { prompt_tokens: p.prompt, max_tokens: None, model: &p.model, reasoning: false };
     let (class, class_name, configured) =

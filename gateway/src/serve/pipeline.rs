@@ -22,6 +22,7 @@ use bytes::Bytes;
 use hyper::header::{HeaderName, HeaderValue};
 use kvgate_router::route::{Candidate, Routed};
 use kvgate_router::split::plan::{can_import, SplitAsk};
+use kvgate_shared::trace::Value;
 use pingora::proxy::Session;
 
 use crate::admission::{ClassInput, Permit, CLASS_HEADER};
@@ -82,13 +83,26 @@ pub async fn prepare(
     session: &mut Session,
     path: &str,
 ) -> Result<Prepared, ApiError> {
+    let (body, caller, cache_salt) = read_request(state, session).await?;
+    let headers = PrepHeaders { session: header(session, SESSION_HEADER).map(str::to_owned), cache_salt };
+    let chat = path == "/v1/chat/completions";
+    let p = proxy::prepare_on_pool(state, chat, body, headers, caller.clone(), true).await?;
+    Ok(Prepared { p, caller, path: path.to_owned() })
+}
+
+/// What every request the proxy serves reads first: its body (within `--max-body-bytes` and
+/// `--request-read-timeout`), its caller (from its API key) and its cache salt header. The salt keys the KV blocks:
+/// a header that is not text is refused here, as the worker would refuse it, rather than routed unsalted and refused
+/// after admission.
+pub(crate) async fn read_request(
+    state: &Arc<GatewayState>,
+    session: &mut Session,
+) -> Result<(Bytes, Arc<Caller>, Option<String>), ApiError> {
     let read_limit = state.cfg.request_read_timeout;
     let body = tokio::time::timeout(read_limit, proxy::read_body(session, state.cfg.max_body_bytes))
         .await
         .map_err(|_| ApiError::read_timeout(read_limit))??;
     let caller = proxy::caller_of(state, header(session, "authorization"))?;
-    // The salt keys the KV blocks: a header that is not text is refused here, as the worker would refuse it,
-    // rather than routed unsalted and refused after admission.
     let cache_salt = match session.req_header().headers.get(CACHE_SALT_HEADER) {
         None => None,
         Some(v) => Some(
@@ -97,10 +111,7 @@ pub async fn prepare(
                 .to_owned(),
         ),
     };
-    let headers = PrepHeaders { session: header(session, SESSION_HEADER).map(str::to_owned), cache_salt };
-    let chat = path == "/v1/chat/completions";
-    let p = proxy::prepare_on_pool(state, chat, body, headers, caller.clone(), true).await?;
-    Ok(Prepared { p, caller, path: path.to_owned() })
+    Ok((body, caller, cache_salt))
 }
 
 /// Stage 2 (explain runs it too, with `max_candidates` for the whole ranking). `header_class`: the
@@ -420,18 +431,20 @@ pub async fn serve(
     ctx: &mut Ctx,
     path: &str,
 ) -> Result<(), ApiError> {
-    let stage = |ctx: &Ctx, name, start, attrs| {
+    // Stage spans, built only when the request is traced (no per-request cost otherwise).
+    let stage = |ctx: &Ctx, name, start, attrs: &dyn Fn() -> Vec<(&'static str, Value)>| {
         if let Some(t) = &ctx.trace {
             t.stage(&state.tracer, name, start, attrs);
         }
     };
     let t0 = Instant::now();
     let prep = prepare(state, session, path).await?;
-    let prompt = vec![
-        ("gen_ai.request.model", prep.p.fields.model.clone()),
-        ("kvgate.prompt_tokens", prep.p.ids.len().to_string()),
-    ];
-    stage(ctx, "prepare", t0, prompt);
+    stage(ctx, "prepare", t0, &|| {
+        vec![
+            ("gen_ai.request.model", Value::from(prep.p.fields.model.as_str())),
+            ("kvgate.prompt_tokens", Value::from(prep.p.ids.len() as u64)),
+        ]
+    });
     let t1 = Instant::now();
     let priced = price(state, &prep.p, &prep.caller, header(session, CLASS_HEADER), 1)?;
     ctx.class = priced.class_name.clone();
@@ -440,11 +453,14 @@ pub async fn serve(
         return Ok(());
     };
     ctx.admission_wait = admitted.permit.waited;
-    stage(ctx, "admit", t1, vec![("kvgate.class", ctx.class.clone())]);
+    stage(ctx, "admit", t1, &|| vec![("kvgate.class", Value::from(ctx.class.as_str()))]);
     let t2 = Instant::now();
     let routed = route(state, &prep, &admitted)?;
-    let picked = routed.routed.candidates.first().map(|c| c.id.clone()).unwrap_or_default();
-    let reason = if routed.routed.is_split() { RouteReason::Split } else { routed.routed.reason };
-    stage(ctx, "route", t2, vec![("kvgate.worker", picked), ("kvgate.route", reason.as_str().to_owned())]);
+    stage(ctx, "route", t2, &|| {
+        let r = &routed.routed;
+        let picked = r.candidates.first().map_or("", |c| c.id.as_str());
+        let reason = if r.is_split() { RouteReason::Split } else { r.reason };
+        vec![("kvgate.worker", Value::from(picked)), ("kvgate.route", Value::from(reason.as_str()))]
+    });
     forward(state, session, ctx, &prep, admitted, routed).await
 }

@@ -8,7 +8,7 @@
 use std::time::Instant;
 
 use hyper::header::{HeaderName, HeaderValue};
-use kvgate_shared::trace::{new_id, parent_of, Kind, Span, TraceContext, Tracer, TRACEPARENT};
+use kvgate_shared::trace::{new_id, parent_of, Kind, Span, TraceContext, Tracer, Value, TRACEPARENT};
 
 /// The trace of one request.
 #[derive(Debug)]
@@ -24,19 +24,18 @@ impl RequestTrace {
         Some(Self { ctx: tracer.context(traceparent)?, root: new_id(), start: Instant::now() })
     }
 
-    /// Records stage `name`, from `start` to now.
+    /// Records stage `name`, from `start` to now, with the attributes `attrs` gives (called only when traced, so
+    /// an untraced request builds none).
     pub fn stage(
         &self,
         tracer: &Tracer,
         name: &'static str,
         start: Instant,
-        attrs: Vec<(&'static str, String)>,
+        attrs: impl FnOnce() -> Vec<(&'static str, Value)>,
     ) {
         let mut s =
             Span::new(self.ctx.trace_id, Some(self.root), name, Kind::Internal, start, Instant::now());
-        for (k, v) in attrs {
-            s = s.attr(k, v);
-        }
+        s.attributes = attrs();
         tracer.record(s);
     }
 

@@ -294,15 +294,13 @@ impl ServeArgs {
         // A setting without a declared default: flags/env (unless clap filled them in), else the file.
         macro_rules! pick {
             ($f:ident) => {
-                self.$f.clone().filter(|_| self.layers.given(stringify!($f))).or(file.$f.clone())
+                self.layers.value(stringify!($f), &self.$f, &file.$f)
             };
         }
         // A setting with a declared default (`default_value`): the default written once, on the flag.
         macro_rules! set {
             ($f:ident) => {
-                self.layers.pick(&cmd, stringify!($f), &self.$f, &file.$f).ok_or_else(|| {
-                    format!("--{}: no value and no default", stringify!($f).replace('_', "-"))
-                })?
+                self.layers.setting(&cmd, stringify!($f), &self.$f, &file.$f).map_err(|e| e.to_string())?
             };
         }
         let model = match (pick!(model), pick!(synth)) {

@@ -607,17 +607,13 @@ pub async fn serve(cfg: ServeConfig) -> Result<(), String> {
         created: std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_secs()),
-        tracer: match &cfg.otlp_endpoint {
-            None => kvgate_shared::trace::Tracer::off(),
-            Some(endpoint) => {
-                let export = kvgate_shared::trace::ExportConfig {
-                    endpoint: endpoint.clone(),
-                    service: "kvgate-worker".into(),
-                    resource: vec![("service.instance.id", worker_id.clone())],
-                };
-                kvgate_shared::trace::Tracer::start(export, cfg.trace_sample_ratio)?
-            }
-        },
+        tracer: kvgate_shared::trace::Tracer::from_flags(
+            cfg.otlp_endpoint.as_deref(),
+            "kvgate-worker",
+            &worker_id,
+            cfg.trace_sample_ratio,
+        )
+        .map_err(|e| e.to_string())?,
     });
 
     let loader_state = state.clone();

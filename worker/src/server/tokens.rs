@@ -4,6 +4,9 @@
 //! tokenized exactly as a completion's prompt, and answers `{"count", "max_model_len", "tokens", "token_strs"}`
 //! (`token_strs` with `return_token_strs: true`, else null). `/detokenize` takes `tokens` and answers `{"prompt"}`.
 //! Both read the body within `--max-body-bytes`, and a `model` that is not this worker's is 404, as a completion.
+//! A field these endpoints do not implement is refused by name (400 `unsupported_parameter`: vLLM's
+//! `continue_final_message`, `mm_processor_kwargs`, `add_special_tokens: true` with messages, ...), and a chat-only
+//! field sent with a text prompt is 400 on that field; none is ignored.
 
 use std::sync::Arc;
 
@@ -37,6 +40,9 @@ struct TokenizeRequest {
     chat_template_kwargs: Option<Map<String, Value>>,
     #[serde(default)]
     return_token_strs: bool,
+    /// Anything else (vLLM's `continue_final_message`, `mm_processor_kwargs`, ...): refused by name.
+    #[serde(flatten)]
+    extra: Map<String, Value>,
 }
 
 #[derive(Deserialize)]
@@ -44,6 +50,16 @@ struct DetokenizeRequest {
     #[serde(default)]
     model: Option<String>,
     tokens: Vec<u32>,
+    #[serde(flatten)]
+    extra: Map<String, Value>,
+}
+
+/// The first field of `extra`, refused by name (400 `unsupported_parameter`).
+fn refuse_extra(extra: &Map<String, Value>) -> Result<(), ApiError> {
+    match extra.keys().next() {
+        Some(k) => Err(ApiError::unsupported(k)),
+        None => Ok(()),
+    }
 }
 
 fn check_model(named: Option<&str>, served: &str) -> Result<(), ApiError> {
@@ -66,7 +82,23 @@ pub async fn tokenize(State(state): State<Arc<AppState>>, body: Body) -> Respons
                 ApiError::internal(e.to_string())
             }
         };
+        refuse_extra(&req.extra)?;
         let ids = match (&req.prompt, &req.messages) {
+            (Some(_), None) if req.add_generation_prompt.is_some() || req.tools.is_some() => {
+                let field = if req.tools.is_some() { "tools" } else { "add_generation_prompt" };
+                return Err(ApiError::invalid(
+                    field,
+                    format!("{field} applies to messages, not to a prompt"),
+                ));
+            }
+            (Some(_), None) if req.chat_template_kwargs.is_some() => {
+                let m = "chat_template_kwargs applies to messages, not to a prompt";
+                return Err(ApiError::invalid("chat_template_kwargs", m));
+            }
+            (None, Some(_)) if req.add_special_tokens == Some(true) => {
+                // The chat template writes the special tokens itself (vLLM's default for messages is false).
+                return Err(ApiError::unsupported("add_special_tokens"));
+            }
             (Some(text), None) => l
                 .prompter
                 .encode(text, req.add_special_tokens.unwrap_or(true))
@@ -96,6 +128,7 @@ pub async fn detokenize(State(state): State<Arc<AppState>>, body: Body) -> Respo
         let l = super::api::loaded(&state)?;
         let req: DetokenizeRequest = parse_body(body, state.cfg.max_body_bytes).await?;
         check_model(req.model.as_deref(), &l.model_id)?;
+        refuse_extra(&req.extra)?;
         let vocab = l.prompter.vocab_size();
         if let Some(t) = req.tokens.iter().find(|t| **t as usize >= vocab) {
             return Err(ApiError::invalid(
