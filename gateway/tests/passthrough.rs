@@ -12,7 +12,11 @@ use serde_json::json;
 #[tokio::test]
 async fn tokenize_and_detokenize_pass_through_by_load_with_the_callers_key_and_limits() {
     let dir = tempfile::tempdir().expect("tmp");
-    let keys = keys_file(dir.path(), &[], "");
+    let keys = keys_file(
+        dir.path(),
+        &[],
+        "[[keys]]\nkey = \"salted-tenant-key-0123456789\"\ntenant = \"salted\"\ncache_salt = \"salt-s\"\n",
+    );
     let (g, control) = gateway(&[
         "--api-keys-file",
         keys.to_str().expect("path"),
@@ -91,6 +95,29 @@ async fn tokenize_and_detokenize_pass_through_by_load_with_the_callers_key_and_l
     assert_eq!((r.status, r.json()["error"]["code"].clone()), (404, json!("route_not_found")), "{}", r.body);
     assert!(!r.header("x-kvgate-worker").is_empty());
 
+    // A tenant with a forced salt: tokenize and detokenize keep no KV, so no salt is added (was 400 cache_salt).
+    let salted = [("authorization", "Bearer salted-tenant-key-0123456789")];
+    let r = post(&url("/tokenize"), &json!({"prompt": text}), &salted).await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.json()["tokens"], direct["tokens"]);
+    let r = post(&url("/detokenize"), &json!({"tokens": tokens}), &salted).await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    // A body the gateway rewrites for that tenant may not repeat a member (a pod's parser might read the other
+    // copy), and `"cache_salt": null` is replaced, not left after the tenant's salt.
+    let dup = r#"{"model":"kvgate-tiny","input":"x","cache_salt":null,"input":"y"}"#;
+    let r = request("POST", &url("/v1/embeddings"), Some(dup.into()), &salted).await;
+    assert_eq!((r.status, r.json()["error"]["param"].clone()), (400, json!("input")), "{}", r.body);
+    // Responses: what the body cannot show is refused by name; an output past the context is refused.
+    for (body, param) in [
+        (json!({"model": MODEL, "input": "x", "previous_response_id": "resp_1"}), "previous_response_id"),
+        (json!({"model": MODEL, "input": "x", "conversation": "conv_1"}), "conversation"),
+        (json!({"model": MODEL, "input": "x", "background": true}), "background"),
+        (json!({"model": MODEL, "input": "x", "max_output_tokens": u64::MAX}), "max_output_tokens"),
+    ] {
+        let r = post(&url("/v1/responses"), &body, &key).await;
+        assert_eq!((r.status, r.json()["error"]["param"].clone()), (400, json!(param)), "{}", r.body);
+    }
+
     // GET /v1/models/{id}: answered by the gateway.
     let r = request("GET", &url(&format!("/v1/models/{MODEL}")), None, &key).await;
     assert_eq!(r.status, 200, "{}", r.body);
@@ -104,9 +131,9 @@ async fn tokenize_and_detokenize_pass_through_by_load_with_the_callers_key_and_l
         assert_eq!(st["inflight"], 0, "{st}");
     }
 
-    // Counted by path: the requests the gateway read and passed on (6 texts, a chat and the 3 the worker refused;
-    // not the ones the gateway refused itself).
+    // Counted by path: the requests the gateway read and passed on (6 texts, a chat, the 3 the worker refused and
+    // the salted tenant's; not the ones the gateway refused itself).
     let m = get(&format!("{control}/metrics")).await.body;
     let n = metric(&m, "kvgate_gateway_passthrough_requests_total{path=\"/tokenize\"}").expect("counted");
-    assert_eq!(n, 10.0);
+    assert_eq!(n, 11.0);
 }

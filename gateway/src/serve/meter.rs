@@ -82,8 +82,23 @@ fn has_text(event: &[u8], key: &[u8]) -> bool {
 enum Kind {
     Token,
     Usage,
+    ResponseUsage,
     Other,
 }
+
+/// The Responses API's stream events that end a response with its usage.
+const RESPONSE_ENDS: [&[u8]; 3] = [
+    b"\"type\":\"response.completed\"",
+    b"\"type\":\"response.incomplete\"",
+    b"\"type\":\"response.failed\"",
+];
+/// The Responses API's stream events that carry generated text.
+const RESPONSE_DELTAS: [&[u8]; 4] = [
+    b"\"type\":\"response.output_text.delta\"",
+    b"\"type\":\"response.reasoning_text.delta\"",
+    b"\"type\":\"response.refusal.delta\"",
+    b"\"type\":\"response.function_call_arguments.delta\"",
+];
 
 fn classify(event: &[u8]) -> Kind {
     let is_data = event.split(|b| *b == b'\n').any(|l| l.starts_with(b"data:"));
@@ -92,6 +107,15 @@ fn classify(event: &[u8]) -> Kind {
     }
     if find(event, b"\"choices\":[]").is_some() && find(event, b"\"usage\":{").is_some() {
         return Kind::Usage;
+    }
+    // The Responses API: its usage ends the stream inside `response.completed` (or `.incomplete` / `.failed`, an
+    // event that also repeats the whole output's text, so it is read before the token keys); text arrives in
+    // `*.delta` events. Its usage is the client's own: never taken out.
+    if RESPONSE_ENDS.iter().any(|t| find(event, t).is_some()) && find(event, b"\"usage\":{").is_some() {
+        return Kind::ResponseUsage;
+    }
+    if RESPONSE_DELTAS.iter().any(|t| find(event, t).is_some()) && has_text(event, b"\"delta\":") {
+        return Kind::Token;
     }
     let keys: [&[u8]; 3] = [b"content\":", b"\"text\":", b"\"arguments\":"];
     if keys.iter().any(|k| has_text(event, k)) {
@@ -215,6 +239,10 @@ impl Meter {
                 if !self.strip_usage {
                     out.extend_from_slice(&event);
                 }
+            }
+            Kind::ResponseUsage => {
+                self.usage = UsageSeen::parse(&event).or(self.usage);
+                out.extend_from_slice(&event);
             }
             Kind::Other => self.forward(&event, out),
         }
@@ -403,5 +431,25 @@ mod tests {
         assert_eq!(out, body.len());
         assert_eq!(m.usage(), Some(UsageSeen { prompt: 100, completion: 7, cached: 64 }));
         assert_eq!(last_number_after(b"data: [DONE]", b"\"cached_tokens\":"), None);
+    }
+
+    #[test]
+    fn a_responses_stream_counts_its_deltas_and_reads_the_usage_of_response_completed() {
+        let delta = |t: &str| {
+            format!("event: response.output_text.delta\ndata: {{\"type\":\"response.output_text.delta\",\"item_id\":\"m\",\"delta\":\"{t}\"}}\n\n")
+        };
+        let created = "event: response.created\ndata: {\"type\":\"response.created\",\"response\":{\"id\":\"r\",\"usage\":null}}\n\n";
+        let done = "event: response.completed\ndata: {\"type\":\"response.completed\",\"response\":{\"output\":[{\"content\":[{\"type\":\"output_text\",\"text\":\"ab c\"}]}],\"usage\":{\"input_tokens\":12,\"input_tokens_details\":{\"cached_tokens\":8},\"output_tokens\":3000,\"total_tokens\":3012}}}\n\n";
+        let stream = format!("{created}{}{}{}{done}", delta("ab"), delta(" c"), delta(""));
+        let mut m = Meter::new(true, false);
+        let out = m.feed(stream.as_bytes());
+        assert_eq!(out, stream.as_bytes(), "a Responses stream passes unchanged");
+        assert_eq!(m.token_events(), 2, "two deltas with text");
+        assert_eq!(m.usage(), Some(UsageSeen { prompt: 12, completion: 3000, cached: 8 }));
+        assert_eq!(m.tokens_sent(), 3000);
+        // Cut before response.completed: what was sent is counted.
+        let mut cut = Meter::new(true, false);
+        cut.feed(format!("{created}{}{}", delta("x"), delta("y")).as_bytes());
+        assert_eq!((cut.usage(), cut.tokens_sent()), (None, 2));
     }
 }

@@ -35,13 +35,23 @@ use crate::route::RouteInput;
 use crate::serve::pipeline::header;
 use crate::serve::prepare::salt_for;
 use crate::serve::proxy::{self, Ctx, InflightGuard, CLIENT_CLOSED};
-use crate::serve::request::{with_first_members, with_members};
+use crate::serve::request::set_members;
 use crate::serve::upstream::{unless_client_leaves, Attempt, Outcome};
 use crate::state::GatewayState;
 
 /// The POST paths passed through.
 pub const PATHS: &[&str] =
     &["/v1/embeddings", "/v1/responses", "/v1/rerank", "/v1/score", "/tokenize", "/detokenize"];
+
+/// Most `max_output_tokens` a `/v1/responses` body may ask for when no worker told the model's context length
+/// (with one, the context length is the limit): past it, 400 on `max_output_tokens`.
+pub const MAX_OUTPUT_TOKENS: u64 = 1 << 20;
+
+/// 400 `unsupported_parameter` for a Responses member the gateway cannot price.
+fn unpriced(param: &str) -> ApiError {
+    let m = format!("{param} is not supported through the gateway: it stands for work the body does not show, which the class budget cannot price");
+    ApiError::new(400, "invalid_request_error", "unsupported_parameter", m).with_param(param)
+}
 
 /// Bytes of body counted as one prompt token when pricing a request the gateway does not tokenize.
 pub const BYTES_PER_TOKEN: u64 = 4;
@@ -55,9 +65,26 @@ struct Fields {
     stream: Option<bool>,
     #[serde(default)]
     max_output_tokens: Option<u64>,
+    /// Responses members that let a small body stand for a large or detached computation: refused by name.
     #[serde(default)]
-    cache_salt: Option<String>,
+    previous_response_id: Option<serde::de::IgnoredAny>,
+    #[serde(default)]
+    conversation: Option<serde::de::IgnoredAny>,
+    #[serde(default)]
+    background: Option<bool>,
+    /// `Some(None)`: the member is there as `null` (it is still replaced, never left after the tenant's salt).
+    #[serde(default, deserialize_with = "present")]
+    cache_salt: Option<Option<String>>,
 }
+
+/// A member that may be `null`: `Some(None)` when present as `null`, `None` (the default) when absent.
+fn present<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<Option<String>>, D::Error> {
+    Option::<String>::deserialize(d).map(Some)
+}
+
+/// Paths whose worker keeps no KV: a tenant's salt is not added to their bodies (a kvgate worker refuses a
+/// `cache_salt` there by name).
+const NO_KV: &[&str] = &["/tokenize", "/detokenize"];
 
 /// A passed-through request, read and priced.
 struct Passed {
@@ -100,23 +127,48 @@ fn read(
         }
     })?;
     let model = model_of(state, f.model)?;
-    let client_salt = f.cache_salt.as_deref().or(header_salt);
+    let had_salt = f.cache_salt.is_some();
+    let client_salt = f.cache_salt.as_ref().and_then(|s| s.as_deref()).or(header_salt);
     if client_salt.is_some_and(|s| s.starts_with(TENANT_SALT_PREFIX)) {
         let m =
             format!("a cache salt may not start with {TENANT_SALT_PREFIX:?} (reserved for tenants' salts)");
         return Err(ApiError::invalid("cache_salt", &m));
     }
-    let (salt, _, salt_rewritten) = salt_for(caller, client_salt, state.cfg.report_secret.as_deref());
-    let body = match (salt_rewritten, f.cache_salt.is_some()) {
-        (false, _) => body,
-        (true, had) => {
+    let (salt, _, salt_rewritten) = match NO_KV.contains(&path) {
+        true => (None, None, false),
+        false => salt_for(caller, client_salt, state.cfg.report_secret.as_deref()),
+    };
+    let body = match salt_rewritten {
+        false => body,
+        true => {
             let v = serde_json::to_string(&salt.unwrap_or_default())
                 .map_err(|e| ApiError::internal(e.to_string()))?;
-            let set = [("cache_salt", v)];
-            Bytes::from(if had { with_members(&body, &set)? } else { with_first_members(&body, &set)? })
+            Bytes::from(set_members(&body, had_salt, &[("cache_salt", v)])?)
         }
     };
     let generates = path == "/v1/responses";
+    if generates {
+        // The price is the body's size plus the output asked for: a member that makes the worker read a stored
+        // conversation, or run on after the answer, is a computation the body does not show.
+        if f.previous_response_id.is_some() {
+            return Err(unpriced("previous_response_id"));
+        }
+        if f.conversation.is_some() {
+            return Err(unpriced("conversation"));
+        }
+        if f.background == Some(true) {
+            return Err(unpriced("background"));
+        }
+        let limit = state.registry().max_model_len(&model).map_or(MAX_OUTPUT_TOKENS, u64::from);
+        if f.max_output_tokens.is_some_and(|n| n > limit) {
+            return Err(ApiError::invalid(
+                "max_output_tokens",
+                format!(
+                    "max_output_tokens may be at most {limit} (the model's context, or MAX_OUTPUT_TOKENS)"
+                ),
+            ));
+        }
+    }
     Ok(Passed {
         model,
         stream: f.stream.unwrap_or(false),
@@ -160,7 +212,7 @@ pub async fn serve(
         "/v1/responses" if p.output == 0 => state.expected_output(&class_name, configured),
         _ => p.output,
     };
-    let price = (p.prompt + output) as f64;
+    let price = p.prompt.saturating_add(output) as f64;
     let waiting = state.admission.admit(class, Some(&caller.tenant), price);
     let Some(permit) = unless_client_leaves(session, waiting).await else {
         ctx.status = CLIENT_CLOSED;

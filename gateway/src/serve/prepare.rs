@@ -20,9 +20,7 @@ use kvgate_shared::prompt::RequestPrompt;
 use crate::control::keys::Caller;
 use crate::errors::{ApiError, GatewayErrors};
 use crate::route::RouteInput;
-use crate::serve::request::{
-    parse, stream_options_with_usage, with_first_members, with_members, PromptBody, RoutingFields,
-};
+use crate::serve::request::{parse, set_members, stream_options_with_usage, PromptBody, RoutingFields};
 use crate::state::GatewayState;
 
 /// Header carrying a session id for the ring.
@@ -147,10 +145,7 @@ pub fn prepare(
     let keys = fields.body_keys;
     let body = match members.is_empty() {
         true => body,
-        false if !keys.cache_salt && !keys.stream_options => {
-            Bytes::from(with_first_members(&body, &members)?)
-        }
-        false => Bytes::from(with_members(&body, &members)?),
+        false => Bytes::from(set_members(&body, keys.cache_salt || keys.stream_options, &members)?),
     };
     let request = if salt_rewritten {
         RequestPrompt {

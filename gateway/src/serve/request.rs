@@ -341,6 +341,16 @@ impl<'de> Visitor<'de> for BudgetSeed<'_> {
     }
 }
 
+/// `body` with the members of `set` (JSON texts) in place of its own: prepended to a copy when `present` is false
+/// (the body has none of them), else rewritten member by member, a body that repeats a member refused (400). The
+/// one salt and `stream_options` rewrite of every path that forwards a client's body.
+pub fn set_members(body: &[u8], present: bool, set: &[(&str, String)]) -> Result<Vec<u8>, ApiError> {
+    match present {
+        false => with_first_members(body, set),
+        true => with_members(body, set),
+    }
+}
+
 /// `body` (an object without any of these keys) with the members of `set` added first: a copy, no parse (the
 /// common case: a stream asked for its usage, a tenant's salt, in a body that has neither).
 pub fn with_first_members(body: &[u8], set: &[(&str, String)]) -> Result<Vec<u8>, ApiError> {
@@ -396,6 +406,15 @@ pub fn with_members(body: &[u8], set: &[(&str, String)]) -> Result<Vec<u8>, ApiE
     let text = std::str::from_utf8(body).map_err(|_| ApiError::bad_json("the body is not UTF-8"))?;
     let entries: Entries<'_> = serde_json::from_str(text)
         .map_err(|e| ApiError::bad_json(format!("the body is not valid JSON: {e}")))?;
+    // A body with a member twice means different things to different parsers (serde keeps the first or refuses,
+    // Python's json the last): the gateway would rewrite one copy and a pod might read the other.
+    let mut seen = std::collections::HashSet::with_capacity(entries.0.len());
+    if let Some((k, _)) = entries.0.iter().find(|(k, _)| !seen.insert(k.as_ref())) {
+        return Err(ApiError::invalid(
+            k.to_string(),
+            format!("the member {k:?} appears more than once in the body"),
+        ));
+    }
     let extra: usize = set.iter().map(|(k, v)| k.len() + v.len() + 4).sum();
     let mut out = Vec::with_capacity(body.len() + extra + 2);
     out.push(b'{');

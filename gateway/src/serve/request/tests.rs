@@ -193,3 +193,16 @@ proptest! {
         }
     }
 }
+
+#[test]
+fn a_rewrite_replaces_a_null_member_and_refuses_a_repeated_one() {
+    let out = set_members(br#"{"model":"m","cache_salt":null}"#, true, &[salt("t")]).expect("rewritten");
+    let v: serde_json::Value = serde_json::from_slice(&out).expect("json");
+    assert_eq!(v, serde_json::json!({"model": "m", "cache_salt": "t"}));
+    assert_eq!(String::from_utf8_lossy(&out).matches("cache_salt").count(), 1, "one salt member");
+    let e = set_members(br#"{"cache_salt":"a","model":"m","cache_salt":null}"#, true, &[salt("t")])
+        .expect_err("a repeated member");
+    assert_eq!((e.status, e.param.as_deref()), (400, Some("cache_salt")));
+    let out = set_members(br#"{"model":"m"}"#, false, &[salt("t")]).expect("prepended");
+    assert!(out.starts_with(br#"{"cache_salt":"t","#), "{}", String::from_utf8_lossy(&out));
+}
