@@ -233,6 +233,11 @@ pub struct GatewayArgs {
     /// Share of requests without a sampled `traceparent` that are traced ([0, 1]).
     #[arg(long, env = "KVGATE_GATEWAY_TRACE_SAMPLE_RATIO", default_value = "1")]
     pub trace_sample_ratio: Option<f64>,
+    /// Trace every request whose client `traceparent` says sampled, past `--trace-sample-ratio` (for a gateway
+    /// behind a tier that samples, such as an ingress that traces). Off: a client's sampled flag is drawn by the
+    /// ratio like any other request, so no client can make all of its requests traced.
+    #[arg(long, env = "KVGATE_GATEWAY_TRUST_TRACE_SAMPLING", num_args = 0..=1, default_missing_value = "true", default_value = "false")]
+    pub trust_trace_sampling: Option<bool>,
     /// Request classes and their token budgets (TOML `[[classes]]`; default: short / long / reasoning, see
     /// admission/classes.rs).
     #[arg(skip)]
@@ -404,6 +409,16 @@ pub struct GatewayConfig {
     pub share_sends: bool,
     pub otlp_endpoint: Option<String>,
     pub trace_sample_ratio: f64,
+    pub trust_trace_sampling: bool,
+}
+
+/// Whether a `redis://` URL carries a password (`scheme://[user]:password@host...`).
+fn url_has_password(url: &str) -> bool {
+    let rest = url.split_once("://").map_or(url, |(_, r)| r);
+    let authority = rest.split(['/', '?']).next().unwrap_or("");
+    authority
+        .rsplit_once('@')
+        .is_some_and(|(info, _)| info.split_once(':').is_some_and(|(_, pw)| !pw.is_empty()))
 }
 
 /// The first-byte timeout of a request: `floor + uncached prompt tokens x per_prompt_token` (+ `max_tokens x
@@ -565,6 +580,7 @@ impl GatewayArgs {
             share_sends: set!(share_sends),
             otlp_endpoint: pick!(otlp_endpoint).filter(|e| !e.is_empty()),
             trace_sample_ratio: set!(trace_sample_ratio),
+            trust_trace_sampling: set!(trust_trace_sampling),
         };
         cfg.state_file = state_file(pick!(state_file), cfg.admin_token.is_some());
         cfg.validate()?;
@@ -598,6 +614,15 @@ impl GatewayConfig {
         let mut p = Vec::new();
         if !(0.0..=1.0).contains(&self.trace_sample_ratio) {
             p.push(format!("trace-sample-ratio {} is not in [0, 1]", self.trace_sample_ratio));
+        }
+        if let (Some(url), Some(_), None) = (&self.redis_url, &self.redis_username, &self.redis_password) {
+            if !url_has_password(url) {
+                p.push(
+                    "redis-username needs a password (--redis-password, or one in --redis-url): a user name alone \
+                     would connect unauthenticated"
+                        .into(),
+                );
+            }
         }
         if !POLICIES.contains(&self.policy.as_str()) {
             p.push(format!("policy {:?} is not one of {}", self.policy, POLICIES.join(", ")));

@@ -40,6 +40,25 @@ fn models_come_from_flags_or_the_toml_file_and_are_checked() {
 }
 
 #[test]
+fn a_redis_user_name_without_a_password_is_refused() {
+    let with = |url: &str, password: Option<&str>| {
+        let a = GatewayArgs {
+            redis_url: Some(url.into()),
+            redis_username: Some("kvgate".into()),
+            redis_password: password.map(str::to_owned),
+            ..secured()
+        };
+        a.resolve().and_then(|c| c.validate())
+    };
+    let err = with("redis://127.0.0.1:6379", None).expect_err("no password");
+    assert!(err.contains("redis-username needs a password"), "{err}");
+    assert!(with("redis://u@127.0.0.1:6379/0", None).is_err(), "a user in the URL is no password");
+    assert!(with("redis://127.0.0.1:6379", Some("pw")).is_ok());
+    assert!(with("redis://:pw@127.0.0.1:6379", None).is_ok());
+    assert!(with("rediss://u:pw@h:6380/1", None).is_ok());
+}
+
+#[test]
 fn no_report_secret_is_refused_unless_insecure_reports() {
     let err = GatewayArgs::default().resolve().expect_err("no secret");
     assert!(err.contains("report secret"), "{err}");

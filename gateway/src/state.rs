@@ -169,7 +169,8 @@ impl GatewayState {
             &cfg.replica_id,
             cfg.trace_sample_ratio,
         )
-        .map_err(|e| e.to_string())?;
+        .map_err(|e| e.to_string())?
+        .trusting_upstream_sampling(cfg.trust_trace_sampling);
         let cfg_ring = (cfg.ring_sketch_entries, cfg.ring_hub_fanout);
         let cfg_share_sends = cfg.share_sends && cfg.redis_url.is_some();
         Ok(Self {

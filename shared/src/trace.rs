@@ -9,8 +9,10 @@
 //! allocated per peer input beyond the span being recorded: a `traceparent` that is not exactly W3C version 00 is
 //! ignored (the request starts a new trace), and attribute strings are cut at [`MAX_ATTRIBUTE_BYTES`].
 //!
-//! Sampling: a request whose `traceparent` says sampled is traced, one that says not sampled is not; without one, a
-//! request is traced with the configured ratio (the decision travels on in the flags).
+//! Sampling: a request without a `traceparent`, or (unless upstream sampling is trusted) one whose `traceparent`
+//! says sampled, is traced with the configured ratio; one that says not sampled is not; with upstream sampling
+//! trusted (the workers trust their gateway) a sampled `traceparent` is always traced. The decision travels on in
+//! the flags.
 
 use std::collections::hash_map::RandomState;
 use std::hash::{BuildHasher, Hasher};
@@ -259,6 +261,8 @@ pub struct Counters {
 pub struct Tracer {
     tx: Option<SyncSender<Span>>,
     ratio: f64,
+    /// A sampled `traceparent` is traced whatever the ratio (see [`Tracer::trusting_upstream_sampling`]).
+    trust_upstream: bool,
     counters: Arc<Counters>,
 }
 
@@ -271,7 +275,7 @@ impl Default for Tracer {
 impl Tracer {
     /// A tracer that records nothing.
     pub fn off() -> Self {
-        Self { tx: None, ratio: 0.0, counters: Arc::default() }
+        Self { tx: None, ratio: 0.0, trust_upstream: true, counters: Arc::default() }
     }
 
     /// A binary's tracer: off without an endpoint, else exporting as `service` (instance `instance`).
@@ -303,7 +307,15 @@ impl Tracer {
             .name("otlp-export".into())
             .spawn(move || export_loop(rx, target, cfg, c))
             .map_err(|e| TraceError::Spawn(e.to_string()))?;
-        Ok(Self { tx: Some(tx), ratio, counters })
+        Ok(Self { tx: Some(tx), ratio, trust_upstream: true, counters })
+    }
+
+    /// Whether a `traceparent` that says sampled is traced whatever the ratio (`true`, the default: the caller is
+    /// a trusted tier, as the gateway is for its workers), or drawn by the ratio like any other request (`false`:
+    /// a client may not make every request of its own traced and so fill the export queue).
+    pub fn trusting_upstream_sampling(mut self, trust: bool) -> Self {
+        self.trust_upstream = trust;
+        self
     }
 
     pub fn enabled(&self) -> bool {
@@ -318,16 +330,17 @@ impl Tracer {
     /// chance; `None`: not traced.
     pub fn context(&self, traceparent: Option<&str>) -> Option<TraceContext> {
         self.tx.as_ref()?;
+        let draw = || u64::from_le_bytes(new_id::<8>()) as f64 / u64::MAX as f64;
         match traceparent.and_then(TraceContext::parse) {
-            Some(c) => c.sampled.then_some(c),
-            None => {
-                let draw = u64::from_le_bytes(new_id::<8>()) as f64 / u64::MAX as f64;
-                (draw < self.ratio).then(|| TraceContext {
-                    trace_id: new_id(),
-                    span_id: [0; 8],
-                    sampled: true,
-                })
-            }
+            Some(c) if self.trust_upstream => c.sampled.then_some(c),
+            // Untrusted: the client's trace is kept as the parent, and a sampled one is traced by the ratio's draw
+            // (a client may decline tracing, never force it).
+            Some(c) => (c.sampled && draw() < self.ratio).then_some(c),
+            None => (draw() < self.ratio).then(|| TraceContext {
+                trace_id: new_id(),
+                span_id: [0; 8],
+                sampled: true,
+            }),
         }
     }
 
@@ -577,10 +590,30 @@ mod tests {
     }
 
     #[test]
+    fn a_clients_sampled_flag_is_drawn_by_the_ratio_unless_upstream_sampling_is_trusted() {
+        let sampled = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+        let (tx, _rx) = sync_channel(1);
+        let never = Tracer { tx: Some(tx), ratio: 0.0, trust_upstream: true, counters: Arc::default() };
+        assert!(never.context(Some(sampled)).is_some(), "trusted: the flag decides");
+        let never = never.trusting_upstream_sampling(false);
+        assert!(
+            (0..200).all(|_| never.context(Some(sampled)).is_none()),
+            "untrusted: ratio 0 traces nothing"
+        );
+        let always = Tracer { ratio: 1.0, ..never };
+        let c = always.context(Some(sampled)).expect("ratio 1 traces");
+        assert_eq!(
+            parent_of(&c),
+            Some(TraceContext::parse(sampled).expect("ok").span_id),
+            "the client's parent"
+        );
+    }
+
+    #[test]
     fn a_full_queue_drops_and_counts_rather_than_waits() {
         // An exporter that never drains: a closed port, queue of MAX_QUEUED_SPANS.
         let (tx, _rx) = sync_channel(2);
-        let t = Tracer { tx: Some(tx), ratio: 1.0, counters: Arc::default() };
+        let t = Tracer { tx: Some(tx), ratio: 1.0, trust_upstream: true, counters: Arc::default() };
         let now = Instant::now();
         for _ in 0..5 {
             t.record(Span::new(new_id(), None, "x", Kind::Internal, now, now));
