@@ -261,3 +261,64 @@ async fn a_client_leaving_a_split_request_cancels_both_legs() {
     let r = post(&url, &body(false), &[]).await;
     assert_eq!(r.status, 200, "{}", r.body);
 }
+
+/// The sequence of #41, on this harness's workers: a prefill and a decode worker the gateway knows, a `both` worker
+/// it does not; the request is answered by the `both` worker directly first, then through the gateway, under each
+/// split policy. Every answer comes well inside the first-byte timeout and equals the direct one.
+#[tokio::test]
+async fn a_request_answered_directly_first_is_answered_through_the_gateway_under_every_split_policy() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let synth = dir.path().join("tiny");
+    let b = worker("b0", &synth, None, &[]);
+    let prompt: Vec<u32> = (0..80u32).map(|i| (i * 53 + 7) % 500 + 1).collect();
+    let req =
+        json!({"model": MODEL, "prompt": prompt, "max_tokens": 192, "temperature": 0, "ignore_eos": true});
+    for policy in ["cost_model", "always", "aggregated"] {
+        let (g, control) = gateway(&["--split-policy", policy]);
+        let (_p, _d) = pool(dir.path(), &control);
+        wait_healthy(&control, 2).await;
+        let direct = post(&format!("{}/v1/completions", b.base), &req, &[]).await;
+        assert_eq!(direct.status, 200, "{}", direct.body);
+        let started = std::time::Instant::now();
+        let via = post(&format!("{}/v1/completions", g.base), &req, &[]).await;
+        let took = started.elapsed();
+        assert_eq!(via.status, 200, "{policy}: {}", via.body);
+        assert!(took < std::time::Duration::from_secs(10), "{policy}: {took:?}");
+        assert_eq!(via.json()["choices"][0]["text"], direct.json()["choices"][0]["text"], "{policy}");
+        drop(g);
+    }
+}
+
+/// A prefill worker that accepts a split and then sends no KV while it renews the lease (its prefill queued or
+/// stuck) holds the request only for the decode worker's stall timeout: the decode worker computes the prompt
+/// itself, the client is answered long before the gateway's first-byte timeout, and the export is dropped.
+#[tokio::test]
+async fn a_split_whose_prefill_sends_nothing_is_answered_within_the_stall_timeout() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let synth = dir.path().join("tiny");
+    let (g, control) = gateway(&["--split-policy", "always"]);
+    let p_flags = ["--role", "prefill", "--kv-transfer-port", "0", "--kv-transfer-lease", "1s"];
+    let p = worker_on(
+        free_port(),
+        "p0",
+        &synth,
+        Some(&control),
+        &p_flags,
+        &[("KVGATE_FAULT_EXPORT_HOLD", "60000")],
+    );
+    let d_flags = ["--role", "decode", "--kv-transfer-lease", "1s", "--kv-transfer-stall-timeout", "1s"];
+    let d = worker("d0", &synth, Some(&control), &d_flags);
+    wait_healthy(&control, 2).await;
+    let started = std::time::Instant::now();
+    let r = post(&format!("{}/v1/completions", g.base), &body(false), &[]).await;
+    let took = started.elapsed();
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.header("x-kvgate-route"), "split");
+    assert!(took < std::time::Duration::from_secs(5), "held for {took:?} (the first-byte timeout is 30 s)");
+    let want = post(&format!("{}/v1/completions", d.base), &body(false), &[]).await;
+    assert_eq!(r.json()["choices"][0]["text"], want.json()["choices"][0]["text"]);
+    let stalled = "kvgate_worker_kv_transfers_total{side=\"import\",outcome=\"stalled\"}";
+    assert_eq!(wait_metric(&d.base, stalled, 1.0, std::time::Duration::from_secs(1)).await, 1.0);
+    let leases = "kvgate_worker_kv_transfer_leases";
+    assert_eq!(wait_metric(&p.base, leases, 0.0, std::time::Duration::from_secs(3)).await, 0.0);
+}

@@ -100,6 +100,24 @@ VALUE_SETS: dict[str, dict] = {
                                             "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}}],
                            "workerFrom": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}],
                            "extraWorkerPorts": [9000, "kv-xfer"]}},
+    # Egress (#41): open again, and the knobs: DNS peers, fronted pods' peers, extra rules; a prefill/decode split
+    # with tracing and an external Redis on another port.
+    "egress-open": {"networkPolicy": {"restrictEgress": False}, "workers": {"prefill": {"replicas": 1}}},
+    "egress-knobs": {"networkPolicy": {"dnsTo": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "kube-system"}}},
+                                                 {"ipBlock": {"cidr": "169.254.20.10/32"}}],
+                                       "extraEgress": [{"to": [{"ipBlock": {"cidr": "10.20.0.5/32"}}],
+                                                        "ports": [{"port": 443, "protocol": "TCP"}]}],
+                                       "extraWorkerPorts": [9000],
+                                       "workerFrom": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]},
+                     "workers": {"prefill": {"replicas": 2, "transferPort": 9200}, "decode": {"replicas": 2}},
+                     "redis": {"mode": "external", "url": "rediss://fleet:pw@redis.shared:6380/0"},
+                     "tracing": {"otlpEndpoint": "http://otel-collector.observability/v1/traces"}},
+    "egress-external": {"networkPolicy": {"externalTo": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "vllm"}},
+                                                          "podSelector": {"matchLabels": {"app": "vllm"}}}]},
+                        "redis": {"mode": "external", "urlSecret": "redis-auth"},
+                        "workers": {"external": {"service": "vllm.vllm.svc.cluster.local", "model": "llama", "kvEventsPort": 5557,
+                                                 "kvEventsReplayPort": 5558, "tokenizer": {"image": "registry/tok:1"}}},
+                        "tracing": {"otlpEndpoint": "http://otel-collector.observability:4318"}},
     "existing-secrets-each": {"secrets": {"reportSecretFrom": {"existingSecret": "kv-report", "existingSecretKey": "secret"},
                                           "adminTokenFrom": {"existingSecret": "kv-admin"}},
                               "redis": {"auth": {"existingSecret": "kv-redis", "existingSecretKey": "password"}}},
@@ -155,6 +173,10 @@ BAD_VALUES: dict[str, tuple[dict, str]] = {
     "ipBlock with a selector": ({"networkPolicy": {"publicFrom": [{"ipBlock": {"cidr": "10.0.0.0/8"},
                                                                    "podSelector": {}}]}}, "publicFrom"),
     "a worker port over 65535": ({"networkPolicy": {"extraWorkerPorts": [70000]}}, "extraWorkerPorts"),
+    "a typo in an egress rule": ({"networkPolicy": {"extraEgress": [{"too": [{"podSelector": {}}]}]}}, "too"),
+    "an egress port over 65535": ({"networkPolicy": {"extraEgress": [{"ports": [{"port": 70000}]}]}}, "port"),
+    "no DNS peers": ({"networkPolicy": {"dnsTo": []}}, "dnsTo"),
+    "a non-boolean egress switch": ({"networkPolicy": {"restrictEgress": "yes"}}, "restrictEgress"),
     "a negative uid": ({"workers": {"podSecurityContext": {"runAsUser": -1}}}, "runAsUser"),
     "an unknown seccomp type": ({"redis": {"containerSecurityContext": {"seccompProfile": {"type": "Off"}}}}, "type"),
     "a lower-case capability": ({"gateway": {"containerSecurityContext": {"capabilities": {"drop": ["all"]}}}}, "drop"),
@@ -366,10 +388,6 @@ for name, extra in VALUE_SETS.items():
                 if other is not st and "kvgate.io/pool" in other["spec"]["selector"]["matchLabels"]:
                     check(not selects(other["spec"]["selector"], labels),
                           f"{name}: {other['metadata']['name']} does not select {st['metadata']['name']}'s pods")
-        if "prefill" in pools and values["networkPolicy"]["enabled"]:
-            wnp = [n for n in find(docs, "NetworkPolicy") if n["metadata"]["name"].endswith("-worker")]
-            ports = [p["port"] for p in wnp[0]["spec"]["ingress"][0]["ports"]]
-            check(w["prefill"]["transferPort"] in ports, f"{name}: workers may reach the prefill pool's transfer port")
     gw_spec = find(docs, "Deployment", "-gateway")[0]["spec"]["template"]["spec"]
     tok_vols = [v for v in gw_spec["volumes"] if v["name"] == "tokenizer"]
     if ext["service"]:
@@ -576,25 +594,81 @@ for name, extra in VALUE_SETS.items():
         sel = lambda comp: {"podSelector": {"matchLabels": {"app.kubernetes.io/name": "kvgate",
                                                            "app.kubernetes.io/instance": "kv",
                                                            "app.kubernetes.io/component": comp}}}
+        restrict = np_vals["restrictEgress"]
         for pol in npol.values():
             spec = pol["spec"]
             comp = pol["metadata"]["labels"]["app.kubernetes.io/component"]
             check(selects(spec["podSelector"], pods_by_comp.get(comp, {})) and spec["podSelector"]["matchLabels"].get("app.kubernetes.io/component") == comp,
                   f"{name}: NetworkPolicy {pol['metadata']['name']} selects the {comp} pods")
-            check(spec["policyTypes"] == ["Ingress"] and "egress" not in spec, f"{name}: {pol['metadata']['name']}: ingress only")
+            if restrict:
+                check(spec["policyTypes"] == ["Ingress", "Egress"] and isinstance(spec.get("egress"), list),
+                      f"{name}: {pol['metadata']['name']}: ingress and egress restricted")
+            else:
+                check(spec["policyTypes"] == ["Ingress"] and "egress" not in spec,
+                      f"{name}: {pol['metadata']['name']}: ingress only with restrictEgress false")
+        # Who may talk to whom, as a CNI would judge it. A pod: (namespace, labels); "outside": an address that is
+        # no pod (another network). Same-namespace pod selectors; a rule without `from`/`to` or `ports` allows all.
+        pool_pods = {lab.get("kvgate.io/pool"): lab for _, meta, _ in pod_templates(docs)
+                     for lab in [meta.get("labels", {})] if lab.get("app.kubernetes.io/component") == "worker"}
+        ns_labels = lambda ns: {"kubernetes.io/metadata.name": ns}
+
+        def match_sel(selector: dict, labels: dict) -> bool:
+            if not selects(selector, labels):
+                return False
+            for e in selector.get("matchExpressions", []):
+                v = labels.get(e["key"])
+                if e["operator"] == "In" and v not in e["values"] or e["operator"] == "NotIn" and v in e["values"] \
+                        or e["operator"] == "Exists" and v is None or e["operator"] == "DoesNotExist" and v is not None:
+                    return False
+            return True
+
+        def peer_matches(peer: dict, pod) -> bool:
+            if pod == "outside":
+                return "ipBlock" in peer
+            ns, labels = pod
+            if "ipBlock" in peer:
+                return False  # pod IPs are not in the peers' CIDRs here
+            if "namespaceSelector" not in peer and ns != "serving":
+                return False
+            return match_sel(peer.get("namespaceSelector", {}), ns_labels(ns)) and match_sel(peer.get("podSelector", {}), labels)
+
+        def allowed(rules: list, pod, port, proto: str = "TCP", key: str = "from") -> bool:
+            return any((key not in r_ or any(peer_matches(pe, pod) for pe in r_[key]))
+                       and ("ports" not in r_ or any(pp.get("port") == port and pp.get("protocol", "TCP") == proto for pp in r_["ports"]))
+                       for r_ in rules)
+
+        gw_pod, redis_pod = ("serving", pods_by_comp.get("gateway", {})), ("serving", pods_by_comp.get("redis", {}))
+        other_release = ("serving", {**pods_by_comp.get("worker", {}), "app.kubernetes.io/instance": "other"})
+        monitoring = ("monitoring", {"app.kubernetes.io/name": "prometheus"})
+        kube_dns = ("kube-system", {"k8s-app": "kube-dns"})
         if internal:
             rules = npol["kv-kvgate-redis"]["spec"]["ingress"]
             check(rules == [{"ports": [{"port": 6379, "protocol": "TCP"}], "from": [sel("gateway")]}],
                   f"{name}: Redis only from the gateways: {rules}")
             check(selects(sel("gateway")["podSelector"], pods_by_comp["gateway"]), f"{name}: the gateway peer matches the gateway pods")
+            if restrict:
+                check(npol["kv-kvgate-redis"]["spec"].get("egress") == [], f"{name}: Redis may dial nothing")
+        transfer = w["prefill"]["transferPort"] if kv_workers and w["prefill"]["replicas"] > 0 else None
         if kv_workers:
-            rules = npol["kv-kvgate-worker"]["spec"]["ingress"]
+            wspec = npol["kv-kvgate-worker"]["spec"]
+            rules = wspec["ingress"]
             ports = [p["port"] for p in rules[0]["ports"]]
-            transfer = [w["prefill"]["transferPort"]] if w["prefill"]["replicas"] > 0 else []
-            check(len(rules) == 1 and ports == [w["port"]] + np_vals["extraWorkerPorts"] + transfer
+            check(len(rules) == (2 if transfer else 1) and ports == [w["port"]] + np_vals["extraWorkerPorts"]
                   and rules[0]["from"] == [sel("gateway"), sel("worker")] + np_vals["workerFrom"],
-                  f"{name}: worker ports only from gateways, peers and workerFrom: {rules}")
+                  f"{name}: worker API port only from gateways, peers and workerFrom: {rules}")
             check(selects(sel("worker")["podSelector"], pods_by_comp["worker"]), f"{name}: the worker peer matches the worker pods")
+            if transfer:
+                check(all(transfer not in [p["port"] for p in r_["ports"]] for r_ in rules[:1]),
+                      f"{name}: the transfer port is not in the API port's rule (its peers)")
+                # Only this release's importing workers (the decode and main pools) reach the transfer listener.
+                for pool, labels in pool_pods.items():
+                    check(allowed(rules, ("serving", labels), transfer) == (pool in ("main", "decode")),
+                          f"{name}: the transfer port admits the {pool} pool only if it imports KV")
+                for who, pod in (("the gateways", gw_pod), ("workerFrom", monitoring), ("another release's workers", other_release),
+                                 ("an outside address", "outside")):
+                    check(not allowed(rules, pod, transfer), f"{name}: the transfer port does not admit {who}")
+            for who, pod in (("the gateways", gw_pod), ("the workers", ("serving", pods_by_comp["worker"]))):
+                check(allowed(rules, pod, w["port"]), f"{name}: the worker API port admits {who}")
         rules = npol["kv-kvgate-gateway"]["spec"]["ingress"]
         by_port = {r_["ports"][0]["port"]: r_ for r_ in rules}
         check(set(by_port) == {g["service"]["port"], g["controlPort"]} and all(len(r_["ports"]) == 1 for r_ in rules),
@@ -609,6 +683,59 @@ for name, extra in VALUE_SETS.items():
         ctl = by_port.get(g["controlPort"], {})
         check(ctl.get("from") == [sel("gateway")] + ([sel("worker")] if kv_workers else []) + np_vals["controlFrom"],
               f"{name}: control port only from gateways, workers and controlFrom: {ctl}")
+        if restrict:
+            dns = {"to": np_vals["dnsTo"], "ports": [{"port": 53, "protocol": "UDP"}, {"port": 53, "protocol": "TCP"}]}
+            otlp_url = values["tracing"]["otlpEndpoint"]
+            otlp_port = None
+            if otlp_url:
+                hostport = otlp_url.split("://", 1)[1].split("/", 1)[0]
+                otlp_port = int(hostport.rsplit(":", 1)[1]) if ":" in hostport else 80
+            gegress = npol["kv-kvgate-gateway"]["spec"].get("egress", [])
+            wegress = npol["kv-kvgate-worker"]["spec"].get("egress", []) if kv_workers else []
+            for comp, egress in (("gateway", gegress), ("worker", wegress)) if kv_workers else (("gateway", gegress),):
+                check(egress[:1] == [dns], f"{name}: {comp} egress: DNS to dnsTo first: {egress[:1]}")
+                check(allowed(egress, kube_dns, 53, "UDP", "to") and allowed(egress, kube_dns, 53, "TCP", "to"),
+                      f"{name}: {comp} may query kube-dns")
+                n_extra = len(np_vals["extraEgress"])
+                check(egress[len(egress) - n_extra:] == np_vals["extraEgress"], f"{name}: {comp} egress ends with extraEgress")
+                check((otlp_port is not None and {"ports": [{"port": otlp_port, "protocol": "TCP"}]} in egress) or
+                      (otlp_port is None and not any(r_.get("ports") == [{"port": p_, "protocol": "TCP"}] and "to" not in r_
+                                                     for r_ in egress[:len(egress) - n_extra] for p_ in (80, 4317, 4318))),
+                      f"{name}: {comp} reaches the OTLP port {otlp_port} exactly when tracing is on")
+                if not np_vals["extraEgress"]:
+                    check(not allowed(egress, "outside", 443, "TCP", "to") and not allowed(egress, monitoring, 9090, "TCP", "to"),
+                          f"{name}: {comp} egress is not open to anything else")
+            # The gateway: workers' API port (not their transfer port), Redis, the fronted pods.
+            if kv_workers:
+                for pool, labels in pool_pods.items():
+                    check(allowed(gegress, ("serving", labels), w["port"], "TCP", "to"), f"{name}: the gateway reaches the {pool} pool's API port")
+                    if transfer and transfer != otlp_port:
+                        check(not allowed(gegress, ("serving", labels), transfer, "TCP", "to"),
+                              f"{name}: the gateway does not reach the transfer port")
+            else:
+                want_ports = [{"port": ext["port"], "protocol": "TCP"}] + [
+                    {"port": ext[k], "protocol": "TCP"} for k in ("kvEventsPort", "kvEventsReplayPort") if ext[k] > 0]
+                want = {"ports": want_ports, **({"to": np_vals["externalTo"]} if np_vals["externalTo"] else {})}
+                check(want in gegress, f"{name}: the gateway reaches the fronted pods' ports {want}")
+            if r["enabled"] and internal:
+                check(allowed(gegress, redis_pod, 6379, "TCP", "to"), f"{name}: the gateway reaches the in-chart Redis")
+            elif r["enabled"]:
+                rport = 6379
+                if not r["urlSecret"]:
+                    hostport = r["url"].split("://", 1)[1].split("/", 1)[0].rsplit("@", 1)[-1]
+                    rport = int(hostport.rsplit(":", 1)[1]) if ":" in hostport else 6379
+                check({"ports": [{"port": rport, "protocol": "TCP"}]} in gegress, f"{name}: the gateway reaches the external Redis's port {rport}")
+            else:
+                check(not allowed(gegress, redis_pod, 6379, "TCP", "to") or otlp_port == 6379, f"{name}: no Redis egress without Redis")
+            # The workers: reports to the gateways' control port, the prefill pool's transfer port.
+            if kv_workers:
+                check(allowed(wegress, gw_pod, g["controlPort"], "TCP", "to"), f"{name}: workers report to the control port")
+                check(not allowed(wegress, gw_pod, g["service"]["port"], "TCP", "to"), f"{name}: workers do not reach the public port")
+                if transfer:
+                    check(allowed(wegress, ("serving", pool_pods["prefill"]), transfer, "TCP", "to"),
+                          f"{name}: workers reach the prefill pool's transfer port")
+                    check(not allowed(wegress, other_release, transfer, "TCP", "to"),
+                          f"{name}: workers do not reach another release's transfer port")
     # The GitOps warning, and the Prometheus reminder.
     notes = next(t for p_, t in chart.render(values, name="kv", namespace="serving", is_install=True).items() if p_.endswith("NOTES.txt"))
     generated = [k for k in managed_keys if not given[k]]

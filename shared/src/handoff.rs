@@ -148,6 +148,8 @@ pub enum AssertionError {
     NoSecret,
 }
 
+impl std::error::Error for AssertionError {}
+
 impl std::fmt::Display for AssertionError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
@@ -271,14 +273,20 @@ pub fn with_ids_field(body: &[u8], encoded: &str) -> Option<Vec<u8>> {
 /// Header naming the prefill worker a decode worker fetches a request's KV from (`host:port` of its KV transfer
 /// listener), for prefill/decode disaggregation. Honoured only with a valid [`PREFILL_GRANT_HEADER`].
 pub const PREFILL_PEER_HEADER: &str = "x-kvgate-prefill-peer";
-/// Header carrying the gateway's grant for [`PREFILL_PEER_HEADER`]: `v1.<issued: unix ms>.<mac: 64 hex>`, mac =
-/// keyed BLAKE3 under derive_key(GRANT_CONTEXT, secret) of "v1", issued, model, peer (each length-prefixed). No
-/// client can make a worker dial an address of its choosing.
+/// Header carrying the gateway's grant for [`PREFILL_PEER_HEADER`]: `v2.<issued: unix ms>.<nonce: 16 hex>.<prompt
+/// digest: 32 hex>.<mac: 64 hex>`, mac = keyed BLAKE3 under [`grant_key`] of "v2", issued, nonce, model, peer, the
+/// decode worker's id and the prompt's digest (each length-prefixed). No client can make a worker dial an address
+/// of its choosing; a grant serves one request (the prompt it was made for, on the decode worker it was made for:
+/// the prefill worker recomputes the code from the Hello's prompt) and one transfer (the prefill worker keeps the
+/// codes it served for the window). The digest travels in clear so that a decode worker whose own tokens differ
+/// from the gateway's can tell that case (it computes the request whole) from a forged grant.
 pub const PREFILL_GRANT_HEADER: &str = "x-kvgate-prefill-grant";
 /// Longest prefill peer address accepted.
 pub const MAX_PEER_BYTES: usize = 256;
+/// Longest decode worker id a grant names.
+pub const MAX_WORKER_ID_BYTES: usize = 128;
 
-const GRANT_CONTEXT: &str = "kvgate 2026-12 prefill peer grant v1";
+const GRANT_CONTEXT: &str = "kvgate 2026-12 prefill peer grant v2";
 const TRANSFER_CONTEXT: &str = "kvgate 2026-12 kv transfer v1";
 
 /// The key KV transfer handshakes are authenticated with (both workers derive it from the report secret).
@@ -286,47 +294,135 @@ pub fn transfer_key(secret: &str) -> [u8; 32] {
     blake3::derive_key(TRANSFER_CONTEXT, secret.as_bytes())
 }
 
-fn grant_code(secret: &str, issued_ms: u64, model: &str, peer: &str) -> blake3::Hash {
-    let key = blake3::derive_key(GRANT_CONTEXT, secret.as_bytes());
-    let mut h = blake3::Hasher::new_keyed(&key);
-    for part in [b"v1".as_slice(), &issued_ms.to_le_bytes(), model.as_bytes(), peer.as_bytes()] {
+/// The key prefill grants are made and checked with (gateways and workers derive it from the report secret).
+pub fn grant_key(secret: &str) -> [u8; 32] {
+    blake3::derive_key(GRANT_CONTEXT, secret.as_bytes())
+}
+
+/// What a prefill grant lets: the decode worker `decode` serving `model` fetch the KV of `prompt` from `peer`.
+/// A link probe's grant names no prompt (empty) and no decode worker ("").
+#[derive(Clone, Copy, Debug)]
+pub struct GrantFor<'a> {
+    pub model: &'a str,
+    pub peer: &'a str,
+    pub decode: &'a str,
+    pub prompt: &'a [u32],
+}
+
+/// The first 16 bytes of the BLAKE3 of a prompt's token ids (u32 LE), as a grant carries them.
+pub fn prompt_digest(prompt: &[u32]) -> [u8; 16] {
+    let mut h = blake3::Hasher::new();
+    h.update(&(prompt.len() as u64).to_le_bytes());
+    for t in prompt {
+        h.update(&t.to_le_bytes());
+    }
+    let mut out = [0u8; 16];
+    out.copy_from_slice(&h.finalize().as_bytes()[..16]);
+    out
+}
+
+fn grant_code(
+    key: &[u8; 32],
+    issued_ms: u64,
+    nonce: u64,
+    g: &GrantFor<'_>,
+    digest: &[u8; 16],
+) -> blake3::Hash {
+    let mut h = blake3::Hasher::new_keyed(key);
+    let (issued, nonce) = (issued_ms.to_le_bytes(), nonce.to_le_bytes());
+    let parts: [&[u8]; 7] =
+        [b"v2", &issued, &nonce, g.model.as_bytes(), g.peer.as_bytes(), g.decode.as_bytes(), digest];
+    for part in parts {
         h.update(&(part.len() as u32).to_le_bytes());
         h.update(part);
     }
     h.finalize()
 }
 
-/// The [`PREFILL_GRANT_HEADER`] value letting a worker serving `model` fetch KV from `peer`.
-pub fn sign_prefill_grant(secret: &str, issued_ms: u64, model: &str, peer: &str) -> String {
-    format!("v1.{issued_ms}.{}", grant_code(secret, issued_ms, model, peer).to_hex())
+fn hex_bytes<const N: usize>(s: &str) -> Option<[u8; N]> {
+    if s.len() != 2 * N {
+        return None;
+    }
+    let mut out = [0u8; N];
+    for (i, o) in out.iter_mut().enumerate() {
+        *o = u8::from_str_radix(s.get(2 * i..2 * i + 2)?, 16).ok()?;
+    }
+    Some(out)
 }
 
-/// Checks a [`PREFILL_GRANT_HEADER`] value for `model` and `peer` at `now_ms` (within [`ASSERTION_WINDOW_MS`]).
-pub fn verify_prefill_grant(
-    secret: Option<&str>,
+fn to_hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+/// The [`PREFILL_GRANT_HEADER`] value for `g`, issued at `issued_ms` with a `nonce` of the gateway's.
+pub fn sign_prefill_grant(secret: &str, issued_ms: u64, nonce: u64, g: &GrantFor<'_>) -> String {
+    let digest = prompt_digest(g.prompt);
+    let mac = grant_code(&grant_key(secret), issued_ms, nonce, g, &digest);
+    format!("v2.{issued_ms}.{nonce:016x}.{}.{}", to_hex(&digest), mac.to_hex())
+}
+
+/// A verified grant: its code (what a prefill worker remembers to serve it once) and when it was issued.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Granted {
+    pub code: [u8; 32],
+    pub issued_ms: u64,
+}
+
+/// Why a grant was not honoured.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum GrantError {
+    #[error("{0}")]
+    Assertion(#[from] AssertionError),
+    /// It verifies for another prompt (its digest is not this prompt's): a grant for another request, or this
+    /// worker tokenized the prompt otherwise than the gateway did.
+    #[error("the grant was made for another prompt")]
+    OtherPrompt,
+}
+
+/// Checks a [`PREFILL_GRANT_HEADER`] value for `g` at `now_ms` (within [`ASSERTION_WINDOW_MS`]) under `key`
+/// ([`grant_key`]).
+pub fn verify_prefill_grant_with(
+    key: &[u8; 32],
     grant: &str,
-    model: &str,
-    peer: &str,
+    g: &GrantFor<'_>,
     now_ms: u64,
-) -> Result<(), AssertionError> {
-    let secret = secret.ok_or(AssertionError::NoSecret)?;
-    if peer.len() > MAX_PEER_BYTES || grant.len() > MAX_ASSERTION_BYTES {
-        return Err(AssertionError::Malformed);
+) -> Result<Granted, GrantError> {
+    if g.peer.len() > MAX_PEER_BYTES
+        || g.decode.len() > MAX_WORKER_ID_BYTES
+        || grant.len() > MAX_ASSERTION_BYTES
+    {
+        return Err(AssertionError::Malformed.into());
     }
     let parts: Vec<&str> = grant.split('.').collect();
-    let ["v1", issued, mac] = parts[..] else {
-        return Err(AssertionError::Malformed);
+    let ["v2", issued, nonce, digest, mac] = parts[..] else {
+        return Err(AssertionError::Malformed.into());
     };
     let issued_ms: u64 = issued.parse().map_err(|_| AssertionError::Malformed)?;
+    let nonce = u64::from_str_radix(nonce, 16).map_err(|_| AssertionError::Malformed)?;
+    let digest = hex_bytes::<16>(digest).ok_or(AssertionError::Malformed)?;
     let given = blake3::Hash::from_hex(mac).map_err(|_| AssertionError::Malformed)?;
-    if given != grant_code(secret, issued_ms, model, peer) {
-        return Err(AssertionError::BadCode);
+    if given != grant_code(key, issued_ms, nonce, g, &digest) {
+        return Err(AssertionError::BadCode.into());
     }
     let skew_ms = now_ms.abs_diff(issued_ms);
     if skew_ms > ASSERTION_WINDOW_MS {
-        return Err(AssertionError::Expired { skew_ms });
+        return Err(AssertionError::Expired { skew_ms }.into());
     }
-    Ok(())
+    if digest != prompt_digest(g.prompt) {
+        return Err(GrantError::OtherPrompt);
+    }
+    Ok(Granted { code: *given.as_bytes(), issued_ms })
+}
+
+/// [`verify_prefill_grant_with`] under the key of `secret` (`NoSecret` without one).
+pub fn verify_prefill_grant(
+    secret: Option<&str>,
+    grant: &str,
+    g: &GrantFor<'_>,
+    now_ms: u64,
+) -> Result<Granted, GrantError> {
+    let secret = secret.ok_or(AssertionError::NoSecret)?;
+    verify_prefill_grant_with(&grant_key(secret), grant, g, now_ms)
 }
 
 #[cfg(test)]
@@ -334,30 +430,45 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_prefill_grant_binds_model_peer_and_time() {
-        let g = sign_prefill_grant("s", 1_000_000, "m", "10.0.0.1:9000");
-        assert_eq!(verify_prefill_grant(Some("s"), &g, "m", "10.0.0.1:9000", 1_000_000), Ok(()));
-        assert_eq!(
-            verify_prefill_grant(Some("s"), &g, "m", "10.0.0.2:9000", 1_000_000),
-            Err(AssertionError::BadCode)
+    fn a_prefill_grant_binds_model_peer_decode_worker_prompt_and_time() {
+        let prompt = [1u32, 2, 3];
+        let g = GrantFor { model: "m", peer: "10.0.0.1:9000", decode: "d0", prompt: &prompt };
+        let grant = sign_prefill_grant("s", 1_000_000, 7, &g);
+        let ok = verify_prefill_grant(Some("s"), &grant, &g, 1_000_000).expect("verifies");
+        assert_eq!(ok.issued_ms, 1_000_000);
+        let other = sign_prefill_grant("s", 1_000_000, 8, &g);
+        assert_ne!(
+            verify_prefill_grant(Some("s"), &other, &g, 1_000_000).expect("ok").code,
+            ok.code,
+            "a nonce each"
         );
+        let bad = Err(GrantError::Assertion(AssertionError::BadCode));
+        for wrong in [
+            GrantFor { peer: "10.0.0.2:9000", ..g },
+            GrantFor { model: "n", ..g },
+            GrantFor { decode: "d1", ..g },
+        ] {
+            assert_eq!(verify_prefill_grant(Some("s"), &grant, &wrong, 1_000_000), bad, "{wrong:?}");
+        }
+        assert_eq!(verify_prefill_grant(Some("t"), &grant, &g, 1_000_000), bad);
+        let longer = [1u32, 2, 3, 4];
         assert_eq!(
-            verify_prefill_grant(Some("s"), &g, "n", "10.0.0.1:9000", 1_000_000),
-            Err(AssertionError::BadCode)
-        );
-        assert_eq!(
-            verify_prefill_grant(Some("t"), &g, "m", "10.0.0.1:9000", 1_000_000),
-            Err(AssertionError::BadCode)
+            verify_prefill_grant(Some("s"), &grant, &GrantFor { prompt: &longer, ..g }, 1_000_000),
+            Err(GrantError::OtherPrompt)
         );
         assert!(matches!(
-            verify_prefill_grant(Some("s"), &g, "m", "10.0.0.1:9000", 1_000_000 + ASSERTION_WINDOW_MS + 1),
-            Err(AssertionError::Expired { .. })
+            verify_prefill_grant(Some("s"), &grant, &g, 1_000_000 + ASSERTION_WINDOW_MS + 1),
+            Err(GrantError::Assertion(AssertionError::Expired { .. }))
         ));
         assert_eq!(
-            verify_prefill_grant(None, &g, "m", "10.0.0.1:9000", 1_000_000),
-            Err(AssertionError::NoSecret)
+            verify_prefill_grant(None, &grant, &g, 1_000_000),
+            Err(GrantError::Assertion(AssertionError::NoSecret))
         );
-        assert_eq!(verify_prefill_grant(Some("s"), "v1.x.y", "m", "p", 0), Err(AssertionError::Malformed));
+        assert_eq!(
+            verify_prefill_grant(Some("s"), "v2.x.y.z.w", &g, 0),
+            Err(GrantError::Assertion(AssertionError::Malformed))
+        );
+        assert!(verify_prefill_grant(Some("s"), &grant.replacen("v2", "v1", 1), &g, 1_000_000).is_err());
         assert_ne!(transfer_key("s"), transfer_key("t"));
     }
 

@@ -39,6 +39,13 @@ fn engine(dir: &std::path::Path, tokens: usize, chunk: usize) -> Engine<CpuBacke
     Engine::new(cfg, CpuBackend::new(model, tokens), None)
 }
 
+/// The secret the bench's grants are made under.
+const SECRET: &str = "bench";
+
+fn unix_ms() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
+}
+
 /// What a transfer of this engine's KV is valid for: fingerprint, block bytes, layers.
 fn parts(e: &Engine<CpuBackend>) -> (u64, usize, usize) {
     let block_bytes = e.backend().kv_block_bytes(BS).expect("bytes");
@@ -48,14 +55,19 @@ fn parts(e: &Engine<CpuBackend>) -> (u64, usize, usize) {
 /// Starts an engine thread for `e` and its transfer state; a prefill side also gets a listener (its address).
 async fn side(e: Engine<CpuBackend>, layer_group: u16, listen: bool) -> (Arc<Transfers>, String) {
     let (fingerprint, block_bytes, layers) = parts(&e);
-    let engine = EngineHandle::spawn(e, 256);
+    let engine = EngineHandle::spawn(e, 256, std::time::Duration::from_secs(5));
     let t = Arc::new(Transfers {
         key: [7; 32],
+        grant_key: kvgate_shared::handoff::grant_key(SECRET),
+        model: "bench".into(),
+        worker_id: "bench".into(),
         fingerprint,
         block_bytes,
         layers,
         block_size: BS,
         lease: Duration::from_secs(30),
+        stall: Duration::from_secs(30),
+        export_backlog: 64 << 20,
         layer_group,
         frame_bytes: 8 << 20,
         max_prompt_tokens: 40_000,
@@ -67,7 +79,7 @@ async fn side(e: Engine<CpuBackend>, layer_group: u16, listen: bool) -> (Arc<Tra
     if listen {
         let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
         addr = l.local_addr().expect("addr").to_string();
-        tokio::spawn(kvgate_worker::transfer::export::serve(l, t.clone()));
+        tokio::spawn(kvgate_worker::transfer::export::serve(l, t.clone(), addr.clone()));
     }
     (t, addr)
 }
@@ -99,7 +111,7 @@ async fn wire(bytes: usize) -> (f64, f64) {
     let limits = Limits { max_prompt_tokens: 16, max_payload: 8 << 20 };
     let rx = tokio::spawn(async move {
         let (s, _) = listener.accept().await.expect("accept");
-        let mut link = TcpLink::new(s, "bench".into(), limits);
+        let mut link = TcpLink::accept(s, "bench".into(), limits, &[7; 32]).await.expect("handshake");
         let mut got = 0;
         while got < bytes {
             match link.recv().await.expect("frame") {
@@ -109,7 +121,7 @@ async fn wire(bytes: usize) -> (f64, f64) {
         }
     });
     let s = tokio::net::TcpStream::connect(addr).await.expect("connect");
-    let mut link = TcpLink::new(s, "bench".into(), limits);
+    let mut link = TcpLink::dial(s, "bench".into(), limits, &[7; 32]).await.expect("handshake");
     let t = Instant::now();
     for (i, part) in payload.chunks(8 << 20).enumerate() {
         link.send_blocks(1, i as u32, 1, (0, 6), part).await.expect("send");
@@ -125,7 +137,9 @@ async fn handed(peer: &str, d: &Transfers, prompt: &[u32]) -> f64 {
     let r = req(id, prompt.to_vec(), 1);
     let (plan, mut rx) = d.engine.start_import(r.clone()).await.expect("import");
     let (_cancel, cancelled) = tokio::sync::oneshot::channel();
-    let want = Want { id, prompt, extra_keys: &r.extra_keys, params: &r.params, plan };
+    let g = kvgate_shared::handoff::GrantFor { model: "bench", peer, decode: "bench", prompt };
+    let grant = kvgate_shared::handoff::sign_prefill_grant(SECRET, unix_ms(), id, &g);
+    let want = Want { id, prompt, extra_keys: &r.extra_keys, params: &r.params, plan, grant: &grant };
     let fetched = fetch(d, peer, want, cancelled).await;
     assert!(matches!(fetched, Fetched::Done { .. }), "{fetched:?}");
     while let Some(o) = rx.recv().await {

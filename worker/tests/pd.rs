@@ -11,7 +11,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use bytes::Bytes;
 use common::{get, metric, start_worker, start_worker_env, Worker};
 use http_body_util::{BodyExt, Full};
-use kvgate_shared::handoff::{sign_prefill_grant, PREFILL_GRANT_HEADER, PREFILL_PEER_HEADER};
+use kvgate_shared::handoff::{sign_prefill_grant, GrantFor, PREFILL_GRANT_HEADER, PREFILL_PEER_HEADER};
 use serde_json::{json, Value};
 
 const SECRET: &str = "pd-test-secret";
@@ -62,6 +62,21 @@ fn now_ms() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
 }
 
+/// The gateway's grant for the worker on `port` (its default id) to fetch `body`'s prompt from `peer`.
+fn grant_for(port: u16, peer: &str, body: &Value) -> String {
+    let prompt: Vec<u32> = body["prompt"]
+        .as_array()
+        .map_or_else(Vec::new, |a| a.iter().filter_map(|t| t.as_u64()).map(|t| t as u32).collect());
+    let decode = format!("worker-{port}");
+    let nonce = now_ms() ^ (u64::from(port) << 48) ^ prompt.len() as u64;
+    sign_prefill_grant(
+        SECRET,
+        now_ms(),
+        nonce,
+        &GrantFor { model: MODEL, peer, decode: &decode, prompt: &prompt },
+    )
+}
+
 /// POSTs a completion to `w`, naming `peer` as its prefill worker (with a valid grant unless `grant` is given).
 async fn post_pd(w: &Worker, peer: Option<&str>, grant: Option<&str>, body: &Value) -> common::Resp {
     let mut req = hyper::Request::builder()
@@ -69,7 +84,7 @@ async fn post_pd(w: &Worker, peer: Option<&str>, grant: Option<&str>, body: &Val
         .uri(format!("{}/v1/completions", w.base))
         .header("content-type", "application/json");
     if let Some(peer) = peer {
-        let g = grant.map_or_else(|| sign_prefill_grant(SECRET, now_ms(), MODEL, peer), str::to_owned);
+        let g = grant.map_or_else(|| grant_for(w.port, peer, body), str::to_owned);
         req = req.header(PREFILL_PEER_HEADER, peer).header(PREFILL_GRANT_HEADER, g);
     }
     let req = req.body(Full::new(Bytes::from(body.to_string()))).expect("request");
@@ -293,6 +308,51 @@ async fn a_killed_or_stopped_prefill_worker_ends_in_a_local_recompute() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefill_worker_that_renews_but_sends_no_kv_is_given_up_within_the_stall_timeout() {
+    let alone = start_worker(&[]);
+    let pr = prompt(300, 7);
+    let want = text_and_usage(&post_pd(&alone, None, None, &body(&pr, 6, false)).await).0;
+    // The export's KV goes unread for 30 s while its link keeps renewing the lease (a prefill queued or stuck).
+    let p = prefill_worker(&[("KVGATE_FAULT_EXPORT_HOLD", "30000")]);
+    let d = decode_worker(&["--kv-transfer-stall-timeout", "500ms"]);
+    let started = Instant::now();
+    let got = text_and_usage(&post_pd(&d, Some(&p.transfer), None, &body(&pr, 6, false)).await);
+    let took = started.elapsed();
+    assert_eq!(got.0, want, "computed here");
+    assert!(took < Duration::from_secs(3), "renewals kept the import waiting: {took:?}");
+    assert_eq!(m(&d, "kvgate_worker_kv_transfers_total{side=\"import\",outcome=\"stalled\"}").await, 1.0);
+    assert_eq!(m(&d, "kvgate_worker_kv_transfers_total{side=\"import\",outcome=\"fallback\"}").await, 1.0);
+    // The decode worker's Cancel ends the export.
+    wait_metric(&p, "kvgate_worker_kv_transfer_leases", 0.0, Duration::from_secs(2)).await;
+    pool_at_baseline(&p, Duration::from_secs(2)).await;
+    pool_at_baseline(&d, Duration::from_secs(2)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_import_waits_for_room_like_a_local_request() {
+    let alone = start_worker(&[]);
+    let (pr1, pr2) = (prompt(300, 8), prompt(300, 9));
+    let want1 = text_and_usage(&post_pd(&alone, None, None, &body(&pr1, 6, false)).await).0;
+    let want2 = text_and_usage(&post_pd(&alone, None, None, &body(&pr2, 6, false)).await).0;
+    // Each export's KV leaves 800 ms late: the first import holds the decode worker's only sequence slot meanwhile.
+    let p = prefill_worker(&[("KVGATE_FAULT_EXPORT_HOLD", "800")]);
+    let d = decode_worker(&["--max-num-seqs", "1", "--kv-transfer-stall-timeout", "5s"]);
+    let peer = p.transfer.clone();
+    let (b1, b2) = (body(&pr1, 6, false), body(&pr2, 6, false));
+    let first = post_pd(&d, Some(&peer), None, &b1);
+    let second = async {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        post_pd(&d, Some(&peer), None, &b2).await
+    };
+    let (r1, r2) = tokio::join!(first, second);
+    assert_eq!(text_and_usage(&r1).0, want1);
+    assert_eq!(text_and_usage(&r2).0, want2, "the second import waited for the slot, not refused");
+    assert_eq!(m(&d, "kvgate_worker_kv_transfers_total{side=\"import\",outcome=\"ok\"}").await, 2.0);
+    assert_eq!(m(&d, "kvgate_worker_kv_imports_waiting").await, 0.0);
+    pool_at_baseline(&d, Duration::from_secs(2)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dead_or_stopped_decode_worker_or_a_client_that_leaves_frees_the_export() {
     let p = prefill_worker(&[("KVGATE_FAULT_EXPORT_PAUSE", "8:800")]);
     let pr = prompt(600, 4);
@@ -358,7 +418,8 @@ async fn a_dead_or_stopped_decode_worker_or_a_client_that_leaves_frees_the_expor
 fn raw_post(base: &str, peer: &str, body: &str, leave_after: Option<Duration>) -> String {
     let addr = base.trim_start_matches("http://");
     let mut s = std::net::TcpStream::connect(addr).expect("connect");
-    let grant = sign_prefill_grant(SECRET, now_ms(), MODEL, peer);
+    let port: u16 = addr.rsplit(':').next().and_then(|p| p.parse().ok()).expect("port");
+    let grant = grant_for(port, peer, &serde_json::from_str(body).expect("json"));
     let req = format!(
         "POST /v1/completions HTTP/1.1\r\nhost: {addr}\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\
          {PREFILL_PEER_HEADER}: {peer}\r\n{PREFILL_GRANT_HEADER}: {grant}\r\nconnection: close\r\n\r\n{body}",
@@ -383,9 +444,13 @@ async fn refusals_forged_grants_and_forged_frames_are_errors_not_hangs() {
     // No grant, a grant for another peer: 401 before anything is allocated or dialled.
     let r = post_pd(&d, Some(&p.transfer), Some("v1.1.00"), &body(&pr, 4, false)).await;
     assert_eq!((r.status, r.json()["error"]["code"].as_str()), (401, Some("invalid_prefill_grant")));
-    let other = sign_prefill_grant(SECRET, now_ms(), MODEL, "127.0.0.1:1");
+    let other = grant_for(d.port, "127.0.0.1:1", &body(&pr, 4, false));
     let r = post_pd(&d, Some(&p.transfer), Some(&other), &body(&pr, 4, false)).await;
     assert_eq!(r.status, 401);
+    // A grant made for another decode worker: 401 too.
+    let elsewhere = grant_for(d.port.wrapping_add(1), &p.transfer, &body(&pr, 4, false));
+    let r = post_pd(&d, Some(&p.transfer), Some(&elsewhere), &body(&pr, 4, false)).await;
+    assert_eq!(r.status, 401, "{}", r.body);
     // The decode worker refuses before allocating (more KV than its pool holds): the prefill side never hears.
     let r = post_pd(&d, Some(&p.transfer), None, &body(&prompt(600, 6), 4, false)).await;
     assert_eq!(r.status, 400, "{}", r.body);
@@ -394,37 +459,40 @@ async fn refusals_forged_grants_and_forged_frames_are_errors_not_hangs() {
     let r = post_pd(&p, Some(&p.transfer), None, &body(&pr, 4, false)).await;
     assert_eq!(r.status, 400);
 
-    // Forged frames at the transfer listener: a Hello under another key is refused; a 4 GiB frame closes the link
-    // without being read; the listener serves a real transfer afterwards.
-    let mut s = std::net::TcpStream::connect(&p.transfer).expect("connect");
-    s.write_all(&forged_hello()).expect("write");
-    let mut head = [0u8; 5];
-    s.read_exact(&mut head).expect("an answer");
-    assert_eq!(head[4], 3, "Refuse");
-    let mut s = std::net::TcpStream::connect(&p.transfer).expect("connect");
-    s.write_all(&[0xff, 0xff, 0xff, 0xff, 4]).expect("write");
-    let _ = s.set_read_timeout(Some(Duration::from_secs(3)));
-    let mut buf = [0u8; 16];
-    assert_eq!(s.read(&mut buf).unwrap_or(0), 0, "closed");
-    // The refusal is counted after its frame is written: wait for it rather than race the worker's task.
+    // At the transfer listener nothing but the handshake is read before the dialer proves the key: an Open under
+    // another key closes the link (no frame is read, no Refuse is owed); so does a 4 GiB frame header sent in its
+    // place, read as a 48-byte Open.
+    for open in [vec![7u8; 48], [0xffu8, 0xff, 0xff, 0xff, 4].repeat(10)[..48].to_vec()] {
+        let mut s = std::net::TcpStream::connect(&p.transfer).expect("connect");
+        let mut challenge = [0u8; 22];
+        s.read_exact(&mut challenge).expect("a challenge");
+        assert_eq!(&challenge[..4], b"KVG1");
+        s.write_all(&open).expect("write");
+        let _ = s.set_read_timeout(Some(Duration::from_secs(3)));
+        let mut buf = [0u8; 16];
+        assert_eq!(s.read(&mut buf).unwrap_or(0), 0, "closed");
+    }
     wait_metric(
         &p,
-        "kvgate_worker_kv_transfers_total{side=\"export\",outcome=\"refused\"}",
-        1.0,
+        "kvgate_worker_kv_links_refused_total{reason=\"unauthorized\"}",
+        2.0,
         Duration::from_secs(5),
     )
     .await;
 
-    // A fake prefill worker that answers with an Accept it cannot sign, then a 1 GiB Blocks frame: the decode
-    // worker computes the prompt itself.
-    for answer in [forged_accept(), vec![0, 0, 0, 0x40, 4]] {
+    // A fake prefill worker that opens with something other than a Challenge, with a 1 GiB Blocks header, or with
+    // a Challenge and then an Opened it cannot sign: the decode worker computes the prompt itself.
+    let mut fake_opened = b"KVG1".to_vec();
+    fake_opened.extend_from_slice(&2u16.to_le_bytes());
+    fake_opened.extend_from_slice(&[1u8; 16 + 32]);
+    for answer in [forged_accept(), vec![0, 0, 0, 0x40, 4], fake_opened] {
         let fake = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
         let addr = fake.local_addr().expect("addr").to_string();
         let server = std::thread::spawn(move || {
             let (mut c, _) = fake.accept().expect("accept");
+            let _ = c.write_all(&answer);
             let mut buf = [0u8; 4096];
             let _ = c.read(&mut buf);
-            let _ = c.write_all(&answer);
             std::thread::sleep(Duration::from_millis(500));
         });
         let started = Instant::now();
@@ -433,13 +501,14 @@ async fn refusals_forged_grants_and_forged_frames_are_errors_not_hangs() {
         assert!(started.elapsed() < Duration::from_secs(2));
         server.join().expect("fake");
     }
-    assert_eq!(m(&d, "kvgate_worker_kv_transfers_total{side=\"import\",outcome=\"fallback\"}").await, 2.0);
+    assert_eq!(m(&d, "kvgate_worker_kv_transfers_total{side=\"import\",outcome=\"fallback\"}").await, 3.0);
     pool_at_baseline(&d, Duration::from_secs(2)).await;
 }
 
 /// POSTs a link probe to `w`, naming `peer` (with a valid grant).
 async fn post_probe(w: &Worker, peer: &str) -> common::Resp {
-    let g = sign_prefill_grant(SECRET, now_ms(), MODEL, peer);
+    let g =
+        sign_prefill_grant(SECRET, now_ms(), 1, &GrantFor { model: MODEL, peer, decode: "", prompt: &[] });
     let req = hyper::Request::builder()
         .method("POST")
         .uri(format!("{}/kvgate/v1/kv-probe", w.base))
@@ -474,40 +543,27 @@ async fn a_link_probe_is_timed_and_a_forged_one_is_refused() {
     assert_eq!(post_probe(&p, &p.transfer).await.status, 400);
     let r = post_probe(&d, "127.0.0.1:1").await;
     assert_eq!((r.status, r.json()["error"]["code"].as_str()), (502, Some("probe_failed")), "{}", r.body);
-    // A Probe under another key is refused at the listener.
-    let mut body = vec![0u8; 8 + 8];
-    body.extend_from_slice(&(1u32 << 20).to_le_bytes());
-    body.extend_from_slice(&(1u32 << 16).to_le_bytes());
-    body.extend_from_slice(&[7u8; 32]);
-    let mut frame = ((body.len() + 1) as u32).to_le_bytes().to_vec();
-    frame.push(9);
-    frame.extend(body);
-    let mut s = std::net::TcpStream::connect(&p.transfer).expect("connect");
-    s.write_all(&frame).expect("write");
-    let mut head = [0u8; 5];
-    s.read_exact(&mut head).expect("an answer");
-    assert_eq!(head[4], 3, "Refuse");
-    wait_metric(
-        &p,
-        "kvgate_worker_kv_transfers_total{side=\"probe\",outcome=\"refused\"}",
-        1.0,
-        Duration::from_secs(5),
-    )
-    .await;
-}
-
-fn forged_hello() -> Vec<u8> {
-    // Hello's fixed part is 67 bytes (version 1 first); then no extra keys, one prompt token, a MAC under no key.
-    let mut body = vec![0u8; 67];
-    body[0] = 1;
-    body.extend_from_slice(&0u32.to_le_bytes());
-    body.extend_from_slice(&1u32.to_le_bytes());
-    body.extend_from_slice(&5u32.to_le_bytes());
-    body.extend_from_slice(&[7u8; 32]);
-    let mut frame = ((body.len() + 1) as u32).to_le_bytes().to_vec();
-    frame.push(1);
-    frame.extend(body);
-    frame
+    // A split's grant is not a probe's.
+    let split_grant = grant_for(d.port, &p.transfer, &body(&prompt(40, 1), 1, false));
+    let req = hyper::Request::builder()
+        .method("POST")
+        .uri(format!("{}/kvgate/v1/kv-probe", d.base))
+        .header(PREFILL_PEER_HEADER, p.transfer.as_str())
+        .header(PREFILL_GRANT_HEADER, split_grant)
+        .body(Full::new(Bytes::new()))
+        .expect("request");
+    assert_eq!(common::client().request(req).await.expect("response").status().as_u16(), 401);
+    // Probes are rate-limited at the listener: past the minute's budget one is refused (502 at the decode worker).
+    let mut statuses = Vec::new();
+    for _ in 0..6 {
+        statuses.push(post_probe(&d, &p.transfer).await.status);
+    }
+    assert_eq!(
+        statuses.iter().filter(|s| **s == 200).count(),
+        5,
+        "{statuses:?}: 6 a minute, one was sent before"
+    );
+    assert_eq!(statuses.last(), Some(&502));
 }
 
 fn forged_accept() -> Vec<u8> {
@@ -515,4 +571,72 @@ fn forged_accept() -> Vec<u8> {
     frame.push(2);
     frame.extend_from_slice(&[0u8; 8 + 32]);
     frame
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_grant_serves_one_request_once() {
+    let p = prefill_worker(&[]);
+    let d = decode_worker(&[]);
+    let pr = prompt(200, 11);
+    let b = body(&pr, 4, false);
+    let grant = grant_for(d.port, &p.transfer, &b);
+    let first = post_pd(&d, Some(&p.transfer), Some(&grant), &b).await;
+    let want = text_and_usage(&first).0;
+    assert_eq!(m(&p, "kvgate_worker_kv_transfers_total{side=\"export\",outcome=\"ok\"}").await, 1.0);
+    // The same grant again (a replay of the gateway's headers): the prefill worker refuses it; the decode worker
+    // computes the prompt itself, and the answer is the same.
+    let again = post_pd(&d, Some(&p.transfer), Some(&grant), &b).await;
+    assert_eq!(text_and_usage(&again).0, want);
+    wait_metric(
+        &p,
+        "kvgate_worker_kv_transfers_total{side=\"export\",outcome=\"refused\"}",
+        1.0,
+        Duration::from_secs(3),
+    )
+    .await;
+    assert_eq!(m(&p, "kvgate_worker_kv_transfers_total{side=\"export\",outcome=\"ok\"}").await, 1.0);
+    // A grant made for another prompt: not a split (no transfer), the request computed here.
+    let other = body(&prompt(200, 12), 4, false);
+    let r = post_pd(&d, Some(&p.transfer), Some(&grant), &other).await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(m(&d, "kvgate_worker_prefill_grants_total{result=\"other_prompt\"}").await, 1.0);
+    assert_eq!(m(&p, "kvgate_worker_kv_transfers_total{side=\"export\",outcome=\"ok\"}").await, 1.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_transfer_listener_caps_links_per_peer_and_drops_idle_handshakes() {
+    let p = prefill_worker(&[]);
+    // 64 links that never answer the Challenge are held (for the handshake timeout); the 65th is closed at once.
+    let mut held = Vec::new();
+    for _ in 0..64 {
+        let mut s = std::net::TcpStream::connect(&p.transfer).expect("connect");
+        let mut challenge = [0u8; 22];
+        s.read_exact(&mut challenge).expect("a challenge");
+        held.push(s);
+    }
+    let mut extra = std::net::TcpStream::connect(&p.transfer).expect("connect");
+    let _ = extra.set_read_timeout(Some(Duration::from_secs(2)));
+    let mut buf = [0u8; 22];
+    assert_eq!(extra.read(&mut buf).unwrap_or(0), 0, "closed without a challenge");
+    wait_metric(&p, "kvgate_worker_kv_links_refused_total{reason=\"per_peer\"}", 1.0, Duration::from_secs(2))
+        .await;
+    // Within the handshake timeout (5 s) and a second the idle ones are dropped, and a transfer is served again.
+    let started = Instant::now();
+    for s in &mut held {
+        let _ = s.set_read_timeout(Some(Duration::from_secs(8)));
+        assert_eq!(s.read(&mut buf).unwrap_or(0), 0, "an idle handshake is dropped");
+    }
+    assert!(started.elapsed() < Duration::from_secs(7), "{:?}", started.elapsed());
+    wait_metric(
+        &p,
+        "kvgate_worker_kv_links_refused_total{reason=\"handshake\"}",
+        64.0,
+        Duration::from_secs(2),
+    )
+    .await;
+    drop(held);
+    let d = decode_worker(&[]);
+    let pr = prompt(100, 13);
+    text_and_usage(&post_pd(&d, Some(&p.transfer), None, &body(&pr, 2, false)).await);
+    assert_eq!(m(&d, "kvgate_worker_kv_transfers_total{side=\"import\",outcome=\"ok\"}").await, 1.0);
 }

@@ -22,6 +22,7 @@ use bytes::Bytes;
 use hyper::header::{HeaderName, HeaderValue};
 use kvgate_router::route::{Candidate, Routed};
 use kvgate_router::split::plan::{can_import, SplitAsk};
+use kvgate_shared::handoff;
 use kvgate_shared::trace::Value;
 use pingora::proxy::Session;
 
@@ -231,10 +232,10 @@ impl Outbound {
             Some(secret) if kvgate_pool => {
                 let mut h = self.to_kvgate.clone();
                 h.extend(proxy::gateway_headers(secret, p, ids.map(|(_, enc)| enc.as_str())));
-                h.extend(
-                    split_peer
-                        .map_or_else(Vec::new, |peer| proxy::split_headers(secret, &p.fields.model, peer)),
-                );
+                h.extend(split_peer.map_or_else(Vec::new, |peer| {
+                    let g = handoff::GrantFor { model: &p.fields.model, peer, decode: &t.id, prompt: &p.ids };
+                    proxy::split_headers(secret, &g)
+                }));
                 h
             }
             _ => self.forwarded.clone(),

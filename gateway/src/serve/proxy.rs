@@ -231,13 +231,15 @@ pub(crate) fn count_split(state: &GatewayState, routed: &kvgate_router::route::R
         terms = ?d.terms, input = ?s.input, "split considered");
 }
 
-/// The decode worker's headers of a split: the prefill peer and the gateway's grant for it.
-pub(crate) fn split_headers(secret: &str, model: &str, peer: &str) -> Vec<(HeaderName, HeaderValue)> {
+/// The decode worker's headers of a split: the prefill peer and the gateway's grant for it (for this prompt and
+/// this decode worker, one use: `kvgate_shared::handoff::PREFILL_GRANT_HEADER`).
+pub(crate) fn split_headers(secret: &str, g: &handoff::GrantFor<'_>) -> Vec<(HeaderName, HeaderValue)> {
     let now_ms = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_millis() as u64);
-    let grant = handoff::sign_prefill_grant(secret, now_ms, model, peer);
-    [(handoff::PREFILL_PEER_HEADER, peer.to_owned()), (handoff::PREFILL_GRANT_HEADER, grant)]
+    let nonce = u64::from_le_bytes(kvgate_shared::trace::new_id::<8>());
+    let grant = handoff::sign_prefill_grant(secret, now_ms, nonce, g);
+    [(handoff::PREFILL_PEER_HEADER, g.peer.to_owned()), (handoff::PREFILL_GRANT_HEADER, grant)]
         .into_iter()
         .filter_map(|(n, v)| Some((HeaderName::from_static(n), HeaderValue::from_str(&v).ok()?)))
         .collect()

@@ -27,9 +27,10 @@ use crate::state::GatewayState;
 
 /// Error codes of a 503 with which a worker says it cannot serve a request: it refused it before starting, or its
 /// engine stopped under it (`engine_stopped`, `aborted`: a whole answer of which nothing was sent; a split's
-/// decode leg that dies after the hand-off answers so). Another worker may serve it.
-pub const REFUSAL_CODES: [&str; 5] =
-    ["queue_full", "model_loading", "shutting_down", "engine_stopped", "aborted"];
+/// decode leg that dies after the hand-off answers so; `kv_import_no_room`: a split's decode worker found no room
+/// for the import within its wait). Another worker may serve it.
+pub const REFUSAL_CODES: [&str; 6] =
+    ["queue_full", "model_loading", "shutting_down", "engine_stopped", "aborted", "kv_import_no_room"];
 /// Largest refusal body read to learn its code.
 const REFUSAL_BODY_LIMIT: usize = 64 * 1024;
 /// Longest wait for a refusal body after its header.

@@ -25,8 +25,8 @@ use kvgate_shared::prompt::Prompter;
 pub use backend::{Backend, BatchItem, CpuBackend, Next};
 pub use pd::{ImportError, ImportPlan};
 pub use request::{
-    AdmitError, EngineRequest, ExportSink, FinishReason, KvChunk, RequestId, SamplingParams, StepOutput,
-    TokenLogprobs,
+    AdmitError, EngineRequest, ExportBacklog, ExportSink, FinishReason, KvChunk, RequestId, SamplingParams,
+    StepOutput, TokenLogprobs,
 };
 pub use scheduler::{Scheduler, SchedulerConfig, Sequence};
 
@@ -333,7 +333,7 @@ impl<B: Backend> Engine<B> {
 
     /// The checks every request passes before it holds anything; then it is estimated and read ahead like a
     /// queued request (its cached prefix, its SSD blocks).
-    fn validate(&self, req: &EngineRequest) -> Result<(), AdmitError> {
+    pub fn validate(&self, req: &EngineRequest) -> Result<(), AdmitError> {
         if req.prompt.is_empty() {
             return Err(AdmitError::EmptyPrompt);
         }

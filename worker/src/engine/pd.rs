@@ -48,7 +48,7 @@ impl LayerExport {
             Ok(bytes) => {
                 let chunk =
                     KvChunk { first: self.first, count: self.end - self.first, layers: self.done..n, bytes };
-                (self.sink.0)(chunk);
+                self.sink.push(chunk);
                 self.done = n;
             }
             Err(e) => {
@@ -178,7 +178,7 @@ impl<B: Backend> Engine<B> {
             match read {
                 Ok(bytes) => {
                     e.next = end;
-                    (e.sink.0)(KvChunk { first, count: end - first, layers: 0..layers, bytes });
+                    e.sink.push(KvChunk { first, count: end - first, layers: 0..layers, bytes });
                 }
                 Err(err) => {
                     let reason = super::FinishReason::Error(format!("reading KV to export: {err}"));
@@ -187,6 +187,16 @@ impl<B: Backend> Engine<B> {
             }
         }
         out
+    }
+
+    /// Whether an import of a `prompt_len`-token prompt would find room now: a sequence slot, and free blocks for
+    /// the whole prompt and its first token (its own cache hits, found at the start, only make it need fewer), with
+    /// no request waiting ahead of it (an import waits its turn like a local request).
+    pub fn import_room(&self, prompt_len: usize) -> bool {
+        let kv = self.sched.kv();
+        self.sched.num_slots_used() < self.sched.config().max_num_seqs
+            && self.sched.num_waiting() == 0
+            && kv.pool().lock().num_free() >= kv.blocks_for(prompt_len + 1)
     }
 
     /// Admits a request whose prompt's KV will arrive from a prefill worker: finds its own cached prefix, allocates

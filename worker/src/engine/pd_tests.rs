@@ -56,7 +56,8 @@ fn export_by(
 ) -> (Vec<KvChunk>, u32, usize) {
     let got = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
     let g = got.clone();
-    let sink = ExportSink(std::sync::Arc::new(move |kv| g.lock().expect("sink").push(kv)));
+    let backlog = std::sync::Arc::new(super::request::ExportBacklog::new(usize::MAX));
+    let sink = ExportSink::new(std::sync::Arc::new(move |kv| g.lock().expect("sink").push(kv)), backlog);
     p.add_export(req(100, prompt.to_vec(), 1), from_block, group, sink).expect("export");
     let (mut first, mut cached) = (None, 0);
     while p.has_work() {
@@ -102,6 +103,40 @@ fn an_imported_prompt_decodes_like_a_local_run_with_bit_identical_blocks() {
     // The imported prompt is in the decode engine's prefix cache: its next turn hits there.
     d.add_request(req(3, prompt.iter().copied().chain([1, 2]).collect(), 1)).expect("ok");
     assert_eq!(drain(&mut d)[&3].2, 144);
+}
+
+#[test]
+fn a_full_export_backlog_holds_the_prefill_until_the_link_drains_it() {
+    let (dir, prompt, _local, _want) = setup(1);
+    let mut p = engine(dir.path());
+    let got = std::sync::Arc::new(std::sync::Mutex::new(Vec::<KvChunk>::new()));
+    let g = got.clone();
+    // Bound: one byte, so every step's chunk fills it.
+    let backlog = std::sync::Arc::new(super::request::ExportBacklog::new(1));
+    let sink =
+        ExportSink::new(std::sync::Arc::new(move |kv| g.lock().expect("sink").push(kv)), backlog.clone());
+    p.add_export(req(100, prompt.clone(), 1), 0, 0, sink).expect("export");
+    assert!(p.step().is_empty(), "the first chunk computes");
+    let after_one = got.lock().expect("sink").len();
+    assert_eq!(after_one, 1);
+    let computed = p.scheduler().counters().scheduled_tokens;
+    for _ in 0..3 {
+        assert!(p.step().is_empty());
+    }
+    assert_eq!(got.lock().expect("sink").len(), 1, "nothing more is exported while the backlog is full");
+    assert_eq!(p.scheduler().counters().scheduled_tokens, computed, "and nothing is computed for it");
+    assert_eq!(p.scheduler().counters().export_holds, 3);
+    // The link sends what it held: the prefill goes on, to its first token.
+    let mut first = None;
+    while p.has_work() {
+        let bytes = backlog.bytes();
+        backlog.sent(bytes);
+        for o in p.step() {
+            first = first.or(o.token);
+        }
+    }
+    assert!(first.is_some());
+    assert_eq!(got.lock().expect("sink").iter().map(|c| c.count).sum::<usize>(), prompt.len().div_ceil(16));
 }
 
 #[test]

@@ -212,9 +212,67 @@ pub enum AdmitError {
     NoRoom(&'static str),
 }
 
-/// Where an exporting request's blocks go as they are written (the server: the transfer link's queue).
+/// Where an exporting request's blocks go as they are written (the server: the transfer link's queue), and the
+/// bytes handed over that the link has not sent yet.
 #[derive(Clone)]
-pub struct ExportSink(pub std::sync::Arc<dyn Fn(KvChunk) + Send + Sync>);
+pub struct ExportSink {
+    send: std::sync::Arc<dyn Fn(KvChunk) + Send + Sync>,
+    backlog: std::sync::Arc<ExportBacklog>,
+}
+
+impl ExportSink {
+    pub fn new(
+        send: std::sync::Arc<dyn Fn(KvChunk) + Send + Sync>,
+        backlog: std::sync::Arc<ExportBacklog>,
+    ) -> Self {
+        Self { send, backlog }
+    }
+
+    /// Hands a chunk over (its bytes count in the backlog until the link reports them sent).
+    pub fn push(&self, chunk: KvChunk) {
+        self.backlog.add(chunk.bytes.len());
+        (self.send)(chunk);
+    }
+
+    /// Whether the backlog is at its bound: the sequence's prefill waits until the link drains it.
+    pub fn held(&self) -> bool {
+        self.backlog.held()
+    }
+}
+
+/// Bytes an export handed to its link and the link has not sent: bounded, so a decode peer that reads slowly holds
+/// back the export's prefill (back-pressure into the engine) rather than the prompt's whole KV piling up in host
+/// memory. At most one step's chunk past the bound is held.
+#[derive(Debug)]
+pub struct ExportBacklog {
+    bytes: std::sync::atomic::AtomicUsize,
+    limit: usize,
+}
+
+impl ExportBacklog {
+    pub fn new(limit: usize) -> Self {
+        Self { bytes: std::sync::atomic::AtomicUsize::new(0), limit: limit.max(1) }
+    }
+    fn add(&self, n: usize) {
+        self.bytes.fetch_add(n, std::sync::atomic::Ordering::AcqRel);
+        metrics::gauge!("kvgate_worker_kv_export_backlog_bytes").increment(n as f64);
+    }
+    /// `n` bytes handed over have left on the link (or were dropped with it).
+    pub fn sent(&self, n: usize) {
+        let _ = self.bytes.fetch_update(
+            std::sync::atomic::Ordering::AcqRel,
+            std::sync::atomic::Ordering::Acquire,
+            |b| Some(b.saturating_sub(n)),
+        );
+        metrics::gauge!("kvgate_worker_kv_export_backlog_bytes").decrement(n as f64);
+    }
+    pub fn bytes(&self) -> usize {
+        self.bytes.load(std::sync::atomic::Ordering::Acquire)
+    }
+    pub fn held(&self) -> bool {
+        self.bytes() >= self.limit
+    }
+}
 
 impl std::fmt::Debug for ExportSink {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {

@@ -127,6 +127,8 @@ pub struct SchedulerCounters {
     pub scheduled_tokens: u64,
     /// Scheduled chunks that decode (one generated token past the prompt), of all the steps.
     pub decode_chunks: u64,
+    /// Steps an exporting sequence was passed over because its link's backlog was full.
+    pub export_holds: u64,
 }
 
 /// The scheduler's queues.
@@ -276,6 +278,13 @@ impl Scheduler {
         let mut preempted = false;
         let mut i = 0;
         while i < self.running.len() && budget > 0 {
+            let held = self.running[i].export.as_ref().is_some_and(|e| e.sink.held());
+            if held {
+                // Its link has not sent what it exported yet: the prefill waits (back-pressure, not memory).
+                self.counters.export_holds += 1;
+                i += 1;
+                continue;
+            }
             let n = self.running[i].remaining().min(budget);
             if n == 0 {
                 i += 1;

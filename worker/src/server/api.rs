@@ -209,7 +209,7 @@ pub async fn completions(State(state): State<Arc<AppState>>, headers: HeaderMap,
         let ids = prompt.token_ids(&l.prompter, v.ids).map_err(|e| prompt_error(e, prompt.param()))?;
         let extra = prompt.extra_keys();
         let params = sampling(&req.sampling, &req.extra, 16, None)?;
-        let peer = super::pd::prefill_peer(&state, &l, &headers, &req.model)?;
+        let peer = super::pd::prefill_peer(&state, &l, &headers, &req.model, &ids)?;
         Ok((l, ids, params, extra, req.sampling, peer))
     }
     .await;
@@ -254,7 +254,7 @@ pub async fn chat_completions(
         // Without max_tokens a chat may use the rest of the context, up to --default-max-tokens.
         let room = l.max_model_len.saturating_sub(ids.len()).max(1) as u32;
         let params = sampling(&req.sampling, &req.extra, state.cfg.default_max_tokens.min(room), logprobs)?;
-        let peer = super::pd::prefill_peer(&state, &l, &headers, &req.model)?;
+        let peer = super::pd::prefill_peer(&state, &l, &headers, &req.model, &ids)?;
         Ok((l, ids, params, extra, req.sampling, peer))
     }
     .await;
@@ -448,7 +448,7 @@ async fn run(
     extra_keys: ExtraKeys,
     fields: &SamplingFields,
     started: Instant,
-    peer: Option<String>,
+    peer: Option<super::pd::Split>,
     mut spans: Option<RequestSpans>,
 ) -> Response {
     let id = l.engine.next_id();

@@ -171,12 +171,25 @@ pub struct ServeArgs {
     /// the prompt itself) when its peer has shown no sign of life for this long.
     #[arg(long, env = "KVGATE_WORKER_KV_TRANSFER_LEASE", default_value = "30s")]
     pub kv_transfer_lease: Option<String>,
+    /// Longest a decode worker waits for KV from its prefill peer without any arriving (from its Hello to the first
+    /// blocks, and between two frames of blocks); then it gives the transfer up and computes the prompt itself. A
+    /// peer's Renew (it is alive, its prefill is queued or stuck) does not reset it; it is meant to be far shorter
+    /// than a gateway's first-byte timeout.
+    /// It is also the longest a decode worker's import waits for room (a sequence slot, free blocks) before it is
+    /// refused with 503 `kv_import_no_room`, which gateways take as a refusal.
+    #[arg(long, env = "KVGATE_WORKER_KV_TRANSFER_STALL_TIMEOUT", default_value = "5s")]
+    pub kv_transfer_stall_timeout: Option<String>,
     /// Layers per transfer frame while a prompt computes (0: whole blocks once each prefill chunk is done).
     #[arg(long, env = "KVGATE_WORKER_KV_TRANSFER_LAYER_GROUP", default_value = "0")]
     pub kv_transfer_layer_group: Option<u16>,
     /// Largest payload of one transfer frame in bytes (a chunk's blocks are split to fit). (8 MiB by default).
     #[arg(long, env = "KVGATE_WORKER_KV_TRANSFER_FRAME_BYTES", default_value = "8388608")]
     pub kv_transfer_frame_bytes: Option<usize>,
+    /// Most KV bytes a prefill worker's export holds in host memory that its link has not sent yet; past it the
+    /// export's prefill waits for the decode worker to read (back-pressure; at most one prefill chunk over it).
+    /// (64 MiB by default).
+    #[arg(long, env = "KVGATE_WORKER_KV_EXPORT_BACKLOG_BYTES", default_value = "67108864")]
+    pub kv_export_backlog_bytes: Option<usize>,
     /// What the KV cache stores: `auto` (the engine's own: f32 on the CPU, the `--dtype` on CUDA) or `fp8` (E4M3,
     /// a scale per token and KV head: on the CPU engine as reference math, each row rounded as it is written, for
     /// checking device kernels and accuracy; CUDA refuses it until its FP8 kernels exist).
@@ -232,8 +245,10 @@ pub struct ServeConfig {
     pub kv_transfer_port: Option<u16>,
     pub kv_transfer_advertise: Option<String>,
     pub kv_transfer_lease: Duration,
+    pub kv_transfer_stall_timeout: Duration,
     pub kv_transfer_layer_group: u16,
     pub kv_transfer_frame_bytes: usize,
+    pub kv_export_backlog_bytes: usize,
     pub otlp_endpoint: Option<String>,
     pub trace_sample_ratio: f64,
     pub kv_cache_dtype: KvCacheDtype,
@@ -371,8 +386,10 @@ impl ServeArgs {
             kv_transfer_port: pick!(kv_transfer_port),
             kv_transfer_advertise: pick!(kv_transfer_advertise),
             kv_transfer_lease: dur(set!(kv_transfer_lease), "kv-transfer-lease")?,
+            kv_transfer_stall_timeout: dur(set!(kv_transfer_stall_timeout), "kv-transfer-stall-timeout")?,
             kv_transfer_layer_group: set!(kv_transfer_layer_group),
             kv_transfer_frame_bytes: set!(kv_transfer_frame_bytes),
+            kv_export_backlog_bytes: set!(kv_export_backlog_bytes),
             otlp_endpoint: pick!(otlp_endpoint).filter(|e| !e.is_empty()),
             trace_sample_ratio: set!(trace_sample_ratio),
             kv_cache_dtype: KvCacheDtype::parse(&set!(kv_cache_dtype)).map_err(|e| format!("--{e}"))?,
@@ -403,6 +420,12 @@ impl ServeConfig {
         }
         if self.kv_transfer_lease < Duration::from_millis(100) {
             problems.push("kv-transfer-lease must be at least 100ms".into());
+        }
+        if self.kv_transfer_stall_timeout < Duration::from_millis(100) {
+            problems.push("kv-transfer-stall-timeout must be at least 100ms".into());
+        }
+        if self.kv_export_backlog_bytes == 0 {
+            problems.push("kv-export-backlog-bytes must be at least 1".into());
         }
         if self.kv_transfer_frame_bytes < 4096 {
             problems.push("kv-transfer-frame-bytes must be at least 4096".into());

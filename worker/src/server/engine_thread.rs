@@ -3,7 +3,9 @@
 //!
 //! The thread blocks on the command channel when idle, and between steps drains every pending command, so an
 //! abort (client gone) frees the request's blocks before the next step. A receiver that has gone away aborts its
-//! request too.
+//! request too. A step that plans nothing while work is held (a queue head waiting for blocks that imports hold,
+//! an export held back by its full buffer) waits up to [`STALLED_STEP_WAIT`] for a command instead of stepping
+//! again at once: nothing spins while it waits.
 //!
 //! Liveness: if the thread ends for any reason (a panic in a step included), [`EngineHandle::is_alive`] turns
 //! false and [`EngineHandle::died`] resolves, so the server fails its probes and exits non-zero instead of
@@ -11,16 +13,17 @@
 //!
 //! Fault injection (tests only): `KVGATE_FAULT_ENGINE_PANIC_AFTER_STEPS=N` makes the thread panic after N steps.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc as std_mpsc;
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use tokio::sync::{mpsc, oneshot, watch};
 
 use crate::engine::{
-    AdmitError, Backend, Engine, EngineRequest, EngineStats, ExportSink, ImportError, ImportPlan, KvChunk,
-    RequestId, StepOutput,
+    AdmitError, Backend, Engine, EngineRequest, EngineStats, ExportBacklog, ExportSink, ImportError,
+    ImportPlan, KvChunk, RequestId, StepOutput,
 };
 use crate::kv::{KvManager, SharedPool};
 
@@ -37,10 +40,12 @@ enum Cmd {
         req: EngineRequest,
         from_block: usize,
         layer_group: usize,
+        backlog: Arc<ExportBacklog>,
         events: mpsc::UnboundedSender<StepOutput>,
         admitted: oneshot::Sender<Result<(), Refusal>>,
     },
-    /// The decode side: allocate and park (`Engine::start_import`); outputs go to `events` once it runs.
+    /// The decode side: allocate and park (`Engine::start_import`); outputs go to `events` once it runs. Without
+    /// room (slots, blocks, or requests waiting ahead) it waits its turn, up to the import wait; then it is refused.
     StartImport {
         req: EngineRequest,
         events: mpsc::UnboundedSender<StepOutput>,
@@ -63,6 +68,10 @@ enum Cmd {
     /// The import failed: compute the prompt here.
     ImportToLocal(RequestId),
 }
+
+/// Longest wait for a command after a step that planned nothing while the engine held work (then it steps again:
+/// time alone may make a waiting request ready, as a tier read's deadline does).
+pub const STALLED_STEP_WAIT: Duration = Duration::from_millis(5);
 
 /// Why a request was not queued.
 #[derive(Debug, Clone, PartialEq)]
@@ -94,7 +103,7 @@ pub struct EngineSnapshot {
 /// Handle to the engine thread (cheap to clone).
 #[derive(Clone)]
 pub struct EngineHandle {
-    tx: mpsc::UnboundedSender<Cmd>,
+    tx: std_mpsc::Sender<Cmd>,
     snapshot: Arc<Mutex<EngineSnapshot>>,
     /// The KV bookkeeping (pool and tiers), for reports.
     kv: KvManager,
@@ -113,8 +122,10 @@ impl Drop for AliveGuard {
 
 impl EngineHandle {
     /// Starts the thread that owns `engine`.
-    pub fn spawn<B: Backend + 'static>(engine: Engine<B>, max_waiting: usize) -> Self {
-        let (tx, rx) = mpsc::unbounded_channel();
+    /// `max_waiting`: requests queued (imports waiting for room included) before `QueueFull`; `import_wait`: the
+    /// longest an import waits for room before it is refused (`AdmitError::NoRoom`).
+    pub fn spawn<B: Backend + 'static>(engine: Engine<B>, max_waiting: usize, import_wait: Duration) -> Self {
+        let (tx, rx) = std_mpsc::channel();
         let snapshot = Arc::new(Mutex::new(EngineSnapshot::default()));
         let kv = engine.scheduler().kv().clone();
         let p = snapshot.clone();
@@ -125,7 +136,8 @@ impl EngineHandle {
             .name("kvgate-engine".into())
             .spawn(move || {
                 let _guard = AliveGuard(alive_tx);
-                run(engine, rx, p, max_waiting, panic_after);
+                let limits = Limits { max_waiting, import_wait };
+                run(engine, rx, p, limits, panic_after);
                 tracing::error!("the engine thread ended");
             })
             .unwrap_or_else(|e| panic!("cannot start the engine thread: {e}"));
@@ -157,16 +169,18 @@ impl EngineHandle {
         Ok(rx)
     }
 
-    /// Queues the prefill side of a hand-off: its outputs carry the KV of blocks `from_block..` as it is written.
+    /// Queues the prefill side of a hand-off: its outputs carry the KV of blocks `from_block..` as it is written;
+    /// its prefill waits while `backlog` (what the caller has not sent on yet) is at its bound.
     pub async fn submit_export(
         &self,
         req: EngineRequest,
         from_block: usize,
         layer_group: usize,
+        backlog: Arc<ExportBacklog>,
     ) -> Result<mpsc::UnboundedReceiver<StepOutput>, Refusal> {
         let (events, rx) = mpsc::unbounded_channel();
         let (admitted, ack) = oneshot::channel();
-        let cmd = Cmd::AddExport { req, from_block, layer_group, events, admitted };
+        let cmd = Cmd::AddExport { req, from_block, layer_group, backlog, events, admitted };
         self.tx.send(cmd).map_err(|_| Refusal::EngineGone)?;
         ack.await.map_err(|_| Refusal::EngineGone)??;
         Ok(rx)
@@ -245,29 +259,38 @@ impl EngineHandle {
 
 fn run<B: Backend>(
     mut engine: Engine<B>,
-    mut rx: mpsc::UnboundedReceiver<Cmd>,
+    rx: std_mpsc::Receiver<Cmd>,
     snapshot: Arc<Mutex<EngineSnapshot>>,
-    max_waiting: usize,
+    limits: Limits,
     panic_after_steps: Option<u64>,
 ) {
-    let mut senders: HashMap<RequestId, mpsc::UnboundedSender<StepOutput>> = HashMap::new();
+    let mut q = Queues { senders: HashMap::new(), imports: VecDeque::new(), limits };
     let mut totals = EngineSnapshot::default();
     // The figures before any request (a restarted worker's recovered SSD tier among them).
     publish(&engine, &mut totals, &snapshot);
+    let mut stalled = false;
     loop {
-        if !engine.has_work() {
-            match rx.blocking_recv() {
-                Some(cmd) => handle(&mut engine, &mut senders, cmd, max_waiting),
-                None => return,
+        q.start_imports(&mut engine);
+        if !engine.has_work() && q.imports.is_empty() {
+            match rx.recv() {
+                Ok(cmd) => handle(&mut engine, &mut q, cmd),
+                Err(_) => return,
+            }
+        } else if stalled || !engine.has_work() {
+            match rx.recv_timeout(STALLED_STEP_WAIT) {
+                Ok(cmd) => handle(&mut engine, &mut q, cmd),
+                Err(std_mpsc::RecvTimeoutError::Timeout) => {}
+                Err(std_mpsc::RecvTimeoutError::Disconnected) => return,
             }
         }
         loop {
             match rx.try_recv() {
-                Ok(cmd) => handle(&mut engine, &mut senders, cmd, max_waiting),
-                Err(mpsc::error::TryRecvError::Empty) => break,
-                Err(mpsc::error::TryRecvError::Disconnected) => return,
+                Ok(cmd) => handle(&mut engine, &mut q, cmd),
+                Err(std_mpsc::TryRecvError::Empty) => break,
+                Err(std_mpsc::TryRecvError::Disconnected) => return,
             }
         }
+        q.start_imports(&mut engine);
         if !engine.has_work() {
             // Commands alone (an abort that emptied the engine) change the figures too.
             publish(&engine, &mut totals, &snapshot);
@@ -282,6 +305,15 @@ fn run<B: Backend>(
         let after = engine.scheduler().counters();
         let computed = after.scheduled_tokens - before.scheduled_tokens;
         let elapsed = started.elapsed().as_secs_f64();
+        let holds = after.export_holds - before.export_holds;
+        if holds > 0 {
+            metrics::counter!("kvgate_worker_kv_export_holds_total").increment(holds);
+        }
+        stalled = computed == 0 && outputs.is_empty();
+        if stalled {
+            metrics::counter!("kvgate_worker_engine_stalled_steps_total").increment(1);
+            continue;
+        }
         engine.observe_prefill(computed, elapsed);
         let generated = outputs.iter().filter(|o| o.token.is_some()).count() as u64;
         totals.decode_tokens += generated;
@@ -294,13 +326,13 @@ fn run<B: Backend>(
         for o in outputs {
             let done = o.finished.is_some();
             let id = o.id;
-            let gone = senders.get(&id).is_none_or(|tx| tx.send(o).is_err());
+            let gone = q.senders.get(&id).is_none_or(|tx| tx.send(o).is_err());
             if done {
-                senders.remove(&id);
+                q.senders.remove(&id);
             } else if gone {
                 // Nobody listens any more (client disconnected): free its blocks now.
                 engine.abort(id);
-                senders.remove(&id);
+                q.senders.remove(&id);
                 aborted = true;
             }
         }
@@ -340,51 +372,50 @@ fn publish<B: Backend>(engine: &Engine<B>, totals: &mut EngineSnapshot, snapshot
     *snapshot.lock().unwrap_or_else(|e| e.into_inner()) = *totals;
 }
 
-fn handle<B: Backend>(
-    engine: &mut Engine<B>,
-    senders: &mut HashMap<RequestId, mpsc::UnboundedSender<StepOutput>>,
-    cmd: Cmd,
-    max_waiting: usize,
-) {
+fn handle<B: Backend>(engine: &mut Engine<B>, q: &mut Queues, cmd: Cmd) {
+    let (senders, max_waiting) = (&mut q.senders, q.limits.max_waiting);
     match cmd {
         Cmd::Add { req, events, admitted } => {
             admit(engine, senders, max_waiting, req.id, events, admitted, |e| e.add_request(req));
         }
-        Cmd::AddExport { req, from_block, layer_group, events, admitted } => {
+        Cmd::AddExport { req, from_block, layer_group, backlog, events, admitted } => {
             let id = req.id;
             // Blocks go out on the request's own channel, so they always precede its first token.
             let tx = events.clone();
-            let sink = ExportSink(Arc::new(move |kv: KvChunk| {
-                let _ = tx.send(StepOutput {
-                    id,
-                    token: None,
-                    finished: None,
-                    prompt_tokens: 0,
-                    cached_tokens: 0,
-                    completion_tokens: 0,
-                    queued_s: None,
-                    logprobs: None,
-                    kv: Some(kv),
-                });
-            }));
+            let sink = ExportSink::new(
+                Arc::new(move |kv: KvChunk| {
+                    let _ = tx.send(StepOutput {
+                        id,
+                        token: None,
+                        finished: None,
+                        prompt_tokens: 0,
+                        cached_tokens: 0,
+                        completion_tokens: 0,
+                        queued_s: None,
+                        logprobs: None,
+                        kv: Some(kv),
+                    });
+                }),
+                backlog,
+            );
             admit(engine, senders, max_waiting, id, events, admitted, |e| {
                 e.add_export(req, from_block, layer_group, sink)
             });
         }
         Cmd::StartImport { req, events, reply } => {
-            let id = req.id;
-            match engine.start_import(req) {
-                Ok(plan) => {
-                    senders.insert(id, events);
-                    if reply.send(Ok(plan)).is_err() {
-                        engine.abort(id);
-                        senders.remove(&id);
-                    }
-                }
-                Err(e) => {
-                    let _ = reply.send(Err(Refusal::Invalid(e)));
-                }
+            let waiting = engine.scheduler().num_waiting() + q.imports.len();
+            if waiting >= max_waiting {
+                let _ = reply.send(Err(Refusal::QueueFull { waiting }));
+                return;
             }
+            // What can never run is refused now, not after the wait.
+            if let Err(e) = engine.validate(&req) {
+                let _ = reply.send(Err(Refusal::Invalid(e)));
+                return;
+            }
+            // In turn: behind the imports already waiting for room.
+            q.imports.push_back(PendingImport { req, events, reply, since: Instant::now() });
+            q.start_imports(engine);
         }
         Cmd::WriteImport { id, first, count, layers, bytes, reply } => {
             let _ = reply.send(engine.write_import(id, first, count, layers, &bytes));
@@ -413,12 +444,74 @@ fn handle<B: Backend>(
         Cmd::Abort(id) => {
             engine.abort(id);
             senders.remove(&id);
+            q.imports.retain(|p| p.req.id != id);
         }
         Cmd::AbortAll => {
             for (id, _) in senders.drain() {
                 engine.abort(id);
             }
+            for p in q.imports.drain(..) {
+                let _ = p.reply.send(Err(Refusal::EngineGone));
+            }
         }
+    }
+}
+
+/// What the engine thread's loop holds besides the engine.
+struct Limits {
+    max_waiting: usize,
+    import_wait: Duration,
+}
+
+/// An import waiting for room (`Cmd::StartImport`).
+struct PendingImport {
+    req: EngineRequest,
+    events: mpsc::UnboundedSender<StepOutput>,
+    reply: oneshot::Sender<Result<ImportPlan, Refusal>>,
+    since: Instant,
+}
+
+struct Queues {
+    senders: HashMap<RequestId, mpsc::UnboundedSender<StepOutput>>,
+    /// Imports waiting for room, first come first served.
+    imports: VecDeque<PendingImport>,
+    limits: Limits,
+}
+
+impl Queues {
+    /// Starts the waiting imports that fit now, in order; refuses (`NoRoom`) those that waited past the import
+    /// wait, and drops those whose caller stopped waiting.
+    fn start_imports<B: Backend>(&mut self, engine: &mut Engine<B>) {
+        let now = Instant::now();
+        self.imports.retain(|p| !p.reply.is_closed());
+        while let Some(p) = self.imports.front() {
+            if !engine.import_room(p.req.prompt.len()) {
+                break;
+            }
+            let Some(p) = self.imports.pop_front() else { break };
+            let id = p.req.id;
+            match engine.start_import(p.req) {
+                Ok(plan) => {
+                    self.senders.insert(id, p.events);
+                    if p.reply.send(Ok(plan)).is_err() {
+                        engine.abort(id);
+                        self.senders.remove(&id);
+                    }
+                }
+                Err(e) => {
+                    let _ = p.reply.send(Err(Refusal::Invalid(e)));
+                }
+            }
+        }
+        let wait = self.limits.import_wait;
+        while self.imports.front().is_some_and(|p| now.duration_since(p.since) >= wait) {
+            if let Some(p) = self.imports.pop_front() {
+                metrics::counter!("kvgate_worker_kv_import_room_timeouts_total").increment(1);
+                let _ =
+                    p.reply.send(Err(Refusal::Invalid(AdmitError::NoRoom("no room for the import in time"))));
+            }
+        }
+        metrics::gauge!("kvgate_worker_kv_imports_waiting").set(self.imports.len() as f64);
     }
 }
 

@@ -201,7 +201,12 @@ fn load(cfg: &ServeConfig, worker_id: &str) -> Result<ServingModel, String> {
                 let engine = with_tiers(engine, cfg, &disk_dir, weights)?;
                 let engine = with_load_costs(engine, cfg);
                 let kv = transfer_parts(&engine, weights);
-                (EngineHandle::spawn(engine, cfg.max_waiting_requests), max_model_len, device, kv)
+                (
+                    EngineHandle::spawn(engine, cfg.max_waiting_requests, cfg.kv_transfer_stall_timeout),
+                    max_model_len,
+                    device,
+                    kv,
+                )
             }
             _ => {
                 let tokens = cfg.kv_cache_tokens.unwrap_or(config::CPU_KV_CACHE_TOKENS);
@@ -214,7 +219,12 @@ fn load(cfg: &ServeConfig, worker_id: &str) -> Result<ServingModel, String> {
                 let engine = with_tiers(engine, cfg, &disk_dir, weights)?;
                 let engine = with_load_costs(engine, cfg);
                 let kv = transfer_parts(&engine, weights);
-                (EngineHandle::spawn(engine, cfg.max_waiting_requests), max_model_len, "cpu".to_string(), kv)
+                (
+                    EngineHandle::spawn(engine, cfg.max_waiting_requests, cfg.kv_transfer_stall_timeout),
+                    max_model_len,
+                    "cpu".to_string(),
+                    kv,
+                )
             }
         },
         EngineKind::Sim { profile } => {
@@ -229,7 +239,7 @@ fn load(cfg: &ServeConfig, worker_id: &str) -> Result<ServingModel, String> {
             // A simulated engine loads and computes at its profile's speeds: weigh those, not this machine's.
             engine.set_load_costs(profile.timing.load_costs(cfg.kv_load_policy));
             (
-                EngineHandle::spawn(engine, cfg.max_waiting_requests),
+                EngineHandle::spawn(engine, cfg.max_waiting_requests, cfg.kv_transfer_stall_timeout),
                 profile.max_model_len,
                 "sim".to_string(),
                 None,
@@ -245,13 +255,18 @@ fn load(cfg: &ServeConfig, worker_id: &str) -> Result<ServingModel, String> {
     let transfer = match (cfg.report_secret.as_deref(), kv) {
         (Some(secret), Some(parts)) => Some(Arc::new(crate::transfer::Transfers {
             key: kvgate_shared::handoff::transfer_key(secret),
+            grant_key: kvgate_shared::handoff::grant_key(secret),
+            model: model_id.clone(),
+            worker_id: worker_id.to_owned(),
             fingerprint: parts.fingerprint,
             block_bytes: parts.block_bytes,
             layers: parts.layers,
             block_size: bs,
             lease: cfg.kv_transfer_lease,
+            stall: cfg.kv_transfer_stall_timeout,
             layer_group: cfg.kv_transfer_layer_group,
             frame_bytes: cfg.kv_transfer_frame_bytes,
+            export_backlog: cfg.kv_export_backlog_bytes,
             max_prompt_tokens: max_model_len,
             engine: handle.clone(),
             transport: Default::default(),
@@ -337,7 +352,7 @@ async fn start_transfer_listener(
         .and_then(|hp| hp.rsplit_once(':').map(|(h, _)| h.to_owned()).or(Some(hp.to_owned())))
         .unwrap_or_else(|| "127.0.0.1".into());
     let reach = cfg.kv_transfer_advertise.clone().unwrap_or(format!("{host}:{port}"));
-    tokio::spawn(crate::transfer::export::serve(listener, t));
+    tokio::spawn(crate::transfer::export::serve(listener, t, reach.clone()));
     println!("kvgate-worker {} kv transfer listening on {reach}", l.worker_id);
     tracing::info!(%reach, "KV transfer listener");
     Ok(Some(reach))

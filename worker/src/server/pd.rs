@@ -15,15 +15,42 @@ use super::{AppState, ServingModel};
 use crate::engine::{EngineRequest, StepOutput};
 use crate::transfer::import::{fetch, Want};
 
-/// The prefill peer a request names, once its grant verifies; `None` without [`PREFILL_PEER_HEADER`]. Refused:
-/// a prefill worker (it imports nothing, 400 `invalid_request_error`), a worker that cannot transfer (no report
-/// secret, or a simulated engine: 400), a missing or invalid grant (401 `invalid_prefill_grant`).
+/// A split's decode leg: the prefill peer and the gateway's grant (which the peer checks again).
+#[derive(Clone, Debug)]
+pub struct Split {
+    pub peer: String,
+    pub grant: String,
+}
+
+/// The prefill peer a request names, once its grant verifies for this worker and `prompt` (the tokens it will
+/// compute); `None` without [`PREFILL_PEER_HEADER`], and for a grant made for another prompt (this worker
+/// tokenized otherwise than the gateway: the request is computed whole here, counted in
+/// `kvgate_worker_prefill_grants_total{result="other_prompt"}`). Refused: a prefill worker (it imports nothing, 400
+/// `invalid_request_error`), a worker that cannot transfer (no report secret, or a simulated engine: 400), a
+/// missing or invalid grant (401 `invalid_prefill_grant`).
 pub fn prefill_peer(
     state: &AppState,
     l: &ServingModel,
     headers: &HeaderMap,
     model: &str,
-) -> Result<Option<String>, ApiError> {
+    prompt: &[u32],
+) -> Result<Option<Split>, ApiError> {
+    match granted_peer(state, l, headers, (model, &l.worker_id, prompt))? {
+        Some((peer, grant, Ok(()))) => Ok(Some(Split { peer, grant })),
+        Some((_, _, Err(()))) => Ok(None),
+        None => Ok(None),
+    }
+}
+
+/// The peer and grant of a request's headers, checked for `(model, decode worker, prompt)`: `Ok(None)` without
+/// the peer header; the inner `Err(())` for a valid grant made for another prompt.
+#[allow(clippy::type_complexity)]
+fn granted_peer(
+    state: &AppState,
+    l: &ServingModel,
+    headers: &HeaderMap,
+    (model, decode, prompt): (&str, &str, &[u32]),
+) -> Result<Option<(String, String, Result<(), ()>)>, ApiError> {
     let Some(peer) = headers.get(PREFILL_PEER_HEADER) else { return Ok(None) };
     let text = |v: &axum::http::HeaderValue, name: &'static str| {
         v.to_str().map(str::to_owned).map_err(|_| ApiError::invalid(name, "is not text"))
@@ -51,13 +78,26 @@ pub fn prefill_peer(
             },
         )?;
     let now_ms = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64);
-    handoff::verify_prefill_grant(state.cfg.report_secret.as_deref(), &grant, model, &peer, now_ms).map_err(
-        |e| {
+    let count = |result: &'static str| {
+        metrics::counter!("kvgate_worker_prefill_grants_total", "result" => result).increment(1);
+    };
+    let g = handoff::GrantFor { model, peer: &peer, decode, prompt };
+    match handoff::verify_prefill_grant(state.cfg.report_secret.as_deref(), &grant, &g, now_ms) {
+        Ok(_) => {
+            count("ok");
+            Ok(Some((peer, grant, Ok(()))))
+        }
+        Err(handoff::GrantError::OtherPrompt) => {
+            count("other_prompt");
+            tracing::warn!(%peer, "a prefill grant for another prompt: computing the request here");
+            Ok(Some((peer, grant, Err(()))))
+        }
+        Err(e) => {
+            count("invalid");
             metrics::counter!("kvgate_worker_unauthorized_requests_total").increment(1);
-            ApiError::unauthorized("invalid_prefill_grant", e.to_string())
-        },
-    )?;
-    Ok(Some(peer))
+            Err(ApiError::unauthorized("invalid_prefill_grant", e.to_string()))
+        }
+    }
 }
 
 /// Allocates the request's blocks and starts fetching its KV from `peer`; its outputs arrive on the receiver
@@ -65,15 +105,16 @@ pub fn prefill_peer(
 pub async fn start_import(
     l: &ServingModel,
     req: EngineRequest,
-    peer: String,
+    split: Split,
 ) -> Result<(mpsc::UnboundedReceiver<StepOutput>, oneshot::Sender<()>), Refusal> {
     let Some(t) = l.transfer.clone() else { return Err(Refusal::EngineGone) };
     let (id, prompt, keys, params) = (req.id, req.prompt.clone(), req.extra_keys.clone(), req.params.clone());
     let (plan, rx) = l.engine.start_import(req).await?;
     let (cancel, cancelled) = oneshot::channel();
     tokio::spawn(async move {
-        let want = Want { id, prompt: &prompt, extra_keys: &keys, params: &params, plan };
-        fetch(&t, &peer, want, cancelled).await;
+        let want =
+            Want { id, prompt: &prompt, extra_keys: &keys, params: &params, plan, grant: &split.grant };
+        fetch(&t, &split.peer, want, cancelled).await;
     });
     Ok((rx, cancel))
 }
@@ -97,8 +138,13 @@ pub async fn probe(
     let Some(l) = state.loaded() else {
         return ApiError::unavailable("model_loading", "the model is still loading").into_response();
     };
-    let peer = match prefill_peer(&state, &l, &headers, &l.model_id) {
-        Ok(Some(p)) => p,
+    // A probe's grant names no prompt and no decode worker (`link_probe` in the gateway).
+    let peer = match granted_peer(&state, &l, &headers, (&l.model_id, "", &[])) {
+        Ok(Some((p, _, Ok(())))) => p,
+        Ok(Some((_, _, Err(())))) => {
+            return ApiError::unauthorized("invalid_prefill_grant", "a split's grant is not a probe's")
+                .into_response()
+        }
         Ok(None) => return ApiError::invalid(PREFILL_PEER_HEADER, "is required").into_response(),
         Err(e) => return e.into_response(),
     };

@@ -13,13 +13,128 @@ use tokio::time::sleep_until;
 use super::frame::{accept_code, Done, Frame, Hello, Probe, RefuseCode, MAX_PROBE_BYTES, VERSION};
 use super::link::{send_by, send_parting, KvLink, TcpLink, IDLE_TIMEOUT};
 use super::{count, count_bytes, unix_ms, TransferError, Transfers};
-use crate::engine::{EngineRequest, SamplingParams, StepOutput};
+use crate::engine::{EngineRequest, ExportBacklog, SamplingParams, StepOutput};
 use crate::server::engine_thread::{EngineHandle, Refusal};
 
 const SIDE: &str = "export";
 
-/// Accepts links until the process ends.
-pub async fn serve(listener: TcpListener, t: Arc<Transfers>) {
+/// Most links a listener holds from one peer address (a decode worker opens one per concurrent transfer and pools
+/// up to `link::MAX_IDLE_PER_PEER`); one more is closed at once.
+pub const MAX_LINKS_PER_PEER: usize = 64;
+/// Most links a listener holds in all.
+pub const MAX_LINKS: usize = 512;
+/// Most link probes a listener answers per minute (a probe sends up to `MAX_PROBE_BYTES` for 61 bytes asked);
+/// past it a Probe is refused `overloaded`. One runs at a time.
+pub const MAX_PROBES_PER_MINUTE: u32 = 6;
+
+/// Most grants a listener remembers as served (each for its window, `handoff::ASSERTION_WINDOW_MS`); past it a
+/// Hello is refused `overloaded` rather than a grant forgotten early.
+pub const MAX_SEEN_GRANTS: usize = 65_536;
+
+/// What a listener keeps across its links: the address grants name it by, links by peer address, probes in the
+/// current minute, the grants it has served.
+#[derive(Default)]
+pub struct ListenerState {
+    /// `host:port` decode workers reach it at (what the gateway's grants name as the peer).
+    pub reach: String,
+    links: std::sync::Mutex<(usize, std::collections::HashMap<std::net::IpAddr, usize>)>,
+    probes: std::sync::Mutex<(Option<Instant>, u32, bool)>,
+    grants: std::sync::Mutex<std::collections::HashMap<[u8; 32], u64>>,
+}
+
+/// A link's place in the listener's counts, given back when the link ends.
+struct LinkSlot<'a> {
+    state: &'a ListenerState,
+    ip: std::net::IpAddr,
+}
+
+impl ListenerState {
+    /// A slot for a link from `ip`, or which cap refused it.
+    fn take(&self, ip: std::net::IpAddr) -> Result<LinkSlot<'_>, &'static str> {
+        let mut g = self.links.lock().unwrap_or_else(|e| e.into_inner());
+        let (total, by_ip) = &mut *g;
+        if *total >= MAX_LINKS {
+            return Err("total");
+        }
+        let n = by_ip.entry(ip).or_default();
+        if *n >= MAX_LINKS_PER_PEER {
+            return Err("per_peer");
+        }
+        *n += 1;
+        *total += 1;
+        Ok(LinkSlot { state: self, ip })
+    }
+
+    /// Records a grant's one use: `Err` if it was served already or the memory is full.
+    fn use_grant(&self, g: kvgate_shared::handoff::Granted, now_ms: u64) -> Result<(), (RefuseCode, String)> {
+        let mut seen = self.grants.lock().unwrap_or_else(|e| e.into_inner());
+        if seen.contains_key(&g.code) {
+            return Err((RefuseCode::Unauthorized, "the grant was used already".into()));
+        }
+        if seen.len() >= MAX_SEEN_GRANTS {
+            let window = kvgate_shared::handoff::ASSERTION_WINDOW_MS;
+            seen.retain(|_, issued| issued.saturating_add(window) >= now_ms);
+        }
+        if seen.len() >= MAX_SEEN_GRANTS {
+            return Err((
+                RefuseCode::Overloaded,
+                format!("{MAX_SEEN_GRANTS} grants served within the window"),
+            ));
+        }
+        seen.insert(g.code, g.issued_ms);
+        Ok(())
+    }
+
+    /// Whether a probe may run now (under the minute's budget, none running); `Err` is the refusal's reason.
+    fn start_probe(&self, now: Instant) -> Result<ProbeSlot<'_>, String> {
+        let mut g = self.probes.lock().unwrap_or_else(|e| e.into_inner());
+        let (since, count, running) = &mut *g;
+        if *running {
+            return Err("another link probe is running".into());
+        }
+        if since.is_none_or(|s| now.duration_since(s) >= Duration::from_secs(60)) {
+            *since = Some(now);
+            *count = 0;
+        }
+        if *count >= MAX_PROBES_PER_MINUTE {
+            return Err(format!("{MAX_PROBES_PER_MINUTE} probes this minute already"));
+        }
+        *count += 1;
+        *running = true;
+        Ok(ProbeSlot(self))
+    }
+}
+
+impl Drop for LinkSlot<'_> {
+    fn drop(&mut self) {
+        let mut g = self.state.links.lock().unwrap_or_else(|e| e.into_inner());
+        let (total, by_ip) = &mut *g;
+        *total = total.saturating_sub(1);
+        if let Some(n) = by_ip.get_mut(&self.ip) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                by_ip.remove(&self.ip);
+            }
+        }
+    }
+}
+
+struct ProbeSlot<'a>(&'a ListenerState);
+
+impl Drop for ProbeSlot<'_> {
+    fn drop(&mut self) {
+        self.0.probes.lock().unwrap_or_else(|e| e.into_inner()).2 = false;
+    }
+}
+
+fn refused_link(reason: &'static str) {
+    metrics::counter!("kvgate_worker_kv_links_refused_total", "reason" => reason).increment(1);
+}
+
+/// Accepts links until the process ends: each within the caps, handshaken (the dialer proves the key before
+/// anything else is read), then served.
+pub async fn serve(listener: TcpListener, t: Arc<Transfers>, reach: String) {
+    let state = Arc::new(ListenerState { reach, ..Default::default() });
     loop {
         let (stream, from) = match listener.accept().await {
             Ok(s) => s,
@@ -29,18 +144,37 @@ pub async fn serve(listener: TcpListener, t: Arc<Transfers>) {
                 continue;
             }
         };
-        let link = TcpLink::new(stream, from.to_string(), t.limits());
-        let t = t.clone();
-        tokio::spawn(async move { serve_link(link, &t).await });
+        let (t, state) = (t.clone(), state.clone());
+        tokio::spawn(async move {
+            let _slot = match state.take(from.ip()) {
+                Ok(s) => s,
+                Err(cap) => {
+                    tracing::warn!(peer = %from, cap, "KV transfer listener: too many links; closing");
+                    return refused_link(cap);
+                }
+            };
+            let link = match TcpLink::accept(stream, from.to_string(), t.listener_limits(), &t.key).await {
+                Ok(l) => l,
+                Err(e) => {
+                    tracing::warn!(peer = %from, error = %e, "KV transfer listener: handshake failed");
+                    return refused_link(if matches!(e, TransferError::Refused { .. }) {
+                        "unauthorized"
+                    } else {
+                        "handshake"
+                    });
+                }
+            };
+            serve_link(link, &t, &state).await
+        });
     }
 }
 
 /// Transfers on one link, until it breaks, idles out or a transfer ends badly.
-pub async fn serve_link<L: KvLink>(mut link: L, t: &Transfers) {
+pub async fn serve_link<L: KvLink>(mut link: L, t: &Transfers, state: &ListenerState) {
     loop {
         let first = match tokio::time::timeout(2 * IDLE_TIMEOUT, link.recv()).await {
             Ok(Ok(Frame::Hello(h))) => h,
-            Ok(Ok(Frame::Probe(p))) => match answer_probe(&mut link, t, &p).await {
+            Ok(Ok(Frame::Probe(p))) => match answer_probe(&mut link, t, state, &p).await {
                 Ok(()) => {
                     count("probe", "ok");
                     continue;
@@ -58,7 +192,7 @@ pub async fn serve_link<L: KvLink>(mut link: L, t: &Transfers) {
             Ok(Err(_)) | Err(_) => return,
         };
         let started = Instant::now();
-        match export(&mut link, t, &first).await {
+        match export(&mut link, t, state, &first).await {
             Ok(blocks) => {
                 count(SIDE, "ok");
                 metrics::histogram!("kvgate_worker_kv_transfer_seconds", "side" => SIDE)
@@ -90,9 +224,17 @@ fn kind(f: &Frame) -> &'static str {
 
 /// Answers a link probe: checked like a Hello (the code, the clock, the size), then Accept, `bytes` of zeros in
 /// Blocks frames of at most the asker's frame size, and Done. Nothing of the engine is touched.
-async fn answer_probe<L: KvLink>(link: &mut L, t: &Transfers, p: &Probe) -> Result<(), TransferError> {
+async fn answer_probe<L: KvLink>(
+    link: &mut L,
+    t: &Transfers,
+    state: &ListenerState,
+    p: &Probe,
+) -> Result<(), TransferError> {
     let id = p.transfer_id;
-    let refusal = if !p.verifies(&t.key) {
+    let slot = state.start_probe(Instant::now());
+    let refusal = if let Err(why) = &slot {
+        Some((RefuseCode::Overloaded, why.clone()))
+    } else if !p.verifies(&t.key) {
         Some((RefuseCode::Unauthorized, "the Probe does not verify under this worker's key".to_owned()))
     } else if let Err(r) = fresh(p.issued_ms, unix_ms()) {
         Some(r)
@@ -129,11 +271,25 @@ fn fresh(issued_ms: u64, now_ms: u64) -> Result<(), (RefuseCode, String)> {
     Ok(())
 }
 
-/// Checks a Hello against this worker: the code, the model and layout, the bounds. `Err` is what to refuse with.
-pub fn check(t: &Transfers, h: &Hello, now_ms: u64) -> Result<ExtraKeys, (RefuseCode, String)> {
+/// Checks a Hello against this worker: the code, the gateway's grant (for this prompt, the decode worker it names,
+/// this worker; not served before), the model and layout, the bounds. `Err` is what to refuse with.
+pub fn check(
+    t: &Transfers,
+    state: &ListenerState,
+    h: &Hello,
+    now_ms: u64,
+) -> Result<ExtraKeys, (RefuseCode, String)> {
     if !h.verifies(&t.key) {
         return Err((RefuseCode::Unauthorized, "the Hello does not verify under this worker's key".into()));
     }
+    let g = kvgate_shared::handoff::GrantFor {
+        model: &t.model,
+        peer: &state.reach,
+        decode: &h.decode,
+        prompt: &h.prompt,
+    };
+    let granted = kvgate_shared::handoff::verify_prefill_grant_with(&t.grant_key, &h.grant, &g, now_ms)
+        .map_err(|e| (RefuseCode::Unauthorized, format!("the grant: {e}")))?;
     if h.version != VERSION {
         return Err((RefuseCode::Invalid, format!("version {} (this worker speaks {VERSION})", h.version)));
     }
@@ -160,7 +316,10 @@ pub fn check(t: &Transfers, h: &Hello, now_ms: u64) -> Result<ExtraKeys, (Refuse
     if (h.max_frame as usize) < t.block_bytes {
         return Err((RefuseCode::Invalid, format!("frames of {} bytes cannot hold a block", h.max_frame)));
     }
-    ExtraKeys::from_bytes(&h.extra_keys).ok_or((RefuseCode::Invalid, "extra keys are malformed".into()))
+    let keys = ExtraKeys::from_bytes(&h.extra_keys)
+        .ok_or((RefuseCode::Invalid, "extra keys are malformed".into()))?;
+    state.use_grant(granted, now_ms)?;
+    Ok(keys)
 }
 
 /// Aborts the engine request when a transfer ends before its request did.
@@ -175,6 +334,15 @@ impl Drop for Abort<'_> {
         if self.armed {
             self.engine.abort(self.id);
         }
+    }
+}
+
+/// However the export ends, what it still held is no longer waiting (the gauge comes back to its baseline).
+struct Drained(Arc<ExportBacklog>);
+
+impl Drop for Drained {
+    fn drop(&mut self) {
+        self.0.sent(self.0.bytes());
     }
 }
 
@@ -200,9 +368,14 @@ async fn refuse<L: KvLink>(link: &mut L, id: u64, code: RefuseCode, reason: Stri
 }
 
 /// One transfer; the blocks sent.
-async fn export<L: KvLink>(link: &mut L, t: &Transfers, h: &Hello) -> Result<usize, TransferError> {
+async fn export<L: KvLink>(
+    link: &mut L,
+    t: &Transfers,
+    state: &ListenerState,
+    h: &Hello,
+) -> Result<usize, TransferError> {
     let id = h.transfer_id;
-    let keys = match check(t, h, unix_ms()) {
+    let keys = match check(t, state, h, unix_ms()) {
         Ok(k) => k,
         Err((code, reason)) => return Err(refuse(link, id, code, reason).await),
     };
@@ -217,16 +390,21 @@ async fn export<L: KvLink>(link: &mut L, t: &Transfers, h: &Hello) -> Result<usi
     let rid = t.engine.next_id();
     let req = EngineRequest { id: rid, prompt: h.prompt.clone(), params, extra_keys: keys };
     let group = if h.layer_group > 0 { h.layer_group } else { t.layer_group };
-    let mut rx = match t.engine.submit_export(req, h.from_block as usize, group as usize).await {
-        Ok(rx) => rx,
-        Err(Refusal::QueueFull { waiting }) => {
-            return Err(refuse(link, id, RefuseCode::Overloaded, format!("{waiting} requests wait")).await)
-        }
-        Err(Refusal::Invalid(e)) => return Err(refuse(link, id, RefuseCode::Invalid, e.to_string()).await),
-        Err(Refusal::EngineGone) => {
-            return Err(refuse(link, id, RefuseCode::Failed, "the engine stopped".into()).await)
-        }
-    };
+    let backlog = Arc::new(ExportBacklog::new(t.export_backlog));
+    let _drained = Drained(backlog.clone());
+    let mut rx =
+        match t.engine.submit_export(req, h.from_block as usize, group as usize, backlog.clone()).await {
+            Ok(rx) => rx,
+            Err(Refusal::QueueFull { waiting }) => {
+                return Err(refuse(link, id, RefuseCode::Overloaded, format!("{waiting} requests wait")).await)
+            }
+            Err(Refusal::Invalid(e)) => {
+                return Err(refuse(link, id, RefuseCode::Invalid, e.to_string()).await)
+            }
+            Err(Refusal::EngineGone) => {
+                return Err(refuse(link, id, RefuseCode::Failed, "the engine stopped".into()).await)
+            }
+        };
     let mut guard = Abort { engine: &t.engine, id: rid, armed: true };
     let _lease = Lease::take();
     let accept = Frame::Accept { transfer_id: id, mac: accept_code(&t.key, &h.mac) };
@@ -234,6 +412,8 @@ async fn export<L: KvLink>(link: &mut L, t: &Transfers, h: &Hello) -> Result<usi
     let mut until = tokio::time::Instant::now() + t.lease;
     let mut renew_at = tokio::time::Instant::now() + t.lease / 3;
     let (mut sent, mut first) = (0usize, None::<StepOutput>);
+    // Fault injection: the export's outputs are not read until then (a prefill queued or stuck, still renewing).
+    let mut held_until = fault_hold().map(|d| tokio::time::Instant::now() + d);
     loop {
         tokio::select! {
             biased;
@@ -246,7 +426,10 @@ async fn export<L: KvLink>(link: &mut L, t: &Transfers, h: &Hello) -> Result<usi
                 }
                 other => return Err(TransferError::Protocol(format!("unexpected {} frame", kind(&other)))),
             },
-            o = rx.recv(), if first.is_none() => {
+            _ = sleep_until(held_until.unwrap_or_else(tokio::time::Instant::now)), if held_until.is_some() => {
+                held_until = None;
+            },
+            o = rx.recv(), if first.is_none() && held_until.is_none() => {
                 let Some(o) = o else {
                     send_parting(link, &Frame::Cancel { transfer_id: id, reason: "the engine dropped the request".into() }).await;
                     return Err(TransferError::Engine("the request was dropped".into()));
@@ -254,6 +437,7 @@ async fn export<L: KvLink>(link: &mut L, t: &Transfers, h: &Hello) -> Result<usi
                 if let Some(kv) = &o.kv {
                     let write = send_chunk(link, id, kv, h.max_frame as usize, t.block_bytes / t.layers.max(1));
                     tokio::time::timeout_at(until, write).await.map_err(|_| TransferError::Expired(t.lease))??;
+                    backlog.sent(kv.bytes.len());
                     sent += kv.count;
                     count_bytes(SIDE, kv.bytes.len(), kv.count);
                     if let Some((after, pause)) = fault_pause().filter(|(after, _)| sent >= *after && sent - kv.count < *after) {
@@ -301,6 +485,13 @@ fn fault_pause() -> Option<(usize, Duration)> {
     let v = std::env::var("KVGATE_FAULT_EXPORT_PAUSE").ok()?;
     let (blocks, ms) = v.split_once(':')?;
     Some((blocks.parse().ok()?, Duration::from_millis(ms.parse().ok()?)))
+}
+
+/// Fault injection (tests only): `KVGATE_FAULT_EXPORT_HOLD=<ms>` leaves an export's KV unread for `ms` after its
+/// Accept while the link still renews its lease, as a prefill worker whose prefill is queued or stuck would.
+fn fault_hold() -> Option<Duration> {
+    let ms = std::env::var("KVGATE_FAULT_EXPORT_HOLD").ok()?;
+    Some(Duration::from_millis(ms.parse().ok()?))
 }
 
 /// Sends a chunk's blocks in frames of at most `max_frame` payload bytes (at least one block each).

@@ -5,7 +5,8 @@
 //! frame  = len: u32 LE (of kind + body) | kind: u8 | body
 //! Hello  (D->P) version u16, transfer id u64, issued unix ms u64, fingerprint u64, block bytes u32, layers u16,
 //!               layer group u16, max frame u32, from block u32, blocks u32, temperature f32, top_p f32, top_k u32,
-//!               seed flag u8 + u64, extra keys (u32 len + bytes), prompt (u32 count + u32 LE ids), mac [32]
+//!               seed flag u8 + u64, extra keys (u32 len + bytes), prompt (u32 count + u32 LE ids), decode
+//!               worker id (u16 len + UTF-8), the gateway's prefill grant (u16 len + ASCII), mac [32]
 //! Accept (P->D) transfer id, mac [32]            Refuse (P->D) transfer id, code u16, reason (u16 len + UTF-8)
 //! Blocks (P->D) transfer id, first block u32, count u32, layer from u16, layer to u16, xxh3 u64, payload
 //! Done   (P->D) transfer id, first token u32, prompt tokens u32, cached tokens u32
@@ -13,22 +14,44 @@
 //! Probe  (D->P) transfer id, issued unix ms u64, bytes u32, max frame u32, mac [32]: a link-rate sample; P answers
 //!               Accept, `bytes` of zeros as Blocks frames (block 0, layer 0..1) of at most max frame, then Done
 //! ```
+//!
+//! Every link opens with a handshake of fixed-size messages, read before any frame (so nothing large is read from
+//! a peer that has not proved it holds the key): the listener sends Challenge (`KVG1`, a fresh 16-byte nonce); the
+//! dialer answers Open (its own nonce, and a MAC of both under the transfer key); the listener answers Opened (its
+//! MAC of both): each side then knows the other holds the key, and both derive the link's session key from the two
+//! nonces. Every frame after it is sealed: its length counts a 32-byte MAC after the body, keyed BLAKE3 under the
+//! session key of (direction, the frame's sequence number in that direction, kind, body). A frame replayed from
+//! another link, reordered, dropped or altered fails the next MAC and ends the link.
+//!
 //! Invariants: a decoder learns a frame's length from its 5-byte header and checks it against [`Limits`] for that
 //! kind before it allocates anything; every malformed input is an error, never a panic; a Blocks payload is
 //! exactly `count x (layer to - layer from) x layer bytes`, checked by the receiver against what it declared.
 
 use xxhash_rust::xxh3::xxh3_64;
 
-/// Version of this format (in Hello).
-pub const VERSION: u16 = 1;
+/// Version of this format (in Hello and the Challenge).
+pub const VERSION: u16 = 2;
 /// Bytes of a frame header (length + kind).
 pub const HEADER_BYTES: usize = 5;
 /// Longest reason text in Refuse and Cancel.
 pub const MAX_REASON_BYTES: usize = 256;
+/// Longest decode worker id in Hello.
+pub const MAX_DECODE_ID_BYTES: usize = kvgate_shared::handoff::MAX_WORKER_ID_BYTES;
+/// Longest grant in Hello.
+pub const MAX_GRANT_BYTES: usize = kvgate_shared::handoff::MAX_ASSERTION_BYTES;
 /// Longest extra-keys field in Hello.
 pub const MAX_EXTRA_KEY_BYTES: usize = 4096;
 /// Most bytes a Probe may ask for (a sample of the link, not a way to make a prefill worker send without end).
-pub const MAX_PROBE_BYTES: u32 = 64 << 20;
+pub const MAX_PROBE_BYTES: u32 = 32 << 20;
+/// Bytes of the MAC that seals every frame after the handshake.
+pub const SEAL_BYTES: usize = 32;
+/// Bytes of a handshake nonce.
+pub const NONCE_BYTES: usize = 16;
+/// Bytes of the handshake messages: Challenge (magic, version, nonce), Open (nonce, MAC), Opened (MAC).
+pub const CHALLENGE_BYTES: usize = 4 + 2 + NONCE_BYTES;
+pub const OPEN_BYTES: usize = NONCE_BYTES + 32;
+pub const OPENED_BYTES: usize = 32;
+const CHALLENGE_MAGIC: &[u8; 4] = b"KVG1";
 /// Longest frame that is neither Hello nor Blocks.
 const MAX_CONTROL_FRAME: usize = 1 + 8 + 2 + 2 + MAX_REASON_BYTES + 64;
 /// Fixed part of a Hello body (before extra keys and the prompt) and its MAC.
@@ -78,6 +101,10 @@ pub struct Hello {
     /// `ExtraKeys::to_bytes` of the request's keys.
     pub extra_keys: Vec<u8>,
     pub prompt: Vec<u32>,
+    /// The decode worker's id, as the grant names it.
+    pub decode: String,
+    /// The gateway's prefill grant for this prompt and decode worker (`kvgate_shared::handoff`).
+    pub grant: String,
     pub mac: [u8; 32],
 }
 
@@ -204,15 +231,164 @@ pub fn decode_header(h: &[u8; HEADER_BYTES], limits: &Limits) -> Result<(u8, usi
     let len = u32::from_le_bytes([h[0], h[1], h[2], h[3]]) as usize;
     let kind = h[4];
     let max = match kind {
-        K_HELLO => HELLO_FIXED + 4 + MAX_EXTRA_KEY_BYTES + 4 + 4 * limits.max_prompt_tokens + MAC_BYTES,
+        K_HELLO => {
+            HELLO_FIXED
+                + 4
+                + MAX_EXTRA_KEY_BYTES
+                + 4
+                + 4 * limits.max_prompt_tokens
+                + 2
+                + MAX_DECODE_ID_BYTES
+                + 2
+                + MAX_GRANT_BYTES
+                + MAC_BYTES
+        }
         K_BLOCKS => BLOCKS_FIXED + limits.max_payload,
         K_ACCEPT..=K_PROBE => MAX_CONTROL_FRAME,
         k => return Err(FrameError::UnknownKind(k)),
-    } + 1;
-    if len == 0 || len > max {
+    } + 1
+        + SEAL_BYTES;
+    if len < 1 + SEAL_BYTES || len > max {
         return Err(FrameError::TooLong { kind, len, max });
     }
     Ok((kind, len - 1))
+}
+
+/// The Challenge a listener opens a link with.
+pub fn challenge(nonce: &[u8; NONCE_BYTES]) -> [u8; CHALLENGE_BYTES] {
+    let mut b = [0u8; CHALLENGE_BYTES];
+    b[..4].copy_from_slice(CHALLENGE_MAGIC);
+    b[4..6].copy_from_slice(&VERSION.to_le_bytes());
+    b[6..].copy_from_slice(nonce);
+    b
+}
+
+/// The listener's nonce from a Challenge; an error for another magic or version.
+pub fn read_challenge(b: &[u8; CHALLENGE_BYTES]) -> Result<[u8; NONCE_BYTES], FrameError> {
+    if &b[..4] != CHALLENGE_MAGIC {
+        return Err(FrameError::Invalid("not a KV transfer listener"));
+    }
+    if u16::from_le_bytes([b[4], b[5]]) != VERSION {
+        return Err(FrameError::Invalid("the listener speaks another version"));
+    }
+    Ok(b[6..].try_into().unwrap_or_default())
+}
+
+fn handshake_code(
+    key: &[u8; 32],
+    what: &[u8],
+    listener: &[u8; NONCE_BYTES],
+    dialer: &[u8; NONCE_BYTES],
+) -> [u8; 32] {
+    let mut h = blake3::Hasher::new_keyed(key);
+    h.update(what);
+    h.update(&VERSION.to_le_bytes());
+    h.update(listener);
+    h.update(dialer);
+    *h.finalize().as_bytes()
+}
+
+/// The dialer's Open: its nonce and its proof of the key over both nonces.
+pub fn open(key: &[u8; 32], listener: &[u8; NONCE_BYTES], dialer: &[u8; NONCE_BYTES]) -> [u8; OPEN_BYTES] {
+    let mut b = [0u8; OPEN_BYTES];
+    b[..NONCE_BYTES].copy_from_slice(dialer);
+    b[NONCE_BYTES..].copy_from_slice(&handshake_code(key, b"open", listener, dialer));
+    b
+}
+
+/// The dialer's nonce from its Open, if its MAC answers `listener`'s challenge under `key` (constant time).
+pub fn verify_open(
+    key: &[u8; 32],
+    listener: &[u8; NONCE_BYTES],
+    b: &[u8; OPEN_BYTES],
+) -> Option<[u8; NONCE_BYTES]> {
+    let dialer: [u8; NONCE_BYTES] = b[..NONCE_BYTES].try_into().ok()?;
+    let mac: [u8; 32] = b[NONCE_BYTES..].try_into().ok()?;
+    let want = blake3::Hash::from(handshake_code(key, b"open", listener, &dialer));
+    (blake3::Hash::from(mac) == want).then_some(dialer)
+}
+
+/// The listener's Opened: its proof of the key over both nonces.
+pub fn opened(
+    key: &[u8; 32],
+    listener: &[u8; NONCE_BYTES],
+    dialer: &[u8; NONCE_BYTES],
+) -> [u8; OPENED_BYTES] {
+    handshake_code(key, b"opened", listener, dialer)
+}
+
+/// Whether an Opened answers the two nonces under `key` (constant time).
+pub fn verify_opened(
+    key: &[u8; 32],
+    listener: &[u8; NONCE_BYTES],
+    dialer: &[u8; NONCE_BYTES],
+    b: &[u8; 32],
+) -> bool {
+    blake3::Hash::from(*b) == blake3::Hash::from(opened(key, listener, dialer))
+}
+
+/// The link's session key, from the transfer key and both nonces.
+pub fn session_key(key: &[u8; 32], listener: &[u8; NONCE_BYTES], dialer: &[u8; NONCE_BYTES]) -> [u8; 32] {
+    handshake_code(key, b"session", listener, dialer)
+}
+
+/// Which way a sealed frame goes (part of its MAC, so a frame cannot be reflected back to its sender).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Direction {
+    ToDialer = 0,
+    ToListener = 1,
+}
+
+/// The MAC sealing frame `seq` going `dir`, over `parts` (the frame's kind and body, in order).
+pub fn seal(session: &[u8; 32], dir: Direction, seq: u64, parts: &[&[u8]]) -> [u8; SEAL_BYTES] {
+    let mut h = blake3::Hasher::new_keyed(session);
+    h.update(&[dir as u8]);
+    h.update(&seq.to_le_bytes());
+    for p in parts {
+        h.update(p);
+    }
+    *h.finalize().as_bytes()
+}
+
+/// An encoded frame ([`encode`], or [`blocks_head`] and its payload) sealed as frame `seq` going `dir`: its length
+/// grows by the MAC, which follows its body. `payload`: bytes that follow `frame` on the wire (a Blocks payload
+/// sent without a copy; empty otherwise). Returns the head to send before `payload` and the MAC to send after it.
+pub fn seal_frame(
+    session: &[u8; 32],
+    dir: Direction,
+    seq: u64,
+    mut frame: Vec<u8>,
+    payload: &[u8],
+) -> (Vec<u8>, [u8; SEAL_BYTES]) {
+    let len = u32::from_le_bytes([frame[0], frame[1], frame[2], frame[3]]) as usize + SEAL_BYTES;
+    frame[..4].copy_from_slice(&(len as u32).to_le_bytes());
+    let mac = seal(session, dir, seq, &[&frame[4..], payload]);
+    (frame, mac)
+}
+
+/// A sealed frame's body (as [`decode_header`] sized it: the body then its MAC) checked as frame `seq` going `dir`,
+/// then decoded.
+pub fn open_frame(
+    session: &[u8; 32],
+    dir: Direction,
+    seq: u64,
+    kind: u8,
+    sealed: &[u8],
+) -> Result<Frame, FrameError> {
+    let Some(at) = sealed.len().checked_sub(SEAL_BYTES) else {
+        return Err(FrameError::Malformed { kind, extra: 0 });
+    };
+    let (body, mac) = sealed.split_at(at);
+    let mac: [u8; SEAL_BYTES] = mac.try_into().unwrap_or_default();
+    if !unseal(session, dir, seq, &[&[kind], body], &mac) {
+        return Err(FrameError::Invalid("the frame's MAC does not verify"));
+    }
+    decode_body(kind, body)
+}
+
+/// Whether `mac` seals `parts` as frame `seq` going `dir` (constant time).
+pub fn unseal(session: &[u8; 32], dir: Direction, seq: u64, parts: &[&[u8]], mac: &[u8; SEAL_BYTES]) -> bool {
+    blake3::Hash::from(*mac) == blake3::Hash::from(seal(session, dir, seq, parts))
 }
 
 struct Reader<'a> {
@@ -253,6 +429,13 @@ impl<'a> Reader<'a> {
             return Err(FrameError::Invalid("reason too long"));
         }
         String::from_utf8(self.take(n)?.to_vec()).map_err(|_| FrameError::Invalid("reason is not UTF-8"))
+    }
+    fn text(&mut self, max: usize, what: &'static str) -> Result<String, FrameError> {
+        let n = self.u16()? as usize;
+        if n > max {
+            return Err(FrameError::Invalid(what));
+        }
+        String::from_utf8(self.take(n)?.to_vec()).map_err(|_| FrameError::Invalid(what))
     }
     fn end(self) -> Result<(), FrameError> {
         match self.b.len() {
@@ -324,6 +507,8 @@ fn hello(r: &mut Reader<'_>) -> Result<Hello, FrameError> {
     // The header check bounded the body, so `n` ids fit in what was read if this take succeeds.
     let ids = r.take(n.checked_mul(4).ok_or(FrameError::Invalid("prompt length"))?)?;
     let prompt = ids.chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+    let decode = r.text(MAX_DECODE_ID_BYTES, "decode worker id")?;
+    let grant = r.text(MAX_GRANT_BYTES, "grant")?;
     let mac = r.mac()?;
     let seed = match (has_seed, seed) {
         (0, 0) => None,
@@ -345,6 +530,8 @@ fn hello(r: &mut Reader<'_>) -> Result<Hello, FrameError> {
         sampling,
         extra_keys,
         prompt,
+        decode,
+        grant,
         mac,
     })
 }
@@ -389,6 +576,15 @@ impl Hello {
         b.extend_from_slice(&self.extra_keys);
         b.extend_from_slice(&(self.prompt.len() as u32).to_le_bytes());
         b.extend(self.prompt.iter().flat_map(|t| t.to_le_bytes()));
+        for (text, max) in [(&self.decode, MAX_DECODE_ID_BYTES), (&self.grant, MAX_GRANT_BYTES)] {
+            // An over-long field is cut (the grant then fails to verify): the encoding never breaks its bounds.
+            let mut end = text.len().min(max);
+            while !text.is_char_boundary(end) {
+                end -= 1;
+            }
+            b.extend_from_slice(&(end as u16).to_le_bytes());
+            b.extend_from_slice(&text.as_bytes()[..end]);
+        }
         b
     }
 

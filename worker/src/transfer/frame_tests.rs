@@ -21,19 +21,70 @@ fn hello() -> Hello {
         sampling: FirstToken { temperature: 0.0, top_p: 1.0, top_k: 0, seed: Some(9) },
         extra_keys: vec![1, 1, 0, 0, 0, b'x'],
         prompt: (0..40).collect(),
+        decode: "d0".into(),
+        grant: "v2.1.2.3.4".into(),
         mac: [0; 32],
     };
     h.mac = h.code(&[3; 32]);
     h
 }
 
+const SESSION: [u8; 32] = [9; 32];
+
+/// `encode`d bytes sealed as frame 0 to the dialer.
+fn sealed(bytes: Vec<u8>) -> Vec<u8> {
+    let (mut b, mac) = seal_frame(&SESSION, Direction::ToDialer, 0, bytes, &[]);
+    b.extend_from_slice(&mac);
+    b
+}
+
 fn decode(bytes: &[u8]) -> Result<Frame, FrameError> {
+    let bytes = sealed(bytes.to_vec());
     let head: [u8; HEADER_BYTES] = bytes[..HEADER_BYTES].try_into().expect("a header");
     let (kind, len) = decode_header(&head, &LIMITS)?;
     if bytes.len() != HEADER_BYTES + len {
         return Err(FrameError::Malformed { kind, extra: 0 });
     }
-    decode_body(kind, &bytes[HEADER_BYTES..])
+    open_frame(&SESSION, Direction::ToDialer, 0, kind, &bytes[HEADER_BYTES..])
+}
+
+#[test]
+fn a_sealed_frame_opens_only_as_itself() {
+    let bytes = sealed(encode(&Frame::Renew { transfer_id: 7 }));
+    let body = &bytes[HEADER_BYTES..];
+    let kind = bytes[4];
+    assert_eq!(open_frame(&SESSION, Direction::ToDialer, 0, kind, body), Ok(Frame::Renew { transfer_id: 7 }));
+    let bad = FrameError::Invalid("the frame's MAC does not verify");
+    // Another sequence number (a replay or a reorder), the other direction (a reflection), another link's key.
+    assert_eq!(open_frame(&SESSION, Direction::ToDialer, 1, kind, body), Err(bad.clone()));
+    assert_eq!(open_frame(&SESSION, Direction::ToListener, 0, kind, body), Err(bad.clone()));
+    assert_eq!(open_frame(&[8; 32], Direction::ToDialer, 0, kind, body), Err(bad.clone()));
+    // One bit of the body, or another kind.
+    let mut flipped = body.to_vec();
+    flipped[0] ^= 1;
+    assert_eq!(open_frame(&SESSION, Direction::ToDialer, 0, kind, &flipped), Err(bad.clone()));
+    assert_eq!(open_frame(&SESSION, Direction::ToDialer, 0, 8, body), Err(bad));
+}
+
+#[test]
+fn the_handshake_proves_the_key_both_ways_and_binds_both_nonces() {
+    let (key, other) = ([3u8; 32], [4u8; 32]);
+    let (l, d) = ([1u8; NONCE_BYTES], [2u8; NONCE_BYTES]);
+    assert_eq!(read_challenge(&challenge(&l)), Ok(l));
+    let mut wrong = challenge(&l);
+    wrong[4] ^= 1;
+    assert!(read_challenge(&wrong).is_err(), "another version");
+    let o = open(&key, &l, &d);
+    assert_eq!(verify_open(&key, &l, &o), Some(d));
+    assert_eq!(verify_open(&other, &l, &o), None, "a dialer without the key");
+    assert_eq!(
+        verify_open(&key, &[5; NONCE_BYTES], &o),
+        None,
+        "an Open captured on another link (challenge)"
+    );
+    assert!(verify_opened(&key, &l, &d, &opened(&key, &l, &d)));
+    assert!(!verify_opened(&key, &l, &d, &opened(&other, &l, &d)), "a listener without the key");
+    assert_ne!(session_key(&key, &l, &d), session_key(&key, &l, &[6; NONCE_BYTES]), "each link its own key");
 }
 
 #[test]
@@ -98,7 +149,8 @@ fn a_hello_verifies_only_under_its_key_and_unchanged() {
 #[test]
 fn lengths_are_refused_from_the_header_before_any_read() {
     // A Blocks frame claiming 4 GiB, a Hello longer than the prompt limit allows, a control frame of 1 MiB.
-    let cases: [(u32, u8); 4] = [(u32::MAX, 4), ((8 + 4 * 5000) as u32, 1), (1 << 20, 6), (0, 6)];
+    let cases: [(u32, u8); 5] =
+        [(u32::MAX, 4), ((8 + 4 * 5000 + 64) as u32, 1), (1 << 20, 6), (0, 6), (SEAL_BYTES as u32, 6)];
     for (len, kind) in cases {
         let mut h = [0u8; HEADER_BYTES];
         h[..4].copy_from_slice(&len.to_le_bytes());

@@ -23,6 +23,8 @@ pub struct Want<'a> {
     pub extra_keys: &'a ExtraKeys,
     pub params: &'a SamplingParams,
     pub plan: ImportPlan,
+    /// The gateway's grant, which the prefill worker checks for this prompt and this worker.
+    pub grant: &'a str,
 }
 
 /// How a fetch ended.
@@ -88,6 +90,8 @@ fn hello(t: &Transfers, want: &Want<'_>, transfer_id: u64) -> Hello {
         sampling: FirstToken { temperature: p.temperature, top_p: p.top_p, top_k: p.top_k, seed: p.seed },
         extra_keys: want.extra_keys.to_bytes(),
         prompt: want.prompt.to_vec(),
+        decode: t.worker_id.clone(),
+        grant: want.grant.to_owned(),
         mac: [0; 32],
     };
     h.mac = h.code(&t.key);
@@ -104,7 +108,7 @@ async fn connect(
     let lease = t.lease;
     let mut last = None;
     for _ in 0..2 {
-        let mut link = timeout(lease, t.transport.connect(peer, t.limits()))
+        let mut link = timeout(lease.min(t.stall), t.transport.connect(peer, t.limits(), &t.key))
             .await
             .map_err(|_| TransferError::Connect(format!("{peer}: no connection within {lease:?}")))??;
         match send_by(&mut link, first, tokio::time::Instant::now() + lease, lease).await {
@@ -193,6 +197,8 @@ async fn run(
     let mut accepted = false;
     let mut silent_until = tokio::time::Instant::now() + lease;
     let mut renew_at = tokio::time::Instant::now() + lease / 3;
+    // Progress, not life: only Accept, Blocks and Done move it (a Renew says the peer lives, not that KV comes).
+    let mut stalled_at = tokio::time::Instant::now() + t.stall;
     loop {
         tokio::select! {
             biased;
@@ -208,6 +214,7 @@ async fn run(
                             return Err(TransferError::Protocol("the Accept does not verify".into()));
                         }
                         accepted = true;
+                        stalled_at = tokio::time::Instant::now() + t.stall;
                     }
                     Frame::Refuse { transfer_id, code, reason } if transfer_id == id => {
                         return Err(TransferError::Refused { code: code.as_str(), reason });
@@ -225,6 +232,7 @@ async fn run(
                             return Err(TransferError::Import(e));
                         }
                         received += n;
+                        stalled_at = tokio::time::Instant::now() + t.stall;
                         bytes_in += bytes as u64;
                         first_blocks_at.get_or_insert_with(std::time::Instant::now);
                         count_bytes(SIDE, bytes, n);
@@ -250,6 +258,11 @@ async fn run(
                 renew_at = tokio::time::Instant::now() + lease / 3;
             }
             _ = sleep_until(silent_until) => return Err(TransferError::Expired(lease)),
+            _ = sleep_until(stalled_at) => {
+                let reason = format!("no KV arrived for {:?}", t.stall);
+                send_parting(&mut link, &Frame::Cancel { transfer_id: id, reason }).await;
+                return Err(TransferError::Stalled(t.stall));
+            }
         }
     }
 }

@@ -5,10 +5,13 @@
 //! is written against these two traits only, so an RDMA-class backend (NIXL, Mooncake's transfer engine) can stand
 //! in later by writing Blocks payloads straight into the peer's staging memory.
 //!
-//! TCP: plain sockets with `TCP_NODELAY`; each link's reads run on a task of their own that decodes frames into a
-//! small bounded channel (so receiving is cancel-safe and a slow consumer pushes back on the sender through TCP);
-//! a Blocks frame goes out as its 33-byte head then the payload slice, no copy. The pool keeps up to
-//! [`MAX_IDLE_PER_PEER`] idle links per peer for [`IDLE_TIMEOUT`].
+//! TCP: plain sockets with `TCP_NODELAY`. A link starts with the handshake (`frame` module docs: Challenge, Open,
+//! Opened, fixed sizes, within [`HANDSHAKE_TIMEOUT`]): nothing else is read before the dialer has proved it holds
+//! the key, and every frame after it is sealed under the link's session key with a per-direction sequence number.
+//! Each link's reads run on a task of their own that checks and decodes frames into a small bounded channel (so
+//! receiving is cancel-safe and a slow consumer pushes back on the sender through TCP); a Blocks frame goes out as
+//! its head, the payload slice (no copy) and its MAC. The pool keeps up to [`MAX_IDLE_PER_PEER`] idle links per
+//! peer for [`IDLE_TIMEOUT`].
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -20,7 +23,7 @@ use tokio::net::tcp::OwnedWriteHalf;
 use tokio::net::TcpStream;
 use tokio::sync::mpsc;
 
-use super::frame::{self, Frame, Limits, HEADER_BYTES};
+use super::frame::{self, Direction, Frame, Limits, HEADER_BYTES, NONCE_BYTES};
 use super::TransferError;
 
 /// Idle links kept per peer.
@@ -29,6 +32,8 @@ pub const MAX_IDLE_PER_PEER: usize = 4;
 pub const IDLE_TIMEOUT: Duration = Duration::from_secs(30);
 /// Frames decoded ahead of their consumer per link.
 const READ_AHEAD_FRAMES: usize = 2;
+/// Longest a link's handshake may take, on either side (a dialer that connects and sends nothing is dropped then).
+pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
 /// Longest wait for a parting frame (Cancel, Refuse) to go out before the link is dropped anyway.
 pub const PARTING_WAIT: Duration = Duration::from_secs(1);
 
@@ -70,21 +75,26 @@ pub trait KvLink: Send {
 /// Makes links to peers, and takes back the healthy ones after a transfer.
 pub trait KvTransport: Send + Sync {
     type Link: KvLink;
+    /// A link to `peer` (pooled, or new and handshaken under `key`).
     fn connect(
         &self,
         peer: &str,
         limits: Limits,
+        key: &[u8; 32],
     ) -> impl Future<Output = Result<Self::Link, TransferError>> + Send;
     fn give_back(&self, link: Self::Link);
 }
 
-/// A TCP link.
+/// A TCP link, after its handshake.
 pub struct TcpLink {
     peer: String,
     frames: mpsc::Receiver<Result<Frame, TransferError>>,
     writer: OwnedWriteHalf,
     reader: tokio::task::JoinHandle<()>,
     reused: bool,
+    session: [u8; 32],
+    send_dir: Direction,
+    send_seq: u64,
 }
 
 impl Drop for TcpLink {
@@ -93,7 +103,13 @@ impl Drop for TcpLink {
     }
 }
 
-async fn read_frame(r: &mut (impl AsyncRead + Unpin), limits: &Limits) -> Result<Frame, TransferError> {
+async fn read_frame(
+    r: &mut (impl AsyncRead + Unpin),
+    limits: &Limits,
+    session: &[u8; 32],
+    dir: Direction,
+    seq: u64,
+) -> Result<Frame, TransferError> {
     let mut head = [0u8; HEADER_BYTES];
     if let Err(e) = r.read_exact(&mut head).await {
         return Err(TransferError::PeerLost(e.to_string()));
@@ -101,39 +117,123 @@ async fn read_frame(r: &mut (impl AsyncRead + Unpin), limits: &Limits) -> Result
     let (kind, len) = frame::decode_header(&head, limits)?;
     let mut body = vec![0u8; len];
     r.read_exact(&mut body).await.map_err(|e| TransferError::PeerLost(e.to_string()))?;
-    Ok(frame::decode_body(kind, &body)?)
+    Ok(frame::open_frame(session, dir, seq, kind, &body)?)
+}
+
+fn lost(e: std::io::Error) -> TransferError {
+    TransferError::PeerLost(e.to_string())
+}
+
+/// A fresh handshake nonce (unpredictable: keyed by the process's random state).
+fn nonce() -> [u8; NONCE_BYTES] {
+    kvgate_shared::trace::new_id::<NONCE_BYTES>()
 }
 
 impl TcpLink {
-    /// A link over `stream`, reading frames within `limits`.
-    pub fn new(stream: TcpStream, peer: String, limits: Limits) -> Self {
+    /// The listener's side of a new connection: Challenge, a verified Open, Opened, within [`HANDSHAKE_TIMEOUT`].
+    /// `Err(Refused)` (code `unauthorized`) when the dialer does not prove the key; nothing larger than an Open is
+    /// read before it does.
+    pub async fn accept(
+        stream: TcpStream,
+        peer: String,
+        limits: Limits,
+        key: &[u8; 32],
+    ) -> Result<Self, TransferError> {
+        let mut stream = stream;
+        let handshake = async {
+            let ours = nonce();
+            stream.write_all(&frame::challenge(&ours)).await.map_err(lost)?;
+            let mut open = [0u8; frame::OPEN_BYTES];
+            stream.read_exact(&mut open).await.map_err(lost)?;
+            let Some(theirs) = frame::verify_open(key, &ours, &open) else {
+                return Err(TransferError::Refused {
+                    code: frame::RefuseCode::Unauthorized.as_str(),
+                    reason: "the dialer's Open does not verify under this worker's key".into(),
+                });
+            };
+            stream.write_all(&frame::opened(key, &ours, &theirs)).await.map_err(lost)?;
+            Ok(frame::session_key(key, &ours, &theirs))
+        };
+        let session = tokio::time::timeout(HANDSHAKE_TIMEOUT, handshake)
+            .await
+            .map_err(|_| TransferError::Expired(HANDSHAKE_TIMEOUT))??;
+        Ok(Self::start(stream, peer, limits, session, Direction::ToDialer))
+    }
+
+    /// The dialer's side: a Challenge, Open, a verified Opened, within [`HANDSHAKE_TIMEOUT`]. `Err(Protocol)` when
+    /// the listener does not prove the key.
+    pub async fn dial(
+        stream: TcpStream,
+        peer: String,
+        limits: Limits,
+        key: &[u8; 32],
+    ) -> Result<Self, TransferError> {
+        let mut stream = stream;
+        let handshake = async {
+            let mut c = [0u8; frame::CHALLENGE_BYTES];
+            stream.read_exact(&mut c).await.map_err(lost)?;
+            let theirs = frame::read_challenge(&c)?;
+            let ours = nonce();
+            stream.write_all(&frame::open(key, &theirs, &ours)).await.map_err(lost)?;
+            let mut o = [0u8; frame::OPENED_BYTES];
+            stream.read_exact(&mut o).await.map_err(lost)?;
+            if !frame::verify_opened(key, &theirs, &ours, &o) {
+                return Err(TransferError::Protocol("the listener's Opened does not verify".into()));
+            }
+            Ok(frame::session_key(key, &theirs, &ours))
+        };
+        let session = tokio::time::timeout(HANDSHAKE_TIMEOUT, handshake)
+            .await
+            .map_err(|_| TransferError::Expired(HANDSHAKE_TIMEOUT))??;
+        Ok(Self::start(stream, peer, limits, session, Direction::ToListener))
+    }
+
+    /// The link over a handshaken `stream`: frames are sealed going `send_dir`, checked coming the other way.
+    fn start(
+        stream: TcpStream,
+        peer: String,
+        limits: Limits,
+        session: [u8; 32],
+        send_dir: Direction,
+    ) -> Self {
         let _ = stream.set_nodelay(true);
+        let recv_dir = match send_dir {
+            Direction::ToDialer => Direction::ToListener,
+            Direction::ToListener => Direction::ToDialer,
+        };
         let (mut rd, writer) = stream.into_split();
         let (tx, frames) = mpsc::channel(READ_AHEAD_FRAMES);
         let reader = tokio::spawn(async move {
-            loop {
-                let f = read_frame(&mut rd, &limits).await;
+            for seq in 0u64.. {
+                let f = read_frame(&mut rd, &limits, &session, recv_dir, seq).await;
                 let stop = f.is_err();
                 if tx.send(f).await.is_err() || stop {
                     return;
                 }
             }
         });
-        Self { peer, frames, writer, reader, reused: false }
+        Self { peer, frames, writer, reader, reused: false, session, send_dir, send_seq: 0 }
     }
 
     pub fn peer(&self) -> &str {
         &self.peer
     }
 
-    async fn write(&mut self, bytes: &[u8]) -> Result<(), TransferError> {
-        self.writer.write_all(bytes).await.map_err(|e| TransferError::PeerLost(e.to_string()))
+    /// Seals and writes `frame` (an encoded frame or a Blocks head), then `payload`, then the MAC.
+    async fn write_sealed(&mut self, frame: Vec<u8>, payload: &[u8]) -> Result<(), TransferError> {
+        let (head, mac) = frame::seal_frame(&self.session, self.send_dir, self.send_seq, frame, payload);
+        self.send_seq += 1;
+        self.writer.write_all(&head).await.map_err(lost)?;
+        if !payload.is_empty() {
+            self.writer.write_all(payload).await.map_err(lost)?;
+        }
+        self.writer.write_all(&mac).await.map_err(lost)
     }
 }
 
 impl KvLink for TcpLink {
     async fn send(&mut self, f: &Frame) -> Result<(), TransferError> {
-        self.write(&frame::encode(f)).await
+        self.write_sealed(frame::encode(f), &[]).await
     }
 
     async fn send_blocks(
@@ -144,8 +244,7 @@ impl KvLink for TcpLink {
         layers: (u16, u16),
         payload: &[u8],
     ) -> Result<(), TransferError> {
-        self.write(&frame::blocks_head(id, first, count, layers, payload)).await?;
-        self.write(payload).await
+        self.write_sealed(frame::blocks_head(id, first, count, layers, payload), payload).await
     }
 
     async fn recv(&mut self) -> Result<Frame, TransferError> {
@@ -169,7 +268,7 @@ pub struct TcpTransport {
 impl KvTransport for TcpTransport {
     type Link = TcpLink;
 
-    async fn connect(&self, peer: &str, limits: Limits) -> Result<TcpLink, TransferError> {
+    async fn connect(&self, peer: &str, limits: Limits, key: &[u8; 32]) -> Result<TcpLink, TransferError> {
         let pooled = {
             let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
             let list = idle.entry(peer.to_owned()).or_default();
@@ -182,7 +281,7 @@ impl KvTransport for TcpTransport {
         }
         let stream =
             TcpStream::connect(peer).await.map_err(|e| TransferError::Connect(format!("{peer}: {e}")))?;
-        Ok(TcpLink::new(stream, peer.to_owned(), limits))
+        TcpLink::dial(stream, peer.to_owned(), limits, key).await
     }
 
     fn give_back(&self, link: TcpLink) {

@@ -54,6 +54,8 @@ pub enum TransferError {
     Cancelled(String),
     #[error("the peer was silent for the lease ({0:?})")]
     Expired(Duration),
+    #[error("no KV arrived for {0:?} (the prefill is queued or stuck)")]
+    Stalled(Duration),
     #[error("the engine: {0}")]
     Engine(String),
     #[error("the imported KV was refused: {0}")]
@@ -65,7 +67,11 @@ impl TransferError {
     /// protocol breach, a refused import or a wrong model will fail the same way.
     pub fn retryable(&self) -> bool {
         match self {
-            Self::Connect(_) | Self::PeerLost(_) | Self::Expired(_) | Self::Cancelled(_) => true,
+            Self::Connect(_)
+            | Self::PeerLost(_)
+            | Self::Expired(_)
+            | Self::Stalled(_)
+            | Self::Cancelled(_) => true,
             Self::Refused { code, .. } => *code == frame::RefuseCode::Overloaded.as_str(),
             Self::Import(e) => *e == crate::engine::ImportError::EngineGone,
             Self::Frame(_) | Self::Protocol(_) | Self::Engine(_) => false,
@@ -81,6 +87,7 @@ impl TransferError {
             Self::Refused { .. } => "refused",
             Self::Cancelled(_) => "cancelled",
             Self::Expired(_) => "expired",
+            Self::Stalled(_) => "stalled",
             Self::Engine(_) => "engine_error",
             Self::Import(crate::engine::ImportError::EngineGone) => "engine_error",
             Self::Import(_) => "protocol_error",
@@ -91,13 +98,23 @@ impl TransferError {
 /// What both sides of this worker's transfers need.
 pub struct Transfers {
     pub key: [u8; 32],
+    /// The key of the gateways' prefill grants (`handoff::grant_key`): an export checks the Hello's grant.
+    pub grant_key: [u8; 32],
+    /// This worker's model id and worker id, as grants name them.
+    pub model: String,
+    pub worker_id: String,
     /// What KV bytes are valid for: scheme, weights, layout, block bytes (`Engine::tier_fingerprint`).
     pub fingerprint: u64,
     pub block_bytes: usize,
     pub layers: usize,
     pub block_size: usize,
     pub lease: Duration,
+    /// Longest an import waits for blocks to arrive (`--kv-transfer-stall-timeout`; Renew does not reset it).
+    pub stall: Duration,
     pub layer_group: u16,
+    /// Most KV bytes an export holds that its link has not sent (`--kv-export-backlog-bytes`): past it the
+    /// export's prefill waits for the link.
+    pub export_backlog: usize,
     /// Largest Blocks payload this worker reads (and its exports never exceed a decode worker's).
     pub frame_bytes: usize,
     pub max_prompt_tokens: usize,
@@ -138,6 +155,12 @@ impl ImportLog {
 }
 
 impl Transfers {
+    /// What a listener reads from its dialers: Hello up to this worker's context, and no Blocks (a decode worker
+    /// sends none).
+    pub fn listener_limits(&self) -> frame::Limits {
+        frame::Limits { max_prompt_tokens: self.max_prompt_tokens, max_payload: 0 }
+    }
+
     /// What this worker reads on its links: prompts up to its context, payloads up to its frame limit.
     pub fn limits(&self) -> frame::Limits {
         frame::Limits {
