@@ -9,7 +9,7 @@
 //! 3. inter-token latency of 8 running streams on a decode engine while long prompts arrive, prefilled there
 //!    (aggregated) vs imported from a prefill engine (disaggregated).
 //!
-//! `cargo bench -p kvgate-worker --bench transfer` (`-- --quick`: one repetition). Both engines share this
+//! `cargo bench -p kvgate-worker --bench transfer` (`-- --quick`: one repetition; `-- --only-wire`: the wire table). Both engines share this
 //! machine's cores, so on 2 cores the prefill engine's compute also slows the decode engine's steps.
 
 use std::sync::Arc;
@@ -98,14 +98,20 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
-/// Seconds to move `bytes` through one loopback link in 8 MiB Blocks frames, and to memcpy them.
-async fn wire(bytes: usize) -> (f64, f64) {
+/// Seconds to move `bytes` through one loopback link in 8 MiB Blocks frames, to memcpy them, and to MAC them as
+/// one side of the link seals (keyed BLAKE3 per 8 MiB frame, one thread; the receiver checks the same MAC).
+async fn wire(bytes: usize) -> (f64, f64, f64) {
     let payload = vec![3u8; bytes];
     let mut dst = vec![1u8; bytes];
     let t = Instant::now();
     dst.copy_from_slice(&payload);
     std::hint::black_box(&dst);
     let memcpy = t.elapsed().as_secs_f64();
+    let t = Instant::now();
+    for part in payload.chunks(8 << 20) {
+        std::hint::black_box(blake3::keyed_hash(&[7; 32], part));
+    }
+    let mac = t.elapsed().as_secs_f64();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let addr = listener.local_addr().expect("addr");
     let limits = Limits { max_prompt_tokens: 16, max_payload: 8 << 20 };
@@ -127,7 +133,7 @@ async fn wire(bytes: usize) -> (f64, f64) {
         link.send_blocks(1, i as u32, 1, (0, 6), part).await.expect("send");
     }
     rx.await.expect("receiver");
-    (t.elapsed().as_secs_f64(), memcpy)
+    (t.elapsed().as_secs_f64(), memcpy, mac)
 }
 
 /// Seconds from a decode engine's import request to its first token, with the prompt prefilled by `p`.
@@ -187,7 +193,12 @@ async fn main() {
     );
 
     if !only_itl {
-        wire_and_handed(&dir, reps).await;
+        wire_table(reps).await;
+        // `--only-wire`: the wire table alone (seconds, not minutes).
+        if args.iter().any(|a| a == "--only-wire") {
+            return;
+        }
+        handed_table(&dir, reps).await;
     }
     println!("\n## Inter-token latency of 8 running streams while {itl_prompts} {itl_tokens}-token prompt(s) arrive");
     println!("| prompts | ITL p50 ms | ITL p99 ms | ITL max ms | window s |\n|---|---|---|---|---|");
@@ -269,11 +280,11 @@ async fn itl(dir: &std::path::Path, tokens: usize, prompts: usize, mode: &str) -
 }
 
 /// The first two tables.
-async fn wire_and_handed(dir: &std::path::Path, reps: usize) {
-    println!("\n## The wire: one loopback TCP link vs memcpy\n| tokens | bytes | memcpy GB/s | link GB/s | link / memcpy |\n|---|---|---|---|---|");
+async fn wire_table(reps: usize) {
+    println!("\n## The wire: one loopback TCP link vs memcpy\n| tokens | bytes | memcpy GB/s | MAC GB/s | link GB/s | link / memcpy |\n|---|---|---|---|---|---|");
     for tokens in [4096usize, 32_768] {
         let bytes = tokens * 6144;
-        let runs: Vec<(f64, f64)> = {
+        let runs: Vec<(f64, f64, f64)> = {
             let mut v = Vec::new();
             for _ in 0..reps {
                 v.push(wire(bytes).await);
@@ -282,16 +293,20 @@ async fn wire_and_handed(dir: &std::path::Path, reps: usize) {
         };
         let link = median(runs.iter().map(|r| r.0).collect());
         let memcpy = median(runs.iter().map(|r| r.1).collect());
+        let mac = median(runs.iter().map(|r| r.2).collect());
         let gb = |s: f64| bytes as f64 / s / 1e9;
         println!(
-            "| {tokens} | {:.0} MiB | {:.2} | {:.2} | {:.3}x |",
+            "| {tokens} | {:.0} MiB | {:.2} | {:.2} | {:.2} | {:.3}x |",
             bytes as f64 / (1 << 20) as f64,
             gb(memcpy),
+            gb(mac),
             gb(link),
             memcpy / link
         );
     }
+}
 
+async fn handed_table(dir: &std::path::Path, reps: usize) {
     println!("\n## A prompt handed from a prefill engine to a decode engine (time to the decode side's first token)");
     println!("| tokens | chunk | KV sent | prefill alone s | handed s | handed - alone s (median of pairs) | transfer alone s |\n|---|---|---|---|---|---|---|");
     let tokens = 4096;
