@@ -7,6 +7,10 @@
 //!   `"arguments"` with at least one character). One event is at least one token (a server may put several in one
 //!   event, so the count is a lower bound; a completed stream's `usage` replaces it);
 //! - a *usage event*: `"choices":[]` with a `usage` object (OpenAI's `stream_options.include_usage` chunk);
+//! - a Responses API stream (`"type":"response.…"` events): its `*.delta` events with text are token events,
+//!   `response.completed` / `.incomplete` / `.failed` carry the usage, and every other event is not counted (the
+//!   `*.done` and `output_item.*` events repeat text the deltas carried; pinned by a real vLLM capture,
+//!   `tests/vllm_responses.rs`);
 //! - anything else (the role chunk, the finish chunk, `[DONE]`, errors, comments) is passed through and not counted.
 //!
 //! Bounds: an event is held only until its blank line arrives; one that grows past [`MAX_EVENT_BYTES`] is forwarded
@@ -92,6 +96,8 @@ const RESPONSE_ENDS: [&[u8]; 3] = [
     b"\"type\":\"response.incomplete\"",
     b"\"type\":\"response.failed\"",
 ];
+/// Marks a Responses API stream event (its `type`; the raw quotes cannot occur inside a JSON string's text).
+const RESPONSE_EVENT: &[u8] = b"\"type\":\"response.";
 /// The Responses API's stream events that carry generated text.
 const RESPONSE_DELTAS: [&[u8]; 4] = [
     b"\"type\":\"response.output_text.delta\"",
@@ -116,6 +122,11 @@ fn classify(event: &[u8]) -> Kind {
     }
     if RESPONSE_DELTAS.iter().any(|t| find(event, t).is_some()) && has_text(event, b"\"delta\":") {
         return Kind::Token;
+    }
+    // Every other Responses event is not a token: its `*.done` and `output_item.*` events repeat text the deltas
+    // already carried (a real vLLM stream sends three of them, each with the whole text).
+    if find(event, RESPONSE_EVENT).is_some() {
+        return Kind::Other;
     }
     let keys: [&[u8]; 3] = [b"content\":", b"\"text\":", b"\"arguments\":"];
     if keys.iter().any(|k| has_text(event, k)) {
@@ -440,11 +451,16 @@ mod tests {
         };
         let created = "event: response.created\ndata: {\"type\":\"response.created\",\"response\":{\"id\":\"r\",\"usage\":null}}\n\n";
         let done = "event: response.completed\ndata: {\"type\":\"response.completed\",\"response\":{\"output\":[{\"content\":[{\"type\":\"output_text\",\"text\":\"ab c\"}]}],\"usage\":{\"input_tokens\":12,\"input_tokens_details\":{\"cached_tokens\":8},\"output_tokens\":3000,\"total_tokens\":3012}}}\n\n";
-        let stream = format!("{created}{}{}{}{done}", delta("ab"), delta(" c"), delta(""));
+        let text_done = "event: response.output_text.done\ndata: {\"type\":\"response.output_text.done\",\"item_id\":\"m\",\"text\":\"ab c\"}\n\n";
+        let stream = format!("{created}{}{}{}{text_done}{done}", delta("ab"), delta(" c"), delta(""));
         let mut m = Meter::new(true, false);
         let out = m.feed(stream.as_bytes());
         assert_eq!(out, stream.as_bytes(), "a Responses stream passes unchanged");
-        assert_eq!(m.token_events(), 2, "two deltas with text");
+        assert_eq!(
+            m.token_events(),
+            2,
+            "two deltas with text; the .done event repeating them is not a token"
+        );
         assert_eq!(m.usage(), Some(UsageSeen { prompt: 12, completion: 3000, cached: 8 }));
         assert_eq!(m.tokens_sent(), 3000);
         // Cut before response.completed: what was sent is counted.

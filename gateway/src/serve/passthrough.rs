@@ -286,6 +286,10 @@ pub async fn serve(
                         completed || whole,
                         cap,
                     ));
+                    if !completed {
+                        metrics::counter!("kvgate_gateway_class_partial_charges_total", "class" => class_name.clone())
+                            .increment(1);
+                    }
                 }
                 return Ok(());
             }
