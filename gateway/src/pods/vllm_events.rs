@@ -5,7 +5,12 @@
 //! or as an array (`["BlockStored", ...]`, older releases). Block hashes are vLLM's own (64-bit integers or sha256
 //! bytes); a stored event carries its blocks' token ids, from which kvgate rebuilds its own chained hashes.
 //!
-//! The wire format is pinned by golden frames encoded with vLLM's own classes (`tests/golden/vllm_kv_events.py`).
+//! Null is not a key: a real pod sends `lora_id`, `lora_name` as null and `extra_keys` as one entry per block, null
+//! for a block of tokens alone; the first non-null entry is where the event's blocks stop being rebuildable
+//! (`keyed_from`). `group_idx` / `kv_cache_spec_kind` say which KV cache group (full attention or another kind).
+//!
+//! The wire format is pinned by frames a real vLLM pod published (`tests/golden/vllm_kv_events_live.py`) and by
+//! frames encoded with vLLM's own classes (`tests/golden/vllm_kv_events.py`).
 //! Every field is checked: a frame over [`MAX_FRAME_BYTES`], nested deeper than [`MAX_DEPTH`], with more than
 //! [`MAX_EVENTS`] events or a malformed field is refused whole with a [`EventError`]; unknown event types are
 //! skipped (counted), so a newer vLLM's additions do not stop the stream.
@@ -21,7 +26,7 @@ pub const MAX_EVENTS: usize = 65_536;
 /// Longest block hash in bytes (vLLM's are 8-byte integers or 32-byte sha256 digests).
 pub const MAX_HASH_BYTES: usize = 64;
 
-pub use kvgate_router::registry::kv_events::{EventBatch, ExternalHash, KvEvent};
+pub use kvgate_router::registry::kv_events::{CacheGroup, EventBatch, ExternalHash, KvEvent};
 
 /// Why a frame was refused (the subscriber counts these by kind and resyncs; never retried as is).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -131,8 +136,10 @@ const STORED_ORDER: &[&str] = &[
     "medium",
     "lora_name",
     "extra_keys",
+    "group_idx",
+    "kv_cache_spec_kind",
 ];
-const REMOVED_ORDER: &[&str] = &["block_hashes", "medium"];
+const REMOVED_ORDER: &[&str] = &["block_hashes", "medium", "group_idx"];
 
 impl<'a> Fields<'a> {
     fn of(v: &'a Value) -> Result<Self, EventError> {
@@ -196,6 +203,37 @@ fn medium(f: &Fields<'_>) -> Result<Option<String>, EventError> {
     }
 }
 
+/// The index of the first block whose `extra_keys` entry is not null (nor an empty list).
+fn keyed_from(v: Option<&Value>) -> Result<Option<usize>, EventError> {
+    match v {
+        None => Ok(None),
+        Some(Value::Array(per_block)) => Ok(per_block.iter().position(|k| match k {
+            Value::Nil => false,
+            Value::Array(a) => !a.is_empty(),
+            _ => true,
+        })),
+        Some(_) => Err(shape("extra_keys is not an array")),
+    }
+}
+
+/// vLLM's KV cache spec kinds whose blocks are a prefix a request reuses whole.
+const FULL_ATTENTION_KINDS: [&str; 3] = ["full_attention", "mla_attention", "sink_full_attention"];
+
+fn group(f: &Fields<'_>) -> Result<CacheGroup, EventError> {
+    let idx = match f.get("group_idx") {
+        None => None,
+        Some(v) => Some(v.as_i64().ok_or_else(|| shape("group_idx is not an integer"))?),
+    };
+    let full_attention = match f.get("kv_cache_spec_kind") {
+        None => None,
+        Some(v) => {
+            let kind = v.as_str().ok_or_else(|| shape("kv_cache_spec_kind is not a string"))?;
+            Some(FULL_ATTENTION_KINDS.contains(&kind))
+        }
+    };
+    Ok(CacheGroup { idx, full_attention })
+}
+
 fn decode_event(v: &Value) -> Result<Option<KvEvent>, EventError> {
     let f = Fields::of(v)?;
     match f.tag {
@@ -223,20 +261,28 @@ fn decode_event(v: &Value) -> Result<Option<KvEvent>, EventError> {
                     block_hashes.len()
                 )));
             }
-            let keyed =
-                f.get("lora_id").is_some() || f.get("lora_name").is_some() || f.get("extra_keys").is_some();
+            // A LoRA adapter keys every block; otherwise the first block with a non-null extra key (vLLM sends
+            // one entry per block, null for a block of tokens alone).
+            let keyed_from = if f.get("lora_id").is_some() || f.get("lora_name").is_some() {
+                Some(0)
+            } else {
+                keyed_from(f.get("extra_keys"))?
+            };
             Ok(Some(KvEvent::Stored {
                 block_hashes,
                 parent,
                 token_ids,
                 block_size,
                 medium: medium(&f)?,
-                keyed,
+                keyed_from,
+                group: group(&f)?,
             }))
         }
-        "BlockRemoved" => {
-            Ok(Some(KvEvent::Removed { block_hashes: hashes(f.get("block_hashes"))?, medium: medium(&f)? }))
-        }
+        "BlockRemoved" => Ok(Some(KvEvent::Removed {
+            block_hashes: hashes(f.get("block_hashes"))?,
+            medium: medium(&f)?,
+            group: group(&f)?,
+        })),
         "AllBlocksCleared" => Ok(Some(KvEvent::AllCleared)),
         _ => Ok(None),
     }
@@ -282,7 +328,11 @@ mod tests {
         let b = decode_batch(&enc(&batch(vec![neg]))).expect("ok");
         assert_eq!(
             b.events,
-            vec![KvEvent::Removed { block_hashes: vec![ExternalHash::Int(-5i64 as u64)], medium: None }]
+            vec![KvEvent::Removed {
+                block_hashes: vec![ExternalHash::Int(-5i64 as u64)],
+                medium: None,
+                group: CacheGroup::default()
+            }]
         );
         let bad_token = Value::Array(vec![
             "BlockStored".into(),

@@ -4,21 +4,25 @@
 //! hash is rebuilt from its parent's (found by the parent's vLLM hash) and its tokens, exactly as a kvgate worker
 //! would hash it; the gateway can then summarise the pod like a kvgate worker's report. Pure: no sockets, no clocks.
 //!
-//! What is not indexed (counted in [`IndexCounters`]): blocks hashed with extra keys (LoRA, multimodal, cache salt),
-//! blocks of another block size, blocks whose parent the index never saw (it joined mid-stream or missed a batch),
+//! What is not indexed (counted in [`IndexCounters`]): blocks hashed with extra keys (LoRA, multimodal, cache salt)
+//! and those chained after them in the same event, blocks of a KV cache group other than full attention (a hybrid
+//! model's sliding-window or Mamba groups: their removals are ignored too, as the group is learned from its stores,
+//! at most [`MAX_OTHER_GROUPS`] of them), blocks of another block size, blocks whose parent the index never saw (it joined mid-stream or missed a batch),
 //! blocks stored outside device memory (`medium` other than `GPU`), and anything past [`MAX_INDEXED_BLOCKS`]. A
 //! gap in the sequence numbers means removals may have been missed: [`EventIndex::apply`] reports it and the
 //! caller replays the missing batches or, failing that, calls [`EventIndex::clear`] (forgetting is safe: a block
 //! wrongly remembered would route requests to a pod that must compute them).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 use kvgate_shared::hashing::{BlockHash, BlockHasher, ExtraKeys, HashScheme};
 
-use super::kv_events::{EventBatch, ExternalHash, KvEvent};
+use super::kv_events::{CacheGroup, EventBatch, ExternalHash, KvEvent};
 
 /// Most blocks indexed per pod (a pod with 1M tokens of KV in blocks of 16 has 65,536).
 pub const MAX_INDEXED_BLOCKS: usize = 1 << 22;
+/// Most KV cache groups of another kind remembered per pod (a hybrid model has a handful).
+pub const MAX_OTHER_GROUPS: usize = 64;
 
 /// What the index saw and skipped.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -28,6 +32,7 @@ pub struct IndexCounters {
     pub clears: u64,
     pub gaps: u64,
     pub keyed_blocks: u64,
+    pub other_group_blocks: u64,
     pub other_block_size: u64,
     pub unchained_blocks: u64,
     pub other_medium_blocks: u64,
@@ -55,6 +60,8 @@ pub struct EventIndex {
     /// kvgate hashes held, with how many vLLM blocks map to each (two vLLM hashes of the same tokens can exist).
     held: HashMap<BlockHash, u32>,
     last_seq: Option<i64>,
+    /// `group_idx` of the groups seen storing blocks of another kind than full attention.
+    other_groups: HashSet<i64>,
     counters: IndexCounters,
     /// kvgate hashes that became held or were let go since [`EventIndex::take_delta`], and whether everything was.
     delta: Delta,
@@ -84,6 +91,7 @@ impl EventIndex {
             by_external: HashMap::new(),
             held: HashMap::new(),
             last_seq: None,
+            other_groups: HashSet::new(),
             counters: IndexCounters::default(),
             delta: Delta::default(),
         }
@@ -157,12 +165,22 @@ impl EventIndex {
         outcome
     }
 
+    /// A removal from a group of another kind: the same vLLM hash may name a full-attention block still held.
+    fn is_other_group(&self, group: &CacheGroup) -> bool {
+        group.full_attention == Some(false) || group.idx.is_some_and(|g| self.other_groups.contains(&g))
+    }
+
     fn apply_event(&mut self, e: &KvEvent) {
         match e {
-            KvEvent::Stored { block_hashes, parent, token_ids, block_size, medium, keyed } => {
+            KvEvent::Stored { block_hashes, parent, token_ids, block_size, medium, keyed_from, group } => {
                 let n = block_hashes.len() as u64;
-                if *keyed {
-                    self.counters.keyed_blocks += n;
+                if group.full_attention == Some(false) {
+                    if let Some(g) = group.idx {
+                        if self.other_groups.len() < MAX_OTHER_GROUPS {
+                            self.other_groups.insert(g);
+                        }
+                    }
+                    self.counters.other_group_blocks += n;
                     return;
                 }
                 if *block_size != self.block_size {
@@ -183,7 +201,9 @@ impl EventIndex {
                         }
                     },
                 };
-                for (h, tokens) in block_hashes.iter().zip(token_ids.chunks_exact(self.block_size)) {
+                let plain = keyed_from.unwrap_or(block_hashes.len()).min(block_hashes.len());
+                self.counters.keyed_blocks += (block_hashes.len() - plain) as u64;
+                for (h, tokens) in block_hashes[..plain].iter().zip(token_ids.chunks_exact(self.block_size)) {
                     let k = self.hasher.next(prev, tokens);
                     prev = Some(k);
                     if self.by_external.contains_key(h) {
@@ -202,8 +222,8 @@ impl EventIndex {
                     self.counters.stored_blocks += 1;
                 }
             }
-            KvEvent::Removed { block_hashes, medium } => {
-                if medium.as_deref().is_some_and(|m| m != "GPU") {
+            KvEvent::Removed { block_hashes, medium, group } => {
+                if medium.as_deref().is_some_and(|m| m != "GPU") || self.is_other_group(group) {
                     return;
                 }
                 for h in block_hashes {
@@ -241,8 +261,13 @@ mod tests {
             token_ids: tokens.to_vec(),
             block_size: 4,
             medium: Some("GPU".into()),
-            keyed: false,
+            keyed_from: None,
+            group: CacheGroup::default(),
         }
+    }
+
+    fn removed(hash: u64, group: CacheGroup) -> KvEvent {
+        KvEvent::Removed { block_hashes: vec![ExternalHash::Int(hash)], medium: None, group }
     }
 
     fn batch(events: Vec<KvEvent>) -> EventBatch {
@@ -267,13 +292,7 @@ mod tests {
         assert!(ix.take_delta().is_empty());
         assert_eq!(ix.len(), 4);
         // Removing the last block, then a replayed (stale) batch changes nothing more.
-        assert_eq!(
-            ix.apply(
-                2,
-                &batch(vec![KvEvent::Removed { block_hashes: vec![ExternalHash::Int(103)], medium: None }])
-            ),
-            Applied::InOrder
-        );
+        assert_eq!(ix.apply(2, &batch(vec![removed(103, CacheGroup::default())])), Applied::InOrder);
         assert!(!ix.holds(want[3]) && ix.holds(want[2]));
         assert_eq!(ix.take_delta().changes, vec![(want[3], false)]);
         assert_eq!(ix.apply(2, &b), Applied::Stale);
@@ -297,7 +316,8 @@ mod tests {
             token_ids: tokens[..4].to_vec(),
             block_size: 4,
             medium: None,
-            keyed: true,
+            keyed_from: Some(0),
+            group: CacheGroup::default(),
         };
         let other_size = KvEvent::Stored {
             block_hashes: vec![ExternalHash::Int(2)],
@@ -305,7 +325,8 @@ mod tests {
             token_ids: tokens.clone(),
             block_size: 8,
             medium: None,
-            keyed: false,
+            keyed_from: None,
+            group: CacheGroup::default(),
         };
         let on_cpu = KvEvent::Stored {
             block_hashes: vec![ExternalHash::Int(3)],
@@ -313,7 +334,8 @@ mod tests {
             token_ids: tokens[..4].to_vec(),
             block_size: 4,
             medium: Some("CPU".into()),
-            keyed: false,
+            keyed_from: None,
+            group: CacheGroup::default(),
         };
         // A child whose parent was never seen (the index joined mid-stream).
         let orphan = stored(&[5], Some(4), &tokens[4..]);
@@ -327,18 +349,41 @@ mod tests {
         // The same tokens stored under two vLLM hashes are held until both are removed.
         ix.apply(2, &batch(vec![stored(&[10], None, &tokens[..4]), stored(&[11], None, &tokens[..4])]));
         let h = BlockHasher::new(&s, &ExtraKeys::none()).hash_blocks(&tokens[..4])[0];
-        ix.apply(
-            3,
-            &batch(vec![KvEvent::Removed { block_hashes: vec![ExternalHash::Int(10)], medium: None }]),
-        );
+        ix.apply(3, &batch(vec![removed(10, CacheGroup::default())]));
         assert!(ix.holds(h));
-        ix.apply(
-            4,
-            &batch(vec![KvEvent::Removed { block_hashes: vec![ExternalHash::Int(11)], medium: None }]),
-        );
+        ix.apply(4, &batch(vec![removed(11, CacheGroup::default())]));
         assert!(!ix.holds(h));
         ix.clear();
         assert_eq!(ix.last_seq(), None);
         assert_eq!(ix.apply(100, &batch(vec![])), Applied::InOrder);
+    }
+
+    #[test]
+    fn a_keyed_block_stops_its_event_and_other_groups_are_left_out() {
+        let s = scheme();
+        let tokens: Vec<u32> = (1..=12).collect();
+        let want = BlockHasher::new(&s, &ExtraKeys::none()).hash_blocks(&tokens);
+        let mut ix = EventIndex::new(&s);
+        // Block 1 of three carries an extra key: block 0 is indexed, blocks 1 and 2 (chained through it) are not.
+        let mut e = stored(&[1, 2, 3], None, &tokens);
+        if let KvEvent::Stored { keyed_from, .. } = &mut e {
+            *keyed_from = Some(1);
+        }
+        ix.apply(1, &batch(vec![e]));
+        assert!(ix.holds(want[0]) && !ix.holds(want[1]) && !ix.holds(want[2]));
+        assert_eq!(ix.counters().keyed_blocks, 2);
+        // A sliding-window group stores the same vLLM hash: not indexed, and its removal (by group_idx alone)
+        // leaves the full-attention block held.
+        let window = CacheGroup { idx: Some(1), full_attention: Some(false) };
+        let mut w = stored(&[1], None, &tokens[..4]);
+        if let KvEvent::Stored { group, .. } = &mut w {
+            *group = window.clone();
+        }
+        ix.apply(2, &batch(vec![w, removed(1, CacheGroup { idx: Some(1), full_attention: None })]));
+        assert!(ix.holds(want[0]));
+        assert_eq!(ix.counters().other_group_blocks, 1);
+        // The full-attention group's removal lets it go.
+        ix.apply(3, &batch(vec![removed(1, CacheGroup { idx: Some(0), full_attention: None })]));
+        assert!(!ix.holds(want[0]));
     }
 }

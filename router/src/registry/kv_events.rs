@@ -22,14 +22,28 @@ pub enum KvEvent {
         token_ids: Vec<u32>,
         block_size: usize,
         medium: Option<String>,
-        /// Hashed with more than the tokens (a LoRA adapter, multimodal inputs, a cache salt): kvgate cannot
-        /// rebuild these hashes, so such blocks are not indexed.
-        keyed: bool,
+        /// The first block hashed with more than its tokens (a LoRA adapter, a multimodal input, a cache salt:
+        /// vLLM's non-null `lora_id` / `lora_name`, or a non-null `extra_keys` entry). kvgate cannot rebuild that
+        /// hash, nor those of the blocks chained after it, so from there on the event's blocks are not indexed.
+        /// `None`: every block is the tokens alone.
+        keyed_from: Option<usize>,
+        /// The KV cache group the blocks belong to (hybrid models keep one per attention kind).
+        group: CacheGroup,
     },
-    /// Blocks evicted.
-    Removed { block_hashes: Vec<ExternalHash>, medium: Option<String> },
+    /// Blocks evicted (from `group`'s cache).
+    Removed { block_hashes: Vec<ExternalHash>, medium: Option<String>, group: CacheGroup },
     /// Every block dropped (a cache reset or a restart).
     AllCleared,
+}
+
+/// Which of a model's KV cache groups an event is about: vLLM's `group_idx` and `kv_cache_spec_kind` (a hybrid
+/// model keeps full-attention blocks in one group and sliding-window or Mamba state in others, under the same block
+/// hashes). Absent fields (an older vLLM, SGLang) mean the model's one full-attention cache.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct CacheGroup {
+    pub idx: Option<i64>,
+    /// `Some(false)`: a group of another kind (its blocks do not make a prefix a request can reuse whole).
+    pub full_attention: Option<bool>,
 }
 
 /// A decoded batch.
