@@ -303,6 +303,17 @@ pub struct ModelSpec {
     /// The topic to subscribe to (vLLM's `topic`). Default "" (all).
     #[serde(default)]
     pub kv_events_topic: String,
+    /// For `vllm` pools without `kv-events-port`: ask each pod where it publishes (`GET /kv_event_sources`, retried
+    /// until the pod answers): a wildcard endpoint (`tcp://*:PORT`) is followed at the pod's own host, its replay
+    /// endpoint and topic too, so pods on one host can each use their own port (`pods/event_sources.rs`). Default
+    /// true.
+    #[serde(default = "default_true")]
+    pub kv_events_sources: bool,
+    /// Per pod, where its events are, over `kv-events-port` and the pod's own answer:
+    /// `[[models.kv-events-pods]]` with `worker` (the pod's URL as in `workers`), `endpoint` (`tcp://HOST:PORT`),
+    /// optional `replay` and `topic`. Default none.
+    #[serde(default)]
+    pub kv_events_pods: Vec<PodEvents>,
     /// For `vllm` and `sglang` pools: read each pod's queue from its `/metrics` once a second (`scrape.rs`).
     /// Default true.
     #[serde(default = "default_true")]
@@ -317,6 +328,18 @@ pub struct ModelSpec {
     /// where they say it, else unchecked).
     #[serde(default)]
     pub max_model_len: Option<u32>,
+}
+
+/// One pod's event endpoints, set by the operator (`[[models.kv-events-pods]]`).
+#[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "kebab-case")]
+pub struct PodEvents {
+    pub worker: String,
+    pub endpoint: String,
+    #[serde(default)]
+    pub replay: Option<String>,
+    #[serde(default)]
+    pub topic: Option<String>,
 }
 
 fn default_true() -> bool {
@@ -347,6 +370,8 @@ impl std::str::FromStr for ModelSpec {
             kv_events_port: None,
             kv_events_replay_port: None,
             kv_events_topic: String::new(),
+            kv_events_sources: true,
+            kv_events_pods: Vec::new(),
             scrape_metrics: true,
             discover: None,
             max_model_len: None,
@@ -645,8 +670,24 @@ impl GatewayConfig {
                     p.push(format!("model {:?}: worker {w:?} is not an http:// URL", m.name));
                 }
             }
-            if m.kv_events_port.is_some() && !matches!(m.kind, WorkerKind::Vllm | WorkerKind::Sglang) {
-                p.push(format!("model {:?}: kv-events-port needs kind vllm or sglang", m.name));
+            let follows = m.kv_events_port.is_some() || !m.kv_events_pods.is_empty();
+            if follows && !matches!(m.kind, WorkerKind::Vllm | WorkerKind::Sglang) {
+                p.push(format!(
+                    "model {:?}: kv-events-port and kv-events-pods need kind vllm or sglang",
+                    m.name
+                ));
+            }
+            for e in &m.kv_events_pods {
+                let tcp = |a: &str| a.starts_with("tcp://") && a.len() <= 512;
+                if !e.worker.starts_with("http://")
+                    || !tcp(&e.endpoint)
+                    || !e.replay.as_deref().is_none_or(tcp)
+                {
+                    p.push(format!(
+                        "model {:?}: kv-events-pods entry for {:?} needs an http:// worker and tcp:// endpoints",
+                        m.name, e.worker
+                    ));
+                }
             }
             if let Some(d) = &m.discover {
                 if d.rsplit_once(':')

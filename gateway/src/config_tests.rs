@@ -37,6 +37,34 @@ fn models_come_from_flags_or_the_toml_file_and_are_checked() {
     };
     let err = bad.resolve().and_then(|c| c.validate()).expect_err("bad models");
     assert!(err.contains("block-size 0") && err.contains("unique") && err.contains("ftp://x"), "{err}");
+    // A pod's own event endpoints: read from the TOML, checked (tcp:// only, a vllm or sglang pool).
+    std::fs::write(
+        &path,
+        "[[models]]\nname = \"v\"\ntokenizer = \"/t\"\nkind = \"vllm\"\nworkers = [\"http://10.0.0.1:8000\"]\n\
+         [[models.kv-events-pods]]\nworker = \"http://10.0.0.1:8000\"\nendpoint = \"tcp://10.0.0.1:5560\"\n",
+    )
+    .expect("write");
+    let cfg = GatewayArgs { config: Some(path.clone()), ..secured() }.resolve().expect("toml");
+    assert!(cfg.models[0].kv_events_sources, "asking the pods is the default");
+    assert_eq!(cfg.models[0].kv_events_pods[0].endpoint, "tcp://10.0.0.1:5560");
+    cfg.validate().expect("valid");
+    let pods = |kind: WorkerKind, endpoint: &str| GatewayConfig {
+        models: vec![ModelSpec {
+            kind,
+            kv_events_pods: vec![crate::config::PodEvents {
+                worker: "http://10.0.0.1:8000".into(),
+                endpoint: endpoint.into(),
+                replay: None,
+                topic: None,
+            }],
+            ..cfg.models[0].clone()
+        }],
+        ..cfg.clone()
+    };
+    let err = pods(WorkerKind::Vllm, "http://10.0.0.1:5560").validate().expect_err("not tcp");
+    assert!(err.contains("tcp:// endpoints"), "{err}");
+    let err = pods(WorkerKind::Openai, "tcp://10.0.0.1:5560").validate().expect_err("not vllm");
+    assert!(err.contains("need kind vllm or sglang"), "{err}");
 }
 
 #[test]

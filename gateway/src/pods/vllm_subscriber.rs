@@ -1,5 +1,8 @@
-//! Follows the KV events of vLLM (or SGLang) pods (`[[models]]` entries with `kv-events-port`): one task per pod
-//! holds a ZMQ SUB connection (`zmtp`, frames bounded) to `tcp://<pod host>:<port>`, decodes each batch (`vllm_events`), applies it to the
+//! Follows the KV events of vLLM (or SGLang) pods: one task per pod finds where they are published (the pool's
+//! `kv-events-pods` entry for the pod, else `kv-events-port` at the pod's host, else, for `vllm` pools, the pod's
+//! own `GET /kv_event_sources`: `event_sources`, retried until the pod answers; metric
+//! `kvgate_gateway_kv_event_sources_total{result}`), holds a ZMQ SUB connection (`zmtp`, frames bounded) there,
+//! decodes each batch (`vllm_events`), applies it to the
 //! pod's exact index (`vllm_index`) and hands the change to the registry, whose exact set then gives the pod's
 //! prefix match instead of the approximate index. A gap in the sequence numbers or a lost connection clears the
 //! pod's index (what it missed might have been removals) unless the pod's replay socket (`kv-events-replay-port`)
@@ -12,6 +15,8 @@ use std::time::Duration;
 
 use kvgate_shared::hashing::HashScheme;
 
+use crate::config::{ModelSpec, WorkerKind};
+use crate::pods::event_sources::{self, EventSource};
 use crate::pods::vllm_events::decode_frames;
 use crate::pods::zmtp::{Kind, Socket};
 use kvgate_router::registry::event_index::{Applied, Delta, EventIndex};
@@ -161,24 +166,109 @@ pub fn spawn_all<H: super::PodsHost>(state: &Arc<H>) {
     }
 }
 
-/// Follows one pod of `model`'s pool until the task is aborted (`None`: the pool has no events port, or the URL
-/// no host).
+/// Where one pod's events are: set by the operator (`kv-events-pods`, then `kv-events-port`), or asked of the pod.
+enum Source {
+    Set(EventSource),
+    Ask,
+}
+
+fn source_of(model: &ModelSpec, url: &str) -> Option<Source> {
+    let same = |a: &str| a.trim_end_matches('/') == url.trim_end_matches('/');
+    if let Some(e) = model.kv_events_pods.iter().find(|e| same(&e.worker)) {
+        return Some(Source::Set(EventSource {
+            rank: 0,
+            endpoint: e.endpoint.clone(),
+            replay: e.replay.clone(),
+            topic: e.topic.clone().unwrap_or_else(|| model.kv_events_topic.clone()),
+        }));
+    }
+    if let Some(port) = model.kv_events_port {
+        let Some(ep) = endpoint(url, port) else {
+            tracing::error!(%url, "KV events: no host in the worker URL");
+            return None;
+        };
+        return Some(Source::Set(EventSource {
+            rank: 0,
+            endpoint: ep,
+            replay: model.kv_events_replay_port.and_then(|p| endpoint(url, p)),
+            topic: model.kv_events_topic.clone(),
+        }));
+    }
+    (model.kind == WorkerKind::Vllm && model.kv_events_sources).then_some(Source::Ask)
+}
+
+/// How long one `/kv_event_sources` request may take.
+pub const SOURCES_TIMEOUT: Duration = Duration::from_secs(2);
+/// How long to wait before asking a pod that did not answer again (a vLLM pod takes minutes to start).
+pub const SOURCES_RETRY: Duration = Duration::from_secs(5);
+
+fn count_sources(result: &'static str) {
+    metrics::counter!("kvgate_gateway_kv_event_sources_total", "result" => result).increment(1);
+}
+
+/// The pod's answer: `Err(None)` when it did not answer (yet), `Err(Some(kind))` when it answered nothing to follow.
+async fn ask(state: &impl super::PodsHost, url: &str) -> Result<Vec<EventSource>, Option<&'static str>> {
+    use http_body_util::{BodyExt, Full, Limited};
+    let uri = format!("{}/kv_event_sources", url.trim_end_matches('/'));
+    let req = hyper::Request::get(&uri).body(Full::new(bytes::Bytes::new())).map_err(|_| Some("request"))?;
+    let fetch = async {
+        let resp = state.client().request(req).await.map_err(|_| None)?;
+        if !resp.status().is_success() {
+            // An older vLLM (no such route) or a pod that is not vLLM: nothing to follow.
+            return Err(Some("status"));
+        }
+        let body = Limited::new(resp.into_body(), event_sources::MAX_SOURCES_BYTES).collect().await;
+        Ok(body.map_err(|_| Some("body"))?.to_bytes())
+    };
+    let body = tokio::time::timeout(SOURCES_TIMEOUT, fetch).await.map_err(|_| None)??;
+    event_sources::parse(&body, url).map_err(|e| {
+        tracing::warn!(%url, error = %e, "KV events: not followed; the pod is routed on the approximate index");
+        Some(e.kind())
+    })
+}
+
+/// Follows one pod of `model`'s pool until the task is aborted (`None`: the pool's events are not followed, or
+/// the URL has no host).
 pub fn spawn_pod<H: super::PodsHost>(
     state: &Arc<H>,
-    model: &crate::config::ModelSpec,
+    model: &ModelSpec,
     url: &str,
 ) -> Option<tokio::task::JoinHandle<()>> {
-    let port = model.kv_events_port?;
+    let source = source_of(model, url)?;
     let scheme = state.scheme(&model.name)?;
-    let Some(ep) = endpoint(url, port) else {
-        tracing::error!(%url, "KV events: no host in the worker URL");
-        return None;
-    };
-    let replay = model.kv_events_replay_port.and_then(|p| endpoint(url, p));
-    let (s, url, topic) = (state.clone(), url.to_owned(), model.kv_events_topic.clone());
-    Some(tokio::spawn(follow(ep, replay, topic, scheme, move |d: Delta| {
-        s.registry().apply_exact(&url, d.cleared, &d.changes);
-    })))
+    let (s, url) = (state.clone(), url.to_owned());
+    Some(tokio::spawn(async move {
+        let src = match source {
+            Source::Set(src) => src,
+            Source::Ask => loop {
+                match ask(s.as_ref(), &url).await {
+                    Ok(mut ranks) if ranks.len() == 1 => {
+                        count_sources("ok");
+                        break ranks.remove(0);
+                    }
+                    Ok(ranks) => {
+                        // One cache per rank: a set merged over ranks would claim hits a request's rank lacks.
+                        tracing::warn!(%url, ranks = ranks.len(), "KV events: a pod with several data-parallel \
+                            ranks is not followed yet; it is routed on the approximate index");
+                        count_sources("several_ranks");
+                        return;
+                    }
+                    Err(Some(kind)) => {
+                        count_sources(kind);
+                        return;
+                    }
+                    Err(None) => {
+                        count_sources("unanswered");
+                        tokio::time::sleep(SOURCES_RETRY).await;
+                    }
+                }
+            },
+        };
+        let on_change = move |d: Delta| {
+            s.registry().apply_exact(&url, d.cleared, &d.changes);
+        };
+        follow(src.endpoint, src.replay, src.topic, scheme, on_change).await
+    }))
 }
 
 #[cfg(test)]
