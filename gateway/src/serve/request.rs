@@ -75,6 +75,9 @@ struct ChatLean<'a> {
     chat_template_kwargs: Option<&'a RawValue>,
     #[serde(default)]
     add_generation_prompt: Option<bool>,
+    /// vLLM's: end the prompt inside the final (assistant) message rather than after it.
+    #[serde(default)]
+    continue_final_message: Option<bool>,
     #[serde(default, borrow)]
     reasoning_effort: Option<&'a RawValue>,
     #[serde(default)]
@@ -197,7 +200,16 @@ pub fn parse(
                 ))
             }
         };
-        let options = chat_options(req.add_generation_prompt, tools, extra);
+        let mut options = chat_options(req.add_generation_prompt, tools, extra);
+        options.continue_final_message = req.continue_final_message.unwrap_or(false);
+        if options.continue_final_message && options.add_generation_prompt {
+            // As vLLM refuses it (add_generation_prompt defaults to true there too).
+            return Err(ApiError::invalid(
+                "continue_final_message",
+                "continue_final_message and add_generation_prompt are not compatible: set add_generation_prompt \
+                 to false to continue the final message",
+            ));
+        }
         let reasoning = req.reasoning_effort.is_some_and(|r| r.get() != "null");
         Ok((fields(req.model, common!(req), reasoning), PromptBody::Chat { messages, options }))
     } else {

