@@ -1,7 +1,8 @@
 //! Models the gateway tokenizes itself (`[[models]]`), in front of real worker processes: a pool of pods that are
 //! not kvgate workers (here `kvgate-worker` processes that never report, which to the gateway are plain OpenAI
 //! servers) is routed by prefix with the configured tokenizer, and a kvgate worker whose block size differs from
-//! its model's entry is refused instead of being routed with hashes that never match.
+//! its model's entry is refused instead of being routed with hashes that never match; a chat template that is not
+//! the pods' is counted (`kvgate_gateway_prompt_token_mismatches_total`).
 
 mod common;
 
@@ -371,4 +372,41 @@ async fn pods_that_do_not_report_are_held_to_their_context_and_charged_their_rea
     asked["stream_options"] = json!({"include_usage": true});
     let (_, _, text) = stream_text(&url, &asked).await;
     assert_eq!(text.matches("\"usage\":{").count(), 1, "{text}");
+}
+
+/// The gateway's prompt length against the worker's `usage.prompt_tokens`: with the pods' own tokenizer directory
+/// nothing is counted; with a chat template that is not theirs (a drift the operator would not see otherwise),
+/// every answered chat is counted under its model.
+#[tokio::test]
+async fn a_chat_template_that_is_not_the_pods_is_counted_as_a_prompt_mismatch() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let synth = dir.path().join("tiny");
+    let pod = worker("p0", &synth, None, &[]);
+    let drift = dir.path().join("drift");
+    std::fs::create_dir(&drift).expect("mkdir");
+    for f in ["tokenizer.json", "tokenizer_config.json"] {
+        std::fs::copy(synth.join(f), drift.join(f)).expect("copy");
+    }
+    std::fs::write(
+        drift.join("chat_template.jinja"),
+        "A system note this pod's template does not have.\n{% for m in messages %}{{ m['role'] }} says: \
+         {{ m['content'] }}\n{% endfor %}\
+         {% if add_generation_prompt %}assistant says:{% endif %}",
+    )
+    .expect("template");
+    for (name, tokenizer, want) in [("own", &synth, None), ("drift", &drift, Some(2.0))] {
+        let sub = dir.path().join(format!("gateway-{name}"));
+        std::fs::create_dir(&sub).expect("mkdir");
+        let cfg = gateway_config(&sub, tokenizer, "openai", 16, &[pod.base.as_str()]);
+        let (g, control) = gateway(&["--config", &cfg]);
+        for turn in 0..2 {
+            let body = json!({"model": MODEL, "max_tokens": 1,
+                "messages": [{"role": "user", "content": format!("hello there, turn {turn}")}]});
+            let r = post(&format!("{}/v1/chat/completions", g.base), &body, &[]).await;
+            assert_eq!(r.status, 200, "{}", r.body);
+        }
+        let m = get(&format!("{control}/metrics")).await.body;
+        let series = format!("kvgate_gateway_prompt_token_mismatches_total{{model=\"{MODEL}\"}}");
+        assert_eq!(metric(&m, &series), want, "{name}");
+    }
 }

@@ -32,6 +32,7 @@ use crate::control::keys::Caller;
 use crate::errors::{ApiError, GatewayErrors};
 use crate::registry::Fault;
 use crate::routing::RouteReason;
+use crate::serve::meter::UsageSeen;
 use crate::serve::prepare::{PrepHeaders, PreparedRequest, CACHE_SALT_HEADER, SESSION_HEADER};
 use crate::serve::proxy::{self, Ctx, InflightGuard, CLIENT_CLOSED};
 use crate::serve::upstream::{unless_client_leaves, Attempt, Outcome};
@@ -332,6 +333,28 @@ pub async fn forward(
     }
 }
 
+/// Longest silence between two logged prompt-length mismatches (`kvgate_gateway_prompt_token_mismatches_total`
+/// counts every one).
+pub const MISMATCH_LOG_EVERY: Duration = Duration::from_secs(60);
+
+/// The prompt the gateway tokenized against the prompt tokens the worker says it computed: a difference means the
+/// gateway's chat template or tokenizer drifted from the pod's, and so its block hashes (a template change on the
+/// pods, a tokenizer directory that is not theirs). Counted per model; logged at most every [`MISMATCH_LOG_EVERY`].
+fn check_prompt_length(p: &PreparedRequest, usage: &UsageSeen, worker: &str) {
+    if !p.tokenized || usage.prompt == p.ids.len() as u64 {
+        return;
+    }
+    metrics::counter!("kvgate_gateway_prompt_token_mismatches_total", "model" => p.fields.model.clone())
+        .increment(1);
+    static LAST_LOG: std::sync::Mutex<Option<Instant>> = std::sync::Mutex::new(None);
+    let mut last = LAST_LOG.lock().unwrap_or_else(|e| e.into_inner());
+    if last.is_none_or(|t| t.elapsed() >= MISMATCH_LOG_EVERY) {
+        *last = Some(Instant::now());
+        tracing::warn!(model = %p.fields.model, %worker, gateway = p.ids.len(), worker_reported = usage.prompt,
+            "prompt token count differs from the worker's: the gateway's chat template or tokenizer is not the pod's");
+    }
+}
+
 /// One attempt's answer, settled: the permit reconciled with what was computed (module docs of `proxy`,
 /// "Charging"), the worker's faults recorded.
 struct Settle<'a> {
@@ -368,6 +391,7 @@ impl Settle<'_> {
                     metrics::counter!("kvgate_gateway_reported_cached_tokens_total").increment(u.cached);
                     metrics::counter!("kvgate_gateway_predicted_cached_tokens_total")
                         .increment(self.predicted as u64);
+                    check_prompt_length(self.p, u, &t.id);
                 }
                 let permit = permit.take()?;
                 if (200..300).contains(&status) {
