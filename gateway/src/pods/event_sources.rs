@@ -14,6 +14,8 @@ use serde_json::Value;
 pub const MAX_SOURCES_BYTES: usize = 64 * 1024;
 /// Most data-parallel ranks read from one pod.
 pub const MAX_DP_RANKS: usize = 64;
+/// Longest topic subscribed to.
+pub const MAX_TOPIC_BYTES: usize = 256;
 
 /// One rank's event stream, as the gateway connects to it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -100,7 +102,15 @@ pub fn parse(body: &[u8], pod_url: &str) -> Result<Vec<EventSource>, SourcesErro
             None => None,
             Some(r) => Some(reachable(r, pod_url)?),
         };
-        let topic = cfg["topic"].as_str().unwrap_or_default().chars().take(256).collect();
+        // A SUB socket matches topics by prefix: a cut topic would take in more than the pod publishes for it.
+        let topic = cfg["topic"].as_str().unwrap_or_default();
+        if topic.len() > MAX_TOPIC_BYTES {
+            return Err(SourcesError::Shape(format!(
+                "a topic of {} bytes (limit {MAX_TOPIC_BYTES})",
+                topic.len()
+            )));
+        }
+        let topic = topic.to_owned();
         out.push(EventSource { rank, endpoint: reachable(endpoint, pod_url)?, replay, topic });
     }
     out.sort_by_key(|s| s.rank);
@@ -147,6 +157,8 @@ mod tests {
         let body = serde_json::to_vec(&many).expect("json");
         assert_eq!(parse(&body, url), Err(SourcesError::TooManyRanks(MAX_DP_RANKS + 1)));
         assert!(matches!(parse(b"[1]", url), Err(SourcesError::Shape(_))));
+        let long = REAL.replace("\"kv-events\"", &format!("{:?}", "t".repeat(MAX_TOPIC_BYTES + 1)));
+        assert!(matches!(parse(long.as_bytes(), url), Err(SourcesError::Shape(_))));
         assert!(matches!(parse(&vec![b' '; MAX_SOURCES_BYTES + 1], url), Err(SourcesError::Shape(_))));
         // Two ranks, ports offset by rank as vLLM does, sorted by rank.
         let two = r#"{"1":{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://*:5558"},

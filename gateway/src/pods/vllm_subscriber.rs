@@ -1,7 +1,8 @@
 //! Follows the KV events of vLLM (or SGLang) pods: one task per pod finds where they are published (the pool's
 //! `kv-events-pods` entry for the pod, else `kv-events-port` at the pod's host, else, for `vllm` pools, the pod's
 //! own `GET /kv_event_sources`: `event_sources`, retried until the pod answers; metric
-//! `kvgate_gateway_kv_event_sources_total{result}`), holds a ZMQ SUB connection (`zmtp`, frames bounded) there,
+//! `kvgate_gateway_kv_event_sources_total{result}`; a pod that answers nothing to follow is asked again every
+//! minute), holds a ZMQ SUB connection (`zmtp`, frames bounded) there,
 //! decodes each batch (`vllm_events`), applies it to the
 //! pod's exact index (`vllm_index`) and hands the change to the registry, whose exact set then gives the pod's
 //! prefix match instead of the approximate index. A gap in the sequence numbers or a lost connection clears the
@@ -202,6 +203,9 @@ pub const SOURCES_TIMEOUT: Duration = Duration::from_secs(2);
 /// How long to wait before asking a pod that did not answer again (a vLLM pod takes minutes to start).
 pub const SOURCES_RETRY: Duration = Duration::from_secs(5);
 
+/// How long to wait before asking again a pod that answered nothing to follow.
+pub const SOURCES_RECHECK: Duration = Duration::from_secs(60);
+
 fn count_sources(result: &'static str) {
     metrics::counter!("kvgate_gateway_kv_event_sources_total", "result" => result).increment(1);
 }
@@ -251,11 +255,12 @@ pub fn spawn_pod<H: super::PodsHost>(
                         tracing::warn!(%url, ranks = ranks.len(), "KV events: a pod with several data-parallel \
                             ranks is not followed yet; it is routed on the approximate index");
                         count_sources("several_ranks");
-                        return;
+                        tokio::time::sleep(SOURCES_RECHECK).await;
                     }
                     Err(Some(kind)) => {
+                        // Asked again later: a pod restarted with events on (or past a proxy's warm-up answer).
                         count_sources(kind);
-                        return;
+                        tokio::time::sleep(SOURCES_RECHECK).await;
                     }
                     Err(None) => {
                         count_sources("unanswered");

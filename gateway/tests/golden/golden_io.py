@@ -1,8 +1,21 @@
-"""The one HTTP call the golden capture scripts make to a running pod: POST a JSON body, return the status, the
-content type and the raw bytes (the scripts record bytes exactly as they came)."""
+"""What the golden scripts share: the one HTTP call the capture scripts make to a running pod (POST a JSON body;
+the raw bytes come back, recorded exactly as they came), and writing a golden file next to the scripts."""
 import http.client
 import json
+import os
 import urllib.parse
+
+
+def write_golden(name, data, compact=False):
+    """Writes `data` as JSON to NAME next to this file; returns its path."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), name)
+    with open(path, "w") as f:
+        if compact:
+            json.dump(data, f, separators=(",", ":"), ensure_ascii=False)
+        else:
+            json.dump(data, f, indent=1)
+        f.write("\n")
+    return path
 
 
 def post_raw(base, path, body, timeout=600):
