@@ -13,6 +13,7 @@ use hyper_util::rt::TokioExecutor;
 use serde_json::Value;
 
 pub mod redis;
+pub mod vllm;
 
 pub const MODEL: &str = "kvgate-tiny";
 
@@ -218,6 +219,13 @@ pub async fn request_bytes(method: &str, url: &str, body: Vec<u8>, headers: &[(&
     let headers = resp.headers().clone();
     let bytes = resp.into_body().collect().await.expect("body").to_bytes();
     Resp { status, headers, body: String::from_utf8_lossy(&bytes).into_owned() }
+}
+
+/// The status of `GET url`, or why there was none (a refused connection, for one).
+pub async fn try_get(url: &str) -> Result<u16, String> {
+    let req = hyper::Request::get(url).body(Full::new(Bytes::new())).map_err(|e| e.to_string())?;
+    let client: Client<_, Full<Bytes>> = Client::builder(TokioExecutor::new()).build_http();
+    client.request(req).await.map(|r| r.status().as_u16()).map_err(|e| e.to_string())
 }
 
 pub async fn get(url: &str) -> Resp {

@@ -637,6 +637,7 @@ impl Registry {
                 inflight: w.inflight,
                 load: w.load(now),
                 cached_blocks: w.report.as_ref().and_then(|r| r.tier(Tier::Device)).map(|t| t.blocks_cached),
+                scraped: w.scraped,
                 kv_usage: w.kv_usage,
                 approx_blocks: w.approx.as_ref().map(|a| [a.len(), a.capacity()]),
                 counters: w.counters,

@@ -324,6 +324,9 @@ pub struct WorkerStatus {
     pub inflight: u64,
     pub load: Load,
     pub cached_blocks: Option<u64>,
+    /// A pod without reports: its queue as its metrics state it (waiting and running requests; `prefill_tokens`
+    /// is the waiting requests priced at the mean uncached prompt this gateway sent it).
+    pub scraped: Option<kvgate_shared::report::QueueStats>,
     /// A pod without reports: the fraction of its KV cache in use, from its metrics.
     pub kv_usage: Option<f64>,
     /// A pod without reports: blocks its approximate index holds, and at most (from config or its metrics).

