@@ -145,6 +145,7 @@ def start_router(name, a, pods, procs, log):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     urls = [p.base for p in pods]
+    control = None
     if name.startswith("kvgate"):
         cport = free_port()
         toml = os.path.join(a.out, f"{name}.toml")
@@ -157,7 +158,8 @@ def start_router(name, a, pods, procs, log):
         p = procs.start([os.path.join(a.bin_dir, "kvgate-gateway"), "--config", toml, "--listen",
                          f"127.0.0.1:{port}", "--control-listen", f"127.0.0.1:{cport}", "--report-secret",
                          "unused"], log, {"RUST_LOG": "warn", "KVGATE_DATA_DIR": os.path.join(a.out, name)})
-        wait_for(f"http://127.0.0.1:{cport}/ready", name, p, 60)
+        control = f"http://127.0.0.1:{cport}"
+        wait_for(f"{control}/ready", name, p, 60)
         if name.startswith("kvgate-events"):  # every pod's events followed before the first request
             t0 = time.time()
             while metric_sum(f"http://127.0.0.1:{cport}", "kvgate_gateway_kv_event_sources_total{result=\"ok\"}") < len(pods):
@@ -182,7 +184,7 @@ def start_router(name, a, pods, procs, log):
         time.sleep(2)
     else:
         raise ValueError(name)
-    return p, url
+    return p, url, control
 
 
 def run_row(workload, router, a, pods, procs):
@@ -193,20 +195,57 @@ def run_row(workload, router, a, pods, procs):
         status, body = http("POST", f"{pod.base}/reset_prefix_cache", timeout=30)
         assert status == 200, (status, body)
     before = [metric_sum(p.base, "vllm:request_success_total") for p in pods]
-    proc, url = start_router(router, a, pods, procs, os.path.join(d, "router.log"))
+    proc, url, control = start_router(router, a, pods, procs, os.path.join(d, "router.log"))
     cmd = [os.path.join(a.bin_dir, "kvgate-loadtest"), "run", "--target", url, "--model", MODEL, *WORKLOADS[
         workload].split(), "--seed", "42", "--duration", "600s", "--no-progress", "--out", os.path.join(d, "run")]
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
         raise RuntimeError(f"{tag}: {r.stdout[-2000:]} {r.stderr[-2000:]}")
     per = [metric_sum(p.base, "vllm:request_success_total") - b for p, b in zip(pods, before)]
+    # kvgate's own work per request (tokenize, hash, price, admit, route), from its decision_seconds histogram.
+    decision_ms = None
+    if control:
+        n = metric_sum(control, "kvgate_gateway_decision_seconds_count")
+        decision_ms = 1000 * metric_sum(control, "kvgate_gateway_decision_seconds_sum") / n if n else None
+    probe = probe_ttft(url) if workload == "multi-turn" else None
     aiperf = run_aiperf(url, a, d) if a.aiperf and workload == "multi-turn" else None
     procs.stop(proc)
     s = json.load(open(os.path.join(d, "run", "results.json")))["runs"][0]["summary"]
     mean = sum(per) / len(per)
     return {"workload": workload, "router": router, "requests": s["requests"], "errors": s["errors"],
             "hit_rate": s["hit_rate"], "ttft_p50_ms": s["ttft_p50_ms"], "ttft_p99_ms": s["ttft_p99_ms"],
-            "per_pod": per, "max_mean": max(per) / mean if mean else 0.0, "aiperf": aiperf}
+            "per_pod": per, "max_mean": max(per) / mean if mean else 0.0, "decision_ms": decision_ms,
+            "probe_ttft_p50_ms": probe,
+            "aiperf": aiperf}
+
+
+def probe_ttft(url, n=30):
+    """Median TTFT of `n` sequential streamed chats with one prompt (cached after the first) on an idle fleet:
+    against a pod directly, the pod's own time; through a router, that plus what the router adds."""
+    import http.client
+    import statistics
+    import urllib.parse
+    u = urllib.parse.urlparse(url)
+    body = json.dumps({"model": MODEL, "max_tokens": 4, "stream": True, "temperature": 0, "messages": [
+        {"role": "system", "content": " ".join(["probe"] * 300)}, {"role": "user", "content": "hello"}]})
+    ttfts = []
+    for _ in range(n):
+        c = http.client.HTTPConnection(u.hostname, u.port, timeout=30)
+        t0 = time.perf_counter()
+        c.request("POST", "/v1/chat/completions", body, {"content-type": "application/json", "x-session-id": "probe"})
+        r = c.getresponse()
+        first = None
+        while True:
+            line = r.fp.readline()
+            if not line or line.startswith(b"data: [DONE]"):
+                break
+            if first is None and line.startswith(b"data: ") and b'"content":"' in line \
+                    and b'"content":""' not in line:
+                first = time.perf_counter() - t0
+        c.close()
+        if first is not None:
+            ttfts.append(first * 1000)
+    return statistics.median(ttfts) if ttfts else None
 
 
 def run_aiperf(url, a, d):
@@ -254,12 +293,14 @@ def main():
         subprocess.run([os.path.join(a.bin_dir, "kvgate-worker"), "synth-model", "--out", a.model, "--preset",
                         "small", "--dtype", "bfloat16"], check=True, capture_output=True)
     procs = Procs()
-    rows = []
+    rows, direct = [], []
     try:
         pods = [Pod(i, a, procs) for i in range(a.pods)]
         for p in pods:
             took = wait_for(f"{p.base}/health", f"pod {p.base}", p.proc)
             print(f"pod {p.base} ready after {took:.0f} s", file=sys.stderr)
+        direct = [probe_ttft(p.base) for p in pods]
+        print(f"direct to each pod, probe TTFT p50 ms: {direct}", file=sys.stderr)
         for w in a.workloads.split(","):
             for r in a.routers.split(","):
                 rows.append(run_row(w, r, a, pods, procs))
@@ -267,11 +308,17 @@ def main():
                 json.dump(rows, open(os.path.join(a.out, "results.json"), "w"), indent=1)
     finally:
         procs.stop_all()
-    print("| workload | router | requests | errors | hit rate | TTFT p50 ms | TTFT p99 ms | max/mean |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| workload | router | requests | errors | hit rate | TTFT p50 ms | TTFT p99 ms | max/mean | kvgate decision ms |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
+        dm = f"{r['decision_ms']:.2f}" if r.get("decision_ms") is not None else ""
         print(f"| {r['workload']} | {r['router']} | {r['requests']} | {r['errors']} | {r['hit_rate']:.3f} | "
-              f"{r['ttft_p50_ms']:.1f} | {r['ttft_p99_ms']:.1f} | {r['max_mean']:.2f} |")
+              f"{r['ttft_p50_ms']:.1f} | {r['ttft_p99_ms']:.1f} | {r['max_mean']:.2f} | {dm} |")
+    print(f"\nIdle probe (30 sequential streamed chats, one cached prompt), TTFT p50 ms: directly to the pods "
+          f"{', '.join(f'{x:.1f}' for x in direct if x)}")
+    for r in rows:
+        if r.get("probe_ttft_p50_ms"):
+            print(f"- {r['router']}: {r['probe_ttft_p50_ms']:.1f}")
     if any(r["aiperf"] for r in rows):
         print("\n| router | aiperf requests | aiperf TTFT p50 ms | aiperf TTFT p99 ms |\n|---|---|---|---|")
         for r in rows:
