@@ -6,11 +6,7 @@ mod common;
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
 use common::*;
-use http_body_util::{BodyExt, Full};
-use hyper_util::client::legacy::Client;
-use hyper_util::rt::TokioExecutor;
 use serde_json::json;
 
 fn ids(n: usize, seed: u32) -> Vec<u32> {
@@ -41,37 +37,15 @@ async fn sigkill_after_three_chunks_ends_the_stream_with_an_error_event_and_the_
     let prompt = ids(64, 1);
     let body =
         json!({"model": MODEL, "prompt": prompt, "max_tokens": 200, "ignore_eos": true, "stream": true});
-    let req = hyper::Request::post(format!("{}/v1/completions", g.base))
-        .header("content-type", "application/json")
-        .body(Full::new(Bytes::from(body.to_string())))
-        .expect("req");
-    let client: Client<_, Full<Bytes>> = Client::builder(TokioExecutor::new()).build_http();
-    let resp = client.request(req).await.expect("resp");
+    let resp = open_stream(&format!("{}/v1/completions", g.base), &body).await;
     assert_eq!(resp.status(), 200);
     let serving = resp.headers()["x-kvgate-worker"].to_str().expect("id").to_owned();
     let mut body = resp.into_body();
-    let mut text = String::new();
-    while text.matches("\"text\"").count() < 3 {
-        let frame = tokio::time::timeout(Duration::from_secs(5), body.frame()).await.expect("chunk in time");
-        text.push_str(&String::from_utf8_lossy(
-            &frame.expect("frame").expect("ok").into_data().unwrap_or_default(),
-        ));
-    }
+    read_until(&mut body, "\"text\"", 3, Duration::from_secs(5)).await;
     signal(&workers[&serving], libc::SIGKILL);
     let killed_at = Instant::now();
     // The rest of the stream: an SSE error event, then EOF, within 2 s.
-    let rest = tokio::time::timeout(Duration::from_secs(2), async {
-        let mut rest = String::new();
-        while let Some(frame) = body.frame().await {
-            match frame {
-                Ok(f) => rest.push_str(&String::from_utf8_lossy(&f.into_data().unwrap_or_default())),
-                Err(_) => break,
-            }
-        }
-        rest
-    })
-    .await
-    .expect("EOF within 2 s of the kill");
+    let rest = read_rest(&mut body, Duration::from_secs(2)).await;
     let error_event =
         rest.lines().find(|l| l.starts_with("data: {\"error\"")).unwrap_or_else(|| panic!("{rest}"));
     let err: serde_json::Value = serde_json::from_str(&error_event["data: ".len()..]).expect("json");

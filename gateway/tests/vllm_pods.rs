@@ -360,39 +360,12 @@ fn gateway_with(toml: &Path, extra: &[&str]) -> (Proc, String) {
 /// Starts `body` as a stream through the gateway, SIGKILLs the pod serving it after three chunks, and returns the
 /// pod's URL and the rest of the stream (read to EOF, which must come within 5 s).
 async fn stream_then_kill(gateway: &str, body: &Value, pods: &mut [Pod]) -> (String, String) {
-    use bytes::Bytes;
-    use http_body_util::{BodyExt, Full};
-    use hyper_util::client::legacy::Client;
-    use hyper_util::rt::TokioExecutor;
-    let req = hyper::Request::post(format!("{gateway}/v1/completions"))
-        .header("content-type", "application/json")
-        .body(Full::new(Bytes::from(body.to_string())))
-        .expect("req");
-    let client: Client<_, Full<Bytes>> = Client::builder(TokioExecutor::new()).build_http();
-    let resp = client.request(req).await.expect("resp");
+    let resp = open_stream(&format!("{gateway}/v1/completions"), body).await;
     assert_eq!(resp.status(), 200);
     let serving = resp.headers()["x-kvgate-worker"].to_str().expect("id").to_owned();
     let mut body = resp.into_body();
-    let mut text = String::new();
-    while text.matches("\"text\"").count() < 3 {
-        let frame = tokio::time::timeout(Duration::from_secs(30), body.frame()).await.expect("chunk in time");
-        text.push_str(&String::from_utf8_lossy(
-            &frame.expect("frame").expect("ok").into_data().unwrap_or_default(),
-        ));
-    }
+    read_until(&mut body, "\"text\"", 3, Duration::from_secs(30)).await;
     let pod = pods.iter_mut().find(|p| p.base == serving).unwrap_or_else(|| panic!("no pod {serving}"));
     pod.group.kill();
-    let rest = tokio::time::timeout(Duration::from_secs(5), async {
-        let mut rest = String::new();
-        while let Some(frame) = body.frame().await {
-            match frame {
-                Ok(f) => rest.push_str(&String::from_utf8_lossy(&f.into_data().unwrap_or_default())),
-                Err(_) => break,
-            }
-        }
-        rest
-    })
-    .await
-    .expect("EOF within 5 s of the kill");
-    (serving, rest)
+    (serving, read_rest(&mut body, Duration::from_secs(5)).await)
 }

@@ -221,6 +221,45 @@ pub async fn request_bytes(method: &str, url: &str, body: Vec<u8>, headers: &[(&
     Resp { status, headers, body: String::from_utf8_lossy(&bytes).into_owned() }
 }
 
+/// A streamed POST of `body` to `url`: the response with its body unread (read it with [`read_until`] and
+/// [`read_rest`]).
+pub async fn open_stream(url: &str, body: &Value) -> hyper::Response<hyper::body::Incoming> {
+    let req = hyper::Request::post(url)
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from(body.to_string())))
+        .expect("req");
+    let client: Client<_, Full<Bytes>> = Client::builder(TokioExecutor::new()).build_http();
+    client.request(req).await.expect("resp")
+}
+
+/// Reads `body` until what came holds `n` times `needle` (each frame within `each`); returns what came.
+pub async fn read_until(body: &mut hyper::body::Incoming, needle: &str, n: usize, each: Duration) -> String {
+    let mut text = String::new();
+    while text.matches(needle).count() < n {
+        let frame = tokio::time::timeout(each, body.frame()).await.expect("chunk in time");
+        text.push_str(&String::from_utf8_lossy(
+            &frame.expect("frame").expect("ok").into_data().unwrap_or_default(),
+        ));
+    }
+    text
+}
+
+/// The rest of `body` up to EOF or an error, which must come within `within`.
+pub async fn read_rest(body: &mut hyper::body::Incoming, within: Duration) -> String {
+    tokio::time::timeout(within, async {
+        let mut rest = String::new();
+        while let Some(frame) = body.frame().await {
+            match frame {
+                Ok(f) => rest.push_str(&String::from_utf8_lossy(&f.into_data().unwrap_or_default())),
+                Err(_) => break,
+            }
+        }
+        rest
+    })
+    .await
+    .unwrap_or_else(|_| panic!("no EOF within {within:?}"))
+}
+
 /// The status of `GET url`, or why there was none (a refused connection, for one).
 pub async fn try_get(url: &str) -> Result<u16, String> {
     let req = hyper::Request::get(url).body(Full::new(Bytes::new())).map_err(|e| e.to_string())?;
