@@ -2,6 +2,8 @@
 //! `docs/operating/pods.md`, its three blocks read out of the page and run as written (only the ports, the paths and
 //! the `python3` it names replaced), so the page cannot drift from what works. One test, one pair of pods (a pod
 //! takes minutes to start on 2 cores), in phases:
+//! - tokenization parity, live: 300 generated chats and 50 prompts tokenized by the pod and by the gateway's own
+//!   parser and tokenizer, id for id;
 //! - a conversation's second turn is routed by the pod's KV `events`, and the blocks `route/explain` matched are
 //!   exactly what the pod then says it had cached (`usage.prompt_tokens_details.cached_tokens`);
 //! - `cache_aware` reuses more of the pods' caches than `round_robin` (a second gateway on the same pods);
@@ -201,6 +203,11 @@ async fn the_quick_start_routes_by_the_pods_events_and_outlives_a_killed_and_res
     })
     .await;
 
+    // 0. Tokenization parity, live: the pod's /tokenize ids equal the gateway's own (its request parser, then the
+    //    model's tokenizer) for generated conversations and prompts.
+    let checked = tokenization_parity(&pods[0].base, &model, 300).await;
+    eprintln!("tokenization parity with the pod: {checked} bodies");
+
     // 1. A conversation's second turn: routed by events, matched blocks = what the pod had cached.
     let mut conv = vec![
         json!({"role": "system", "content": words(1, 200)}),
@@ -348,6 +355,108 @@ async fn the_quick_start_routes_by_the_pods_events_and_outlives_a_killed_and_res
     })
     .await;
     eprintln!("the whole test took {:?}", t0.elapsed());
+}
+
+/// A deterministic generator (xorshift64*), so a failing body can be found again.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+    fn chance(&mut self, percent: u64) -> bool {
+        self.below(100) < percent
+    }
+    fn text(&mut self) -> String {
+        const W: &[&str] = &[
+            "the",
+            "a",
+            "lighthouse",
+            "keeper",
+            "ships",
+            "night",
+            "sea",
+            "café",
+            "naïve",
+            "東京",
+            "🙂",
+            "code",
+            "`x=1`",
+            "\n",
+            "tab\t",
+            "quote\"",
+            "{json}",
+            "<tag>",
+            "  spaces",
+            "",
+            "Hello,",
+            "world!",
+            "<|eot_id|>",
+        ];
+        let n = self.below(40);
+        (0..n).map(|_| W[self.below(W.len() as u64) as usize]).collect::<Vec<_>>().join(" ")
+    }
+}
+
+/// `n` generated chat bodies (system or not, 1-5 user turns each answered or not, tools, `add_generation_prompt`
+/// false, `continue_final_message` on a final assistant turn) and `n / 6` completions prompts, each tokenized by the
+/// pod (`POST /tokenize`) and by the gateway's own parser and tokenizer; every pair must be equal. Returns how many.
+async fn tokenization_parity(pod: &str, model: &Path, n: usize) -> usize {
+    use kvgate_gateway::serve::request::parse;
+    use kvgate_shared::prompt::Prompter;
+    let prompter = Prompter::from_dir(model).expect("the model's tokenizer");
+    let tools = json!([{"type": "function", "function": {"name": "get_weather", "description": "The weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]);
+    let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+    let mut bodies = Vec::new();
+    for _ in 0..n {
+        let mut msgs = Vec::new();
+        if rng.chance(50) {
+            msgs.push(json!({"role": "system", "content": rng.text()}));
+        }
+        for _ in 0..=rng.below(5) {
+            msgs.push(json!({"role": "user", "content": rng.text()}));
+            if rng.chance(60) {
+                msgs.push(json!({"role": "assistant", "content": rng.text()}));
+            }
+        }
+        let last_is_assistant = msgs.last().is_some_and(|m| m["role"] == "assistant");
+        let mut body = json!({"model": MODEL_NAME, "messages": msgs});
+        if rng.chance(20) {
+            body["tools"] = tools.clone();
+        }
+        if rng.chance(30) {
+            body["add_generation_prompt"] = json!(false);
+            if last_is_assistant && rng.chance(50) {
+                body["continue_final_message"] = json!(true);
+            }
+        }
+        bodies.push((true, body));
+    }
+    for _ in 0..n / 6 {
+        bodies.push((false, json!({"model": MODEL_NAME, "prompt": rng.text()})));
+    }
+    for (chat, body) in &bodies {
+        let r = post(&format!("{pod}/tokenize"), body, &[]).await;
+        assert_eq!(r.status, 200, "{body}: {}", r.body);
+        let want: Vec<u32> = r.json()["tokens"]
+            .as_array()
+            .expect("tokens")
+            .iter()
+            .map(|t| t.as_u64().expect("id") as u32)
+            .collect();
+        let bytes = serde_json::to_vec(body).expect("json");
+        let (_, prompt) = parse(*chat, &bytes, 1 << 20).unwrap_or_else(|e| panic!("{body}: {e:?}"));
+        let got = prompter.tokenize(&prompt.input()).expect("tokenizes");
+        assert_eq!(got, want, "the gateway's ids differ from the pod's for {body}");
+    }
+    bodies.len()
 }
 
 /// A second gateway on `toml` with `extra` flags.
