@@ -260,11 +260,11 @@ pub async fn read_rest(body: &mut hyper::body::Incoming, within: Duration) -> St
     .unwrap_or_else(|_| panic!("no EOF within {within:?}"))
 }
 
-/// The status of `GET url`, or why there was none (a refused connection, for one).
-pub async fn try_get(url: &str) -> Result<u16, String> {
-    let req = hyper::Request::get(url).body(Full::new(Bytes::new())).map_err(|e| e.to_string())?;
+/// The status of `GET url`; `None` when there was none (a refused connection, for one).
+pub async fn try_get(url: &str) -> Option<u16> {
+    let req = hyper::Request::get(url).body(Full::new(Bytes::new())).ok()?;
     let client: Client<_, Full<Bytes>> = Client::builder(TokioExecutor::new()).build_http();
-    client.request(req).await.map(|r| r.status().as_u16()).map_err(|e| e.to_string())
+    client.request(req).await.ok().map(|r| r.status().as_u16())
 }
 
 pub async fn get(url: &str) -> Resp {

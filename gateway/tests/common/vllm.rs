@@ -108,12 +108,10 @@ pub async fn wait_ready(pod: &mut Group, base: &str, within: Duration) -> Durati
         if let Ok(Some(status)) = pod.child.try_wait() {
             panic!("the vLLM pod exited ({status}):\n{}", pod.tail(60));
         }
-        if let Ok(Ok(r)) =
-            tokio::time::timeout(Duration::from_secs(2), super::try_get(&format!("{base}/health"))).await
-        {
-            if r == 200 {
-                return t0.elapsed();
-            }
+        let health =
+            tokio::time::timeout(Duration::from_secs(2), super::try_get(&format!("{base}/health"))).await;
+        if let Ok(Some(200)) = health {
+            return t0.elapsed();
         }
         assert!(
             t0.elapsed() < within,
