@@ -12,7 +12,10 @@
 //! - load from the pod's `/metrics`: requests sent to a pod directly show up as its scraped running queue;
 //! - a pod SIGKILLed mid-stream ends the stream with the documented error event, leaves the ring, and the next
 //!   request goes to the other pod; restarted, its event subscriber reconnects, its index starts empty and is
-//!   rebuilt from the new pod's events.
+//!   rebuilt from the new pod's events;
+//! - a pod with two data-parallel ranks listed once per rank (`URL#dp<r>`): a conversation's turns on the rank that
+//!   holds it (the pod's own per-engine counts), each rank indexed from its own events, a client's rank header
+//!   ignored.
 
 mod common;
 
@@ -354,7 +357,117 @@ async fn the_quick_start_routes_by_the_pods_events_and_outlives_a_killed_and_res
         t["prefix_signal"] == "events" && t["matched_blocks"].as_u64() == Some(full)
     })
     .await;
+    // 8. Data-parallel ranks: one pod with two engines (the quick start's command with `--data-parallel-size 2`),
+    //    listed once per rank (`URL#dp<r>`): a conversation stays on the rank that holds it, each rank's events index
+    //    that rank, its load is that engine's series, and a client's own rank header changes nothing.
+    drop(pods);
+    dp_ranks(&pod_block, &py, &model, dir.path()).await;
     eprintln!("the whole test took {:?}", t0.elapsed());
+}
+
+/// A free loopback port `p` with `p + 1` free too, both taken from the test's port sequence so no later
+/// `free_port` hands out `p + 1` (a data-parallel pod binds rank r's sockets at `p + r`).
+fn free_pair() -> u16 {
+    let mut p = free_port();
+    loop {
+        let q = free_port();
+        if q == p + 1 {
+            return p;
+        }
+        p = q;
+    }
+}
+
+async fn dp_ranks(pod_block: &str, py: &Path, model: &Path, dir: &Path) {
+    let (http, ev, replay) = (free_port(), free_pair(), free_pair());
+    let line = vllm::subst(
+        pod_block,
+        &[
+            ("python3", py.display().to_string()),
+            ("/models/kvgate-small", model.display().to_string()),
+            ("--port 8000", format!("--port {http} --data-parallel-size 2")),
+            ("tcp://*:5557", format!("tcp://*:{ev}")),
+            ("tcp://*:5567", format!("tcp://*:{replay}")),
+        ],
+    );
+    let base = format!("http://127.0.0.1:{http}");
+    let mut pod = Pod::start(line, base.clone(), &dir.join("dp-pod.log"));
+    vllm::wait_ready(&mut pod.group, &base, POD_READY).await;
+    eprintln!("data-parallel pod ready {:?} after its start", pod.started.elapsed());
+    let ranks = [format!("{base}#dp0"), format!("{base}#dp1")];
+    let toml = dir.join("dp.toml");
+    std::fs::write(
+        &toml,
+        format!(
+            "[[models]]\nname = \"{MODEL_NAME}\"\ntokenizer = {:?}\nblock-size = {BLOCK}\nkind = \"vllm\"\n\
+             workers = [{:?}, {:?}]\n",
+            model.display().to_string(),
+            ranks[0],
+            ranks[1]
+        ),
+    )
+    .expect("toml");
+    let (g, control) = gateway_with(&toml, &[]);
+    // Each rank's own stream found (the pod lists both) and its own load scraped.
+    wait_until(Duration::from_secs(60), || async {
+        let m = get(&format!("{control}/metrics")).await.body;
+        let ws = get(&format!("{control}/kvgate/v1/workers")).await.json();
+        let scraped = ws
+            .as_array()
+            .map_or(0, |a| a.iter().filter(|w| w["healthy"] == true && w["scraped"].is_object()).count());
+        metric(&m, "kvgate_gateway_kv_event_sources_total{result=\"ok\"}") == Some(2.0) && scraped == 2
+    })
+    .await;
+
+    let mut conv = vec![
+        json!({"role": "system", "content": words(11, 200)}),
+        json!({"role": "user", "content": words(12, 30)}),
+    ];
+    let r1 = chat(&g.base, &json!(conv), "carol", 8).await;
+    assert_eq!(r1.status, 200, "{}", r1.body);
+    let rank = r1.header("x-kvgate-worker");
+    assert!(ranks.contains(&rank), "{rank}");
+    let other = ranks.iter().find(|r| **r != rank).expect("other").clone();
+    conv.push(r1.json()["choices"][0]["message"].clone());
+    conv.push(json!({"role": "user", "content": words(13, 30)}));
+    let body2 = json!({"model": MODEL_NAME, "messages": conv, "max_tokens": 8, "temperature": 0});
+    let mut e = Value::Null;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while Instant::now() < deadline {
+        e = explain(&control, &body2, "carol").await;
+        if term(&e, &rank)["matched_blocks"].as_u64().unwrap_or(0) > 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert_eq!(e["pick"], rank.as_str(), "{e}");
+    assert_eq!(term(&e, &rank)["prefix_signal"], "events", "{e}");
+    assert_eq!(term(&e, &other)["matched_blocks"], 0, "the other rank holds none of it: {e}");
+    let matched = term(&e, &rank)["matched_blocks"].as_u64().expect("matched");
+    // A client's header naming the other rank is not passed on: the turn is served where its prefix is.
+    let r2 = post(
+        &format!("{}/v1/chat/completions", g.base),
+        &body2,
+        &[("x-session-id", "carol"), ("x-data-parallel-rank", &other[other.len() - 1..])],
+    )
+    .await;
+    assert_eq!(r2.status, 200, "{}", r2.body);
+    assert_eq!(r2.header("x-kvgate-worker"), rank);
+    let prompt2 = r2.json()["usage"]["prompt_tokens"].as_u64().expect("prompt_tokens");
+    assert!(matched >= 6, "{e}");
+    assert_eq!(cached(&r2), matched.min((prompt2 - 1) / BLOCK as u64) * BLOCK as u64, "{e}");
+    // The pod's own count: both turns on the rank's engine, none on the other's.
+    let m = get(&format!("{base}/metrics")).await.body;
+    let done = |engine: &str| {
+        m.lines()
+            .filter(|l| {
+                l.starts_with("vllm:request_success_total{") && l.contains(&format!("engine=\"{engine}\""))
+            })
+            .filter_map(|l| l.rsplit_once(' ').and_then(|(_, v)| v.parse::<f64>().ok()))
+            .sum::<f64>()
+    };
+    let (r, o) = (&rank[rank.len() - 1..], &other[other.len() - 1..]);
+    assert_eq!((done(r), done(o)), (2.0, 0.0), "requests per engine");
 }
 
 /// A deterministic generator (xorshift64*), so a failing body can be found again.

@@ -147,6 +147,13 @@ pub(super) fn problems(models: &[ModelSpec], p: &mut Vec<String>) {
             if !w.starts_with("http://") {
                 p.push(format!("model {:?}: worker {w:?} is not an http:// URL", m.name));
             }
+            if w.contains('#') && (m.kind != WorkerKind::Vllm || crate::pods::dp_rank::malformed(w)) {
+                p.push(format!(
+                    "model {:?}: worker {w:?}: a URL may end in #dp<rank> (0..=63, a vLLM pod's data-parallel \
+                     rank) only in a vllm pool, and in no other fragment",
+                    m.name
+                ));
+            }
         }
         let follows = m.kv_events_port.is_some() || !m.kv_events_pods.is_empty();
         if follows && !matches!(m.kind, WorkerKind::Vllm | WorkerKind::Sglang) {

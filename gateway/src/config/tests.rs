@@ -68,6 +68,30 @@ fn models_come_from_flags_or_the_toml_file_and_are_checked() {
 }
 
 #[test]
+fn a_worker_url_may_name_a_data_parallel_rank_only_in_a_vllm_pool() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let path = dir.path().join("g.toml");
+    let cfg = |kind: &str, worker: &str| {
+        std::fs::write(
+            &path,
+            format!(
+                "[[models]]\nname = \"m\"\ntokenizer = \"/t\"\nkind = \"{kind}\"\nworkers = [\"{worker}\"]\n"
+            ),
+        )
+        .expect("write");
+        GatewayArgs { config: Some(path.clone()), ..secured() }.resolve()
+    };
+    assert!(cfg("vllm", "http://10.0.0.1:8000#dp1").is_ok());
+    for (kind, worker) in [
+        ("openai", "http://10.0.0.1:8000#dp1"),
+        ("vllm", "http://10.0.0.1:8000#dp64"),
+        ("vllm", "http://10.0.0.1:8000#rank1"),
+    ] {
+        assert!(cfg(kind, worker).is_err(), "{kind} {worker}");
+    }
+}
+
+#[test]
 fn a_redis_user_name_without_a_password_is_refused() {
     let with = |url: &str, password: Option<&str>| {
         let a = GatewayArgs {

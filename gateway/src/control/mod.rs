@@ -289,7 +289,7 @@ pub async fn upkeep(state: Arc<GatewayState>) {
         for (wref, url) in targets {
             let s = state.clone();
             tokio::spawn(async move {
-                let Ok(req) = hyper::Request::get(format!("{url}/health"))
+                let Ok(req) = hyper::Request::get(format!("{}/health", crate::pods::dp_rank::base(&url)))
                     .body(http_body_util::Full::new(bytes::Bytes::new()))
                 else {
                     return;

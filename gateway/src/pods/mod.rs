@@ -5,6 +5,7 @@
 //! of each prefill -> decode link before its first split).
 
 pub mod discovery;
+pub mod dp_rank;
 pub mod event_sources;
 pub mod link_probe;
 pub mod scrape;

@@ -63,7 +63,7 @@ pub fn parse_models(body: &[u8], model: &str) -> Option<u32> {
 }
 
 async fn models_once(state: &impl PodsHost, url: &str, model: &str) -> Option<u32> {
-    let uri = format!("{}/v1/models", url.trim_end_matches('/'));
+    let uri = format!("{}/v1/models", super::dp_rank::base(url));
     let req = hyper::Request::get(&uri).body(Full::new(Bytes::new())).ok()?;
     let fetch = async {
         let resp = state.client().request(req).await.ok()?;
@@ -133,6 +133,15 @@ fn label<'a>(labels: &'a str, name: &str) -> Option<&'a str> {
 /// Reads a Prometheus text page (the KV capacity in the model's blocks of `block_size` tokens); `None` if neither
 /// queue series appears.
 pub fn parse(text: &str, names: &MetricNames, block_size: u32) -> Option<Scraped> {
+    parse_rank(text, names, block_size, None)
+}
+
+/// [`parse`] for one data-parallel rank of a vLLM pod (`dp_rank`): only the series labelled `engine="<rank>"`
+/// count, and the KV capacity (each engine's `cache_config_info` carries the pod's total) is split evenly over the
+/// engines the page names.
+pub fn parse_rank(text: &str, names: &MetricNames, block_size: u32, rank: Option<u32>) -> Option<Scraped> {
+    let rank = rank.map(|r| r.to_string());
+    let mut engines = std::collections::BTreeSet::new();
     let (mut w, mut r, mut seen) = (0f64, 0f64, false);
     let (mut usage_sum, mut usage_n) = (0f64, 0u32);
     let (mut config_tokens, mut used_tokens) = (None::<f64>, None::<f64>);
@@ -152,6 +161,15 @@ pub fn parse(text: &str, names: &MetricNames, block_size: u32) -> Option<Scraped
             None => ("", rest),
         };
         let Some(v) = value.split_whitespace().next().and_then(sane) else { continue };
+        if let Some(want) = &rank {
+            let engine = label(labels, "engine");
+            if name == "vllm:cache_config_info" && engines.len() < 64 {
+                engines.insert(engine.unwrap_or("").to_owned());
+            }
+            if engine != Some(want.as_str()) {
+                continue;
+            }
+        }
         if name == names.waiting {
             w += v;
             seen = true;
@@ -174,6 +192,7 @@ pub fn parse(text: &str, names: &MetricNames, block_size: u32) -> Option<Scraped
     let clamp = |v: f64| v.min(f64::from(u32::MAX)) as u32;
     let kv_usage = (usage_n > 0).then(|| usage_sum / f64::from(usage_n));
     let capacity = match names.capacity {
+        Capacity::VllmCacheConfig if rank.is_some() => config_tokens.map(|t| t / engines.len().max(1) as f64),
         Capacity::VllmCacheConfig => config_tokens,
         Capacity::UsedOverUsage(_) => match (used_tokens, kv_usage) {
             (Some(used), Some(u)) if u >= MIN_USAGE_FOR_CAPACITY => Some(used / u),
@@ -196,7 +215,7 @@ async fn scrape_once(
     names: &MetricNames,
     block_size: u32,
 ) -> Result<Scraped, &'static str> {
-    let uri = format!("{}/metrics", url.trim_end_matches('/'));
+    let uri = format!("{}/metrics", super::dp_rank::base(url));
     let req = hyper::Request::get(&uri).body(Full::new(Bytes::new())).map_err(|_| "request")?;
     let fetch = async {
         let resp = state.client().request(req).await.map_err(|_| "connect")?;
@@ -208,7 +227,7 @@ async fn scrape_once(
     };
     let body = tokio::time::timeout(SCRAPE_TIMEOUT, fetch).await.map_err(|_| "timeout")??;
     let text = std::str::from_utf8(&body).map_err(|_| "not_text")?;
-    parse(text, names, block_size).ok_or("no_series")
+    parse_rank(text, names, block_size, super::dp_rank::split(url).1).ok_or("no_series")
 }
 
 /// Scrapes every configured static pod with known metrics, forever (on the calling runtime).
@@ -303,6 +322,11 @@ mod tests {
         assert_eq!(page.kv_capacity_blocks, Some(27_000));
         // In the model's blocks of 32 tokens.
         assert_eq!(parse(vllm, &names, 32).and_then(|p| p.kv_capacity_blocks), Some(13_500));
+        // One data-parallel rank: its engine's series only, and half the pod's KV (two engines).
+        let rank1 = parse_rank(vllm, &names, 16, Some(1)).expect("rank 1");
+        assert_eq!((rank1.waiting, rank1.running, rank1.kv_usage), (2, 0, Some(0.58)));
+        assert_eq!(rank1.kv_capacity_blocks, Some(13_500));
+        assert_eq!(parse_rank(vllm, &names, 16, Some(2)), None, "no series of an engine the pod lacks");
         // vLLM before 0.10 named its usage gauge differently.
         let old = "vllm:num_requests_running 1\nvllm:gpu_cache_usage_perc 0.9\n";
         assert_eq!(parse(old, &names, 16).and_then(|p| p.kv_usage), Some(0.9));

@@ -184,14 +184,18 @@ fn source_of(model: &ModelSpec, url: &str) -> Option<Source> {
         }));
     }
     if let Some(port) = model.kv_events_port {
-        let Some(ep) = endpoint(url, port) else {
-            tracing::error!(%url, "KV events: no host in the worker URL");
+        // A data-parallel rank publishes on the configured port plus its rank (vLLM's offset).
+        let (base, rank) = super::dp_rank::split(url);
+        let rank = rank.unwrap_or(0);
+        let at = |p: u16| u16::try_from(u32::from(p) + rank).ok().and_then(|p| endpoint(base, p));
+        let Some(ep) = at(port) else {
+            tracing::error!(%url, "KV events: no host in the worker URL, or its rank's port is past 65535");
             return None;
         };
         return Some(Source::Set(EventSource {
-            rank: 0,
+            rank: i64::from(rank),
             endpoint: ep,
-            replay: model.kv_events_replay_port.and_then(|p| endpoint(url, p)),
+            replay: model.kv_events_replay_port.and_then(at),
             topic: model.kv_events_topic.clone(),
         }));
     }
@@ -213,7 +217,7 @@ fn count_sources(result: &'static str) {
 /// The pod's answer: `Err(None)` when it did not answer (yet), `Err(Some(kind))` when it answered nothing to follow.
 async fn ask(state: &impl super::PodsHost, url: &str) -> Result<Vec<EventSource>, Option<&'static str>> {
     use http_body_util::{BodyExt, Full, Limited};
-    let uri = format!("{}/kv_event_sources", url.trim_end_matches('/'));
+    let uri = format!("{}/kv_event_sources", super::dp_rank::base(url));
     let req = hyper::Request::get(&uri).body(Full::new(bytes::Bytes::new())).map_err(|_| Some("request"))?;
     let fetch = async {
         let resp = state.client().request(req).await.map_err(|_| None)?;
@@ -225,7 +229,7 @@ async fn ask(state: &impl super::PodsHost, url: &str) -> Result<Vec<EventSource>
         Ok(body.map_err(|_| Some("body"))?.to_bytes())
     };
     let body = tokio::time::timeout(SOURCES_TIMEOUT, fetch).await.map_err(|_| None)??;
-    event_sources::parse(&body, url).map_err(|e| {
+    event_sources::parse(&body, super::dp_rank::base(url)).map_err(|e| {
         tracing::warn!(%url, error = %e, "KV events: not followed; the pod is routed on the approximate index");
         Some(e.kind())
     })
@@ -245,7 +249,22 @@ pub fn spawn_pod<H: super::PodsHost>(
         let src = match source {
             Source::Set(src) => src,
             Source::Ask => loop {
+                let wanted = super::dp_rank::split(&url).1;
                 match ask(s.as_ref(), &url).await {
+                    // A worker that names its rank follows that rank's stream.
+                    Ok(ranks) if wanted.is_some() => {
+                        match ranks.into_iter().find(|r| Some(r.rank) == wanted.map(i64::from)) {
+                            Some(src) => {
+                                count_sources("ok");
+                                break src;
+                            }
+                            None => {
+                                tracing::warn!(%url, "KV events: the pod lists no such data-parallel rank");
+                                count_sources("no_such_rank");
+                                tokio::time::sleep(SOURCES_RECHECK).await;
+                            }
+                        }
+                    }
                     Ok(mut ranks) if ranks.len() == 1 => {
                         count_sources("ok");
                         break ranks.remove(0);
@@ -253,7 +272,8 @@ pub fn spawn_pod<H: super::PodsHost>(
                     Ok(ranks) => {
                         // One cache per rank: a set merged over ranks would claim hits a request's rank lacks.
                         tracing::warn!(%url, ranks = ranks.len(), "KV events: a pod with several data-parallel \
-                            ranks is not followed yet; it is routed on the approximate index");
+                            ranks is followed only when the pool lists each rank (URL#dp<rank>); it is routed on \
+                            the approximate index");
                         count_sources("several_ranks");
                         tokio::time::sleep(SOURCES_RECHECK).await;
                     }

@@ -127,10 +127,18 @@ pub async fn unless_client_leaves<F: std::future::Future>(
 }
 
 pub async fn forward(state: &GatewayState, session: &mut Session, a: &Attempt<'_>) -> Outcome {
-    let mut req =
-        hyper::Request::post(format!("{}{}", a.url, a.path)).header("content-type", "application/json");
+    // A vLLM pod's data-parallel rank is a worker of its own (`pods::dp_rank`): the pod's URL, the rank's header.
+    // The rank is the gateway's choice alone: a client's header of that name is never passed on.
+    let (base, rank) = crate::pods::dp_rank::split(a.url);
+    let mut req = hyper::Request::post(format!("{}{}", base.trim_end_matches('/'), a.path))
+        .header("content-type", "application/json");
     for (name, value) in a.headers {
-        req = req.header(name, value);
+        if name.as_str() != crate::pods::dp_rank::RANK_HEADER {
+            req = req.header(name, value);
+        }
+    }
+    if let Some(r) = rank {
+        req = req.header(crate::pods::dp_rank::RANK_HEADER, r);
     }
     let req = match req.body(Full::new(a.body.clone())) {
         Ok(r) => r,

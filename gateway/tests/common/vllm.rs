@@ -106,7 +106,7 @@ pub async fn wait_ready(pod: &mut Group, base: &str, within: Duration) -> Durati
     let t0 = Instant::now();
     loop {
         if let Ok(Some(status)) = pod.child.try_wait() {
-            panic!("the vLLM pod exited ({status}):\n{}", pod.tail(60));
+            panic!("the vLLM pod exited ({status}):\n{}", pod.tail(200));
         }
         let health =
             tokio::time::timeout(Duration::from_secs(2), super::try_get(&format!("{base}/health"))).await;
