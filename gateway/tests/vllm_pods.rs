@@ -73,6 +73,19 @@ async fn explain(control: &str, body: &Value, session: &str) -> Value {
     r.json()
 }
 
+/// Explain for `body` once `worker`'s index holds some of its blocks (a pod publishes a step's events with its next
+/// step), or its last answer after 10 s.
+async fn explain_once_indexed(control: &str, body: &Value, session: &str, worker: &str) -> Value {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let e = explain(control, body, session).await;
+        if term(&e, worker)["matched_blocks"].as_u64().unwrap_or(0) > 0 || Instant::now() > deadline {
+            return e;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
 /// The term of worker `url` in an explain answer.
 fn term<'a>(e: &'a Value, url: &str) -> &'a Value {
     e["terms"]
@@ -222,16 +235,7 @@ async fn the_quick_start_routes_by_the_pods_events_and_outlives_a_killed_and_res
     conv.push(r1.json()["choices"][0]["message"].clone());
     conv.push(json!({"role": "user", "content": words(3, 30)}));
     let body2 = json!({"model": MODEL_NAME, "messages": conv, "max_tokens": 8, "temperature": 0});
-    // The pod publishes a step's events with its next one: wait until the first turn's blocks are indexed.
-    let mut e = Value::Null;
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while Instant::now() < deadline {
-        e = explain(&control, &body2, "alice").await;
-        if term(&e, &first)["matched_blocks"].as_u64().unwrap_or(0) > 0 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    let e = explain_once_indexed(&control, &body2, "alice", &first).await;
     assert_eq!(e["pick"], first.as_str(), "{e}");
     let t = term(&e, &first);
     assert_eq!(t["prefix_signal"], "events", "{e}");
@@ -431,15 +435,7 @@ async fn dp_ranks(pod_block: &str, py: &Path, model: &Path, dir: &Path) {
     conv.push(r1.json()["choices"][0]["message"].clone());
     conv.push(json!({"role": "user", "content": words(13, 30)}));
     let body2 = json!({"model": MODEL_NAME, "messages": conv, "max_tokens": 8, "temperature": 0});
-    let mut e = Value::Null;
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while Instant::now() < deadline {
-        e = explain(&control, &body2, "carol").await;
-        if term(&e, &rank)["matched_blocks"].as_u64().unwrap_or(0) > 0 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    let e = explain_once_indexed(&control, &body2, "carol", &rank).await;
     assert_eq!(e["pick"], rank.as_str(), "{e}");
     assert_eq!(term(&e, &rank)["prefix_signal"], "events", "{e}");
     assert_eq!(term(&e, &other)["matched_blocks"], 0, "the other rank holds none of it: {e}");
