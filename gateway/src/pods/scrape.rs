@@ -16,6 +16,9 @@
 //!   SGLang serve it) every [`MODELS_EVERY`] scrapes, the smaller of it and the `[[models]]` entry's
 //!   `max-model-len` (`Registry::set_max_model_len`): the gateway then refuses over-long requests itself.
 //!
+//! A vLLM pod's data-parallel rank listed as a worker of its own (`dp_rank`) reads only its engine's series
+//! (`engine="<rank>"`) and its share of the pod's KV capacity (`parse_rank`).
+//!
 //! A scrape that fails or finds none of the queue series changes nothing (counted:
 //! `kvgate_gateway_scrapes_total{result}`).
 
