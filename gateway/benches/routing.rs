@@ -54,6 +54,7 @@ fn bench(c: &mut Criterion) {
                     load: Load { pending_tokens: i as u64 * 100, requests: 1 },
                     sessions: 0,
                     holds_session: false,
+                    speed: Default::default(),
                 })
                 .collect();
             let req = RequestView {
@@ -82,6 +83,7 @@ fn bench(c: &mut Criterion) {
             load: Load::default(),
             sessions: 0,
             holds_session: false,
+            speed: Default::default(),
         })
         .collect();
     c.bench_function("score_16_workers_only", |b| {

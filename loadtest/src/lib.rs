@@ -17,4 +17,6 @@ pub mod sim;
 pub mod stats;
 pub mod trace;
 pub mod trace_gen;
+pub mod trace_shapes;
+pub mod tune;
 pub mod workload;

@@ -37,6 +37,51 @@ enum Command {
     SimulatePd(pd_cmd::SimulatePdArgs),
     /// Write a synthetic trace in the Mooncake format: `long-document` (questions about a few long documents).
     GenTrace(GenTraceArgs),
+    /// The tuning protocol: choose a policy's parameters on the tune set of traces, judge them on the test set.
+    Tune(TuneArgs),
+}
+
+#[derive(Args)]
+struct TuneArgs {
+    /// The trace sets (TOML; files in it are relative to its folder's parent).
+    #[arg(long, default_value = "loadtest/traces/sets.toml")]
+    sets: PathBuf,
+    /// Candidate policies, comma-separated.
+    #[arg(long, default_value = "cache_aware,cache_aware_measured")]
+    policy: String,
+    /// A weight to sweep, NAME=V1,V2,... (repeatable; the grid is their cross product over the defaults).
+    #[arg(long = "grid", value_name = "NAME=V1,V2")]
+    grid: Vec<String>,
+    /// Only the traces of these names (repeatable; default all).
+    #[arg(long = "only")]
+    only: Vec<String>,
+    /// Timing profile (as `simulate`).
+    #[arg(long, default_value = "gpu-h100-llama3-8b")]
+    profile: String,
+}
+
+fn tune(a: TuneArgs) -> Result<(), String> {
+    use kvgate_loadtest::tune;
+    let mut sets = tune::load_sets(&a.sets)?;
+    if !a.only.is_empty() {
+        sets.retain(|t| a.only.contains(&t.name));
+    }
+    let root = a.sets.parent().and_then(|p| p.parent()).unwrap_or(std::path::Path::new("."));
+    let profile = SimProfile::named_or_file(&a.profile)?;
+    let points = tune::grid(&a.grid)?;
+    let mut candidates = Vec::new();
+    for p in a.policy.split(',').map(str::trim) {
+        if !POLICIES.contains(&p) {
+            return Err(format!("unknown policy {p:?}; expected one of {}", POLICIES.join(", ")));
+        }
+        for (w, point) in &points {
+            candidates.push(tune::Candidate { policy: p.to_owned(), weights: *w, point: point.clone() });
+        }
+    }
+    let jobs = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let report = tune::run(&sets, root, &profile, &candidates, jobs)?;
+    println!("{}", report.markdown());
+    Ok(())
 }
 
 #[derive(Args)]
@@ -94,7 +139,7 @@ struct SimulateArgs {
     /// Simulated workers. Default 8.
     #[arg(long, default_value_t = 8)]
     workers: usize,
-    /// Routing policy: cache_aware, round_robin, least_load, consistent_hash, or `all`. Default cache_aware.
+    /// Routing policy: cache_aware, cache_aware_measured, round_robin, least_load, consistent_hash, or `all`. Default cache_aware.
     #[arg(long, default_value = "cache_aware")]
     policy: String,
     /// KV tokens each worker holds. Default: the fleet holds a quarter of the trace's distinct blocks.
@@ -176,6 +221,7 @@ fn main() -> ExitCode {
         Command::Simulate(args) => simulate(args),
         Command::SimulatePd(args) => pd_cmd::simulate_pd(args),
         Command::GenTrace(args) => gen_trace(args).map_err(|e| e.to_string()),
+        Command::Tune(args) => tune(args),
         Command::Run(a) => block_on(commands::run(a)),
         Command::Compare(a) => block_on(async { commands::compare(a).await.map(|_| ()) }),
         Command::Up(a) => block_on(commands::up(a)),

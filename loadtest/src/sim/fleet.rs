@@ -30,6 +30,8 @@ use kvgate_shared::report::Throughput;
 use kvgate_worker::engine::sim::{SimBackend, SimClock};
 use kvgate_worker::engine::{Engine, EngineConfig, EngineRequest, FinishReason, SamplingParams, StepOutput};
 use kvgate_worker::report::{summarise_tiers, ReportSource};
+use kvgate_worker::server::engine_thread::{time_step, EngineSnapshot};
+use kvgate_worker::server::reporter::step_timing;
 
 use super::admission::{Admitted, Pumped, Ready, Reservation, SimAdmission};
 use super::SimConfig;
@@ -87,6 +89,11 @@ struct SimWorker {
     pending: Vec<StepOutput>,
     next_report: f64,
     seq: u64,
+    /// Step figures since the start, as the engine thread keeps them (`EngineSnapshot`), and their value at the
+    /// last report: reports carry the interval's throughput and step timings as a real worker's do.
+    totals: EngineSnapshot,
+    reported: EngineSnapshot,
+    reported_at: f64,
 }
 
 struct InFlight {
@@ -172,6 +179,9 @@ impl<'a> Fleet<'a> {
                     // Every worker reports at t = 0 (registration), then at its own phase.
                     next_report: 0.0,
                     seq: 0,
+                    totals: EngineSnapshot::default(),
+                    reported: EngineSnapshot::default(),
+                    reported_at: 0.0,
                 }
             })
             .collect();
@@ -433,13 +443,22 @@ impl<'a> Fleet<'a> {
             if !worker.engine.has_work() {
                 return;
             }
-            let before = worker.engine.scheduler().counters().scheduled_tokens;
+            let before = worker.engine.scheduler().counters();
             worker.engine.backend_mut().set_now(t);
             let outputs = worker.engine.step();
             let dt = worker.engine.backend_mut().take_elapsed();
-            if worker.engine.scheduler().counters().scheduled_tokens == before && outputs.is_empty() {
+            let after = worker.engine.scheduler().counters();
+            let computed = after.scheduled_tokens - before.scheduled_tokens;
+            if computed == 0 && outputs.is_empty() {
                 continue;
             }
+            // The engine thread's bookkeeping of the step (what the worker's report measures).
+            let generated = outputs.iter().filter(|o| o.token.is_some()).count() as u64;
+            let totals = &mut worker.totals;
+            totals.decode_tokens += generated;
+            totals.prefill_tokens += computed.saturating_sub(generated);
+            totals.steps += 1;
+            time_step(totals, after.decode_chunks - before.decode_chunks, computed, dt);
             self.out.busy_s[w] += dt;
             worker.busy_until = Some(t + dt);
             worker.pending = outputs;
@@ -456,14 +475,16 @@ impl<'a> Fleet<'a> {
         let stats = worker.engine.stats();
         let kv = worker.engine.scheduler().kv();
         let summaries = summarise_tiers(kv, worker.source.granularity, worker.source.fp_rate);
-        let report = worker.source.assemble(
-            worker.seq,
-            (t * 1000.0) as u64,
-            &stats,
-            Throughput::default(),
-            summaries,
-            false,
-        );
+        let secs = (t - worker.reported_at).max(1e-3);
+        let (prev, totals) = (&worker.reported, &worker.totals);
+        let throughput = Throughput {
+            prefill_tokens_per_s: totals.prefill_tokens.saturating_sub(prev.prefill_tokens) as f64 / secs,
+            decode_tokens_per_s: totals.decode_tokens.saturating_sub(prev.decode_tokens) as f64 / secs,
+        };
+        let mut report =
+            worker.source.assemble(worker.seq, (t * 1000.0) as u64, &stats, throughput, summaries, false);
+        report.pd.timing = step_timing(prev, totals);
+        (worker.reported, worker.reported_at) = (worker.totals, t);
         let fingerprint = worker.source.scheme.fingerprint();
         // The first report registers the worker at t = 0; later ones come at phase w / n of the interval.
         worker.next_report =

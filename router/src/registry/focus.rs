@@ -58,6 +58,7 @@ impl Registry {
                     load,
                     sessions: w.sessions.active(),
                     holds_session,
+                    speed: w.speed(now),
                 }
             };
             views.push(view);
@@ -139,6 +140,7 @@ impl Registry {
             load: w.load(now),
             sessions: w.sessions.active(),
             holds_session: session.is_some_and(|k| w.sessions.holds(k, now)),
+            speed: w.speed(now),
         }
     }
 

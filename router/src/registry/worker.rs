@@ -222,6 +222,26 @@ impl Worker {
         last_ok.is_none_or(|ok| ok <= at).then_some(fault)
     }
 
+    /// The share of its last report interval it spent computing prompt tokens: that interval's prefill
+    /// throughput over its speed while computing (0 when either is unknown).
+    pub fn prefill_busy(&self) -> f64 {
+        let done = self.report.as_ref().map_or(0.0, |r| r.throughput.prefill_tokens_per_s);
+        let speed = self.pd.prefill_tokens_per_s;
+        if done.is_finite() && done > 0.0 && speed > 0.0 {
+            (done / speed).min(1.0)
+        } else {
+            0.0
+        }
+    }
+
+    /// Its measured prefill: speed while prefilling, and the share of its last report interval spent at it (that
+    /// interval's prefill throughput over the speed; 0 when either is unknown).
+    pub fn speed(&self, now: Instant) -> crate::routing::Speed {
+        let (speed, busy) = (self.pd.prefill_tokens_per_s, self.prefill_busy());
+        let report_age_s = self.report_at.map_or(0.0, |at| now.saturating_duration_since(at).as_secs_f64());
+        crate::routing::Speed { prefill_tokens_per_s: speed, prefill_busy: busy, report_age_s }
+    }
+
     /// Load as this gateway sees it at `now`: the last report plus the sends since (this replica's, and the other
     /// replicas' that have not expired).
     pub fn load(&self, now: Instant) -> Load {

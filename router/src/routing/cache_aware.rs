@@ -35,34 +35,24 @@
 //! ```
 //! The best score wins; exact ties are broken by the request's nonce (a hash of its number at the router).
 //!
-//! **Hot-spot guard**, on the work ahead of the request at each worker, in tokens:
-//! ```text
-//! ahead(w)  = cost(w) + uncached(w)         uncached(w) = prompt_tokens - saved_blocks(w) * block_size
-//!     saved_blocks = device + credit_host * host + credit_disk * disk (also the predicted cached tokens that
-//!     price the request), here at least the cheap shared prefix's blocks (`free_shared_tokens`: counted as held
-//!     everywhere, since each worker computes it once; a move neither chases it nor is held back by it)
-//! waste(w)  = max(0, uncached(w) - uncached(winner))   (cached tokens a move to w gives up: the fleet computes
-//!                                                        them again, and holds a second copy)
-//! k         = hotspot_waste_factor * (1 + min cost over healthy workers / load_floor_tokens)
-//!     (recomputing is cheap on an idle fleet and dear on a busy one: the extra work delays every request queued
-//!     behind it)
-//! target    = the healthy worker with the least ahead(w) + k * waste(w)
-//! gain      = ahead(winner) - ahead(target)
-//! ```
-//! The request goes to `target` instead of the score's winner (reason `load`) when
-//! - the move gives up cached tokens (`waste(target) > 0`) and `gain > hotspot_abs_tokens + k * waste(target) +
-//!   hotspot_copy_tokens` (a copy of a conversation costs KV room and its next turns, beyond this request);
-//! - it gives up none, and the prompt begins with a prefix other conversations share (its ring key names this
-//!   conversation only, so the ring brings no one else to the winner): `gain > hotspot_abs_tokens`;
-//! - it gives up none, and its ring key may be another request's too (a prompt family's first request: the ring
-//!   is where its family will meet): `cost(winner) > hotspot_ratio * cost(target) + hotspot_abs_tokens`.
+//! **Hot-spot guard** (`hotspot.rs`, formulas there): the score's winner gives the request up when another
+//! worker serves it sooner by the fleet's own measurements. `uncached(w)` = prompt_tokens - saved_blocks(w) *
+//! block_size, saved_blocks = device + credit_host * host + credit_disk * disk (also the predicted cached tokens
+//! that price the request), here at least the cheap shared prefix's blocks (`free_shared_tokens`: counted as held
+//! everywhere, since each worker computes it once; a move neither chases it nor is held back by it).
+//! - `cache_aware`: #28's token thresholds (`hotspot_*` weights), chosen over the measured guard by the tuning
+//!   protocol (it wins on every tune trace);
+//! - `cache_aware_measured`: the **measured** guard, an experiment: predicted TTFT in seconds (the queue at the
+//!   worker's measured prefill speed, less what it drained since its report, plus its own prefill), plus the delay
+//!   that prefill adds to the prompts behind it, plus the price of the cached copy a move gives up; no thresholds.
 //!
 //! No prefix is worth queueing behind a hot spot, and a cached prefix counts for what it saves.
 //!
 //! Knobs ([`Weights`], live-changeable): `w_prefix` 1.0, `w_ring` 0.3, `w_load` 0.5, `per_request_tokens` 256,
 //! `load_floor_tokens` 8192, `hotspot_abs_tokens` 1024, `hotspot_ratio` 3.0, `hotspot_waste_factor` 3.0,
-//! `hotspot_copy_tokens` 24576 (the guard's three chosen on the simulator table, docs/benchmarks/routing.md and
-//! log.md: the conversation trace and the synthetic one at every load), `free_shared_tokens` 4096,
+//! `hotspot_copy_tokens` 24576 (only the thresholds guard reads the four `hotspot_*`: chosen by a sweep on
+//! the conversation trace and the synthetic one, docs/benchmarks/log.md, which is why both are now tune-set
+//! traces, loadtest/traces/sets.toml), `free_shared_tokens` 4096,
 //! `credit_host` 0.7, `credit_disk` 0.3 (the tier credits: roughly what a load from that tier saves against a
 //! device hit, before the load-vs-recompute measurements of the KV tiers tune them), `ring_session_bound` 1.1 (chosen on the Mooncake replay and the
 //! multi-turn demo, docs/benchmarks/log.md: with 16384 / 4.0 users sharing a system prompt all piled onto the first worker that
@@ -70,6 +60,7 @@
 
 use serde::{Deserialize, Serialize};
 
+use super::hotspot::{GuardKind, Inputs};
 use super::{Decision, RequestView, Ring, RouteReason, RoutingPolicy, ScoreTerms, TierMatch, WorkerView};
 
 /// Scoring weights and thresholds.
@@ -167,11 +158,18 @@ fn free_blocks(req: &RequestView<'_>, w: &Weights, block_size: usize) -> usize {
 /// The default policy.
 pub struct CacheAware {
     weights: std::sync::RwLock<Weights>,
+    guard: GuardKind,
 }
 
 impl CacheAware {
+    /// With the thresholds guard (`cache_aware`).
     pub fn new(weights: Weights) -> Self {
-        Self { weights: std::sync::RwLock::new(weights) }
+        Self::with_guard(weights, GuardKind::Thresholds)
+    }
+
+    /// With either guard (`GuardKind::Measured`: `cache_aware_measured`).
+    pub fn with_guard(weights: Weights, guard: GuardKind) -> Self {
+        Self { weights: std::sync::RwLock::new(weights), guard }
     }
 
     pub fn weights(&self) -> Weights {
@@ -181,7 +179,10 @@ impl CacheAware {
 
 impl RoutingPolicy for CacheAware {
     fn name(&self) -> &'static str {
-        "cache_aware"
+        match self.guard {
+            GuardKind::Thresholds => "cache_aware",
+            GuardKind::Measured => "cache_aware_measured",
+        }
     }
 
     fn set_weights(&self, w: Weights) {
@@ -297,9 +298,23 @@ impl RoutingPolicy for CacheAware {
             } else {
                 RouteReason::Load
             };
-        let guard =
-            Guard { w: &w, workers, healthy: &healthy, rows: &rows, hub_shared: req.shared_blocks > 0 };
-        if let Some(target) = guard.target(winner) {
+        let uncached: Vec<u64> = rows.iter().map(|r| r.uncached).collect();
+        let guard = Inputs {
+            w: &w,
+            workers,
+            healthy: &healthy,
+            uncached: &uncached,
+            hub_shared: req.shared_blocks > 0,
+        };
+        let predicted = match self.guard {
+            GuardKind::Measured => guard.predicted_s(),
+            GuardKind::Thresholds => vec![0.0; workers.len()],
+        };
+        let target = match self.guard {
+            GuardKind::Measured => guard.measured_target(winner, &predicted),
+            GuardKind::Thresholds => guard.thresholds_target(winner),
+        };
+        if let Some(target) = target {
             ranked.retain(|i| *i != target);
             ranked.insert(0, target);
             reason = RouteReason::Load;
@@ -327,62 +342,11 @@ impl RoutingPolicy for CacheAware {
                     load: wk.load,
                     normalized_load: r.normalized_load,
                     score: r.score,
+                    predicted_s: predicted[i],
                 }
             })
             .collect();
         Some(Decision { ranked, reason, predicted_cached_tokens, terms })
-    }
-}
-
-/// The hot-spot guard's inputs (formula at the top of the module).
-struct Guard<'a> {
-    w: &'a Weights,
-    workers: &'a [WorkerView<'a>],
-    healthy: &'a [usize],
-    /// Each view's terms (`uncached`: the prompt tokens it would still prefill).
-    rows: &'a [Row],
-    /// The prompt begins with a prefix other conversations share: its ring key names this conversation only.
-    hub_shared: bool,
-}
-
-impl Guard<'_> {
-    fn cost(&self, i: usize) -> u64 {
-        self.workers[i].load.cost(self.w.per_request_tokens)
-    }
-
-    /// The worker to take the request from the score's `winner`, if the winner is a hot spot.
-    fn target(&self, winner: usize) -> Option<usize> {
-        let w = self.w;
-        let ahead = |i: usize| (self.cost(i) + self.rows[i].uncached) as f64;
-        let waste = |i: usize| self.rows[i].uncached.saturating_sub(self.rows[winner].uncached) as f64;
-        let min_cost = self.healthy.iter().map(|i| self.cost(*i)).min().unwrap_or(0);
-        let k = w.hotspot_waste_factor * (1.0 + min_cost as f64 / w.load_floor_tokens.max(1) as f64);
-        let target = *self.healthy.iter().min_by(|a, b| {
-            (ahead(**a) + k * waste(**a)).total_cmp(&(ahead(**b) + k * waste(**b))).then(a.cmp(b))
-        })?;
-        if target == winner {
-            return None;
-        }
-        let (gain, lost, abs) = (ahead(winner) - ahead(target), waste(target), w.hotspot_abs_tokens as f64);
-        let moves = if lost > 0.0 {
-            gain > abs + k * lost + w.hotspot_copy_tokens as f64
-        } else if self.hub_shared {
-            gain > abs
-        } else {
-            self.cost(winner) as f64 > w.hotspot_ratio * self.cost(target) as f64 + abs
-        };
-        tracing::debug!(
-            winner = self.workers[winner].id,
-            target = self.workers[target].id,
-            ahead_winner = ahead(winner),
-            ahead_target = ahead(target),
-            gain,
-            waste = lost,
-            k,
-            moves,
-            "hot-spot guard"
-        );
-        moves.then_some(target)
     }
 }
 

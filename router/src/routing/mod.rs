@@ -2,11 +2,14 @@
 //! sockets, no clocks, so the gateway and the simulator run the same code.
 //!
 //! One policy per file behind [`RoutingPolicy`]:
-//! - `cache_aware` (default): prefix match + ring affinity - load, with a hot-spot guard (formula in its file);
+//! - `cache_aware` (default): prefix match + ring affinity - load, with a hot-spot guard (`hotspot.rs`);
+//!   `cache_aware_measured`: the same score with the guard in measured seconds, an experiment the tuning protocol
+//!   did not pick;
 //! - `round_robin`, `least_load`, `consistent_hash`: the baselines it is compared against.
 
 pub mod cache_aware;
 pub mod consistent_hash;
+pub mod hotspot;
 pub mod least_load;
 pub mod ring;
 pub mod ring_key;
@@ -87,6 +90,19 @@ pub struct WorkerView<'a> {
     pub sessions: usize,
     /// The request's conversation is one of them.
     pub holds_session: bool,
+    /// What its reports measure of its prefill (zeros: never measured, e.g. a pod that sends no reports).
+    pub speed: Speed,
+}
+
+/// A worker's measured prefill, from its reports (`registry::pd`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
+pub struct Speed {
+    /// Prompt tokens per second while it computes prompts (moving average; 0: never measured).
+    pub prefill_tokens_per_s: f64,
+    /// Share of its last report interval spent computing prompt tokens (0..=1; 0 when unknown).
+    pub prefill_busy: f64,
+    /// Seconds since its last report (0: none): how long it has drained its reported queue unseen.
+    pub report_age_s: f64,
 }
 
 /// Where a worker's prefix match comes from.
@@ -232,6 +248,9 @@ pub struct ScoreTerms {
     pub load: Load,
     pub normalized_load: f64,
     pub score: f64,
+    /// The measured hot-spot guard's predicted seconds here (`cache_aware_measured`, `hotspot.rs`: TTFT plus the
+    /// delay it adds; 0 when unhealthy or under another guard).
+    pub predicted_s: f64,
 }
 
 /// A policy's answer: candidates best first (the first is the pick; the rest are fallbacks).
@@ -272,12 +291,16 @@ pub trait RoutingPolicy: Send + Sync {
 }
 
 /// Policy names accepted by `--policy`.
-pub const POLICIES: [&str; 4] = ["cache_aware", "round_robin", "least_load", "consistent_hash"];
+pub const POLICIES: [&str; 5] =
+    ["cache_aware", "cache_aware_measured", "round_robin", "least_load", "consistent_hash"];
 
 /// Builds a policy by name.
 pub fn policy_by_name(name: &str, weights: Weights) -> Option<Box<dyn RoutingPolicy>> {
     match name {
         "cache_aware" => Some(Box::new(CacheAware::new(weights))),
+        "cache_aware_measured" => {
+            Some(Box::new(CacheAware::with_guard(weights, hotspot::GuardKind::Measured)))
+        }
         "round_robin" => Some(Box::new(round_robin::RoundRobin)),
         "least_load" => Some(Box::new(least_load::LeastLoad::new(weights.per_request_tokens))),
         "consistent_hash" => Some(Box::new(consistent_hash::ConsistentHash)),

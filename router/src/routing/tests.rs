@@ -24,6 +24,11 @@ fn summary_of(hashes: &[BlockHash]) -> CacheSummary {
     CacheSummary { granularity: 1, entries: hashes.len() as u64, bloom }
 }
 
+/// `cache_aware_measured`.
+fn measured_guard(w: Weights) -> CacheAware {
+    CacheAware::with_guard(w, hotspot::GuardKind::Measured)
+}
+
 fn views<'a>(summaries: &'a [Option<CacheSummary>], loads: &[u64], healthy: &[bool]) -> Vec<WorkerView<'a>> {
     IDS.iter()
         .enumerate()
@@ -39,6 +44,7 @@ fn views<'a>(summaries: &'a [Option<CacheSummary>], loads: &[u64], healthy: &[bo
             load: Load { pending_tokens: loads[i], requests: 0 },
             sessions: 0,
             holds_session: false,
+            speed: Default::default(),
         })
         .collect()
 }
@@ -379,4 +385,72 @@ fn lower_tiers_extend_the_match_and_earn_their_credit() {
         problems.iter().any(|p| p.contains("credit_host"))
             && problems.iter().any(|p| p.contains("credit_disk"))
     );
+}
+
+/// Views with measured speeds: every worker prefills 10,000 tokens/s, busy `busy`, reported `age` seconds ago.
+fn measured<'a>(
+    summaries: &'a [Option<CacheSummary>],
+    loads: &[u64],
+    busy: f64,
+    age: f64,
+) -> Vec<WorkerView<'a>> {
+    let mut ws = views(summaries, loads, &[true; 5]);
+    for w in &mut ws {
+        w.speed = Speed { prefill_tokens_per_s: 10_000.0, prefill_busy: busy, report_age_s: age };
+    }
+    ws
+}
+
+#[test]
+fn the_measured_guard_moves_when_the_predicted_seconds_say_so() {
+    // 24,000-token prompt, 20,000 cached on w1 only: own(w1) = 0.4 s, own(elsewhere) = 2.4 s, waste 2 s.
+    let req_hashes = hashes(1500, 5);
+    let mut summaries: Vec<Option<CacheSummary>> = vec![None; IDS.len()];
+    summaries[1] = Some(summary_of(&req_hashes[..1250]));
+    let p = measured_guard(Weights { w_ring: 0.0, ..Weights::default() });
+    let req =
+        RequestView { hashes: &req_hashes, prompt_tokens: 24_000, session_key: 9, shared_blocks: 0, seq: 1 };
+    let pick = |w1_queue: u64, busy: f64, age: f64| {
+        let mut loads = [0; 5];
+        loads[1] = w1_queue;
+        let ws = measured(&summaries, &loads, busy, age);
+        let d = p.choose(&req, &ws, &ring(), 16).expect("decision");
+        let j: Vec<f64> = d.terms.iter().map(|t| t.predicted_s).collect();
+        (ws[d.ranked[0]].id, d.reason, j)
+    };
+    // An idle fleet (busy 0): J(w1) = queue + 0.4; a move costs J = 2.4 plus copy = 2.0 (the displaced tokens at
+    // 1 / (1 - 0)): it moves once w1's queue passes 4.0 s = 40,000 tokens.
+    let (to, reason, j) = pick(39_000, 0.0, 0.0);
+    assert_eq!((to, reason), ("w1", RouteReason::Prefix));
+    assert!((j[1] - 4.3).abs() < 1e-9 && (j[0] - 2.4).abs() < 1e-9, "{j:?}");
+    let (to, reason, _) = pick(41_000, 0.0, 0.0);
+    assert_ne!(to, "w1");
+    assert_eq!(reason, RouteReason::Load);
+    // A busy fleet (busy 0.5): own counts twice (the prompts behind it wait it out) and so does the copy:
+    // J(w1) = queue + 0.8; a move: 2.4 x 2 + 2.0 x 2 = 8.8; it stays behind 79,000 tokens and moves past 81,000.
+    assert_eq!(pick(79_000, 0.5, 0.0).0, "w1");
+    assert_ne!(pick(81_000, 0.5, 0.0).0, "w1");
+    // The same 81,000 tokens reported 0.5 s ago: w1 has drained 5,000 of them since, and the request stays.
+    assert_eq!(pick(81_000, 0.5, 0.5).0, "w1");
+}
+
+#[test]
+fn the_measured_guard_survives_hostile_or_missing_speeds() {
+    let req_hashes = hashes(64, 2);
+    let summaries: Vec<Option<CacheSummary>> = vec![None; IDS.len()];
+    let p = measured_guard(Weights::default());
+    let req =
+        RequestView { hashes: &req_hashes, prompt_tokens: 1024, session_key: 3, shared_blocks: 0, seq: 4 };
+    for (rate, busy, age) in [
+        (f64::NAN, f64::NAN, f64::NAN),
+        (f64::INFINITY, f64::INFINITY, f64::INFINITY),
+        (-5.0, -1.0, -3.0),
+        (0.0, 1.0, 0.0),
+    ] {
+        let mut ws = views(&summaries, &[5_000, 0, 70_000, 0, 1], &[true; 5]);
+        ws[2].speed = Speed { prefill_tokens_per_s: rate, prefill_busy: busy, report_age_s: age };
+        let d = p.choose(&req, &ws, &ring(), 16).expect("decision");
+        assert!(d.terms.iter().all(|t| t.predicted_s.is_finite() && t.predicted_s >= 0.0), "{:?}", d.terms);
+        assert_ne!(ws[d.ranked[0]].id, "w2", "the worker with 70K queued is never the pick");
+    }
 }

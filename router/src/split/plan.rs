@@ -80,18 +80,6 @@ pub fn can_import(reg: &Registry, r: WorkerRef) -> bool {
     })
 }
 
-/// The share of its last report interval a worker spent computing prompt tokens: its interval's prefill
-/// throughput over its speed while computing (0 when either is unknown).
-fn prefill_busy(w: &Worker) -> f64 {
-    let done = w.report.as_ref().map_or(0.0, |r| r.throughput.prefill_tokens_per_s);
-    let speed = w.pd.prefill_tokens_per_s;
-    if done.is_finite() && done > 0.0 && speed > 0.0 {
-        (done / speed).min(1.0)
-    } else {
-        0.0
-    }
-}
-
 fn exports(w: &Worker) -> bool {
     w.report.as_ref().is_some_and(|r| !r.pd.transfer_addr.is_empty())
 }
@@ -155,7 +143,7 @@ pub fn plan(
             prefill_tokens_per_s: or(w.pd.prefill_tokens_per_s, rate_prior),
             decode_step_s: or(w.pd.decode_step_s, step_prior),
             stall_ratio: w.pd.stall_ratio,
-            prefill_busy: prefill_busy(w),
+            prefill_busy: w.prefill_busy(),
         }
     };
     let peer = p_report.pd.transfer_addr.clone();

@@ -349,7 +349,7 @@ fn run<B: Backend>(
 }
 
 /// Adds one step's time to the step-timing sums (`decodes` of its `computed` tokens were decode chunks).
-pub(crate) fn time_step(t: &mut EngineSnapshot, decodes: u64, computed: u64, elapsed: f64) {
+pub fn time_step(t: &mut EngineSnapshot, decodes: u64, computed: u64, elapsed: f64) {
     let prefill = computed > decodes;
     if prefill {
         t.prefill_step_s += elapsed;

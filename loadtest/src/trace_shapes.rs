@@ -1,0 +1,260 @@
+//! Generated traces of shapes the published ones lack, for the tuning protocol (`tune.rs`): each is a pure
+//! function of its seed, so a tune set and a test set are the same shape drawn twice, never the same requests.
+//!
+//! - [`agentic`]: agent sessions whose prompts grow by tool results up to about 100K tokens, some forking
+//!   sub-agents that start from their parent's context, all after one shared tool-spec preamble;
+//! - [`bursty`]: multi-turn chats at a steady rate plus batch jobs that arrive in bursts, each burst's requests
+//!   sharing a long prefix of their own;
+//! - [`tenants`]: many small tenants, each with its own system prompt (popularity Zipf-like), whose users hold
+//!   short conversations.
+//!
+//! Invariants: every segment is whole 512-token blocks (a prompt that extends another repeats its hash ids, so the
+//! trace's prefixes are exact); arrivals never go back; ids are fresh except where a prefix is reused.
+
+use kvgate_shared::prompt::SplitMix64;
+
+use crate::trace::{Trace, TraceRequest, TRACE_BLOCK_TOKENS};
+
+/// A shape and its seed, as the trace sets name them (`agentic:2`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Shape {
+    Agentic,
+    Bursty,
+    Tenants,
+    /// `trace_gen::LongDocument` with its defaults.
+    LongDocument,
+}
+
+impl Shape {
+    pub fn parse(name: &str) -> Option<Self> {
+        match name {
+            "agentic" => Some(Self::Agentic),
+            "bursty" => Some(Self::Bursty),
+            "tenants" => Some(Self::Tenants),
+            "long_document" => Some(Self::LongDocument),
+            _ => None,
+        }
+    }
+
+    /// The trace of this shape for `seed`.
+    pub fn generate(self, seed: u64) -> Trace {
+        match self {
+            Self::Agentic => agentic(seed),
+            Self::Bursty => bursty(seed),
+            Self::Tenants => tenants(seed),
+            Self::LongDocument => crate::trace_gen::long_document(&crate::trace_gen::LongDocument {
+                seed,
+                ..Default::default()
+            }),
+        }
+    }
+}
+
+struct Gen {
+    rng: SplitMix64,
+    next_id: u64,
+    requests: Vec<TraceRequest>,
+}
+
+impl Gen {
+    fn new(seed: u64) -> Self {
+        // Ids far from the published traces' and from another seed's.
+        Self { rng: SplitMix64::new(seed), next_id: seed << 40, requests: Vec::new() }
+    }
+
+    /// `n` fresh block ids.
+    fn fresh(&mut self, n: usize) -> Vec<u64> {
+        (0..n.max(1))
+            .map(|_| {
+                self.next_id += 1;
+                self.next_id
+            })
+            .collect()
+    }
+
+    /// Fresh ids for a segment of `lo..=hi` tokens, in whole blocks.
+    fn segment(&mut self, lo: usize, hi: usize) -> Vec<u64> {
+        let tokens = self.uniform(lo, hi);
+        self.fresh(blocks(tokens))
+    }
+
+    fn uniform(&mut self, lo: usize, hi: usize) -> usize {
+        lo + self.rng.below((hi.max(lo) - lo + 1) as u64) as usize
+    }
+
+    /// Seconds to the next Poisson arrival at `rate` a second.
+    fn exp(&mut self, rate: f64) -> f64 {
+        -(1.0 - self.rng.unit()).ln() / rate
+    }
+
+    /// Index drawn with weight 1 / (k + 1).
+    fn zipf(&mut self, n: usize) -> usize {
+        let total: f64 = (0..n).map(|k| 1.0 / (k + 1) as f64).sum();
+        let mut roll = self.rng.unit() * total;
+        for k in 0..n {
+            roll -= 1.0 / (k + 1) as f64;
+            if roll <= 0.0 {
+                return k;
+            }
+        }
+        n - 1
+    }
+
+    fn push(&mut self, at_s: f64, hash_ids: &[u64], output: usize) {
+        self.requests.push(TraceRequest {
+            timestamp_ms: (at_s * 1000.0) as u64,
+            input_length: hash_ids.len() * TRACE_BLOCK_TOKENS,
+            output_length: output,
+            hash_ids: hash_ids.to_vec(),
+        });
+    }
+
+    fn finish(mut self) -> Trace {
+        self.requests.sort_by_key(|r| r.timestamp_ms);
+        Trace { requests: self.requests }
+    }
+}
+
+/// Blocks of `tokens` tokens, at least one.
+fn blocks(tokens: usize) -> usize {
+    tokens.div_ceil(TRACE_BLOCK_TOKENS).max(1)
+}
+
+/// One agent (or sub-agent) from `context`: turns until its prompt reaches `limit` tokens or its turns run out;
+/// each turn adds the previous answer and a tool result, some fork a sub-agent from the context so far.
+fn agent(g: &mut Gen, mut context: Vec<u64>, mut at: f64, turns: usize, limit: usize, depth: u32) {
+    for _ in 0..turns {
+        let output = g.uniform(64, 512);
+        g.push(at, &context, output);
+        if context.len() * TRACE_BLOCK_TOKENS >= limit {
+            break;
+        }
+        // The answer's tokens, then a tool result (most small, some whole files or search pages).
+        let tool = if g.rng.unit() < 0.2 { g.uniform(8_192, 24_576) } else { g.uniform(512, 4_096) };
+        let added = g.fresh(blocks(output) + blocks(tool));
+        // Decode at about 30 tokens/s, then the tool runs 1-8 s.
+        at += output as f64 / 30.0 + g.uniform(1, 8) as f64;
+        if depth == 0 && g.rng.unit() < 0.15 {
+            let mut sub = context.clone();
+            sub.extend(g.segment(512, 2_048));
+            let sub_turns = g.uniform(2, 6);
+            agent(g, sub, at, sub_turns, limit / 2, depth + 1);
+        }
+        context.extend(added);
+    }
+}
+
+/// Agent sessions: a 6K-token tool-spec preamble all share, a task of 1-4K, then 3-30 turns growing by answers
+/// and tool results to 20K-100K tokens; 15% of a parent's turns fork a sub-agent (2-6 turns from the parent's
+/// context plus a sub-task). Sessions arrive at 0.5 a second, 150 of them.
+pub fn agentic(seed: u64) -> Trace {
+    let mut g = Gen::new(seed);
+    let preamble = g.fresh(blocks(6_144));
+    let mut at = 0.0;
+    for _ in 0..150 {
+        at += g.exp(0.5);
+        let mut context = preamble.clone();
+        context.extend(g.segment(1_024, 4_096));
+        let (turns, limit) = (g.uniform(3, 30), g.uniform(20_480, 102_400));
+        agent(&mut g, context, at, turns, limit, 0);
+    }
+    g.finish()
+}
+
+/// Chats and bursts: 400 conversations of 2-6 turns (a 2K system prompt all share, 256-2K per user turn, 20-60 s
+/// between turns) arriving at 1 a second, and every 60 s a batch job of 48 requests within 2 s sharing a 12-24K
+/// prefix of its own (an evaluation or extraction job: one document, many questions).
+pub fn bursty(seed: u64) -> Trace {
+    let mut g = Gen::new(seed);
+    let system = g.fresh(blocks(2_048));
+    let mut at = 0.0;
+    for _ in 0..400 {
+        at += g.exp(1.0);
+        let mut context = system.clone();
+        let mut t = at;
+        for _ in 0..g.uniform(2, 6) {
+            context.extend(g.segment(256, 2_048));
+            let output = g.uniform(64, 512);
+            g.push(t, &context, output);
+            context.extend(g.fresh(blocks(output)));
+            t += g.uniform(20, 60) as f64;
+        }
+    }
+    let mut burst_at = 30.0;
+    while burst_at < at {
+        let prefix = g.segment(12_288, 24_576);
+        for _ in 0..48 {
+            let mut p = prefix.clone();
+            p.extend(g.segment(128, 1_024));
+            let (t, output) = (burst_at + g.rng.unit() * 2.0, g.uniform(16, 256));
+            g.push(t, &p, output);
+        }
+        burst_at += 60.0;
+    }
+    g.finish()
+}
+
+/// Many small tenants: 200 tenants, each a system prompt of 1-6K tokens, chosen Zipf-like per conversation;
+/// 1,500 conversations of 1-4 turns (512-3K tokens a turn, 10-40 s apart) arriving at 2 a second.
+pub fn tenants(seed: u64) -> Trace {
+    let mut g = Gen::new(seed);
+    let prompts: Vec<Vec<u64>> = (0..200).map(|_| g.segment(1_024, 6_144)).collect();
+    let mut at = 0.0;
+    for _ in 0..1_500 {
+        at += g.exp(2.0);
+        let tenant = g.zipf(prompts.len());
+        let mut context = prompts[tenant].clone();
+        let mut t = at;
+        for _ in 0..g.uniform(1, 4) {
+            context.extend(g.segment(512, 3_072));
+            let output = g.uniform(32, 384);
+            g.push(t, &context, output);
+            context.extend(g.fresh(blocks(output)));
+            t += g.uniform(10, 40) as f64;
+        }
+    }
+    g.finish()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::trace_gen::to_jsonl;
+
+    #[test]
+    fn every_shape_is_a_valid_trace_that_differs_by_seed() {
+        for shape in [Shape::Agentic, Shape::Bursty, Shape::Tenants] {
+            let (a, b) = (shape.generate(1), shape.generate(2));
+            assert_eq!(Trace::parse(&to_jsonl(&a)).expect("valid"), a, "{shape:?} round trip");
+            assert_eq!(a, shape.generate(1), "{shape:?} is a function of its seed");
+            let ids = |t: &Trace| t.requests.iter().flat_map(|r| r.hash_ids.clone()).collect::<Vec<_>>();
+            let shared = ids(&a).iter().collect::<std::collections::HashSet<_>>();
+            assert!(ids(&b).iter().all(|i| !shared.contains(i)), "{shape:?}: seeds share no block");
+            assert!(a.requests.len() > 500, "{shape:?}: {} requests", a.requests.len());
+            // Prefixes are reused: far fewer distinct blocks than blocks sent.
+            let sent: usize = a.requests.iter().map(|r| r.hash_ids.len()).sum();
+            assert!(a.distinct_blocks() * 2 < sent, "{shape:?}");
+        }
+    }
+
+    #[test]
+    fn agent_prompts_grow_to_about_100k_tokens_and_sub_agents_fork_their_parents() {
+        let t = agentic(1);
+        let longest = t.requests.iter().map(|r| r.input_length).max().unwrap_or(0);
+        assert!((90_000..140_000).contains(&longest), "{longest}");
+        // A fork: two prompts that both extend a third (the context at the fork) and diverge right after it. In
+        // sorted order such siblings' groups meet where their common prefix is exactly a request's prompt.
+        let prompts: std::collections::HashSet<&[u64]> = t.requests.iter().map(|r| &r.hash_ids[..]).collect();
+        let mut sorted: Vec<&[u64]> = prompts.iter().copied().collect();
+        sorted.sort();
+        let lcp = |a: &[u64], b: &[u64]| a.iter().zip(b).take_while(|(x, y)| x == y).count();
+        let forks = sorted
+            .windows(2)
+            .filter(|w| {
+                let n = lcp(w[0], w[1]);
+                n < w[0].len() && n < w[1].len() && prompts.contains(&w[0][..n])
+            })
+            .count();
+        assert!(forks > 10, "{forks} forks");
+    }
+}

@@ -1,0 +1,387 @@
+//! The tuning protocol (`kvgate-loadtest tune`): a routing policy's parameters are chosen on the tune set of
+//! traces only, and judged on the test set, which the choice never sees.
+//!
+//! The sets are a TOML file (`loadtest/traces/sets.toml`): each `[[trace]]` names a file or a generated shape
+//! and seed (`trace_shapes.rs`), its set (`tune` or `test`) and the fleet it runs on (workers, the share of its
+//! distinct blocks the fleet holds, the offered load). A run:
+//! 1. replays every tune trace under each candidate (every policy named, crossed with every `--grid` point) and
+//!    under the baselines (`least_load`, `consistent_hash`);
+//! 2. picks the candidate of least loss (below) summed over the tune traces;
+//! 3. replays the pick, the runner-up policies at their own best point, and the baselines on every test trace,
+//!    and prints both tables, the tune set's marked as such, with each goal's margin.
+//!
+//! ```text
+//! loss(trace) = ln(p99 / p99 of least_load) + ln(p50 / the better p50 of the two baselines)
+//!             + 2 ln(max(hit rate of consistent_hash, hit rate) / hit rate)     (a hit rate below the ring's costs)
+//! ```
+//! Invariants: a trace's figures are a pure function of the trace, the fleet and the candidate (the simulator is
+//! deterministic); nothing of the test set enters the choice.
+
+use std::path::{Path, PathBuf};
+
+use kvgate_router::routing::Weights;
+use kvgate_worker::engine::timing::SimProfile;
+use serde::Deserialize;
+
+use crate::sim::{self, Pace, SimConfig, SimResult};
+use crate::trace::{Trace, TRACE_BLOCK_TOKENS};
+use crate::trace_shapes::Shape;
+
+/// The two baselines every goal is stated against.
+pub const BASELINES: [&str; 2] = ["least_load", "consistent_hash"];
+
+/// One trace of a set and the fleet it runs on.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TraceSpec {
+    pub name: String,
+    /// `tune` or `test`.
+    pub set: String,
+    /// A trace file (relative to the sets file's folder's parent: the repository's `loadtest/`).
+    pub file: Option<PathBuf>,
+    /// A generated shape (`agentic`, `bursty`, `tenants`, `long_document`) and its seed.
+    pub shape: Option<String>,
+    pub seed: Option<u64>,
+    #[serde(default = "default_workers")]
+    pub workers: usize,
+    /// The share of the trace's distinct blocks the fleet holds.
+    #[serde(default = "default_kv_share")]
+    pub kv_share: f64,
+    #[serde(default = "default_load")]
+    pub load: f64,
+    /// Skip the first N requests (arrivals count from the first replayed).
+    #[serde(default)]
+    pub skip: usize,
+    /// Replay only N requests.
+    pub limit: Option<usize>,
+}
+
+fn default_workers() -> usize {
+    8
+}
+fn default_kv_share() -> f64 {
+    0.25
+}
+fn default_load() -> f64 {
+    0.7
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SetsFile {
+    trace: Vec<TraceSpec>,
+}
+
+/// Reads a sets file; every entry must name a file or a known shape with a seed, and a set.
+pub fn load_sets(path: &Path) -> Result<Vec<TraceSpec>, String> {
+    let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let f: SetsFile = toml::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))?;
+    for t in &f.trace {
+        if t.set != "tune" && t.set != "test" {
+            return Err(format!("trace {}: set must be tune or test, got {:?}", t.name, t.set));
+        }
+        match (&t.file, &t.shape, t.seed) {
+            (Some(_), None, None) => {}
+            (None, Some(s), Some(_)) if Shape::parse(s).is_some() => {}
+            _ => {
+                return Err(format!(
+                    "trace {}: name a file, or a shape (agentic, bursty, tenants, long_document) and a seed",
+                    t.name
+                ))
+            }
+        }
+        if !(t.kv_share > 0.0 && t.kv_share <= 1.0) || !(t.load > 0.0 && t.load.is_finite()) || t.workers == 0
+        {
+            return Err(format!("trace {}: kv_share in (0, 1], load > 0 and workers >= 1", t.name));
+        }
+    }
+    Ok(f.trace)
+}
+
+/// The trace and fleet of one entry (files relative to `root`).
+pub fn materialize(
+    spec: &TraceSpec,
+    root: &Path,
+    profile: &SimProfile,
+) -> Result<(Trace, SimConfig), String> {
+    let mut trace = match (&spec.file, &spec.shape, spec.seed) {
+        (Some(f), _, _) => Trace::load(&root.join(f))?,
+        (None, Some(s), Some(seed)) => {
+            Shape::parse(s).ok_or_else(|| format!("unknown shape {s}"))?.generate(seed)
+        }
+        _ => return Err(format!("trace {}: no file or shape", spec.name)),
+    };
+    trace.window(spec.skip, spec.limit);
+    let fleet = (trace.distinct_blocks() * TRACE_BLOCK_TOKENS) as f64 * spec.kv_share;
+    let kv = ((fleet / spec.workers as f64) as usize).next_multiple_of(16).max(16 * 1024);
+    Ok((trace, SimConfig::new(spec.workers, kv, profile.clone())))
+}
+
+/// A candidate: a policy and the weights it runs with (`point`: the grid values that differ from the defaults).
+#[derive(Clone, Debug)]
+pub struct Candidate {
+    pub policy: String,
+    pub weights: Weights,
+    pub point: Vec<(String, String)>,
+}
+
+/// Every point of the grid (`NAME=v1,v2,...` each), on top of the defaults; one point (the defaults) when empty.
+pub fn grid(specs: &[String]) -> Result<Vec<(Weights, Vec<(String, String)>)>, String> {
+    let mut points: Vec<Vec<(String, String)>> = vec![Vec::new()];
+    for s in specs {
+        let (k, vs) = s.split_once('=').ok_or_else(|| format!("--grid {s}: expected NAME=V1,V2"))?;
+        points = points
+            .into_iter()
+            .flat_map(|p| {
+                vs.split(',').map(move |v| {
+                    let mut q = p.clone();
+                    q.push((k.trim().to_owned(), v.trim().to_owned()));
+                    q
+                })
+            })
+            .collect();
+    }
+    points
+        .into_iter()
+        .map(|p| {
+            let table: String = p.iter().map(|(k, v)| format!("{k} = {v}\n")).collect();
+            let w: Weights = toml::from_str(&table).map_err(|e| format!("--grid: {e}"))?;
+            let problems = w.validate();
+            if problems.is_empty() {
+                Ok((w, p))
+            } else {
+                Err(problems.join("; "))
+            }
+        })
+        .collect()
+}
+
+/// One trace's figures: each run's result by name (candidates as `policy[point]`).
+pub struct TraceRuns {
+    pub spec: TraceSpec,
+    pub oracle_hit_rate: f64,
+    pub runs: Vec<(String, SimResult)>,
+}
+
+impl TraceRuns {
+    fn get(&self, name: &str) -> Option<&SimResult> {
+        self.runs.iter().find(|(n, _)| n == name).map(|(_, r)| r)
+    }
+
+    /// The loss of run `name` (formula at the top).
+    pub fn loss(&self, name: &str) -> f64 {
+        let (Some(r), Some(ll), Some(ch)) =
+            (self.get(name), self.get("least_load"), self.get("consistent_hash"))
+        else {
+            return f64::INFINITY;
+        };
+        let ln = |a: f64, b: f64| (a.max(1e-9) / b.max(1e-9)).ln();
+        ln(r.ttft_p99_ms, ll.ttft_p99_ms)
+            + ln(r.ttft_p50_ms, ll.ttft_p50_ms.min(ch.ttft_p50_ms))
+            + 2.0 * ln(ch.hit_rate.max(r.hit_rate), r.hit_rate)
+    }
+}
+
+/// A candidate's label in the tables.
+pub fn label(c: &Candidate) -> String {
+    if c.point.is_empty() {
+        c.policy.clone()
+    } else {
+        let p: Vec<String> = c.point.iter().map(|(k, v)| format!("{k}={v}")).collect();
+        format!("{}[{}]", c.policy, p.join(" "))
+    }
+}
+
+/// Replays `trace` under every candidate and the baselines, `jobs` at a time.
+pub fn run_trace(
+    spec: &TraceSpec,
+    root: &Path,
+    profile: &SimProfile,
+    candidates: &[Candidate],
+    jobs: usize,
+) -> Result<TraceRuns, String> {
+    let (trace, cfg) = materialize(spec, root, profile)?;
+    let plan = sim::prepare(&trace, &cfg, Pace::TargetLoad(spec.load))?;
+    let mut work: Vec<(String, String, Weights)> =
+        candidates.iter().map(|c| (label(c), c.policy.clone(), c.weights)).collect();
+    for b in BASELINES {
+        work.push((b.to_owned(), b.to_owned(), Weights::default()));
+    }
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let slots: Vec<std::sync::Mutex<Option<Result<SimResult, String>>>> =
+        work.iter().map(|_| std::sync::Mutex::new(None)).collect();
+    std::thread::scope(|s| {
+        for _ in 0..jobs.max(1) {
+            s.spawn(|| loop {
+                let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                let Some((_, policy, weights)) = work.get(i) else { break };
+                let mut c = cfg.clone();
+                c.weights = *weights;
+                let r = sim::simulate(&trace, &c, &plan, policy);
+                if let Ok(mut slot) = slots[i].lock() {
+                    *slot = Some(r);
+                }
+            });
+        }
+    });
+    let mut runs = Vec::with_capacity(work.len());
+    for ((name, _, _), slot) in work.into_iter().zip(slots) {
+        let r = slot.into_inner().ok().flatten().unwrap_or_else(|| Err("a replay thread died".into()))?;
+        runs.push((name, r));
+    }
+    Ok(TraceRuns { spec: spec.clone(), oracle_hit_rate: plan.oracle.hit_rate, runs })
+}
+
+/// Markdown rows of one set: every run of every trace, with the goals of #43 checked for `pick`.
+pub fn table(set: &[TraceRuns], pick: &str) -> String {
+    let mut out = String::from(
+        "| trace | policy | hit rate | x oracle | TTFT p50 ms | TTFT p99 ms | max/mean | loss | goals |\n\
+         |---|---|---|---|---|---|---|---|---|\n",
+    );
+    for t in set {
+        for (name, r) in &t.runs {
+            let goals = if name == pick { goals(t, r) } else { String::new() };
+            out.push_str(&format!(
+                "| {} | {} | {:.3} | {:.2} | {:.0} | {:.0} | {:.2} | {:.3} | {} |\n",
+                t.spec.name,
+                name,
+                r.hit_rate,
+                r.hit_rate / t.oracle_hit_rate.max(1e-9),
+                r.ttft_p50_ms,
+                r.ttft_p99_ms,
+                r.max_mean_load,
+                t.loss(name),
+                goals
+            ));
+        }
+    }
+    out
+}
+
+/// The goals of #43 for one run: "met", or each miss and by how much.
+pub fn goals(t: &TraceRuns, r: &SimResult) -> String {
+    let (Some(ll), Some(ch)) = (t.get("least_load"), t.get("consistent_hash")) else {
+        return "no baselines".into();
+    };
+    let mut misses = Vec::new();
+    if r.hit_rate < ch.hit_rate {
+        misses.push(format!("hit {:.4} < consistent_hash {:.4}", r.hit_rate, ch.hit_rate));
+    }
+    let x = r.hit_rate / t.oracle_hit_rate.max(1e-9);
+    if x < 0.97 {
+        misses.push(format!("{x:.3}x oracle < 0.97"));
+    }
+    if r.ttft_p99_ms > ll.ttft_p99_ms {
+        misses.push(format!("p99 +{:.1}% over least_load", (r.ttft_p99_ms / ll.ttft_p99_ms - 1.0) * 100.0));
+    }
+    let best = ll.ttft_p50_ms.min(ch.ttft_p50_ms);
+    if r.ttft_p50_ms > best {
+        misses.push(format!("p50 +{:.1}% over the better baseline", (r.ttft_p50_ms / best - 1.0) * 100.0));
+    }
+    if r.max_mean_load > 1.5 {
+        misses.push(format!("max/mean {:.2} > 1.5", r.max_mean_load));
+    }
+    if misses.is_empty() {
+        "met".into()
+    } else {
+        misses.join("; ")
+    }
+}
+
+/// What `run` prints: the pick, then both sets' tables.
+pub struct Report {
+    pub pick: String,
+    pub tune: Vec<TraceRuns>,
+    pub test: Vec<TraceRuns>,
+}
+
+/// The whole protocol: candidates on the tune set, the pick (and each policy's best point) on the test set.
+pub fn run(
+    sets: &[TraceSpec],
+    root: &Path,
+    profile: &SimProfile,
+    candidates: &[Candidate],
+    jobs: usize,
+) -> Result<Report, String> {
+    let mut tune = Vec::new();
+    for spec in sets.iter().filter(|t| t.set == "tune") {
+        eprintln!("tune: {}", spec.name);
+        tune.push(run_trace(spec, root, profile, candidates, jobs)?);
+    }
+    let total = |c: &Candidate| tune.iter().map(|t| t.loss(&label(c))).sum::<f64>();
+    // Each policy's best point, best policy first.
+    let mut best: Vec<(f64, &Candidate)> = Vec::new();
+    for c in candidates {
+        let l = total(c);
+        match best.iter_mut().find(|(_, b)| b.policy == c.policy) {
+            Some(slot) if l < slot.0 => *slot = (l, c),
+            Some(_) => {}
+            None => best.push((l, c)),
+        }
+    }
+    best.sort_by(|a, b| a.0.total_cmp(&b.0));
+    let pick = best.first().map(|(_, c)| label(c)).ok_or("no candidates")?;
+    let finalists: Vec<Candidate> = best.iter().map(|(_, c)| (*c).clone()).collect();
+    let mut test = Vec::new();
+    for spec in sets.iter().filter(|t| t.set == "test") {
+        eprintln!("test: {}", spec.name);
+        test.push(run_trace(spec, root, profile, &finalists, jobs)?);
+    }
+    Ok(Report { pick, tune, test })
+}
+
+impl Report {
+    /// Markdown: the pick and its loss, the test set's table, the tune set's (marked).
+    pub fn markdown(&self) -> String {
+        let loss = |set: &[TraceRuns]| set.iter().map(|t| t.loss(&self.pick)).sum::<f64>();
+        format!(
+            "Pick (least loss on the tune set): **{}**; loss on the tune set {:.3}, on the test set {:.3}.\n\n\
+             **Test set** (the figures to report):\n\n{}\n**Tune set** (the parameters were chosen on these; \
+             not a result):\n\n{}",
+            self.pick,
+            loss(&self.tune),
+            loss(&self.test),
+            table(&self.test, &self.pick),
+            table(&self.tune, &self.pick)
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_grid_crosses_its_values_and_refuses_bad_ones_by_name() {
+        let g = grid(&["w_ring=0.2,0.4".into(), "w_load=0.5,1".into()]).expect("valid");
+        assert_eq!(g.len(), 4);
+        assert!(g.iter().any(|(w, _)| w.w_ring == 0.4 && w.w_load == 1.0));
+        assert_eq!(grid(&[]).expect("defaults").len(), 1);
+        let err = grid(&["credit_host=2".into()]).expect_err("out of range");
+        assert!(err.contains("credit_host"), "{err}");
+        let err = grid(&["nonsense=1".into()]).expect_err("unknown");
+        assert!(err.contains("nonsense"), "{err}");
+    }
+
+    fn windows_overlap(a: &TraceSpec, b: &TraceSpec) -> bool {
+        let end = |t: &TraceSpec| t.limit.map_or(usize::MAX, |l| t.skip + l);
+        a.skip < end(b) && b.skip < end(a)
+    }
+
+    #[test]
+    fn the_repository_sets_file_is_valid_and_keeps_the_sets_apart() {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+        let sets = load_sets(&root.join("traces/sets.toml")).expect("valid");
+        let of = |set: &str| sets.iter().filter(|t| t.set == set).map(|t| t.name.clone()).collect::<Vec<_>>();
+        let (tune, test) = (of("tune"), of("test"));
+        assert!(tune.len() >= 3 && test.len() >= 3, "{tune:?} {test:?}");
+        // No trace is in both (by file, or by shape and seed).
+        for t in sets.iter().filter(|t| t.set == "test") {
+            let same = sets.iter().filter(|u| u.set == "tune").any(|u| {
+                (t.file.is_some() && t.file == u.file && windows_overlap(t, u))
+                    || (t.shape.is_some() && t.shape == u.shape && t.seed == u.seed)
+            });
+            assert!(!same, "{} is in both sets", t.name);
+        }
+    }
+}

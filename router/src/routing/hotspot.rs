@@ -1,0 +1,184 @@
+//! The hot-spot guard of `cache_aware`: whether the score's winner is too busy to take the request, and where it
+//! goes instead. Two guards, chosen by policy name. The tuning protocol (`kvgate-loadtest tune`, the tune set of
+//! loadtest/traces/sets.toml; figures in docs/benchmarks/routing.md#the-tuning-protocol-43) chose `thresholds`:
+//! `measured` lost on every tune trace, and on every test trace too.
+//!
+//! **`measured`** (`cache_aware_measured`, an experiment): the request goes where the fleet predicts it is served soonest,
+//! in seconds, from what the workers measure, counting what the choice costs the requests after it:
+//! ```text
+//! rate(w)   = w's measured prefill speed (tokens/s while it prefills; the moving average of its reports), else
+//!             the mean of the fleet's measured speeds, else 1 (every term is then in tokens: same choice when
+//!             speeds are equal)
+//! busy(w)   = the share of w's last report interval spent computing prompt tokens (capped at MAX_BUSY)
+//! age(w)    = seconds since w's last report
+//! own(w)    = uncached(w) / rate(w)                    (this request's prefill there; uncached counts lower-tier
+//!                                                       blocks at their credit, and a cheap shared prefix as held)
+//! queue(w)  = max(0, pending_tokens(w) / rate(w) - age(w))   (the prefill queued ahead of it: reported plus sent
+//!                                                       since, less what w has drained since its report)
+//! delay(w)  = own(w) x busy(w) / (1 - busy(w))         (what it adds to the prompts that queue behind it while it
+//!                                                       computes: a single queue at that utilisation; the ones
+//!                                                       already queued run first and lose nothing)
+//! J(w)      = queue(w) + own(w) + delay(w)             (its predicted TTFT there, plus that delay; explain shows it)
+//! copy(w)   = waste(w) / rate_fleet / (1 - busy_fleet)  waste(w) = max(0, uncached(w) - uncached(winner))
+//!             (a move that gives up cached tokens leaves a second copy: as many tokens of other prefixes are
+//!              displaced at w and computed again when next asked for, priced as if they will be, each second of
+//!              it delaying a fleet at its mean utilisation; the fleet's figures are the means over healthy workers)
+//! ```
+//! The request moves from the score's winner to the worker of least `J + copy` when that is strictly less than the
+//! winner's `J` (ties stay). There is no threshold: recomputing is cheap on an idle fleet and dear on a busy one
+//! because `busy` says so. Running decode streams are not in `queue` (chunked prefill runs beside them; the split
+//! decision weighs their stall). A worker that has reported no speed gets the fleet's mean, so a pod without
+//! reports is judged by its queue in tokens at the fleet's speed.
+//!
+//! **`thresholds`** (`cache_aware`, the default: the guard of #28): work ahead in tokens,
+//! `ahead(w) = cost(w) + uncached(w)`, `waste(w) = max(0, uncached(w) - uncached(winner))`, `k =
+//! hotspot_waste_factor x (1 + min cost / load_floor_tokens)`, target = least `ahead + k x waste`, `gain =
+//! ahead(winner) - ahead(target)`; it moves when the move gives up cached tokens and `gain > hotspot_abs_tokens +
+//! k x waste + hotspot_copy_tokens`; gives up none after a shared prefix and `gain > hotspot_abs_tokens`; gives up
+//! none otherwise and `cost(winner) > hotspot_ratio x cost(target) + hotspot_abs_tokens`. Its four parameters
+//! were swept on the Mooncake synthetic and conversation traces (docs/benchmarks/log.md), which are tune-set
+//! traces now.
+//!
+//! Invariants: only healthy workers are targets; every measured input is clamped (a hostile or absent speed
+//! cannot make a time NaN, infinite or negative); every term is logged at debug.
+
+use serde::{Deserialize, Serialize};
+
+use super::{Weights, WorkerView};
+use crate::split::cost_model::{MAX_BUSY, MIN_PREFILL_TOKENS_PER_S};
+
+/// Which guard `cache_aware` runs.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum GuardKind {
+    /// The token thresholds of #28 (`hotspot_*` weights): `cache_aware`.
+    #[default]
+    Thresholds,
+    /// Least predicted seconds from measured speeds (no thresholds): `cache_aware_measured`.
+    Measured,
+}
+
+/// What either guard weighs, per view.
+pub(super) struct Inputs<'a> {
+    pub w: &'a Weights,
+    pub workers: &'a [WorkerView<'a>],
+    pub healthy: &'a [usize],
+    /// Prompt tokens each view would still prefill (lower tiers at their credit, a cheap shared prefix as held).
+    pub uncached: &'a [u64],
+    /// The prompt begins with a prefix other conversations share: its ring key names this conversation only.
+    pub hub_shared: bool,
+}
+
+impl Inputs<'_> {
+    fn cost(&self, i: usize) -> u64 {
+        self.workers[i].load.cost(self.w.per_request_tokens)
+    }
+
+    /// The fleet's mean measured prefill speed (1 when none is known) and mean prefill busy share (capped).
+    fn fleet(&self) -> (f64, f64) {
+        let n = self.healthy.len().max(1) as f64;
+        let speeds: Vec<f64> = self
+            .healthy
+            .iter()
+            .map(|i| self.workers[*i].speed.prefill_tokens_per_s)
+            .filter(|v| v.is_finite() && *v > 0.0)
+            .collect();
+        let rate = if speeds.is_empty() { 1.0 } else { speeds.iter().sum::<f64>() / speeds.len() as f64 };
+        let busy = self
+            .healthy
+            .iter()
+            .map(|i| self.workers[*i].speed.prefill_busy)
+            .map(|b| if b.is_finite() { b.clamp(0.0, 1.0) } else { 0.0 })
+            .sum::<f64>()
+            / n;
+        (rate.max(MIN_PREFILL_TOKENS_PER_S), busy.min(MAX_BUSY))
+    }
+
+    /// `J(w)` of every view in seconds (formula above; 0 for unhealthy views, which are never targets).
+    pub fn predicted_s(&self) -> Vec<f64> {
+        let (fleet_rate, _) = self.fleet();
+        (0..self.workers.len())
+            .map(|i| {
+                let wk = &self.workers[i];
+                if !wk.healthy {
+                    return 0.0;
+                }
+                let s = wk.speed.prefill_tokens_per_s;
+                let rate =
+                    if s.is_finite() && s > 0.0 { s } else { fleet_rate }.max(MIN_PREFILL_TOKENS_PER_S);
+                let b = wk.speed.prefill_busy;
+                let busy = if b.is_finite() { b.clamp(0.0, MAX_BUSY) } else { 0.0 };
+                let own = self.uncached[i] as f64 / rate;
+                // The reported queue less what the worker drained since (at most its age of prefill), plus what
+                // this gateway sent since (counted in pending_tokens, not drained yet as far as it knows).
+                let age =
+                    if wk.speed.report_age_s.is_finite() { wk.speed.report_age_s.max(0.0) } else { 0.0 };
+                let queue = (wk.load.pending_tokens as f64 / rate - age).max(0.0);
+                let ttft = queue + own;
+                let delay = own * busy / (1.0 - busy);
+                tracing::debug!(worker = wk.id, rate, busy, own, ttft, delay, "measured guard");
+                ttft + delay
+            })
+            .collect()
+    }
+
+    /// The measured guard: the view of least `J` plus the fleet's price of the cached tokens a move gives up,
+    /// when that beats the winner's (`j`: [`Inputs::predicted_s`]).
+    pub fn measured_target(&self, winner: usize, j: &[f64]) -> Option<usize> {
+        let (rate, busy) = self.fleet();
+        // The copy a move leaves: as many tokens of other prefixes displaced at the target, computed again when
+        // next asked for (priced as if they will be), delaying the fleet at its utilisation.
+        let copy = |i: usize| {
+            let waste = self.uncached[i].saturating_sub(self.uncached[winner]);
+            waste as f64 / rate / (1.0 - busy)
+        };
+        let total = |i: usize| j[i] + copy(i);
+        let target = *self.healthy.iter().min_by(|a, b| total(**a).total_cmp(&total(**b)).then(a.cmp(b)))?;
+        let moves = target != winner && total(target) < j[winner];
+        tracing::debug!(
+            winner = self.workers[winner].id,
+            target = self.workers[target].id,
+            j_winner = j[winner],
+            j_target = j[target],
+            copy_target = copy(target),
+            moves,
+            "measured guard"
+        );
+        moves.then_some(target)
+    }
+
+    /// The thresholds guard (#28; formula above).
+    pub fn thresholds_target(&self, winner: usize) -> Option<usize> {
+        let w = self.w;
+        let ahead = |i: usize| (self.cost(i) + self.uncached[i]) as f64;
+        let waste = |i: usize| self.uncached[i].saturating_sub(self.uncached[winner]) as f64;
+        let min_cost = self.healthy.iter().map(|i| self.cost(*i)).min().unwrap_or(0);
+        let k = w.hotspot_waste_factor * (1.0 + min_cost as f64 / w.load_floor_tokens.max(1) as f64);
+        let target = *self.healthy.iter().min_by(|a, b| {
+            (ahead(**a) + k * waste(**a)).total_cmp(&(ahead(**b) + k * waste(**b))).then(a.cmp(b))
+        })?;
+        if target == winner {
+            return None;
+        }
+        let (gain, lost, abs) = (ahead(winner) - ahead(target), waste(target), w.hotspot_abs_tokens as f64);
+        let moves = if lost > 0.0 {
+            gain > abs + k * lost + w.hotspot_copy_tokens as f64
+        } else if self.hub_shared {
+            gain > abs
+        } else {
+            self.cost(winner) as f64 > w.hotspot_ratio * self.cost(target) as f64 + abs
+        };
+        tracing::debug!(
+            winner = self.workers[winner].id,
+            target = self.workers[target].id,
+            ahead_winner = ahead(winner),
+            ahead_target = ahead(target),
+            gain,
+            waste = lost,
+            k,
+            moves,
+            "hot-spot guard (thresholds)"
+        );
+        moves.then_some(target)
+    }
+}
