@@ -228,7 +228,7 @@ mod tests {
             assert_eq!(Trace::parse(&to_jsonl(&a)).expect("valid"), a, "{shape:?} round trip");
             assert_eq!(a, shape.generate(1), "{shape:?} is a function of its seed");
             let ids = |t: &Trace| t.requests.iter().flat_map(|r| r.hash_ids.clone()).collect::<Vec<_>>();
-            let shared = ids(&a).iter().collect::<std::collections::HashSet<_>>();
+            let shared: std::collections::HashSet<u64> = ids(&a).into_iter().collect();
             assert!(ids(&b).iter().all(|i| !shared.contains(i)), "{shape:?}: seeds share no block");
             assert!(a.requests.len() > 500, "{shape:?}: {} requests", a.requests.len());
             // Prefixes are reused: far fewer distinct blocks than blocks sent.
