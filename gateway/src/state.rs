@@ -26,6 +26,7 @@ use crate::replicas::{RedisTarget, Resource, SharedState};
 use crate::route::Router;
 use crate::routing::{policy_by_name, RingKeys, Weights};
 use crate::serve::tokenize::TokenizePool;
+use kvgate_router::split::predict::OutputEstimate;
 
 pub use crate::HttpClient;
 
@@ -37,11 +38,6 @@ pub struct ModelTokenizer {
     pub prompter: Prompter,
     pub scheme: HashScheme,
 }
-
-/// Completed requests of a class (without `max_tokens`) before their output length replaces the configured estimate.
-pub const LEARNED_OUTPUT_MIN: u64 = 8;
-/// The learned output length averages over about this many recent requests.
-pub const LEARNED_OUTPUT_WINDOW: u64 = 64;
 
 /// Everything the proxy and the control listener share.
 pub struct GatewayState {
@@ -57,7 +53,7 @@ pub struct GatewayState {
     pub split: Box<dyn kvgate_router::split::SplitPolicy>,
     /// Per class: the output length of its completed requests that named no `max_tokens` (a moving average
     /// and a count). Keys are configured class names only.
-    learned_output: Mutex<HashMap<String, (f64, u64)>>,
+    learned_output: Mutex<HashMap<String, OutputEstimate>>,
     pub admission: Admission,
     pub keys: KeyTable,
     pub tokenize: TokenizePool,
@@ -323,27 +319,22 @@ impl GatewayState {
         crate::control::persist::Persisted { weights, weights_version, classes, classes_version }
     }
 
-    /// The output a request of `class` without `max_tokens` is expected to have: what its completed requests
-    /// without one produced (a moving average, once [`LEARNED_OUTPUT_MIN`] of them finished), else the class's
-    /// configured `expected_output_tokens`.
-    pub fn expected_output(&self, class: &str, configured: u64) -> u64 {
+    /// The output a request of `class` is priced with (`kvgate_router::split::predict`): what the class's completed
+    /// requests produced (a moving average, once enough finished), capped by `max_tokens`; before that,
+    /// `max_tokens`, else the class's configured `expected_output_tokens`.
+    pub fn expected_output(&self, class: &str, max_tokens: Option<u64>, configured: u64) -> u64 {
         let learned = self.learned_output.lock().unwrap_or_else(|e| e.into_inner());
-        match learned.get(class) {
-            Some(&(mean, n)) if n >= LEARNED_OUTPUT_MIN => mean.round() as u64,
-            _ => configured,
-        }
+        learned.get(class).copied().unwrap_or_default().predict(max_tokens, configured)
     }
 
-    /// Learns from a completed request of `class` that named no `max_tokens` and produced `tokens`.
+    /// Learns from a completed request of `class` that produced `tokens` (with or without `max_tokens`: a cap the
+    /// answer did not reach says nothing, and one it reached is what the client asked for).
     pub fn learn_output(&self, class: &str, tokens: u64) {
         let mut learned = self.learned_output.lock().unwrap_or_else(|e| e.into_inner());
         if !learned.contains_key(class) && learned.len() >= self.cfg.classes.len().max(1) {
             return; // class names are configured ones: bounded by the config
         }
-        let e = learned.entry(class.to_owned()).or_insert((0.0, 0));
-        let t = tokens as f64;
-        e.0 = if e.1 == 0 { t } else { e.0 + (t - e.0) / (e.1.min(LEARNED_OUTPUT_WINDOW) + 1) as f64 };
-        e.1 = e.1.saturating_add(1);
+        learned.entry(class.to_owned()).or_default().learn(tokens);
     }
 
     /// The registry (locks are short and never held across an await).

@@ -79,13 +79,16 @@ pub fn simulate_pd(a: SimulatePdArgs) -> Result<(), String> {
         export_groups: a.export_groups,
         slo: Slo { ttft_s: a.slo_ttft_s, tpot_s: a.slo_tpot_ms / 1000.0 },
         report_interval_s: 1.0,
+        knowledge: kvgate_loadtest::sim::pd::Knowledge::Predicted,
+        bandwidth_prior_bytes_per_s: kvgate_router::split::plan::DEFAULT_BANDWIDTH_PRIOR_GBPS * 1e9 / 8.0,
+        configured_output: kvgate_router::admission::classes::DEFAULT_EXPECTED_OUTPUT_TOKENS,
     };
     let mut workloads =
         if a.traces_only { Vec::new() } else { table::shape_workloads(&cfg, a.requests, a.load, a.seed) };
     for path in &a.trace {
         let trace = Trace::load(path)?;
         let name = path.file_stem().map_or("trace".into(), |s| s.to_string_lossy().into_owned());
-        workloads.push(table::trace_workload(&name, &trace, a.time_scale));
+        workloads.push(table::trace_workload(&name, &trace, a.time_scale, a.seed));
     }
     let rows = table::run(&cfg, &workloads, &a.bandwidth_gbps);
     println!(

@@ -209,7 +209,7 @@ pub async fn serve(
         proxy::choose_class(state, &input, &caller, header(session, CLASS_HEADER))?;
     ctx.class = class_name.clone();
     let output = match path {
-        "/v1/responses" if p.output == 0 => state.expected_output(&class_name, configured),
+        "/v1/responses" if p.output == 0 => state.expected_output(&class_name, None, configured),
         _ => p.output,
     };
     let price = p.prompt.saturating_add(output) as f64;
@@ -264,6 +264,7 @@ pub async fn serve(
             idle_timeout: state.cfg.stream_idle_timeout,
             strip_usage: false,
             trace: trace.as_ref(),
+            predicted: None,
         };
         let outcome = crate::serve::upstream::forward(state, session, &a).await;
         drop(guard);

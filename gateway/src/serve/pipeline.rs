@@ -133,12 +133,14 @@ pub fn price<'s>(
     };
     let (class, class_name, configured) = proxy::choose_class(state, &input, caller, header_class)?;
     let max_tokens = p.fields.max_tokens.map(u64::from);
-    let output = max_tokens.unwrap_or_else(|| state.expected_output(&class_name, configured));
+    // The budget reserves what the request may produce (its max_tokens); the split is priced with what it
+    // probably will (the class's learned output, capped by max_tokens).
+    let output = max_tokens.unwrap_or_else(|| state.expected_output(&class_name, None, configured));
     let kvgate_pool = state.pool_kind(&p.fields.model) == WorkerKind::Kvgate;
     let ask = state.cfg.report_secret.as_ref().filter(|_| kvgate_pool).map(|_| SplitAsk {
         policy: state.split.as_ref(),
         settings: state.cfg.split,
-        expected_output: output,
+        expected_output: state.expected_output(&class_name, max_tokens, configured),
     });
     let dry = {
         let reg = state.registry();
@@ -274,6 +276,11 @@ pub async fn forward(
     let out = Outbound::new(state, session, p);
     let routed = &r.routed;
     let split = routed.split.as_ref().filter(|_| routed.is_split());
+    // What the split decision predicted for the option taken (the first attempt's; a fallback is not it).
+    let predicted = routed.split.as_ref().map(|s| {
+        let o = if routed.is_split() { s.decision.terms.split } else { s.decision.terms.local };
+        (o.ttft_s, o.tpot_s)
+    });
     let mut reason = if routed.is_split() { RouteReason::Split } else { routed.reason };
     let mut refused_for: Option<Duration> = None;
     for (attempt, t) in routed.candidates.iter().enumerate() {
@@ -313,6 +320,7 @@ pub async fn forward(
             idle_timeout: state.cfg.stream_idle_timeout,
             strip_usage: p.strip_usage,
             trace: trace.as_ref(),
+            predicted: predicted.filter(|_| attempt == 0),
         };
         let outcome = crate::serve::upstream::forward(state, session, &attempt_req).await;
         drop(guard);
@@ -397,7 +405,7 @@ impl Settle<'_> {
                 if (200..300).contains(&status) {
                     // The pod has the prompt's KV now (an approximate index credits it only on success).
                     state.registry().record_served(t.wref, &self.p.hashes);
-                    if let (Some(u), true, None) = (&usage, completed, priced.max_tokens) {
+                    if let (Some(u), true) = (&usage, completed) {
                         state.learn_output(&priced.class_name, u.completion);
                     }
                     // A whole (not streamed) answer was computed before it was sent, however it ended.

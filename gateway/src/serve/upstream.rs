@@ -56,6 +56,10 @@ pub struct Attempt<'a> {
     pub strip_usage: bool,
     /// The attempt's span, when traced (its `first_byte` is recorded here).
     pub trace: Option<&'a crate::serve::spans::AttemptTrace>,
+    /// The TTFT and TPOT the split decision predicted for this attempt's option (seconds), when a split was
+    /// considered: a completed stream records how far off they were
+    /// (`kvgate_gateway_split_prediction_error_seconds{term}`).
+    pub predicted: Option<(f64, f64)>,
 }
 
 /// How an attempt ended.
@@ -325,6 +329,17 @@ pub async fn forward(state: &GatewayState, session: &mut Session, a: &Attempt<'_
     if let (true, Some(s)) = (completed && sse, tpot.seconds()) {
         metrics::histogram!("kvgate_gateway_tpot_seconds", "path" => path).record(s);
     }
+    if let (true, Some((ttft, tpot_s)), Some(first)) = (completed && sse, a.predicted, tpot.first_at()) {
+        let seen_ttft = first.duration_since(sent_at).as_secs_f64();
+        metrics::histogram!("kvgate_gateway_split_prediction_error_seconds", "term" => "ttft")
+            .record((seen_ttft - ttft).abs());
+        if let Some(seen) = tpot.seconds() {
+            metrics::histogram!("kvgate_gateway_split_prediction_error_seconds", "term" => "tpot")
+                .record((seen - tpot_s).abs());
+        }
+        tracing::debug!(worker = %a.worker_id, predicted_ttft = ttft, seen_ttft, predicted_tpot = tpot_s,
+            seen_tpot = ?tpot.seconds(), "split prediction vs outcome");
+    }
     Outcome::Responded { status, usage, tokens_sent: meter.tokens_sent(), whole: !sse, completed, stalled }
 }
 
@@ -343,6 +358,11 @@ impl TpotClock {
         }
         self.first.get_or_insert((tokens, at));
         self.last = Some((tokens, at));
+    }
+
+    /// When the first token arrived.
+    fn first_at(&self) -> Option<Instant> {
+        self.first.map(|f| f.1)
     }
 
     fn seconds(&self) -> Option<f64> {

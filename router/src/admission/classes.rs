@@ -71,8 +71,11 @@ fn default_max_wait_ms() -> u64 {
     10_000
 }
 fn default_expected_output() -> u64 {
-    256
+    DEFAULT_EXPECTED_OUTPUT_TOKENS
 }
+
+/// A class's `expected_output_tokens` unless configured.
+pub const DEFAULT_EXPECTED_OUTPUT_TOKENS: u64 = 256;
 
 /// What classification looks at.
 #[derive(Clone, Debug, Default)]

@@ -14,6 +14,7 @@
 
 pub mod cost_model;
 pub mod plan;
+pub mod predict;
 pub mod rules;
 
 use serde::Serialize;
@@ -56,7 +57,7 @@ pub const DEFAULT_SLO: Slo = Slo { ttft_s: 2.0, tpot_s: 0.050 };
 #[derive(Clone, Copy, Debug, PartialEq, Serialize)]
 pub struct SplitInput {
     pub prompt_tokens: u64,
-    /// `max_tokens`, else the class's expected output (learned from completed requests).
+    /// The predicted output (`predict.rs`: the class's learned mean output capped by `max_tokens`; never the truth).
     pub expected_output: u64,
     pub local: Side,
     pub prefill: Side,

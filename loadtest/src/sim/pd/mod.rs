@@ -12,7 +12,15 @@
 //!   simulator's, `sim::fleet`); speeds and stall ratios it sees as reported once a second;
 //! - KV capacity is not a limit (an H200 holds ~900K tokens of Llama-3-8B KV); the prefix cache is an LRU of
 //!   `cache_blocks` 512-token blocks per worker;
-//! - D computes the first token after the import, in its next decode step.
+//! - D computes the first token after the import, in its next decode step;
+//! - what the gateway knows (`Knowledge`): with `Predicted` (the default) the split is priced with the output the
+//!   gateway would predict (`kvgate_router::split::predict`: the learned mean output of the requests finished so
+//!   far, capped by the request's `max_tokens`, which the workloads set 2-10x above the real output, or leave out
+//!   for a fifth of the requests) and the link rate it would have measured (the configured prior until the first
+//!   transfer, then the moving average of the transfers); `Oracle` hands it the true output and the exact link
+//!   rate, the bound that shows what not knowing costs;
+//! - each split decision's predicted TTFT and TPOT of the option taken are compared with what happened
+//!   (`PdResult::ttft_error_*`, `tpot_error_*`).
 
 pub mod table;
 mod worker;
@@ -20,6 +28,8 @@ mod worker;
 use std::cmp::Ordering;
 use std::collections::BinaryHeap;
 
+use kvgate_router::registry::pd::NEW_WEIGHT;
+use kvgate_router::split::predict::OutputEstimate;
 use kvgate_router::split::{Choice, Slo, SplitInput, SplitPolicy};
 use kvgate_shared::report::Role;
 use kvgate_worker::engine::timing::TimingModel;
@@ -39,6 +49,38 @@ pub struct PdRequest {
     pub output: usize,
     /// Ids of the prompt's 512-token blocks (equal ids: equal prefixes), as the caches' keys.
     pub blocks: Vec<kvgate_shared::hashing::BlockHash>,
+    /// What the client asked for (`None`: no limit): above `output`, as real clients send it.
+    pub max_tokens: Option<usize>,
+}
+
+/// Sets each request's `max_tokens` as real clients do: a fifth send none, the rest 2-10x what they will get
+/// (seeded).
+pub fn with_max_tokens(reqs: &mut [PdRequest], seed: u64) {
+    let mut rng = seed ^ 0xD1B5_4A32_D192_ED03;
+    for r in reqs {
+        rng = splitmix(rng);
+        let u = ((rng >> 11) as f64 + 0.5) / (1u64 << 53) as f64;
+        r.max_tokens = (u >= 0.2).then(|| (r.output as f64 * (2.0 + 8.0 * (u - 0.2) / 0.8)).round() as usize);
+    }
+}
+
+/// What the split decision is told.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Knowledge {
+    /// What the gateway can know: the predicted output and the measured link rate (the default).
+    Predicted,
+    /// The true output length and the exact link rate (a bound, never the gateway's case).
+    Oracle,
+}
+
+impl Knowledge {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Knowledge::Predicted => "predicted",
+            Knowledge::Oracle => "oracle",
+        }
+    }
 }
 
 /// The fleet and the link.
@@ -56,6 +98,12 @@ pub struct PdConfig {
     pub export_groups: u32,
     pub slo: Slo,
     pub report_interval_s: f64,
+    pub knowledge: Knowledge,
+    /// The link rate believed before the first transfer (`Predicted`; the gateway's `--split-bandwidth-prior`).
+    pub bandwidth_prior_bytes_per_s: f64,
+    /// The output believed for a request without `max_tokens` before any finished (a class's configured
+    /// `expected_output_tokens`).
+    pub configured_output: u64,
 }
 
 /// One policy's run.
@@ -75,6 +123,14 @@ pub struct PdResult {
     pub tpot_p99_s: f64,
     pub split_share: f64,
     pub makespan_s: f64,
+    pub knowledge: Knowledge,
+    /// |predicted - seen| of the option taken, over requests whose split was considered (seconds).
+    pub ttft_error_p50_s: f64,
+    pub ttft_error_p99_s: f64,
+    pub tpot_error_p50_s: f64,
+    pub tpot_error_p99_s: f64,
+    /// |predicted output - real output| / real output, median.
+    pub output_error_p50: f64,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -110,6 +166,8 @@ struct ReqState {
     first_token_s: Option<f64>,
     done_s: Option<f64>,
     split: bool,
+    /// The decision's predicted (TTFT, TPOT) of the option taken, and the output it priced, when one was asked.
+    predicted: Option<(f64, f64, u64)>,
 }
 
 struct Fleet<'a> {
@@ -122,6 +180,10 @@ struct Fleet<'a> {
     seq: u64,
     /// The step each busy worker is running.
     plans: Vec<Option<worker::StepPlan>>,
+    /// The learned output of the requests finished so far (`Knowledge::Predicted`).
+    output: OutputEstimate,
+    /// The measured link rate (bytes/s; 0 until the first transfer).
+    link_rate: f64,
 }
 
 /// Replays `reqs` on the fleet under `policy`; `aggregated`: every worker `both` (the policy is still asked, and
@@ -143,6 +205,8 @@ pub fn replay(reqs: &[PdRequest], cfg: &PdConfig, policy: &dyn SplitPolicy, aggr
         events: BinaryHeap::new(),
         seq: 0,
         plans: (0..cfg.workers).map(|_| None).collect(),
+        output: OutputEstimate::default(),
+        link_rate: 0.0,
     };
     for (i, r) in reqs.iter().enumerate() {
         f.push(r.arrival_s, Event::Arrive(i));
@@ -199,19 +263,33 @@ impl Fleet<'_> {
         let choice = match prefill.filter(|p| *p != decode) {
             None => Choice::Local,
             Some(p) => {
+                let (expected_output, bandwidth_bytes_per_s) = match self.cfg.knowledge {
+                    Knowledge::Oracle => (r.output as u64, self.cfg.bandwidth_bytes_per_s),
+                    Knowledge::Predicted => (
+                        self.output.predict(r.max_tokens.map(|m| m as u64), self.cfg.configured_output),
+                        if self.link_rate > 0.0 {
+                            self.link_rate
+                        } else {
+                            self.cfg.bandwidth_prior_bytes_per_s
+                        },
+                    ),
+                };
                 let input = SplitInput {
                     prompt_tokens: r.prompt as u64,
-                    expected_output: r.output as u64,
+                    expected_output,
                     local: self.workers[local].side(r.prompt, self.cached(local, r)),
                     prefill: self.workers[p].side(r.prompt, self.cached(p, r)),
                     decode: self.workers[decode].side(r.prompt, self.cached(decode, r)),
                     decode_cached_tokens: self.cached(decode, r) as u64,
                     kv_bytes_per_token: self.cfg.kv_bytes_per_token,
-                    bandwidth_bytes_per_s: self.cfg.bandwidth_bytes_per_s,
+                    bandwidth_bytes_per_s,
                     export_groups: self.cfg.export_groups,
                     slo: self.cfg.slo,
                 };
-                self.policy.decide(&input).choice
+                let d = self.policy.decide(&input);
+                let o = if d.choice == Choice::Split { d.terms.split } else { d.terms.local };
+                self.state[i].predicted = Some((o.ttft_s, o.tpot_s, expected_output));
+                d.choice
             }
         };
         let (w, split_to) = match (choice, prefill) {
@@ -250,6 +328,7 @@ impl Fleet<'_> {
             s.ctx += 1;
             if s.left == 0 {
                 self.state[s.req].done_s = Some(t);
+                self.output.learn(self.reqs[s.req].output as u64);
                 finished += 1;
             } else {
                 keep.push(s);
@@ -279,6 +358,7 @@ impl Fleet<'_> {
             self.state[job.req].first_token_s = Some(t);
             if r.output <= 1 {
                 self.state[job.req].done_s = Some(t);
+                self.output.learn(r.output as u64);
                 return 1;
             }
             self.workers[w].waiting.push_back(Stream { req: job.req, ctx: r.prompt + 1, left: r.output - 1 });
@@ -296,6 +376,11 @@ impl Fleet<'_> {
     }
 
     fn imported(&mut self, req: usize, d: usize, t: f64) {
+        // What D's next report says of the link: the transfer's bytes over its time (the moving average the
+        // gateway keeps, `registry::pd`).
+        let rate = self.cfg.bandwidth_bytes_per_s;
+        self.link_rate =
+            if self.link_rate == 0.0 { rate } else { self.link_rate + NEW_WEIGHT * (rate - self.link_rate) };
         let r = &self.reqs[req];
         self.workers[d].cache.touch(&r.blocks);
         self.workers[d].waiting.push_back(Stream { req, ctx: r.prompt, left: r.output.max(1) });
@@ -304,6 +389,7 @@ impl Fleet<'_> {
 
     fn result(&self, layout: String) -> PdResult {
         let (mut ttft, mut tpot) = (Vec::new(), Vec::new());
+        let (mut ttft_err, mut tpot_err, mut out_err) = (Vec::new(), Vec::new(), Vec::new());
         let (mut good_tokens, mut met, mut splits) = (0.0, 0usize, 0usize);
         let start = self.reqs.iter().map(|r| r.arrival_s).fold(f64::INFINITY, f64::min);
         let mut end: f64 = 0.0;
@@ -314,6 +400,13 @@ impl Fleet<'_> {
             let t2 = if r.output > 1 { (done - first) / (r.output - 1) as f64 } else { 0.0 };
             ttft.push(t1);
             tpot.push(t2);
+            if let Some((p1, p2, out)) = s.predicted {
+                ttft_err.push((t1 - p1).abs());
+                if r.output > 1 {
+                    tpot_err.push((t2 - p2).abs());
+                }
+                out_err.push((out as f64 - r.output as f64).abs() / r.output.max(1) as f64);
+            }
             splits += s.split as usize;
             if t1 <= self.cfg.slo.ttft_s && t2 <= self.cfg.slo.tpot_s {
                 met += 1;
@@ -335,6 +428,12 @@ impl Fleet<'_> {
             tpot_p99_s: percentile(&tpot, 0.99),
             split_share: splits as f64 / n as f64,
             makespan_s: makespan,
+            knowledge: self.cfg.knowledge,
+            ttft_error_p50_s: percentile(&ttft_err, 0.5),
+            ttft_error_p99_s: percentile(&ttft_err, 0.99),
+            tpot_error_p50_s: percentile(&tpot_err, 0.5),
+            tpot_error_p99_s: percentile(&tpot_err, 0.99),
+            output_error_p50: percentile(&out_err, 0.5),
         }
     }
 }
@@ -352,7 +451,13 @@ pub fn shape_workload(n: usize, prompt: usize, output: usize, rate: f64, seed: u
             t += -u.ln() / rate;
             let base = (i as u64 + 1) << 24;
             let ids: Vec<u64> = (0..blocks as u64).map(|b| base + b).collect();
-            PdRequest { arrival_s: t, prompt, output, blocks: worker::block_keys(&ids) }
+            PdRequest {
+                arrival_s: t,
+                prompt,
+                output,
+                blocks: worker::block_keys(&ids),
+                max_tokens: Some(output),
+            }
         })
         .collect()
 }

@@ -4,7 +4,10 @@
 
 use kvgate_router::split::{split_policy_by_name, SplitPolicy};
 
-use super::{rate_for_load, replay, shape_workload, PdConfig, PdRequest, PdResult, BLOCK_TOKENS};
+use super::{
+    rate_for_load, replay, shape_workload, with_max_tokens, Knowledge, PdConfig, PdRequest, PdResult,
+    BLOCK_TOKENS,
+};
 use crate::trace::Trace;
 
 /// The seed's four shapes and a RAG-like mix (prompt, output, TTFT SLO override: a 32K prefill alone takes 2.8 s
@@ -31,18 +34,17 @@ pub fn shape_workloads(cfg: &PdConfig, n: usize, load: f64, seed: u64) -> Vec<Wo
         .iter()
         .map(|&(name, prompt, output, ttft_slo_s)| {
             let rate = rate_for_load(&cfg.timing, cfg.workers, prompt, output, load);
-            Workload {
-                name: name.into(),
-                requests: shape_workload(n, prompt, output, rate, seed),
-                ttft_slo_s,
-            }
+            let mut requests = shape_workload(n, prompt, output, rate, seed);
+            with_max_tokens(&mut requests, seed);
+            Workload { name: name.into(), requests, ttft_slo_s }
         })
         .collect()
 }
 
-/// A Mooncake trace as a workload, its arrivals multiplied by `time_scale` (< 1: faster).
-pub fn trace_workload(name: &str, trace: &Trace, time_scale: f64) -> Workload {
-    let requests = trace
+/// A Mooncake trace as a workload, its arrivals multiplied by `time_scale` (< 1: faster); `max_tokens` as real
+/// clients send it (`with_max_tokens`, seeded by `seed`).
+pub fn trace_workload(name: &str, trace: &Trace, time_scale: f64, seed: u64) -> Workload {
+    let mut requests: Vec<PdRequest> = trace
         .requests
         .iter()
         .map(|r| PdRequest {
@@ -50,8 +52,10 @@ pub fn trace_workload(name: &str, trace: &Trace, time_scale: f64) -> Workload {
             prompt: r.input_length,
             output: r.output_length.max(1),
             blocks: super::worker::block_keys(&r.hash_ids[..r.input_length.div_ceil(BLOCK_TOKENS)]),
+            max_tokens: None,
         })
         .collect();
+    with_max_tokens(&mut requests, seed);
     Workload { name: name.into(), requests, ttft_slo_s: None }
 }
 
@@ -72,16 +76,22 @@ pub fn run(cfg: &PdConfig, workloads: &[Workload], bandwidths_gbps: &[f64]) -> V
             if let Some(t) = w.ttft_slo_s {
                 c.slo.ttft_s = t;
             }
-            let runs: [(&str, bool); 6] = [
-                ("aggregated", true),
-                ("always", false),
-                ("dynamo", false),
-                ("llm_d", false),
-                ("cost_model", false),
-                ("cost_model", true),
+            // Every policy with what the gateway can know; the cost model also with the truth (the oracle rows:
+            // what not knowing the output and the link costs).
+            use Knowledge::{Oracle, Predicted};
+            let runs: [(&str, bool, Knowledge); 8] = [
+                ("aggregated", true, Predicted),
+                ("always", false, Predicted),
+                ("dynamo", false, Predicted),
+                ("llm_d", false, Predicted),
+                ("cost_model", false, Predicted),
+                ("cost_model", false, Oracle),
+                ("cost_model", true, Predicted),
+                ("cost_model", true, Oracle),
             ];
-            for (name, all_both) in runs {
+            for (name, all_both, knowledge) in runs {
                 let policy: Box<dyn SplitPolicy> = split_policy_by_name(name).expect("a known policy");
+                let c = PdConfig { knowledge, ..c.clone() };
                 let result = replay(&w.requests, &c, policy.as_ref(), all_both);
                 rows.push(Row {
                     workload: w.name.clone(),
@@ -98,25 +108,31 @@ pub fn run(cfg: &PdConfig, workloads: &[Workload], bandwidths_gbps: &[f64]) -> V
 /// Markdown rows (docs/benchmarks/pd.md).
 pub fn markdown(rows: &[Row]) -> String {
     let mut s = String::from(
-        "| workload | TTFT SLO s | Gb/s | policy | layout | goodput tok/s | SLO met | TTFT p50 / p99 s | TPOT p50 / p99 ms | split |\n\
-         |---|---:|---:|---|---|---:|---:|---:|---:|---:|\n",
+        "| workload | TTFT SLO s | Gb/s | policy | layout | knows | goodput tok/s | SLO met | TTFT p50 / p99 s | TPOT p50 / p99 ms | split | TTFT error p50 / p99 s | TPOT error p50 / p99 ms | output error p50 |\n\
+         |---|---:|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|\n",
     );
     for r in rows {
         let p = &r.result;
         s.push_str(&format!(
-            "| {} | {} | {} | {} | {} | {:.0} | {:.1}% | {:.2} / {:.2} | {:.1} / {:.1} | {:.0}% |\n",
+            "| {} | {} | {} | {} | {} | {} | {:.0} | {:.1}% | {:.2} / {:.2} | {:.1} / {:.1} | {:.0}% | {:.2} / {:.2} | {:.1} / {:.1} | {:.0}% |\n",
             r.workload,
             r.ttft_slo_s,
             r.bandwidth_gbps,
             p.policy,
             p.layout,
+            p.knowledge.as_str(),
             p.goodput_tokens_per_s,
             p.slo_met_share * 100.0,
             p.ttft_p50_s,
             p.ttft_p99_s,
             p.tpot_p50_s * 1000.0,
             p.tpot_p99_s * 1000.0,
-            p.split_share * 100.0
+            p.split_share * 100.0,
+            p.ttft_error_p50_s,
+            p.ttft_error_p99_s,
+            p.tpot_error_p50_s * 1000.0,
+            p.tpot_error_p99_s * 1000.0,
+            p.output_error_p50 * 100.0
         ));
     }
     s

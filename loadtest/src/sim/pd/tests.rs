@@ -17,11 +17,20 @@ fn cfg(bandwidth_gbps: f64, groups: u32) -> PdConfig {
         export_groups: groups,
         slo: DEFAULT_SLO,
         report_interval_s: 1.0,
+        knowledge: Knowledge::Oracle,
+        bandwidth_prior_bytes_per_s: 10e9 / 8.0,
+        configured_output: 256,
     }
 }
 
 fn lone(prompt: usize, output: usize) -> Vec<PdRequest> {
-    vec![PdRequest { arrival_s: 0.0, prompt, output, blocks: super::worker::block_keys(&[1, 2, 3, 4]) }]
+    vec![PdRequest {
+        arrival_s: 0.0,
+        prompt,
+        output,
+        blocks: super::worker::block_keys(&[1, 2, 3, 4]),
+        max_tokens: Some(output),
+    }]
 }
 
 #[test]
@@ -83,4 +92,25 @@ fn every_policy_finishes_every_request_and_a_workload_is_seeded() {
         assert!(r.slo_met_share > 0.0, "{name}: {r:?}");
         assert!(r.ttft_p99_s.is_finite(), "{name}: {r:?}");
     }
+}
+
+#[test]
+fn the_gateways_knowledge_is_a_prediction_and_its_error_is_measured() {
+    let c = PdConfig { workers: 4, prefill_workers: 1, ..cfg(100.0, 8) };
+    let rate = rate_for_load(&c.timing, c.workers, 4096, 512, 0.8);
+    let mut reqs = shape_workload(300, 4096, 512, rate, 3);
+    with_max_tokens(&mut reqs, 3);
+    let none = reqs.iter().filter(|r| r.max_tokens.is_none()).count();
+    assert!((30..90).contains(&none), "about a fifth send no max_tokens: {none}");
+    assert!(reqs.iter().filter_map(|r| r.max_tokens).all(|m| (1024..=5120).contains(&m)), "2-10x the output");
+    let oracle = replay(&reqs, &c, &CostModel, false);
+    let predicted =
+        replay(&reqs, &PdConfig { knowledge: Knowledge::Predicted, ..c.clone() }, &CostModel, false);
+    assert_eq!((oracle.finished, predicted.finished), (300, 300));
+    assert_eq!(oracle.output_error_p50, 0.0, "the oracle prices the true output");
+    // Every output is 512: once 8 finished, the learned mean is exact; before, max_tokens (2-10x) or the configured
+    // 256 priced them.
+    assert!(predicted.output_error_p50 < 0.01, "{}", predicted.output_error_p50);
+    assert!(predicted.ttft_error_p50_s.is_finite() && predicted.tpot_error_p99_s.is_finite());
+    assert!(predicted.ttft_error_p50_s > 0.0, "a prediction is never exact under load");
 }
