@@ -2,8 +2,9 @@
 //! fewest streams and queued tokens: decode load), the prefill worker P (the least prefill work: queued tokens
 //! plus what it lacks of the prompt, through its tiers), and the measured inputs of both and of the local pick.
 //!
-//! Eligible for either side: a healthy kvgate worker that reports, whose fingerprint is the gateway's, with a known
-//! KV size a token (its engine copies KV blocks; the same on P and D). P also needs a KV transfer listener
+//! Eligible for either side: a healthy kvgate worker whose last report is fresh (under `stale_after`: one that
+//! stopped reporting is not split to, though it stays in the ring until `dead_after`), whose fingerprint is the
+//! gateway's, with a known KV size a token (its engine copies KV blocks; the same on P and D). P also needs a KV transfer listener
 //! (`pd.transfer_addr`); D imports with the report secret it reports with. D: role `decode` or `both`; P: role
 //! `prefill` or `both`; never the same worker. A worker that has not measured a speed yet is
 //! given the mean of the eligible workers that have (none: 0, which the cost model reads as its slowest belief).
@@ -67,7 +68,10 @@ fn transfer_ready<'a>(
 ) -> Option<&'a Worker> {
     let w = &reg.workers()[index[v]];
     let r = w.report.as_ref()?;
-    let ok = views[v].healthy && w.fingerprint_ok == Some(true) && r.pd.kv_bytes_per_token > 0;
+    // Its figures must be fresh: a worker that stopped reporting (stopped, partitioned, overloaded) stays in the
+    // ring until `dead_after`, but a split priced on its old queue and speed would wait on it.
+    let fresh = views[v].speed.report_age_s < reg.config().stale_after.as_secs_f64();
+    let ok = views[v].healthy && fresh && w.fingerprint_ok == Some(true) && r.pd.kv_bytes_per_token > 0;
     ok.then_some(w)
 }
 
