@@ -80,7 +80,10 @@ fn the_command_prints_one_json_object_per_policy_and_refuses_bad_input() {
     let rows: Vec<serde_json::Value> =
         stdout.lines().map(|l| serde_json::from_str(l).expect("one JSON object a line")).collect();
     let policies: Vec<&str> = rows.iter().map(|r| r["policy"].as_str().expect("policy")).collect();
-    assert_eq!(policies, ["cache_aware", "round_robin", "least_load", "consistent_hash"]);
+    assert_eq!(
+        policies,
+        ["cache_aware", "cache_aware_measured", "round_robin", "least_load", "consistent_hash"]
+    );
     for r in &rows {
         for field in [
             "requests",
