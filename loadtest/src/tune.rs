@@ -90,8 +90,9 @@ pub fn load_sets(path: &Path) -> Result<Vec<TraceSpec>, String> {
                 ))
             }
         }
-        if !(t.kv_share > 0.0 && t.kv_share <= 1.0) || !(t.load > 0.0 && t.load.is_finite()) || t.workers == 0
-        {
+        let fleet_ok =
+            t.kv_share > 0.0 && t.kv_share <= 1.0 && t.load > 0.0 && t.load.is_finite() && t.workers > 0;
+        if !fleet_ok {
             return Err(format!("trace {}: kv_share in (0, 1], load > 0 and workers >= 1", t.name));
         }
     }
@@ -125,9 +126,12 @@ pub struct Candidate {
     pub point: Vec<(String, String)>,
 }
 
+/// A grid point: the weights it sets, by name, as given.
+pub type Point = Vec<(String, String)>;
+
 /// Every point of the grid (`NAME=v1,v2,...` each), on top of the defaults; one point (the defaults) when empty.
-pub fn grid(specs: &[String]) -> Result<Vec<(Weights, Vec<(String, String)>)>, String> {
-    let mut points: Vec<Vec<(String, String)>> = vec![Vec::new()];
+pub fn grid(specs: &[String]) -> Result<Vec<(Weights, Point)>, String> {
+    let mut points: Vec<Point> = vec![Vec::new()];
     for s in specs {
         let (k, vs) = s.split_once('=').ok_or_else(|| format!("--grid {s}: expected NAME=V1,V2"))?;
         points = points
