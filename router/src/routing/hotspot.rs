@@ -1,10 +1,10 @@
 //! The hot-spot guard of `cache_aware`: whether the score's winner is too busy to take the request, and where it
 //! goes instead. Two guards, chosen by policy name. The tuning protocol (`kvgate-loadtest tune`, the tune set of
 //! loadtest/traces/sets.toml; figures in docs/benchmarks/routing.md#the-tuning-protocol-43) chose `thresholds`:
-//! `measured` lost on every tune trace, and on every test trace too.
+//! `measured` had the greater loss on every tune trace, and on every test trace too.
 //!
-//! **`measured`** (`cache_aware_measured`, an experiment): the request goes where the fleet predicts it is served soonest,
-//! in seconds, from what the workers measure, counting what the choice costs the requests after it:
+//! **`measured`** (`cache_aware_measured`, an experiment): the request goes where the fleet predicts it is served
+//! soonest, in seconds, from what the workers measure, counting what the choice costs the requests after it:
 //! ```text
 //! rate(w)   = w's measured prefill speed (tokens/s while it prefills; the moving average of its reports), else
 //!             the mean of the fleet's measured speeds, else 1 (every term is then in tokens: same choice when
