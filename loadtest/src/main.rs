@@ -199,6 +199,10 @@ struct SimulateArgs {
     /// Load vs recompute of what the lower tiers hold: auto (the cheaper, from the profile), load, recompute.
     #[arg(long, default_value = "auto")]
     kv_load_policy: String,
+    /// Workers of different KV sizes: worker i of n holds the KV size x (1 + S x (2i / (n - 1) - 1)), the same
+    /// total (0 <= S < 1). Default 0: all equal.
+    #[arg(long, default_value_t = 0.0)]
+    kv_spread: f64,
     /// Run the gateway's admission with its default classes (short / long / reasoning budgets): requests wait
     /// for their class budget before they are routed, as in the gateway. Default off (every request is routed on
     /// arrival).
@@ -295,6 +299,7 @@ fn simulate(a: SimulateArgs) -> Result<(), String> {
     cfg.kv_write_policy = kvgate_worker::kv::WritePolicy::parse(&a.kv_write_policy)?;
     cfg.disk_kv_tokens_per_worker = a.disk_kv_tokens_per_worker;
     cfg.kv_load_policy = kvgate_worker::kv::LoadPolicy::parse(&a.kv_load_policy)?;
+    cfg.kv_spread = a.kv_spread;
     cfg.classes = match (&a.classes, a.admission) {
         (Some(path), _) => load_classes(path)?,
         (None, true) => kvgate_router::admission::default_classes(),

@@ -49,6 +49,9 @@ pub struct TraceSpec {
     pub kv_share: f64,
     #[serde(default = "default_load")]
     pub load: f64,
+    /// Workers of different KV sizes: `SimConfig::kv_spread` (0: all equal).
+    #[serde(default)]
+    pub kv_spread: f64,
     /// Skip the first N requests (arrivals count from the first replayed).
     #[serde(default)]
     pub skip: usize,
@@ -115,7 +118,9 @@ pub fn materialize(
     trace.window(spec.skip, spec.limit);
     let fleet = (trace.distinct_blocks() * TRACE_BLOCK_TOKENS) as f64 * spec.kv_share;
     let kv = ((fleet / spec.workers as f64) as usize).next_multiple_of(16).max(16 * 1024);
-    Ok((trace, SimConfig::new(spec.workers, kv, profile.clone())))
+    let mut cfg = SimConfig::new(spec.workers, kv, profile.clone());
+    cfg.kv_spread = spec.kv_spread;
+    Ok((trace, cfg))
 }
 
 /// A candidate: a policy and the weights it runs with (`point`: the grid values that differ from the defaults).

@@ -144,7 +144,7 @@ impl<'a> Fleet<'a> {
                 let backend = SimBackend::new(cfg.vocab as usize, cfg.profile.max_model_len, Vec::new())
                     .with_timing(cfg.profile.timing, SimClock::Virtual);
                 let engine_cfg = EngineConfig {
-                    num_blocks: cfg.kv_tokens_per_worker / scheme.block_size as usize,
+                    num_blocks: cfg.kv_tokens_of(i) / scheme.block_size as usize,
                     scheme,
                     scheduler: cfg.scheduler.clone(),
                 };

@@ -72,6 +72,9 @@ pub struct SimConfig {
     pub disk_kv_tokens_per_worker: usize,
     /// Load vs recompute (`--kv-load-policy`, default auto: costs from the profile).
     pub kv_load_policy: kvgate_worker::kv::LoadPolicy,
+    /// Workers of different KV sizes (`--kv-spread`, default 0: all equal): worker `i` of `n` holds
+    /// `kv_tokens_per_worker x (1 + kv_spread x (2i / (n - 1) - 1))`, the same total (0..1).
+    pub kv_spread: f64,
 }
 
 impl SimConfig {
@@ -107,7 +110,19 @@ impl SimConfig {
             kv_write_policy: kvgate_worker::kv::WritePolicy::WriteBack,
             disk_kv_tokens_per_worker: 0,
             kv_load_policy: kvgate_worker::kv::LoadPolicy::Auto,
+            kv_spread: 0.0,
         }
+    }
+
+    /// KV tokens worker `i` holds (`kv_spread`), a whole number of blocks.
+    pub fn kv_tokens_of(&self, i: usize) -> usize {
+        let scale = if self.workers > 1 {
+            1.0 + self.kv_spread * (2.0 * i as f64 / (self.workers - 1) as f64 - 1.0)
+        } else {
+            1.0
+        };
+        let b = self.block_size.max(1) as usize;
+        ((self.kv_tokens_per_worker as f64 * scale) as usize / b).max(1) * b
     }
 
     pub fn scheme(&self) -> HashScheme {
@@ -128,6 +143,9 @@ impl SimConfig {
         }
         if self.kv_tokens_per_worker < self.block_size as usize {
             p.push(format!("kv-tokens-per-worker {} holds less than one block", self.kv_tokens_per_worker));
+        }
+        if !(0.0..1.0).contains(&self.kv_spread) {
+            p.push(format!("kv-spread {} is not in 0..1", self.kv_spread));
         }
         if !(self.report_interval_s > 0.0 && self.report_interval_s.is_finite()) {
             p.push("report interval must be > 0".into());
@@ -168,7 +186,7 @@ pub fn prepare(trace: &Trace, cfg: &SimConfig, pace: Pace) -> Result<ReplayPlan,
     if !problems.is_empty() {
         return Err(problems.join("; "));
     }
-    let capacity = cfg.workers * cfg.kv_tokens_per_worker;
+    let capacity: usize = (0..cfg.workers).map(|i| cfg.kv_tokens_of(i)).sum();
     let oracle = oracle::run(trace, capacity, &cfg.scheme(), cfg.vocab);
     let timing = &cfg.profile.timing;
     let offered_work_s: f64 = trace

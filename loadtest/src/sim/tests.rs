@@ -220,3 +220,17 @@ fn a_replica_knows_another_replicas_sends_only_when_they_are_shared() {
     bad.gateway_replicas = 0;
     assert!(bad.validate().iter().any(|p| p.contains("gateway-replicas")));
 }
+
+#[test]
+fn workers_of_different_kv_sizes_keep_the_fleets_total() {
+    let profile = SimProfile::named_or_file("gpu-h100-llama3-8b").expect("profile");
+    let mut cfg = SimConfig::new(8, 100_000, profile);
+    cfg.kv_spread = 0.5;
+    let sizes: Vec<usize> = (0..8).map(|i| cfg.kv_tokens_of(i)).collect();
+    assert_eq!((sizes[0], sizes[7]), (50_000, 150_000), "{sizes:?}");
+    assert!(sizes.windows(2).all(|w| w[0] < w[1]) && sizes.iter().all(|s| s % 16 == 0), "{sizes:?}");
+    let total: usize = sizes.iter().sum();
+    assert!(total.abs_diff(800_000) <= 8 * 16, "{total}");
+    cfg.kv_spread = 1.0;
+    assert!(cfg.validate().iter().any(|p| p.contains("kv-spread")), "a worker of no KV is refused");
+}
