@@ -62,13 +62,13 @@ struct TuneArgs {
 
 fn tune(a: TuneArgs) -> Result<(), String> {
     use kvgate_loadtest::tune;
-    let mut sets = tune::load_sets(&a.sets)?;
+    let mut sets = tune::load_sets(&a.sets).map_err(|e| e.to_string())?;
     if !a.only.is_empty() {
         sets.retain(|t| a.only.contains(&t.name));
     }
     let root = a.sets.parent().and_then(|p| p.parent()).unwrap_or(std::path::Path::new("."));
     let profile = SimProfile::named_or_file(&a.profile)?;
-    let points = tune::grid(&a.grid)?;
+    let points = tune::grid(&a.grid).map_err(|e| e.to_string())?;
     let mut candidates = Vec::new();
     for p in a.policy.split(',').map(str::trim) {
         if !POLICIES.contains(&p) {
@@ -79,7 +79,7 @@ fn tune(a: TuneArgs) -> Result<(), String> {
         }
     }
     let jobs = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let report = tune::run(&sets, root, &profile, &candidates, jobs)?;
+    let report = tune::run(&sets, root, &profile, &candidates, jobs).map_err(|e| e.to_string())?;
     println!("{}", report.markdown());
     Ok(())
 }

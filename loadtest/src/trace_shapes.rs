@@ -144,6 +144,28 @@ fn agent(g: &mut Gen, mut context: Vec<u64>, mut at: f64, turns: usize, limit: u
     }
 }
 
+/// A conversation's shape: ranges (inclusive) of its turns, each user turn's tokens, each answer's tokens and the
+/// seconds between turns.
+struct Chat {
+    turns: (usize, usize),
+    user: (usize, usize),
+    output: (usize, usize),
+    gap_s: (usize, usize),
+}
+
+/// One conversation from `context` at `at`: each turn adds a user turn and asks for an answer, which the next turn,
+/// `gap_s` later, carries in its context.
+fn conversation(g: &mut Gen, mut context: Vec<u64>, at: f64, c: &Chat) {
+    let mut t = at;
+    for _ in 0..g.uniform(c.turns.0, c.turns.1) {
+        context.extend(g.segment(c.user.0, c.user.1));
+        let output = g.uniform(c.output.0, c.output.1);
+        g.push(t, &context, output);
+        context.extend(g.fresh(blocks(output)));
+        t += g.uniform(c.gap_s.0, c.gap_s.1) as f64;
+    }
+}
+
 /// Agent sessions: a 6K-token tool-spec preamble all share, a task of 1-4K, then 3-30 turns growing by answers
 /// and tool results to 20K-100K tokens; 15% of a parent's turns fork a sub-agent (2-6 turns from the parent's
 /// context plus a sub-task). Sessions arrive at 0.5 a second, 150 of them.
@@ -170,15 +192,8 @@ pub fn bursty(seed: u64) -> Trace {
     let mut at = 0.0;
     for _ in 0..400 {
         at += g.exp(1.0);
-        let mut context = system.clone();
-        let mut t = at;
-        for _ in 0..g.uniform(2, 6) {
-            context.extend(g.segment(256, 2_048));
-            let output = g.uniform(64, 512);
-            g.push(t, &context, output);
-            context.extend(g.fresh(blocks(output)));
-            t += g.uniform(20, 60) as f64;
-        }
+        let chat = Chat { turns: (2, 6), user: (256, 2_048), output: (64, 512), gap_s: (20, 60) };
+        conversation(&mut g, system.clone(), at, &chat);
     }
     let mut burst_at = 30.0;
     while burst_at < at {
@@ -203,15 +218,8 @@ pub fn tenants(seed: u64) -> Trace {
     for _ in 0..1_500 {
         at += g.exp(2.0);
         let tenant = g.zipf(prompts.len());
-        let mut context = prompts[tenant].clone();
-        let mut t = at;
-        for _ in 0..g.uniform(1, 4) {
-            context.extend(g.segment(512, 3_072));
-            let output = g.uniform(32, 384);
-            g.push(t, &context, output);
-            context.extend(g.fresh(blocks(output)));
-            t += g.uniform(10, 40) as f64;
-        }
+        let chat = Chat { turns: (1, 4), user: (512, 3_072), output: (32, 384), gap_s: (10, 40) };
+        conversation(&mut g, prompts[tenant].clone(), at, &chat);
     }
     g.finish()
 }

@@ -27,6 +27,24 @@ use crate::sim::{self, Pace, SimConfig, SimResult};
 use crate::trace::{Trace, TRACE_BLOCK_TOKENS};
 use crate::trace_shapes::Shape;
 
+/// Why a tuning run could not be done. None of these goes away on a retry with the same arguments.
+#[derive(Debug, thiserror::Error)]
+pub enum TuneError {
+    /// The sets file is unreadable or one of its entries is invalid.
+    #[error("{path}: {message}")]
+    Sets { path: String, message: String },
+    /// A trace of the sets could not be loaded or generated.
+    #[error("trace {name}: {message}")]
+    Trace { name: String, message: String },
+    #[error("--grid {0}")]
+    Grid(String),
+    /// The simulator refused the fleet or a policy.
+    #[error("replay: {0}")]
+    Replay(String),
+    #[error("no candidates to choose from")]
+    NoCandidates,
+}
+
 /// The two baselines every goal is stated against.
 pub const BASELINES: [&str; 2] = ["least_load", "consistent_hash"];
 
@@ -76,27 +94,35 @@ struct SetsFile {
 }
 
 /// Reads a sets file; every entry must name a file or a known shape with a seed, and a set.
-pub fn load_sets(path: &Path) -> Result<Vec<TraceSpec>, String> {
-    let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
-    let f: SetsFile = toml::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))?;
+pub fn load_sets(path: &Path) -> Result<Vec<TraceSpec>, TuneError> {
+    let bad = |message: String| TuneError::Sets { path: path.display().to_string(), message };
+    let text = std::fs::read_to_string(path).map_err(|e| bad(e.to_string()))?;
+    let f: SetsFile = toml::from_str(&text).map_err(|e| bad(e.to_string()))?;
     for t in &f.trace {
         if t.set != "tune" && t.set != "test" {
-            return Err(format!("trace {}: set must be tune or test, got {:?}", t.name, t.set));
+            return Err(bad(format!("trace {}: set must be tune or test, got {:?}", t.name, t.set)));
         }
         match (&t.file, &t.shape, t.seed) {
             (Some(_), None, None) => {}
             (None, Some(s), Some(_)) if Shape::parse(s).is_some() => {}
             _ => {
-                return Err(format!(
+                return Err(bad(format!(
                     "trace {}: name a file, or a shape (agentic, bursty, tenants, long_document) and a seed",
                     t.name
-                ))
+                )))
             }
         }
-        let fleet_ok =
-            t.kv_share > 0.0 && t.kv_share <= 1.0 && t.load > 0.0 && t.load.is_finite() && t.workers > 0;
+        let fleet_ok = t.kv_share > 0.0
+            && t.kv_share <= 1.0
+            && t.load > 0.0
+            && t.load.is_finite()
+            && t.workers > 0
+            && (0.0..1.0).contains(&t.kv_spread);
         if !fleet_ok {
-            return Err(format!("trace {}: kv_share in (0, 1], load > 0 and workers >= 1", t.name));
+            return Err(bad(format!(
+                "trace {}: kv_share in (0, 1], load > 0, workers >= 1 and kv_spread in [0, 1)",
+                t.name
+            )));
         }
     }
     Ok(f.trace)
@@ -107,13 +133,14 @@ pub fn materialize(
     spec: &TraceSpec,
     root: &Path,
     profile: &SimProfile,
-) -> Result<(Trace, SimConfig), String> {
+) -> Result<(Trace, SimConfig), TuneError> {
+    let bad = |message: String| TuneError::Trace { name: spec.name.clone(), message };
     let mut trace = match (&spec.file, &spec.shape, spec.seed) {
-        (Some(f), _, _) => Trace::load(&root.join(f))?,
+        (Some(f), _, _) => Trace::load(&root.join(f)).map_err(bad)?,
         (None, Some(s), Some(seed)) => {
-            Shape::parse(s).ok_or_else(|| format!("unknown shape {s}"))?.generate(seed)
+            Shape::parse(s).ok_or_else(|| bad(format!("unknown shape {s}")))?.generate(seed)
         }
-        _ => return Err(format!("trace {}: no file or shape", spec.name)),
+        _ => return Err(bad("no file or shape".into())),
     };
     trace.window(spec.skip, spec.limit);
     let fleet = (trace.distinct_blocks() * TRACE_BLOCK_TOKENS) as f64 * spec.kv_share;
@@ -135,10 +162,11 @@ pub struct Candidate {
 pub type Point = Vec<(String, String)>;
 
 /// Every point of the grid (`NAME=v1,v2,...` each), on top of the defaults; one point (the defaults) when empty.
-pub fn grid(specs: &[String]) -> Result<Vec<(Weights, Point)>, String> {
+pub fn grid(specs: &[String]) -> Result<Vec<(Weights, Point)>, TuneError> {
     let mut points: Vec<Point> = vec![Vec::new()];
     for s in specs {
-        let (k, vs) = s.split_once('=').ok_or_else(|| format!("--grid {s}: expected NAME=V1,V2"))?;
+        let (k, vs) =
+            s.split_once('=').ok_or_else(|| TuneError::Grid(format!("{s}: expected NAME=V1,V2")))?;
         points = points
             .into_iter()
             .flat_map(|p| {
@@ -154,12 +182,12 @@ pub fn grid(specs: &[String]) -> Result<Vec<(Weights, Point)>, String> {
         .into_iter()
         .map(|p| {
             let table: String = p.iter().map(|(k, v)| format!("{k} = {v}\n")).collect();
-            let w: Weights = toml::from_str(&table).map_err(|e| format!("--grid: {e}"))?;
+            let w: Weights = toml::from_str(&table).map_err(|e| TuneError::Grid(e.to_string()))?;
             let problems = w.validate();
             if problems.is_empty() {
                 Ok((w, p))
             } else {
-                Err(problems.join("; "))
+                Err(TuneError::Grid(problems.join("; ")))
             }
         })
         .collect()
@@ -208,9 +236,9 @@ pub fn run_trace(
     profile: &SimProfile,
     candidates: &[Candidate],
     jobs: usize,
-) -> Result<TraceRuns, String> {
+) -> Result<TraceRuns, TuneError> {
     let (trace, cfg) = materialize(spec, root, profile)?;
-    let plan = sim::prepare(&trace, &cfg, Pace::TargetLoad(spec.load))?;
+    let plan = sim::prepare(&trace, &cfg, Pace::TargetLoad(spec.load)).map_err(TuneError::Replay)?;
     let mut work: Vec<(String, String, Weights)> =
         candidates.iter().map(|c| (label(c), c.policy.clone(), c.weights)).collect();
     for b in BASELINES {
@@ -235,7 +263,12 @@ pub fn run_trace(
     });
     let mut runs = Vec::with_capacity(work.len());
     for ((name, _, _), slot) in work.into_iter().zip(slots) {
-        let r = slot.into_inner().ok().flatten().unwrap_or_else(|| Err("a replay thread died".into()))?;
+        let r = slot
+            .into_inner()
+            .ok()
+            .flatten()
+            .unwrap_or_else(|| Err("a replay thread died".into()))
+            .map_err(TuneError::Replay)?;
         runs.push((name, r));
     }
     Ok(TraceRuns { spec: spec.clone(), oracle_hit_rate: plan.oracle.hit_rate, runs })
@@ -311,7 +344,7 @@ pub fn run(
     profile: &SimProfile,
     candidates: &[Candidate],
     jobs: usize,
-) -> Result<Report, String> {
+) -> Result<Report, TuneError> {
     let mut tune = Vec::new();
     for spec in sets.iter().filter(|t| t.set == "tune") {
         eprintln!("tune: {}", spec.name);
@@ -329,7 +362,7 @@ pub fn run(
         }
     }
     best.sort_by(|a, b| a.0.total_cmp(&b.0));
-    let pick = best.first().map(|(_, c)| label(c)).ok_or("no candidates")?;
+    let pick = best.first().map(|(_, c)| label(c)).ok_or(TuneError::NoCandidates)?;
     let finalists: Vec<Candidate> = best.iter().map(|(_, c)| (*c).clone()).collect();
     let mut test = Vec::new();
     for spec in sets.iter().filter(|t| t.set == "test") {
@@ -366,15 +399,35 @@ mod tests {
         assert_eq!(g.len(), 4);
         assert!(g.iter().any(|(w, _)| w.w_ring == 0.4 && w.w_load == 1.0));
         assert_eq!(grid(&[]).expect("defaults").len(), 1);
-        let err = grid(&["credit_host=2".into()]).expect_err("out of range");
+        let err = grid(&["credit_host=2".into()]).expect_err("out of range").to_string();
         assert!(err.contains("credit_host"), "{err}");
-        let err = grid(&["nonsense=1".into()]).expect_err("unknown");
+        let err = grid(&["nonsense=1".into()]).expect_err("unknown").to_string();
         assert!(err.contains("nonsense"), "{err}");
     }
 
     fn windows_overlap(a: &TraceSpec, b: &TraceSpec) -> bool {
         let end = |t: &TraceSpec| t.limit.map_or(usize::MAX, |l| t.skip + l);
         a.skip < end(b) && b.skip < end(a)
+    }
+
+    #[test]
+    fn a_bad_sets_file_is_refused_by_name() {
+        let dir = tempfile::tempdir().expect("tmp");
+        let path = dir.path().join("sets.toml");
+        for (body, want) in [
+            ("[[trace]]\nname = \"a\"\nset = \"both\"\nfile = \"x\"\n", "set must be tune or test"),
+            (
+                "[[trace]]\nname = \"a\"\nset = \"tune\"\nshape = \"nope\"\nseed = 1\n",
+                "name a file, or a shape",
+            ),
+            ("[[trace]]\nname = \"a\"\nset = \"tune\"\nfile = \"x\"\nkv_spread = 1.0\n", "kv_spread"),
+            ("[[trace]]\nname = \"a\"\nset = \"tune\"\nfile = \"x\"\nsurprise = 1\n", "surprise"),
+        ] {
+            std::fs::write(&path, body).expect("write");
+            let err = load_sets(&path).expect_err(want).to_string();
+            assert!(err.contains(want), "{err}");
+        }
+        assert!(matches!(load_sets(&dir.path().join("missing.toml")), Err(TuneError::Sets { .. })));
     }
 
     #[test]
