@@ -56,7 +56,9 @@
 //! `credit_host` 0.7, `credit_disk` 0.3 (the tier credits: roughly what a load from that tier saves against a
 //! device hit, before the load-vs-recompute measurements of the KV tiers tune them), `ring_session_bound` 1.1 (chosen on the Mooncake replay and the
 //! multi-turn demo, docs/benchmarks/log.md: with 16384 / 4.0 users sharing a system prompt all piled onto the first worker that
-//! cached it). Every term is logged at debug.
+//! cached it). The tuning protocol's sweep of `w_ring` x `w_load` (docs/benchmarks/routing.md, the tuning protocol)
+//! prefers `w_load` 1.0 to this 0.5: not applied until the pages measured with 0.5 are rerun. Every term is logged
+//! at debug.
 
 use serde::{Deserialize, Serialize};
 
@@ -240,6 +242,8 @@ impl RoutingPolicy for CacheAware {
             t.device as f64 + w.credit_host * t.host() as f64 + w.credit_disk * t.disk() as f64
         };
         let mut rows: Vec<Row> = Vec::with_capacity(workers.len());
+        // The prompt tokens each view would still prefill, a cheap shared prefix counted as held (the guards').
+        let mut uncached_of: Vec<u64> = Vec::with_capacity(workers.len());
         let mut scored: Vec<(f64, u64, usize)> = Vec::with_capacity(healthy.len());
         for (i, wk) in workers.iter().enumerate() {
             let tiers = if wk.healthy { wk.tier_match(req.hashes) } else { TierMatch::default() };
@@ -283,7 +287,8 @@ impl RoutingPolicy for CacheAware {
             // chases it and none is held back by it.
             let saved = saved_blocks(&tiers).max(free_blocks as f64);
             let uncached = req.prompt_tokens.saturating_sub((saved * block_size as f64) as usize) as u64;
-            rows.push(Row { tiers, matched_fraction, ring: ring_term, normalized_load, score, uncached });
+            rows.push(Row { tiers, matched_fraction, ring: ring_term, normalized_load, score });
+            uncached_of.push(uncached);
         }
         let mut ranked = rank(scored);
         let winner = ranked[0];
@@ -298,21 +303,18 @@ impl RoutingPolicy for CacheAware {
             } else {
                 RouteReason::Load
             };
-        let uncached: Vec<u64> = rows.iter().map(|r| r.uncached).collect();
         let guard = Inputs {
             w: &w,
             workers,
             healthy: &healthy,
-            uncached: &uncached,
+            uncached: &uncached_of,
             hub_shared: req.shared_blocks > 0,
         };
-        let predicted = match self.guard {
-            GuardKind::Measured => guard.predicted_s(),
-            GuardKind::Thresholds => vec![0.0; workers.len()],
-        };
-        let target = match self.guard {
-            GuardKind::Measured => guard.measured_target(winner, &predicted),
-            GuardKind::Thresholds => guard.thresholds_target(winner),
+        // The measured guard's seconds per view (the thresholds guard computes none).
+        let predicted = (self.guard == GuardKind::Measured).then(|| guard.predicted_s());
+        let target = match &predicted {
+            Some(j) => guard.measured_target(winner, j),
+            None => guard.thresholds_target(winner),
         };
         if let Some(target) = target {
             ranked.retain(|i| *i != target);
@@ -342,7 +344,7 @@ impl RoutingPolicy for CacheAware {
                     load: wk.load,
                     normalized_load: r.normalized_load,
                     score: r.score,
-                    predicted_s: predicted[i],
+                    predicted_s: predicted.as_ref().map_or(0.0, |p| p[i]),
                 }
             })
             .collect();
@@ -362,8 +364,6 @@ struct Row {
     ring: f64,
     normalized_load: f64,
     score: f64,
-    /// Prompt tokens it would still prefill, a cheap shared prefix counted as held (the hot-spot guard's).
-    uncached: u64,
 }
 
 /// Best first: (score, tie-break, view) ordered by score, then tie-break; in full up to [`FULL_RANK`], else the best
