@@ -11,13 +11,17 @@
 #   scripts/pd-bench.sh [OUT_DIR]   (default target/pd-bench)
 #
 # ROWS (default "aggregated cost_model always": rerun some; the table reads every row's last run), MODEL (default
-# small), WORKLOAD (the loadtest flags), SLO_TTFT_MS / SLO_TPOT_MS (default 5000 / 100: CPU speeds).
+# small), WORKLOAD (the loadtest flags), SLO_TTFT_MS / SLO_TPOT_MS (default 5000 / 100: CPU speeds), ENDING
+# (default `model`: the model ends each request, sampled with a per-request stop set, under a max_tokens of 2-10x
+# the workload's output or none, so the gateway prices splits with its own prediction; `exact`: max_tokens = the
+# output with ignore_eos, the gateway told the true length, as before #43).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT="${1:-target/pd-bench}"
 MODEL="${MODEL:-small}"
 SLO_TTFT_MS="${SLO_TTFT_MS:-5000}"
 SLO_TPOT_MS="${SLO_TPOT_MS:-100}"
+ENDING="${ENDING:-model}"
 WORKLOAD="${WORKLOAD:---workload long-burst --rate 2 --short-tokens 128 --long-tokens 2048 --burst-every 6 --burst-size 2 --burst-duration 36 --output-tokens 48}"
 # shellcheck source=scripts/bench-lib.sh
 . scripts/bench-lib.sh
@@ -54,11 +58,18 @@ run_one() { # name policy layout
     [ "$(curl -s "http://127.0.0.1:$CPORT/kvgate/v1/workers" | python3 -c 'import json,sys; print(sum(1 for w in json.load(sys.stdin) if w["healthy"]))' 2>/dev/null)" = 2 ] && break
     sleep 0.2
   done
+  local ends=()
+  case "$ENDING" in
+    model) ends=(--model-ends "$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["vocab_size"])' "$OUT/synth/config.json")") ;;
+    exact) ;;
+    *) echo "ENDING=$ENDING: expected model or exact" >&2; exit 2 ;;
+  esac
   # shellcheck disable=SC2086
-  "$BIN/kvgate-loadtest" run --target "http://127.0.0.1:$port" --model "kvgate-$MODEL" $WORKLOAD --seed 7 \
+  "$BIN/kvgate-loadtest" run --target "http://127.0.0.1:$port" --model "kvgate-$MODEL" $WORKLOAD "${ends[@]}" --seed 7 \
     --duration 120s --slo-ttft-ms "$SLO_TTFT_MS" --slo-tpot-ms "$SLO_TPOT_MS" --no-progress --out "$log/run" \
     >"$log/run.out" 2>&1 || { cat "$log/run.out" >&2; exit 1; }
-  curl -s "http://127.0.0.1:$CPORT/metrics" | grep '^kvgate_gateway_split_decisions_total' >"$log/decisions" || true
+  curl -s "http://127.0.0.1:$CPORT/metrics" \
+    | grep -E '^kvgate_gateway_split_(decisions_total|prediction_error_seconds_(sum|count))' >"$log/decisions" || true
   cleanup
 }
 
@@ -67,21 +78,29 @@ for row in ${ROWS:-aggregated cost_model always}; do
   echo "done: $row" >&2
 done
 
-python3 - "$OUT" "$SLO_TTFT_MS" "$SLO_TPOT_MS" <<'PY'
+python3 - "$OUT" "$SLO_TTFT_MS" "$SLO_TPOT_MS" "$ENDING" <<'PY'
 import json, os, re, sys
-out, ttft, tpot = sys.argv[1], sys.argv[2], sys.argv[3]
-print(f"SLO: TTFT <= {ttft} ms, TPOT <= {tpot} ms\n")
-print("| fleet | split policy | requests ok | TTFT p50 / p99 ms | TPOT p50 / p99 ms | throughput tok/s | goodput tok/s | decisions |")
-print("|---|---|---|---|---|---|---|---|")
+out, ttft, tpot, ending = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
+print(f"SLO: TTFT <= {ttft} ms, TPOT <= {tpot} ms; requests ended by: {ending}\n")
+print("| fleet | split policy | requests ok | output tokens mean (max) | TTFT p50 / p99 ms | TPOT p50 / p99 ms | throughput tok/s | goodput tok/s | decisions | mean abs prediction error TTFT / TPOT ms |")
+print("|---|---|---|---|---|---|---|---|---|---|")
 for name, fleet in [("aggregated", "2 both"), ("cost_model", "1P+1D"), ("always", "1P+1D")]:
     d = os.path.join(out, name)
     s = json.load(open(os.path.join(d, "run", "results.json")))["runs"][0]["summary"]
-    dec = []
+    recs = [r for r in json.load(open(os.path.join(d, "run", "results.json")))["runs"][0]["records"]
+            if r["status"] == 200 and not r.get("error")]
+    outs = [r["completion_tokens"] for r in recs] or [0]
+    dec, err = [], {}
     for line in open(os.path.join(d, "decisions")):
         m = re.search(r'choice="(\w+)",reason="(\w+)"\} (\S+)', line)
         if m:
             dec.append(f"{m.group(1)}/{m.group(2)} {float(m.group(3)):.0f}")
-    print(f"| {fleet} | {name} | {s['ok']}/{s['requests']} | {s['ttft_p50_ms']:.0f} / {s['ttft_p99_ms']:.0f} | "
+        m = re.search(r'prediction_error_seconds_(sum|count)\{term="(\w+)"\} (\S+)', line)
+        if m:
+            err.setdefault(m.group(2), {})[m.group(1)] = float(m.group(3))
+    mean = lambda t: (f"{1000 * err[t]['sum'] / err[t]['count']:.0f}" if err.get(t, {}).get("count") else "-")
+    print(f"| {fleet} | {name} | {s['ok']}/{s['requests']} | {sum(outs) / len(outs):.1f} ({max(outs)}) | "
+          f"{s['ttft_p50_ms']:.0f} / {s['ttft_p99_ms']:.0f} | "
           f"{s['tpot_p50_ms']:.1f} / {s['tpot_p99_ms']:.1f} | {s['throughput_tokens_per_s']:.1f} | "
-          f"{s['goodput_tokens_per_s']:.1f} | {', '.join(dec) or '-'} |")
+          f"{s['goodput_tokens_per_s']:.1f} | {', '.join(dec) or '-'} | {mean('ttft')} / {mean('tpot')} |")
 PY

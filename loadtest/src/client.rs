@@ -14,6 +14,8 @@ use hyper_util::rt::TokioExecutor;
 use serde::Serialize;
 use serde_json::{json, Value};
 
+use crate::ending::{prompt_key, Ending};
+
 /// What one request measured (a row of `results.json`).
 #[derive(Clone, Debug, Default, PartialEq, Serialize)]
 pub struct RequestRecord {
@@ -96,6 +98,8 @@ pub struct Client {
     turn: Arc<AtomicUsize>,
     pub model: String,
     timeout: Duration,
+    /// How each request's generation ends (what the gateway is told of its length).
+    ending: Ending,
 }
 
 impl Client {
@@ -118,7 +122,14 @@ impl Client {
             turn: Arc::new(AtomicUsize::new(0)),
             model: model.to_owned(),
             timeout,
+            ending: Ending::Exact,
         }
+    }
+
+    /// The same client, its requests ending as `ending` says.
+    pub fn with_ending(mut self, ending: Ending) -> Self {
+        self.ending = ending;
+        self
     }
 
     /// The endpoint of the next request.
@@ -144,7 +155,8 @@ impl Client {
         v["data"][0]["id"].as_str().map(str::to_owned).ok_or_else(|| format!("{url} lists no model: {v}"))
     }
 
-    /// Sends one streamed request; returns its record (id, tag, user, turn and start_s left for the caller) and
+    /// Sends one streamed request of `max_tokens` planned output tokens (sent as `max_tokens` under
+    /// [`Ending::Exact`]; under [`Ending::Model`] the model ends it near there); returns its record (id, tag, user, turn and start_s left for the caller) and
     /// the answer's text.
     pub async fn send(
         &self,
@@ -183,11 +195,10 @@ impl Client {
             Prompt::Text(text) => ("/v1/completions", json!({"prompt": text})),
         };
         body["model"] = json!(self.model);
-        body["max_tokens"] = json!(max_tokens);
+        let key = prompt_key(body.get("prompt").or(body.get("messages")).unwrap_or(&Value::Null));
+        self.ending.apply(&mut body, key, max_tokens);
         body["stream"] = json!(true);
         body["stream_options"] = json!({"include_usage": true});
-        body["temperature"] = json!(0.0);
-        body["ignore_eos"] = json!(true);
         if let Some(u) = user {
             body["user"] = json!(u);
         }

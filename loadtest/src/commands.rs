@@ -9,6 +9,7 @@ use clap::Args;
 use kvgate_shared::duration::parse_duration;
 
 use crate::client::Client;
+use crate::ending::{Ending, ModelEnding};
 use crate::fleet::{default_bin_dir, FleetSpec, LocalFleet, WorkerEngine};
 use crate::report::{summary, Report, RunReport, Slo, Summary};
 use crate::runner::{self, Mode, RunOptions};
@@ -105,9 +106,42 @@ pub struct WorkloadArgs {
     /// refuse token ids (SMG). Default off.
     #[arg(long)]
     pub text_prompts: bool,
+    /// Let the model end each request instead of sending max_tokens = the output length with ignore_eos: sampled
+    /// with a per-request seed and a per-request set of about VOCAB / output stop_token_ids, so lengths spread
+    /// around the output length, under a loose max_tokens or none (see `ending.rs`). VOCAB: the model's vocabulary
+    /// size (8192 for the synthetic `small`). Default off: every request generates exactly its output length.
+    #[arg(long, value_name = "VOCAB")]
+    pub model_ends: Option<u32>,
+    /// With --model-ends: the sampling temperature. Default 16 (the synthetic models' samples spread over the
+    /// vocabulary there).
+    #[arg(long, requires = "model_ends")]
+    pub model_ends_temperature: Option<f32>,
+    /// With --model-ends: max_tokens = output x a factor uniform in [LO, HI]. Default 2,10.
+    #[arg(long, value_name = "LO,HI", value_delimiter = ',', num_args = 2, requires = "model_ends")]
+    pub max_tokens_over: Option<Vec<f64>>,
+    /// With --model-ends: the share of requests sent with no max_tokens. Default 0.1.
+    #[arg(long, requires = "model_ends")]
+    pub no_max_tokens_share: Option<f64>,
 }
 
 impl WorkloadArgs {
+    /// How requests end (`--model-ends` and its companions).
+    pub fn ending(&self) -> Result<Ending, String> {
+        let Some(vocab) = self.model_ends else { return Ok(Ending::Exact) };
+        let mut m = ModelEnding::new(vocab);
+        if let Some(t) = self.model_ends_temperature {
+            m.temperature = t;
+        }
+        if let Some(o) = &self.max_tokens_over {
+            m.over = (o[0], o[1]);
+        }
+        if let Some(f) = self.no_max_tokens_share {
+            m.no_max_share = f;
+        }
+        m.validate()?;
+        Ok(Ending::Model(m))
+    }
+
     /// Builds the plan (seeded: the same arguments give the same requests).
     pub fn plan(&self) -> Result<Plan, String> {
         let rate = self.rate.unwrap_or(2.0);
@@ -272,7 +306,8 @@ pub async fn run(a: RunArgs) -> Result<(), String> {
         None => Client::first_model(&a.target).await?,
     };
     eprintln!("{}: {} requests against {} (model {model})", plan.name, plan.requests(), a.target);
-    let report = run_one("run", Client::new(&a.target, &model, timeout), &plan, opts, slo, None).await;
+    let client = Client::new(&a.target, &model, timeout).with_ending(a.workload.ending()?);
+    let report = run_one("run", client, &plan, opts, slo, None).await;
     let report = Report { workload: plan.name.clone(), command: command_line(), runs: vec![report] };
     finish(&report, &a.limits.out)
 }
@@ -356,6 +391,7 @@ pub async fn compare(a: CompareArgs) -> Result<Vec<Summary>, String> {
         }
     }
     let plan = a.workload.plan()?;
+    let ending = a.workload.ending()?;
     let (mut opts, slo) = a.limits.options(a.workload.mode())?;
     opts.text_prompts = a.workload.text_prompts;
     let mut runs = Vec::new();
@@ -364,7 +400,8 @@ pub async fn compare(a: CompareArgs) -> Result<Vec<Summary>, String> {
         eprintln!("{policy}: starting a gateway and {} {} workers", spec.workers, a.fleet.engine);
         let fleet = LocalFleet::start(&spec).await?;
         eprintln!("{policy}: {} ({} requests)", plan.name, plan.requests());
-        let client = Client::new(&fleet.gateway, &fleet.model, opts.request_timeout);
+        let client =
+            Client::new(&fleet.gateway, &fleet.model, opts.request_timeout).with_ending(ending.clone());
         runs.push(run_one(policy, client, &plan, opts, slo, Some(spec.workers)).await);
         fleet.stop();
     }
@@ -504,6 +541,10 @@ pub async fn demo(a: DemoArgs) -> Result<(), String> {
         burst_size: 0,
         burst_duration: 0.0,
         text_prompts: false,
+        model_ends: None,
+        model_ends_temperature: None,
+        max_tokens_over: None,
+        no_max_tokens_share: None,
     };
     let limits = RunLimits {
         duration: "90s".into(),

@@ -10,6 +10,7 @@
 
 pub mod client;
 pub mod commands;
+pub mod ending;
 pub mod fleet;
 pub mod report;
 pub mod runner;

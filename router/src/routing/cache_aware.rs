@@ -48,7 +48,9 @@
 //!
 //! No prefix is worth queueing behind a hot spot, and a cached prefix counts for what it saves.
 //!
-//! Knobs ([`Weights`], live-changeable): `w_prefix` 1.0, `w_ring` 0.3, `w_load` 0.5, `per_request_tokens` 256,
+//! Knobs ([`Weights`], live-changeable): `w_prefix` 1.0, `w_ring` 0.3, `w_load` 1.0 (chosen by the tuning
+//! protocol's sweep of `w_ring` x `w_load` on the tune set, `kvgate-loadtest tune --grid w_ring=0.15,0.3,0.6 --grid
+//! w_load=0.25,0.5,1.0`, docs/benchmarks/routing.md#the-tuning-protocol-43; it was 0.5), `per_request_tokens` 256,
 //! `load_floor_tokens` 8192, `hotspot_abs_tokens` 1024, `hotspot_ratio` 3.0, `hotspot_waste_factor` 3.0,
 //! `hotspot_copy_tokens` 24576 (only the thresholds guard reads the four `hotspot_*`: chosen by a sweep on
 //! the conversation trace and the synthetic one, docs/benchmarks/log.md, which is why both are now tune-set
@@ -56,9 +58,7 @@
 //! `credit_host` 0.7, `credit_disk` 0.3 (the tier credits: roughly what a load from that tier saves against a
 //! device hit, before the load-vs-recompute measurements of the KV tiers tune them), `ring_session_bound` 1.1 (chosen on the Mooncake replay and the
 //! multi-turn demo, docs/benchmarks/log.md: with 16384 / 4.0 users sharing a system prompt all piled onto the first worker that
-//! cached it). The tuning protocol's sweep of `w_ring` x `w_load` (docs/benchmarks/routing.md, the tuning protocol)
-//! prefers `w_load` 1.0 to this 0.5: not applied until the pages measured with 0.5 are rerun. Every term is logged
-//! at debug.
+//! cached it). Every term is logged at debug.
 
 use serde::{Deserialize, Serialize};
 
@@ -100,7 +100,7 @@ impl Default for Weights {
         Self {
             w_prefix: 1.0,
             w_ring: 0.3,
-            w_load: 0.5,
+            w_load: 1.0,
             per_request_tokens: super::Load::DEFAULT_PER_REQUEST_TOKENS,
             load_floor_tokens: 8192,
             hotspot_abs_tokens: 1024,

@@ -144,12 +144,54 @@ fn cache_aware_uses_the_ring_without_a_prefix_and_skips_unhealthy_workers() {
         .is_none());
 }
 
+/// The guard's tests score with #28's load weight (0.5), under which the score's winner is the worker that holds
+/// the prefix however long its queue, so what they check is the guard's decision. Under the default (1.0) the score
+/// itself leaves a worker whose queue dwarfs the prompt: `the_default_score_leaves_a_queue_that_dwarfs_the_prompt`.
+const GUARD_TEST_WEIGHTS: Weights = Weights {
+    w_prefix: 1.0,
+    w_ring: 0.3,
+    w_load: 0.5,
+    per_request_tokens: crate::routing::Load::DEFAULT_PER_REQUEST_TOKENS,
+    load_floor_tokens: 8192,
+    hotspot_abs_tokens: 1024,
+    hotspot_ratio: 3.0,
+    hotspot_waste_factor: 3.0,
+    hotspot_copy_tokens: 24576,
+    free_shared_tokens: 4096,
+    ring_session_bound: 1.1,
+    credit_host: 0.7,
+    credit_disk: 0.3,
+};
+
+#[test]
+fn the_default_score_leaves_a_queue_that_dwarfs_the_prompt() {
+    // 24,000-token prompt, 20,000 of them cached on w1, which has 100K tokens queued; the others are idle. Waiting
+    // there is 104K tokens of work against 24K anywhere else: the default score sends it elsewhere before the guard
+    // is asked, and keeps it on w1 when the queue is moderate.
+    let req_hashes = hashes(1500, 5);
+    let mut summaries: Vec<Option<CacheSummary>> = vec![None; IDS.len()];
+    summaries[1] = Some(summary_of(&req_hashes[..1250]));
+    let p = CacheAware::new(Weights::default());
+    assert_eq!(Weights { w_load: 0.5, ..Weights::default() }, GUARD_TEST_WEIGHTS);
+    let req =
+        RequestView { hashes: &req_hashes, prompt_tokens: 24_000, session_key: 9, shared_blocks: 0, seq: 1 };
+    let pick = |w1_queue: u64| {
+        let ws = views(&summaries, &[0, w1_queue, 0, 0, 0], &[true; 5]);
+        let d = p.choose(&req, &ws, &ring(), 16).expect("decision");
+        (ws[d.ranked[0]].id, d.reason)
+    };
+    let (to, reason) = pick(100_000);
+    assert_ne!(to, "w1");
+    assert_ne!(reason, RouteReason::Load, "the score moved it, not the guard");
+    assert_eq!(pick(4_000), ("w1", RouteReason::Prefix));
+}
+
 #[test]
 fn hot_spot_guard_overrides_the_prefix() {
     let req_hashes = hashes(40, 3);
     let mut summaries: Vec<Option<CacheSummary>> = vec![None; 5];
     summaries[1] = Some(summary_of(&req_hashes));
-    let p = CacheAware::new(Weights::default());
+    let p = CacheAware::new(GUARD_TEST_WEIGHTS);
     // w1 has the prefix but 100K tokens queued; the others are nearly idle.
     let ws = views(&summaries, &[100, 100_000, 200, 300, 100], &[true; 5]);
     let d = p
@@ -204,7 +246,7 @@ fn a_move_that_costs_no_cache_follows_the_queue_unless_the_ring_may_gather_a_fam
     let key = (0u64..)
         .find(|k| ring().primary_backup(*k, |_| true).0.as_deref() == Some(IDS[0]))
         .expect("some key lands on the first worker");
-    let p = CacheAware::new(Weights::default());
+    let p = CacheAware::new(GUARD_TEST_WEIGHTS);
     // Every worker is busy, the ring primary most: the score still picks the primary (its ring term outweighs
     // 0.5 x its 23% higher load), and nothing is cached anywhere.
     let ws = views(&summaries, &[130_000, 100_000, 100_000, 100_000, 100_000], &[true; 5]);
@@ -230,7 +272,7 @@ fn a_move_that_gives_up_cached_tokens_must_save_more_the_busier_the_fleet() {
     let req_hashes = hashes(1500, 5);
     let mut summaries: Vec<Option<CacheSummary>> = vec![None; IDS.len()];
     summaries[1] = Some(summary_of(&req_hashes[..1250]));
-    let p = CacheAware::new(Weights { w_ring: 0.0, ..Weights::default() });
+    let p = CacheAware::new(Weights { w_ring: 0.0, ..GUARD_TEST_WEIGHTS });
     let req =
         RequestView { hashes: &req_hashes, prompt_tokens: 24_000, session_key: 9, shared_blocks: 0, seq: 1 };
     let pick = |w1_queue: u64, others: u64| {
@@ -407,7 +449,7 @@ fn the_measured_guard_moves_when_the_predicted_seconds_say_so() {
     let req_hashes = hashes(1500, 5);
     let mut summaries: Vec<Option<CacheSummary>> = vec![None; IDS.len()];
     summaries[1] = Some(summary_of(&req_hashes[..1250]));
-    let p = measured_guard(Weights { w_ring: 0.0, ..Weights::default() });
+    let p = measured_guard(Weights { w_ring: 0.0, ..GUARD_TEST_WEIGHTS });
     let req =
         RequestView { hashes: &req_hashes, prompt_tokens: 24_000, session_key: 9, shared_blocks: 0, seq: 1 };
     let pick = |w1_queue: u64, busy: f64, age: f64| {

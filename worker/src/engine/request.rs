@@ -18,7 +18,8 @@ pub struct SamplingParams {
     pub top_k: u32,
     /// Seed of this request's sampling stream; `None` = seeded from the request id.
     pub seed: Option<u64>,
-    /// Extra token ids that end generation (the EOS ids of the model always do, unless `ignore_eos`).
+    /// Extra token ids that end generation (the EOS ids of the model always do, unless `ignore_eos`); at most
+    /// [`MAX_STOP_TOKEN_IDS`].
     pub stop_token_ids: Vec<u32>,
     /// Strings that end generation when they appear in the output text.
     pub stop: Vec<String>,
@@ -44,6 +45,9 @@ pub const MAX_TOP_LOGPROBS: u32 = 20;
 
 /// Most tokens one request's `logit_bias` may name (OpenAI's limit).
 pub const MAX_LOGIT_BIAS: usize = 300;
+
+/// Most ids one request's `stop_token_ids` may name (each generated token is looked up in them).
+pub const MAX_STOP_TOKEN_IDS: usize = 2048;
 
 impl Default for SamplingParams {
     fn default() -> Self {
@@ -102,6 +106,9 @@ impl SamplingParams {
         }
         if self.logit_bias.len() > MAX_LOGIT_BIAS {
             return Err(("logit_bias", format!("at most {MAX_LOGIT_BIAS} tokens")));
+        }
+        if self.stop_token_ids.len() > MAX_STOP_TOKEN_IDS {
+            return Err(("stop_token_ids", format!("at most {MAX_STOP_TOKEN_IDS} ids")));
         }
         if self.logprobs.is_some_and(|n| n > MAX_TOP_LOGPROBS) {
             return Err(("top_logprobs", format!("at most {MAX_TOP_LOGPROBS}")));
@@ -332,5 +339,22 @@ impl ImportState {
     /// Whether every declared block and layer has arrived.
     pub fn complete(&self) -> bool {
         self.missing == 0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lists_past_their_limits_are_refused_by_field() {
+        let ok = SamplingParams { stop_token_ids: vec![7; MAX_STOP_TOKEN_IDS], ..SamplingParams::default() };
+        assert!(ok.validate().is_ok());
+        let p =
+            SamplingParams { stop_token_ids: vec![7; MAX_STOP_TOKEN_IDS + 1], ..SamplingParams::default() };
+        assert_eq!(p.validate().unwrap_err().0, "stop_token_ids");
+        let p =
+            SamplingParams { logit_bias: vec![(1, 1.0); MAX_LOGIT_BIAS + 1], ..SamplingParams::default() };
+        assert_eq!(p.validate().unwrap_err().0, "logit_bias");
     }
 }
