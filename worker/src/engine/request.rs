@@ -352,9 +352,9 @@ mod tests {
         assert!(ok.validate().is_ok());
         let p =
             SamplingParams { stop_token_ids: vec![7; MAX_STOP_TOKEN_IDS + 1], ..SamplingParams::default() };
-        assert_eq!(p.validate().unwrap_err().0, "stop_token_ids");
+        assert_eq!(p.validate().expect_err("over the limit").0, "stop_token_ids");
         let p =
             SamplingParams { logit_bias: vec![(1, 1.0); MAX_LOGIT_BIAS + 1], ..SamplingParams::default() };
-        assert_eq!(p.validate().unwrap_err().0, "logit_bias");
+        assert_eq!(p.validate().expect_err("over the limit").0, "logit_bias");
     }
 }
