@@ -44,9 +44,10 @@ WORKLOADS = {
 }
 ROUTERS = ["kvgate-events", "kvgate-approximate", "vllm-router-kv_aware", "vllm-router-cache_aware",
            "smg-cache_aware"]
-# A diagnostic row, not a default: kvgate on events with `free_shared_tokens` 0 (a shared prefix of any length is
-# credited), to show what that knob costs on these pods (docs/benchmarks/peers.md).
-DIAGNOSTIC = {"kvgate-events-free0": "[weights]\nfree_shared_tokens = 0\n"}
+# A diagnostic row, not a default: kvgate on events with the weights before #43's tuning protocol chose them
+# (`w_load` 0.5, `free_shared_tokens` 4096: a shared prefix of at most 4,096 tokens earned no credit), to show what
+# that choice changes on these pods (docs/benchmarks/peers.md).
+DIAGNOSTIC = {"kvgate-events-before43": "[weights]\nw_load = 0.5\nfree_shared_tokens = 4096\n"}
 
 
 def free_port():

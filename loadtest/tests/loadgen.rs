@@ -57,8 +57,8 @@ fn compare_measures_each_policy_on_a_shared_prefix_workload() {
         "6",
         "--prompts-per-group",
         "5",
-        // Over cache_aware's free_shared_tokens (4,096): a group prompt worth keeping together. (A cheaper one is
-        // spread on purpose, as a common system prompt is, and may then hit no more often than round_robin.)
+        // A group prompt worth keeping together (5,120 tokens: over 4,096, so also with a positive
+        // free_shared_tokens, which spreads a cheaper one on purpose, as a common system prompt).
         "--system-tokens",
         "5120",
         "--question-tokens",

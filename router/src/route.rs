@@ -17,7 +17,7 @@ use std::time::Instant;
 
 use kvgate_shared::hashing::BlockHash;
 
-use crate::registry::{Registry, SentTicket, WorkerRef};
+use crate::registry::{Registry, RootStarts, SentTicket, WorkerRef};
 use crate::routing::least_load::LeastLoad;
 use crate::routing::{RequestView, RouteReason, RoutingPolicy, ScoreTerms};
 use crate::split::plan::{plan, SplitAsk, SplitPlan};
@@ -150,7 +150,7 @@ impl Router {
         let pick_tokens = if routed.is_split() { 0 } else { routed.uncached_tokens };
         routed.ticket = Some(reg.record_sent(pick, input.hashes, pick_tokens, now));
         reg.record_session(pick, input.session_key, now);
-        let first = self.first_credited(input, seq);
+        let first = self.root_starts(input, seq);
         reg.record_root(pick, input.hashes, first);
         if let Some(p) = routed.prefill.as_ref().and_then(|p| reg.find(p.wref)) {
             routed.prefill_ticket = Some(reg.record_sent(p, input.hashes, routed.uncached_tokens, now));
@@ -202,12 +202,12 @@ impl Router {
             .map_or(0, |v| views[v].tier_match(input.hashes).through_disk * input.block_size);
         let uncached = input.prompt_tokens.saturating_sub(held) as u64;
         let ticket = reg.record_sent(i, input.hashes, uncached, now);
-        reg.record_root(i, input.hashes, self.first_credited(input, 0));
+        reg.record_root(i, input.hashes, self.root_starts(input, 0));
         Some((ticket, uncached))
     }
 
-    /// The policy's first credited block of the request (`RoutingPolicy::prefix_root`).
-    fn first_credited(&self, input: &RouteInput<'_>, seq: u64) -> Option<usize> {
+    /// Where the request's roots start ([`root_starts`]).
+    fn root_starts(&self, input: &RouteInput<'_>, seq: u64) -> RootStarts {
         let req = RequestView {
             hashes: input.hashes,
             prompt_tokens: input.prompt_tokens,
@@ -215,8 +215,20 @@ impl Router {
             shared_blocks: input.shared_blocks,
             seq,
         };
-        self.policy.prefix_root(&req, input.block_size)
+        root_starts(self.policy.as_ref(), &req, input)
     }
+}
+
+/// Where a request's roots start (`registry/roots.rs`): the policy's first credited block
+/// (`RoutingPolicy::prefix_root`), and, when the policy credits a prefix other conversations share, the first block
+/// past it too: a shared system prompt is held by most workers, so its root names no conversation's holder (the
+/// holders kept under a root are bounded), while the conversation's own first block does.
+fn root_starts(policy: &dyn RoutingPolicy, req: &RequestView<'_>, input: &RouteInput<'_>) -> RootStarts {
+    let first = policy.prefix_root(req, input.block_size);
+    let past_shared = first
+        .filter(|f| *f < input.shared_blocks && input.shared_blocks < input.hashes.len())
+        .map(|_| input.shared_blocks);
+    [first, past_shared]
 }
 
 fn prefill_workers_last(
@@ -271,8 +283,9 @@ fn decide(
         shared_blocks: input.shared_blocks,
         seq,
     };
-    let first = policy.prefix_root(&req, input.block_size);
-    let (views, registry_index) = reg.focused_views(input.model, input.hashes, input.session_key, first, now);
+    let starts = root_starts(policy, &req, input);
+    let (views, registry_index) =
+        reg.focused_views(input.model, input.hashes, input.session_key, starts, now);
     let mut d = policy.choose(&req, &views, reg.ring(), input.block_size)?;
     prefill_workers_last(reg, &registry_index, &views, input, &mut d);
     let considered = split.and_then(|ask| plan(reg, &views, &registry_index, *d.ranked.first()?, input, ask));

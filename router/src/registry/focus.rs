@@ -16,17 +16,22 @@ use kvgate_shared::hashing::BlockHash;
 use kvgate_shared::report::Tier;
 
 use super::{roots, Registry};
+
+/// Where a request's roots start, as block numbers: the policy's first credited block and the first block past a
+/// credited shared prefix (either may be absent).
+pub type RootStarts = [Option<usize>; 2];
 use crate::routing::{Load, PrefixSignal, WorkerView};
 
 impl Registry {
     /// [`Registry::views`], with the caches of the focus only when the model has more than `full_scan_workers`
-    /// workers. `first_credited`: the policy's first credited block (`RoutingPolicy::prefix_root`).
+    /// workers. `starts`: where the request's roots start (the policy's first credited block, and the first block
+    /// past a credited shared prefix; `route.rs`).
     pub fn focused_views(
         &self,
         model: &str,
         hashes: &[BlockHash],
         session: u64,
-        first_credited: Option<usize>,
+        starts: RootStarts,
         now: Instant,
     ) -> (Vec<WorkerView<'_>>, Vec<usize>) {
         let of_model = |w: &super::Worker| w.model.as_deref().is_none_or(|m| m == model);
@@ -37,7 +42,7 @@ impl Registry {
         // Health and load once per worker (None: another model's).
         let state: Vec<Option<(bool, Load)>> =
             self.workers.iter().map(|w| of_model(w).then(|| (self.healthy(w, now), w.load(now)))).collect();
-        let focus = self.focus(hashes, session, first_credited, &state);
+        let focus = self.focus(hashes, session, starts, &state);
         let mut views = Vec::with_capacity(n);
         let mut registry_index = Vec::with_capacity(n);
         for (i, w) in self.workers.iter().enumerate() {
@@ -72,11 +77,11 @@ impl Registry {
         &self,
         hashes: &[BlockHash],
         session: u64,
-        first: Option<usize>,
+        starts: RootStarts,
         state: &[Option<(bool, Load)>],
     ) -> Vec<bool> {
         let mut focus = vec![false; self.workers.len()];
-        if let Some(at) = first.and_then(|f| roots::root_block(f, hashes.len())) {
+        for at in starts.iter().flatten().filter_map(|f| roots::root_block(*f, hashes.len())) {
             for uid in self.roots.holders(hashes[at]) {
                 if let Some(&i) = self.by_uid.get(uid) {
                     focus[i] = true;
@@ -144,15 +149,13 @@ impl Registry {
         }
     }
 
-    /// Enters worker `i` under the request's root (a request was sent there); `first_credited` as in
+    /// Enters worker `i` under the request's roots (a request was sent there); `starts` as in
     /// [`Registry::focused_views`].
-    pub fn record_root(&mut self, i: usize, hashes: &[BlockHash], first_credited: Option<usize>) {
-        let (Some(at), Some(w)) =
-            (first_credited.and_then(|f| roots::root_block(f, hashes.len())), self.workers.get(i))
-        else {
-            return;
-        };
-        self.roots.add(hashes, at, w.uid);
+    pub fn record_root(&mut self, i: usize, hashes: &[BlockHash], starts: RootStarts) {
+        let Some(uid) = self.workers.get(i).map(|w| w.uid) else { return };
+        for at in starts.iter().flatten().filter_map(|f| roots::root_block(*f, hashes.len())) {
+            self.roots.add(hashes, at, uid);
+        }
     }
 
     /// Roots remembered now.

@@ -86,7 +86,7 @@ fn a_report_that_holds_a_root_puts_its_worker_in_the_focus_and_the_pick_is_the_f
         }
     }
     // A worker out of the focus while the root is unknown (not on the ring's first workers nor least loaded).
-    let (views, index) = big.focused_views("m", &conv, 5, Some(SHARED), now);
+    let (views, index) = big.focused_views("m", &conv, 5, [Some(0), Some(SHARED)], now);
     let with_summary = views.iter().filter(|v| v.summary.is_some()).count();
     assert!(with_summary <= 8 + 2 + 8, "{with_summary} views have summaries");
     let h = index[views.iter().position(|v| v.summary.is_none()).expect("one out of focus")];
@@ -99,11 +99,12 @@ fn a_report_that_holds_a_root_puts_its_worker_in_the_focus_and_the_pick_is_the_f
     // The full scan finds it at once.
     let want = router.dry_run(&full, &input(&conv, 5), 3, now).expect("routed");
     assert_eq!(want.candidates[0].id, id);
-    // The focused fleet has never seen this root: the first request goes by ring and load; the root is learnt
-    // with its pick.
+    // The focused fleet has never seen this root: the first request goes by ring and load; the roots are learnt
+    // with its pick: the credited shared prompt's (every worker holds it, so it names no conversation's holder) and
+    // the conversation's own, past the shared prompt.
     let first = router.route(&mut big, &input(&conv, 5), 3, now).expect("routed");
     assert_ne!(first.candidates[0].id, id);
-    assert_eq!(big.roots_len(), 1);
+    assert_eq!(big.roots_len(), 2);
     // The holder's next report is checked against the root: from then on the pick is the full scan's.
     let later = now + Duration::from_secs(4);
     big.ingest(report(k, 3, &[&conv]), Some(7), later);

@@ -16,6 +16,7 @@
 pub mod approx;
 pub mod event_index;
 mod focus;
+pub use focus::RootStarts;
 pub mod kv_events;
 mod metrics;
 pub mod pd;

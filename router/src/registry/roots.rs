@@ -2,10 +2,12 @@
 //! those workers only, not of every worker (`Registry::views` with a focus, past
 //! `RegistryConfig::full_scan_workers`).
 //!
-//! A prompt's **root** is the first block the policy credits a match for (past a cheap shared system prompt:
-//! `RoutingPolicy::prefix_root`), moved up to the next overlay point (every [`Overlay::STRIDE`]th block, the points
-//! sends are shared by between replicas), or to the prompt's last block. Chained hashes make it a prefix: a worker
-//! without the root holds nothing past the shared prompt that the policy would credit.
+//! A prompt's **root** is the first block the policy credits a match for (past a shared system prompt the policy
+//! does not credit: `RoutingPolicy::prefix_root`), moved up to the next overlay point (every [`Overlay::STRIDE`]th
+//! block, the points sends are shared by between replicas), or to the prompt's last block. Chained hashes make it a
+//! prefix: a worker without the root holds nothing past it that the policy would credit. When the policy credits a
+//! prefix other conversations share, the prompt has a second root, the first block past that prefix
+//! (`route.rs`'s `root_starts`): most workers hold a shared prompt, and a root keeps at most [`MAX_HOLDERS`].
 //!
 //! A worker is entered under a root when a request with it is sent there (by this gateway, or by another replica
 //! through shared sends), and when one of its reports' summaries (any tier) holds the root: every report is checked

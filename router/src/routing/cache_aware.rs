@@ -14,9 +14,9 @@
 //!                     worth less than one in the device pool: loading takes time), less the prompt's shared
 //!                     prefix when that prefix is cheap: if the leading
 //!                     blocks other conversations share (a common system prompt, found by the ring-key sketch)
-//!                     are at most free_shared_tokens long, they earn no credit. Every worker holds such a prefix
-//!                     after its first request with it, so it must not pull every new conversation to the first
-//!                     worker that cached it; a long shared document (over the threshold) is worth routing to.
+//!                     are at most free_shared_tokens long, they earn no credit (default 0: every shared prefix
+//!                     is credited, and the load term keeps new conversations from piling onto the first worker
+//!                     that cached a system prompt; a positive value spreads such prompts on purpose).
 //! ring(w)             = 1 if w is the session's primary, 0.5 if its backup, else 0
 //!     primary/backup: the first two workers on the ring walk from the session key that are healthy and either
 //!                     hold the conversation already or have fewer than
@@ -54,7 +54,11 @@
 //! `load_floor_tokens` 8192, `hotspot_abs_tokens` 1024, `hotspot_ratio` 3.0, `hotspot_waste_factor` 3.0,
 //! `hotspot_copy_tokens` 24576 (only the thresholds guard reads the four `hotspot_*`: chosen by a sweep on
 //! the conversation trace and the synthetic one, docs/benchmarks/log.md, which is why both are now tune-set
-//! traces, loadtest/traces/sets.toml), `free_shared_tokens` 4096,
+//! traces, loadtest/traces/sets.toml), `free_shared_tokens` 0 (every shared prefix is credited; with `w_load` the
+//! joint pick of the tuning protocol, `kvgate-loadtest tune --grid free_shared_tokens=0,4096 --grid
+//! w_load=0.5,0.75,1.0,1.25`; it was 4096, which kept the pile-up of new conversations on the first worker to cache a
+//! short system prompt in check under `w_load` 0.5; under 1.0 the load term does that: the shared-system-prompt
+//! test's max/mean is 1.02 at 2K shared tokens with 0),
 //! `credit_host` 0.7, `credit_disk` 0.3 (the tier credits: roughly what a load from that tier saves against a
 //! device hit, before the load-vs-recompute measurements of the KV tiers tune them), `ring_session_bound` 1.1 (chosen on the Mooncake replay and the
 //! multi-turn demo, docs/benchmarks/log.md: with 16384 / 4.0 users sharing a system prompt all piled onto the first worker that
@@ -107,7 +111,7 @@ impl Default for Weights {
             hotspot_ratio: 3.0,
             hotspot_waste_factor: 3.0,
             hotspot_copy_tokens: 24576,
-            free_shared_tokens: 4096,
+            free_shared_tokens: 0,
             ring_session_bound: 1.1,
             credit_host: 0.7,
             credit_disk: 0.3,

@@ -144,8 +144,8 @@ fn cache_aware_uses_the_ring_without_a_prefix_and_skips_unhealthy_workers() {
         .is_none());
 }
 
-/// The guard's tests score with #28's load weight (0.5), under which the score's winner is the worker that holds
-/// the prefix however long its queue, so what they check is the guard's decision. Under the default (1.0) the score
+/// The guard's tests score with #28's load weight (0.5) and shared-prefix threshold (4096), under which the score's
+/// winner is the worker that holds the prefix however long its queue, so what they check is the guard's decision. Under the default (1.0) the score
 /// itself leaves a worker whose queue dwarfs the prompt: `the_default_score_leaves_a_queue_that_dwarfs_the_prompt`.
 const GUARD_TEST_WEIGHTS: Weights = Weights {
     w_prefix: 1.0,
@@ -172,7 +172,7 @@ fn the_default_score_leaves_a_queue_that_dwarfs_the_prompt() {
     let mut summaries: Vec<Option<CacheSummary>> = vec![None; IDS.len()];
     summaries[1] = Some(summary_of(&req_hashes[..1250]));
     let p = CacheAware::new(Weights::default());
-    assert_eq!(Weights { w_load: 0.5, ..Weights::default() }, GUARD_TEST_WEIGHTS);
+    assert_eq!(Weights { w_load: 0.5, free_shared_tokens: 4096, ..Weights::default() }, GUARD_TEST_WEIGHTS);
     let req =
         RequestView { hashes: &req_hashes, prompt_tokens: 24_000, session_key: 9, shared_blocks: 0, seq: 1 };
     let pick = |w1_queue: u64| {
@@ -414,9 +414,10 @@ fn lower_tiers_extend_the_match_and_earn_their_credit() {
     // Device-only credit (lower tiers worth nothing): the device copy wins.
     let (pick, ..) = score(Weights { w_ring: 0.0, credit_host: 0.0, credit_disk: 0.0, ..Weights::default() });
     assert_eq!(pick, "w0");
-    // A cheap shared prefix of 8 blocks earns nothing in any tier.
+    // With a positive `free_shared_tokens` a cheap shared prefix of 8 blocks earns nothing in any tier (the
+    // default, 0, credits every shared prefix).
     let shared = RequestView { shared_blocks: 8, ..req.clone() };
-    let d = CacheAware::new(Weights { w_ring: 0.0, ..Weights::default() })
+    let d = CacheAware::new(Weights { w_ring: 0.0, free_shared_tokens: 4096, ..Weights::default() })
         .choose(&shared, &ws, &ring(), 16)
         .expect("decision");
     assert!((d.terms[3].matched_fraction - (5.6 + 4.8) / 32.0).abs() < 1e-12, "{:?}", d.terms[3]);
