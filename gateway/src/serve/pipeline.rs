@@ -276,8 +276,9 @@ pub async fn forward(
     let out = Outbound::new(state, session, p);
     let routed = &r.routed;
     let split = routed.split.as_ref().filter(|_| routed.is_split());
-    // What the split decision predicted for the option taken (the first attempt's; a fallback is not it).
-    let predicted = routed.split.as_ref().map(|s| {
+    // What the split decision predicted for the option taken (the first attempt's; a fallback is not it), when
+    // it had measured speeds to predict with.
+    let predicted = routed.split.as_ref().filter(|s| s.speed_measured).map(|s| {
         let o = if routed.is_split() { s.decision.terms.split } else { s.decision.terms.local };
         (o.ttft_s, o.tpot_s)
     });

@@ -56,6 +56,10 @@ pub struct SplitPlan {
     pub peer: String,
     /// The pair's rate was measured (false: the prior).
     pub bandwidth_measured: bool,
+    /// Some eligible worker has measured a prefill speed, so every side's is measured or the fleet's mean (false:
+    /// none has yet, and every prefill is priced at the cost model's slowest belief: its predicted TTFT is no
+    /// prediction, and `kvgate_gateway_split_prediction_error_seconds` leaves it out).
+    pub speed_measured: bool,
     pub input: SplitInput,
     pub decision: SplitDecision,
 }
@@ -172,6 +176,7 @@ pub fn plan(
         decode_worker: d.id.clone(),
         peer,
         bandwidth_measured: measured.is_some(),
+        speed_measured: rate_prior > 0.0,
         input,
         decision,
     })

@@ -92,6 +92,7 @@ fn a_split_goes_to_the_decode_worker_and_charges_the_prefill_to_the_prefill_work
     let plan = r.split.as_ref().expect("considered");
     assert_eq!((plan.decision.choice, plan.decision.reason), (super::Choice::Split, "slo"), "{plan:?}");
     assert!(plan.bandwidth_measured && (plan.input.bandwidth_bytes_per_s - 4e9).abs() < 1.0);
+    assert!(plan.speed_measured);
     assert_eq!(
         (plan.prefill_worker.as_str(), plan.decode_worker.as_str(), plan.peer.as_str()),
         ("p", "d", "p:9100")
@@ -179,4 +180,24 @@ fn the_pairs_no_transfer_measured_are_named_for_a_probe() {
     r.seq = 2;
     reg.ingest(r, fp, now);
     assert!(reg.unmeasured_links(now, 8).is_empty());
+}
+
+#[test]
+fn a_plan_before_any_measured_prefill_speed_says_so() {
+    // Freshly started workers have reported no prefill yet: every prefill is priced at the cost model's slowest
+    // belief, and the plan says its prediction is none (the gateway does not score it against the outcome).
+    let now = Instant::now();
+    let mut reg = Registry::new(RegistryConfig::default());
+    let fp = Some(scheme().fingerprint());
+    for (id, role) in [("p", Role::Prefill), ("d", Role::Decode), ("b", Role::Both)] {
+        let mut r = report(id, role, 0.0, vec![]);
+        r.pd.timing.prefill_tokens_per_s = 0.0;
+        reg.ingest(r, fp, now);
+    }
+    let router = Router::new(policy_by_name("cache_aware", Weights::default()).expect("policy"));
+    let hashes = prompt();
+    let r = router.route_split(&mut reg, &input(&hashes), 3, Some(&ask(&CostModel)), now).expect("routed");
+    let plan = r.split.as_ref().expect("considered");
+    assert!(!plan.speed_measured);
+    assert!(plan.decision.terms.local.ttft_s >= 1024.0, "the floor belief, 1 token/s: {plan:?}");
 }
