@@ -138,7 +138,7 @@ impl WorkloadArgs {
         if let Some(f) = self.no_max_tokens_share {
             m.no_max_share = f;
         }
-        m.validate()?;
+        m.validate().map_err(|e| e.to_string())?;
         Ok(Ending::Model(m))
     }
 

@@ -50,23 +50,36 @@ impl ModelEnding {
         Self { vocab, temperature: 16.0, over: (2.0, 10.0), no_max_share: 0.1 }
     }
 
-    /// Refuses shapes that cannot work, by field.
-    pub fn validate(&self) -> Result<(), String> {
+    /// Refuses shapes that cannot work, naming the flag.
+    pub fn validate(&self) -> Result<(), EndingError> {
         if self.vocab < 2 {
-            return Err(format!("--model-ends {}: the vocabulary must have at least 2 tokens", self.vocab));
+            return Err(EndingError::Vocab(self.vocab));
         }
         let (lo, hi) = self.over;
         if !(lo.is_finite() && hi.is_finite() && 1.0 <= lo && lo <= hi) {
-            return Err(format!("--max-tokens-over {lo},{hi}: expected 1 <= LO <= HI"));
+            return Err(EndingError::Over(lo, hi));
         }
         if !(0.0..=1.0).contains(&self.no_max_share) {
-            return Err(format!("--no-max-tokens-share {}: expected a share in [0, 1]", self.no_max_share));
+            return Err(EndingError::NoMaxShare(self.no_max_share));
         }
         if !(self.temperature.is_finite() && self.temperature > 0.0) {
-            return Err(format!("--model-ends-temperature {}: expected > 0", self.temperature));
+            return Err(EndingError::Temperature(self.temperature));
         }
         Ok(())
     }
+}
+
+/// A [`ModelEnding`] that cannot work (a usage error: fix the flag and run again).
+#[derive(Debug, PartialEq, thiserror::Error)]
+pub enum EndingError {
+    #[error("--model-ends {0}: the vocabulary must have at least 2 tokens")]
+    Vocab(u32),
+    #[error("--max-tokens-over {0},{1}: expected 1 <= LO <= HI")]
+    Over(f64, f64),
+    #[error("--no-max-tokens-share {0}: expected a share in [0, 1]")]
+    NoMaxShare(f64),
+    #[error("--model-ends-temperature {0}: expected > 0")]
+    Temperature(f32),
 }
 
 /// A stable 64-bit key of a request body's prompt (FNV-1a over its JSON).
@@ -177,7 +190,7 @@ mod tests {
         let bad = |f: fn(&mut ModelEnding), flag: &str| {
             let mut m = ModelEnding::new(8192);
             f(&mut m);
-            assert!(m.validate().expect_err(flag).contains(flag));
+            assert!(m.validate().expect_err(flag).to_string().contains(flag));
         };
         bad(|m| m.over = (0.5, 2.0), "--max-tokens-over");
         bad(|m| m.over = (3.0, 2.0), "--max-tokens-over");
