@@ -9,7 +9,7 @@ use clap::Args;
 use kvgate_shared::duration::parse_duration;
 
 use crate::client::Client;
-use crate::ending::{Ending, ModelEnding};
+use crate::ending::{Ending, EndingError, ModelEnding};
 use crate::fleet::{default_bin_dir, FleetSpec, LocalFleet, WorkerEngine};
 use crate::report::{summary, Report, RunReport, Slo, Summary};
 use crate::runner::{self, Mode, RunOptions};
@@ -126,7 +126,7 @@ pub struct WorkloadArgs {
 
 impl WorkloadArgs {
     /// How requests end (`--model-ends` and its companions).
-    pub fn ending(&self) -> Result<Ending, String> {
+    pub fn ending(&self) -> Result<Ending, EndingError> {
         let Some(vocab) = self.model_ends else { return Ok(Ending::Exact) };
         let mut m = ModelEnding::new(vocab);
         if let Some(t) = self.model_ends_temperature {
@@ -138,7 +138,7 @@ impl WorkloadArgs {
         if let Some(f) = self.no_max_tokens_share {
             m.no_max_share = f;
         }
-        m.validate().map_err(|e| e.to_string())?;
+        m.validate()?;
         Ok(Ending::Model(m))
     }
 
@@ -306,7 +306,8 @@ pub async fn run(a: RunArgs) -> Result<(), String> {
         None => Client::first_model(&a.target).await?,
     };
     eprintln!("{}: {} requests against {} (model {model})", plan.name, plan.requests(), a.target);
-    let client = Client::new(&a.target, &model, timeout).with_ending(a.workload.ending()?);
+    let client =
+        Client::new(&a.target, &model, timeout).with_ending(a.workload.ending().map_err(|e| e.to_string())?);
     let report = run_one("run", client, &plan, opts, slo, None).await;
     let report = Report { workload: plan.name.clone(), command: command_line(), runs: vec![report] };
     finish(&report, &a.limits.out)
@@ -391,7 +392,7 @@ pub async fn compare(a: CompareArgs) -> Result<Vec<Summary>, String> {
         }
     }
     let plan = a.workload.plan()?;
-    let ending = a.workload.ending()?;
+    let ending = a.workload.ending().map_err(|e| e.to_string())?;
     let (mut opts, slo) = a.limits.options(a.workload.mode())?;
     opts.text_prompts = a.workload.text_prompts;
     let mut runs = Vec::new();

@@ -111,10 +111,11 @@ impl Ending {
         }
         let want =
             ((m.vocab as f64 / output as f64).round() as usize).clamp(1, MAX_STOP_IDS.min(m.vocab as usize));
-        let mut stops: Vec<u32> = Vec::with_capacity(want);
+        let (mut stops, mut seen) =
+            (Vec::with_capacity(want), std::collections::HashSet::with_capacity(want));
         while stops.len() < want {
             let id = rng.below(m.vocab as u64) as u32;
-            if !stops.contains(&id) {
+            if seen.insert(id) {
                 stops.push(id);
             }
         }

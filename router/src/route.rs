@@ -150,11 +150,11 @@ impl Router {
         let pick_tokens = if routed.is_split() { 0 } else { routed.uncached_tokens };
         routed.ticket = Some(reg.record_sent(pick, input.hashes, pick_tokens, now));
         reg.record_session(pick, input.session_key, now);
-        let first = self.root_starts(input, seq);
-        reg.record_root(pick, input.hashes, first);
+        let starts = self.root_starts(input, seq);
+        reg.record_root(pick, input.hashes, starts);
         if let Some(p) = routed.prefill.as_ref().and_then(|p| reg.find(p.wref)) {
             routed.prefill_ticket = Some(reg.record_sent(p, input.hashes, routed.uncached_tokens, now));
-            reg.record_root(p, input.hashes, first);
+            reg.record_root(p, input.hashes, starts);
         }
         Some(routed)
     }

@@ -16,11 +16,11 @@ use kvgate_shared::hashing::BlockHash;
 use kvgate_shared::report::Tier;
 
 use super::{roots, Registry};
+use crate::routing::{Load, PrefixSignal, WorkerView};
 
 /// Where a request's roots start, as block numbers: the policy's first credited block and the first block past a
 /// credited shared prefix (either may be absent).
 pub type RootStarts = [Option<usize>; 2];
-use crate::routing::{Load, PrefixSignal, WorkerView};
 
 impl Registry {
     /// [`Registry::views`], with the caches of the focus only when the model has more than `full_scan_workers`
