@@ -269,6 +269,13 @@ pub fn run_trace(
             .flatten()
             .unwrap_or_else(|| Err("a replay thread died".into()))
             .map_err(TuneError::Replay)?;
+        if let Some(e) = &r.ttft_prediction {
+            eprintln!(
+                "{} {name}: predicted TTFT on {} picks: actual - predicted {:.0} ms on average, |error| mean {:.0} \
+                 ms, p90 {:.0} ms, correlation {:.3}",
+                spec.name, e.requests, e.bias_ms, e.mean_abs_ms, e.p90_abs_ms, e.correlation
+            );
+        }
         runs.push((name, r));
     }
     Ok(TraceRuns { spec: spec.clone(), oracle_hit_rate: plan.oracle.hit_rate, runs })

@@ -65,6 +65,8 @@ pub struct Outcome {
     pub recomputed_tokens: u64,
     /// Per admission class (empty without classes).
     pub classes: BTreeMap<String, ClassOutcome>,
+    /// (predicted, actual) TTFT seconds of the requests the measured guard predicted one for.
+    pub ttft_predicted: Vec<(f64, f64)>,
 }
 
 /// One admission class's requests.
@@ -103,6 +105,8 @@ struct InFlight {
     first_token: bool,
     /// The admission class and reservation (with classes).
     class: Option<(String, Reservation)>,
+    /// The measured guard's predicted TTFT on the pick (0: none predicted).
+    predicted_ttft_s: f64,
 }
 
 /// Replays `trace` (arrival `i` at `(timestamp_i - timestamp_0) * time_scale` seconds) through the fleet.
@@ -344,6 +348,10 @@ impl<'a> Fleet<'a> {
             return;
         };
         let uncached = routed.as_ref().map_or(0, |r| r.uncached_tokens);
+        let predicted_ttft_s = routed.as_ref().map_or(0.0, |r| {
+            let pick = r.candidates.first().map(|c| c.id.as_str());
+            r.terms.iter().find(|x| Some(x.worker.as_str()) == pick).map_or(0.0, |x| x.predicted_ttft_s)
+        });
         let reason = routed.map_or("none", |r| r.reason.as_str());
         // Registry indices are worker indices: every simulated worker registers at t = 0 and none is forgotten.
         let w = ticket.idx;
@@ -360,7 +368,10 @@ impl<'a> Fleet<'a> {
         self.workers[w].engine.backend_mut().set_now(t);
         match self.workers[w].engine.add_request(req) {
             Ok(()) => {
-                self.inflight.insert(i as u64, InFlight { arrival, tickets, first_token: false, class });
+                self.inflight.insert(
+                    i as u64,
+                    InFlight { arrival, tickets, first_token: false, class, predicted_ttft_s },
+                );
                 if self.workers[w].busy_until.is_none() {
                     self.start_step(w, t);
                 }
@@ -407,6 +418,9 @@ impl<'a> Fleet<'a> {
         if o.token.is_some() && !f.first_token {
             f.first_token = true;
             self.out.ttft_s.push(t - f.arrival);
+            if f.predicted_ttft_s > 0.0 {
+                self.out.ttft_predicted.push((f.predicted_ttft_s, t - f.arrival));
+            }
             if let Some((class, _)) = &f.class {
                 self.out.classes.entry(class.clone()).or_default().ttft_s.push(t - f.arrival);
             }

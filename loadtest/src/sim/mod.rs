@@ -255,6 +255,9 @@ pub struct SimResult {
     pub recomputed_tokens: u64,
     /// Requests per route reason.
     pub routes: BTreeMap<String, u64>,
+    /// How well the measured guard predicted TTFT on its picks (`cache_aware_measured` only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ttft_prediction: Option<PredictionError>,
     /// Per admission class (empty without `SimConfig::classes`).
     pub classes: BTreeMap<String, ClassResult>,
 }
@@ -271,6 +274,43 @@ pub struct ClassResult {
     pub ttft_p50_ms: f64,
     pub ttft_p99_ms: f64,
     pub wait_p99_ms: f64,
+}
+
+/// Predicted against actual TTFT on the measured guard's picks, in ms.
+#[derive(Clone, Debug, Serialize)]
+pub struct PredictionError {
+    pub requests: usize,
+    /// Mean of actual - predicted (positive: the guard predicts too little).
+    pub bias_ms: f64,
+    /// Mean |actual - predicted|.
+    pub mean_abs_ms: f64,
+    /// 90th percentile of |actual - predicted|.
+    pub p90_abs_ms: f64,
+    /// Pearson correlation of predicted and actual.
+    pub correlation: f64,
+}
+
+impl PredictionError {
+    /// From (predicted, actual) seconds; `None` without pairs.
+    pub fn of(pairs: &[(f64, f64)]) -> Option<Self> {
+        if pairs.is_empty() {
+            return None;
+        }
+        let n = pairs.len() as f64;
+        let abs: Vec<f64> = pairs.iter().map(|(p, a)| (a - p).abs()).collect();
+        let (mp, ma) =
+            (pairs.iter().map(|x| x.0).sum::<f64>() / n, pairs.iter().map(|x| x.1).sum::<f64>() / n);
+        let cov = pairs.iter().map(|(p, a)| (p - mp) * (a - ma)).sum::<f64>();
+        let vp = pairs.iter().map(|(p, _)| (p - mp).powi(2)).sum::<f64>();
+        let va = pairs.iter().map(|(_, a)| (a - ma).powi(2)).sum::<f64>();
+        Some(Self {
+            requests: pairs.len(),
+            bias_ms: (ma - mp) * 1000.0,
+            mean_abs_ms: abs.iter().sum::<f64>() / n * 1000.0,
+            p90_abs_ms: percentile(&abs, 0.90) * 1000.0,
+            correlation: ratio(cov, (vp * va).sqrt()),
+        })
+    }
 }
 
 /// Replays the trace under one policy.
@@ -314,6 +354,7 @@ pub fn simulate(
         disk_read_blocks: o.disk_read_blocks,
         recomputed_tokens: o.recomputed_tokens,
         routes: o.routes,
+        ttft_prediction: PredictionError::of(&o.ttft_predicted),
         classes: o
             .classes
             .into_iter()

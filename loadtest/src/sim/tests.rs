@@ -57,6 +57,33 @@ fn a_follow_up_turn_finds_its_prefix_through_the_reports() {
 }
 
 #[test]
+fn the_measured_guard_s_predictions_are_scored_against_the_ttft_it_got() {
+    let t = trace(&[(0, 2000, 2, &[1, 2, 3, 4]), (10_000, 3000, 2, &[1, 2, 3, 4, 5, 6])]);
+    let cfg = SimConfig::new(4, 65_536, profile());
+    let prep = prepare(&t, &cfg, Pace::TimeScale(1.0)).expect("prepare");
+    // Turn 1 arrives before any report: no speed is measured, so no TTFT in seconds is predicted; turn 2's is.
+    let m = simulate(&t, &cfg, &prep, "cache_aware_measured").expect("runs");
+    let e = m.ttft_prediction.expect("turn 2 was predicted");
+    assert_eq!(e.requests, 1);
+    assert!((e.mean_abs_ms - e.bias_ms.abs()).abs() < 1e-9, "{e:?}");
+    assert!(e.bias_ms.abs() < m.ttft_p99_ms, "a prediction in seconds, not in tokens: {e:?}");
+    let ca = simulate(&t, &cfg, &prep, "cache_aware").expect("runs");
+    assert!(ca.ttft_prediction.is_none(), "the thresholds guard predicts no seconds");
+}
+
+#[test]
+fn prediction_error_figures() {
+    // Predicted 1, 2, 3 s; actual 2, 3, 5: errors +1, +1, +2.
+    let e = PredictionError::of(&[(1.0, 2.0), (2.0, 3.0), (3.0, 5.0)]).expect("pairs");
+    assert_eq!(e.requests, 3);
+    assert!((e.bias_ms - 4000.0 / 3.0).abs() < 1e-6 && (e.mean_abs_ms - 4000.0 / 3.0).abs() < 1e-6, "{e:?}");
+    assert!((e.p90_abs_ms - 2000.0).abs() < 1e-9, "{e:?}");
+    // Actual = 1.5 x predicted + 0.5 exactly would be 1; these are close to it.
+    assert!(e.correlation > 0.98 && e.correlation <= 1.0, "{e:?}");
+    assert!(PredictionError::of(&[]).is_none());
+}
+
+#[test]
 fn target_load_scales_arrivals_and_oversized_requests_are_refused() {
     let t = trace(&[(0, 1000, 1, &[1, 2]), (1000, 1000, 1, &[3, 4]), (2000, 100_000, 1, &[5; 196])]);
     let cfg = SimConfig::new(2, 65_536, profile());

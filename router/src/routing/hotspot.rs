@@ -18,12 +18,17 @@
 //! delay(w)  = own(w) x busy(w) / (1 - busy(w))         (what it adds to the prompts that queue behind it while it
 //!                                                       computes: a single queue at that utilisation; the ones
 //!                                                       already queued run first and lose nothing)
-//! J(w)      = queue(w) + own(w) + delay(w)             (its predicted TTFT there, plus that delay; explain shows it)
-//! copy(w)   = waste(w) / rate_fleet / (1 - busy_fleet)  waste(w) = max(0, uncached(w) - uncached(winner))
+//! J(w)      = queue(w) + own(w) + delay(w)             (its predicted TTFT there, queue + own, plus that delay;
+//!                                                       explain shows both)
+//! copy(w)   = waste(w) / rate_fleet / (1 - busy_fleet)^2   waste(w) = max(0, uncached(w) - uncached(winner))
 //!             (a move that gives up cached tokens leaves a second copy: as many tokens of other prefixes are
-//!              displaced at w and computed again when next asked for, priced as if they will be, each second of
-//!              it delaying a fleet at its mean utilisation; the fleet's figures are the means over healthy workers)
-//! ```
+//!              displaced at w and computed again when next asked for, priced as if they will be. That work
+//!              cannot be routed around (it follows its prefix's cache), so it costs what a unit of added work
+//!              costs a queue at the fleet's mean utilisation: 1 / (1 - busy)^2 seconds of waiting, summed over
+//!              all requests, per second of work (M/M/1: the mean number in system rho / (1 - rho) grows by
+//!              1 / (1 - rho)^2 per unit of load). `delay` keeps the snapshot form: the requests that would arrive
+//!              behind this prefill later are routed elsewhere while w is busy with it. The fleet's figures are
+//!              the means over healthy workers)
 //! The request moves from the score's winner to the worker of least `J + copy` when that is strictly less than the
 //! winner's `J` (ties stay). There is no threshold: recomputing is cheap on an idle fleet and dear on a busy one
 //! because `busy` says so. Running decode streams are not in `queue` (chunked prefill runs beside them; the split
@@ -94,14 +99,19 @@ impl Inputs<'_> {
         (rate.max(MIN_PREFILL_TOKENS_PER_S), busy.min(MAX_BUSY))
     }
 
-    /// `J(w)` of every view in seconds (formula above; 0 for unhealthy views, which are never targets).
-    pub fn predicted_s(&self) -> Vec<f64> {
+    /// `(TTFT(w), J(w))` of every view in seconds (formula above; zeros for unhealthy views, which are never
+    /// targets). TTFT is 0 too while no worker has measured a speed: the terms are then tokens, not seconds.
+    pub fn predicted_s(&self) -> Vec<(f64, f64)> {
         let (fleet_rate, _) = self.fleet();
+        let seconds = self.healthy.iter().any(|i| {
+            let s = self.workers[*i].speed.prefill_tokens_per_s;
+            s.is_finite() && s > 0.0
+        });
         (0..self.workers.len())
             .map(|i| {
                 let wk = &self.workers[i];
                 if !wk.healthy {
-                    return 0.0;
+                    return (0.0, 0.0);
                 }
                 let s = wk.speed.prefill_tokens_per_s;
                 let rate =
@@ -117,7 +127,7 @@ impl Inputs<'_> {
                 let ttft = queue + own;
                 let delay = own * busy / (1.0 - busy);
                 tracing::debug!(worker = wk.id, rate, busy, own, ttft, delay, "measured guard");
-                ttft + delay
+                (if seconds { ttft } else { 0.0 }, ttft + delay)
             })
             .collect()
     }
@@ -130,7 +140,7 @@ impl Inputs<'_> {
         // next asked for (priced as if they will be), delaying the fleet at its utilisation.
         let copy = |i: usize| {
             let waste = self.uncached[i].saturating_sub(self.uncached[winner]);
-            waste as f64 / rate / (1.0 - busy)
+            waste as f64 / rate / ((1.0 - busy) * (1.0 - busy))
         };
         let total = |i: usize| j[i] + copy(i);
         let target = *self.healthy.iter().min_by(|a, b| total(**a).total_cmp(&total(**b)).then(a.cmp(b)))?;

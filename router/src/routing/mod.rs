@@ -251,6 +251,8 @@ pub struct ScoreTerms {
     /// The measured hot-spot guard's predicted seconds here (`cache_aware_measured`, `hotspot.rs`: TTFT plus the
     /// delay it adds; 0 when unhealthy or under another guard).
     pub predicted_s: f64,
+    /// Its TTFT part: the queue ahead and this prompt's prefill (0 when unhealthy or under another guard).
+    pub predicted_ttft_s: f64,
 }
 
 /// A policy's answer: candidates best first (the first is the pick; the rest are fallbacks).

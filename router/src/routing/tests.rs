@@ -466,15 +466,25 @@ fn the_measured_guard_moves_when_the_predicted_seconds_say_so() {
     let (to, reason, j) = pick(39_000, 0.0, 0.0);
     assert_eq!((to, reason), ("w1", RouteReason::Prefix));
     assert!((j[1] - 4.3).abs() < 1e-9 && (j[0] - 2.4).abs() < 1e-9, "{j:?}");
+    // On an idle fleet J is the predicted TTFT itself: the queue and the prompt's own prefill.
+    let ttft: Vec<f64> = p
+        .choose(&req, &measured(&summaries, &[0, 39_000, 0, 0, 0], 0.0, 0.0), &ring(), 16)
+        .expect("decision")
+        .terms
+        .iter()
+        .map(|t| t.predicted_ttft_s)
+        .collect();
+    assert_eq!(ttft, j);
     let (to, reason, _) = pick(41_000, 0.0, 0.0);
     assert_ne!(to, "w1");
     assert_eq!(reason, RouteReason::Load);
-    // A busy fleet (busy 0.5): own counts twice (the prompts behind it wait it out) and so does the copy:
-    // J(w1) = queue + 0.8; a move: 2.4 x 2 + 2.0 x 2 = 8.8; it stays behind 79,000 tokens and moves past 81,000.
-    assert_eq!(pick(79_000, 0.5, 0.0).0, "w1");
-    assert_ne!(pick(81_000, 0.5, 0.0).0, "w1");
-    // The same 81,000 tokens reported 0.5 s ago: w1 has drained 5,000 of them since, and the request stays.
-    assert_eq!(pick(81_000, 0.5, 0.5).0, "w1");
+    // A busy fleet (busy 0.5): own counts twice (the prompts behind it wait it out), the copy four times (a
+    // second of work added to a fleet at utilisation 0.5 costs 1 / 0.5^2 seconds of waiting): J(w1) = queue + 0.8;
+    // a move: 2.4 x 2 + 2.0 x 4 = 12.8; it stays behind 119,000 tokens and moves past 121,000.
+    assert_eq!(pick(119_000, 0.5, 0.0).0, "w1");
+    assert_ne!(pick(121_000, 0.5, 0.0).0, "w1");
+    // The same 121,000 tokens reported 0.5 s ago: w1 has drained 5,000 of them since, and the request stays.
+    assert_eq!(pick(121_000, 0.5, 0.5).0, "w1");
 }
 
 #[test]
