@@ -92,11 +92,11 @@ fn refusals_overlay_order_and_load() {
     let ticket = r.record_sent(0, &h, 300, t0);
     let (v, _) = r.views("m", &h, None, t0);
     assert_eq!(v[0].overlay_matched_blocks, 4, "what this gateway routed counts before the next report");
-    assert_eq!(v[0].load, Load { pending_tokens: 400, requests: 4 });
+    assert_eq!(v[0].load, Load { pending_tokens: 400, requests: 4, waiting: 2 });
     r.record_done(ticket);
     assert_eq!(
         r.views("m", &h, None, t0).0[0].load,
-        Load { pending_tokens: 100, requests: 3 },
+        Load { pending_tokens: 100, requests: 3, waiting: 1 },
         "finished: no load"
     );
     assert_eq!(
@@ -271,12 +271,16 @@ fn another_replicas_send_counts_as_load_and_overlay_until_the_next_report() {
     assert!(!r.record_shared_send(&SharedSend::new("nobody", &h, 1, None), t0), "unknown worker: ignored");
     let (v, _) = r.views("m", &h, Some(42), t0);
     assert_eq!(v[0].overlay_matched_blocks, 4);
-    assert_eq!(v[0].load, Load { pending_tokens: 600, requests: 4 });
+    assert_eq!(v[0].load, Load { pending_tokens: 600, requests: 4, waiting: 2 });
     assert!(v[0].holds_session);
     assert_eq!(r.status(t0)[0].inflight, 0, "another replica's request is not in flight here");
     r.ingest(report("a", 2, &[], 7), Some(7), t0 + Duration::from_secs(1));
     let (v, _) = r.views("m", &h, None, t0 + Duration::from_secs(1));
-    assert_eq!(v[0].load, Load { pending_tokens: 100, requests: 3 }, "the report's queue includes it now");
+    assert_eq!(
+        v[0].load,
+        Load { pending_tokens: 100, requests: 3, waiting: 1 },
+        "the report's queue includes it now"
+    );
     let mut bad = SharedSend::new("a", &h, SharedSend::MAX_TOKENS + 1, None);
     assert!(!bad.valid());
     bad.uncached_tokens = 1;
@@ -298,9 +302,9 @@ fn other_replicas_sends_to_a_pod_that_never_reports_expire_and_stay_bounded() {
     let at = t0 + Duration::from_millis(MAX_SHARED_LOAD_ENTRIES as u64 * 4);
     let w = &r.workers()[0];
     assert!(w.shared_load.len() <= MAX_SHARED_LOAD_ENTRIES);
-    assert_eq!(w.load(at), Load { pending_tokens: 10 * 1024, requests: 1024 });
+    assert_eq!(w.load(at), Load { pending_tokens: 10 * 1024, requests: 1024, waiting: 1024 });
     // With no report or scrape to end them, they stop counting after the TTL.
-    assert_eq!(w.load(at + SHARED_LOAD_TTL), Load { pending_tokens: 0, requests: 0 });
+    assert_eq!(w.load(at + SHARED_LOAD_TTL), Load::default());
     let (v, _) = r.views("m", &h, None, at + SHARED_LOAD_TTL);
     assert_eq!(v[0].load, Load::default());
 }

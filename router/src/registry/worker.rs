@@ -247,12 +247,11 @@ impl Worker {
     pub fn load(&self, now: Instant) -> Load {
         let q = self.report.as_ref().map(|r| r.queue).or(self.scraped).unwrap_or_default();
         let (shared_tokens, shared_requests) = self.shared_load.total(now);
+        let waiting = u64::from(q.waiting_requests) + self.sent_requests_since_report + shared_requests;
         Load {
             pending_tokens: q.prefill_tokens + self.sent_tokens_since_report + shared_tokens,
-            requests: u64::from(q.waiting_requests)
-                + u64::from(q.running_requests)
-                + self.sent_requests_since_report
-                + shared_requests,
+            requests: waiting + u64::from(q.running_requests),
+            waiting,
         }
     }
 }

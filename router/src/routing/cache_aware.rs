@@ -41,10 +41,11 @@
 //! that price the request), here at least the cheap shared prefix's blocks (`free_shared_tokens`: counted as held
 //! everywhere, since each worker computes it once; a move neither chases it nor is held back by it).
 //! - `cache_aware`: #28's token thresholds (`hotspot_*` weights), chosen over the measured guard by the tuning
-//!   protocol (it wins on every tune trace);
+//!   protocol (the lesser summed loss on the tune set);
 //! - `cache_aware_measured`: the **measured** guard, an experiment: predicted TTFT in seconds (the queue at the
 //!   worker's measured prefill speed, less what it drained since its report, plus its own prefill), plus the delay
-//!   that prefill adds to the prompts behind it, plus the price of the cached copy a move gives up; no thresholds.
+//!   that prefill adds to the prompts behind it, plus the price of the cached copy a move gives up, at the
+//!   utilisation the busy share and the waiting queues measure; no thresholds.
 //!
 //! No prefix is worth queueing behind a hot spot, and a cached prefix counts for what it saves.
 //!

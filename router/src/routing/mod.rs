@@ -55,6 +55,9 @@ pub struct Load {
     pub pending_tokens: u64,
     /// Waiting + running requests reported + requests in flight through this gateway since the report.
     pub requests: u64,
+    /// The queue a new prompt joins: waiting requests reported (for a batch slot or KV memory) + requests sent
+    /// since the report.
+    pub waiting: u64,
 }
 
 impl Load {

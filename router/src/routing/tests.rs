@@ -41,7 +41,7 @@ fn views<'a>(summaries: &'a [Option<CacheSummary>], loads: &[u64], healthy: &[bo
             disk_summary: None,
             overlay_matched_blocks: 0,
             prefix_signal: PrefixSignal::Report,
-            load: Load { pending_tokens: loads[i], requests: 0 },
+            load: Load { pending_tokens: loads[i], ..Load::default() },
             sessions: 0,
             holds_session: false,
             speed: Default::default(),
@@ -485,6 +485,19 @@ fn the_measured_guard_moves_when_the_predicted_seconds_say_so() {
     assert_ne!(pick(121_000, 0.5, 0.0).0, "w1");
     // The same 121,000 tokens reported 0.5 s ago: w1 has drained 5,000 of them since, and the request stays.
     assert_eq!(pick(121_000, 0.5, 0.5).0, "w1");
+    // A fleet whose busy share reads 0 while one request waits at every worker (for KV memory, say) is at
+    // utilisation 1 / (1 + 1) = 0.5 by its queues, and prices the move as the busy fleet above.
+    let queued = |w1_queue: u64| {
+        let mut loads = [0; 5];
+        loads[1] = w1_queue;
+        let mut ws = measured(&summaries, &loads, 0.0, 0.0);
+        for w in &mut ws {
+            w.load.waiting = 1;
+        }
+        ws[p.choose(&req, &ws, &ring(), 16).expect("decision").ranked[0]].id
+    };
+    assert_eq!(queued(119_000), "w1");
+    assert_ne!(queued(121_000), "w1");
 }
 
 #[test]
