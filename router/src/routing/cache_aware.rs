@@ -318,7 +318,7 @@ impl RoutingPolicy for CacheAware {
         // The measured guard's seconds per view (the thresholds guard computes none).
         let predicted = (self.guard == GuardKind::Measured).then(|| guard.predicted_s());
         let target = match &predicted {
-            Some(p) => guard.measured_target(winner, &p.iter().map(|x| x.1).collect::<Vec<_>>()),
+            Some(p) => guard.measured_target(winner, p),
             None => guard.thresholds_target(winner),
         };
         if let Some(target) = target {
@@ -349,8 +349,8 @@ impl RoutingPolicy for CacheAware {
                     load: wk.load,
                     normalized_load: r.normalized_load,
                     score: r.score,
-                    predicted_s: predicted.as_ref().map_or(0.0, |p| p[i].1),
-                    predicted_ttft_s: predicted.as_ref().map_or(0.0, |p| p[i].0),
+                    predicted_s: predicted.as_ref().map_or(0.0, |p| p[i].j_s),
+                    predicted_ttft_s: predicted.as_ref().map_or(0.0, |p| p[i].ttft_s),
                 }
             })
             .collect();

@@ -70,6 +70,15 @@ fn queue_util(waiting: f64) -> f64 {
     }
 }
 
+/// The measured guard's seconds for one view.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Predicted {
+    /// The request's TTFT there: the queue ahead and its own prefill (0 while no worker has measured a speed).
+    pub ttft_s: f64,
+    /// `J`: that TTFT plus the delay it adds to the prompts behind it (in tokens while no speed is measured).
+    pub j_s: f64,
+}
+
 /// Which guard `cache_aware` runs.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -128,9 +137,9 @@ impl Inputs<'_> {
         (rate.max(MIN_PREFILL_TOKENS_PER_S), busy.max(queue_util(waiting)).min(MAX_BUSY))
     }
 
-    /// `(TTFT(w), J(w))` of every view in seconds (formula above; zeros for unhealthy views, which are never
+    /// TTFT(w) and J(w) of every view in seconds (formula above; zeros for unhealthy views, which are never
     /// targets). TTFT is 0 too while no worker has measured a speed: the terms are then tokens, not seconds.
-    pub fn predicted_s(&self) -> Vec<(f64, f64)> {
+    pub fn predicted_s(&self) -> Vec<Predicted> {
         let (fleet_rate, _) = self.fleet();
         let seconds = self.healthy.iter().any(|i| {
             let s = self.workers[*i].speed.prefill_tokens_per_s;
@@ -140,7 +149,7 @@ impl Inputs<'_> {
             .map(|i| {
                 let wk = &self.workers[i];
                 if !wk.healthy {
-                    return (0.0, 0.0);
+                    return Predicted::default();
                 }
                 let s = wk.speed.prefill_tokens_per_s;
                 let rate =
@@ -155,14 +164,15 @@ impl Inputs<'_> {
                 let ttft = queue + own;
                 let delay = own * busy / (1.0 - busy);
                 tracing::debug!(worker = wk.id, rate, busy, own, ttft, delay, "measured guard");
-                (if seconds { ttft } else { 0.0 }, ttft + delay)
+                Predicted { ttft_s: if seconds { ttft } else { 0.0 }, j_s: ttft + delay }
             })
             .collect()
     }
 
     /// The measured guard: the view of least `J` plus the fleet's price of the cached tokens a move gives up,
-    /// when that beats the winner's (`j`: [`Inputs::predicted_s`]).
-    pub fn measured_target(&self, winner: usize, j: &[f64]) -> Option<usize> {
+    /// when that beats the winner's (`p`: [`Inputs::predicted_s`]).
+    pub fn measured_target(&self, winner: usize, p: &[Predicted]) -> Option<usize> {
+        let j = |i: usize| p[i].j_s;
         let (rate, busy) = self.fleet();
         // The copy a move leaves: as many tokens of other prefixes displaced at the target, computed again when
         // next asked for (priced as if they will be), delaying the fleet at its utilisation.
@@ -170,14 +180,14 @@ impl Inputs<'_> {
             let waste = self.uncached[i].saturating_sub(self.uncached[winner]);
             waste as f64 / rate / ((1.0 - busy) * (1.0 - busy))
         };
-        let total = |i: usize| j[i] + copy(i);
+        let total = |i: usize| j(i) + copy(i);
         let target = *self.healthy.iter().min_by(|a, b| total(**a).total_cmp(&total(**b)).then(a.cmp(b)))?;
-        let moves = target != winner && total(target) < j[winner];
+        let moves = target != winner && total(target) < j(winner);
         tracing::debug!(
             winner = self.workers[winner].id,
             target = self.workers[target].id,
-            j_winner = j[winner],
-            j_target = j[target],
+            j_winner = j(winner),
+            j_target = j(target),
             copy_target = copy(target),
             moves,
             "measured guard"
