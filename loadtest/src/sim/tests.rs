@@ -78,7 +78,7 @@ fn prediction_error_figures() {
     assert_eq!(e.requests, 3);
     assert!((e.bias_ms - 4000.0 / 3.0).abs() < 1e-6 && (e.mean_abs_ms - 4000.0 / 3.0).abs() < 1e-6, "{e:?}");
     assert!((e.p90_abs_ms - 2000.0).abs() < 1e-9, "{e:?}");
-    // Actual = 1.5 x predicted + 0.5 exactly would be 1; these are close to it.
+    // Nearly linear (a perfectly linear relation would give exactly 1).
     assert!(e.correlation > 0.98 && e.correlation <= 1.0, "{e:?}");
     assert!(PredictionError::of(&[]).is_none());
 }

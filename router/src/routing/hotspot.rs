@@ -106,33 +106,39 @@ impl Inputs<'_> {
         self.workers[i].load.cost(self.w.per_request_tokens)
     }
 
+    /// A view's measured prefill speed (`None`: never measured, or not a usable number).
+    fn speed_of(&self, i: usize) -> Option<f64> {
+        let s = self.workers[i].speed.prefill_tokens_per_s;
+        (s.is_finite() && s > 0.0).then_some(s)
+    }
+
+    /// A view's reported busy share, clamped to 0..=1 (0 when not a number).
+    fn busy_share(&self, i: usize) -> f64 {
+        let b = self.workers[i].speed.prefill_busy;
+        if b.is_finite() {
+            b.clamp(0.0, 1.0)
+        } else {
+            0.0
+        }
+    }
+
     /// A view's utilisation (0..=MAX_BUSY): the larger of its reported busy share and what its queue implies,
     /// `L / (1 + L)` for `L` requests waiting (M/M/1 holds `rho / (1 - rho)` requests at utilisation `rho`).
     fn util(&self, i: usize) -> f64 {
-        let wk = &self.workers[i];
-        let b = wk.speed.prefill_busy;
-        let busy = if b.is_finite() { b.clamp(0.0, 1.0) } else { 0.0 };
-        queue_util(wk.load.waiting as f64).max(busy).min(MAX_BUSY)
+        queue_util(self.workers[i].load.waiting as f64).max(self.busy_share(i)).min(MAX_BUSY)
     }
 
     /// The fleet's mean measured prefill speed (1 when none is known) and its utilisation: the larger of the mean
     /// busy share and what the mean queue implies (capped).
     fn fleet(&self) -> (f64, f64) {
         let n = self.healthy.len().max(1) as f64;
-        let speeds: Vec<f64> = self
+        let (sum, measured) = self
             .healthy
             .iter()
-            .map(|i| self.workers[*i].speed.prefill_tokens_per_s)
-            .filter(|v| v.is_finite() && *v > 0.0)
-            .collect();
-        let rate = if speeds.is_empty() { 1.0 } else { speeds.iter().sum::<f64>() / speeds.len() as f64 };
-        let busy = self
-            .healthy
-            .iter()
-            .map(|i| self.workers[*i].speed.prefill_busy)
-            .map(|b| if b.is_finite() { b.clamp(0.0, 1.0) } else { 0.0 })
-            .sum::<f64>()
-            / n;
+            .filter_map(|i| self.speed_of(*i))
+            .fold((0.0, 0usize), |(s, k), v| (s + v, k + 1));
+        let rate = if measured == 0 { 1.0 } else { sum / measured as f64 };
+        let busy = self.healthy.iter().map(|i| self.busy_share(*i)).sum::<f64>() / n;
         let waiting = self.healthy.iter().map(|i| self.workers[*i].load.waiting as f64).sum::<f64>() / n;
         (rate.max(MIN_PREFILL_TOKENS_PER_S), busy.max(queue_util(waiting)).min(MAX_BUSY))
     }
@@ -141,19 +147,14 @@ impl Inputs<'_> {
     /// targets). TTFT is 0 too while no worker has measured a speed: the terms are then tokens, not seconds.
     pub fn predicted_s(&self) -> Vec<Predicted> {
         let (fleet_rate, _) = self.fleet();
-        let seconds = self.healthy.iter().any(|i| {
-            let s = self.workers[*i].speed.prefill_tokens_per_s;
-            s.is_finite() && s > 0.0
-        });
+        let seconds = self.healthy.iter().any(|i| self.speed_of(*i).is_some());
         (0..self.workers.len())
             .map(|i| {
                 let wk = &self.workers[i];
                 if !wk.healthy {
                     return Predicted::default();
                 }
-                let s = wk.speed.prefill_tokens_per_s;
-                let rate =
-                    if s.is_finite() && s > 0.0 { s } else { fleet_rate }.max(MIN_PREFILL_TOKENS_PER_S);
+                let rate = self.speed_of(i).unwrap_or(fleet_rate).max(MIN_PREFILL_TOKENS_PER_S);
                 let busy = self.util(i);
                 let own = self.uncached[i] as f64 / rate;
                 // The reported queue less what the worker drained since (at most its age of prefill), plus what
