@@ -51,7 +51,7 @@ fn bench(c: &mut Criterion) {
                     disk_summary: None,
                     overlay_matched_blocks: 0,
                     prefix_signal: PrefixSignal::Report,
-                    load: Load { pending_tokens: i as u64 * 100, requests: 1, waiting: 0 },
+                    load: Load { pending_tokens: i as u64 * 100, requests: 1, waiting: 0, pending_area: 0 },
                     sessions: 0,
                     holds_session: false,
                     speed: Default::default(),

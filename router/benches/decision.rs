@@ -50,6 +50,7 @@ fn report(k: usize, hashes: &[BlockHash], holds: usize) -> WorkerReport {
             waiting_requests: (k % 3) as u32,
             prefill_tokens: (k as u64 % 7) * 512,
             running_requests: 4,
+            prefill_area: 0,
         },
         throughput: Throughput::default(),
         tiers: vec![TierReport {

@@ -121,6 +121,7 @@ impl ReportSource {
                 waiting_requests: s.waiting_requests as u32,
                 prefill_tokens: s.prefill_tokens,
                 running_requests: s.running_requests as u32,
+                prefill_area: s.prefill_area,
             },
             throughput,
             tiers,

@@ -30,7 +30,7 @@ use kvgate_shared::report::Throughput;
 use kvgate_worker::engine::sim::{SimBackend, SimClock};
 use kvgate_worker::engine::{Engine, EngineConfig, EngineRequest, FinishReason, SamplingParams, StepOutput};
 use kvgate_worker::report::{summarise_tiers, ReportSource};
-use kvgate_worker::server::engine_thread::{time_step, EngineSnapshot};
+use kvgate_worker::server::engine_thread::{time_step, EngineSnapshot, StepWork};
 use kvgate_worker::server::reporter::step_timing;
 
 use super::admission::{Admitted, Pumped, Ready, Reservation, SimAdmission};
@@ -472,7 +472,12 @@ impl<'a> Fleet<'a> {
             totals.decode_tokens += generated;
             totals.prefill_tokens += computed.saturating_sub(generated);
             totals.steps += 1;
-            time_step(totals, after.decode_chunks - before.decode_chunks, computed, dt);
+            let step = StepWork {
+                decodes: after.decode_chunks - before.decode_chunks,
+                computed,
+                area: after.prefill_area - before.prefill_area,
+            };
+            time_step(totals, step, dt);
             self.out.busy_s[w] += dt;
             worker.busy_until = Some(t + dt);
             worker.pending = outputs;

@@ -43,7 +43,12 @@ fn report(k: usize, seq: u64, holds: &[&[BlockHash]]) -> WorkerReport {
         instance_id: 1,
         max_model_len: 65_536,
         draining: false,
-        queue: QueueStats { waiting_requests: 0, prefill_tokens: (k as u64 % 5) * 100, running_requests: 1 },
+        queue: QueueStats {
+            waiting_requests: 0,
+            prefill_tokens: (k as u64 % 5) * 100,
+            running_requests: 1,
+            prefill_area: 0,
+        },
         throughput: Throughput::default(),
         tiers: vec![TierReport {
             tier: Tier::Device,

@@ -122,6 +122,8 @@ pub struct SentTicket {
     pub uid: u64,
     pub epoch: u64,
     pub uncached_tokens: u64,
+    /// Their attention area (after the prompt's cached part).
+    pub area: u64,
 }
 
 /// Where a worker is: its index now and its unique key (an index can shift when workers are forgotten).
@@ -333,6 +335,7 @@ impl Registry {
         w.epoch += 1;
         w.sent_requests_since_report = 0;
         w.sent_tokens_since_report = 0;
+        w.sent_area_since_report = 0;
         w.shared_load.clear();
         if ring_changed {
             self.rebuild_ring();
@@ -403,10 +406,15 @@ impl Registry {
         w.inflight += 1;
         w.sent_requests_since_report += 1;
         w.sent_tokens_since_report += uncached_tokens;
+        // The prompt is at least its full blocks; what it holds is computed first (a pod without reports: none).
+        let block = w.report.as_ref().map_or(0, |r| u64::from(r.scheme.block_size));
+        let prompt = (hashes.len() as u64).saturating_mul(block).max(uncached_tokens);
+        let area = kvgate_shared::report::attention_area(prompt - uncached_tokens, uncached_tokens);
+        w.sent_area_since_report = w.sent_area_since_report.saturating_add(area);
         w.overlay.insert(hashes, now + ttl, now);
         let t = uncached_tokens as f64;
         w.mean_sent_tokens = if w.mean_sent_tokens == 0.0 { t } else { 0.9 * w.mean_sent_tokens + 0.1 * t };
-        SentTicket { idx: i, uid: w.uid, epoch: w.epoch, uncached_tokens }
+        SentTicket { idx: i, uid: w.uid, epoch: w.epoch, uncached_tokens, area }
     }
 
     /// Applies another replica's send ([`SharedSend`]); false if no worker has its id here.
@@ -451,6 +459,7 @@ impl Registry {
             if w.epoch == t.epoch {
                 w.sent_requests_since_report = w.sent_requests_since_report.saturating_sub(1);
                 w.sent_tokens_since_report = w.sent_tokens_since_report.saturating_sub(t.uncached_tokens);
+                w.sent_area_since_report = w.sent_area_since_report.saturating_sub(t.area);
             }
         }
     }
@@ -560,6 +569,7 @@ impl Registry {
             waiting_requests: s.waiting,
             prefill_tokens: (f64::from(s.waiting) * w.mean_sent_tokens) as u64,
             running_requests: s.running,
+            prefill_area: 0,
         });
         w.kv_usage = s.kv_usage.filter(|u| u.is_finite()).map(|u| u.clamp(0.0, 1.0));
         if let (Some(approx), Some(blocks)) = (w.approx.as_mut(), s.kv_capacity_blocks) {
@@ -570,6 +580,7 @@ impl Registry {
         w.epoch += 1;
         w.sent_requests_since_report = 0;
         w.sent_tokens_since_report = 0;
+        w.sent_area_since_report = 0;
         w.shared_load.clear();
         true
     }

@@ -98,6 +98,10 @@ pub struct LinkRate {
 pub struct PdState {
     /// Prefill tokens/s while prefilling (0: never measured).
     pub prefill_tokens_per_s: f64,
+    /// The worker's latest fit of a prefill step's cost (`StepTiming::prefill_per_token_s` and
+    /// `prefill_attention_s`; the worker smooths it over its last steps; 0: never measured).
+    pub prefill_per_token_s: f64,
+    pub prefill_attention_s: f64,
     /// Seconds per decode-only step (0: never measured).
     pub decode_step_s: f64,
     /// Share of decode-carrying step time prefill chunks added (the first report's, then a moving average: an
@@ -122,6 +126,10 @@ impl PdState {
         let t: StepTiming = pd.timing;
         if t.prefill_tokens_per_s > 0.0 {
             self.prefill_tokens_per_s = blend(self.prefill_tokens_per_s, t.prefill_tokens_per_s);
+        }
+        if t.prefill_per_token_s > 0.0 {
+            (self.prefill_per_token_s, self.prefill_attention_s) =
+                (t.prefill_per_token_s, t.prefill_attention_s);
         }
         if t.decode_step_s > 0.0 {
             self.decode_step_s = blend(self.decode_step_s, t.decode_step_s);
@@ -176,7 +184,12 @@ mod tests {
     #[test]
     fn idle_intervals_keep_speeds_and_links_average_per_peer() {
         let mut s = PdState::default();
-        let busy = StepTiming { prefill_tokens_per_s: 40_000.0, decode_step_s: 0.006, stall_ratio: 0.4 };
+        let busy = StepTiming {
+            prefill_tokens_per_s: 40_000.0,
+            decode_step_s: 0.006,
+            stall_ratio: 0.4,
+            ..StepTiming::default()
+        };
         let link =
             |peer: &str, bytes, seconds| PeerImport { peer: peer.into(), bytes, seconds, transfers: 1 };
         s.ingest(&pd(busy, vec![link("p:1", 1_000_000_000, 1.0)]));

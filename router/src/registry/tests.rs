@@ -32,7 +32,12 @@ fn report(id: &str, seq: u64, hashes: &[BlockHash], fingerprint: u64) -> WorkerR
         instance_id: 1,
         max_model_len: 4096,
         draining: false,
-        queue: QueueStats { waiting_requests: 1, prefill_tokens: 100, running_requests: 2 },
+        queue: QueueStats {
+            waiting_requests: 1,
+            prefill_tokens: 100,
+            running_requests: 2,
+            prefill_area: 7_000,
+        },
         throughput: Throughput::default(),
         tiers: vec![TierReport {
             tier: Tier::Device,
@@ -92,11 +97,15 @@ fn refusals_overlay_order_and_load() {
     let ticket = r.record_sent(0, &h, 300, t0);
     let (v, _) = r.views("m", &h, None, t0);
     assert_eq!(v[0].overlay_matched_blocks, 4, "what this gateway routed counts before the next report");
-    assert_eq!(v[0].load, Load { pending_tokens: 400, requests: 4, waiting: 2 });
+    // The send's attention area: 300 uncached tokens of a prompt of 4 blocks of 16 (all uncached) = 300 x 150.
+    assert_eq!(
+        v[0].load,
+        Load { pending_tokens: 400, requests: 4, waiting: 2, pending_area: 7_000 + 45_000 }
+    );
     r.record_done(ticket);
     assert_eq!(
         r.views("m", &h, None, t0).0[0].load,
-        Load { pending_tokens: 100, requests: 3, waiting: 1 },
+        Load { pending_tokens: 100, requests: 3, waiting: 1, pending_area: 7_000 },
         "finished: no load"
     );
     assert_eq!(
@@ -271,14 +280,17 @@ fn another_replicas_send_counts_as_load_and_overlay_until_the_next_report() {
     assert!(!r.record_shared_send(&SharedSend::new("nobody", &h, 1, None), t0), "unknown worker: ignored");
     let (v, _) = r.views("m", &h, Some(42), t0);
     assert_eq!(v[0].overlay_matched_blocks, 4);
-    assert_eq!(v[0].load, Load { pending_tokens: 600, requests: 4, waiting: 2 });
+    assert_eq!(
+        v[0].load,
+        Load { pending_tokens: 600, requests: 4, waiting: 2, pending_area: 7_000 + 500 * 250 }
+    );
     assert!(v[0].holds_session);
     assert_eq!(r.status(t0)[0].inflight, 0, "another replica's request is not in flight here");
     r.ingest(report("a", 2, &[], 7), Some(7), t0 + Duration::from_secs(1));
     let (v, _) = r.views("m", &h, None, t0 + Duration::from_secs(1));
     assert_eq!(
         v[0].load,
-        Load { pending_tokens: 100, requests: 3, waiting: 1 },
+        Load { pending_tokens: 100, requests: 3, waiting: 1, pending_area: 7_000 },
         "the report's queue includes it now"
     );
     let mut bad = SharedSend::new("a", &h, SharedSend::MAX_TOKENS + 1, None);
@@ -302,7 +314,11 @@ fn other_replicas_sends_to_a_pod_that_never_reports_expire_and_stay_bounded() {
     let at = t0 + Duration::from_millis(MAX_SHARED_LOAD_ENTRIES as u64 * 4);
     let w = &r.workers()[0];
     assert!(w.shared_load.len() <= MAX_SHARED_LOAD_ENTRIES);
-    assert_eq!(w.load(at), Load { pending_tokens: 10 * 1024, requests: 1024, waiting: 1024 });
+    let area = 1024 * 10 * 5;
+    assert_eq!(
+        w.load(at),
+        Load { pending_tokens: 10 * 1024, requests: 1024, waiting: 1024, pending_area: area }
+    );
     // With no report or scrape to end them, they stop counting after the TTL.
     assert_eq!(w.load(at + SHARED_LOAD_TTL), Load::default());
     let (v, _) = r.views("m", &h, None, at + SHARED_LOAD_TTL);

@@ -158,6 +158,8 @@ pub struct Worker {
     pub sent_requests_since_report: u64,
     /// Their uncached prompt tokens.
     pub sent_tokens_since_report: u64,
+    /// And those tokens' attention area.
+    pub sent_area_since_report: u64,
     /// What other replicas sent it since the latest report (their shared sends), for a while.
     pub shared_load: SharedLoad,
     pub overlay: Overlay,
@@ -197,6 +199,7 @@ impl Worker {
             epoch: 0,
             sent_requests_since_report: 0,
             sent_tokens_since_report: 0,
+            sent_area_since_report: 0,
             shared_load: SharedLoad::default(),
             overlay: Overlay::default(),
             approx: None,
@@ -239,7 +242,13 @@ impl Worker {
     pub fn speed(&self, now: Instant) -> crate::routing::Speed {
         let (speed, busy) = (self.pd.prefill_tokens_per_s, self.prefill_busy());
         let report_age_s = self.report_at.map_or(0.0, |at| now.saturating_duration_since(at).as_secs_f64());
-        crate::routing::Speed { prefill_tokens_per_s: speed, prefill_busy: busy, report_age_s }
+        crate::routing::Speed {
+            prefill_tokens_per_s: speed,
+            prefill_busy: busy,
+            report_age_s,
+            prefill_per_token_s: self.pd.prefill_per_token_s,
+            prefill_attention_s: self.pd.prefill_attention_s,
+        }
     }
 
     /// Load as this gateway sees it at `now`: the last report plus the sends since (this replica's, and the other
@@ -248,10 +257,19 @@ impl Worker {
         let q = self.report.as_ref().map(|r| r.queue).or(self.scraped).unwrap_or_default();
         let (shared_tokens, shared_requests) = self.shared_load.total(now);
         let waiting = u64::from(q.waiting_requests) + self.sent_requests_since_report + shared_requests;
+        // Other replicas' sends: their mean size each, from context 0 (what they held is not shared).
+        let shared_area = match shared_tokens.checked_div(shared_requests) {
+            Some(mean) => shared_requests.saturating_mul(kvgate_shared::report::attention_area(0, mean)),
+            None => 0,
+        };
         Load {
             pending_tokens: q.prefill_tokens + self.sent_tokens_since_report + shared_tokens,
             requests: waiting + u64::from(q.running_requests),
             waiting,
+            pending_area: q
+                .prefill_area
+                .saturating_add(self.sent_area_since_report)
+                .saturating_add(shared_area),
         }
     }
 }

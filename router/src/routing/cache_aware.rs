@@ -313,6 +313,7 @@ impl RoutingPolicy for CacheAware {
             workers,
             healthy: &healthy,
             uncached: &uncached_of,
+            prompt_tokens: req.prompt_tokens as u64,
             hub_shared: req.shared_blocks > 0,
         };
         // The measured guard's seconds per view (the thresholds guard computes none).

@@ -4,45 +4,49 @@
 //! summed over the tune set its loss is the lesser (-16.727 against -16.477), though `measured` has the lesser on
 //! three of the six tune traces.
 //!
-//! **`measured`** (`cache_aware_measured`, an experiment): the request goes where the fleet predicts it is served
-//! soonest, in seconds, from what the workers measure, counting what the choice costs the requests after it:
+//! **`measured`** (`cache_aware_measured`): the request goes where the fleet predicts it is served soonest, in
+//! seconds, from what the workers measure, counting what the choice costs the requests after it:
 //! ```text
-//! rate(w)   = w's measured prefill speed (tokens/s while it prefills; the moving average of its reports), else
-//!             the mean of the fleet's measured speeds, else 1 (every term is then in tokens: same choice when
-//!             speeds are equal)
-//! busy(w)   = max(the share of w's last report interval spent computing prompt tokens,
-//!                 L(w) / (1 + L(w)))                  L(w) = requests waiting at w: reported waiting plus sent
-//!             capped at MAX_BUSY                       since. A single queue (M/M/1) at utilisation rho holds
-//!                                                       rho / (1 - rho) requests, so a queue of L says rho is at
-//!                                                       least L / (1 + L); the busy share misses the requests
-//!                                                       that wait for KV memory while the steps only decode, the
-//!                                                       count misses one long prompt in service: the larger
-//!                                                       of the two
+//! cost(w, n, A) = a(w) x n + b(w) x A          seconds to prefill n tokens of attention area A
+//!                                              (A of n tokens after s held = n x (s + n/2): causal attention)
+//!             a, b = w's fit of its prefill-carrying steps (StepTiming::prefill_per_token_s, _attention_s),
+//!             else (1 / its measured token rate, 0), else the fleet's mean of those, else (1, 0) (every term is
+//!             then in tokens: same choice when speeds are equal)
+//! util(w)   = L(w) / (1 + L(w)), capped at MAX_BUSY   L(w) = requests waiting at w: reported waiting plus sent
+//!                                                       since. A single queue (M/M/1) at utilisation rho holds
+//!                                                       rho / (1 - rho) requests, so a queue of L says rho is
+//!                                                       L / (1 + L). (The busy share of the last interval is
+//!                                                       not a utilisation in that sense: one long prompt keeps
+//!                                                       a worker busy for the whole interval with nothing
+//!                                                       behind it.)
 //! age(w)    = seconds since w's last report
-//! own(w)    = uncached(w) / rate(w)                    (this request's prefill there; uncached counts lower-tier
-//!                                                       blocks at their credit, and a cheap shared prefix as held)
-//! queue(w)  = max(0, pending_tokens(w) / rate(w) - age(w))   (the prefill queued ahead of it: reported plus sent
-//!                                                       since, less what w has drained since its report)
-//! delay(w)  = own(w) x busy(w) / (1 - busy(w))         (what it adds to the prompts that queue behind it while it
-//!                                                       computes: a single queue at that utilisation; the ones
-//!                                                       already queued run first and lose nothing)
+//! own(w)    = cost(w, uncached(w), area of those tokens after what w holds)   (this request's prefill there;
+//!                                                       uncached counts lower-tier blocks at their credit, and a
+//!                                                       cheap shared prefix as held)
+//! queue(w)  = max(0, cost(w, pending_tokens(w), pending_area(w)) - age(w))   (the prefill queued ahead of it:
+//!                                                       reported plus sent since, less what w drained since)
+//! delay(w)  = own(w) x util(w) / (1 - util(w))         (what it adds to the prompts that queue behind it while
+//!                                                       it computes: a single queue at that utilisation; the
+//!                                                       ones already queued run first and lose nothing)
 //! J(w)      = queue(w) + own(w) + delay(w)             (its predicted TTFT there, queue + own, plus that delay;
 //!                                                       explain shows both)
-//! copy(w)   = waste(w) / rate_fleet / (1 - busy_fleet)^2   waste(w) = max(0, uncached(w) - uncached(winner))
-//!             busy_fleet = max(mean busy share, L / (1 + L) for L the mean of L(w)), capped
+//! copy(w)   = cost_fleet(waste(w), its area) / (1 - util_fleet)^2
+//!             waste(w) = max(0, uncached(w) - uncached(winner)), the same tokens at the same positions
+//!             util_fleet = L / (1 + L) for L the fleet's mean queue, capped; cost_fleet: the fleet's mean a, b
 //!             (a move that gives up cached tokens leaves a second copy: as many tokens of other prefixes are
 //!              displaced at w and computed again when next asked for, priced as if they will be. That work
 //!              cannot be routed around (it follows its prefix's cache), so it costs what a unit of added work
-//!              costs a queue at the fleet's mean utilisation: 1 / (1 - busy)^2 seconds of waiting, summed over
+//!              costs a queue at the fleet's mean utilisation: 1 / (1 - util)^2 seconds of waiting, summed over
 //!              all requests, per second of work (M/M/1: the mean number in system rho / (1 - rho) grows by
 //!              1 / (1 - rho)^2 per unit of load). `delay` keeps the snapshot form: the requests that would arrive
 //!              behind this prefill later are routed elsewhere while w is busy with it. The fleet's figures are
 //!              the means over healthy workers)
+//! ```
 //! The request moves from the score's winner to the worker of least `J + copy` when that is strictly less than the
 //! winner's `J` (ties stay). There is no threshold: recomputing is cheap on an idle fleet and dear on a busy one
-//! because `busy` says so. Running decode streams are not in `queue` (chunked prefill runs beside them; the split
-//! decision weighs their stall). A worker that has reported no speed gets the fleet's mean, so a pod without
-//! reports is judged by its queue in tokens at the fleet's speed.
+//! because the queues say so. Running decode streams are not in `queue` (chunked prefill runs beside them; the
+//! split decision weighs their stall). A worker that has measured nothing gets the fleet's mean cost, so a pod
+//! without reports is judged by its queue in tokens at the fleet's speed.
 //!
 //! **`thresholds`** (`cache_aware`, the default: the guard of #28): work ahead in tokens,
 //! `ahead(w) = cost(w) + uncached(w)`, `waste(w) = max(0, uncached(w) - uncached(winner))`, `k =
@@ -58,6 +62,8 @@
 
 use serde::{Deserialize, Serialize};
 
+use kvgate_shared::report::attention_area;
+
 use super::{Weights, WorkerView};
 use crate::split::cost_model::{MAX_BUSY, MIN_PREFILL_TOKENS_PER_S};
 
@@ -67,6 +73,20 @@ fn queue_util(waiting: f64) -> f64 {
         waiting / (1.0 + waiting)
     } else {
         0.0
+    }
+}
+
+/// A measured prefill cost: seconds per prompt token and per unit of attention area.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+struct Cost {
+    per_token_s: f64,
+    attention_s: f64,
+}
+
+impl Cost {
+    /// Seconds to prefill `tokens` whose attention area is `area`.
+    fn secs(&self, tokens: u64, area: u64) -> f64 {
+        self.per_token_s * tokens as f64 + self.attention_s * area as f64
     }
 }
 
@@ -97,6 +117,8 @@ pub(super) struct Inputs<'a> {
     pub healthy: &'a [usize],
     /// Prompt tokens each view would still prefill (lower tiers at their credit, a cheap shared prefix as held).
     pub uncached: &'a [u64],
+    /// The request's prompt tokens.
+    pub prompt_tokens: u64,
     /// The prompt begins with a prefix other conversations share: its ring key names this conversation only.
     pub hub_shared: bool,
 }
@@ -112,59 +134,88 @@ impl Inputs<'_> {
         (s.is_finite() && s > 0.0).then_some(s)
     }
 
-    /// A view's reported busy share, clamped to 0..=1 (0 when not a number).
-    fn busy_share(&self, i: usize) -> f64 {
-        let b = self.workers[i].speed.prefill_busy;
-        if b.is_finite() {
-            b.clamp(0.0, 1.0)
-        } else {
-            0.0
+    /// A view's measured prefill cost: its fit (seconds per token, per unit of attention area) when it reports
+    /// one, else `(1 / its token rate, 0)`; `None` when it measured neither.
+    fn cost_of(&self, i: usize) -> Option<Cost> {
+        let s = &self.workers[i].speed;
+        let ok = |v: f64| v.is_finite() && v >= 0.0;
+        if s.prefill_per_token_s > 0.0 && ok(s.prefill_per_token_s) && ok(s.prefill_attention_s) {
+            return Some(Cost { per_token_s: s.prefill_per_token_s, attention_s: s.prefill_attention_s });
         }
+        self.speed_of(i)
+            .map(|r| Cost { per_token_s: 1.0 / r.max(MIN_PREFILL_TOKENS_PER_S), attention_s: 0.0 })
     }
 
-    /// A view's utilisation (0..=MAX_BUSY): the larger of its reported busy share and what its queue implies,
-    /// `L / (1 + L)` for `L` requests waiting (M/M/1 holds `rho / (1 - rho)` requests at utilisation `rho`).
+    /// The fleet's mean measured cost (1 s a token when none is measured: the terms are then tokens).
+    fn fleet_cost(&self) -> Cost {
+        let (sum, n) = self.healthy.iter().filter_map(|i| self.cost_of(*i)).fold(
+            (Cost::default(), 0usize),
+            |(s, n), c| {
+                (
+                    Cost {
+                        per_token_s: s.per_token_s + c.per_token_s,
+                        attention_s: s.attention_s + c.attention_s,
+                    },
+                    n + 1,
+                )
+            },
+        );
+        if n == 0 {
+            return Cost { per_token_s: 1.0, attention_s: 0.0 };
+        }
+        Cost { per_token_s: sum.per_token_s / n as f64, attention_s: sum.attention_s / n as f64 }
+    }
+
+    /// The attention area of what view `i` would still prefill of this prompt (after what it holds).
+    fn own_area(&self, i: usize) -> u64 {
+        let u = self.uncached[i];
+        attention_area(self.prompt_tokens.max(u) - u, u)
+    }
+
+    /// A view's utilisation (0..=MAX_BUSY) as its queue implies: `L / (1 + L)` for `L` requests waiting (M/M/1
+    /// holds `rho / (1 - rho)` requests at utilisation `rho`).
     fn util(&self, i: usize) -> f64 {
-        queue_util(self.workers[i].load.waiting as f64).max(self.busy_share(i)).min(MAX_BUSY)
+        queue_util(self.workers[i].load.waiting as f64).min(MAX_BUSY)
     }
 
-    /// The fleet's mean measured prefill speed (1 when none is known) and its utilisation: the larger of the mean
-    /// busy share and what the mean queue implies (capped).
-    fn fleet(&self) -> (f64, f64) {
+    /// The fleet's utilisation: what its mean queue implies (capped).
+    fn fleet_util(&self) -> f64 {
         let n = self.healthy.len().max(1) as f64;
-        let (sum, measured) = self
-            .healthy
-            .iter()
-            .filter_map(|i| self.speed_of(*i))
-            .fold((0.0, 0usize), |(s, k), v| (s + v, k + 1));
-        let rate = if measured == 0 { 1.0 } else { sum / measured as f64 };
-        let busy = self.healthy.iter().map(|i| self.busy_share(*i)).sum::<f64>() / n;
         let waiting = self.healthy.iter().map(|i| self.workers[*i].load.waiting as f64).sum::<f64>() / n;
-        (rate.max(MIN_PREFILL_TOKENS_PER_S), busy.max(queue_util(waiting)).min(MAX_BUSY))
+        queue_util(waiting).min(MAX_BUSY)
     }
 
     /// TTFT(w) and J(w) of every view in seconds (formula above; zeros for unhealthy views, which are never
     /// targets). TTFT is 0 too while no worker has measured a speed: the terms are then tokens, not seconds.
     pub fn predicted_s(&self) -> Vec<Predicted> {
-        let (fleet_rate, _) = self.fleet();
-        let seconds = self.healthy.iter().any(|i| self.speed_of(*i).is_some());
+        let fleet = self.fleet_cost();
+        let seconds = self.healthy.iter().any(|i| self.cost_of(*i).is_some());
         (0..self.workers.len())
             .map(|i| {
                 let wk = &self.workers[i];
                 if !wk.healthy {
                     return Predicted::default();
                 }
-                let rate = self.speed_of(i).unwrap_or(fleet_rate).max(MIN_PREFILL_TOKENS_PER_S);
+                let cost = self.cost_of(i).unwrap_or(fleet);
                 let busy = self.util(i);
-                let own = self.uncached[i] as f64 / rate;
+                let own = cost.secs(self.uncached[i], self.own_area(i));
                 // The reported queue less what the worker drained since (at most its age of prefill), plus what
                 // this gateway sent since (counted in pending_tokens, not drained yet as far as it knows).
                 let age =
                     if wk.speed.report_age_s.is_finite() { wk.speed.report_age_s.max(0.0) } else { 0.0 };
-                let queue = (wk.load.pending_tokens as f64 / rate - age).max(0.0);
+                let queue = (cost.secs(wk.load.pending_tokens, wk.load.pending_area) - age).max(0.0);
                 let ttft = queue + own;
                 let delay = own * busy / (1.0 - busy);
-                tracing::debug!(worker = wk.id, rate, busy, own, ttft, delay, "measured guard");
+                tracing::debug!(
+                    worker = wk.id,
+                    per_token_s = cost.per_token_s,
+                    attention_s = cost.attention_s,
+                    busy,
+                    own,
+                    ttft,
+                    delay,
+                    "measured guard"
+                );
                 Predicted { ttft_s: if seconds { ttft } else { 0.0 }, j_s: ttft + delay }
             })
             .collect()
@@ -174,12 +225,14 @@ impl Inputs<'_> {
     /// when that beats the winner's (`p`: [`Inputs::predicted_s`]).
     pub fn measured_target(&self, winner: usize, p: &[Predicted]) -> Option<usize> {
         let j = |i: usize| p[i].j_s;
-        let (rate, busy) = self.fleet();
-        // The copy a move leaves: as many tokens of other prefixes displaced at the target, computed again when
-        // next asked for (priced as if they will be), delaying the fleet at its utilisation.
+        let (fleet, busy) = (self.fleet_cost(), self.fleet_util());
+        // The copy a move leaves: as many tokens of other prefixes displaced at the target (the same tokens at the
+        // same positions), computed again when next asked for (priced as if they will be), delaying the fleet at
+        // its utilisation.
         let copy = |i: usize| {
             let waste = self.uncached[i].saturating_sub(self.uncached[winner]);
-            waste as f64 / rate / ((1.0 - busy) * (1.0 - busy))
+            let area = self.own_area(i).saturating_sub(self.own_area(winner));
+            fleet.secs(waste, area) / ((1.0 - busy) * (1.0 - busy))
         };
         let total = |i: usize| j(i) + copy(i);
         let target = *self.healthy.iter().min_by(|a, b| total(**a).total_cmp(&total(**b)).then(a.cmp(b)))?;

@@ -58,6 +58,9 @@ pub struct Load {
     /// The queue a new prompt joins: waiting requests reported (for a batch slot or KV memory) + requests sent
     /// since the report.
     pub waiting: u64,
+    /// The attention area of `pending_tokens` (`kvgate_shared::report::attention_area`): reported, plus this
+    /// gateway's sends since (other replicas' shared sends at their mean size, as if their context began at 0).
+    pub pending_area: u64,
 }
 
 impl Load {
@@ -106,6 +109,10 @@ pub struct Speed {
     pub prefill_busy: f64,
     /// Seconds since its last report (0: none): how long it has drained its reported queue unseen.
     pub report_age_s: f64,
+    /// Its fit of a prefill-carrying step's seconds: this per prompt token plus `prefill_attention_s` per unit of
+    /// attention area (`kvgate_shared::report::attention_area`). 0: not measured (then the token rate prices).
+    pub prefill_per_token_s: f64,
+    pub prefill_attention_s: f64,
 }
 
 /// Where a worker's prefix match comes from.

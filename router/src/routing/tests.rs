@@ -430,16 +430,18 @@ fn lower_tiers_extend_the_match_and_earn_their_credit() {
     );
 }
 
-/// Views with measured speeds: every worker prefills 10,000 tokens/s, busy `busy`, reported `age` seconds ago.
+/// Views with measured speeds: every worker prefills 10,000 tokens/s (no fit of its context cost), `waiting`
+/// requests wait at each, reported `age` seconds ago.
 fn measured<'a>(
     summaries: &'a [Option<CacheSummary>],
     loads: &[u64],
-    busy: f64,
+    waiting: u64,
     age: f64,
 ) -> Vec<WorkerView<'a>> {
     let mut ws = views(summaries, loads, &[true; 5]);
     for w in &mut ws {
-        w.speed = Speed { prefill_tokens_per_s: 10_000.0, prefill_busy: busy, report_age_s: age };
+        w.speed = Speed { prefill_tokens_per_s: 10_000.0, report_age_s: age, ..Speed::default() };
+        w.load.waiting = waiting;
     }
     ws
 }
@@ -453,51 +455,84 @@ fn the_measured_guard_moves_when_the_predicted_seconds_say_so() {
     let p = measured_guard(Weights { w_ring: 0.0, ..GUARD_TEST_WEIGHTS });
     let req =
         RequestView { hashes: &req_hashes, prompt_tokens: 24_000, session_key: 9, shared_blocks: 0, seq: 1 };
-    let pick = |w1_queue: u64, busy: f64, age: f64| {
+    let pick = |w1_queue: u64, waiting: u64, age: f64| {
         let mut loads = [0; 5];
         loads[1] = w1_queue;
-        let ws = measured(&summaries, &loads, busy, age);
+        let ws = measured(&summaries, &loads, waiting, age);
         let d = p.choose(&req, &ws, &ring(), 16).expect("decision");
         let j: Vec<f64> = d.terms.iter().map(|t| t.predicted_s).collect();
         (ws[d.ranked[0]].id, d.reason, j)
     };
-    // An idle fleet (busy 0): J(w1) = queue + 0.4; a move costs J = 2.4 plus copy = 2.0 (the displaced tokens at
-    // 1 / (1 - 0)): it moves once w1's queue passes 4.0 s = 40,000 tokens.
-    let (to, reason, j) = pick(39_000, 0.0, 0.0);
+    // An idle fleet (no queues): J(w1) = queue + 0.4; a move costs J = 2.4 plus copy = 2.0 (the displaced tokens
+    // at 1 / (1 - 0)): it moves once w1's queue passes 4.0 s = 40,000 tokens.
+    let (to, reason, j) = pick(39_000, 0, 0.0);
     assert_eq!((to, reason), ("w1", RouteReason::Prefix));
     assert!((j[1] - 4.3).abs() < 1e-9 && (j[0] - 2.4).abs() < 1e-9, "{j:?}");
     // On an idle fleet J is the predicted TTFT itself: the queue and the prompt's own prefill.
     let ttft: Vec<f64> = p
-        .choose(&req, &measured(&summaries, &[0, 39_000, 0, 0, 0], 0.0, 0.0), &ring(), 16)
+        .choose(&req, &measured(&summaries, &[0, 39_000, 0, 0, 0], 0, 0.0), &ring(), 16)
         .expect("decision")
         .terms
         .iter()
         .map(|t| t.predicted_ttft_s)
         .collect();
     assert_eq!(ttft, j);
-    let (to, reason, _) = pick(41_000, 0.0, 0.0);
+    let (to, reason, _) = pick(41_000, 0, 0.0);
     assert_ne!(to, "w1");
     assert_eq!(reason, RouteReason::Load);
-    // A busy fleet (busy 0.5): own counts twice (the prompts behind it wait it out), the copy four times (a
-    // second of work added to a fleet at utilisation 0.5 costs 1 / 0.5^2 seconds of waiting): J(w1) = queue + 0.8;
-    // a move: 2.4 x 2 + 2.0 x 4 = 12.8; it stays behind 119,000 tokens and moves past 121,000.
-    assert_eq!(pick(119_000, 0.5, 0.0).0, "w1");
-    assert_ne!(pick(121_000, 0.5, 0.0).0, "w1");
+    // One request waiting at every worker: utilisation 1 / (1 + 1) = 0.5 by the queues (M/M/1). Own counts twice
+    // (the prompts behind it wait it out), the copy four times (a second of work added to a fleet at utilisation
+    // 0.5 costs 1 / 0.5^2 seconds of waiting): J(w1) = queue + 0.8; a move: 2.4 x 2 + 2.0 x 4 = 12.8; it stays
+    // behind 119,000 tokens and moves past 121,000.
+    assert_eq!(pick(119_000, 1, 0.0).0, "w1");
+    assert_ne!(pick(121_000, 1, 0.0).0, "w1");
     // The same 121,000 tokens reported 0.5 s ago: w1 has drained 5,000 of them since, and the request stays.
-    assert_eq!(pick(121_000, 0.5, 0.5).0, "w1");
-    // A fleet whose busy share reads 0 while one request waits at every worker (for KV memory, say) is at
-    // utilisation 1 / (1 + 1) = 0.5 by its queues, and prices the move as the busy fleet above.
-    let queued = |w1_queue: u64| {
-        let mut loads = [0; 5];
-        loads[1] = w1_queue;
-        let mut ws = measured(&summaries, &loads, 0.0, 0.0);
+    assert_eq!(pick(121_000, 1, 0.5).0, "w1");
+    // A busy share is not a utilisation here: a fleet that reads busy the whole interval with nothing waiting
+    // prices the move as the idle fleet does.
+    let busy = |w1_queue: u64| {
+        let mut ws = measured(&summaries, &[0, w1_queue, 0, 0, 0], 0, 0.0);
         for w in &mut ws {
-            w.load.waiting = 1;
+            w.speed.prefill_busy = 1.0;
         }
         ws[p.choose(&req, &ws, &ring(), 16).expect("decision").ranked[0]].id
     };
-    assert_eq!(queued(119_000), "w1");
-    assert_ne!(queued(121_000), "w1");
+    assert_eq!(busy(39_000), "w1");
+    assert_ne!(busy(41_000), "w1");
+}
+
+#[test]
+fn the_measured_guard_prices_long_contexts_by_the_workers_fit() {
+    // The same request on workers that report a fit of their prefill: a = 2.35e-5 s a token, b = 1.05e-9 s a unit
+    // of attention area (the H100 profile's). own(w1) = a 4,000 + b 4,000 x (20,000 + 2,000) = 0.18640 s;
+    // own(elsewhere) = a 24,000 + b 24,000 x 12,000 = 0.86640 s; copy = a 20,000 + b (2.88e8 - 8.8e7) = 0.68 s.
+    // w1's queue: Q tokens of area A; the request moves when a Q + b A + 0.1864 > 0.8664 + 0.68.
+    let req_hashes = hashes(1500, 5);
+    let mut summaries: Vec<Option<CacheSummary>> = vec![None; IDS.len()];
+    summaries[1] = Some(summary_of(&req_hashes[..1250]));
+    let p = measured_guard(Weights { w_ring: 0.0, ..GUARD_TEST_WEIGHTS });
+    let req =
+        RequestView { hashes: &req_hashes, prompt_tokens: 24_000, session_key: 9, shared_blocks: 0, seq: 1 };
+    let (a, b) = (2.35e-5, 1.05e-9);
+    let pick = |queue: u64, area: u64| {
+        let mut ws = views(&summaries, &[0, queue, 0, 0, 0], &[true; 5]);
+        for w in &mut ws {
+            w.speed = Speed { prefill_per_token_s: a, prefill_attention_s: b, ..Speed::default() };
+        }
+        ws[1].load.pending_area = area;
+        let d = p.choose(&req, &ws, &ring(), 16).expect("decision");
+        (ws[d.ranked[0]].id, d.terms[1].predicted_ttft_s, d.terms[0].predicted_ttft_s)
+    };
+    // 40,000 queued tokens of short prompts (area 40,000 x 1,000): 0.94 + 0.042 s ahead; the request stays.
+    let (to, w1, w0) = pick(40_000, 40_000 * 1_000);
+    assert_eq!(to, "w1");
+    assert!((w1 - (a * 40_000.0 + b * 4e7 + 0.1864)).abs() < 1e-9, "{w1}");
+    assert!((w0 - 0.8664).abs() < 1e-9, "{w0}");
+    // The same 40,000 tokens as the tail of a 140,000-token prompt (area 40,000 x 120,000): 5.98 s ahead; a token
+    // rate alone would not see the difference. The request moves.
+    let (to, w1, _) = pick(40_000, 40_000 * 120_000);
+    assert_ne!(to, "w1");
+    assert!((w1 - (a * 40_000.0 + b * 4.8e9 + 0.1864)).abs() < 1e-9, "{w1}");
 }
 
 #[test]
@@ -514,7 +549,13 @@ fn the_measured_guard_survives_hostile_or_missing_speeds() {
         (0.0, 1.0, 0.0),
     ] {
         let mut ws = views(&summaries, &[5_000, 0, 70_000, 0, 1], &[true; 5]);
-        ws[2].speed = Speed { prefill_tokens_per_s: rate, prefill_busy: busy, report_age_s: age };
+        ws[2].speed = Speed {
+            prefill_tokens_per_s: rate,
+            prefill_busy: busy,
+            report_age_s: age,
+            prefill_per_token_s: 1.0 / rate,
+            prefill_attention_s: busy,
+        };
         let d = p.choose(&req, &ws, &ring(), 16).expect("decision");
         assert!(d.terms.iter().all(|t| t.predicted_s.is_finite() && t.predicted_s >= 0.0), "{:?}", d.terms);
         assert_ne!(ws[d.ranked[0]].id, "w2", "the worker with 70K queued is never the pick");

@@ -28,7 +28,12 @@ fn report(id: &str, role: Role, stall: f64, imports: Vec<PeerImport>) -> WorkerR
             transfer_addr: if role == Role::Both { String::new() } else { format!("{id}:9100") },
             kv_bytes_per_token: if role == Role::Both { 0 } else { 131_072 },
             export_groups: 8,
-            timing: StepTiming { prefill_tokens_per_s: 40_000.0, decode_step_s: 0.006, stall_ratio: stall },
+            timing: StepTiming {
+                prefill_tokens_per_s: 40_000.0,
+                decode_step_s: 0.006,
+                stall_ratio: stall,
+                ..StepTiming::default()
+            },
             imports,
         },
         worker_id: id.into(),
@@ -41,7 +46,12 @@ fn report(id: &str, role: Role, stall: f64, imports: Vec<PeerImport>) -> WorkerR
         instance_id: 1,
         max_model_len: 1 << 20,
         draining: false,
-        queue: QueueStats { waiting_requests: 0, prefill_tokens: queued, running_requests: running },
+        queue: QueueStats {
+            waiting_requests: 0,
+            prefill_tokens: queued,
+            running_requests: running,
+            prefill_area: 0,
+        },
         throughput: Throughput::default(),
         tiers: vec![TierReport {
             tier: Tier::Device,

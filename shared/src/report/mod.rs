@@ -1,7 +1,7 @@
 //! The worker report: the summary every worker pushes to each gateway once a second (`POST /kvgate/v1/report`),
 //! and its compact, versioned binary encoding.
 //!
-//! # Wire format (version 4), all integers little-endian
+//! # Wire format (version 5), all integers little-endian
 //! ```text
 //! magic "KVGR" | version u16 | flags u16 (bit 0: draining; other bits 0)
 //! worker_id str | advertise_url str | model_id str            (str = len u16 + UTF-8, at most 1024 bytes)
@@ -10,8 +10,9 @@
 //! instance_id u64 | max_model_len u32                          (version 2 on)
 //! role u8 | transfer_addr str | kv_bytes_per_token u32         (version 3 on)
 //! export_groups u16 | prefill_tokens_per_busy_s f64 | decode_step_s f64 | stall_ratio f64 (0..1)
+//! prefill_per_token_s f64 | prefill_attention_s f64                                            (version 5 on)
 //! import count u8 (<= 16), then per peer: peer str | bytes u64 | seconds f64 | transfers u32   (version 4 on)
-//! waiting_requests u32 | prefill_tokens u64 | running_requests u32
+//! waiting_requests u32 | prefill_tokens u64 | running_requests u32 | prefill_area u64       (area: version 5 on)
 //! prefill_tokens_per_s f64 | decode_tokens_per_s f64
 //! tier count u8 (<= 3), then per tier:
 //!   tier u8 (0 device, 1 host, 2 disk) | blocks_total u64 | blocks_free u64 | blocks_cached u64
@@ -19,7 +20,7 @@
 //! ```
 //! Version 1 (no `instance_id` / `max_model_len`, flags 0) is still decoded, as `instance_id` 0 and
 //! `max_model_len` 0 (unknown), versions 1-2 as role `both` without a transfer listener, versions 1-3 without step
-//! timings or imports (0: unknown), so a gateway can be upgraded before its workers. `instance_id` is random per worker
+//! timings or imports, versions 1-4 without the prefill fit or the queue's area (0: unknown), so a gateway can be upgraded before its workers. `instance_id` is random per worker
 //! process: a new one means a restart, whose `seq` starts again. Nothing may follow the last tier. Decoding is
 //! strict: a wrong magic, an unknown version, a truncated field, a
 //! value out of range or trailing bytes is a [`ReportError`], never a panic.
@@ -36,13 +37,20 @@ pub use bloom::{BlockBloom, BLOOM_HEADER_BYTES, BLOOM_SEED, MAX_BLOOM_BYTES, MAX
 
 use crate::hashing::{BlockHash, HashScheme};
 
-/// Current wire version (the encoder writes it; the decoder also reads versions 1 to 3).
-pub const REPORT_VERSION: u16 = 4;
+/// Current wire version (the encoder writes it; the decoder also reads versions 1 to 4).
+pub const REPORT_VERSION: u16 = 5;
 /// Most prefill peers one report's import figures name (a decode worker importing from more sums the rest into
 /// none: the figures are a sample for the gateway's bandwidth estimate, not an account).
 pub const MAX_IMPORT_PEERS: usize = 16;
 /// `flags` bit: the worker is draining (shutting down) and takes no new requests.
 pub const FLAG_DRAINING: u16 = 1;
+/// The causal-attention area of `n` prompt tokens computed after `start` tokens of context: `n x (start + n / 2)`
+/// (each token attends to everything before it). The unit of [`QueueStats::prefill_area`] and
+/// [`StepTiming::prefill_attention_s`]; saturating.
+pub fn attention_area(start: u64, n: u64) -> u64 {
+    n.saturating_mul(start.saturating_add(n / 2))
+}
+
 /// Magic bytes at the start of every report.
 pub const REPORT_MAGIC: [u8; 4] = *b"KVGR";
 /// Longest string field.
@@ -101,6 +109,10 @@ pub struct QueueStats {
     /// they are in `running_requests`.
     pub prefill_tokens: u64,
     pub running_requests: u32,
+    /// The causal-attention area of those tokens: the sum over each sequence of `n x (start + n / 2)` for its `n`
+    /// tokens still to prefill after `start` computed or cached (tokens squared; what
+    /// [`StepTiming::prefill_attention_s`] prices). Version 5 on; 0 from older workers.
+    pub prefill_area: u64,
 }
 
 /// Measured engine throughput over the last interval.
@@ -272,6 +284,13 @@ pub struct StepTiming {
     /// Share (0..1) of the time of decode-carrying steps that prefill chunks added: what co-located prefill costs
     /// every stream here.
     pub stall_ratio: f64,
+    /// The worker's fit of what its prefill-carrying steps cost (seconds = `prefill_per_token_s x tokens +
+    /// prefill_attention_s x area`, the area of a chunk of `n` tokens after `start` being `n x (start + n / 2)`),
+    /// over its recent steps. 0 and 0: not measured (a sender before version 5, or no prefill yet). Long prompts
+    /// cost more per token than short ones; a token rate alone does not say so.
+    pub prefill_per_token_s: f64,
+    /// Seconds per unit of attention area (see `prefill_per_token_s`).
+    pub prefill_attention_s: f64,
 }
 
 /// KV imported from one prefill peer over a report interval.
@@ -316,7 +335,13 @@ impl WorkerReport {
         put_u32(&mut w, self.pd.kv_bytes_per_token);
         put_u16(&mut w, self.pd.export_groups);
         let t = &self.pd.timing;
-        for v in [t.prefill_tokens_per_s, t.decode_step_s, t.stall_ratio] {
+        for v in [
+            t.prefill_tokens_per_s,
+            t.decode_step_s,
+            t.stall_ratio,
+            t.prefill_per_token_s,
+            t.prefill_attention_s,
+        ] {
             put_u64(&mut w, v.to_bits());
         }
         let imports = &self.pd.imports[..self.pd.imports.len().min(MAX_IMPORT_PEERS)];
@@ -330,6 +355,7 @@ impl WorkerReport {
         put_u32(&mut w, self.queue.waiting_requests);
         put_u64(&mut w, self.queue.prefill_tokens);
         put_u32(&mut w, self.queue.running_requests);
+        put_u64(&mut w, self.queue.prefill_area);
         put_u64(&mut w, self.throughput.prefill_tokens_per_s.to_bits());
         put_u64(&mut w, self.throughput.decode_tokens_per_s.to_bits());
         w.push(self.tiers.len().min(u8::MAX as usize) as u8);
@@ -403,7 +429,12 @@ impl WorkerReport {
                     prefill_tokens_per_s: r.rate("prefill_tokens_per_busy_s")?,
                     decode_step_s: r.rate("decode_step_s")?,
                     stall_ratio: r.rate("stall_ratio")?,
+                    ..StepTiming::default()
                 };
+                if version >= 5 {
+                    pd.timing.prefill_per_token_s = r.rate("prefill_per_token_s")?;
+                    pd.timing.prefill_attention_s = r.rate("prefill_attention_s")?;
+                }
                 if pd.timing.stall_ratio > 1.0 {
                     return Err(invalid("stall_ratio", format!("{} is over 1", pd.timing.stall_ratio)));
                 }
@@ -428,6 +459,7 @@ impl WorkerReport {
             waiting_requests: r.u32("waiting_requests")?,
             prefill_tokens: r.u64("prefill_tokens")?,
             running_requests: r.u32("running_requests")?,
+            prefill_area: if version >= 5 { r.u64("prefill_area")? } else { 0 },
         };
         let throughput = Throughput {
             prefill_tokens_per_s: r.rate("prefill_tokens_per_s")?,

@@ -22,7 +22,12 @@ fn sample(n_hashes: u64, granularity: u32) -> WorkerReport {
         instance_id: 0xDEAD_BEEF_0123,
         max_model_len: 131_072,
         draining: false,
-        queue: QueueStats { waiting_requests: 3, prefill_tokens: 4096, running_requests: 5 },
+        queue: QueueStats {
+            waiting_requests: 3,
+            prefill_tokens: 4096,
+            running_requests: 5,
+            prefill_area: 9_000_000,
+        },
         throughput: Throughput { prefill_tokens_per_s: 5000.5, decode_tokens_per_s: 120.25 },
         tiers: vec![
             TierReport {
@@ -62,9 +67,22 @@ fn draining_flag_round_trips_and_unknown_flags_are_refused() {
     assert!(matches!(WorkerReport::decode(&bad), Err(ReportError::Invalid { field: "flags", .. })));
 }
 
+/// The version-4 encoding of `r`: no prefill fit in the step timings, no attention area in the queue.
+fn encode_v4(r: &WorkerReport) -> Vec<u8> {
+    let v5 = r.encode();
+    let strings: usize = [&r.worker_id, &r.advertise_url, &r.model_id].iter().map(|s| 2 + s.len()).sum();
+    let fit = 8 + strings + 24 + 16 + 12 + 1 + 2 + r.pd.transfer_addr.len() + 4 + 2 + 24;
+    let area = 8 + strings + 24 + 16 + 12 + pd_len(r) + 16 + 16;
+    let mut v4 = v5[..fit].to_vec();
+    v4.extend_from_slice(&v5[fit + 16..area]);
+    v4.extend_from_slice(&v5[area + 8..]);
+    v4[4..6].copy_from_slice(&4u16.to_le_bytes());
+    v4
+}
+
 /// The version-2 encoding of `r` (no prefill/decode part), as workers before version 3 send it.
 fn encode_v2(r: &WorkerReport) -> Vec<u8> {
-    let v3 = r.encode();
+    let v3 = encode_v4(r);
     let strings: usize = [&r.worker_id, &r.advertise_url, &r.model_id].iter().map(|s| 2 + s.len()).sum();
     let cut = 8 + strings + 24 + 16 + 12;
     let mut v2 = v3[..cut].to_vec();
@@ -73,7 +91,7 @@ fn encode_v2(r: &WorkerReport) -> Vec<u8> {
     v2
 }
 
-/// Bytes of the prefill/decode part of `r`'s encoding (version 4).
+/// Bytes of the prefill/decode part of `r`'s version-4 encoding (version 5 adds 16).
 fn pd_len(r: &WorkerReport) -> usize {
     let imports: usize = r.pd.imports.iter().map(|i| 2 + i.peer.len() + 8 + 8 + 4).sum();
     1 + 2 + r.pd.transfer_addr.len() + 4 + 2 + 24 + 1 + imports
@@ -81,7 +99,7 @@ fn pd_len(r: &WorkerReport) -> usize {
 
 /// The version-3 encoding of `r`: the version-4 fields after `kv_bytes_per_token` left out.
 fn encode_v3(r: &WorkerReport) -> Vec<u8> {
-    let v4 = r.encode();
+    let v4 = encode_v4(r);
     let strings: usize = [&r.worker_id, &r.advertise_url, &r.model_id].iter().map(|s| 2 + s.len()).sum();
     let v4_start = 8 + strings + 24 + 16 + 12 + 1 + 2 + r.pd.transfer_addr.len() + 4;
     let mut v3 = v4[..v4_start].to_vec();
@@ -96,7 +114,13 @@ fn pd_sample() -> PdInfo {
         transfer_addr: "10.0.0.7:9100".into(),
         kv_bytes_per_token: 131_072,
         export_groups: 8,
-        timing: StepTiming { prefill_tokens_per_s: 41_000.0, decode_step_s: 0.0058, stall_ratio: 0.25 },
+        timing: StepTiming {
+            prefill_tokens_per_s: 41_000.0,
+            decode_step_s: 0.0058,
+            stall_ratio: 0.25,
+            prefill_per_token_s: 2.35e-5,
+            prefill_attention_s: 1.05e-9,
+        },
         imports: vec![PeerImport {
             peer: "10.0.0.8:9100".into(),
             bytes: 1 << 30,
@@ -110,7 +134,11 @@ fn pd_sample() -> PdInfo {
 fn step_timings_and_imports_round_trip_and_hostile_ones_are_refused() {
     let mut r = sample(10, 1);
     r.pd = pd_sample();
-    assert_eq!(WorkerReport::decode(&r.encode()).expect("v4"), r);
+    assert_eq!(WorkerReport::decode(&r.encode()).expect("v5"), r);
+    let v4 = WorkerReport::decode(&encode_v4(&r)).expect("v4");
+    let no_fit = StepTiming { prefill_per_token_s: 0.0, prefill_attention_s: 0.0, ..r.pd.timing };
+    assert_eq!(v4.pd, PdInfo { timing: no_fit, ..pd_sample() }, "a version-4 sender has no prefill fit");
+    assert_eq!(v4.queue, QueueStats { prefill_area: 0, ..r.queue }, "nor a queue area");
     let v3 = WorkerReport::decode(&encode_v3(&r)).expect("v3");
     assert_eq!(
         v3.pd,
@@ -120,6 +148,8 @@ fn step_timings_and_imports_round_trip_and_hostile_ones_are_refused() {
     let at = 8 + strings + 24 + 16 + 12 + 1 + 2 + r.pd.transfer_addr.len() + 4 + 2;
     for (offset, value, field) in
         [(16, 1.5f64, "stall_ratio"), (0, f64::NAN, "prefill_tokens_per_busy_s"), (8, -1.0, "decode_step_s")]
+            .into_iter()
+            .chain([(24, -2e-5, "prefill_per_token_s"), (32, f64::INFINITY, "prefill_attention_s")])
     {
         let mut bad = r.encode();
         bad[at + offset..at + offset + 8].copy_from_slice(&value.to_bits().to_le_bytes());
@@ -127,7 +157,7 @@ fn step_timings_and_imports_round_trip_and_hostile_ones_are_refused() {
         assert!(matches!(e, Err(ReportError::Invalid { field: f, .. }) if f == field), "{field}: {e:?}");
     }
     let mut bad = r.encode();
-    bad[at + 24] = (MAX_IMPORT_PEERS + 1) as u8;
+    bad[at + 40] = (MAX_IMPORT_PEERS + 1) as u8;
     assert!(matches!(WorkerReport::decode(&bad), Err(ReportError::Invalid { field: "imports", .. })));
     // The encoder never writes more peers than a decoder takes.
     r.pd.imports = vec![PeerImport::default(); MAX_IMPORT_PEERS + 5];
@@ -143,7 +173,7 @@ fn the_prefill_decode_part_round_trips_and_older_reports_read_as_both() {
         kv_bytes_per_token: 131_072,
         ..PdInfo::default()
     };
-    assert_eq!(WorkerReport::decode(&r.encode()).expect("v4"), r);
+    assert_eq!(WorkerReport::decode(&r.encode()).expect("v5"), r);
     let old = WorkerReport::decode(&encode_v2(&r)).expect("v2");
     assert_eq!(old.pd, PdInfo::default());
     assert_eq!(old.tiers, r.tiers);
@@ -156,7 +186,7 @@ fn the_prefill_decode_part_round_trips_and_older_reports_read_as_both() {
 
 /// The version-1 encoding of `r` (no instance id or context length, flags 0), as older workers send it.
 fn encode_v1(r: &WorkerReport) -> Vec<u8> {
-    let v2 = r.encode();
+    let v2 = encode_v4(r);
     // Header (8) + three strings + scheme (24) + seq/timestamp (16), then the v2-only 12 bytes.
     let strings: usize = [&r.worker_id, &r.advertise_url, &r.model_id].iter().map(|s| 2 + s.len()).sum();
     let cut = 8 + strings + 24 + 16;
@@ -176,7 +206,7 @@ fn version_1_reports_still_decode() {
     assert_eq!(back.max_model_len, 0);
     assert!(!back.draining);
     assert_eq!(back.tiers, r.tiers);
-    assert_eq!(back.queue, r.queue);
+    assert_eq!(back.queue, QueueStats { prefill_area: 0, ..r.queue });
     // A v1 report cannot say "draining": the bit is unknown there.
     let mut v1 = encode_v1(&r);
     v1[6] = 1;

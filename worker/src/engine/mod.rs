@@ -61,6 +61,8 @@ pub struct EngineStats {
     pub waiting_requests: usize,
     /// Prompt tokens still to prefill, waiting (less cached) and running (`Scheduler::prefill_tokens`).
     pub prefill_tokens: u64,
+    /// Their causal-attention area (`Scheduler::prefill_area`).
+    pub prefill_area: u64,
     pub running_requests: usize,
     /// Requests whose KV is arriving from a prefill worker (blocks held, not yet running).
     pub importing_requests: usize,
@@ -312,6 +314,7 @@ impl<B: Backend> Engine<B> {
             host,
             waiting_requests: self.sched.num_waiting(),
             prefill_tokens: self.sched.prefill_tokens(),
+            prefill_area: self.sched.prefill_area(),
             running_requests: self.sched.running().len(),
             importing_requests: self.sched.num_importing(),
             blocks_total: pool.num_blocks(),

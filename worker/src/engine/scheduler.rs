@@ -20,6 +20,7 @@ use std::collections::VecDeque;
 
 use kvgate_shared::hashing::BlockHasher;
 use kvgate_shared::prompt::SplitMix64;
+use kvgate_shared::report::attention_area;
 
 use super::request::{Export, ImportState, RequestId, SamplingParams};
 use crate::kv::{BlockTable, Claim, Clock, KvManager};
@@ -127,6 +128,9 @@ pub struct SchedulerCounters {
     pub scheduled_tokens: u64,
     /// Scheduled chunks that decode (one generated token past the prompt), of all the steps.
     pub decode_chunks: u64,
+    /// The causal-attention area of the scheduled prompt chunks: the sum of `n x (start + n / 2)`
+    /// (`kvgate_shared::report::attention_area`; what the reports' prefill fit prices per unit).
+    pub prefill_area: u64,
     /// Steps an exporting sequence was passed over because its link's backlog was full.
     pub export_holds: u64,
 }
@@ -191,6 +195,18 @@ impl Scheduler {
         let running: u64 =
             self.running.iter().map(|s| s.remaining()).filter(|r| *r > 1).map(|r| r as u64).sum();
         waiting + running
+    }
+    /// The causal-attention area of those tokens: `n x (start + n / 2)` per sequence, for its `n` tokens still to
+    /// prefill after `start` computed (or, waiting, believed cached).
+    pub fn prefill_area(&self) -> u64 {
+        let area = |start: usize, n: usize| attention_area(start as u64, n as u64);
+        let waiting = self.waiting.iter().map(|s| {
+            let n = s.remaining().saturating_sub(s.cached_estimate);
+            area(s.tokens.len() - n, n)
+        });
+        let running =
+            self.running.iter().filter(|s| s.remaining() > 1).map(|s| area(s.num_computed, s.remaining()));
+        waiting.chain(running).fold(0u64, u64::saturating_add)
     }
     pub fn contains(&self, id: RequestId) -> bool {
         self.waiting.iter().chain(&self.running).chain(&self.importing).any(|s| s.id == id)
@@ -325,6 +341,12 @@ impl Scheduler {
         self.counters.scheduled_tokens += plan.iter().map(|c| c.len as u64).sum::<u64>();
         self.counters.decode_chunks +=
             plan.iter().filter(|c| c.start >= self.running[c.index].prompt_len).count() as u64;
+        let area: u64 = plan
+            .iter()
+            .filter(|c| c.start < self.running[c.index].prompt_len)
+            .map(|c| attention_area(c.start as u64, c.len as u64))
+            .fold(0, u64::saturating_add);
+        self.counters.prefill_area = self.counters.prefill_area.saturating_add(area);
         plan
     }
 

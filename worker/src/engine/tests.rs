@@ -352,16 +352,24 @@ fn the_load_signal_counts_running_prefill_and_not_what_is_cached() {
     let prompt: Vec<u32> = (0..100).map(|i| i % 900 + 1).collect();
     e.add_request(req(1, prompt.clone(), 2)).expect("admit");
     assert_eq!(e.stats().prefill_tokens, 100, "waiting, nothing cached");
+    // Its attention area: 100 tokens from context 0 = 100 x 50.
+    assert_eq!(e.stats().prefill_area, 100 * 50);
     e.step();
     // Running, one 16-token chunk done: its remaining prompt still counts (it used to count as one request only).
     assert_eq!(e.stats().prefill_tokens, 84);
+    // 84 tokens after 16 computed; the step's chunk was 16 tokens from 0.
+    assert_eq!(e.stats().prefill_area, 84 * (16 + 42));
+    assert_eq!(e.scheduler().counters().prefill_area, 16 * 8);
     drain(&mut e);
-    assert_eq!(e.stats().prefill_tokens, 0);
+    assert_eq!((e.stats().prefill_tokens, e.stats().prefill_area), (0, 0));
+    // Every prompt chunk's area was counted once: the whole prompt's, 100 x 50.
+    assert_eq!(e.scheduler().counters().prefill_area, 100 * 50);
     // The same prompt again with a new tail: its cached whole blocks (all 100 tokens: 25 blocks of 4) do not count.
     let mut again = prompt.clone();
     again.extend([7, 8, 9, 10]);
     e.add_request(req(2, again, 2)).expect("admit");
     assert_eq!(e.stats().prefill_tokens, 104 - 100);
+    assert_eq!(e.stats().prefill_area, 4 * (100 + 2), "after what the cache holds");
     drain(&mut e);
     // Decoding sequences add nothing to the prefill figure.
     e.add_request(req(3, vec![5, 6, 7], 50)).expect("admit");

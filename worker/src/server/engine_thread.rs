@@ -98,6 +98,8 @@ pub struct EngineSnapshot {
     pub stalled_s: f64,
     /// Moving average (1/8 new) of the decode-only steps' time; 0 before the first.
     pub decode_step_s: f64,
+    /// Prefill-carrying steps' seconds against their prompt tokens and attention area (`prefill_fit`).
+    pub prefill_fit: super::prefill_fit::PrefillFit,
 }
 
 /// Handle to the engine thread (cheap to clone).
@@ -319,7 +321,12 @@ fn run<B: Backend>(
         totals.decode_tokens += generated;
         totals.prefill_tokens += computed.saturating_sub(generated);
         totals.steps += 1;
-        time_step(&mut totals, after.decode_chunks - before.decode_chunks, computed, elapsed);
+        let step = StepWork {
+            decodes: after.decode_chunks - before.decode_chunks,
+            computed,
+            area: after.prefill_area - before.prefill_area,
+        };
+        time_step(&mut totals, step, elapsed);
         // EngineSnapshot before the outputs go out: a client that reads the metrics after its response sees this step.
         publish(&engine, &mut totals, &snapshot);
         let mut aborted = false;
@@ -348,11 +355,24 @@ fn run<B: Backend>(
     }
 }
 
-/// Adds one step's time to the step-timing sums (`decodes` of its `computed` tokens were decode chunks).
-pub fn time_step(t: &mut EngineSnapshot, decodes: u64, computed: u64, elapsed: f64) {
+/// What one step computed (differences of the scheduler's counters across it).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct StepWork {
+    /// Decode chunks (one token each).
+    pub decodes: u64,
+    /// Tokens computed, decodes included.
+    pub computed: u64,
+    /// The attention area of its prompt chunks.
+    pub area: u64,
+}
+
+/// Adds one step's time to the step-timing sums and the prefill fit.
+pub fn time_step(t: &mut EngineSnapshot, step: StepWork, elapsed: f64) {
+    let StepWork { decodes, computed, area } = step;
     let prefill = computed > decodes;
     if prefill {
         t.prefill_step_s += elapsed;
+        t.prefill_fit.observe((computed - decodes) as f64, area as f64, elapsed);
     }
     if decodes == 0 {
         return;

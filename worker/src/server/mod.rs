@@ -21,6 +21,7 @@ pub mod engine_thread;
 pub mod errors;
 pub mod logprobs;
 pub mod pd;
+pub mod prefill_fit;
 pub mod reporter;
 pub mod spans;
 pub mod text;

@@ -74,7 +74,10 @@ pub fn step_timing(prev: &EngineSnapshot, now: &EngineSnapshot) -> StepTiming {
     let carrying = now.decode_carrying_s - prev.decode_carrying_s;
     let stalled = now.stalled_s - prev.stalled_s;
     let ratio = |a: f64, b: f64| if b > 0.0 && a.is_finite() { (a / b).max(0.0) } else { 0.0 };
+    let (prefill_per_token_s, prefill_attention_s) = now.prefill_fit.coefficients();
     StepTiming {
+        prefill_per_token_s,
+        prefill_attention_s,
         prefill_tokens_per_s: ratio(prefill_tokens, prefill_s),
         decode_step_s: if now.decode_step_s.is_finite() { now.decode_step_s.max(0.0) } else { 0.0 },
         stall_ratio: ratio(stalled, carrying).min(1.0),
@@ -220,7 +223,11 @@ pub async fn run(source: ReportSource, engine: EngineHandle, plan: ReportPlan) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::server::engine_thread::time_step;
+    use crate::server::engine_thread::{time_step, StepWork};
+
+    fn work(decodes: u64, computed: u64, area: u64) -> StepWork {
+        StepWork { decodes, computed, area }
+    }
 
     #[test]
     fn step_timings_measure_what_prefill_chunks_add_to_decode_steps() {
@@ -229,19 +236,23 @@ mod tests {
         // Decode-only steps of 10 ms, then mixed steps of 40 ms (30 ms of prefill chunk each) with 2,000 prompt
         // tokens computed in each, and a prefill-only step of 50 ms with 2,048.
         for _ in 0..4 {
-            time_step(&mut t, 8, 8, 0.010);
+            time_step(&mut t, work(8, 8, 0), 0.010);
         }
         for _ in 0..2 {
-            time_step(&mut t, 8, 2008, 0.040);
+            time_step(&mut t, work(8, 2008, 2000 * 1000), 0.040);
             t.prefill_tokens += 2000;
         }
-        time_step(&mut t, 0, 2048, 0.050);
+        time_step(&mut t, work(0, 2048, 2048 * 30_000), 0.050);
         t.prefill_tokens += 2048;
         let s = step_timing(&start, &t);
         assert!((s.decode_step_s - 0.010).abs() < 1e-12, "{s:?}");
         // 2 x 30 ms stalled of 4 x 10 + 2 x 40 = 120 ms carrying decodes.
         assert!((s.stall_ratio - 0.5).abs() < 1e-9, "{s:?}");
         assert!((s.prefill_tokens_per_s - 6048.0 / 0.130).abs() < 1e-6, "{s:?}");
+        // The fit: 40 ms for 2,000 tokens at a short context, 50 ms for 2,048 at a long one: both terms priced.
+        assert!(s.prefill_per_token_s > 0.0 && s.prefill_attention_s > 0.0, "{s:?}");
+        let predicted = s.prefill_per_token_s * 2048.0 + s.prefill_attention_s * (2048.0 * 30_000.0);
+        assert!((predicted - 0.050).abs() < 1e-3, "{s:?}");
         // An idle interval: nothing measured (the gateway keeps what it had).
         let idle = step_timing(&t, &t);
         assert_eq!((idle.prefill_tokens_per_s, idle.stall_ratio), (0.0, 0.0));
