@@ -6,7 +6,10 @@
 //! - [`bursty`]: multi-turn chats at a steady rate plus batch jobs that arrive in bursts, each burst's requests
 //!   sharing a long prefix of their own;
 //! - [`tenants`]: many small tenants, each with its own system prompt (popularity Zipf-like), whose users hold
-//!   short conversations.
+//!   short conversations;
+//! - [`families`]: a few large prefix families, each one document asked again and again with a short question (the
+//!   Mooncake trace's largest families look so: near-identical prompts of 2K-40K tokens repeated 16-24 times),
+//!   fewer families than twice the fleet: where load balance and cache affinity pull hardest against each other.
 //!
 //! Invariants: every segment is whole 512-token blocks (a prompt that extends another repeats its hash ids, so the
 //! trace's prefixes are exact); arrivals never go back; ids are fresh except where a prefix is reused.
@@ -23,6 +26,7 @@ pub enum Shape {
     Tenants,
     /// `trace_gen::LongDocument` with its defaults.
     LongDocument,
+    Families,
 }
 
 impl Shape {
@@ -32,6 +36,7 @@ impl Shape {
             "bursty" => Some(Self::Bursty),
             "tenants" => Some(Self::Tenants),
             "long_document" => Some(Self::LongDocument),
+            "families" => Some(Self::Families),
             _ => None,
         }
     }
@@ -42,6 +47,7 @@ impl Shape {
             Self::Agentic => agentic(seed),
             Self::Bursty => bursty(seed),
             Self::Tenants => tenants(seed),
+            Self::Families => families(seed),
             Self::LongDocument => crate::trace_gen::long_document(&crate::trace_gen::LongDocument {
                 seed,
                 ..Default::default()
@@ -224,6 +230,31 @@ pub fn tenants(seed: u64) -> Trace {
     g.finish()
 }
 
+/// A few large families: 12 documents of 2K-40K tokens, each asked 45-75 times (the document, then a question of
+/// 16-512 tokens: one block of its own), outputs of 16-512 tokens, the requests arriving at 1 a second, the
+/// families interleaved.
+pub fn families(seed: u64) -> Trace {
+    let mut g = Gen::new(seed);
+    let docs: Vec<Vec<u64>> = (0..12).map(|_| g.segment(2_048, 40_960)).collect();
+    let mut asks: Vec<usize> = Vec::new();
+    for (f, _) in docs.iter().enumerate() {
+        asks.extend(std::iter::repeat_n(f, g.uniform(45, 75)));
+    }
+    // Interleave the families: a seeded shuffle of the asks.
+    for i in (1..asks.len()).rev() {
+        asks.swap(i, g.rng.below(i as u64 + 1) as usize);
+    }
+    let mut at = 0.0;
+    for f in asks {
+        at += g.exp(1.0);
+        let mut p = docs[f].clone();
+        p.extend(g.segment(16, 512));
+        let output = g.uniform(16, 512);
+        g.push(at, &p, output);
+    }
+    g.finish()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -231,7 +262,7 @@ mod tests {
 
     #[test]
     fn every_shape_is_a_valid_trace_that_differs_by_seed() {
-        for shape in [Shape::Agentic, Shape::Bursty, Shape::Tenants] {
+        for shape in [Shape::Agentic, Shape::Bursty, Shape::Tenants, Shape::Families] {
             let (a, b) = (shape.generate(1), shape.generate(2));
             assert_eq!(Trace::parse(&to_jsonl(&a)).expect("valid"), a, "{shape:?} round trip");
             assert_eq!(a, shape.generate(1), "{shape:?} is a function of its seed");

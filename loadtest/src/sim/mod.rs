@@ -216,7 +216,7 @@ pub fn prepare(trace: &Trace, cfg: &SimConfig, pace: Pace) -> Result<ReplayPlan,
 }
 
 /// One policy's figures (`--json` prints these).
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Default, Serialize)]
 pub struct SimResult {
     pub policy: String,
     pub profile: String,
