@@ -42,7 +42,7 @@ pub struct GatewayArgs {
     /// Static worker base URL (repeatable; env: comma-separated). Workers also register by reporting.
     #[arg(long = "worker", env = "KVGATE_GATEWAY_WORKERS", value_delimiter = ',')]
     pub workers: Option<Vec<String>>,
-    /// Routing policy: cache_aware, cache_aware_measured (an experiment: docs/benchmarks/routing.md), round_robin, least_load, consistent_hash.
+    /// Routing policy: cache_aware, cache_aware_measured (the tuning protocol's pick, not yet the default: docs/benchmarks/routing.md), round_robin, least_load, consistent_hash.
     #[arg(long, env = "KVGATE_GATEWAY_POLICY", default_value = "cache_aware")]
     pub policy: Option<String>,
     /// Prefill/decode split policy, asked per request when a prefill worker and a decode worker that transfer KV

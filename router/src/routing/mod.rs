@@ -3,8 +3,8 @@
 //!
 //! One policy per file behind [`RoutingPolicy`]:
 //! - `cache_aware` (default): prefix match + ring affinity - load, with a hot-spot guard (`hotspot.rs`);
-//!   `cache_aware_measured`: the same score with the guard in measured seconds, an experiment the tuning protocol
-//!   did not pick;
+//!   `cache_aware_measured`: the same score with the guard in measured seconds, the tuning protocol's pick (not yet
+//!   the default: docs/benchmarks/routing.md);
 //! - `round_robin`, `least_load`, `consistent_hash`: the baselines it is compared against.
 
 pub mod cache_aware;
