@@ -203,6 +203,10 @@ struct SimulateArgs {
     /// total (0 <= S < 1). Default 0: all equal.
     #[arg(long, default_value_t = 0.0)]
     kv_spread: f64,
+    /// Workers of different speeds: worker i of n computes 1 + S x (2i / (n - 1) - 1) times as fast as the
+    /// profile, the same total (0 <= S < 1). Default 0: all equal.
+    #[arg(long, default_value_t = 0.0)]
+    speed_spread: f64,
     /// Run the gateway's admission with its default classes (short / long / reasoning budgets): requests wait
     /// for their class budget before they are routed, as in the gateway. Default off (every request is routed on
     /// arrival).
@@ -300,6 +304,7 @@ fn simulate(a: SimulateArgs) -> Result<(), String> {
     cfg.disk_kv_tokens_per_worker = a.disk_kv_tokens_per_worker;
     cfg.kv_load_policy = kvgate_worker::kv::LoadPolicy::parse(&a.kv_load_policy)?;
     cfg.kv_spread = a.kv_spread;
+    cfg.speed_spread = a.speed_spread;
     cfg.classes = match (&a.classes, a.admission) {
         (Some(path), _) => load_classes(path)?,
         (None, true) => kvgate_router::admission::default_classes(),

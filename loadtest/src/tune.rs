@@ -74,6 +74,9 @@ pub struct TraceSpec {
     /// Workers of different KV sizes: `SimConfig::kv_spread` (0: all equal).
     #[serde(default)]
     pub kv_spread: f64,
+    /// Workers of different speeds: `SimConfig::speed_spread` (0: all equal).
+    #[serde(default)]
+    pub speed_spread: f64,
     /// Skip the first N requests (arrivals count from the first replayed).
     #[serde(default)]
     pub skip: usize,
@@ -121,10 +124,11 @@ pub fn load_sets(path: &Path) -> Result<Vec<TraceSpec>, TuneError> {
             && t.load > 0.0
             && t.load.is_finite()
             && t.workers > 0
-            && (0.0..1.0).contains(&t.kv_spread);
+            && (0.0..1.0).contains(&t.kv_spread)
+            && (0.0..1.0).contains(&t.speed_spread);
         if !fleet_ok {
             return Err(bad(format!(
-                "trace {}: kv_share in (0, 1], load > 0, workers >= 1 and kv_spread in [0, 1)",
+                "trace {}: kv_share in (0, 1], load > 0, workers >= 1, kv_spread and speed_spread in [0, 1)",
                 t.name
             )));
         }
@@ -151,6 +155,7 @@ pub fn materialize(
     let kv = ((fleet / spec.workers as f64) as usize).next_multiple_of(16).max(16 * 1024);
     let mut cfg = SimConfig::new(spec.workers, kv, profile.clone());
     cfg.kv_spread = spec.kv_spread;
+    cfg.speed_spread = spec.speed_spread;
     Ok((trace, cfg))
 }
 

@@ -146,7 +146,7 @@ impl<'a> Fleet<'a> {
         let workers = (0..n)
             .map(|i| {
                 let backend = SimBackend::new(cfg.vocab as usize, cfg.profile.max_model_len, Vec::new())
-                    .with_timing(cfg.profile.timing, SimClock::Virtual);
+                    .with_timing(cfg.timing_of(i), SimClock::Virtual);
                 let engine_cfg = EngineConfig {
                     num_blocks: cfg.kv_tokens_of(i) / scheme.block_size as usize,
                     scheme,
@@ -156,7 +156,7 @@ impl<'a> Fleet<'a> {
                 let bytes = cfg.host_kv_tokens_per_worker * backend.kv_bytes_per_token;
                 let disk_bytes = (cfg.disk_kv_tokens_per_worker * backend.kv_bytes_per_token) as u64;
                 let mut engine = Engine::new(engine_cfg, backend, None);
-                engine.set_load_costs(cfg.profile.timing.load_costs(cfg.kv_load_policy));
+                engine.set_load_costs(cfg.timing_of(i).load_costs(cfg.kv_load_policy));
                 let ssd_dir = ssd.as_ref().map(|d| d.path().join(format!("w{i}"))).unwrap_or_default();
                 let engine = engine
                     .with_host_tier(bytes, cfg.kv_write_policy)

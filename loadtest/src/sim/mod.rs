@@ -75,6 +75,10 @@ pub struct SimConfig {
     /// Workers of different KV sizes (`--kv-spread`, default 0: all equal): worker `i` of `n` holds
     /// `kv_tokens_per_worker x (1 + kv_spread x (2i / (n - 1) - 1))`, the same total (0..1).
     pub kv_spread: f64,
+    /// Workers of different speeds (`--speed-spread`, default 0: all the profile's): worker `i` of `n` computes
+    /// `1 + speed_spread x (2i / (n - 1) - 1)` times as fast as the profile (every compute term of its timing
+    /// divided by that; the tiers' load costs kept), the same total speed (0..1). Mixed accelerator generations.
+    pub speed_spread: f64,
 }
 
 impl SimConfig {
@@ -111,16 +115,37 @@ impl SimConfig {
             disk_kv_tokens_per_worker: 0,
             kv_load_policy: kvgate_worker::kv::LoadPolicy::Auto,
             kv_spread: 0.0,
+            speed_spread: 0.0,
+        }
+    }
+
+    /// `1 + spread x (2i / (n - 1) - 1)`: worker `i`'s share of a spread that keeps the fleet's total.
+    fn spread_of(&self, spread: f64, i: usize) -> f64 {
+        if self.workers > 1 {
+            1.0 + spread * (2.0 * i as f64 / (self.workers - 1) as f64 - 1.0)
+        } else {
+            1.0
+        }
+    }
+
+    /// Worker `i`'s timing (`speed_spread`): the profile's compute terms over its speed.
+    pub fn timing_of(&self, i: usize) -> kvgate_worker::engine::timing::TimingModel {
+        let t = self.profile.timing;
+        let s = self.spread_of(self.speed_spread, i);
+        kvgate_worker::engine::timing::TimingModel {
+            prefill_base_s: t.prefill_base_s / s,
+            prefill_per_token_s: t.prefill_per_token_s / s,
+            prefill_attention_s: t.prefill_attention_s / s,
+            decode_base_s: t.decode_base_s / s,
+            decode_per_seq_s: t.decode_per_seq_s / s,
+            decode_per_kv_token_s: t.decode_per_kv_token_s / s,
+            ..t
         }
     }
 
     /// KV tokens worker `i` holds (`kv_spread`), a whole number of blocks.
     pub fn kv_tokens_of(&self, i: usize) -> usize {
-        let scale = if self.workers > 1 {
-            1.0 + self.kv_spread * (2.0 * i as f64 / (self.workers - 1) as f64 - 1.0)
-        } else {
-            1.0
-        };
+        let scale = self.spread_of(self.kv_spread, i);
         let b = self.block_size.max(1) as usize;
         ((self.kv_tokens_per_worker as f64 * scale) as usize / b).max(1) * b
     }
@@ -146,6 +171,9 @@ impl SimConfig {
         }
         if !(0.0..1.0).contains(&self.kv_spread) {
             p.push(format!("kv-spread {} is not in 0..1", self.kv_spread));
+        }
+        if !(0.0..1.0).contains(&self.speed_spread) {
+            p.push(format!("speed-spread {} is not in 0..1", self.speed_spread));
         }
         if !(self.report_interval_s > 0.0 && self.report_interval_s.is_finite()) {
             p.push("report interval must be > 0".into());

@@ -261,3 +261,24 @@ fn workers_of_different_kv_sizes_keep_the_fleets_total() {
     cfg.kv_spread = 1.0;
     assert!(cfg.validate().iter().any(|p| p.contains("kv-spread")), "a worker of no KV is refused");
 }
+
+#[test]
+fn workers_of_different_speeds_keep_the_fleets_total_speed() {
+    let profile = SimProfile::named_or_file("gpu-h100-llama3-8b").expect("profile");
+    let t = profile.timing;
+    let mut cfg = SimConfig::new(5, 100_000, profile);
+    assert_eq!(cfg.timing_of(3), t, "no spread: the profile's");
+    cfg.speed_spread = 0.5;
+    // Speeds 0.5, 0.75, 1, 1.25, 1.5 x the profile's: compute terms divided by them, load costs kept.
+    let speeds: Vec<f64> =
+        (0..5).map(|i| t.prefill_per_token_s / cfg.timing_of(i).prefill_per_token_s).collect();
+    assert!(speeds.iter().zip([0.5, 0.75, 1.0, 1.25, 1.5]).all(|(s, e)| (s - e).abs() < 1e-12), "{speeds:?}");
+    let slow = cfg.timing_of(0);
+    assert!((slow.decode_per_kv_token_s - 2.0 * t.decode_per_kv_token_s).abs() < 1e-18);
+    assert_eq!(
+        (slow.host_load_s_per_byte, slow.disk_load_s_per_byte),
+        (t.host_load_s_per_byte, t.disk_load_s_per_byte)
+    );
+    cfg.speed_spread = 1.0;
+    assert!(cfg.validate().iter().any(|p| p.contains("speed-spread")), "a worker of no speed is refused");
+}

@@ -652,6 +652,7 @@ impl Registry {
                 scraped: w.scraped,
                 kv_usage: w.kv_usage,
                 approx_blocks: w.approx.as_ref().map(|a| [a.len(), a.capacity()]),
+                speed: w.speed(now),
                 counters: w.counters,
             })
             .collect()

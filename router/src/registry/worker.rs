@@ -368,5 +368,8 @@ pub struct WorkerStatus {
     pub kv_usage: Option<f64>,
     /// A pod without reports: blocks its approximate index holds, and at most (from config or its metrics).
     pub approx_blocks: Option<[usize; 2]>,
+    /// Its measured prefill (token rate, busy share, report age, and its fit of cost against context): what
+    /// `cache_aware_measured` prices it by.
+    pub speed: crate::routing::Speed,
     pub counters: WorkerCounters,
 }

@@ -1,7 +1,7 @@
 //! The hot-spot guard of `cache_aware`: whether the score's winner is too busy to take the request, and where it
 //! goes instead. Two guards, chosen by policy name. The tuning protocol (`kvgate-loadtest tune`, the tune set of
 //! loadtest/traces/sets.toml; figures in docs/benchmarks/routing.md#the-tuning-protocol-43) picks `measured` since
-//! 59863c4 (summed tune-set loss -27.865 against -27.612 at 3986a73; on the test set -20.929 against -21.593); the
+//! 59863c4 (summed tune-set loss -27.865 against -27.612; on the test set -24.796 against -25.200, 2026-12-06); the
 //! gateway's default policy is still `cache_aware` (`thresholds`) until the benchmark pages are rerun with it.
 //!
 //! **`measured`** (`cache_aware_measured`): the request goes where the fleet predicts it is served soonest, in
