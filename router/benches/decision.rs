@@ -51,6 +51,7 @@ fn report(k: usize, hashes: &[BlockHash], holds: usize) -> WorkerReport {
             prefill_tokens: (k as u64 % 7) * 512,
             running_requests: 4,
             prefill_area: 0,
+            prefilling_requests: 0,
         },
         throughput: Throughput::default(),
         tiers: vec![TierReport {

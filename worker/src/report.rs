@@ -122,6 +122,7 @@ impl ReportSource {
                 prefill_tokens: s.prefill_tokens,
                 running_requests: s.running_requests as u32,
                 prefill_area: s.prefill_area,
+                prefilling_requests: s.prefilling_requests.min(s.running_requests) as u32,
             },
             throughput,
             tiers,

@@ -48,6 +48,7 @@ fn report(k: usize, seq: u64, holds: &[&[BlockHash]]) -> WorkerReport {
             prefill_tokens: (k as u64 % 5) * 100,
             running_requests: 1,
             prefill_area: 0,
+            prefilling_requests: 0,
         },
         throughput: Throughput::default(),
         tiers: vec![TierReport {

@@ -570,6 +570,7 @@ impl Registry {
             prefill_tokens: (f64::from(s.waiting) * w.mean_sent_tokens) as u64,
             running_requests: s.running,
             prefill_area: 0,
+            prefilling_requests: 0,
         });
         w.kv_usage = s.kv_usage.filter(|u| u.is_finite()).map(|u| u.clamp(0.0, 1.0));
         if let (Some(approx), Some(blocks)) = (w.approx.as_mut(), s.kv_capacity_blocks) {

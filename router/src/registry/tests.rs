@@ -37,6 +37,7 @@ fn report(id: &str, seq: u64, hashes: &[BlockHash], fingerprint: u64) -> WorkerR
             prefill_tokens: 100,
             running_requests: 2,
             prefill_area: 7_000,
+            prefilling_requests: 1,
         },
         throughput: Throughput::default(),
         tiers: vec![TierReport {
@@ -100,12 +101,12 @@ fn refusals_overlay_order_and_load() {
     // The send's attention area: 300 uncached tokens of a prompt of 4 blocks of 16 (all uncached) = 300 x 150.
     assert_eq!(
         v[0].load,
-        Load { pending_tokens: 400, requests: 4, waiting: 2, pending_area: 7_000 + 45_000 }
+        Load { pending_tokens: 400, requests: 4, waiting: 2, pending_area: 7_000 + 45_000, prefilling: 1 }
     );
     r.record_done(ticket);
     assert_eq!(
         r.views("m", &h, None, t0).0[0].load,
-        Load { pending_tokens: 100, requests: 3, waiting: 1, pending_area: 7_000 },
+        Load { pending_tokens: 100, requests: 3, waiting: 1, pending_area: 7_000, prefilling: 1 },
         "finished: no load"
     );
     assert_eq!(
@@ -282,7 +283,7 @@ fn another_replicas_send_counts_as_load_and_overlay_until_the_next_report() {
     assert_eq!(v[0].overlay_matched_blocks, 4);
     assert_eq!(
         v[0].load,
-        Load { pending_tokens: 600, requests: 4, waiting: 2, pending_area: 7_000 + 500 * 250 }
+        Load { pending_tokens: 600, requests: 4, waiting: 2, pending_area: 7_000 + 500 * 250, prefilling: 1 }
     );
     assert!(v[0].holds_session);
     assert_eq!(r.status(t0)[0].inflight, 0, "another replica's request is not in flight here");
@@ -290,7 +291,7 @@ fn another_replicas_send_counts_as_load_and_overlay_until_the_next_report() {
     let (v, _) = r.views("m", &h, None, t0 + Duration::from_secs(1));
     assert_eq!(
         v[0].load,
-        Load { pending_tokens: 100, requests: 3, waiting: 1, pending_area: 7_000 },
+        Load { pending_tokens: 100, requests: 3, waiting: 1, pending_area: 7_000, prefilling: 1 },
         "the report's queue includes it now"
     );
     let mut bad = SharedSend::new("a", &h, SharedSend::MAX_TOKENS + 1, None);
@@ -317,7 +318,7 @@ fn other_replicas_sends_to_a_pod_that_never_reports_expire_and_stay_bounded() {
     let area = 1024 * 10 * 5;
     assert_eq!(
         w.load(at),
-        Load { pending_tokens: 10 * 1024, requests: 1024, waiting: 1024, pending_area: area }
+        Load { pending_tokens: 10 * 1024, requests: 1024, waiting: 1024, pending_area: area, prefilling: 0 }
     );
     // With no report or scrape to end them, they stop counting after the TTL.
     assert_eq!(w.load(at + SHARED_LOAD_TTL), Load::default());

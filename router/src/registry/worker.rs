@@ -266,6 +266,7 @@ impl Worker {
             pending_tokens: q.prefill_tokens + self.sent_tokens_since_report + shared_tokens,
             requests: waiting + u64::from(q.running_requests),
             waiting,
+            prefilling: u64::from(q.prefilling_requests.min(q.running_requests)),
             pending_area: q
                 .prefill_area
                 .saturating_add(self.sent_area_since_report)

@@ -1,7 +1,7 @@
 //! The hot-spot guard of `cache_aware`: whether the score's winner is too busy to take the request, and where it
 //! goes instead. Two guards, chosen by policy name. The tuning protocol (`kvgate-loadtest tune`, the tune set of
 //! loadtest/traces/sets.toml; figures in docs/benchmarks/routing.md#the-tuning-protocol-43) picks `measured` since
-//! 59863c4 (summed tune-set loss -27.865 against -27.612; on the test set -24.796 against -25.200, 2026-12-06); the
+//! 59863c4 (summed tune-set loss -28.140 against -27.612; on the test set -26.237 against -25.200, 2026-12-06); the
 //! gateway's default policy is still `cache_aware` (`thresholds`) until the benchmark pages are rerun with it.
 //!
 //! **`measured`** (`cache_aware_measured`): the request goes where the fleet predicts it is served soonest, in
@@ -12,9 +12,10 @@
 //!             a, b = w's fit of its prefill-carrying steps (StepTiming::prefill_per_token_s, _attention_s),
 //!             else (1 / its measured token rate, 0), else the fleet's mean of those, else (1, 0) (every term is
 //!             then in tokens: same choice when speeds are equal)
-//! util(w)   = L(w) / (1 + L(w)), capped at MAX_BUSY   L(w) = requests waiting at w: reported waiting plus sent
-//!                                                       since. A single queue (M/M/1) at utilisation rho holds
-//!                                                       rho / (1 - rho) requests, so a queue of L says rho is
+//! util(w)   = L(w) / (1 + L(w)), capped at MAX_BUSY   L(w) = requests at w with no first token yet: reported
+//!                                                       waiting and running still in prefill, plus sent since.
+//!                                                       A single queue (M/M/1) at utilisation rho holds
+//!                                                       rho / (1 - rho) requests in system, so L says rho is
 //!                                                       L / (1 + L). (The busy share of the last interval is
 //!                                                       not a utilisation in that sense: one long prompt keeps
 //!                                                       a worker busy for the whole interval with nothing
@@ -172,17 +173,23 @@ impl Inputs<'_> {
         attention_area(self.prompt_tokens.max(u) - u, u)
     }
 
-    /// A view's utilisation (0..=MAX_BUSY) as its queue implies: `L / (1 + L)` for `L` requests waiting (M/M/1
-    /// holds `rho / (1 - rho)` requests at utilisation `rho`).
-    fn util(&self, i: usize) -> f64 {
-        queue_util(self.workers[i].load.waiting as f64).min(MAX_BUSY)
+    /// `L(w)`: the requests at view `i` that have not produced a first token (waiting, sent since its report, and
+    /// running still in prefill): the prefill's number in system.
+    fn in_prefill(&self, i: usize) -> f64 {
+        let l = &self.workers[i].load;
+        l.waiting.saturating_add(l.prefilling) as f64
     }
 
-    /// The fleet's utilisation: what its mean queue implies (capped).
+    /// A view's utilisation (0..=MAX_BUSY) as its queue implies: `L / (1 + L)` (M/M/1 holds `rho / (1 - rho)`
+    /// requests in system at utilisation `rho`).
+    fn util(&self, i: usize) -> f64 {
+        queue_util(self.in_prefill(i)).min(MAX_BUSY)
+    }
+
+    /// The fleet's utilisation: what its mean number in prefill implies (capped).
     fn fleet_util(&self) -> f64 {
         let n = self.healthy.len().max(1) as f64;
-        let waiting = self.healthy.iter().map(|i| self.workers[*i].load.waiting as f64).sum::<f64>() / n;
-        queue_util(waiting).min(MAX_BUSY)
+        queue_util(self.healthy.iter().map(|i| self.in_prefill(*i)).sum::<f64>() / n).min(MAX_BUSY)
     }
 
     /// TTFT(w) and J(w) of every view in seconds (formula above; zeros for unhealthy views, which are never

@@ -58,6 +58,9 @@ pub struct Load {
     /// The queue a new prompt joins: waiting requests reported (for a batch slot or KV memory) + requests sent
     /// since the report.
     pub waiting: u64,
+    /// Running requests the last report counted still computing their prompt: with `waiting`, the requests ahead
+    /// of a new one that have not produced a first token (the prefill's number in system).
+    pub prefilling: u64,
     /// The attention area of `pending_tokens` (`kvgate_shared::report::attention_area`): reported, plus this
     /// gateway's sends since (other replicas' shared sends at their mean size, as if their context began at 0).
     pub pending_area: u64,

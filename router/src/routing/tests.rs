@@ -446,13 +446,19 @@ fn measured<'a>(
     ws
 }
 
-#[test]
-fn the_measured_guard_moves_when_the_predicted_seconds_say_so() {
-    // 24,000-token prompt, 20,000 cached on w1 only: own(w1) = 0.4 s, own(elsewhere) = 2.4 s, waste 2 s.
+/// The measured guard's case: a 24,000-token prompt (1,500 blocks of 16) whose first 20,000 tokens only w1 holds,
+/// and the guard without ring affinity.
+fn guard_case() -> (Vec<BlockHash>, Vec<Option<CacheSummary>>, CacheAware) {
     let req_hashes = hashes(1500, 5);
     let mut summaries: Vec<Option<CacheSummary>> = vec![None; IDS.len()];
     summaries[1] = Some(summary_of(&req_hashes[..1250]));
-    let p = measured_guard(Weights { w_ring: 0.0, ..GUARD_TEST_WEIGHTS });
+    (req_hashes, summaries, measured_guard(Weights { w_ring: 0.0, ..GUARD_TEST_WEIGHTS }))
+}
+
+#[test]
+fn the_measured_guard_moves_when_the_predicted_seconds_say_so() {
+    // 24,000-token prompt, 20,000 cached on w1 only: own(w1) = 0.4 s, own(elsewhere) = 2.4 s, waste 2 s.
+    let (req_hashes, summaries, p) = guard_case();
     let req =
         RequestView { hashes: &req_hashes, prompt_tokens: 24_000, session_key: 9, shared_blocks: 0, seq: 1 };
     let pick = |w1_queue: u64, waiting: u64, age: f64| {
@@ -488,17 +494,21 @@ fn the_measured_guard_moves_when_the_predicted_seconds_say_so() {
     assert_ne!(pick(121_000, 1, 0.0).0, "w1");
     // The same 121,000 tokens reported 0.5 s ago: w1 has drained 5,000 of them since, and the request stays.
     assert_eq!(pick(121_000, 1, 0.5).0, "w1");
-    // A busy share is not a utilisation here: a fleet that reads busy the whole interval with nothing waiting
-    // prices the move as the idle fleet does.
-    let busy = |w1_queue: u64| {
+    // The pick with w1's queue and every view set by `set`.
+    let with = |w1_queue: u64, set: &dyn Fn(&mut WorkerView)| {
         let mut ws = measured(&summaries, &[0, w1_queue, 0, 0, 0], 0, 0.0);
-        for w in &mut ws {
-            w.speed.prefill_busy = 1.0;
-        }
+        ws.iter_mut().for_each(set);
         ws[p.choose(&req, &ws, &ring(), 16).expect("decision").ranked[0]].id
     };
-    assert_eq!(busy(39_000), "w1");
-    assert_ne!(busy(41_000), "w1");
+    // A busy share is not a utilisation here: a fleet that reads busy the whole interval with nothing waiting
+    // prices the move as the idle fleet does.
+    let busy = |w: &mut WorkerView| w.speed.prefill_busy = 1.0;
+    assert_eq!(with(39_000, &busy), "w1");
+    assert_ne!(with(41_000, &busy), "w1");
+    // A request still computing its prompt counts as one waiting does (it has no first token yet either).
+    let prefilling = |w: &mut WorkerView| w.load.prefilling = 1;
+    assert_eq!(with(119_000, &prefilling), "w1");
+    assert_ne!(with(121_000, &prefilling), "w1");
 }
 
 #[test]
@@ -507,10 +517,7 @@ fn the_measured_guard_prices_long_contexts_by_the_workers_fit() {
     // of attention area (the H100 profile's). own(w1) = a 4,000 + b 4,000 x (20,000 + 2,000) = 0.18640 s;
     // own(elsewhere) = a 24,000 + b 24,000 x 12,000 = 0.86640 s; copy = a 20,000 + b (2.88e8 - 8.8e7) = 0.68 s.
     // w1's queue: Q tokens of area A; the request moves when a Q + b A + 0.1864 > 0.8664 + 0.68.
-    let req_hashes = hashes(1500, 5);
-    let mut summaries: Vec<Option<CacheSummary>> = vec![None; IDS.len()];
-    summaries[1] = Some(summary_of(&req_hashes[..1250]));
-    let p = measured_guard(Weights { w_ring: 0.0, ..GUARD_TEST_WEIGHTS });
+    let (req_hashes, summaries, p) = guard_case();
     let req =
         RequestView { hashes: &req_hashes, prompt_tokens: 24_000, session_key: 9, shared_blocks: 0, seq: 1 };
     let (a, b) = (2.35e-5, 1.05e-9);

@@ -51,6 +51,7 @@ fn report(id: &str, role: Role, stall: f64, imports: Vec<PeerImport>) -> WorkerR
             prefill_tokens: queued,
             running_requests: running,
             prefill_area: 0,
+            prefilling_requests: 0,
         },
         throughput: Throughput::default(),
         tiers: vec![TierReport {

@@ -12,7 +12,8 @@
 //! export_groups u16 | prefill_tokens_per_busy_s f64 | decode_step_s f64 | stall_ratio f64 (0..1)
 //! prefill_per_token_s f64 | prefill_attention_s f64                                            (version 5 on)
 //! import count u8 (<= 16), then per peer: peer str | bytes u64 | seconds f64 | transfers u32   (version 4 on)
-//! waiting_requests u32 | prefill_tokens u64 | running_requests u32 | prefill_area u64       (area: version 5 on)
+//! waiting_requests u32 | prefill_tokens u64 | running_requests u32
+//! prefill_area u64 | prefilling_requests u32                                                   (version 5 on)
 //! prefill_tokens_per_s f64 | decode_tokens_per_s f64
 //! tier count u8 (<= 3), then per tier:
 //!   tier u8 (0 device, 1 host, 2 disk) | blocks_total u64 | blocks_free u64 | blocks_cached u64
@@ -113,6 +114,10 @@ pub struct QueueStats {
     /// tokens still to prefill after `start` computed or cached (tokens squared; what
     /// [`StepTiming::prefill_attention_s`] prices). Version 5 on; 0 from older workers.
     pub prefill_area: u64,
+    /// Running requests still computing their prompt (chunked prefill admits a request before its prompt is
+    /// done): with the waiting ones, the requests that have not yet produced a first token. Version 5 on; 0 from
+    /// older workers; at most `running_requests`.
+    pub prefilling_requests: u32,
 }
 
 /// Measured engine throughput over the last interval.
@@ -356,6 +361,7 @@ impl WorkerReport {
         put_u64(&mut w, self.queue.prefill_tokens);
         put_u32(&mut w, self.queue.running_requests);
         put_u64(&mut w, self.queue.prefill_area);
+        put_u32(&mut w, self.queue.prefilling_requests);
         put_u64(&mut w, self.throughput.prefill_tokens_per_s.to_bits());
         put_u64(&mut w, self.throughput.decode_tokens_per_s.to_bits());
         w.push(self.tiers.len().min(u8::MAX as usize) as u8);
@@ -460,7 +466,14 @@ impl WorkerReport {
             prefill_tokens: r.u64("prefill_tokens")?,
             running_requests: r.u32("running_requests")?,
             prefill_area: if version >= 5 { r.u64("prefill_area")? } else { 0 },
+            prefilling_requests: if version >= 5 { r.u32("prefilling_requests")? } else { 0 },
         };
+        if queue.prefilling_requests > queue.running_requests {
+            return Err(invalid(
+                "prefilling_requests",
+                format!("{} of {} running", queue.prefilling_requests, queue.running_requests),
+            ));
+        }
         let throughput = Throughput {
             prefill_tokens_per_s: r.rate("prefill_tokens_per_s")?,
             decode_tokens_per_s: r.rate("decode_tokens_per_s")?,

@@ -27,6 +27,7 @@ fn sample(n_hashes: u64, granularity: u32) -> WorkerReport {
             prefill_tokens: 4096,
             running_requests: 5,
             prefill_area: 9_000_000,
+            prefilling_requests: 2,
         },
         throughput: Throughput { prefill_tokens_per_s: 5000.5, decode_tokens_per_s: 120.25 },
         tiers: vec![
@@ -75,7 +76,7 @@ fn encode_v4(r: &WorkerReport) -> Vec<u8> {
     let area = 8 + strings + 24 + 16 + 12 + pd_len(r) + 16 + 16;
     let mut v4 = v5[..fit].to_vec();
     v4.extend_from_slice(&v5[fit + 16..area]);
-    v4.extend_from_slice(&v5[area + 8..]);
+    v4.extend_from_slice(&v5[area + 12..]);
     v4[4..6].copy_from_slice(&4u16.to_le_bytes());
     v4
 }
@@ -138,7 +139,16 @@ fn step_timings_and_imports_round_trip_and_hostile_ones_are_refused() {
     let v4 = WorkerReport::decode(&encode_v4(&r)).expect("v4");
     let no_fit = StepTiming { prefill_per_token_s: 0.0, prefill_attention_s: 0.0, ..r.pd.timing };
     assert_eq!(v4.pd, PdInfo { timing: no_fit, ..pd_sample() }, "a version-4 sender has no prefill fit");
-    assert_eq!(v4.queue, QueueStats { prefill_area: 0, ..r.queue }, "nor a queue area");
+    assert_eq!(
+        v4.queue,
+        QueueStats { prefill_area: 0, prefilling_requests: 0, ..r.queue },
+        "nor a queue area"
+    );
+    // More prefilling than running is a lie, refused by name.
+    let mut bad = r.clone();
+    bad.queue.prefilling_requests = bad.queue.running_requests + 1;
+    let e = WorkerReport::decode(&bad.encode());
+    assert!(matches!(e, Err(ReportError::Invalid { field: "prefilling_requests", .. })), "{e:?}");
     let v3 = WorkerReport::decode(&encode_v3(&r)).expect("v3");
     assert_eq!(
         v3.pd,
@@ -206,7 +216,7 @@ fn version_1_reports_still_decode() {
     assert_eq!(back.max_model_len, 0);
     assert!(!back.draining);
     assert_eq!(back.tiers, r.tiers);
-    assert_eq!(back.queue, QueueStats { prefill_area: 0, ..r.queue });
+    assert_eq!(back.queue, QueueStats { prefill_area: 0, prefilling_requests: 0, ..r.queue });
     // A v1 report cannot say "draining": the bit is unknown there.
     let mut v1 = encode_v1(&r);
     v1[6] = 1;

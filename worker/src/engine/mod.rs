@@ -63,6 +63,8 @@ pub struct EngineStats {
     pub prefill_tokens: u64,
     /// Their causal-attention area (`Scheduler::prefill_area`).
     pub prefill_area: u64,
+    /// Running sequences still computing their prompt.
+    pub prefilling_requests: usize,
     pub running_requests: usize,
     /// Requests whose KV is arriving from a prefill worker (blocks held, not yet running).
     pub importing_requests: usize,
@@ -315,6 +317,7 @@ impl<B: Backend> Engine<B> {
             waiting_requests: self.sched.num_waiting(),
             prefill_tokens: self.sched.prefill_tokens(),
             prefill_area: self.sched.prefill_area(),
+            prefilling_requests: self.sched.running().iter().filter(|s| s.remaining() > 1).count(),
             running_requests: self.sched.running().len(),
             importing_requests: self.sched.num_importing(),
             blocks_total: pool.num_blocks(),
