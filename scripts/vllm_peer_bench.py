@@ -10,6 +10,8 @@ Rows:
   kvgate approximate   the same with kv-events-sources = false (what it sent and the pods answered)
   vllm-router kv_aware the vLLM production-stack router on the pods' KV events (--kv-event-source per pod)
   vllm-router cache_aware, smg cache_aware   their text-tree policies
+  kvgate-events-before43, kvgate-events-measured   diagnostics: the weights before #43's protocol, and the guard in
+                       measured seconds (the protocol's pick, not yet the default)
 Requests per pod come from each pod's own vllm:request_success_total (no router sets the same header).
 Everything listens on 127.0.0.1 and stops by itself.
 
@@ -48,6 +50,9 @@ ROUTERS = ["kvgate-events", "kvgate-approximate", "vllm-router-kv_aware", "vllm-
 # (`w_load` 0.5, `free_shared_tokens` 4096: a shared prefix of at most 4,096 tokens earned no credit), to show what
 # that choice changes on these pods (docs/benchmarks/peers.md).
 DIAGNOSTIC = {"kvgate-events-before43": "[weights]\nw_load = 0.5\nfree_shared_tokens = 4096\n"}
+# A diagnostic row, not a default: kvgate on events with the guard in measured seconds (`cache_aware_measured`,
+# #43's tuning protocol's pick, not yet the default: docs/benchmarks/routing.md), before the default moves to it.
+TOP_LEVEL = {"kvgate-events-measured": 'policy = "cache_aware_measured"\n'}
 
 
 def free_port():
@@ -151,6 +156,7 @@ def start_router(name, a, pods, procs, log):
         cport = free_port()
         toml = os.path.join(a.out, f"{name}.toml")
         with open(toml, "w") as f:
+            f.write(TOP_LEVEL.get(name, ""))
             f.write(f'[[models]]\nname = "{MODEL}"\ntokenizer = "{a.model}"\nblock-size = {BLOCK}\nkind = "vllm"\n'
                     f'workers = {json.dumps(urls)}\n')
             if name == "kvgate-approximate":
@@ -284,7 +290,7 @@ def main():
     ap.add_argument("--pods", type=int, default=2)
     ap.add_argument("--max-model-len", type=int, default=8192)
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
-    ap.add_argument("--routers", default=",".join(ROUTERS + list(DIAGNOSTIC)))
+    ap.add_argument("--routers", default=",".join(ROUTERS + list(DIAGNOSTIC) + list(TOP_LEVEL)))
     ap.add_argument("--aiperf", action="store_true")
     a = ap.parse_args()
     a.out = os.path.abspath(a.out)
