@@ -31,13 +31,15 @@ declare -A WORKLOAD=(
   [mooncake-long]="--workload mooncake --trace $TRACE --top-roots 20 --time-scale 0.2 --text-prompts"
   [heavy-multi-turn]="--workload multi-turn --users 16 --turns 5 --rate 2 --system-words 2048 --question-words 200 --output-tokens 64"
 )
-ROUTERS=(kvgate:cache_aware smg:cache_aware smg:round_robin)
+# ROUTERS: router:policy pairs (kvgate's policy is its gateway's: kvgate:cache_aware_measured runs the guard in
+# measured seconds, #43's protocol's pick, as a diagnostic).
+read -r -a ROUTERS <<<"${ROUTERS:-kvgate:cache_aware smg:cache_aware smg:round_robin}"
 
 run_one() { # router policy workload
   local router=$1 policy=$2 workload=$3 tag="$1-$2-$3"
   local log="$OUT/$tag"
   rm -rf "$log" && mkdir -p "$log"
-  start_fleet "$log"
+  if [ "$router" = kvgate ]; then start_fleet "$log" "$policy"; else start_fleet "$log"; fi
   local workers=$FLEET_WORKERS target=$FLEET_GATEWAY
   if [ "$router" = smg ]; then
     start_smg "$log" "$policy"
@@ -59,13 +61,13 @@ for workload in $WORKLOADS; do
   done
 done
 
-python3 - "$OUT" $WORKLOADS <<'EOF'
+python3 - "$OUT" "${ROUTERS[*]}" $WORKLOADS <<'EOF'
 import json, sys, os
-out = sys.argv[1]
+out, routers = sys.argv[1], [r.split(":") for r in sys.argv[2].split()]
 print("| workload | router | policy | requests | errors | hit rate | TTFT p50 ms | TTFT p99 ms | max/mean requests per worker |")
 print("|---|---|---|---|---|---|---|---|---|")
-for workload in sys.argv[2:]:
-    for router, policy in [("kvgate", "cache_aware"), ("smg", "cache_aware"), ("smg", "round_robin")]:
+for workload in sys.argv[3:]:
+    for router, policy in routers:
         d = os.path.join(out, f"{router}-{policy}-{workload}")
         s = json.load(open(os.path.join(d, "run", "results.json")))["runs"][0]["summary"]
         per = [float(x) for x in open(os.path.join(d, "per-worker")).read().split()]
