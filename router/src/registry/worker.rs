@@ -263,8 +263,11 @@ impl Worker {
             None => 0,
         };
         Load {
-            pending_tokens: q.prefill_tokens + self.sent_tokens_since_report + shared_tokens,
-            requests: waiting + u64::from(q.running_requests),
+            pending_tokens: q
+                .prefill_tokens
+                .saturating_add(self.sent_tokens_since_report)
+                .saturating_add(shared_tokens),
+            requests: waiting.saturating_add(u64::from(q.running_requests)),
             waiting,
             prefilling: u64::from(q.prefilling_requests.min(q.running_requests)),
             pending_area: q

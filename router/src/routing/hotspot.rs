@@ -68,6 +68,10 @@ use kvgate_shared::report::attention_area;
 use super::{Weights, WorkerView};
 use crate::split::cost_model::{MAX_BUSY, MIN_PREFILL_TOKENS_PER_S};
 
+/// The dearest attention cost believed (seconds per unit of attention area), as `MIN_PREFILL_TOKENS_PER_S` bounds
+/// the per-token cost: a worker's fit above it is taken at it, so no reported value makes a time infinite.
+pub const MAX_ATTENTION_S: f64 = 1.0;
+
 /// The utilisation at which a single queue (M/M/1) holds `waiting` requests on average: `L / (1 + L)`.
 fn queue_util(waiting: f64) -> f64 {
     if waiting.is_finite() && waiting > 0.0 {
@@ -141,7 +145,10 @@ impl Inputs<'_> {
         let s = &self.workers[i].speed;
         let ok = |v: f64| v.is_finite() && v >= 0.0;
         if s.prefill_per_token_s > 0.0 && ok(s.prefill_per_token_s) && ok(s.prefill_attention_s) {
-            return Some(Cost { per_token_s: s.prefill_per_token_s, attention_s: s.prefill_attention_s });
+            return Some(Cost {
+                per_token_s: s.prefill_per_token_s.min(1.0 / MIN_PREFILL_TOKENS_PER_S),
+                attention_s: s.prefill_attention_s.min(MAX_ATTENTION_S),
+            });
         }
         self.speed_of(i)
             .map(|r| Cost { per_token_s: 1.0 / r.max(MIN_PREFILL_TOKENS_PER_S), attention_s: 0.0 })

@@ -72,7 +72,8 @@ impl Load {
 
     /// One number for comparisons: tokens plus a request-count term (a request costs at least `per_request`).
     pub fn cost(&self, per_request_tokens: u64) -> u64 {
-        self.pending_tokens + self.requests * per_request_tokens
+        // Saturating: a report may state any u64 queue.
+        self.pending_tokens.saturating_add(self.requests.saturating_mul(per_request_tokens))
     }
 }
 

@@ -567,4 +567,22 @@ fn the_measured_guard_survives_hostile_or_missing_speeds() {
         assert!(d.terms.iter().all(|t| t.predicted_s.is_finite() && t.predicted_s >= 0.0), "{:?}", d.terms);
         assert_ne!(ws[d.ranked[0]].id, "w2", "the worker with 70K queued is never the pick");
     }
+    // A fit that is finite but absurd (the decoder takes any finite non-negative value): bounded, never infinite.
+    let mut ws = views(&summaries, &[5_000, 0, 70_000, 0, 1], &[true; 5]);
+    for w in &mut ws {
+        w.speed = Speed { prefill_per_token_s: 1e300, prefill_attention_s: 1e300, ..Speed::default() };
+        w.load = Load {
+            pending_tokens: u64::MAX,
+            pending_area: u64::MAX,
+            waiting: u64::MAX,
+            requests: u64::MAX,
+            ..w.load
+        };
+    }
+    let d = p.choose(&req, &ws, &ring(), 16).expect("decision");
+    assert!(
+        d.terms.iter().all(|t| t.predicted_s.is_finite() && t.predicted_ttft_s.is_finite()),
+        "{:?}",
+        d.terms
+    );
 }
