@@ -472,12 +472,7 @@ impl<'a> Fleet<'a> {
             totals.decode_tokens += generated;
             totals.prefill_tokens += computed.saturating_sub(generated);
             totals.steps += 1;
-            let step = StepWork {
-                decodes: after.decode_chunks - before.decode_chunks,
-                computed,
-                area: after.prefill_area - before.prefill_area,
-            };
-            time_step(totals, step, dt);
+            time_step(totals, StepWork::between(&before, &after), dt);
             self.out.busy_s[w] += dt;
             worker.busy_until = Some(t + dt);
             worker.pending = outputs;

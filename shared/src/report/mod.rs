@@ -21,8 +21,9 @@
 //! ```
 //! Version 1 (no `instance_id` / `max_model_len`, flags 0) is still decoded, as `instance_id` 0 and
 //! `max_model_len` 0 (unknown), versions 1-2 as role `both` without a transfer listener, versions 1-3 without step
-//! timings or imports, versions 1-4 without the prefill fit or the queue's area (0: unknown), so a gateway can be upgraded before its workers. `instance_id` is random per worker
-//! process: a new one means a restart, whose `seq` starts again. Nothing may follow the last tier. Decoding is
+//! timings or imports, versions 1-4 without the prefill fit, the queue's area or its prefilling count (0:
+//! unknown), so a gateway can be upgraded before its workers. `instance_id` is random per worker process: a new one
+//! means a restart, whose `seq` starts again. Nothing may follow the last tier. Decoding is
 //! strict: a wrong magic, an unknown version, a truncated field, a
 //! value out of range or trailing bytes is a [`ReportError`], never a panic.
 //!

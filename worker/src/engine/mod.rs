@@ -317,7 +317,7 @@ impl<B: Backend> Engine<B> {
             waiting_requests: self.sched.num_waiting(),
             prefill_tokens: self.sched.prefill_tokens(),
             prefill_area: self.sched.prefill_area(),
-            prefilling_requests: self.sched.running().iter().filter(|s| s.remaining() > 1).count(),
+            prefilling_requests: self.sched.prefilling().count(),
             running_requests: self.sched.running().len(),
             importing_requests: self.sched.num_importing(),
             blocks_total: pool.num_blocks(),

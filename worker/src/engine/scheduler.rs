@@ -192,9 +192,12 @@ impl Scheduler {
     pub fn prefill_tokens(&self) -> u64 {
         let waiting: u64 =
             self.waiting.iter().map(|s| s.remaining().saturating_sub(s.cached_estimate) as u64).sum();
-        let running: u64 =
-            self.running.iter().map(|s| s.remaining()).filter(|r| *r > 1).map(|r| r as u64).sum();
+        let running: u64 = self.prefilling().map(|s| s.remaining() as u64).sum();
         waiting + running
+    }
+    /// Running sequences still computing their prompt (one token left is a decode).
+    pub fn prefilling(&self) -> impl Iterator<Item = &Sequence> {
+        self.running.iter().filter(|s| s.remaining() > 1)
     }
     /// The causal-attention area of those tokens: `n x (start + n / 2)` per sequence, for its `n` tokens still to
     /// prefill after `start` computed (or, waiting, believed cached).
@@ -204,8 +207,7 @@ impl Scheduler {
             let n = s.remaining().saturating_sub(s.cached_estimate);
             area(s.tokens.len() - n, n)
         });
-        let running =
-            self.running.iter().filter(|s| s.remaining() > 1).map(|s| area(s.num_computed, s.remaining()));
+        let running = self.prefilling().map(|s| area(s.num_computed, s.remaining()));
         waiting.chain(running).fold(0u64, u64::saturating_add)
     }
     pub fn contains(&self, id: RequestId) -> bool {

@@ -21,6 +21,7 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::{mpsc, oneshot, watch};
 
+use crate::engine::scheduler::SchedulerCounters;
 use crate::engine::{
     AdmitError, Backend, Engine, EngineRequest, EngineStats, ExportBacklog, ExportSink, ImportError,
     ImportPlan, KvChunk, RequestId, StepOutput,
@@ -321,12 +322,7 @@ fn run<B: Backend>(
         totals.decode_tokens += generated;
         totals.prefill_tokens += computed.saturating_sub(generated);
         totals.steps += 1;
-        let step = StepWork {
-            decodes: after.decode_chunks - before.decode_chunks,
-            computed,
-            area: after.prefill_area - before.prefill_area,
-        };
-        time_step(&mut totals, step, elapsed);
+        time_step(&mut totals, StepWork::between(&before, &after), elapsed);
         // EngineSnapshot before the outputs go out: a client that reads the metrics after its response sees this step.
         publish(&engine, &mut totals, &snapshot);
         let mut aborted = false;
@@ -364,6 +360,17 @@ pub struct StepWork {
     pub computed: u64,
     /// The attention area of its prompt chunks.
     pub area: u64,
+}
+
+impl StepWork {
+    /// The step between two readings of the scheduler's counters.
+    pub fn between(before: &SchedulerCounters, after: &SchedulerCounters) -> Self {
+        Self {
+            decodes: after.decode_chunks - before.decode_chunks,
+            computed: after.scheduled_tokens - before.scheduled_tokens,
+            area: after.prefill_area - before.prefill_area,
+        }
+    }
 }
 
 /// Adds one step's time to the step-timing sums and the prefill fit.
