@@ -56,12 +56,12 @@ ensure_smg() {
   SMG="$OUT/venv/bin/smg"
 }
 
-# A fresh fleet (`kvgate-loadtest up`: a gateway routing by policy $2, default cache_aware, and $WORKERS simulated
+# A fresh fleet (`kvgate-loadtest up`: a gateway routing by policy $2, default the gateway's own, and $WORKERS simulated
 # workers, 262,144 KV tokens each) logging under $1; waits until it is up. Sets FLEET_PID, FLEET_GATEWAY (the
 # gateway's URL) and FLEET_WORKERS (the workers' URLs, space-separated).
 start_fleet() { # logdir [policy]
   local log=$1
-  "$BIN/kvgate-loadtest" up --workers "$WORKERS" --engine sim --policy "${2:-cache_aware}" --kv-cache-tokens 262144 \
+  "$BIN/kvgate-loadtest" up --workers "$WORKERS" --engine sim ${2:+--policy "$2"} --kv-cache-tokens 262144 \
     --log-dir "$log/fleet" >"$log/up.out" 2>"$log/up.err" &
   FLEET_PID=$!
   PIDS+=("$FLEET_PID")

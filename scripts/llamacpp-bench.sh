@@ -7,12 +7,12 @@
 #
 #   scripts/llamacpp-bench.sh [OUT_DIR]   (default target/llamacpp-bench)
 #
-# PODS (default 3); POLICIES (default cache_aware,round_robin,least_load); WORKLOAD: the driver's workload flags.
+# PODS (default 3); POLICIES (default cache_aware_measured,round_robin,least_load); WORKLOAD: the driver's workload flags.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT="${1:-target/llamacpp-bench}"
 PODS="${PODS:-3}"
-POLICIES="${POLICIES:-cache_aware,round_robin,least_load}"
+POLICIES="${POLICIES:-cache_aware_measured,round_robin,least_load}"
 WORKLOAD="${WORKLOAD:---users 16 --turns 5 --system-words 200 --question-words 48 --output-tokens 32 --rate 1 --think-time 1}"
 PY="${KVGATE_PYTHON:-.venv/bin/python}"
 # shellcheck source=scripts/bench-lib.sh

@@ -140,7 +140,7 @@ def check_conversion(args, procs, model_dir, gguf, out):
     return {"ok": ok, "token_ids_equal_without_bos": ids_equal, "greedy_chat": chats}
 
 
-def gateway_for(procs, args, d, model_dir, pods, policy="cache_aware"):
+def gateway_for(procs, args, d, model_dir, pods, policy="cache_aware_measured"):
     """A gateway with one `[[models]]` entry of kind `openai` over `pods`; its base URL."""
     cfg = d / "gateway.toml"
     cfg.write_text(f'[[models]]\nname = "{MODEL}"\ntokenizer = "{model_dir}"\nkind = "openai"\n'
@@ -240,7 +240,7 @@ def main():
     ap.add_argument("--bin-dir", type=Path, required=True, help="where kvgate-worker, -gateway, -loadtest are")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--pods", type=int, default=3)
-    ap.add_argument("--policies", default="cache_aware,round_robin")
+    ap.add_argument("--policies", default="cache_aware_measured,round_robin")
     ap.add_argument("--users", type=int, default=8)
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--system-words", type=int, default=200)

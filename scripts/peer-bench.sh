@@ -31,9 +31,9 @@ declare -A WORKLOAD=(
   [mooncake-long]="--workload mooncake --trace $TRACE --top-roots 20 --time-scale 0.2 --text-prompts"
   [heavy-multi-turn]="--workload multi-turn --users 16 --turns 5 --rate 2 --system-words 2048 --question-words 200 --output-tokens 64"
 )
-# ROUTERS: router:policy pairs (kvgate's policy is its gateway's: kvgate:cache_aware_measured runs the guard in
-# measured seconds, #43's protocol's pick, as a diagnostic).
-read -r -a ROUTERS <<<"${ROUTERS:-kvgate:cache_aware smg:cache_aware smg:round_robin}"
+# ROUTERS: router:policy pairs (kvgate's policy is its gateway's: kvgate:cache_aware_measured is the default, the
+# guard in measured seconds; kvgate:cache_aware the token-threshold baseline).
+read -r -a ROUTERS <<<"${ROUTERS:-kvgate:cache_aware_measured smg:cache_aware smg:round_robin}"
 
 run_one() { # router policy workload
   local router=$1 policy=$2 workload=$3 tag="$1-$2-$3"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Host DRAM KV tier vs device pool only, real processes, one run: a kvgate gateway (cache_aware) and WORKERS
+# Host DRAM KV tier vs device pool only, real processes, one run: a kvgate gateway (its default policy) and WORKERS
 # `kvgate-worker serve --engine sim` workers (gpu-h100-llama3-8b timing, real time, whose host-tier loads cost the
 # profile's host_load_s_per_byte) with a small device pool, without and with `--host-kv-bytes`, under the multi-turn
 # workload (conversations come back after others pushed them out of the pool). A fresh fleet per row; everything

@@ -10,8 +10,8 @@ Rows:
   kvgate approximate   the same with kv-events-sources = false (what it sent and the pods answered)
   vllm-router kv_aware the vLLM production-stack router on the pods' KV events (--kv-event-source per pod)
   vllm-router cache_aware, smg cache_aware   their text-tree policies
-  kvgate-events-before43, kvgate-events-measured   diagnostics: the weights before #43's protocol, and the guard in
-                       measured seconds (the protocol's pick, not yet the default)
+  kvgate-events-thresholds   a diagnostic: kvgate on events with `cache_aware`, the token-threshold guard the default
+                       (`cache_aware_measured`, the guard in measured seconds) replaced
 Requests per pod come from each pod's own vllm:request_success_total (no router sets the same header).
 Everything listens on 127.0.0.1 and stops by itself.
 
@@ -46,13 +46,9 @@ WORKLOADS = {
 }
 ROUTERS = ["kvgate-events", "kvgate-approximate", "vllm-router-kv_aware", "vllm-router-cache_aware",
            "smg-cache_aware"]
-# A diagnostic row, not a default: kvgate on events with the weights before #43's tuning protocol chose them
-# (`w_load` 0.5, `free_shared_tokens` 4096: a shared prefix of at most 4,096 tokens earned no credit), to show what
-# that choice changes on these pods (docs/benchmarks/peers.md).
-DIAGNOSTIC = {"kvgate-events-before43": "[weights]\nw_load = 0.5\nfree_shared_tokens = 4096\n"}
-# A diagnostic row, not a default: kvgate on events with the guard in measured seconds (`cache_aware_measured`,
-# #43's tuning protocol's pick, not yet the default: docs/benchmarks/routing.md), before the default moves to it.
-TOP_LEVEL = {"kvgate-events-measured": 'policy = "cache_aware_measured"\n'}
+# A diagnostic row, not a default: kvgate on events with the token-threshold guard (`cache_aware`, #28's), the
+# baseline #43's tuning protocol replaced by the guard in measured seconds (docs/benchmarks/routing.md).
+TOP_LEVEL = {"kvgate-events-thresholds": 'policy = "cache_aware"\n'}
 
 
 def free_port():
@@ -161,7 +157,6 @@ def start_router(name, a, pods, procs, log):
                     f'workers = {json.dumps(urls)}\n')
             if name == "kvgate-approximate":
                 f.write("kv-events-sources = false\n")
-            f.write(DIAGNOSTIC.get(name, ""))
         p = procs.start([os.path.join(a.bin_dir, "kvgate-gateway"), "--config", toml, "--listen",
                          f"127.0.0.1:{port}", "--control-listen", f"127.0.0.1:{cport}", "--report-secret",
                          "unused"], log, {"RUST_LOG": "warn", "KVGATE_DATA_DIR": os.path.join(a.out, name)})
@@ -290,7 +285,7 @@ def main():
     ap.add_argument("--pods", type=int, default=2)
     ap.add_argument("--max-model-len", type=int, default=8192)
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
-    ap.add_argument("--routers", default=",".join(ROUTERS + list(DIAGNOSTIC) + list(TOP_LEVEL)))
+    ap.add_argument("--routers", default=",".join(ROUTERS + list(TOP_LEVEL)))
     ap.add_argument("--aiperf", action="store_true")
     a = ap.parse_args()
     a.out = os.path.abspath(a.out)

@@ -1,9 +1,10 @@
-//! Decision cost of the gateway: hash a 32K-token prompt and score 16 workers (cache_aware), the work done per
+//! Decision cost of the gateway: hash a 32K-token prompt and score 16 workers (the default policy,
+//! `cache_aware_measured`), the work done per
 //! request before forwarding.
 
 use criterion::{criterion_group, criterion_main, Criterion};
 use kvgate_gateway::routing::{
-    ring, CacheAware, Load, PrefixSignal, RequestView, Ring, RoutingPolicy, Weights, WorkerView,
+    policy_by_name, ring, Load, PrefixSignal, RequestView, Ring, Weights, WorkerView, DEFAULT_POLICY,
 };
 use kvgate_shared::hashing::{BlockHasher, ExtraKeys, HashScheme};
 use kvgate_shared::report::{BlockBloom, CacheSummary};
@@ -34,7 +35,7 @@ fn bench(c: &mut Criterion) {
         })
         .collect();
     let ring = Ring::new(ids.iter().map(String::as_str), ring::DEFAULT_VNODES);
-    let policy = CacheAware::new(Weights::default());
+    let policy = policy_by_name(DEFAULT_POLICY, Weights::default()).expect("the default policy");
     c.bench_function("hash_32k_and_score_16_workers", |b| {
         b.iter(|| {
             let hashes = hasher.hash_blocks(black_box(&tokens));

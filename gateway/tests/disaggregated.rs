@@ -255,8 +255,11 @@ async fn a_client_leaving_a_split_request_cancels_both_legs() {
     let gm = get(&format!("{control}/metrics")).await.body;
     // The stream was cut short: charged what was computed (a partial charge), not a whole answer.
     assert_eq!(metric(&gm, "kvgate_gateway_class_partial_charges_total{class=\"short\"}"), Some(1.0), "{gm}");
-    let split = "kvgate_gateway_requests_total{policy=\"cache_aware\",route=\"split\",status=\"200\",class=\"short\"}";
-    assert_eq!(metric(&gm, split), Some(1.0), "{gm}");
+    let split = format!(
+        "kvgate_gateway_requests_total{{policy=\"{}\",route=\"split\",status=\"200\",class=\"short\"}}",
+        kvgate_gateway::routing::DEFAULT_POLICY
+    );
+    assert_eq!(metric(&gm, &split), Some(1.0), "{gm}");
     // The fleet serves the next request as usual.
     let r = post(&url, &body(false), &[]).await;
     assert_eq!(r.status, 200, "{}", r.body);

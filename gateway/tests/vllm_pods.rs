@@ -6,7 +6,7 @@
 //!   parser and tokenizer, id for id;
 //! - a conversation's second turn is routed by the pod's KV `events`, and the blocks `route/explain` matched are
 //!   exactly what the pod then says it had cached (`usage.prompt_tokens_details.cached_tokens`);
-//! - `cache_aware` reuses more of the pods' caches than `round_robin` (a second gateway on the same pods);
+//! - the default policy (`cache_aware_measured`) reuses more of the pods' caches than `round_robin` (a second gateway on the same pods);
 //! - the class budget is charged what vLLM's `usage` says; vLLM's own 400 reaches the client as vLLM wrote it;
 //!   `/tokenize` passes through and equals the pod's;
 //! - load from the pod's `/metrics`: requests sent to a pod directly show up as its scraped running queue;
@@ -278,7 +278,7 @@ async fn the_quick_start_routes_by_the_pods_events_and_outlives_a_killed_and_res
     assert_eq!(through.status, 200, "{}", through.body);
     assert_eq!(through.json()["tokens"], direct.json()["tokens"]);
 
-    // 4. round_robin vs cache_aware on the same pods: a second gateway, the same TOML.
+    // 4. round_robin vs the default policy on the same pods: a second gateway, the same TOML.
     let (rr, rr_control) = gateway_with(&toml_path, &["--policy", "round_robin"]);
     wait_until(Duration::from_secs(30), || async { get(&format!("{rr_control}/ready")).await.status == 200 })
         .await;

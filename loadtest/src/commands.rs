@@ -370,7 +370,11 @@ impl FleetArgs {
 #[derive(Args, Clone, Debug)]
 pub struct CompareArgs {
     /// Policies, in order (comma-separated).
-    #[arg(long, default_value = "round_robin,least_load,consistent_hash,cache_aware", value_delimiter = ',')]
+    #[arg(
+        long,
+        default_value = "round_robin,least_load,consistent_hash,cache_aware_measured",
+        value_delimiter = ','
+    )]
     pub policies: Vec<String>,
     #[command(flatten)]
     pub fleet: FleetArgs,
@@ -411,8 +415,9 @@ pub async fn compare(a: CompareArgs) -> Result<Vec<Summary>, String> {
     Ok(report.runs.into_iter().map(|r| r.summary).collect())
 }
 
-/// What the demo's two rows mean, every claim derived from the numbers (round_robin, cache_aware).
+/// What the demo's two rows mean, every claim derived from the numbers (round_robin, then the default policy).
 pub fn demo_explanation(rr: &Summary, ca: &Summary) -> String {
+    let policy = kvgate_router::routing::DEFAULT_POLICY;
     let compare = |a: f64, b: f64, less: &str, more: &str| if a < b { less } else { more }.to_owned();
     let hit = compare(ca.hit_rate, rr.hit_rate, "lower than", "higher than");
     let ttft = compare(ca.ttft_p50_ms, rr.ttft_p50_ms, "lower", "not lower");
@@ -432,11 +437,11 @@ pub fn demo_explanation(rr: &Summary, ca: &Summary) -> String {
     };
     format!(
         "What the numbers mean: hit_rate is the share of prompt tokens the workers served from their prefix cache \
-         (from each response's usage.prompt_tokens_details.cached_tokens): cache_aware's {:.3} is {hit} \
+         (from each response's usage.prompt_tokens_details.cached_tokens): {policy}'s {:.3} is {hit} \
          round_robin's {:.3}, because it sends each turn where the conversation's blocks are, so only the new question \
          is prefilled, while round_robin scatters a user's turns. Its TTFT p50 ({:.0} ms vs {:.0} ms) is {ttft}. \
          goodput counts completion tokens/s of requests within the SLO (TTFT <= 1 s, TPOT <= 200 ms). max/mean is \
-         the busiest worker's request count over the mean: here cache_aware's load was {balance}. Its TPOT p50 \
+         the busiest worker's request count over the mean: here {policy}'s load was {balance}. Its TPOT p50 \
          ({:.1} ms vs {:.1} ms) is {tpot}.",
         ca.hit_rate, rr.hit_rate, ca.ttft_p50_ms, rr.ttft_p50_ms, ca.tpot_p50_ms, rr.tpot_p50_ms
     )
@@ -446,7 +451,7 @@ pub fn demo_explanation(rr: &Summary, ca: &Summary) -> String {
 #[derive(Args, Clone, Debug)]
 pub struct UpArgs {
     /// Routing policy of the gateway.
-    #[arg(long, default_value = "cache_aware")]
+    #[arg(long, default_value = kvgate_router::routing::DEFAULT_POLICY)]
     pub policy: String,
     /// Workers (3 CPU workers on the synthesized `small` model by default).
     #[arg(long, default_value_t = 3)]
@@ -505,7 +510,7 @@ pub struct DemoArgs {
 }
 
 /// `demo`: 3 CPU workers on the synthesized `small` model, a short multi-turn workload under round_robin then
-/// cache_aware, and the comparison.
+/// the default policy, and the comparison.
 pub async fn demo(a: DemoArgs) -> Result<(), String> {
     let fleet = FleetArgs {
         workers: a.workers,
@@ -559,11 +564,12 @@ pub async fn demo(a: DemoArgs) -> Result<(), String> {
     println!(
         "kvgate demo: a gateway and {} CPU workers (synthesized `small` Llama-style model) on this machine; 8 users x 6 \
          chat turns sharing a system prompt, each turn carrying the conversation so far; first with round_robin, then \
-         with cache_aware.",
-        a.workers
+         with {}.",
+        a.workers,
+        kvgate_router::routing::DEFAULT_POLICY
     );
     let runs = compare(CompareArgs {
-        policies: vec!["round_robin".into(), "cache_aware".into()],
+        policies: vec!["round_robin".into(), kvgate_router::routing::DEFAULT_POLICY.into()],
         fleet,
         workload,
         limits,

@@ -28,7 +28,7 @@ enum Command {
     Compare(CompareArgs),
     /// Start a local fleet (gateway + 3 CPU workers) and keep it up until Ctrl-C.
     Up(UpArgs),
-    /// The README's main command: a local fleet, a short multi-turn workload, round_robin vs cache_aware.
+    /// The README's main command: a local fleet, a short multi-turn workload, round_robin vs the default policy (cache_aware_measured).
     Demo(DemoArgs),
     /// Replay a Mooncake trace in virtual time through the real routing, scheduler and prefix-cache code.
     Simulate(SimulateArgs),
@@ -139,8 +139,8 @@ struct SimulateArgs {
     /// Simulated workers. Default 8.
     #[arg(long, default_value_t = 8)]
     workers: usize,
-    /// Routing policy: cache_aware, cache_aware_measured, round_robin, least_load, consistent_hash, or `all`. Default cache_aware.
-    #[arg(long, default_value = "cache_aware")]
+    /// Routing policy: cache_aware_measured, cache_aware, round_robin, least_load, consistent_hash, or `all`.
+    #[arg(long, default_value = kvgate_router::routing::DEFAULT_POLICY)]
     policy: String,
     /// KV tokens each worker holds. Default: the fleet holds a quarter of the trace's distinct blocks.
     #[arg(long)]

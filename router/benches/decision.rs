@@ -1,5 +1,6 @@
 //! Decision cost at fleet scale: hash a 32K-token prompt and route it (`Router::route`: the registry's views, the
-//! ring, cache_aware's scores, the send recorded), through 16, 256 and 1,024 reporting workers.
+//! ring, the policy's scores, the send recorded), through 16, 64, 256 and 1,024 reporting workers, for the default
+//! policy (`cache_aware_measured`) and the token-threshold baseline (`cache_aware`).
 //!
 //! Every worker reports a device Bloom summary of 25K entries at granularity 4 (its own conversations), all of them
 //! hold the fleet's shared 1K-token system prompt, and two hold this request's conversation (one 50% of the prompt,
@@ -13,7 +14,7 @@ use std::time::{Duration, Instant};
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
 use kvgate_router::registry::{Registry, RegistryConfig};
 use kvgate_router::route::{RouteInput, Router};
-use kvgate_router::routing::{policy_by_name, Weights};
+use kvgate_router::routing::{policy_by_name, Weights, DEFAULT_POLICY};
 use kvgate_shared::hashing::{BlockHash, BlockHasher, ExtraKeys, HashScheme};
 use kvgate_shared::report::{
     BlockBloom, CacheSummary, QueueStats, Throughput, Tier, TierReport, WorkerReport,
@@ -70,7 +71,11 @@ fn bench(c: &mut Criterion) {
     let hasher = BlockHasher::new(&scheme, &ExtraKeys::none());
     let hashes = hasher.hash_blocks(&tokens);
     let mut group = c.benchmark_group("hash_32k_and_route");
-    for n in [16usize, 64, 256, 1024] {
+    // The default policy and the token-threshold baseline side by side (the measured guard prices every candidate).
+    for (policy, n) in [DEFAULT_POLICY, "cache_aware"]
+        .into_iter()
+        .flat_map(|p| [16usize, 64, 256, 1024].into_iter().map(move |n| (p, n)))
+    {
         let mut reg = Registry::new(RegistryConfig { max_workers: 4096, ..RegistryConfig::default() });
         let now = Instant::now();
         for k in 0..n {
@@ -81,9 +86,9 @@ fn bench(c: &mut Criterion) {
             };
             reg.ingest(report(k, &hashes, holds), Some(FINGERPRINT), now);
         }
-        let router = Router::new(policy_by_name("cache_aware", Weights::default()).expect("policy"));
+        let router = Router::new(policy_by_name(policy, Weights::default()).expect("policy"));
         let at = now + Duration::from_millis(100);
-        group.bench_with_input(BenchmarkId::from_parameter(n), &n, |b, _| {
+        group.bench_with_input(BenchmarkId::new(policy, n), &n, |b, _| {
             b.iter(|| {
                 let hashes = hasher.hash_blocks(black_box(&tokens));
                 let input = RouteInput {

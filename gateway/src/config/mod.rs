@@ -42,8 +42,8 @@ pub struct GatewayArgs {
     /// Static worker base URL (repeatable; env: comma-separated). Workers also register by reporting.
     #[arg(long = "worker", env = "KVGATE_GATEWAY_WORKERS", value_delimiter = ',')]
     pub workers: Option<Vec<String>>,
-    /// Routing policy: cache_aware, cache_aware_measured (the tuning protocol's pick, not yet the default: docs/benchmarks/routing.md), round_robin, least_load, consistent_hash.
-    #[arg(long, env = "KVGATE_GATEWAY_POLICY", default_value = "cache_aware")]
+    /// Routing policy: cache_aware_measured (the hot-spot guard in measured seconds, the tuning protocol's pick: docs/benchmarks/routing.md), cache_aware (the same score with token thresholds), round_robin, least_load, consistent_hash.
+    #[arg(long, env = "KVGATE_GATEWAY_POLICY", default_value = kvgate_router::routing::DEFAULT_POLICY)]
     pub policy: Option<String>,
     /// Prefill/decode split policy, asked per request when a prefill worker and a decode worker that transfer KV
     /// are reporting: cost_model, aggregated (never split), always, dynamo, llm_d.

@@ -138,7 +138,7 @@ fn defaults_validate_and_problems_are_listed() {
     assert_eq!(cfg.max_body_bytes, 8 << 20);
     assert!(!cfg.forward_authorization);
     assert_eq!(cfg.listen, "0.0.0.0:8080");
-    assert_eq!(cfg.policy, "cache_aware");
+    assert_eq!(cfg.policy, kvgate_router::routing::DEFAULT_POLICY);
     assert_eq!(cfg.stale_after, Duration::from_secs(3));
     let err = GatewayArgs {
         policy: Some("random".into()),

@@ -136,7 +136,7 @@ fn a_shared_system_prompt_does_not_collapse_the_ring() {
         let ch = simulate(&t, &cfg, &prep, "consistent_hash").expect("consistent_hash");
         assert_eq!((ch.completed, ch.rejected), (768, 0), "{ch:?}");
         eprintln!(
-            "shared {shared}: consistent_hash max/mean {:.2} hit {:.3} oracle {:.3}; cache_aware follows",
+            "shared {shared}: consistent_hash max/mean {:.2} hit {:.3} oracle {:.3}; the cache-aware policies follow",
             ch.max_mean_load, ch.hit_rate, ch.oracle_hit_rate
         );
         assert!(ch.max_mean_load <= 1.3, "shared {shared}: consistent_hash max/mean {:.2}", ch.max_mean_load);
@@ -148,13 +148,15 @@ fn a_shared_system_prompt_does_not_collapse_the_ring() {
             ch.hit_rate,
             ch.oracle_hit_rate
         );
-        let ca = simulate(&t, &cfg, &prep, "cache_aware").expect("cache_aware");
-        eprintln!(
-            "shared {shared}: cache_aware max/mean {:.2} hit {:.3} p99 {:.0} ms",
-            ca.max_mean_load, ca.hit_rate, ca.ttft_p99_ms
-        );
-        assert!(ca.max_mean_load <= 1.3, "shared {shared}: cache_aware max/mean {:.2}", ca.max_mean_load);
-        assert!(ca.hit_rate >= 0.9 * ca.oracle_hit_rate, "shared {shared}: {ca:?}");
+        for policy in [kvgate_router::routing::DEFAULT_POLICY, "cache_aware"] {
+            let ca = simulate(&t, &cfg, &prep, policy).expect(policy);
+            eprintln!(
+                "shared {shared}: {policy} max/mean {:.2} hit {:.3} p99 {:.0} ms",
+                ca.max_mean_load, ca.hit_rate, ca.ttft_p99_ms
+            );
+            assert!(ca.max_mean_load <= 1.3, "shared {shared}: {policy} max/mean {:.2}", ca.max_mean_load);
+            assert!(ca.hit_rate >= 0.9 * ca.oracle_hit_rate, "shared {shared}: {policy} {ca:?}");
+        }
     }
 }
 
@@ -194,18 +196,19 @@ fn class(name: &str, max_prompt: Option<u64>, rate: f64, burst: f64) -> ClassCon
 
 #[test]
 fn class_budgets_keep_a_long_burst_from_starving_short_requests() {
+    use kvgate_router::routing::DEFAULT_POLICY;
     let t = long_burst_trace(16);
     let mut cfg =
         SimConfig::new(4, 262_144, SimProfile::named_or_file("gpu-h100-llama3-8b").expect("profile"));
     cfg.profile.max_model_len = 65_536;
     let prep = prepare(&t, &cfg, Pace::TimeScale(1.0)).expect("prepare");
-    assert!(simulate(&t, &cfg, &prep, "cache_aware").expect("no admission").classes.is_empty());
+    assert!(simulate(&t, &cfg, &prep, DEFAULT_POLICY).expect("no admission").classes.is_empty());
     // The same two classes, first with budgets nothing exceeds (figures per class, no gating), then with a
     // long-class budget of 60K tokens/s.
     cfg.classes = vec![class("short", Some(8192), 1e9, 1e9), class("long", None, 1e9, 1e9)];
-    let open = simulate(&t, &cfg, &prep, "cache_aware").expect("open");
+    let open = simulate(&t, &cfg, &prep, DEFAULT_POLICY).expect("open");
     cfg.classes = vec![class("short", Some(8192), 1e6, 1e6), class("long", None, 60_000.0, 100_000.0)];
-    let gated = simulate(&t, &cfg, &prep, "cache_aware").expect("gated");
+    let gated = simulate(&t, &cfg, &prep, DEFAULT_POLICY).expect("gated");
     let (short0, long0) = (&open.classes["short"], &open.classes["long"]);
     let (short, long) = (&gated.classes["short"], &gated.classes["long"]);
     eprintln!("open: short {short0:?}, long {long0:?}\ngated: short {short:?}, long {long:?}");

@@ -40,9 +40,9 @@
 //! block_size, saved_blocks = device + credit_host * host + credit_disk * disk (also the predicted cached tokens
 //! that price the request), here at least the cheap shared prefix's blocks (`free_shared_tokens`: counted as held
 //! everywhere, since each worker computes it once; a move neither chases it nor is held back by it).
-//! - `cache_aware` (the gateway's default): #28's token thresholds (`hotspot_*` weights);
-//! - `cache_aware_measured`: the **measured** guard, the tuning protocol's pick since 59863c4 (not the default
-//!   until the benchmark pages are rerun with it): predicted TTFT in seconds (the queue and its own prefill at the
+//! - `cache_aware`: #28's token thresholds (`hotspot_*` weights), the named baseline;
+//! - `cache_aware_measured` (the default, `DEFAULT_POLICY`): the **measured** guard, the tuning protocol's pick:
+//!   predicted TTFT in seconds (the queue and its own prefill at the
 //!   worker's measured cost by context, less what it drained since its report), plus the delay that prefill adds
 //!   to the prompts behind it, plus the price of the cached copy a move gives up, at the utilisation the waiting
 //!   queues measure; no thresholds.

@@ -2,9 +2,9 @@
 //! sockets, no clocks, so the gateway and the simulator run the same code.
 //!
 //! One policy per file behind [`RoutingPolicy`]:
-//! - `cache_aware` (default): prefix match + ring affinity - load, with a hot-spot guard (`hotspot.rs`);
-//!   `cache_aware_measured`: the same score with the guard in measured seconds, the tuning protocol's pick (not yet
-//!   the default: docs/benchmarks/routing.md);
+//! - `cache_aware_measured` ([`DEFAULT_POLICY`]): prefix match + ring affinity - load, with the hot-spot guard in
+//!   measured seconds (`hotspot.rs`), the tuning protocol's pick (docs/benchmarks/routing.md); `cache_aware`: the
+//!   same score with #28's token-threshold guard, kept as the named baseline;
 //! - `round_robin`, `least_load`, `consistent_hash`: the baselines it is compared against.
 
 pub mod cache_aware;
@@ -305,6 +305,11 @@ pub trait RoutingPolicy: Send + Sync {
         block_size: usize,
     ) -> Option<Decision>;
 }
+
+/// The policy a gateway, the simulator and the load generator's fleets route by unless told otherwise: the
+/// tuning protocol's pick on the tune set (`kvgate-loadtest tune --policy cache_aware,cache_aware_measured`, loss
+/// -28.140 against -27.612 on the tune set, commit b6aab73; docs/benchmarks/routing.md#the-tuning-protocol-43).
+pub const DEFAULT_POLICY: &str = "cache_aware_measured";
 
 /// Policy names accepted by `--policy`.
 pub const POLICIES: [&str; 5] =
