@@ -59,7 +59,12 @@ async fn same_prefix_sticks_to_one_worker_and_hits_its_cache() {
 
 #[tokio::test]
 async fn different_sessions_spread_and_a_dead_workers_sessions_move_to_their_backups() {
-    let mut f = fleet(3, &[]).await;
+    // The ring's own guarantees, under the token-threshold guard (`cache_aware`): a session with nothing cached
+    // stays on its ring primary while that lives. The default guard (`cache_aware_measured`) does not promise that
+    // for such a session: it goes where the measured speeds and queues predict the first token soonest, and on an
+    // idle fleet of equal workers that follows differences of a millisecond (docs/benchmarks/routing.md, the
+    // measured guard); once a session has cached blocks, their prefix credit and the price of the copy keep it.
+    let mut f = fleet(3, &["--policy", "cache_aware"]).await;
     let g = f.gateway.base.clone();
     let mut owner: HashMap<String, String> = HashMap::new();
     for s in 0..24u32 {

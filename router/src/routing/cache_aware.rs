@@ -1,5 +1,6 @@
-//! `cache_aware` (the default policy): send a request where its prefix is cached, keep sessions on their ring
-//! primary, and stay away from overloaded workers.
+//! `cache_aware_measured` (the default policy, `DEFAULT_POLICY`) and `cache_aware`: send a request where its prefix
+//! is cached, keep sessions on their ring primary, and stay away from overloaded workers; the two differ only in
+//! their hot-spot guard.
 //!
 //! # Formula
 //! For each healthy worker `w` serving the model:

@@ -1,8 +1,8 @@
 //! The hot-spot guard of `cache_aware`: whether the score's winner is too busy to take the request, and where it
 //! goes instead. Two guards, chosen by policy name. The tuning protocol (`kvgate-loadtest tune`, the tune set of
 //! loadtest/traces/sets.toml; figures in docs/benchmarks/routing.md#the-tuning-protocol-43) picks `measured` since
-//! 59863c4 (summed tune-set loss -28.140 against -27.612; on the test set -26.237 against -25.200, 2026-12-06); the
-//! gateway's default policy is still `cache_aware` (`thresholds`) until the benchmark pages are rerun with it.
+//! 59863c4 (summed tune-set loss -28.140 against -27.612; on the test set -26.237 against -25.200, 2026-12-06), and
+//! `cache_aware_measured` is the default policy since 28b45d8 (`DEFAULT_POLICY`).
 //!
 //! **`measured`** (`cache_aware_measured`): the request goes where the fleet predicts it is served soonest, in
 //! seconds, from what the workers measure, counting what the choice costs the requests after it:
@@ -49,7 +49,7 @@
 //! split decision weighs their stall). A worker that has measured nothing gets the fleet's mean cost, so a pod
 //! without reports is judged by its queue in tokens at the fleet's speed.
 //!
-//! **`thresholds`** (`cache_aware`, the default: the guard of #28): work ahead in tokens,
+//! **`thresholds`** (`cache_aware`, the named baseline: the guard of #28): work ahead in tokens,
 //! `ahead(w) = cost(w) + uncached(w)`, `waste(w) = max(0, uncached(w) - uncached(winner))`, `k =
 //! hotspot_waste_factor x (1 + min cost / load_floor_tokens)`, target = least `ahead + k x waste`, `gain =
 //! ahead(winner) - ahead(target)`; it moves when the move gives up cached tokens and `gain > hotspot_abs_tokens +
