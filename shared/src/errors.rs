@@ -61,6 +61,10 @@ impl ApiError {
             format!("request body is larger than the limit of {limit} bytes (--max-body-bytes)"),
         )
     }
+    /// 503 with Retry-After 1: a worker cannot serve the request, and another may (the gateway retries it there).
+    pub fn refused(why: Refusal, message: impl Into<String>) -> Self {
+        Self::unavailable(why.code(), message)
+    }
     /// 503 with Retry-After 1: the server cannot take the request now.
     pub fn unavailable(code: &'static str, message: impl Into<String>) -> Self {
         let mut e = Self::new(503, "server_error", code, message);
@@ -135,9 +139,65 @@ pub fn set_error_metric(name: &'static str) {
     let _ = axum_adapter::METRIC.set(name);
 }
 
+/// Why a worker answers 503 to a request another worker may serve: it refused it before starting, or its engine
+/// stopped under it (`EngineStopped`, `Aborted`: a whole answer of which nothing was sent; a split's decode leg that
+/// dies after the hand-off answers so; `KvImportNoRoom`: a split's decode worker found no room for the import within
+/// its wait). The worker answers with [`ApiError::refused`]; the gateway reads the code back with
+/// [`Refusal::from_code`] and tries another worker. One list for both sides: a code added here is retried there.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Refusal {
+    QueueFull,
+    ModelLoading,
+    ShuttingDown,
+    EngineStopped,
+    Aborted,
+    KvImportNoRoom,
+}
+
+impl Refusal {
+    pub const ALL: [Refusal; 6] = [
+        Refusal::QueueFull,
+        Refusal::ModelLoading,
+        Refusal::ShuttingDown,
+        Refusal::EngineStopped,
+        Refusal::Aborted,
+        Refusal::KvImportNoRoom,
+    ];
+
+    /// The error code on the wire (and the metric label).
+    pub fn code(self) -> &'static str {
+        match self {
+            Refusal::QueueFull => "queue_full",
+            Refusal::ModelLoading => "model_loading",
+            Refusal::ShuttingDown => "shutting_down",
+            Refusal::EngineStopped => "engine_stopped",
+            Refusal::Aborted => "aborted",
+            Refusal::KvImportNoRoom => "kv_import_no_room",
+        }
+    }
+
+    /// The refusal a code names (`None`: not one another worker may take).
+    pub fn from_code(code: &str) -> Option<Refusal> {
+        Refusal::ALL.into_iter().find(|r| r.code() == code)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn every_refusal_reads_back_from_its_code_and_nothing_else_does() {
+        for r in Refusal::ALL {
+            assert_eq!(Refusal::from_code(r.code()), Some(r));
+            let e = ApiError::refused(r, "m");
+            assert_eq!((e.status, e.code, e.retry_after_s), (503, r.code(), Some(1)));
+        }
+        let codes: std::collections::HashSet<_> = Refusal::ALL.iter().map(|r| r.code()).collect();
+        assert_eq!(codes.len(), Refusal::ALL.len(), "distinct codes");
+        assert_eq!(Refusal::from_code("internal_error"), None);
+        assert_eq!(Refusal::from_code(""), None);
+    }
 
     #[test]
     fn bodies_are_openai_shaped_and_retryable_ones_say_when() {

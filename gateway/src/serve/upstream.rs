@@ -24,13 +24,8 @@ use crate::routing::RouteReason;
 use crate::serve::meter::Meter;
 pub use crate::serve::meter::UsageSeen;
 use crate::state::GatewayState;
+use kvgate_shared::errors::Refusal;
 
-/// Error codes of a 503 with which a worker says it cannot serve a request: it refused it before starting, or its
-/// engine stopped under it (`engine_stopped`, `aborted`: a whole answer of which nothing was sent; a split's
-/// decode leg that dies after the hand-off answers so; `kv_import_no_room`: a split's decode worker found no room
-/// for the import within its wait). Another worker may serve it.
-pub const REFUSAL_CODES: [&str; 6] =
-    ["queue_full", "model_loading", "shutting_down", "engine_stopped", "aborted", "kv_import_no_room"];
 /// Largest refusal body read to learn its code.
 const REFUSAL_BODY_LIMIT: usize = 64 * 1024;
 /// Longest wait for a refusal body after its header.
@@ -381,7 +376,7 @@ async fn write_sse_error(session: &mut Session, err: &ApiError) {
 pub fn refusal_code(body: &[u8]) -> Option<String> {
     let v: serde_json::Value = serde_json::from_slice(body).ok()?;
     let code = v.get("error")?.get("code")?.as_str()?;
-    REFUSAL_CODES.contains(&code).then(|| code.to_owned())
+    Refusal::from_code(code).map(|r| r.code().to_owned())
 }
 
 #[cfg(test)]
@@ -406,8 +401,8 @@ mod tests {
     fn only_refusals_are_retried() {
         let body =
             |code: &str| format!(r#"{{"error":{{"message":"m","type":"server_error","code":"{code}"}}}}"#);
-        for code in REFUSAL_CODES {
-            assert_eq!(refusal_code(body(code).as_bytes()).as_deref(), Some(code));
+        for r in Refusal::ALL {
+            assert_eq!(refusal_code(body(r.code()).as_bytes()).as_deref(), Some(r.code()));
         }
         assert_eq!(refusal_code(body("internal_error").as_bytes()), None);
         assert_eq!(refusal_code(b"<html>busy</html>"), None);

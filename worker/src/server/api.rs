@@ -23,7 +23,7 @@ use serde_json::{Map, Value};
 use tokio::sync::mpsc::UnboundedReceiver;
 
 use super::engine_thread::{EngineHandle, Refusal};
-use super::errors::{ApiError, WorkerErrors};
+use super::errors::{ApiError, Refusal as SharedRefusal, WorkerErrors};
 use super::logprobs::{self, Collector};
 use super::spans::RequestSpans;
 use super::text::TextStream;
@@ -174,9 +174,9 @@ fn prompt_error(e: PromptError, param: &str) -> ApiError {
 
 pub(super) fn loaded(state: &AppState) -> Result<Arc<ServingModel>, ApiError> {
     if state.draining() {
-        return Err(ApiError::unavailable("shutting_down", "the worker is shutting down"));
+        return Err(ApiError::refused(SharedRefusal::ShuttingDown, "the worker is shutting down"));
     }
-    state.loaded().ok_or_else(|| ApiError::unavailable("model_loading", "the model is still loading"))
+    state.loaded().ok_or_else(|| ApiError::refused(SharedRefusal::ModelLoading, "the model is still loading"))
 }
 
 /// `POST /v1/completions`.
@@ -336,7 +336,7 @@ fn vouched(
 pub(super) fn refusal(r: Refusal) -> ApiError {
     match r {
         Refusal::QueueFull { waiting } => ApiError::overloaded(waiting),
-        Refusal::EngineGone => ApiError::unavailable("engine_stopped", "the engine has stopped"),
+        Refusal::EngineGone => ApiError::refused(SharedRefusal::EngineStopped, "the engine has stopped"),
         Refusal::Invalid(e) => match e {
             AdmitError::ContextTooLong { .. } | AdmitError::ExceedsKvCapacity { .. } => {
                 ApiError::context_length(e.to_string(), "messages")
@@ -346,7 +346,7 @@ pub(super) fn refusal(r: Refusal) -> ApiError {
             }
             AdmitError::InvalidParam(field, m) => ApiError::invalid(field, m),
             AdmitError::DuplicateId(_) => ApiError::internal(e.to_string()),
-            AdmitError::NoRoom(_) => ApiError::unavailable("kv_import_no_room", e.to_string()),
+            AdmitError::NoRoom(_) => ApiError::refused(SharedRefusal::KvImportNoRoom, e.to_string()),
         },
     }
 }
@@ -427,8 +427,8 @@ fn api_finish(r: &FinishReason) -> ApiFinish {
 
 /// A request the engine ended before its finish (the worker is shutting down, or the request was cancelled).
 fn aborted() -> ApiError {
-    ApiError::unavailable(
-        "aborted",
+    ApiError::refused(
+        SharedRefusal::Aborted,
         "the request was aborted before it finished (the worker is shutting down)",
     )
 }

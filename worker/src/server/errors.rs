@@ -1,7 +1,7 @@
 //! The worker's API errors: kvgate's one `ApiError` (`kvgate_shared::errors`, answered through its axum adapter,
 //! counted in `kvgate_worker_errors_total{code}`) and the constructors only a worker uses ([`WorkerErrors`]).
 
-pub use kvgate_shared::errors::ApiError;
+pub use kvgate_shared::errors::{ApiError, Refusal};
 
 /// Errors only a worker answers.
 pub trait WorkerErrors {
@@ -13,8 +13,8 @@ pub trait WorkerErrors {
     }
     /// 503 with Retry-After: the waiting queue is full.
     fn overloaded(waiting: usize) -> ApiError {
-        ApiError::unavailable(
-            "queue_full",
+        ApiError::refused(
+            Refusal::QueueFull,
             format!("the worker's waiting queue is full ({waiting} requests, --max-waiting-requests); retry later"),
         )
     }

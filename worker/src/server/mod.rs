@@ -44,7 +44,7 @@ use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 
 use self::config::{EngineKind, ModelSource, ServeConfig};
 use self::engine_thread::EngineHandle;
-use self::errors::ApiError;
+use self::errors::{ApiError, Refusal};
 use crate::cuda::DeviceChoice;
 use crate::engine::sim::{SimBackend, SimClock};
 use crate::engine::timing::SimProfile;
@@ -427,7 +427,7 @@ async fn gateway_only(
 
 async fn models(State(state): State<Arc<AppState>>) -> Response {
     let Some(l) = state.loaded() else {
-        return ApiError::unavailable("model_loading", "the model is still loading").into_response();
+        return ApiError::refused(Refusal::ModelLoading, "the model is still loading").into_response();
     };
     Json(ModelList {
         object: "list".into(),
@@ -579,7 +579,7 @@ async fn metrics_text(State(state): State<Arc<AppState>>) -> Response {
 
 async fn tokenizer(State(state): State<Arc<AppState>>) -> Response {
     let Some(l) = state.loaded() else {
-        return ApiError::unavailable("model_loading", "the model is still loading").into_response();
+        return ApiError::refused(Refusal::ModelLoading, "the model is still loading").into_response();
     };
     let files = l.prompter.files();
     Json(serde_json::json!({

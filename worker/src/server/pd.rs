@@ -10,7 +10,7 @@ use kvgate_shared::report::Role;
 use tokio::sync::{mpsc, oneshot};
 
 use super::engine_thread::Refusal;
-use super::errors::ApiError;
+use super::errors::{ApiError, Refusal as SharedRefusal};
 use super::{AppState, ServingModel};
 use crate::engine::{EngineRequest, StepOutput};
 use crate::transfer::import::{fetch, Want};
@@ -136,7 +136,7 @@ pub async fn probe(
 ) -> axum::response::Response {
     use axum::response::IntoResponse;
     let Some(l) = state.loaded() else {
-        return ApiError::unavailable("model_loading", "the model is still loading").into_response();
+        return ApiError::refused(SharedRefusal::ModelLoading, "the model is still loading").into_response();
     };
     // A probe's grant names no prompt and no decode worker (`link_probe` in the gateway).
     let peer = match granted_peer(&state, &l, &headers, (&l.model_id, "", &[])) {
