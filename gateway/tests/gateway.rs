@@ -101,6 +101,24 @@ async fn different_sessions_spread_and_a_dead_workers_sessions_move_to_their_bac
 }
 
 #[tokio::test]
+async fn under_the_default_policy_a_dead_worker_gets_nothing_and_every_session_is_served() {
+    // What the default policy (`cache_aware_measured`) promises when a worker dies, whatever its guard prefers
+    // among the living: every request is answered, and none goes to the dead worker.
+    let mut f = fleet(3, &[]).await;
+    let g = f.gateway.base.clone();
+    for s in 0..12u32 {
+        let r = complete(&g, &prompt_ids(10, 1000 + s), &format!("s{s}")).await;
+        assert_eq!(r.status, 200, "{}", r.body);
+    }
+    f.workers[1].kill();
+    for s in 0..12u32 {
+        let r = complete(&g, &prompt_ids(10, 3000 + s), &format!("s{s}")).await;
+        assert_eq!(r.status, 200, "{}", r.body);
+        assert_ne!(r.header("x-kvgate-worker"), "w1", "s{s} went to the dead worker");
+    }
+}
+
+#[tokio::test]
 async fn streaming_passes_through_chunk_by_chunk() {
     let f = fleet(1, &[]).await;
     let body = json!({"model": MODEL, "messages": [{"role": "user", "content": "ka ri"}], "max_tokens": 150,

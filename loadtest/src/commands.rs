@@ -415,9 +415,10 @@ pub async fn compare(a: CompareArgs) -> Result<Vec<Summary>, String> {
     Ok(report.runs.into_iter().map(|r| r.summary).collect())
 }
 
-/// What the demo's two rows mean, every claim derived from the numbers (round_robin, then the default policy).
+/// What the demo's two rows mean, every claim derived from the numbers (round_robin, then the cache-aware run,
+/// named by its label).
 pub fn demo_explanation(rr: &Summary, ca: &Summary) -> String {
-    let policy = kvgate_router::routing::DEFAULT_POLICY;
+    let policy = &ca.label;
     let compare = |a: f64, b: f64, less: &str, more: &str| if a < b { less } else { more }.to_owned();
     let hit = compare(ca.hit_rate, rr.hit_rate, "lower than", "higher than");
     let ttft = compare(ca.ttft_p50_ms, rr.ttft_p50_ms, "lower", "not lower");

@@ -140,7 +140,9 @@ pub const COLUMNS: [&str; 9] = [
 
 /// The summary table (plain text, one row per run).
 pub fn table(rows: &[Summary]) -> String {
-    let widths = [16, 8, 6, 9, 11, 11, 11, 12, 9];
+    // The first column fits the longest run label (a policy name such as `cache_aware_measured`), at least 16.
+    let first = rows.iter().map(|r| r.label.len()).max().unwrap_or(0).max(16);
+    let widths = [first, 8, 6, 9, 11, 11, 11, 12, 9];
     let line = |cells: &[String]| -> String {
         let mut l = format!("{:<w$}", cells[0], w = widths[0]);
         for (c, w) in cells.iter().zip(widths).skip(1) {
@@ -194,6 +196,11 @@ mod tests {
         // A fleet of 4 where two served nothing: mean 0.75 requests per worker.
         let fleet = Summary::of("x", &records, 2.0, slo, Some(4));
         assert!((fleet.max_mean_worker - 2.0 / 0.75).abs() < 1e-12);
-        assert!(table(&[s]).lines().nth(1).is_some_and(|l| l.starts_with('x')));
+        assert!(table(std::slice::from_ref(&s)).lines().nth(1).is_some_and(|l| l.starts_with('x')));
+        // A label longer than the column widens it: every line keeps its columns aligned.
+        let long = Summary::of("cache_aware_measured", &records, 2.0, slo, None);
+        let t = table(&[s, long]);
+        let lens: Vec<usize> = t.lines().map(str::len).collect();
+        assert!(lens.windows(2).all(|w| w[0] == w[1]), "{t}");
     }
 }
