@@ -357,11 +357,11 @@ fn calibrate(a: CalibrateArgs) -> ExitCode {
             };
             loaded
                 .and_then(|l| CudaBackend::new(l, points.slots().next_multiple_of(16) + 16, 16))
-                .map_err(String::from)
+                .map_err(|e| e.to_string())
                 .and_then(|mut b| {
                     let note = format!("{note}, {}, {date}", b.describe());
                     let name = a.name.clone().unwrap_or_else(|| "calibrated-cuda".into());
-                    calibrate::calibrate(&mut b, &points, reps, &name, &note)
+                    calibrate::calibrate(&mut b, &points, reps, &name, &note).map_err(|e| e.to_string())
                 })
         }
         _ => {
@@ -378,6 +378,7 @@ fn calibrate(a: CalibrateArgs) -> ExitCode {
                     &name,
                     &format!("{note}, {threads} threads, {date}"),
                 )
+                .map_err(|e| e.to_string())
             })
         }
     };

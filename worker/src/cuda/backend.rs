@@ -11,7 +11,7 @@ use super::forward::{self, GpuChunk, GpuKv, Out, Want, Workspace};
 use super::gpu::{Gpu, GpuResult};
 use super::weights::GpuWeights;
 use super::DType;
-use crate::engine::{Backend, BatchItem, Next};
+use crate::engine::{Backend, BackendError, BatchItem, Next};
 use crate::model::ModelConfig;
 
 /// The CUDA engine.
@@ -189,7 +189,7 @@ impl CudaBackend {
 }
 
 impl Backend for CudaBackend {
-    fn forward(&mut self, items: &[BatchItem<'_>]) -> Result<Vec<Option<Next>>, String> {
+    fn forward(&mut self, items: &[BatchItem<'_>]) -> Result<Vec<Option<Next>>, BackendError> {
         let chunks: Vec<GpuChunk<'_>> = items
             .iter()
             .map(|it| GpuChunk {
@@ -243,15 +243,17 @@ impl Backend for CudaBackend {
         )
     }
 
-    fn read_kv_blocks(&mut self, ids: &[u32], block_size: usize) -> Result<Vec<Vec<u8>>, String> {
+    fn read_kv_blocks(&mut self, ids: &[u32], block_size: usize) -> Result<Vec<Vec<u8>>, BackendError> {
         ids.iter()
             .map(|id| {
-                self.kv.read_slots(&self.gpu, *id as usize * block_size, block_size).map_err(String::from)
+                self.kv
+                    .read_slots(&self.gpu, *id as usize * block_size, block_size)
+                    .map_err(BackendError::from)
             })
             .collect()
     }
 
-    fn write_kv_blocks(&mut self, blocks: &[(u32, &[u8])], block_size: usize) -> Result<(), String> {
+    fn write_kv_blocks(&mut self, blocks: &[(u32, &[u8])], block_size: usize) -> Result<(), BackendError> {
         for (id, bytes) in blocks {
             self.kv.write_slots(&self.gpu, *id as usize * block_size, block_size, bytes)?;
         }

@@ -106,7 +106,7 @@ pub fn logits(dir: &Path, ordinal: usize, dt: DType, out: &Path, cpu: bool) -> G
                         greedy: false,
                     })
                     .collect();
-                Some(crate::engine::Backend::forward(c, &items)?)
+                Some(crate::engine::Backend::forward(c, &items).map_err(|e| e.to_string())?)
             }
             None => None,
         };

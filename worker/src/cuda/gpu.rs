@@ -11,6 +11,7 @@ use cudarc::driver::{result as drv, sys as drv_sys, CudaContext, CudaStream};
 
 use super::compile;
 use super::DType;
+use crate::engine::BackendError;
 
 /// Decode-sized products (at most this many rows) run on the GEMV kernel instead of cuBLAS. Measured on an H200
 /// (docs/benchmarks/gpu.md): at 8 rows the kernel was slower than cuBLAS, at 1 row faster.
@@ -45,11 +46,39 @@ impl From<&str> for GpuError {
     }
 }
 
-/// The engine's backend boundary speaks `String` errors (CPU, simulated and CUDA backends alike).
+/// A GPU failure as text, for callers that only print it (start-up, the `gpu-*` subcommands).
 impl From<GpuError> for String {
     fn from(e: GpuError) -> Self {
         e.to_string()
     }
+}
+
+/// What the engine's backend boundary says of a GPU failure (the same text): the driver's or cuBLAS's
+/// out-of-memory is [`BackendError::OutOfDeviceMemory`]; NVRTC, loading a module, finding or launching a kernel
+/// (cuBLAS GEMMs included) is [`BackendError::Kernel`]; any other driver call and a missing device is
+/// [`BackendError::Device`]; an argument the host refused is [`BackendError::InvalidInput`].
+impl From<GpuError> for BackendError {
+    fn from(e: GpuError) -> Self {
+        let message = e.to_string();
+        match &e {
+            GpuError::Call { error, .. }
+                if error.contains("OUT_OF_MEMORY") || error.contains("ALLOC_FAILED") =>
+            {
+                BackendError::OutOfDeviceMemory(message)
+            }
+            GpuError::Call { what, .. } if is_kernel_call(what) => BackendError::Kernel(message),
+            GpuError::Compile { .. } => BackendError::Kernel(message),
+            GpuError::Call { .. } | GpuError::NoDevice(_) => BackendError::Device(message),
+            GpuError::Invalid(_) => BackendError::InvalidInput(message),
+        }
+    }
+}
+
+/// Whether a failed call (named as [`derr`]'s callers name it) was about a kernel rather than the device.
+fn is_kernel_call(what: &str) -> bool {
+    ["launch ", "kernel ", "load ", "smem attribute", "cublas gemm"].iter().any(|p| what.starts_with(p))
+        || what.contains(": create program")
+        || what.contains(": cubin")
 }
 
 /// A result on the GPU.
@@ -554,5 +583,46 @@ mod gpu_error_tests {
         assert_eq!(String::from(e), "launch rmsnorm: \"CUDA_ERROR_LAUNCH_FAILED\"");
         let none = Gpu::open(usize::MAX).map(|_| ()).expect_err("no such GPU");
         assert!(matches!(none, GpuError::NoDevice(ref m) if m.contains("no CUDA GPU")), "{none:?}");
+    }
+
+    #[test]
+    fn gpu_errors_reach_the_backend_boundary_by_what_failed_with_the_same_text() {
+        use crate::engine::Fault;
+        let call = |what: &str, error: &str| GpuError::Call { what: what.into(), error: error.into() };
+        let cases = [
+            (call("allocate 512 MiB", "DriverError(CUDA_ERROR_OUT_OF_MEMORY, \"out of memory\")"), "oom"),
+            (call("cublas gemm", "CublasError(CUBLAS_STATUS_ALLOC_FAILED)"), "oom"),
+            (call("launch rmsnorm", "\"CUDA_ERROR_LAUNCH_FAILED\""), "kernel"),
+            (call("cublas gemm", "CublasError(CUBLAS_STATUS_EXECUTION_FAILED)"), "kernel"),
+            (call("kernel rope_bf16", "DriverError(CUDA_ERROR_NOT_FOUND, \"\")"), "kernel"),
+            (call("rope: create program", "NvrtcError"), "kernel"),
+            (
+                GpuError::Compile {
+                    kernel: "rope".into(),
+                    arch: "sm_90".into(),
+                    error: "e".into(),
+                    log: "l".into(),
+                },
+                "kernel",
+            ),
+            (call("synchronize", "DriverError(CUDA_ERROR_ILLEGAL_ADDRESS, \"\")"), "device"),
+            (call("download", "DriverError(CUDA_ERROR_LAUNCH_FAILED, \"\")"), "device"),
+            (GpuError::NoDevice("no CUDA GPU 3".into()), "device"),
+            (GpuError::Invalid("slots 0..16 past 8".into()), "input"),
+        ];
+        for (gpu, want) in cases {
+            let text = gpu.to_string();
+            let e = BackendError::from(gpu);
+            let got = match e {
+                BackendError::OutOfDeviceMemory(_) => "oom",
+                BackendError::Kernel(_) => "kernel",
+                BackendError::Device(_) => "device",
+                BackendError::InvalidInput(_) => "input",
+                _ => "other",
+            };
+            assert_eq!(got, want, "{e:?}");
+            assert_eq!(e.to_string(), text, "the same text as before the type");
+            assert_eq!(e.fault() == Fault::Request, want == "input", "{e:?}");
+        }
     }
 }

@@ -1,7 +1,11 @@
 //! The compute behind the engine, behind one trait: the CPU model ([`CpuBackend`]), the CUDA model
 //! (`crate::cuda::CudaBackend`) and the timing-model simulation (`sim::SimBackend`). A backend owns the KV memory
-//! the block ids point at.
+//! the block ids point at. Its calls fail with a [`BackendError`] (what failed, and whose fault it is).
+//!
+//! `Box<dyn Backend>` is a backend too (every method forwarded), so one engine type serves whichever device the
+//! server picked at start (`crate::server::assemble`).
 
+pub use super::backend_error::{BackendError, Fault};
 use crate::model::fp8::KvCacheDtype;
 use crate::model::llama::{KvStore, LlamaModel, SeqChunk};
 
@@ -33,7 +37,7 @@ pub enum Next {
 pub trait Backend: Send {
     /// Writes the KV of every item's new tokens and returns, per item, what it asked for. An error fails every
     /// sequence of the batch (never the engine).
-    fn forward(&mut self, items: &[BatchItem<'_>]) -> Result<Vec<Option<Next>>, String>;
+    fn forward(&mut self, items: &[BatchItem<'_>]) -> Result<Vec<Option<Next>>, BackendError>;
 
     /// Ids the model accepts.
     fn vocab_size(&self) -> usize;
@@ -65,8 +69,8 @@ pub trait Backend: Send {
     }
 
     /// The K/V bytes of blocks `ids` (a block holds slots `id * block_size..(id + 1) * block_size`).
-    fn read_kv_blocks(&mut self, _ids: &[u32], _block_size: usize) -> Result<Vec<Vec<u8>>, String> {
-        Err("this backend cannot copy KV blocks".into())
+    fn read_kv_blocks(&mut self, _ids: &[u32], _block_size: usize) -> Result<Vec<Vec<u8>>, BackendError> {
+        Err(BackendError::Unsupported("this backend cannot copy KV blocks".into()))
     }
 
     /// Told how many blocks were loaded from host DRAM before the next forward, and how long that step waits for
@@ -87,8 +91,8 @@ pub trait Backend: Send {
     }
 
     /// Writes blocks' K/V bytes (as read by [`Backend::read_kv_blocks`]) into blocks of this pool.
-    fn write_kv_blocks(&mut self, _blocks: &[(u32, &[u8])], _block_size: usize) -> Result<(), String> {
-        Err("this backend cannot copy KV blocks".into())
+    fn write_kv_blocks(&mut self, _blocks: &[(u32, &[u8])], _block_size: usize) -> Result<(), BackendError> {
+        Err(BackendError::Unsupported("this backend cannot copy KV blocks".into()))
     }
 
     /// [`Backend::forward`], calling `tap(n, read)` as soon as layers `0..n` of the batch's K/V are written, where
@@ -98,7 +102,7 @@ pub trait Backend: Send {
         &mut self,
         items: &[BatchItem<'_>],
         _tap: &mut LayerTap<'_>,
-    ) -> Result<Vec<Option<Next>>, String> {
+    ) -> Result<Vec<Option<Next>>, BackendError> {
         self.forward(items)
     }
 
@@ -119,9 +123,9 @@ pub trait Backend: Send {
         ids: &[u32],
         layers: std::ops::Range<usize>,
         block_size: usize,
-    ) -> Result<Vec<u8>, String> {
+    ) -> Result<Vec<u8>, BackendError> {
         if layers != (0..self.kv_layers()) {
-            return Err("this backend copies whole blocks only".into());
+            return Err(BackendError::Unsupported("this backend copies whole blocks only".into()));
         }
         Ok(self.read_kv_blocks(ids, block_size)?.concat())
     }
@@ -133,9 +137,12 @@ pub trait Backend: Send {
         layers: std::ops::Range<usize>,
         bytes: &[u8],
         block_size: usize,
-    ) -> Result<(), String> {
-        if layers != (0..self.kv_layers()) || ids.is_empty() || !bytes.len().is_multiple_of(ids.len()) {
-            return Err("this backend copies whole blocks only".into());
+    ) -> Result<(), BackendError> {
+        if layers != (0..self.kv_layers()) {
+            return Err(BackendError::Unsupported("this backend copies whole blocks only".into()));
+        }
+        if ids.is_empty() || !bytes.len().is_multiple_of(ids.len()) {
+            return Err(BackendError::InvalidInput("this backend copies whole blocks only".into()));
         }
         let per = bytes.len() / ids.len();
         let blocks: Vec<(u32, &[u8])> = ids.iter().copied().zip(bytes.chunks_exact(per)).collect();
@@ -144,9 +151,80 @@ pub trait Backend: Send {
 }
 
 /// Reads layers of blocks from inside a forward (`ids`, `layers`, block size): what a [`LayerTap`] is given.
-pub type LayerRead<'a> = dyn Fn(&[u32], std::ops::Range<usize>, usize) -> Result<Vec<u8>, String> + 'a;
+pub type LayerRead<'a> = dyn Fn(&[u32], std::ops::Range<usize>, usize) -> Result<Vec<u8>, BackendError> + 'a;
 /// Called with `n` when layers `0..n` of a batch's K/V are written.
 pub type LayerTap<'a> = dyn FnMut(usize, &LayerRead<'_>) + 'a;
+
+/// A boxed backend is a backend: every method goes to the box's contents (none falls back to a default, so a boxed
+/// backend behaves exactly as the backend itself).
+impl<B: Backend + ?Sized> Backend for Box<B> {
+    fn forward(&mut self, items: &[BatchItem<'_>]) -> Result<Vec<Option<Next>>, BackendError> {
+        (**self).forward(items)
+    }
+    fn vocab_size(&self) -> usize {
+        (**self).vocab_size()
+    }
+    fn max_model_len(&self) -> usize {
+        (**self).max_model_len()
+    }
+    fn eos_token_ids(&self) -> Vec<u32> {
+        (**self).eos_token_ids()
+    }
+    fn needs_slots(&self) -> bool {
+        (**self).needs_slots()
+    }
+    fn kv_block_bytes(&self, block_size: usize) -> Option<usize> {
+        (**self).kv_block_bytes(block_size)
+    }
+    fn kv_layout(&self) -> String {
+        (**self).kv_layout()
+    }
+    fn read_kv_blocks(&mut self, ids: &[u32], block_size: usize) -> Result<Vec<Vec<u8>>, BackendError> {
+        (**self).read_kv_blocks(ids, block_size)
+    }
+    fn note_kv_loaded(&mut self, host_blocks: usize, disk_wait_s: f64, block_size: usize) {
+        (**self).note_kv_loaded(host_blocks, disk_wait_s, block_size)
+    }
+    fn times_transfers(&self) -> bool {
+        (**self).times_transfers()
+    }
+    fn clock_s(&self) -> Option<f64> {
+        (**self).clock_s()
+    }
+    fn write_kv_blocks(&mut self, blocks: &[(u32, &[u8])], block_size: usize) -> Result<(), BackendError> {
+        (**self).write_kv_blocks(blocks, block_size)
+    }
+    fn forward_tapped(
+        &mut self,
+        items: &[BatchItem<'_>],
+        tap: &mut LayerTap<'_>,
+    ) -> Result<Vec<Option<Next>>, BackendError> {
+        (**self).forward_tapped(items, tap)
+    }
+    fn taps_layers(&self) -> bool {
+        (**self).taps_layers()
+    }
+    fn kv_layers(&self) -> usize {
+        (**self).kv_layers()
+    }
+    fn read_kv_layers(
+        &mut self,
+        ids: &[u32],
+        layers: std::ops::Range<usize>,
+        block_size: usize,
+    ) -> Result<Vec<u8>, BackendError> {
+        (**self).read_kv_layers(ids, layers, block_size)
+    }
+    fn write_kv_layers(
+        &mut self,
+        ids: &[u32],
+        layers: std::ops::Range<usize>,
+        bytes: &[u8],
+        block_size: usize,
+    ) -> Result<(), BackendError> {
+        (**self).write_kv_layers(ids, layers, bytes, block_size)
+    }
+}
 
 /// The CPU engine: the Llama-family model with an in-memory KV store.
 #[derive(Debug)]
@@ -174,7 +252,7 @@ impl CpuBackend {
 }
 
 impl Backend for CpuBackend {
-    fn forward(&mut self, items: &[BatchItem<'_>]) -> Result<Vec<Option<Next>>, String> {
+    fn forward(&mut self, items: &[BatchItem<'_>]) -> Result<Vec<Option<Next>>, BackendError> {
         self.forward_tapped(items, &mut |_, _| {})
     }
 
@@ -204,13 +282,19 @@ impl Backend for CpuBackend {
         Some(self.kv.bytes_for(block_size))
     }
 
-    fn read_kv_blocks(&mut self, ids: &[u32], block_size: usize) -> Result<Vec<Vec<u8>>, String> {
-        ids.iter().map(|id| self.kv.read_slots(*id as usize * block_size, block_size)).collect()
+    fn read_kv_blocks(&mut self, ids: &[u32], block_size: usize) -> Result<Vec<Vec<u8>>, BackendError> {
+        ids.iter()
+            .map(|id| {
+                self.kv.read_slots(*id as usize * block_size, block_size).map_err(BackendError::InvalidInput)
+            })
+            .collect()
     }
 
-    fn write_kv_blocks(&mut self, blocks: &[(u32, &[u8])], block_size: usize) -> Result<(), String> {
+    fn write_kv_blocks(&mut self, blocks: &[(u32, &[u8])], block_size: usize) -> Result<(), BackendError> {
         for (id, bytes) in blocks {
-            self.kv.write_slots(*id as usize * block_size, block_size, bytes)?;
+            self.kv
+                .write_slots(*id as usize * block_size, block_size, bytes)
+                .map_err(BackendError::InvalidInput)?;
         }
         Ok(())
     }
@@ -227,7 +311,7 @@ impl Backend for CpuBackend {
         &mut self,
         items: &[BatchItem<'_>],
         tap: &mut LayerTap<'_>,
-    ) -> Result<Vec<Option<Next>>, String> {
+    ) -> Result<Vec<Option<Next>>, BackendError> {
         let chunks: Vec<SeqChunk<'_>> = items
             .iter()
             .map(|it| SeqChunk {
@@ -238,16 +322,11 @@ impl Backend for CpuBackend {
             })
             .collect();
         let mut inner = |n: usize, kv: &KvStore| {
-            let read = |ids: &[u32], layers: std::ops::Range<usize>, bs: usize| -> Result<Vec<u8>, String> {
-                let mut out = Vec::new();
-                for id in ids {
-                    out.extend(kv.read_slots_layers(*id as usize * bs, bs, layers.clone())?);
-                }
-                Ok(out)
-            };
+            let read =
+                |ids: &[u32], layers: std::ops::Range<usize>, bs: usize| read_layers(kv, ids, layers, bs);
             tap(n, &read);
         };
-        let out = self.model.forward_tapped(&chunks, &mut self.kv, &mut inner).map_err(|e| e.to_string())?;
+        let out = self.model.forward_tapped(&chunks, &mut self.kv, &mut inner)?;
         Ok(out.into_iter().map(|l| l.map(Next::Logits)).collect())
     }
 
@@ -256,12 +335,8 @@ impl Backend for CpuBackend {
         ids: &[u32],
         layers: std::ops::Range<usize>,
         block_size: usize,
-    ) -> Result<Vec<u8>, String> {
-        let mut out = Vec::new();
-        for id in ids {
-            out.extend(self.kv.read_slots_layers(*id as usize * block_size, block_size, layers.clone())?);
-        }
-        Ok(out)
+    ) -> Result<Vec<u8>, BackendError> {
+        read_layers(&self.kv, ids, layers, block_size)
     }
 
     fn write_kv_layers(
@@ -270,14 +345,37 @@ impl Backend for CpuBackend {
         layers: std::ops::Range<usize>,
         bytes: &[u8],
         block_size: usize,
-    ) -> Result<(), String> {
+    ) -> Result<(), BackendError> {
         if ids.is_empty() || !bytes.len().is_multiple_of(ids.len()) {
-            return Err(format!("{} bytes for {} blocks", bytes.len(), ids.len()));
+            return Err(BackendError::InvalidInput(format!(
+                "{} bytes for {} blocks",
+                bytes.len(),
+                ids.len()
+            )));
         }
         let per = bytes.len() / ids.len();
         for (id, b) in ids.iter().zip(bytes.chunks_exact(per)) {
-            self.kv.write_slots_layers(*id as usize * block_size, block_size, layers.clone(), b)?;
+            self.kv
+                .write_slots_layers(*id as usize * block_size, block_size, layers.clone(), b)
+                .map_err(BackendError::InvalidInput)?;
         }
         Ok(())
     }
+}
+
+/// Layers `layers` of blocks `ids` of `kv`, block after block (the store refuses slots or layers outside it).
+fn read_layers(
+    kv: &KvStore,
+    ids: &[u32],
+    layers: std::ops::Range<usize>,
+    block_size: usize,
+) -> Result<Vec<u8>, BackendError> {
+    let mut out = Vec::new();
+    for id in ids {
+        let bytes = kv
+            .read_slots_layers(*id as usize * block_size, block_size, layers.clone())
+            .map_err(BackendError::InvalidInput)?;
+        out.extend(bytes);
+    }
+    Ok(out)
 }

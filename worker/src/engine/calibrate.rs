@@ -4,7 +4,7 @@
 use std::time::Instant;
 
 use super::timing::{SimProfile, TimingModel};
-use super::{Backend, BatchItem};
+use super::{Backend, BackendError, BatchItem};
 
 /// One measurement: the regressors and the seconds it took.
 #[derive(Clone, Debug)]
@@ -138,7 +138,7 @@ pub fn calibrate(
     reps: usize,
     name: &str,
     source_note: &str,
-) -> Result<SimProfile, String> {
+) -> Result<SimProfile, BackendError> {
     let vocab = backend.vocab_size() as u32;
     let tok = |n, s| tokens(n, s).into_iter().map(|t| t % vocab).collect::<Vec<u32>>();
     let mut pre = Vec::new();

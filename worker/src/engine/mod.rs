@@ -5,10 +5,11 @@
 //! - `scheduler`: continuous batching with chunked prefill and recompute preemption;
 //! - `sampler`: penalties and bias, greedy / temperature / top-k / top-p / min-p sampling (linear in the
 //!   vocabulary), log-probabilities;
-//! - `backend`: the compute trait and the CPU model backend;
+//! - `backend`: the compute trait and the CPU model backend; `backend_error`: what a backend call fails with;
 //! - `sim`, `timing`: the simulated backend (deterministic tokens) and its timing model / profile files.
 
 pub mod backend;
+pub mod backend_error;
 pub mod calibrate;
 pub mod pd;
 pub mod request;
@@ -23,6 +24,7 @@ use kvgate_shared::hashing::{BlockHash, BlockHasher, HashScheme};
 use kvgate_shared::prompt::Prompter;
 
 pub use backend::{Backend, BatchItem, CpuBackend, Next};
+pub use backend_error::{BackendError, Fault};
 pub use pd::{ImportError, ImportPlan};
 pub use request::{
     AdmitError, EngineRequest, ExportBacklog, ExportSink, FinishReason, KvChunk, RequestId, SamplingParams,
@@ -246,7 +248,7 @@ impl<B: Backend> Engine<B> {
     /// writes the lower-tier blocks promoted by this step's claims into their device blocks. Runs between
     /// scheduling and the forward. An error writing a promotion drops those blocks from the cache and fails the
     /// step's batch (it would read them).
-    fn move_blocks(&mut self) -> Result<(), String> {
+    fn move_blocks(&mut self) -> Result<(), BackendError> {
         let kv = self.sched.kv().clone();
         if kv.tiers().is_empty() {
             return Ok(());
@@ -254,7 +256,9 @@ impl<B: Backend> Engine<B> {
         let block_size = self.scheme.block_size as usize;
         let evicted = kv.pool().lock().take_evicted();
         let backend = &mut self.backend;
-        kv.write_back(evicted, false, &mut |ids| backend.read_kv_blocks(ids, block_size));
+        kv.write_back(evicted, false, &mut |ids| {
+            backend.read_kv_blocks(ids, block_size).map_err(|e| e.to_string())
+        });
         let (live, wait) = kv.take_loads();
         if live.is_empty() {
             return Ok(());
@@ -274,7 +278,7 @@ impl<B: Backend> Engine<B> {
             for l in &live {
                 pool.invalidate(l.id);
             }
-            return Err(format!("loading KV blocks from host: {err}"));
+            return Err(err.blame_engine().context("loading KV blocks from host"));
         }
         Ok(())
     }
@@ -443,6 +447,9 @@ impl<B: Backend> Engine<B> {
         let mut finished = Vec::new();
         match result {
             Err(e) => {
+                // The engine built the batch (admitted requests' tokens, its own slots): a refused argument is its
+                // own fault, not the request's.
+                let e = e.blame_engine();
                 for c in &plan {
                     let seq = &self.sched.running()[c.index];
                     outputs.push(output(seq, None, Some(FinishReason::Error(e.clone()))));
@@ -486,8 +493,9 @@ impl<B: Backend> Engine<B> {
                             (t, want.map(|n| sampler::logprobs(&l, t, n)))
                         }
                         None => {
-                            let reason =
-                                FinishReason::Error("backend returned nothing to sample from".into());
+                            let reason = FinishReason::Error(BackendError::Other(
+                                "backend returned nothing to sample from".into(),
+                            ));
                             outputs.push(output(seq, None, Some(reason)));
                             finished.push(seq.id);
                             continue;
@@ -508,7 +516,9 @@ impl<B: Backend> Engine<B> {
         if !kv.tiers().is_empty() {
             let registered = kv.pool().lock().take_registered();
             let (backend, bs) = (&mut self.backend, self.scheme.block_size as usize);
-            kv.write_back(registered, true, &mut |ids| backend.read_kv_blocks(ids, bs));
+            kv.write_back(registered, true, &mut |ids| {
+                backend.read_kv_blocks(ids, bs).map_err(|e| e.to_string())
+            });
         }
         outputs
     }
@@ -549,6 +559,8 @@ fn output(seq: &Sequence, token: Option<u32>, finished: Option<FinishReason>) ->
     }
 }
 
+#[cfg(test)]
+mod backend_tests;
 #[cfg(test)]
 mod pd_tests;
 #[cfg(test)]

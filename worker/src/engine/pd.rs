@@ -74,7 +74,7 @@ pub enum ImportError {
     #[error("first token {0} is outside the vocabulary")]
     Token(u32),
     #[error("writing the blocks: {0}")]
-    Backend(String),
+    Backend(super::BackendError),
     #[error("the engine has stopped")]
     EngineGone,
 }
@@ -181,7 +181,8 @@ impl<B: Backend> Engine<B> {
                     e.sink.push(KvChunk { first, count: end - first, layers: 0..layers, bytes });
                 }
                 Err(err) => {
-                    let reason = super::FinishReason::Error(format!("reading KV to export: {err}"));
+                    let reason =
+                        super::FinishReason::Error(err.blame_engine().context("reading KV to export"));
                     out.push(output(seq, None, Some(reason)));
                 }
             }

@@ -157,8 +157,8 @@ pub enum FinishReason {
     Length,
     /// Aborted by the caller.
     Abort,
-    /// The backend failed on this sequence's batch.
-    Error(String),
+    /// The backend failed on this sequence's batch (or reading its KV to export).
+    Error(super::BackendError),
 }
 
 /// What one step produced for one request.

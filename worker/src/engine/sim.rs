@@ -5,7 +5,7 @@
 
 use xxhash_rust::xxh3::xxh3_64;
 
-use super::backend::{Backend, BatchItem, Next};
+use super::backend::{Backend, BackendError, BatchItem, Next};
 use super::timing::TimingModel;
 
 /// How simulated time passes.
@@ -81,7 +81,7 @@ impl SimBackend {
 }
 
 impl Backend for SimBackend {
-    fn forward(&mut self, items: &[BatchItem<'_>]) -> Result<Vec<Option<Next>>, String> {
+    fn forward(&mut self, items: &[BatchItem<'_>]) -> Result<Vec<Option<Next>>, BackendError> {
         if let Some(t) = &self.timing {
             let secs = t.step(items) + std::mem::take(&mut self.pending_load_s);
             match self.clock {
@@ -135,11 +135,11 @@ impl Backend for SimBackend {
         }
     }
 
-    fn read_kv_blocks(&mut self, ids: &[u32], _block_size: usize) -> Result<Vec<Vec<u8>>, String> {
+    fn read_kv_blocks(&mut self, ids: &[u32], _block_size: usize) -> Result<Vec<Vec<u8>>, BackendError> {
         Ok(vec![Vec::new(); ids.len()])
     }
 
-    fn write_kv_blocks(&mut self, _blocks: &[(u32, &[u8])], _block_size: usize) -> Result<(), String> {
+    fn write_kv_blocks(&mut self, _blocks: &[(u32, &[u8])], _block_size: usize) -> Result<(), BackendError> {
         Ok(())
     }
 }

@@ -230,7 +230,7 @@ pub(super) struct Recording {
 }
 
 impl Backend for Recording {
-    fn forward(&mut self, items: &[BatchItem<'_>]) -> Result<Vec<Option<Next>>, String> {
+    fn forward(&mut self, items: &[BatchItem<'_>]) -> Result<Vec<Option<Next>>, BackendError> {
         let out = self.inner.forward(items)?;
         let mut log = self.log.lock().expect("log");
         for (it, o) in items.iter().zip(&out) {
@@ -252,10 +252,10 @@ impl Backend for Recording {
     fn kv_block_bytes(&self, block_size: usize) -> Option<usize> {
         self.inner.kv_block_bytes(block_size)
     }
-    fn read_kv_blocks(&mut self, ids: &[u32], block_size: usize) -> Result<Vec<Vec<u8>>, String> {
+    fn read_kv_blocks(&mut self, ids: &[u32], block_size: usize) -> Result<Vec<Vec<u8>>, BackendError> {
         self.inner.read_kv_blocks(ids, block_size)
     }
-    fn write_kv_blocks(&mut self, blocks: &[(u32, &[u8])], block_size: usize) -> Result<(), String> {
+    fn write_kv_blocks(&mut self, blocks: &[(u32, &[u8])], block_size: usize) -> Result<(), BackendError> {
         self.inner.write_kv_blocks(blocks, block_size)
     }
 }

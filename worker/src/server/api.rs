@@ -604,7 +604,7 @@ fn stream_response(
                 st.guard.done = true;
                 st.done = true;
                 let failed = match reason {
-                    FinishReason::Error(msg) => Some(ApiError::internal(format!("generation failed: {msg}"))),
+                    FinishReason::Error(e) => Some(ApiError::generation_failed(e)),
                     FinishReason::Abort => Some(aborted()),
                     FinishReason::Stop(_) | FinishReason::Length => None,
                 };
@@ -666,9 +666,9 @@ async fn full_response(
     guard.done = true;
     let reason = last.finished.clone().unwrap_or(FinishReason::Abort);
     match &reason {
-        FinishReason::Error(msg) => {
+        FinishReason::Error(e) => {
             timing.finish(&last, ctx.kind, "error");
-            return ApiError::internal(format!("generation failed: {msg}")).into_response();
+            return ApiError::generation_failed(e).into_response();
         }
         FinishReason::Abort => {
             timing.finish(&last, ctx.kind, "error");

@@ -3,6 +3,8 @@
 
 pub use kvgate_shared::errors::{ApiError, Refusal};
 
+use crate::engine::BackendError;
+
 /// Errors only a worker answers.
 pub trait WorkerErrors {
     /// 404: the request names another model than the one this worker serves.
@@ -18,6 +20,42 @@ pub trait WorkerErrors {
             format!("the worker's waiting queue is full ({waiting} requests, --max-waiting-requests); retry later"),
         )
     }
+    /// 500 `internal_error` "generation failed: ...": the backend failed on the request's batch (the request ended
+    /// with `FinishReason::Error`). Every kind answers the same: the error that ends a request is the engine's fault
+    /// ([`BackendError::fault`]; the engine takes the blame for arguments it built, `BackendError::blame_engine`,
+    /// and a decode worker's imported KV is refused as an `ImportError` before the request runs), and none is a
+    /// refusal the gateway may retry elsewhere (`Refusal`): the request may have streamed tokens already.
+    fn generation_failed(e: &BackendError) -> ApiError {
+        ApiError::internal(format!("generation failed: {e}"))
+    }
 }
 
 impl WorkerErrors for ApiError {}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_backend_error_answers_500_generation_failed_with_its_message() {
+        let m = || "synchronize: \"CUDA_ERROR_ILLEGAL_ADDRESS\"".to_owned();
+        let every = [
+            BackendError::OutOfDeviceMemory(m()),
+            BackendError::Kernel(m()),
+            BackendError::Device(m()),
+            BackendError::Shape(m()),
+            BackendError::InvalidInput(m()),
+            BackendError::Internal(m()),
+            BackendError::Unsupported(m()),
+            BackendError::Other(m()),
+        ];
+        for e in every {
+            let a = ApiError::generation_failed(&e);
+            // What the handlers answered when the error was a `String`.
+            let before = ApiError::internal(format!("generation failed: {}", m()));
+            assert_eq!((a.status, a.kind, a.code), (500, "server_error", "internal_error"), "{e:?}");
+            assert_eq!(a, before, "{e:?}");
+            assert_eq!(Refusal::from_code(a.code), None, "never a refusal the gateway retries elsewhere");
+        }
+    }
+}

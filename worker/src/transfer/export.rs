@@ -13,7 +13,7 @@ use tokio::time::sleep_until;
 use super::frame::{accept_code, Done, Frame, Hello, Probe, RefuseCode, MAX_PROBE_BYTES, VERSION};
 use super::link::{send_by, send_parting, KvLink, TcpLink, IDLE_TIMEOUT};
 use super::{count, count_bytes, unix_ms, TransferError, Transfers};
-use crate::engine::{EngineRequest, ExportBacklog, SamplingParams, StepOutput};
+use crate::engine::{EngineRequest, ExportBacklog, FinishReason, SamplingParams, StepOutput};
 use crate::server::engine_thread::{EngineHandle, Refusal};
 
 const SIDE: &str = "export";
@@ -459,7 +459,7 @@ async fn export<L: KvLink>(
                         first = Some(o);
                     }
                     (Some(reason), None) => {
-                        let reason = format!("the prefill failed: {reason:?}");
+                        let reason = format!("the prefill failed: {}", finish_text(reason));
                         send_parting(link, &Frame::Cancel { transfer_id: id, reason: reason.clone() }).await;
                         return Err(TransferError::Engine(reason));
                     }
@@ -476,6 +476,15 @@ async fn export<L: KvLink>(
                 return Err(TransferError::Expired(t.lease));
             },
         }
+    }
+}
+
+/// How a prefill that ended without a token reads in its Cancel frame: `FinishReason`'s `Debug` as it read when the
+/// backend's error was a `String` (`Error("<message>")`), so the text peers and their logs see is unchanged.
+fn finish_text(reason: &FinishReason) -> String {
+    match reason {
+        FinishReason::Error(e) => format!("Error({:?})", e.message()),
+        other => format!("{other:?}"),
     }
 }
 
@@ -513,4 +522,21 @@ async fn send_chunk<L: KvLink>(
         link.send_blocks(id, first, (part.len() / per_block) as u32, layers, part).await?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::BackendError;
+
+    #[test]
+    fn a_failed_prefill_reads_in_its_cancel_frame_as_before_the_typed_error() {
+        let e = BackendError::Device("synchronize: \"CUDA_ERROR_ILLEGAL_ADDRESS\"".into());
+        assert_eq!(
+            finish_text(&FinishReason::Error(e)),
+            r#"Error("synchronize: \"CUDA_ERROR_ILLEGAL_ADDRESS\"")"#
+        );
+        assert_eq!(finish_text(&FinishReason::Abort), "Abort");
+        assert_eq!(finish_text(&FinishReason::Stop(None)), "Stop(None)");
+    }
 }
