@@ -1,10 +1,11 @@
 //! kvgate-gateway: the OpenAI-compatible front door that routes each request to the worker holding its KV cache.
 //! Grouped by role, so a change finds its room:
 //!
-//! - [`serve`]: a client request's path: the listener, the pingora service (`proxy`), the staged pipeline
-//!   (`pipeline`: prepare, price, admit, route, forward), one attempt at one worker (`upstream`), the endpoints passed
-//!   through by load (`passthrough`), the bounded parser (`request`), tokenizing and hashing (`prepare` on the
-//!   `tokenize` pool), usage metering (`meter`) and the request's trace (`spans`);
+//! - [`serve`]: a client request's path: the listener, the pingora adapter (`proxy`), the one staged exchange every
+//!   proxied request walks (`exchange`: read, identify, prepare, price, admit, route, then `attempts` and `charge`),
+//!   the endpoints (`endpoints`: completions, pass-through), one attempt at one worker (`upstream`), what a worker
+//!   gets (`outbound`), the bounded parser (`request`), tokenizing and hashing (`prepare` on the `tokenize` pool),
+//!   usage metering (`meter`), the request's trace (`spans`); it reaches the gateway through `host::ServeHost`;
 //! - [`control`]: the control listener (report ingest, metrics, worker states, upkeep), the admin REST API, API keys,
 //!   which `advertise_url`s a report may register (`trust`), the admin state file (`persist`), bearer checks (`auth`);
 //! - [`pods`]: what the gateway learns from pods by itself: DNS discovery, metric scrapes, vLLM/SGLang KV events
@@ -12,7 +13,8 @@
 //! - [`replicas`]: the state gateway replicas share through Redis (budgets, admin state, sends, drains);
 //! - [`admission`], [`registry`], [`routing`], [`route`]: the pure routing core, re-exported from the
 //!   `kvgate-router` crate (the simulator links it without the HTTP stack; the vLLM event index lives there too);
-//! - [`state`]: the shared state every part holds; [`config`], [`errors`].
+//! - [`state`]: the shared state, held whole only by `main` and `control`; the other rooms take narrow host traits;
+//!   [`config`], [`errors`].
 
 pub mod config;
 pub mod control;

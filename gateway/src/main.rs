@@ -149,7 +149,7 @@ fn main() -> ExitCode {
     };
     let mut server = Server::new_with_opt_and_conf(None, conf);
     server.bootstrap();
-    let proxy = pingora::proxy::http_proxy(&server.configuration, Gateway { state });
+    let proxy = pingora::proxy::http_proxy(&server.configuration, Gateway { host: state });
     let limits = ConnLimits {
         max_connections: cfg.max_connections,
         header_read_timeout: cfg.header_read_timeout,

@@ -25,19 +25,14 @@ use crate::replicas::sends::{SendSharer, SendsHost};
 use crate::replicas::{RedisTarget, Resource, SharedState};
 use crate::route::Router;
 use crate::routing::{policy_by_name, RingKeys, Weights};
+use crate::serve::host::{ModelTokenizer, ServeHost};
+use crate::serve::learned::LearnedOutputs;
 use crate::serve::tokenize::TokenizePool;
-use kvgate_router::split::predict::OutputEstimate;
 
 pub use crate::HttpClient;
 
 /// Longest a tokenizer fetch from a worker may take, body included.
 pub const TOKENIZER_FETCH_TIMEOUT: Duration = Duration::from_secs(10);
-
-/// How this gateway tokenizes and hashes one model.
-pub struct ModelTokenizer {
-    pub prompter: Prompter,
-    pub scheme: HashScheme,
-}
 
 /// Everything the proxy and the control listener share.
 pub struct GatewayState {
@@ -51,9 +46,8 @@ pub struct GatewayState {
     pub router: Router,
     /// The prefill/decode split policy (`--split-policy`).
     pub split: Box<dyn kvgate_router::split::SplitPolicy>,
-    /// Per class: the output length of its completed requests that named no `max_tokens` (a moving average
-    /// and a count). Keys are configured class names only.
-    learned_output: Mutex<HashMap<String, OutputEstimate>>,
+    /// Per class: the output length of its completed requests (configured class names only).
+    pub learned_outputs: LearnedOutputs,
     pub admission: Admission,
     pub keys: KeyTable,
     pub tokenize: TokenizePool,
@@ -169,6 +163,7 @@ impl GatewayState {
         .trusting_upstream_sampling(cfg.trust_trace_sampling);
         let cfg_ring = (cfg.ring_sketch_entries, cfg.ring_hub_fanout);
         let cfg_share_sends = cfg.share_sends && cfg.redis_url.is_some();
+        let cfg_classes = cfg.classes.len();
         Ok(Self {
             cfg,
             registry: Mutex::new(registry),
@@ -183,7 +178,7 @@ impl GatewayState {
             client,
             prometheus,
             ring_keys: Mutex::new(RingKeys::new(cfg_ring.0, cfg_ring.1)),
-            learned_output: Mutex::new(HashMap::new()),
+            learned_outputs: LearnedOutputs::new(cfg_classes),
             weights: RwLock::new((weights, weights_version)),
             classes_version: AtomicU64::new(classes_version),
             sends: (cfg_share_sends).then(SendSharer::new),
@@ -319,25 +314,6 @@ impl GatewayState {
         crate::control::persist::Persisted { weights, weights_version, classes, classes_version }
     }
 
-    /// The output a request of `class` is priced with (`kvgate_router::split::predict`): what the class's completed
-    /// requests produced (a moving average, once enough finished), capped by `max_tokens`; before that,
-    /// `max_tokens`, else the class's configured `expected_output_tokens`.
-    pub fn expected_output(&self, class: &str, max_tokens: Option<u64>, configured: u64) -> u64 {
-        let learned = self.learned_output.lock().unwrap_or_else(|e| e.into_inner());
-        learned.get(class).copied().unwrap_or_default().predict(max_tokens, configured)
-    }
-
-    /// Learns from a completed request of `class` that produced `tokens` (with or without `max_tokens`: a cap the
-    /// answer did not reach says nothing, and one it reached is what the client asked for).
-    pub fn learn_output(&self, class: &str, tokens: u64) {
-        let mut learned = self.learned_output.lock().unwrap_or_else(|e| e.into_inner());
-        if !learned.contains_key(class) && learned.len() >= self.cfg.classes.len().max(1) {
-            return; // class names are configured ones: bounded by the config
-        }
-        learned.entry(class.to_owned()).or_default().learn(tokens);
-    }
-
-    /// The registry (locks are short and never held across an await).
     /// Tells the other replicas of a send to worker `worker` (with `--share-sends` and Redis; never waits).
     pub fn share_send(&self, worker: &str, hashes: &[BlockHash], uncached_tokens: u64, session: u64) {
         if let Some(s) = &self.sends {
@@ -345,6 +321,7 @@ impl GatewayState {
         }
     }
 
+    /// The registry (locks are short and never held across an await).
     pub fn registry(&self) -> MutexGuard<'_, Registry> {
         self.registry.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -387,7 +364,7 @@ impl GatewayState {
         let scheme: HashScheme =
             serde_json::from_value(json["scheme"].clone()).map_err(|e| format!("{uri}: scheme: {e}"))?;
         let files: TokenizerFiles = serde_json::from_value(json).map_err(|e| format!("{uri}: {e}"))?;
-        if let Some(ours) = self.tokenizer(&model).filter(|_| self.is_configured(&model)) {
+        if let Some(ours) = self.tokenizer(&model).filter(|_| self.cfg.is_configured(&model)) {
             if ours.scheme != scheme {
                 self.refused.lock().unwrap_or_else(|e| e.into_inner()).insert(url.to_owned());
                 self.registry().remove_static(url);
@@ -421,17 +398,6 @@ impl GatewayState {
         }
         self.registry().identify(url, &worker_id, &model, max_model_len);
         Ok(model)
-    }
-
-    /// Whether `model` has a `[[models]]` entry (its tokenizer and block size are this gateway's, not a worker's).
-    pub fn is_configured(&self, model: &str) -> bool {
-        self.cfg.models.iter().any(|m| m.name == model)
-    }
-
-    /// What the pool of `model` runs: its `[[models]]` entry's kind, else kvgate workers (whose tokenizers the
-    /// gateway fetches).
-    pub fn pool_kind(&self, model: &str) -> WorkerKind {
-        self.cfg.models.iter().find(|m| m.name == model).map_or(WorkerKind::Kvgate, |m| m.kind)
     }
 
     /// Whether a worker was refused for a tokenizer or block size that differs from its model's `[[models]]` entry
@@ -527,5 +493,47 @@ impl crate::replicas::sync::SyncHost for GatewayState {
     }
     fn max_workers(&self) -> usize {
         self.cfg.max_workers
+    }
+}
+
+impl ServeHost for GatewayState {
+    fn cfg(&self) -> &GatewayConfig {
+        &self.cfg
+    }
+    fn registry(&self) -> MutexGuard<'_, Registry> {
+        GatewayState::registry(self)
+    }
+    fn router(&self) -> &Router {
+        &self.router
+    }
+    fn split_policy(&self) -> &dyn kvgate_router::split::SplitPolicy {
+        self.split.as_ref()
+    }
+    fn admission(&self) -> &Admission {
+        &self.admission
+    }
+    fn identify(&self, authorization: Option<&str>) -> Option<Arc<crate::control::keys::Caller>> {
+        self.keys.identify(authorization)
+    }
+    fn tokenize_pool(&self) -> &TokenizePool {
+        &self.tokenize
+    }
+    fn tokenizer(&self, model: &str) -> Option<Arc<ModelTokenizer>> {
+        GatewayState::tokenizer(self, model)
+    }
+    fn ring_keys(&self) -> MutexGuard<'_, RingKeys> {
+        GatewayState::ring_keys(self)
+    }
+    fn learned_outputs(&self) -> &LearnedOutputs {
+        &self.learned_outputs
+    }
+    fn share_send(&self, worker: &str, hashes: &[BlockHash], uncached_tokens: u64, session: u64) {
+        GatewayState::share_send(self, worker, hashes, uncached_tokens, session)
+    }
+    fn client(&self) -> &HttpClient {
+        &self.client
+    }
+    fn tracer(&self) -> &kvgate_shared::trace::Tracer {
+        &self.tracer
     }
 }

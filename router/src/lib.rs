@@ -5,6 +5,7 @@
 //! - [`route`]: the one entry point: [`route::Router::route`] (build the views, choose, record the send, under the
 //!   caller's registry lock, after admission) and [`route::Router::dry_run`] (the same decision, nothing recorded:
 //!   admission pricing and explain);
+//! - [`input`]: what routing needs to know about one request;
 //! - [`routing`]: the policies behind one trait, the consistent-hash ring, the ring-key chooser;
 //! - [`registry`]: worker states from the config and from reports (health, faults, staleness, overlay, load);
 //! - [`admission`]: per-class token budgets with bounded, tenant-fair wait queues;
@@ -13,6 +14,7 @@
 //! No function here reads a clock: every one that needs the time takes `now`.
 
 pub mod admission;
+pub mod input;
 pub mod registry;
 pub mod route;
 pub mod routing;

@@ -15,28 +15,13 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
-use kvgate_shared::hashing::BlockHash;
-
 use crate::registry::{Registry, RootStarts, SentTicket, WorkerRef};
 use crate::routing::least_load::LeastLoad;
 use crate::routing::{RequestView, RouteReason, RoutingPolicy, ScoreTerms};
 use crate::split::plan::{plan, SplitAsk, SplitPlan};
 use crate::split::Choice;
 
-/// What routing needs to know about one request.
-#[derive(Clone, Copy, Debug)]
-pub struct RouteInput<'a> {
-    pub model: &'a str,
-    /// Chained hashes of the prompt's full blocks.
-    pub hashes: &'a [BlockHash],
-    pub prompt_tokens: usize,
-    /// The ring key (`routing::RingKeys`).
-    pub session_key: u64,
-    /// Leading blocks other conversations share (`routing::RingKey::shared_blocks`).
-    pub shared_blocks: usize,
-    /// Tokens per block of the model's hash scheme.
-    pub block_size: usize,
-}
+pub use crate::input::RouteInput;
 
 /// A worker the request may go to.
 #[derive(Clone, Debug, PartialEq)]
@@ -331,6 +316,7 @@ mod tests {
     use super::*;
     use crate::registry::RegistryConfig;
     use crate::routing::{policy_by_name, Weights};
+    use kvgate_shared::hashing::BlockHash;
 
     fn registry(n: usize) -> Registry {
         let mut reg = Registry::new(RegistryConfig::default());

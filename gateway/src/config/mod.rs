@@ -510,6 +510,17 @@ pub fn default_data_dir() -> PathBuf {
 }
 
 impl GatewayConfig {
+    /// Whether `model` has a `[[models]]` entry (its tokenizer and block size are this gateway's, not a worker's).
+    pub fn is_configured(&self, model: &str) -> bool {
+        self.models.iter().any(|m| m.name == model)
+    }
+
+    /// What the pool of `model` runs: its `[[models]]` entry's kind, else kvgate workers (whose tokenizers the
+    /// gateway fetches).
+    pub fn pool_kind(&self, model: &str) -> WorkerKind {
+        self.models.iter().find(|m| m.name == model).map_or(WorkerKind::Kvgate, |m| m.kind)
+    }
+
     /// Every problem at once.
     pub fn validate(&self) -> Result<(), String> {
         let mut p = Vec::new();

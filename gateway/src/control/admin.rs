@@ -31,12 +31,14 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde::Serialize;
 
-use crate::admission::{ClassConfig, CLASS_HEADER};
+use crate::admission::ClassConfig;
 use crate::control::auth::secrets_equal;
 use crate::control::persist::{save_state, Persisted};
 use crate::replicas::{Commit, IfMatch, RedisStore, Resource};
 use crate::routing::Weights;
-use crate::serve::prepare::{PrepHeaders, CACHE_SALT_HEADER, SESSION_HEADER};
+use crate::serve::endpoints::completions::Completions;
+use crate::serve::exchange::{self, Endpoint};
+use crate::serve::host::ServeHost;
 use crate::state::GatewayState;
 
 /// 503 `shared_state_version_exhausted`: the resource's version in Redis is the last one below the cap, which no
@@ -343,29 +345,31 @@ async fn explain(State(state): State<Arc<GatewayState>>, headers: HeaderMap, bod
             .into_response()
     };
     let chat = serde_json::from_slice::<serde_json::Value>(&body).is_ok_and(|v| v.get("messages").is_some());
-    let header = |name: &str| headers.get(name).and_then(|v| v.to_str().ok()).map(str::to_owned);
+    let path = if chat { "/v1/chat/completions" } else { "/v1/completions" };
+    let endpoint = Completions { chat, learn: false };
+    let host: Arc<dyn ServeHost> = state.clone();
     // The caller being explained is named by `x-kvgate-explain-authorization` (the admin token is in Authorization).
-    let caller =
-        match crate::serve::proxy::caller_of(&state, header("x-kvgate-explain-authorization").as_deref()) {
-            Ok(c) => c,
-            Err(e) => return api_error(e),
-        };
-    let prep = PrepHeaders { session: header(SESSION_HEADER), cache_salt: header(CACHE_SALT_HEADER) };
-    let p = match crate::serve::proxy::prepare_on_pool(&state, chat, body, prep, caller.clone(), false).await
-    {
+    let authorization = headers.get("x-kvgate-explain-authorization").and_then(|v| v.to_str().ok());
+    // Stages 2 to 4 of the exchange: what the request would be priced at, and the decision it would get.
+    let incoming = match exchange::identify(host.as_ref(), path, authorization, |n| headers.get(n)) {
+        Ok(i) => i,
+        Err(e) => return api_error(e),
+    };
+    let prep = match endpoint.prepare(&host, &incoming, body).await {
         Ok(p) => p,
         Err(e) => return api_error(e),
     };
-    // Stages 1 and 2 of the request pipeline: what the request would be priced at, and the decision it would get.
-    let priced =
-        match crate::serve::pipeline::price(&state, &p, &caller, header(CLASS_HEADER).as_deref(), usize::MAX)
-        {
-            Ok(v) => v,
-            Err(e) => return api_error(e),
-        };
-    let decision = Some(&priced.dry);
+    let priced = match exchange::price(host.as_ref(), &prep, &incoming, usize::MAX) {
+        Ok(v) => v,
+        Err(e) => return api_error(e),
+    };
+    let Some(p) = &prep.prompt else {
+        return api_error(crate::errors::ApiError::internal("a completion is tokenized"));
+    };
+    let caller = &incoming.caller;
+    let decision = priced.dry.as_ref();
     let (class, cost) = (&priced.class_name, priced.cost as u64);
-    let predicted = priced.dry.predicted_cached_tokens;
+    let predicted = decision.map(|d| d.predicted_cached_tokens);
     Json(serde_json::json!({
         "model": p.fields.model,
         "policy": state.router.policy().name(),

@@ -143,7 +143,7 @@ fn ingest(state: &GatewayState, check: &mut AdvertiseCheck, body: &[u8], peer: I
         })?;
     }
     let expected = state.tokenizer(&report.model_id).map(|t| t.scheme.fingerprint());
-    if expected.is_some_and(|f| f != report.fingerprint) && state.is_configured(&report.model_id) {
+    if expected.is_some_and(|f| f != report.fingerprint) && state.cfg.is_configured(&report.model_id) {
         // Its hashes would never match this gateway's: not registered (a [[models]] entry is the truth here).
         count("model_mismatch");
         tracing::warn!(worker = %report.worker_id, model = %report.model_id, "report refused: hash scheme differs from the [[models]] entry");

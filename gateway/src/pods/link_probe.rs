@@ -73,7 +73,7 @@ async fn probe(state: &impl PodsHost, secret: &str, l: &UnmeasuredLink) {
     let mut req = hyper::Request::post(format!("{}/kvgate/v1/kv-probe", l.decode_url));
     // A probe's grant names no prompt and no decode worker: it cannot stand for a split.
     let g = kvgate_shared::handoff::GrantFor { model: &l.model, peer: &l.peer, decode: "", prompt: &[] };
-    for (name, value) in crate::serve::proxy::split_headers(secret, &g) {
+    for (name, value) in crate::serve::outbound::split_headers(secret, &g) {
         req = req.header(name, value);
     }
     if let Ok(v) = HeaderValue::from_str(&format!("Bearer {}", kvgate_shared::handoff::gateway_token(secret)))

@@ -11,7 +11,7 @@
 //! - the bytes read are handed to pingora's HTTP/1 session as if it had read them itself (its pipelined-prefix
 //!   hook), and the connection is reused for as long as pingora says it may.
 //!
-//! The request body has its own total deadline in `proxy.rs` (`--request-read-timeout`).
+//! The request body has its own total deadline in `exchange.rs` (`--request-read-timeout`).
 
 use std::sync::Arc;
 use std::time::Duration;

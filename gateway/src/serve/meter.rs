@@ -1,5 +1,5 @@
 //! What a response carried, read as it is forwarded: the tokens a stream sent and the `usage` it ended with, so a
-//! request is charged for what the worker computed even when it ends early (admission, `proxy.rs`); and, when the
+//! request is charged for what the worker computed even when it ends early (`charge.rs`); and, when the
 //! gateway asked a stream for usage on the client's behalf, the usage chunk taken back out of what the client sees.
 //!
 //! Server-sent events are split at their blank line. Each complete event is classified:

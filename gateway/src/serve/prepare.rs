@@ -1,6 +1,6 @@
 //! A request made ready for routing: parsed (see `request.rs`), rendered and tokenized exactly like the worker
 //! will, its full blocks hashed, its session key found, and its context checked against the model's length. The
-//! proxy runs this on the tokenize pool; `POST /admin/v1/route/explain` runs the same function, so what it
+//! completions endpoint runs this on the tokenize pool (`endpoints/completions.rs`); `POST /admin/v1/route/explain` runs the same function, so what it
 //! explains is what the proxy does.
 //!
 //! Salts and tenants: an anonymous caller's salt (body `cache_salt`, else the `x-kvgate-cache-salt` header) keys
@@ -10,7 +10,7 @@
 //! from the gateway's assertion: no body or header of another caller can reach those blocks.
 //!
 //! Streams are asked for usage (`stream_options.include_usage`) when the client did not ask, so the end of every
-//! stream says what it cost (`proxy.rs`, "Charging"); `strip_usage` tells the proxy to take it out again.
+//! stream says what it cost (`charge.rs`); `strip_usage` tells the proxy to take it out again.
 
 use bytes::Bytes;
 use kvgate_shared::handoff::{tenant_salt, TenantScope, TENANT_SALT_PREFIX};
@@ -20,8 +20,8 @@ use kvgate_shared::prompt::RequestPrompt;
 use crate::control::keys::Caller;
 use crate::errors::{ApiError, GatewayErrors};
 use crate::route::RouteInput;
+use crate::serve::host::ServeHost;
 use crate::serve::request::{parse, set_members, stream_options_with_usage, PromptBody, RoutingFields};
-use crate::state::GatewayState;
 
 /// Header carrying a session id for the ring.
 pub const SESSION_HEADER: &str = "x-session-id";
@@ -99,15 +99,15 @@ pub fn salt_for(
 /// Parses a chat (`chat`) or completions body, tokenizes and hashes it for `caller` (its tenant and forced salt);
 /// `learn`: record the prompt in the ring-key sketch (false for dry runs).
 pub fn prepare(
-    state: &GatewayState,
+    host: &dyn ServeHost,
     chat: bool,
     body: Bytes,
     headers: &PrepHeaders,
     caller: &Caller,
     learn: bool,
 ) -> Result<PreparedRequest, ApiError> {
-    let (fields, prompt) = parse(chat, &body, state.cfg.max_chat_json_values)?;
-    let Some(tok) = state.tokenizer(&fields.model) else {
+    let (fields, prompt) = parse(chat, &body, host.cfg().max_chat_json_values)?;
+    let Some(tok) = host.tokenizer(&fields.model) else {
         return Err(ApiError::model_not_found(&fields.model));
     };
     let tokenized = !matches!(prompt, PromptBody::TokenIds(_));
@@ -126,7 +126,7 @@ pub fn prepare(
         ));
     }
     let (tenant_salt, scope, salt_rewritten) =
-        salt_for(caller, client.salt(), state.cfg.report_secret.as_deref());
+        salt_for(caller, client.salt(), host.cfg().report_secret.as_deref());
     let mut members = Vec::new();
     if salt_rewritten {
         let s = tenant_salt.as_deref().unwrap_or_default();
@@ -161,13 +161,13 @@ pub fn prepare(
     let salt = request.salt().map(str::to_owned);
     let extra = request.extra_keys();
     drop(prompt);
-    let max_model_len = state.registry().max_model_len(&fields.model);
+    let max_model_len = host.registry().max_model_len(&fields.model);
     if let Some(limit) = max_model_len {
         check_context(ids.len(), fields.max_tokens, limit)?;
     }
     let hashes = BlockHasher::new(&tok.scheme, &extra).hash_blocks(&ids);
     let explicit = headers.session.clone().or_else(|| fields.user.clone());
-    let ring = state.ring_keys().route_key(explicit.as_deref(), &hashes, &ids, learn);
+    let ring = host.ring_keys().route_key(explicit.as_deref(), &hashes, &ids, learn);
     Ok(PreparedRequest {
         fields,
         ids,

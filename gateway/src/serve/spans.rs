@@ -1,7 +1,7 @@
 //! A request's spans in the gateway, exported when `--otlp-endpoint` is set (`kvgate_shared::trace`):
 //! `gateway.request` (a server span under the client's W3C `traceparent`, if it sent one) and its children, the
-//! stages of `pipeline.rs`: `prepare`, `admit` (pricing and the wait for the class budget), `route`, then one
-//! `forward` per attempt (a client span naming the worker, the route reason and the outcome) with its
+//! stages of the exchange (`exchange.rs`): `prepare`, `admit` (pricing and the wait for the class budget),
+//! `route`, then one `forward` per attempt (a client span naming the worker, the route reason and the outcome) with its
 //! `first_byte`. Each attempt sends the worker a `traceparent` naming its `forward` span, so the worker's
 //! `worker.request` hangs under it. A stage that fails records no span; the root says how the request ended.
 

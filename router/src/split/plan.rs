@@ -12,8 +12,8 @@
 use serde::Serialize;
 
 use super::{Side, Slo, SplitDecision, SplitInput, SplitPolicy, DEFAULT_SLO};
+use crate::input::RouteInput;
 use crate::registry::{Registry, Worker, WorkerRef};
-use crate::route::RouteInput;
 use crate::routing::WorkerView;
 use kvgate_shared::report::Role;
 

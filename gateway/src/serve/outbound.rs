@@ -1,0 +1,149 @@
+//! What a worker gets besides the body, written once for every endpoint: the client headers passed on, and for
+//! kvgate workers the gateway's token, its signed assertion of the request's tenant scope, salt, model, fingerprint
+//! and handed-off ids (`kvgate_shared::handoff`), a split's prefill grant, and the body with the prompt's ids
+//! (`--prompt-handoff`).
+//!
+//! Invariants: a pod that is not a kvgate worker never gets the gateway's token or assertion, and gets the client's
+//! `authorization` only with `--forward-authorization`; a kvgate worker never gets the client's `authorization`;
+//! the salt header is dropped when a tenant's salt replaced it in the body; a data-parallel rank header is only ever
+//! the gateway's (`upstream/send.rs`).
+
+use bytes::Bytes;
+use hyper::header::{HeaderName, HeaderValue};
+use kvgate_router::route::Candidate;
+use kvgate_shared::handoff;
+
+use crate::config::GatewayConfig;
+use crate::serve::prepare::{PreparedRequest, CACHE_SALT_HEADER, SESSION_HEADER};
+use crate::serve::stages::{Header, Incoming, Prepared};
+
+/// The client headers a worker may get (the read stage keeps these, `Incoming::forwardable`).
+pub const FORWARDABLE: [&str; 4] = [SESSION_HEADER, "accept", CACHE_SALT_HEADER, "authorization"];
+
+/// The client headers workers get: the session id, the cache salt (unless a keyed caller's tenant salt replaced
+/// it; the body carries that), `accept`, and `authorization` only with `--forward-authorization` to pods that are
+/// not kvgate workers (`foreign`).
+pub fn forwarded_headers(
+    cfg: &GatewayConfig,
+    incoming: &Incoming,
+    salt_rewritten: bool,
+    foreign: bool,
+) -> Vec<Header> {
+    incoming
+        .forwardable
+        .iter()
+        .filter(|(n, _)| match *n {
+            CACHE_SALT_HEADER => !salt_rewritten,
+            "authorization" => cfg.forward_authorization && foreign,
+            _ => true,
+        })
+        .map(|(n, v)| (HeaderName::from_static(n), v.clone()))
+        .collect()
+}
+
+fn now_ms() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
+}
+
+/// The gateway's token for kvgate workers.
+fn token(secret: &str) -> Option<Header> {
+    let v = HeaderValue::from_str(&format!("Bearer {}", handoff::gateway_token(secret))).ok()?;
+    Some((hyper::header::AUTHORIZATION, v))
+}
+
+/// What a gateway adds for a kvgate worker: its token, and its assertion of the tokenized request's tenant scope,
+/// salt, model, fingerprint and handed-off ids (`ids`: the field's value), issued now.
+pub fn gateway_headers(secret: &str, p: &PreparedRequest, ids: Option<&str>) -> Vec<Header> {
+    let assertion = handoff::Assertion {
+        issued_ms: now_ms(),
+        fingerprint: p.fingerprint,
+        scope: p.scope.as_ref(),
+        model: &p.fields.model,
+        salt: p.salt.as_deref(),
+        ids,
+    };
+    let mut out = Vec::with_capacity(2);
+    out.extend(token(secret));
+    if let Ok(v) = HeaderValue::from_str(&handoff::sign(secret, &assertion)) {
+        out.push((HeaderName::from_static(handoff::ASSERTION_HEADER), v));
+    }
+    out
+}
+
+/// The decode worker's headers of a split: the prefill peer and the gateway's grant for it (for this prompt and
+/// this decode worker, one use: `kvgate_shared::handoff::PREFILL_GRANT_HEADER`).
+pub fn split_headers(secret: &str, g: &handoff::GrantFor<'_>) -> Vec<Header> {
+    let nonce = u64::from_le_bytes(kvgate_shared::trace::new_id::<8>());
+    let grant = handoff::sign_prefill_grant(secret, now_ms(), nonce, g);
+    [(handoff::PREFILL_PEER_HEADER, g.peer.to_owned()), (handoff::PREFILL_GRANT_HEADER, grant)]
+        .into_iter()
+        .filter_map(|(n, v)| Some((HeaderName::from_static(n), HeaderValue::from_str(&v).ok()?)))
+        .collect()
+}
+
+/// The body with the handoff field, and the field's value, when the handoff is on (`--prompt-handoff`), the
+/// gateway has a report secret (shared with its workers), the prompt was tokenized here (chat or text) and the
+/// body stays within `--max-body-bytes` (workers are expected to allow at least as much). Used only for kvgate
+/// workers whose reported fingerprint is the gateway's.
+pub fn handoff(cfg: &GatewayConfig, p: &PreparedRequest) -> Option<(Bytes, String)> {
+    cfg.report_secret.as_deref()?;
+    if !cfg.prompt_handoff || !p.tokenized || p.ids.is_empty() {
+        return None;
+    }
+    let encoded = handoff::encode_ids(&p.ids);
+    if p.body.len() + encoded.len() + 32 > cfg.max_body_bytes {
+        return None;
+    }
+    let body = handoff::with_ids_field(&p.body, &encoded)?;
+    Some((Bytes::from(body), encoded))
+}
+
+/// What every attempt of one request shares: its headers for kvgate workers and for other pods, the handoff.
+pub struct Outbound<'a> {
+    cfg: &'a GatewayConfig,
+    prep: &'a Prepared,
+    kvgate_pool: bool,
+    forwarded: Vec<Header>,
+    to_kvgate: Vec<Header>,
+    handoff: Option<(Bytes, String)>,
+}
+
+impl<'a> Outbound<'a> {
+    /// Pods that are not kvgate workers get the client's headers (and `authorization` with
+    /// --forward-authorization); kvgate workers get the gateway's token (and, for a tokenized prompt, its
+    /// assertion and the ids computed here when their tokenizer is the gateway's) instead.
+    pub fn new(cfg: &'a GatewayConfig, incoming: &Incoming, prep: &'a Prepared, kvgate_pool: bool) -> Self {
+        Self {
+            cfg,
+            prep,
+            kvgate_pool,
+            forwarded: forwarded_headers(cfg, incoming, prep.salt_rewritten, true),
+            to_kvgate: forwarded_headers(cfg, incoming, prep.salt_rewritten, false),
+            handoff: prep.prompt.as_ref().and_then(|p| handoff(cfg, p)),
+        }
+    }
+
+    /// The body and headers for candidate `t`; `split_peer`: the prefill peer of a split's decode worker.
+    pub fn for_candidate(&self, t: &Candidate, split_peer: Option<&str>) -> (&Bytes, Vec<Header>) {
+        let secret = match self.cfg.report_secret.as_deref() {
+            Some(s) if self.kvgate_pool => s,
+            _ => return (&self.prep.body, self.forwarded.clone()),
+        };
+        let mut h = self.to_kvgate.clone();
+        let Some(p) = &self.prep.prompt else {
+            h.extend(token(secret));
+            return (&self.prep.body, h);
+        };
+        let ids = self.handoff.as_ref().filter(|_| t.reports && t.fingerprint_ok);
+        h.extend(gateway_headers(secret, p, ids.map(|(_, enc)| enc.as_str())));
+        if let Some(peer) = split_peer {
+            let g = handoff::GrantFor { model: &p.fields.model, peer, decode: &t.id, prompt: &p.ids };
+            h.extend(split_headers(secret, &g));
+        }
+        let body = match ids {
+            Some((body, _)) => body,
+            None => &self.prep.body,
+        };
+        (body, h)
+    }
+}

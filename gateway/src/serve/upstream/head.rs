@@ -1,0 +1,50 @@
+//! The response head the client gets: the worker's status and headers without hop-by-hop ones (and without a
+//! worker's own `x-kvgate-*` of these names), plus the gateway's `x-kvgate-worker`, `-route`, `-class` and
+//! `-admission-wait-ms`.
+
+use hyper::header::{HeaderName, HeaderValue};
+use hyper::http::response::Parts;
+
+use super::Attempt;
+use crate::serve::downstream::Head;
+
+/// Headers never passed on from a worker (hop-by-hop ones, and the gateway's own, which it sets).
+const DROPPED: [&str; 7] = [
+    "connection",
+    "keep-alive",
+    "transfer-encoding",
+    "x-kvgate-worker",
+    "x-kvgate-route",
+    "x-kvgate-class",
+    "x-kvgate-admission-wait-ms",
+];
+
+/// Whether the worker answers with a stream of server-sent events.
+pub(super) fn is_sse(parts: &Parts) -> bool {
+    parts
+        .headers
+        .get("content-type")
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.starts_with("text/event-stream"))
+}
+
+pub(super) fn response_head(parts: &Parts, a: &Attempt<'_>) -> Head {
+    let mut headers = Vec::with_capacity(parts.headers.len() + 4);
+    for (name, value) in &parts.headers {
+        if !DROPPED.contains(&name.as_str()) {
+            headers.push((name.clone(), value.clone()));
+        }
+    }
+    let extra = [
+        ("x-kvgate-worker", a.worker_id.to_owned()),
+        ("x-kvgate-route", a.reason.as_str().to_owned()),
+        ("x-kvgate-class", a.class.to_owned()),
+        ("x-kvgate-admission-wait-ms", format!("{:.3}", a.admission_wait.as_secs_f64() * 1e3)),
+    ];
+    for (k, v) in extra {
+        if let Ok(v) = HeaderValue::from_str(&v) {
+            headers.push((HeaderName::from_static(k), v));
+        }
+    }
+    Head { status: parts.status.as_u16(), headers }
+}
