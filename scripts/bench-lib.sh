@@ -25,6 +25,32 @@ wait_http() { # url what
   echo "$2 did not start ($1)" >&2; exit 1
 }
 
+# Starts a kvgate gateway on fresh loopback ports (report secret $SECRET, no state file) logging to $1, extra flags
+# after; waits until its control port answers. Sets GATEWAY_URL and GATEWAY_CONTROL.
+start_gateway() { # logfile [flags...]
+  local log=$1 port cport
+  shift
+  port=$(free_port); cport=$(free_port)
+  RUST_LOG=warn "$BIN/kvgate-gateway" --listen "127.0.0.1:$port" --control-listen "127.0.0.1:$cport" \
+    --report-secret "$SECRET" --state-file off "$@" >"$log" 2>&1 &
+  PIDS+=($!)
+  GATEWAY_URL="http://127.0.0.1:$port"
+  GATEWAY_CONTROL="http://127.0.0.1:$cport"
+  wait_http "$GATEWAY_CONTROL/health" "gateway"
+}
+
+# Waits (60 s at most) until the gateway with control URL $1 lists $2 healthy workers (with fresh summaries unless
+# $3 is "healthy").
+wait_workers() { # control n [fresh|healthy]
+  local cond='w["healthy"] and w["summary_fresh"]'
+  [ "${3:-fresh}" = healthy ] && cond='w["healthy"]'
+  for _ in $(seq 1 300); do
+    [ "$(curl -s "$1/kvgate/v1/workers" | python3 -c "import json,sys; print(sum(1 for w in json.load(sys.stdin) if $cond))" 2>/dev/null)" = "$2" ] && return 0
+    sleep 0.2
+  done
+  echo "the gateway at $1 never listed $2 workers" >&2; exit 1
+}
+
 # Starts $WORKERS simulated workers (tiny model, gpu-h100-llama3-8b timing) reporting to $1 (control URLs,
 # comma-separated) with the report secret $SECRET, logs under $2, extra worker flags after; waits until each is
 # ready. Their base URLs: WORKER_URLS.

@@ -41,12 +41,9 @@ start_worker() { # id log role [flags...]
 run_one() { # name policy layout
   local name=$1 policy=$2 layout=$3 log="$OUT/$1" port
   rm -rf "$log" && mkdir -p "$log"
-  port=$(free_port); CPORT=$(free_port)
-  RUST_LOG=warn "$BIN/kvgate-gateway" --listen "127.0.0.1:$port" --control-listen "127.0.0.1:$CPORT" \
-    --report-secret "$SECRET" --state-file off --split-policy "$policy" \
-    --split-slo-ttft "${SLO_TTFT_MS}ms" --split-slo-tpot "${SLO_TPOT_MS}ms" >"$log/gateway.log" 2>&1 &
-  PIDS+=($!)
-  wait_http "http://127.0.0.1:$CPORT/health" "gateway"
+  start_gateway "$log/gateway.log" --split-policy "$policy" \
+    --split-slo-ttft "${SLO_TTFT_MS}ms" --split-slo-tpot "${SLO_TPOT_MS}ms"
+  port=${GATEWAY_URL##*:}; CPORT=${GATEWAY_CONTROL##*:}
   if [ "$layout" = aggregated ]; then
     start_worker w0 "$log" both
     start_worker w1 "$log" both
@@ -54,10 +51,7 @@ run_one() { # name policy layout
     start_worker p0 "$log" prefill --kv-transfer-port 0
     start_worker d0 "$log" decode
   fi
-  for _ in $(seq 1 300); do
-    [ "$(curl -s "http://127.0.0.1:$CPORT/kvgate/v1/workers" | python3 -c 'import json,sys; print(sum(1 for w in json.load(sys.stdin) if w["healthy"]))' 2>/dev/null)" = 2 ] && break
-    sleep 0.2
-  done
+  wait_workers "$GATEWAY_CONTROL" 2 healthy
   local ends=()
   case "$ENDING" in
     model) ends=(--model-ends "$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["vocab_size"])' "$OUT/synth/config.json")") ;;

@@ -36,24 +36,17 @@ run_one() { # replicas share workload
   PIDS+=($!)
   local targets=() controls=()
   for i in $(seq 1 "$n"); do
-    local port cport
-    port=$(free_port); cport=$(free_port)
     local share_args=()
     [ "$share" != "-" ] && share_args=(--redis-url "redis://127.0.0.1:$rport" --share-sends "$share")
-    RUST_LOG=warn "$BIN/kvgate-gateway" --listen "127.0.0.1:$port" --control-listen "127.0.0.1:$cport" \
-      --report-secret "$SECRET" --replica-id "g$i" --state-file off "${share_args[@]}" >"$log/gateway-$i.log" 2>&1 &
-    PIDS+=($!)
-    targets+=("http://127.0.0.1:$port"); controls+=("http://127.0.0.1:$cport")
+    start_gateway "$log/gateway-$i.log" --replica-id "g$i" "${share_args[@]}"
+    targets+=("$GATEWAY_URL"); controls+=("$GATEWAY_CONTROL")
   done
   local report_to
   report_to=$(IFS=,; echo "${controls[*]}")
   start_sim_workers "$report_to" "$log" --kv-cache-tokens 262144
   local workers=("${WORKER_URLS[@]}")
   for c in "${controls[@]}"; do
-    for _ in $(seq 1 300); do
-      [ "$(curl -s "$c/kvgate/v1/workers" | python3 -c 'import json,sys; print(sum(1 for w in json.load(sys.stdin) if w["healthy"] and w["summary_fresh"]))' 2>/dev/null)" = "$WORKERS" ] && break
-      sleep 0.2
-    done
+    wait_workers "$c" "$WORKERS"
   done
   wait_http "${targets[0]}/v1/models" "gateway"
   local target

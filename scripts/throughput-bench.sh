@@ -9,7 +9,9 @@
 #
 #   scripts/throughput-bench.sh [OUT_DIR]      (default target/throughput-bench; prints a Markdown table)
 #
-# Knobs (env): WORKERS (8), CONCURRENCY (64), DURATION (30s), SMG_VERSION (1.13.0).
+# Knobs (env): WORKERS (8), CONCURRENCY (64), DURATION (30s), SMG_VERSION (1.13.0), BASELINE_BIN (a directory
+# with another build's kvgate-loadtest, kvgate-gateway and kvgate-worker, e.g. before a change: its kvgate runs too,
+# in the same run, as the row `kvgate-baseline`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT="${1:-target/throughput-bench}"
@@ -34,8 +36,9 @@ cpu_of_tree() { # pid
 }
 
 run_one() { # router
-  local router=$1 log="$OUT/$1"
+  local router=$1 log="$OUT/$1" this_bin=$BIN
   rm -rf "$log" && mkdir -p "$log"
+  [ "$router" = kvgate-baseline ] && BIN=$BASELINE_BIN
   start_fleet "$log"
   local target=$FLEET_GATEWAY pid
   pid=$(pgrep -f "kvgate-gateway.*$(echo "$target" | sed 's/.*://')" | head -1 || true)
@@ -47,26 +50,28 @@ run_one() { # router
   fi
   local before after
   before=$(cpu_of_tree "$pid")
-  "$BIN/kvgate-loadtest" run --target "$target" --model kvgate-tiny --workload multi-turn --users 100000 --turns 1 \
+  "$this_bin/kvgate-loadtest" run --target "$target" --model kvgate-tiny --workload multi-turn --users 100000 --turns 1 \
     --system-words 48 --question-words 16 --output-tokens 1 --think-time 0 --concurrency "$CONCURRENCY" \
     --seed 42 --duration "$DURATION" --no-progress --out "$log/run" >"$log/run.out" 2>&1 ||
     { cat "$log/run.out" >&2; exit 1; }
   after=$(cpu_of_tree "$pid")
   python3 -c "print($after - $before)" >"$log/cpu"
   cleanup
+  BIN=$this_bin
 }
 
-for r in kvgate smg; do
+ROUTERS="${BASELINE_BIN:+kvgate-baseline }kvgate smg"
+for r in $ROUTERS; do
   run_one "$r"
   echo "done: $r" >&2
 done
 
-python3 - "$OUT" "$CONCURRENCY" "$WORKERS" <<'EOF'
+python3 - "$OUT" "$CONCURRENCY" "$WORKERS" $ROUTERS <<'EOF'
 import json, os, sys
-out, conc, workers = sys.argv[1], sys.argv[2], sys.argv[3]
+out, conc, workers, routers = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:]
 print(f"| router | concurrency | workers | requests | errors | requests/s | router CPU ms per request | TTFT p50 ms | TTFT p99 ms |")
 print("|---|---|---|---|---|---|---|---|---|")
-for router in ["kvgate", "smg"]:
+for router in routers:
     d = os.path.join(out, router)
     s = json.load(open(os.path.join(d, "run", "results.json")))["runs"][0]["summary"]
     cpu = float(open(os.path.join(d, "cpu")).read())

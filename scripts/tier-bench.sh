@@ -23,20 +23,13 @@ SECRET="tier-bench-$$"
 run_one() { # host_bytes
   local host=$1 log="$OUT/host-$1" i w
   rm -rf "$log" && mkdir -p "$log"
-  local port cport
-  port=$(free_port); cport=$(free_port)
-  RUST_LOG=warn "$BIN/kvgate-gateway" --listen "127.0.0.1:$port" --control-listen "127.0.0.1:$cport" \
-    --report-secret "$SECRET" --state-file off >"$log/gateway.log" 2>&1 &
-  PIDS+=($!)
-  start_sim_workers "http://127.0.0.1:$cport" "$log" --kv-cache-tokens "$KV_TOKENS" --host-kv-bytes "$host"
+  start_gateway "$log/gateway.log"
+  start_sim_workers "$GATEWAY_CONTROL" "$log" --kv-cache-tokens "$KV_TOKENS" --host-kv-bytes "$host"
   local workers=("${WORKER_URLS[@]}")
-  for _ in $(seq 1 300); do
-    [ "$(curl -s "http://127.0.0.1:$cport/kvgate/v1/workers" | python3 -c 'import json,sys; print(sum(1 for w in json.load(sys.stdin) if w["healthy"] and w["summary_fresh"]))' 2>/dev/null)" = "$WORKERS" ] && break
-    sleep 0.2
-  done
-  wait_http "http://127.0.0.1:$port/v1/models" "gateway"
+  wait_workers "$GATEWAY_CONTROL" "$WORKERS"
+  wait_http "$GATEWAY_URL/v1/models" "gateway"
   # shellcheck disable=SC2086
-  "$BIN/kvgate-loadtest" run --target "http://127.0.0.1:$port" --model kvgate-tiny $WORKLOAD --seed 42 \
+  "$BIN/kvgate-loadtest" run --target "$GATEWAY_URL" --model kvgate-tiny $WORKLOAD --seed 42 \
     --duration 300s --no-progress --out "$log/run" >"$log/run.out" 2>&1 || { cat "$log/run.out" >&2; exit 1; }
   for w in "${workers[@]}"; do
     curl -s "$w/metrics" | awk '/^kvgate_worker_host_kv_hit_blocks / {h += $2} /^kvgate_worker_host_kv_stored_blocks / {s += $2} /^kvgate_worker_kv_evictions / {e += $2} END {print h + 0, s + 0, e + 0}'

@@ -20,14 +20,14 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::{http, pct, port, release_bins, start, timed, Kill};
+use common::{http, percentile, port, release_bins, start, timed, Proc};
 use kvgate_shared::prompt::{synth_text, ChatOptions, PromptInput, Prompter};
 use serde_json::json;
 
 const TURNS: usize = 12;
 const CONVERSATIONS: u64 = 6;
 
-fn gateway(bin: &str, extra: &[&str]) -> (Kill, String, String) {
+fn gateway(bin: &str, extra: &[&str]) -> (Proc, String, String) {
     let (gp, cp) = (port(), port());
     let mut args: Vec<String> = vec![
         "--listen".into(),
@@ -55,7 +55,7 @@ fn messages(path: u64, conv: u64, turn: usize, system_words: usize) -> Vec<serde
 }
 
 /// SMG (cache_aware) in front of `worker`, when its binary is found.
-fn smg(worker: &str) -> Option<(Kill, String)> {
+fn smg(worker: &str) -> Option<(Proc, String)> {
     let root = concat!(env!("CARGO_MANIFEST_DIR"), "/..");
     let bin =
         std::env::var("KVGATE_SMG").unwrap_or_else(|_| format!("{root}/target/peer-bench/venv/bin/smg"));
@@ -64,7 +64,7 @@ fn smg(worker: &str) -> Option<(Kill, String)> {
         return None;
     }
     let (p, mp) = (port(), port());
-    // Wrapped in `Kill` (killed and waited on drop) at once.
+    // Wrapped in `Proc` (killed and reaped on drop) at once.
     #[allow(clippy::zombie_processes)]
     let child = std::process::Command::new(bin)
         .args([
@@ -81,7 +81,7 @@ fn smg(worker: &str) -> Option<(Kill, String)> {
         .stderr(std::process::Stdio::null())
         .spawn()
         .expect("spawn smg");
-    let child = Kill(child);
+    let child = Proc::adopt(child);
     let deadline = Instant::now() + Duration::from_secs(60);
     while std::net::TcpStream::connect(("127.0.0.1", p)).is_err() {
         assert!(Instant::now() < deadline, "SMG never listened");
@@ -100,7 +100,7 @@ fn main() {
         ("handoff", gateway(&gw_bin, &[])),
     ];
     let report_to: Vec<String> = paths.iter().map(|(_, (_, _, control))| control.clone()).collect();
-    let worker = |extra: &[String]| -> (Kill, String) {
+    let worker = |extra: &[String]| -> (Proc, String) {
         let p = port();
         let mut args: Vec<String> = [
             "serve",
@@ -195,9 +195,9 @@ fn main() {
                     }
                 }
             }
-            let d50 = pct(&mut times[1].clone(), 0.5);
+            let d50 = percentile(&times[1], 0.5);
             for (k, (name, _)) in bases.iter().enumerate() {
-                let (p50, p90) = (pct(&mut times[k], 0.5), pct(&mut times[k], 0.9));
+                let (p50, p90) = (percentile(&times[k], 0.5), percentile(&times[k], 0.9));
                 let added = if k == 1 { "-".to_owned() } else { format!("{:+.2}", p50 - d50) };
                 println!("| {tokens} tokens ({label}) | {name} | {p50:.2} | {p90:.2} | {added} |");
             }

@@ -11,7 +11,7 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::{http, pct, port, release_bins, small_body, start, timed, Http};
+use common::{http, percentile, port, release_bins, small_body, start, timed, Http};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
@@ -51,7 +51,7 @@ async fn hostile_connections(addr: &str) -> (Vec<TcpStream>, Vec<tokio::task::Jo
 }
 
 fn row(name: &str, v: &mut [f64]) -> (f64, f64) {
-    let (p50, p99) = (pct(v, 0.5), pct(v, 0.99));
+    let (p50, p99) = (percentile(v, 0.5), percentile(v, 0.99));
     println!("| {name} | {} | {p50:.3} | {p99:.3} |", v.len());
     (p50, p99)
 }

@@ -31,11 +31,6 @@ async fn read_to_close(s: &mut TcpStream, within: Duration) -> Option<(String, I
     read.ok().map(|_| (String::from_utf8_lossy(&buf).into_owned(), Instant::now()))
 }
 
-fn p99(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[((v.len() - 1) as f64 * 0.99).round() as usize]
-}
-
 /// Latencies (ms) of `n` small completions, one after another.
 async fn small_requests(g: &str, n: u32, seed: u32) -> Vec<f64> {
     let url = format!("{g}/v1/completions");
@@ -126,12 +121,12 @@ async fn idle_and_trickling_connections_are_closed_in_time_and_cost_normal_reque
             t.abort();
         }
     }
-    let (q, a) = (p99(quiet.clone()), p99(attacked.clone()));
+    let (q, a) = (percentile(&quiet, 0.99), percentile(&attacked, 0.99));
     eprintln!(
         "normal requests p99: quiet {q:.2} ms, with 200 idle + 50 trickling connections open {a:.2} ms \
          (medians {:.2} / {:.2} ms; 1000 requests each, 5 interleaved rounds)",
-        p99_median(quiet),
-        p99_median(attacked)
+        percentile(&quiet, 0.5),
+        percentile(&attacked, 0.5)
     );
     // A regression guard, not the measurement: a gateway that let slow clients hold its threads would add
     // hundreds of ms. The precise ratio (target: within 10%) is measured side by side by `--bench hostile`
@@ -161,11 +156,6 @@ async fn idle_and_trickling_connections_are_closed_in_time_and_cost_normal_reque
             "closed after {took:?}"
         );
     }
-}
-
-fn p99_median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
 }
 
 #[tokio::test]
@@ -293,7 +283,7 @@ async fn health_stays_fast_while_8_mib_prompts_are_tokenized() {
         busy_for = busy_for.max(took);
     }
     assert!(lat.len() >= 20, "tokenization was too quick to measure ({busy_for:?})");
-    let p = p99(lat.clone());
+    let p = percentile(&lat, 0.99);
     eprintln!(
         "/health p99 {p:.2} ms over {} probes while 3 x 8 MB prompts were tokenized for {busy_for:?}",
         lat.len()

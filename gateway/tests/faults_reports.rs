@@ -118,21 +118,16 @@ async fn an_allowlist_admits_other_hosts_and_silent_workers_are_forgotten_with_t
 #[tokio::test]
 async fn insecure_reports_is_an_explicit_choice() {
     let (port, cport) = (free_port(), free_port());
-    let mut child = Command::new(bin("kvgate-gateway"))
-        .args([
-            "--listen",
-            &format!("127.0.0.1:{port}"),
-            "--control-listen",
-            &format!("127.0.0.1:{cport}"),
-            "--insecure-reports",
-        ])
-        .env_remove("KVGATE_REPORT_SECRET")
-        .env("RUST_LOG", "warn")
-        .stdout(Stdio::piped())
-        .spawn()
-        .expect("starts");
-    wait_for_line(&mut child, "listening on");
-    let g = Proc { child, base: format!("http://127.0.0.1:{port}"), port, data: None };
+    let mut cmd = Command::new(bin("kvgate-gateway"));
+    cmd.args([
+        "--listen",
+        &format!("127.0.0.1:{port}"),
+        "--control-listen",
+        &format!("127.0.0.1:{cport}"),
+        "--insecure-reports",
+    ])
+    .env_remove("KVGATE_REPORT_SECRET");
+    let g = start(cmd, "listening on").on_port(port);
     let control = format!("http://127.0.0.1:{cport}");
     let r = send_report(&control, forged("open", "http://127.0.0.1:9", 1), None).await;
     assert_eq!(r.status, 204, "{}", r.body);

@@ -390,11 +390,6 @@ async fn offer_until(
     out
 }
 
-fn p99(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[((v.len() - 1) as f64 * 0.99).round() as usize]
-}
-
 #[tokio::test]
 async fn a_long_flood_does_not_delay_short_requests_and_budgets_split_4_to_1() {
     let dir = tempfile::tempdir().expect("tmp");
@@ -441,7 +436,7 @@ max_wait_ms = 60000
     // (a) Short requests alone, then the same with the long class offered 10x its budget.
     let quiet = offer(&g.base, "short", 40, 20.0, 1, 20).await;
     assert!(quiet.iter().all(|r| r.0 == 200));
-    let quiet_p99 = p99(quiet.iter().map(|r| r.1).collect());
+    let quiet_p99 = percentile(&quiet.iter().map(|r| r.1).collect::<Vec<_>>(), 0.99);
     let flood_task = {
         let g = g.base.clone();
         // 200-token prompts at 50/s = 10,000 tokens/s against a 1,000 tokens/s budget.
@@ -451,7 +446,7 @@ max_wait_ms = 60000
     let busy = offer(&g.base, "short", 40, 20.0, 3, 20).await;
     let flood = flood_task.await.expect("join");
     assert!(busy.iter().all(|r| r.0 == 200), "short requests are never refused");
-    let busy_p99 = p99(busy.iter().map(|r| r.1).collect());
+    let busy_p99 = percentile(&busy.iter().map(|r| r.1).collect::<Vec<_>>(), 0.99);
     assert!(
         busy_p99 <= quiet_p99 + 5.0,
         "short admission wait p99 {busy_p99} ms vs {quiet_p99} ms without the flood"

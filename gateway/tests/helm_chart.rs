@@ -9,7 +9,7 @@
 mod common;
 
 use std::path::PathBuf;
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use common::*;
@@ -56,17 +56,12 @@ async fn what_the_chart_renders_runs_on_the_real_binaries() {
         "--control-listen".into(),
         format!("127.0.0.1:{cport}"),
     ]);
-    let mut gw = Command::new(bin("kvgate-gateway"))
-        .args(&gw_args)
+    let mut cmd = Command::new(bin("kvgate-gateway"));
+    cmd.args(&gw_args)
         .env("KVGATE_REPORT_SECRET", "chart-secret")
         .env("KVGATE_ADMIN_TOKEN", "chart-admin")
-        .env("KVGATE_DATA_DIR", dir.path())
-        .env("RUST_LOG", "warn")
-        .stdout(Stdio::piped())
-        .spawn()
-        .expect("gateway");
-    wait_for_line(&mut gw, "listening on");
-    let gw = Proc { child: gw, base: format!("http://127.0.0.1:{port}"), port, data: None };
+        .env("KVGATE_DATA_DIR", dir.path());
+    let gw = start(cmd, "listening on").on_port(port);
     let control = format!("http://127.0.0.1:{cport}");
     // No worker yet: not ready (the readiness probe keeps traffic away).
     assert_eq!(get(&format!("{control}/ready")).await.status, 503);
@@ -105,14 +100,9 @@ async fn what_the_chart_renders_runs_on_the_real_binaries() {
         }
     }
     assert!(args.contains(&"sim".to_owned()) && args.contains(&pod.to_owned()), "{args:?}");
-    let worker = Command::new(bin("kvgate-worker"))
-        .args(&args)
-        .env("KVGATE_REPORT_SECRET", "chart-secret")
-        .env("RUST_LOG", "warn")
-        .stdout(Stdio::null())
-        .spawn()
-        .expect("worker");
-    let _worker = Proc { child: worker, base: format!("http://127.0.0.1:{wport}"), port: wport, data: None };
+    let mut cmd = Command::new(bin("kvgate-worker"));
+    cmd.args(&args).env("KVGATE_REPORT_SECRET", "chart-secret");
+    let _worker = start(cmd, " ready ").on_port(wport);
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
         let r = get(&format!("{control}/ready")).await;

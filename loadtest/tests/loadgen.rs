@@ -1,30 +1,11 @@
 //! The load generator against real processes: `compare` on local fleets of simulated workers, and `run` against a
 //! worker started here. The tables' figures must be real measurements.
 
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
+use kvgate_testkit::process::{bin, free_port, spawn, start, Proc};
 use serde_json::Value;
-
-/// target/debug, where cargo puts every binary of the workspace.
-fn bin_dir() -> PathBuf {
-    PathBuf::from(env!("CARGO_BIN_EXE_kvgate-loadtest")).parent().expect("bin dir").to_path_buf()
-}
-
-/// The gateway and worker binaries the fleets start: built by `cargo test --workspace` / `cargo nextest run
-/// --workspace` (their own crates' tests need them); built here only if missing.
-fn build_fleet_binaries() {
-    for name in ["kvgate-gateway", "kvgate-worker"] {
-        if !bin_dir().join(name).exists() {
-            let status = Command::new(env!("CARGO"))
-                .args(["build", "--quiet", "-p", name, "--bin", name])
-                .status()
-                .expect("cargo build");
-            assert!(status.success(), "building {name}");
-        }
-    }
-}
 
 fn loadtest(args: &[&str]) -> (bool, String, String) {
     let out = Command::new(env!("CARGO_BIN_EXE_kvgate-loadtest")).args(args).output().expect("runs");
@@ -42,7 +23,6 @@ fn results(dir: &std::path::Path) -> Value {
 
 #[test]
 fn compare_measures_each_policy_on_a_shared_prefix_workload() {
-    build_fleet_binaries();
     let dir = tempfile::tempdir().expect("tmp");
     let out = dir.path().join("cmp");
     let (ok, stdout, stderr) = loadtest(&[
@@ -101,35 +81,16 @@ fn compare_measures_each_policy_on_a_shared_prefix_workload() {
     assert!(html.matches("<svg").count() >= 4);
 }
 
-struct Killed(Child);
-impl Drop for Killed {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
 #[test]
 fn run_measures_multi_turn_sessions_against_a_worker_and_stops_by_itself() {
-    build_fleet_binaries();
     let dir = tempfile::tempdir().expect("tmp");
-    let port = kvgate_shared::ports::free_loopback_port().expect("port");
-    let worker = Killed(
-        Command::new(bin_dir().join("kvgate-worker"))
-            .args(["serve", "--synth", "tiny", "--engine", "sim", "--sim-profile", "gpu-h100-llama3-8b"])
-            .args(["--host", "127.0.0.1", "--port", &port.to_string()])
-            .args(["--synth-dir", dir.path().join("tiny").to_str().expect("path")])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("worker"),
-    );
-    let target = format!("http://127.0.0.1:{port}");
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-        assert!(Instant::now() < deadline, "worker never listened");
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    let port = free_port();
+    let mut cmd = Command::new(bin("kvgate-worker"));
+    cmd.args(["serve", "--synth", "tiny", "--engine", "sim", "--sim-profile", "gpu-h100-llama3-8b"])
+        .args(["--host", "127.0.0.1", "--port", &port.to_string()])
+        .args(["--synth-dir", dir.path().join("tiny").to_str().expect("path")]);
+    let worker = start(cmd, " ready ").on_port(port);
+    let target = worker.base.clone();
     let out = dir.path().join("run");
     let common = [
         "run",
@@ -199,45 +160,26 @@ fn run_measures_multi_turn_sessions_against_a_worker_and_stops_by_itself() {
 
 #[test]
 fn up_stops_every_process_it_started_on_ctrl_c() {
-    build_fleet_binaries();
     let dir = tempfile::tempdir().expect("tmp");
     let logs = dir.path().join("logs");
-    let mut up = Killed(
-        Command::new(env!("CARGO_BIN_EXE_kvgate-loadtest"))
-            .args(["up", "--engine", "sim", "--workers", "2", "--log-dir", logs.to_str().expect("path")])
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("up"),
-    );
-    let stdout = up.0.stdout.take().expect("stdout");
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        use std::io::BufRead;
-        for line in std::io::BufReader::new(stdout).lines().map_while(Result::ok) {
-            let _ = tx.send(line);
-        }
-    });
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvgate-loadtest"));
+    cmd.args(["up", "--engine", "sim", "--workers", "2", "--log-dir", logs.to_str().expect("path")])
+        .stderr(std::process::Stdio::null());
+    // `up` prints the gateway's URL, then the workers' line.
+    let mut up: Proc = spawn(cmd, "workers: ", Duration::from_secs(120)).expect("up prints its URLs");
     let mut urls: Vec<String> = Vec::new();
-    let deadline = Instant::now() + Duration::from_secs(120);
-    while urls.len() < 3 {
-        let line =
-            rx.recv_timeout(deadline.saturating_duration_since(Instant::now())).expect("up prints its URLs");
-        if let Some(rest) = line.strip_prefix("kvgate is up: gateway ") {
-            urls.push(rest.split_whitespace().next().expect("url").to_owned());
-        }
-        if let Some(rest) = line.strip_prefix("workers: ") {
-            urls.extend(rest.split_whitespace().map(str::to_owned));
-        }
-    }
+    urls.extend(
+        up.after("kvgate is up: gateway ").and_then(|r| r.split_whitespace().next()).map(str::to_owned),
+    );
+    urls.extend(up.after("workers: ").into_iter().flat_map(|r| r.split_whitespace()).map(str::to_owned));
+    assert_eq!(urls.len(), 3, "{:?}", up.seen);
     let ports: Vec<u16> =
         urls.iter().map(|u| u.rsplit(':').next().and_then(|p| p.parse().ok()).expect("port")).collect();
     assert!(ports.iter().all(|p| std::net::TcpStream::connect(("127.0.0.1", *p)).is_ok()), "{urls:?}");
     // Ctrl-C: SIGINT to `up` only; it must stop the gateway and both workers itself.
-    let status = Command::new("kill").args(["-INT", &up.0.id().to_string()]).status().expect("kill");
-    assert!(status.success());
+    up.signal(kvgate_testkit::process::signal::SIGINT);
     let deadline = Instant::now() + Duration::from_secs(20);
-    while up.0.try_wait().expect("wait").is_none() {
+    while up.child.try_wait().expect("wait").is_none() {
         assert!(Instant::now() < deadline, "up did not exit on SIGINT");
         std::thread::sleep(Duration::from_millis(50));
     }

@@ -9,7 +9,8 @@
 //! - [`duration`]: configuration durations (`1s`, `500ms`); [`settings`]: defaults written once (clap), the
 //!   flags > environment > TOML > default layering, and the generated configuration references.
 //! - [`trace`]: W3C `traceparent`, spans and their OTLP/HTTP export (bounded, never blocking a request);
-//! - [`ports`]: free loopback ports for local fleets (tests, benches, the load tester's fleet).
+//! - [`ports`]: free loopback ports for local fleets (tests, benches, the load tester's fleet);
+//! - [`stats`]: the one percentile of every report, bench and test.
 
 pub mod duration;
 pub mod errors;
@@ -20,6 +21,7 @@ pub mod ports;
 pub mod prompt;
 pub mod report;
 pub mod settings;
+pub mod stats;
 #[cfg(any(test, feature = "test-strategies"))]
 pub mod testing;
 pub mod trace;

@@ -95,12 +95,6 @@ fn run(model: &std::path::Path, ssd: bool) -> (Vec<f64>, Vec<usize>) {
     (steps, cached)
 }
 
-fn pct(v: &[f64], p: f64) -> f64 {
-    let mut v = v.to_vec();
-    v.sort_by(f64::total_cmp);
-    v[((v.len() - 1) as f64 * p).round() as usize]
-}
-
 fn main() {
     let quick = std::env::args().any(|a| a == "--quick");
     let reps = if quick { 1 } else { 3 };
@@ -130,7 +124,7 @@ fn main() {
             steps_n = steps.len();
             cached = c;
             for (w, p) in worst.iter_mut().zip([0.5, 0.99, 1.0]) {
-                *w = w.max(pct(&steps, p) * 1e3);
+                *w = w.max(kvgate_testkit::percentile(&steps, p) * 1e3);
             }
         }
         let from = if ssd { "SSD tier, read-ahead off" } else { "device pool" };

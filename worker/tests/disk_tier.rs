@@ -57,6 +57,7 @@ async fn complete(w: &Worker, prompt: &[u32]) -> (String, u64) {
     let r = post(
         &format!("{}/v1/completions", w.base),
         &json!({"model": "m", "prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": true}),
+        &[],
     )
     .await;
     assert_eq!(r.status, 200, "{}", r.body);

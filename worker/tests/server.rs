@@ -45,6 +45,7 @@ async fn endpoints_answer() {
     let r = post(
         &format!("{}/v1/completions", w.base),
         &json!({"model": MODEL, "prompt": "ka ri", "max_tokens": 3}),
+        &[],
     )
     .await;
     assert_eq!(r.status, 200);
@@ -74,7 +75,7 @@ async fn completions_chat_streaming_and_usage() {
     // Token-id prompt, greedy: deterministic text.
     let body =
         json!({"model": MODEL, "prompt": ids(40, 1), "max_tokens": 8, "temperature": 0, "ignore_eos": true});
-    let full = post(&url, &body).await;
+    let full = post(&url, &body, &[]).await;
     assert_eq!(full.status, 200, "{}", full.body);
     let fj = full.json();
     assert_eq!(fj["object"], "text_completion");
@@ -87,7 +88,7 @@ async fn completions_chat_streaming_and_usage() {
     let mut sbody = body.clone();
     sbody["stream"] = json!(true);
     sbody["stream_options"] = json!({"include_usage": true});
-    let s = post(&url, &sbody).await;
+    let s = post(&url, &sbody, &[]).await;
     assert_eq!(s.headers.get("content-type").and_then(|v| v.to_str().ok()), Some("text/event-stream"));
     let events = sse_events(&s.body);
     assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
@@ -104,7 +105,7 @@ async fn completions_chat_streaming_and_usage() {
     let chat = json!({"model": MODEL, "messages": [{"role": "user", "content": "ka ri to ne"}], "max_tokens": 6,
         "temperature": 0});
     let curl = format!("{}/v1/chat/completions", w.base);
-    let c = post(&curl, &chat).await;
+    let c = post(&curl, &chat, &[]).await;
     assert_eq!(c.status, 200, "{}", c.body);
     let cj = c.json();
     assert_eq!(cj["object"], "chat.completion");
@@ -112,7 +113,7 @@ async fn completions_chat_streaming_and_usage() {
     let content = cj["choices"][0]["message"]["content"].as_str().expect("content").to_owned();
     let mut schat = chat.clone();
     schat["stream"] = json!(true);
-    let cs = post(&curl, &schat).await;
+    let cs = post(&curl, &schat, &[]).await;
     let events = sse_events(&cs.body);
     assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
     let chunks: Vec<Value> =
@@ -140,7 +141,7 @@ async fn shared_prefix_is_cached_exactly_by_full_blocks_and_salts_isolate() {
         }
         let url = url.clone();
         async move {
-            let r = post(&url, &body).await;
+            let r = post(&url, &body, &[]).await;
             assert_eq!(r.status, 200, "{}", r.body);
             r.json()["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().expect("cached_tokens")
         }
@@ -160,6 +161,7 @@ async fn shared_prefix_is_cached_exactly_by_full_blocks_and_salts_isolate() {
             &curl,
             &json!({"model": MODEL, "max_tokens": 1, "messages": [
             {"role": "system", "content": system}, {"role": "user", "content": q}]}),
+            &[],
         )
         .await
         .json();
@@ -183,10 +185,10 @@ async fn bad_input_gets_openai_errors() {
             assert_eq!(j["error"]["param"], p, "{}", r.body);
         }
     };
-    check(request("POST", &chat, Some("{not json")).await, 400, "invalid_json", None);
-    check(post(&chat, &json!({"model": MODEL})).await, 400, "invalid_value", Some("messages"));
+    check(request("POST", &chat, Some("{not json".into()), &[]).await, 400, "invalid_json", None);
+    check(post(&chat, &json!({"model": MODEL}), &[]).await, 400, "invalid_value", Some("messages"));
     check(
-        post(&chat, &json!({"model": MODEL, "messages": "hi"})).await,
+        post(&chat, &json!({"model": MODEL, "messages": "hi"}), &[]).await,
         400,
         "invalid_value",
         Some("messages"),
@@ -195,6 +197,7 @@ async fn bad_input_gets_openai_errors() {
         post(
             &chat,
             &json!({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "temperature": -1}),
+            &[],
         )
         .await,
         400,
@@ -202,13 +205,14 @@ async fn bad_input_gets_openai_errors() {
         Some("temperature"),
     );
     check(
-        post(&chat, &json!({"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]})).await,
+        post(&chat, &json!({"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}), &[]).await,
         400,
         "invalid_value",
         Some("messages"),
     );
     check(
-        post(&chat, &json!({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "n": 2})).await,
+        post(&chat, &json!({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "n": 2}), &[])
+            .await,
         400,
         "invalid_value",
         Some("n"),
@@ -225,9 +229,9 @@ async fn bad_input_gets_openai_errors() {
         ("tool_choice", json!("required")),
         ("best_of", json!(2)),
     ] {
-        check(post(&chat, &chat_with(field, value)).await, 400, "unsupported_parameter", Some(field));
+        check(post(&chat, &chat_with(field, value), &[]).await, 400, "unsupported_parameter", Some(field));
     }
-    let neutral = post(&chat, &chat_with("logprobs", json!(false))).await;
+    let neutral = post(&chat, &chat_with("logprobs", json!(false)), &[]).await;
     assert_eq!(neutral.status, 200, "{}", neutral.body);
     // The logit controls a worker implements are checked like the typed fields.
     for (field, value) in [
@@ -243,43 +247,48 @@ async fn bad_input_gets_openai_errors() {
         ("top_logprobs", json!(3)),
         ("top_logprobs", json!(21)),
     ] {
-        check(post(&chat, &chat_with(field, value)).await, 400, "invalid_value", Some(field));
+        check(post(&chat, &chat_with(field, value), &[]).await, 400, "invalid_value", Some(field));
     }
     check(
-        post(&comp, &json!({"model": MODEL, "prompt": [1, 2], "logprobs": 2})).await,
+        post(&comp, &json!({"model": MODEL, "prompt": [1, 2], "logprobs": 2}), &[]).await,
         400,
         "unsupported_parameter",
         Some("logprobs"),
     );
     check(
-        post(&comp, &json!({"model": MODEL, "prompt": [1, 2], "suffix": "end"})).await,
+        post(&comp, &json!({"model": MODEL, "prompt": [1, 2], "suffix": "end"}), &[]).await,
         400,
         "unsupported_parameter",
         Some("suffix"),
     );
     check(
-        post(&comp, &json!({"model": MODEL, "prompt": [1, 2], "max_tokens": 5000})).await,
+        post(&comp, &json!({"model": MODEL, "prompt": [1, 2], "max_tokens": 5000}), &[]).await,
         400,
         "context_length_exceeded",
         None,
     );
     check(
-        post(&comp, &json!({"model": MODEL, "prompt": [100000]})).await,
+        post(&comp, &json!({"model": MODEL, "prompt": [100000]}), &[]).await,
         400,
         "invalid_value",
         Some("prompt"),
     );
-    check(post(&comp, &json!({"model": MODEL, "prompt": []})).await, 400, "invalid_value", Some("prompt"));
     check(
-        post(&comp, &json!({"model": "gpt-4", "prompt": "x"})).await,
+        post(&comp, &json!({"model": MODEL, "prompt": []}), &[]).await,
+        400,
+        "invalid_value",
+        Some("prompt"),
+    );
+    check(
+        post(&comp, &json!({"model": "gpt-4", "prompt": "x"}), &[]).await,
         404,
         "model_not_found",
         Some("model"),
     );
     let big = json!({"model": MODEL, "prompt": "x".repeat(5000)});
-    check(post(&comp, &big).await, 413, "request_too_large", None);
+    check(post(&comp, &big, &[]).await, 413, "request_too_large", None);
     // Still healthy, nothing leaked.
-    let r = post(&comp, &json!({"model": MODEL, "prompt": "ka", "max_tokens": 2})).await;
+    let r = post(&comp, &json!({"model": MODEL, "prompt": "ka", "max_tokens": 2}), &[]).await;
     assert_eq!(r.status, 200);
     let m = get(&format!("{}/metrics", w.base)).await.body;
     assert_eq!(metric(&m, "kvgate_worker_kv_blocks{state=\"used\"}"), Some(0.0));
@@ -303,13 +312,17 @@ async fn logit_bias_changes_what_is_sampled() {
     };
     // Greedy with +100 on one token: that token, whatever the prompt.
     let bias = json!({"logit_bias": {"77": 100}});
-    let a = text(&post(&comp, &ask(ids(12, 1), bias.clone())).await);
-    let b = text(&post(&comp, &ask(ids(12, 2), bias)).await);
+    let a = text(&post(&comp, &ask(ids(12, 1), bias.clone()), &[]).await);
+    let b = text(&post(&comp, &ask(ids(12, 2), bias), &[]).await);
     assert_eq!(a, b, "the bias decides");
-    let plain = text(&post(&comp, &ask(ids(12, 1), json!({}))).await);
+    let plain = text(&post(&comp, &ask(ids(12, 1), json!({})), &[]).await);
     assert_ne!(a, plain);
     // (The penalties' formula is checked in the sampler's tests.)
-    assert_eq!(text(&post(&comp, &ask(ids(12, 1), json!({}))).await), plain, "deterministic without a bias");
+    assert_eq!(
+        text(&post(&comp, &ask(ids(12, 1), json!({})), &[]).await),
+        plain,
+        "deterministic without a bias"
+    );
 }
 
 #[tokio::test]
@@ -329,7 +342,7 @@ async fn chat_logprobs_report_each_token_and_its_alternatives() {
         assert_eq!(r.status, 200, "{}", r.body);
         r.json()["choices"][0]["logprobs"]["content"].as_array().expect("content").clone()
     };
-    let content = entries(&post(&chat, &ask(false, json!({}))).await);
+    let content = entries(&post(&chat, &ask(false, json!({})), &[]).await);
     assert_eq!(content.len(), 6, "one entry per completion token: {content:?}");
     for e in &content {
         let top = e["top_logprobs"].as_array().expect("top");
@@ -344,7 +357,7 @@ async fn chat_logprobs_report_each_token_and_its_alternatives() {
         assert_eq!(bytes, e["token"].as_str().expect("token").as_bytes());
     }
     // Streamed: the same entries, spread over the chunks.
-    let r = post(&chat, &ask(true, json!({}))).await;
+    let r = post(&chat, &ask(true, json!({})), &[]).await;
     assert_eq!(r.status, 200, "{}", r.body);
     let mut streamed = Vec::new();
     for ev in sse_events(&r.body).iter().filter(|e| e.as_str() != "[DONE]") {
@@ -356,12 +369,12 @@ async fn chat_logprobs_report_each_token_and_its_alternatives() {
     assert_eq!(streamed, content);
     // The log-probabilities are the model's, before the bias: a token forced by a bias keeps its own.
     let forced =
-        entries(&post(&chat, &ask(false, json!({"logit_bias": {"77": 100}, "top_logprobs": 0}))).await);
+        entries(&post(&chat, &ask(false, json!({"logit_bias": {"77": 100}, "top_logprobs": 0})), &[]).await);
     assert!(forced.iter().all(|e| e["top_logprobs"].as_array().is_some_and(Vec::is_empty)));
     let first = forced[0]["logprob"].as_f64().expect("lp");
     assert!(first < content[0]["logprob"].as_f64().expect("lp"), "{first} is not the most likely token's");
     // Without logprobs, none.
-    let r = post(&chat, &ask(false, json!({"logprobs": false, "top_logprobs": 0}))).await;
+    let r = post(&chat, &ask(false, json!({"logprobs": false, "top_logprobs": 0})), &[]).await;
     assert!(r.json()["choices"][0]["logprobs"].is_null(), "{}", r.body);
 }
 
@@ -372,6 +385,7 @@ async fn a_worker_with_an_fp8_kv_cache_serves_and_cuda_refuses_it_by_name() {
     let r = post(
         &format!("{}/v1/completions", w.base),
         &json!({"model": MODEL, "prompt": ids(40, 3), "max_tokens": 4, "ignore_eos": true}),
+        &[],
     )
     .await;
     assert_eq!(r.status, 200, "{}", r.body);
@@ -398,7 +412,7 @@ async fn full_queue_is_503_with_retry_after() {
     let mut tasks = Vec::new();
     for _ in 0..4 {
         let (u, b) = (url.clone(), long.clone());
-        tasks.push(tokio::spawn(async move { post(&u, &b).await }));
+        tasks.push(tokio::spawn(async move { post(&u, &b, &[]).await }));
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let mut statuses = Vec::new();
@@ -486,6 +500,7 @@ async fn reports_reach_a_listener_and_carry_the_requests_blocks() {
     let r = post(
         &format!("{}/v1/completions", w.base),
         &json!({"model": MODEL, "prompt": prompt, "max_tokens": 1}),
+        &[],
     )
     .await;
     assert_eq!(r.status, 200);
@@ -521,7 +536,7 @@ async fn sigterm_drains_then_exits() {
     let body =
         json!({"model": MODEL, "prompt": ids(20, 9), "max_tokens": 3000, "ignore_eos": true, "stream": true});
     let url = format!("{}/v1/completions", w.base);
-    let stream = tokio::spawn(async move { post(&url, &body).await });
+    let stream = tokio::spawn(async move { post(&url, &body, &[]).await });
     tokio::time::sleep(Duration::from_millis(300)).await;
     let pid = w.child.id().to_string();
     assert!(std::process::Command::new("kill").args(["-TERM", &pid]).status().expect("kill").success());
@@ -547,13 +562,13 @@ async fn a_dead_engine_fails_both_probes_and_the_worker_exits_non_zero() {
     assert_eq!(get(&format!("{}/health", w.base)).await.status, 200);
     let url = format!("{}/v1/completions", w.base);
     let body = json!({"model": MODEL, "prompt": ids(20, 11), "max_tokens": 50, "ignore_eos": true});
-    let r = post(&url, &body).await;
+    let r = post(&url, &body, &[]).await;
     assert_ne!(r.status, 200, "the engine died under this request: {}", r.body);
     // Both probes fail before the process goes.
     let (mut health, mut ready) = (0, 0);
     let deadline = Instant::now() + Duration::from_secs(5);
     while (health != 503 || ready != 503) && Instant::now() < deadline {
-        let h = request("GET", &format!("{}/health", w.base), None).await;
+        let h = request("GET", &format!("{}/health", w.base), None, &[]).await;
         health = h.status;
         if h.status == 503 {
             assert_eq!(h.json()["status"], "engine_dead");

@@ -41,9 +41,12 @@ decode_per_kv_token_s = 0.0
     let prompt: Vec<u32> = (0..200_000u32).map(|i| (i * 7 + 3) % 500).collect();
     let url = format!("{}/v1/completions", w.base);
     let t = Instant::now();
-    let r =
-        post(&url, &json!({"model": "kvgate-tiny", "prompt": prompt, "max_tokens": 4, "ignore_eos": true}))
-            .await;
+    let r = post(
+        &url,
+        &json!({"model": "kvgate-tiny", "prompt": prompt, "max_tokens": 4, "ignore_eos": true}),
+        &[],
+    )
+    .await;
     assert_eq!(r.status, 200, "{}", r.body);
     let first = t.elapsed();
     let j = r.json();
@@ -54,7 +57,7 @@ decode_per_kv_token_s = 0.0
     // Same prefix, new tail: served from the prefix cache.
     let mut second = prompt[..199_000].to_vec();
     second.extend([1, 2, 3]);
-    let r = post(&url, &json!({"model": "kvgate-tiny", "prompt": second, "max_tokens": 1})).await;
+    let r = post(&url, &json!({"model": "kvgate-tiny", "prompt": second, "max_tokens": 1}), &[]).await;
     assert_eq!(r.status, 200, "{}", r.body);
     assert_eq!(
         r.json()["usage"]["prompt_tokens_details"]["cached_tokens"],

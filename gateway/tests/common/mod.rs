@@ -1,44 +1,23 @@
 //! Test fleet: real `kvgate-worker` and `kvgate-gateway` processes on loopback ports, killed on drop.
-#![allow(dead_code)]
+#![allow(dead_code, unused_imports)]
 
-use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
-use http_body_util::{BodyExt, Full};
-use hyper_util::client::legacy::Client;
-use hyper_util::rt::TokioExecutor;
 use serde_json::Value;
+
+pub use kvgate_testkit::http::metric;
+pub use kvgate_testkit::http::{
+    get, open_stream, post, read_rest, read_until, request, request_bytes, try_get, Resp,
+};
+pub use kvgate_testkit::percentile;
+pub use kvgate_testkit::process::{bin, free_port, spawn, start, Proc};
 
 pub mod redis;
 pub mod vllm;
 
 pub const MODEL: &str = "kvgate-tiny";
-
-/// A child process killed on drop.
-pub struct Proc {
-    pub child: Child,
-    pub base: String,
-    pub port: u16,
-    /// The process's own data directory (`KVGATE_DATA_DIR`), removed with it.
-    pub data: Option<tempfile::TempDir>,
-}
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-impl Proc {
-    pub fn kill(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
 
 /// The test venv's Python (`KVGATE_PYTHON`, set by scripts/test.sh), with what the test `needs` from it; `None`
 /// (the test skips) outside CI, a failure in CI.
@@ -49,59 +28,6 @@ pub fn python(needs: &str) -> Option<std::ffi::OsString> {
             assert!(std::env::var_os("CI").is_none(), "CI needs KVGATE_PYTHON ({needs})");
             eprintln!("skipped: KVGATE_PYTHON is not set (run ./scripts/test.sh)");
             None
-        }
-    }
-}
-
-/// A free loopback port below the ephemeral range (see `kvgate_shared::ports`).
-pub fn free_port() -> u16 {
-    kvgate_shared::ports::free_loopback_port().expect("port")
-}
-
-pub fn bin(name: &str) -> PathBuf {
-    // target/debug/deps/<test> -> target/debug/<name>. `cargo nextest run --workspace` / `cargo test --workspace`
-    // build every workspace binary first; a lone `cargo test -p kvgate-gateway` may find an older worker binary
-    // (build it, or run the workspace). Building here would compile the dependencies a second time with the
-    // non-test feature set, minutes on a clean CI machine.
-    let exe = std::env::current_exe().expect("exe");
-    let dir = exe.parent().and_then(|p| p.parent()).expect("target dir");
-    let path = dir.join(name);
-    if !path.exists() {
-        let status = Command::new(env!("CARGO"))
-            .args(["build", "-p", name, "--bin", name])
-            .status()
-            .expect("cargo build");
-        assert!(status.success(), "building {name}");
-    }
-    path
-}
-
-pub fn wait_for_line(child: &mut Child, needle: &str) {
-    assert!(try_wait_for_line(child, needle), "no {needle:?} line: the process exited");
-}
-
-/// Waits (60 s at most) for a stdout line containing `needle`; false if the process closed its stdout (exited)
-/// first.
-pub fn try_wait_for_line(child: &mut Child, needle: &str) -> bool {
-    let stdout = child.stdout.take().expect("stdout");
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-            let _ = tx.send(line);
-        }
-    });
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        let left = deadline.saturating_duration_since(Instant::now());
-        let line = match rx.recv_timeout(left) {
-            Ok(line) => line,
-            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => return false,
-            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => panic!("no {needle:?} line in time"),
-        };
-        if line.contains(needle) {
-            // Keep draining so the child never blocks on a full pipe.
-            std::thread::spawn(move || while rx.recv().is_ok() {});
-            return true;
         }
     }
 }
@@ -136,15 +62,9 @@ pub fn worker_on(
         args.extend(["--report-to".into(), c.to_owned(), "--report-secret".into(), "test-secret".into()]);
     }
     args.extend(extra.iter().map(|s| s.to_string()));
-    let mut child = Command::new(bin("kvgate-worker"))
-        .args(&args)
-        .env("RUST_LOG", "warn")
-        .envs(env.iter().copied())
-        .stdout(Stdio::piped())
-        .spawn()
-        .expect("worker starts");
-    wait_for_line(&mut child, " ready ");
-    Proc { child, base: format!("http://127.0.0.1:{port}"), port, data: None }
+    let mut cmd = Command::new(bin("kvgate-worker"));
+    cmd.args(&args).envs(env.iter().copied());
+    start(cmd, " ready ").on_port(port)
 }
 
 /// A gateway; returns (process, control base URL). Each gets its own data directory (where the admin state file
@@ -169,110 +89,18 @@ pub fn gateway_in(extra: &[&str], data: tempfile::TempDir) -> (Proc, String) {
             "test-secret".into(),
         ];
         args.extend(extra.iter().map(|s| s.to_string()));
-        let mut child = Command::new(bin("kvgate-gateway"))
-            .args(&args)
-            .env("RUST_LOG", "warn")
-            .env("KVGATE_DATA_DIR", data.path())
-            .stdout(Stdio::piped())
-            .spawn()
-            .expect("gateway starts");
-        if try_wait_for_line(&mut child, "listening on") {
-            let base = format!("http://127.0.0.1:{port}");
-            return (Proc { child, base, port, data: Some(data) }, format!("http://127.0.0.1:{cport}"));
+        let mut cmd = Command::new(bin("kvgate-gateway"));
+        cmd.args(&args).env("KVGATE_DATA_DIR", data.path());
+        match spawn(cmd, "listening on", kvgate_testkit::process::READY_WITHIN) {
+            Ok(mut g) => {
+                g.data = Some(data);
+                return (g.on_port(port), format!("http://127.0.0.1:{cport}"));
+            }
+            Err(kvgate_testkit::process::NotReady::Exited(_)) => continue,
+            Err(e) => panic!("the gateway did not start: {e:?}"),
         }
-        let _ = child.wait();
     }
     panic!("the gateway exited before listening, three times");
-}
-
-pub struct Resp {
-    pub status: u16,
-    pub headers: hyper::HeaderMap,
-    pub body: String,
-}
-
-impl Resp {
-    pub fn json(&self) -> Value {
-        serde_json::from_str(&self.body).unwrap_or_else(|e| panic!("not JSON ({e}): {}", self.body))
-    }
-    pub fn header(&self, name: &str) -> String {
-        self.headers.get(name).and_then(|v| v.to_str().ok()).unwrap_or("").to_owned()
-    }
-}
-
-pub async fn request(method: &str, url: &str, body: Option<String>, headers: &[(&str, &str)]) -> Resp {
-    let mut all = vec![("content-type", "application/json")];
-    all.extend_from_slice(headers);
-    request_bytes(method, url, body.unwrap_or_default().into_bytes(), &all).await
-}
-
-/// A request with a raw body and exactly the given headers.
-pub async fn request_bytes(method: &str, url: &str, body: Vec<u8>, headers: &[(&str, &str)]) -> Resp {
-    let mut req = hyper::Request::builder().method(method).uri(url);
-    for (k, v) in headers {
-        req = req.header(*k, *v);
-    }
-    let req = req.body(Full::new(Bytes::from(body))).expect("request");
-    let client: Client<_, Full<Bytes>> = Client::builder(TokioExecutor::new()).build_http();
-    let resp = client.request(req).await.expect("response");
-    let status = resp.status().as_u16();
-    let headers = resp.headers().clone();
-    let bytes = resp.into_body().collect().await.expect("body").to_bytes();
-    Resp { status, headers, body: String::from_utf8_lossy(&bytes).into_owned() }
-}
-
-/// A streamed POST of `body` to `url`: the response with its body unread (read it with [`read_until`] and
-/// [`read_rest`]).
-pub async fn open_stream(url: &str, body: &Value) -> hyper::Response<hyper::body::Incoming> {
-    let req = hyper::Request::post(url)
-        .header("content-type", "application/json")
-        .body(Full::new(Bytes::from(body.to_string())))
-        .expect("req");
-    let client: Client<_, Full<Bytes>> = Client::builder(TokioExecutor::new()).build_http();
-    client.request(req).await.expect("resp")
-}
-
-/// Reads `body` until what came holds `n` times `needle` (each frame within `each`); returns what came.
-pub async fn read_until(body: &mut hyper::body::Incoming, needle: &str, n: usize, each: Duration) -> String {
-    let mut text = String::new();
-    while text.matches(needle).count() < n {
-        let frame = tokio::time::timeout(each, body.frame()).await.expect("chunk in time");
-        text.push_str(&String::from_utf8_lossy(
-            &frame.expect("frame").expect("ok").into_data().unwrap_or_default(),
-        ));
-    }
-    text
-}
-
-/// The rest of `body` up to EOF or an error, which must come within `within`.
-pub async fn read_rest(body: &mut hyper::body::Incoming, within: Duration) -> String {
-    tokio::time::timeout(within, async {
-        let mut rest = String::new();
-        while let Some(frame) = body.frame().await {
-            match frame {
-                Ok(f) => rest.push_str(&String::from_utf8_lossy(&f.into_data().unwrap_or_default())),
-                Err(_) => break,
-            }
-        }
-        rest
-    })
-    .await
-    .unwrap_or_else(|_| panic!("no EOF within {within:?}"))
-}
-
-/// The status of `GET url`; `None` when there was none (a refused connection, for one).
-pub async fn try_get(url: &str) -> Option<u16> {
-    let req = hyper::Request::get(url).body(Full::new(Bytes::new())).ok()?;
-    let client: Client<_, Full<Bytes>> = Client::builder(TokioExecutor::new()).build_http();
-    client.request(req).await.ok().map(|r| r.status().as_u16())
-}
-
-pub async fn get(url: &str) -> Resp {
-    request("GET", url, None, &[]).await
-}
-
-pub async fn post(url: &str, body: &Value, headers: &[(&str, &str)]) -> Resp {
-    request("POST", url, Some(body.to_string()), headers).await
 }
 
 /// Waits until the gateway lists `n` healthy workers with fresh summaries.
@@ -338,15 +166,7 @@ pub fn sim_worker(id: &str, dir: &std::path::Path, control: &str, decode_step_s:
 
 /// Sends a signal to a process.
 pub fn signal(p: &Proc, sig: i32) {
-    // SAFETY: kill(2) on a child we own; no memory is touched.
-    #[allow(unsafe_code)]
-    let rc = unsafe { libc::kill(p.child.id() as i32, sig) };
-    assert_eq!(rc, 0, "kill({sig})");
-}
-
-/// The value of one Prometheus series (`name{labels}` exactly as exported), if present.
-pub fn metric(text: &str, series: &str) -> Option<f64> {
-    text.lines().find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.trim().parse().ok())
+    p.signal(sig);
 }
 
 /// Resident memory of a process in KiB.

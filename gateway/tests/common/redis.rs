@@ -1,12 +1,14 @@
 //! A real `redis-server` for the shared-state tests (installed by `scripts/setup.sh`), and `redis-cli` to play a
 //! hostile client of it.
 
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
+
+use kvgate_testkit::process::Proc;
 use std::time::{Duration, Instant};
 
 /// A `redis-server` on `port`, without persistence, killed on drop.
 pub struct Redis {
-    child: Child,
+    _proc: Proc,
     pub port: u16,
     _dir: tempfile::TempDir,
 }
@@ -19,21 +21,33 @@ impl Redis {
     /// With extra server arguments (`--user ...` ACLs).
     pub fn start_with(port: u16, extra: &[&str]) -> Self {
         let dir = tempfile::tempdir().expect("tmp");
-        let child = Command::new("redis-server")
-            .args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
-            .arg("--dir")
-            .arg(dir.path())
-            .args(extra)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("redis-server is installed (scripts/setup.sh)");
+        // Killed on drop from here on, also when it never listens.
+        let proc = Proc::adopt(
+            Command::new("redis-server")
+                .args([
+                    "--port",
+                    &port.to_string(),
+                    "--bind",
+                    "127.0.0.1",
+                    "--save",
+                    "",
+                    "--appendonly",
+                    "no",
+                ])
+                .arg("--dir")
+                .arg(dir.path())
+                .args(extra)
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .expect("redis-server is installed (scripts/setup.sh)"),
+        );
         let deadline = Instant::now() + Duration::from_secs(10);
         while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
             assert!(Instant::now() < deadline, "redis-server did not listen");
             std::thread::sleep(Duration::from_millis(20));
         }
-        Self { child, port, _dir: dir }
+        Self { _proc: proc, port, _dir: dir }
     }
 
     pub fn url(&self) -> String {
@@ -49,12 +63,5 @@ impl Redis {
         }
         let out = c.args(args).output().expect("redis-cli is installed with redis-server");
         format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr))
-    }
-}
-
-impl Drop for Redis {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
     }
 }
