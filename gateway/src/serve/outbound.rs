@@ -147,3 +147,99 @@ impl<'a> Outbound<'a> {
         (body, h)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::GatewayArgs;
+    use crate::registry::WorkerRef;
+
+    fn cfg(flags: &[&str]) -> GatewayConfig {
+        let mut args = vec!["g", "--report-secret", "s"];
+        args.extend_from_slice(flags);
+        GatewayArgs::from_iter_args(args).expect("flags").resolve().expect("config")
+    }
+
+    fn incoming() -> Incoming {
+        let caller = std::sync::Arc::new(crate::control::keys::Caller::anonymous());
+        let v = |s: &str| HeaderValue::from_str(s).expect("value");
+        Incoming {
+            path: "/v1/embeddings".into(),
+            caller,
+            cache_salt: Some("salt".into()),
+            session: Some("s1".into()),
+            class: None,
+            forwardable: vec![
+                (SESSION_HEADER, v("s1")),
+                ("accept", v("application/json")),
+                (CACHE_SALT_HEADER, v("salt")),
+                ("authorization", v("Bearer client-key")),
+            ],
+        }
+    }
+
+    fn names(h: &[Header]) -> Vec<String> {
+        h.iter().map(|(n, _)| n.as_str().to_owned()).collect()
+    }
+
+    #[test]
+    fn a_clients_authorization_reaches_only_foreign_pods_and_only_when_asked() {
+        let inc = incoming();
+        let off = cfg(&[]);
+        let on = cfg(&["--forward-authorization", "true"]);
+        assert!(!names(&forwarded_headers(&off, &inc, false, true)).contains(&"authorization".into()));
+        assert!(names(&forwarded_headers(&on, &inc, false, true)).contains(&"authorization".into()));
+        assert!(!names(&forwarded_headers(&on, &inc, false, false)).contains(&"authorization".into()));
+        // A tenant's salt replaced the client's in the body: the client's salt header is not passed on.
+        assert!(names(&forwarded_headers(&off, &inc, false, true)).contains(&CACHE_SALT_HEADER.into()));
+        assert!(!names(&forwarded_headers(&off, &inc, true, true)).contains(&CACHE_SALT_HEADER.into()));
+        assert!(names(&forwarded_headers(&off, &inc, true, true)).contains(&SESSION_HEADER.into()));
+    }
+
+    #[test]
+    fn a_kvgate_worker_gets_the_gateways_token_and_a_pod_the_clients_headers() {
+        let (c, inc) = (cfg(&["--forward-authorization", "true"]), incoming());
+        let prep = Prepared {
+            model: "m".into(),
+            body: Bytes::from_static(b"{}"),
+            stream: false,
+            salt_rewritten: false,
+            prompt_tokens: 1,
+            reasoning: false,
+            max_output: None,
+            generates: false,
+            max_model_len: None,
+            strip_usage: false,
+            prompt: None,
+        };
+        let t = Candidate {
+            wref: WorkerRef { idx: 0, uid: 1 },
+            id: "w".into(),
+            url: "http://127.0.0.1:1".into(),
+            reports: true,
+            fingerprint_ok: true,
+        };
+        let token = format!("Bearer {}", handoff::gateway_token("s"));
+        let auth = |h: &[Header]| -> Vec<String> {
+            h.iter()
+                .filter(|(n, _)| n == hyper::header::AUTHORIZATION)
+                .map(|(_, v)| v.to_str().unwrap_or("").to_owned())
+                .collect()
+        };
+        let to_kvgate = Outbound::new(&c, &inc, &prep, true);
+        let (body, h) = to_kvgate.for_candidate(&t, None);
+        assert_eq!(body, &prep.body);
+        assert_eq!(
+            auth(&h),
+            vec![token],
+            "the gateway's token, never the client's, and no assertion without a prompt"
+        );
+        assert!(!names(&h).contains(&handoff::ASSERTION_HEADER.into()));
+        let (_, h) = Outbound::new(&c, &inc, &prep, false).for_candidate(&t, None);
+        assert_eq!(
+            auth(&h),
+            vec!["Bearer client-key".to_owned()],
+            "a vLLM pod: the client's, as --forward-authorization asks"
+        );
+    }
+}

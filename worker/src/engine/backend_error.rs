@@ -132,23 +132,25 @@ impl From<ModelError> for BackendError {
     }
 }
 
+/// One error of every kind, each with `message` (tests of what each kind becomes).
+#[cfg(test)]
+pub(crate) fn every(message: &str) -> Vec<BackendError> {
+    let m = || message.to_owned();
+    vec![
+        BackendError::OutOfDeviceMemory(m()),
+        BackendError::Kernel(m()),
+        BackendError::Device(m()),
+        BackendError::Shape(m()),
+        BackendError::InvalidInput(m()),
+        BackendError::Internal(m()),
+        BackendError::Unsupported(m()),
+        BackendError::Other(m()),
+    ]
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn every(message: &str) -> Vec<BackendError> {
-        let m = || message.to_owned();
-        vec![
-            BackendError::OutOfDeviceMemory(m()),
-            BackendError::Kernel(m()),
-            BackendError::Device(m()),
-            BackendError::Shape(m()),
-            BackendError::InvalidInput(m()),
-            BackendError::Internal(m()),
-            BackendError::Unsupported(m()),
-            BackendError::Other(m()),
-        ]
-    }
 
     #[test]
     fn display_is_the_message_as_written_and_only_refused_arguments_are_the_requests_fault() {

@@ -39,17 +39,7 @@ mod tests {
     #[test]
     fn every_backend_error_answers_500_generation_failed_with_its_message() {
         let m = || "synchronize: \"CUDA_ERROR_ILLEGAL_ADDRESS\"".to_owned();
-        let every = [
-            BackendError::OutOfDeviceMemory(m()),
-            BackendError::Kernel(m()),
-            BackendError::Device(m()),
-            BackendError::Shape(m()),
-            BackendError::InvalidInput(m()),
-            BackendError::Internal(m()),
-            BackendError::Unsupported(m()),
-            BackendError::Other(m()),
-        ];
-        for e in every {
+        for e in crate::engine::backend_error::every(&m()) {
             let a = ApiError::generation_failed(&e);
             // What the handlers answered when the error was a `String`.
             let before = ApiError::internal(format!("generation failed: {}", m()));
