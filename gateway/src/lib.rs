@@ -13,6 +13,7 @@
 //! - [`replicas`]: the state gateway replicas share through Redis (budgets, admin state, sends, drains);
 //! - [`admission`], [`registry`], [`routing`], [`route`]: the pure routing core, re-exported from the
 //!   `kvgate-router` crate (the simulator links it without the HTTP stack; the vLLM event index lives there too);
+//! - [`tokenizers`]: how each model is tokenized and hashed (from `[[models]]` directories or fetched from workers);
 //! - [`state`]: the shared state, held whole only by `main` and `control`; the other rooms take narrow host traits;
 //!   [`config`], [`errors`].
 
@@ -23,6 +24,7 @@ pub mod pods;
 pub mod replicas;
 pub mod serve;
 pub mod state;
+pub mod tokenizers;
 
 pub use kvgate_router::{admission, registry, route, routing};
 

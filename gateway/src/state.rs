@@ -1,20 +1,17 @@
-//! The gateway's shared state: configuration, the worker registry, per-model tokenizers (fetched from workers'
-//! `/kvgate/v1/tokenizer`, so the gateway tokenizes and hashes exactly like them; the fetch is bounded in bytes and
-//! time), the routing policy, admission, the API key table, the tokenize pool, the HTTP client to workers, and the
-//! metrics handle.
+//! The gateway's shared state: configuration, the worker registry, the tokenizer catalog (`tokenizers.rs`), the
+//! routing and split policies, admission, the API key table, the tokenize pool, the HTTP client to workers, the
+//! admin resources and their versions, and the metrics handle. Held whole only by `main` and `control/`; every other
+//! room takes a narrow host trait this file implements (`serve::host::ServeHost`, `pods::PodsHost`, the replicas'
+//! `SendsHost`, `BudgetsHost`, `SyncHost`).
 
-use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::Duration;
 
-use bytes::Bytes;
-use http_body_util::{BodyExt, Full, Limited};
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use kvgate_shared::hashing::{BlockHash, HashScheme};
-use kvgate_shared::prompt::{Prompter, TokenizerFiles};
 use metrics_exporter_prometheus::PrometheusHandle;
 
 use crate::admission::Admission;
@@ -28,20 +25,16 @@ use crate::routing::{policy_by_name, RingKeys, Weights};
 use crate::serve::host::{ModelTokenizer, ServeHost};
 use crate::serve::learned::LearnedOutputs;
 use crate::serve::tokenize::TokenizePool;
+use crate::tokenizers::{FetchError, Tokenizers};
 
 pub use crate::HttpClient;
-
-/// Longest a tokenizer fetch from a worker may take, body included.
-pub const TOKENIZER_FETCH_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Everything the proxy and the control listener share.
 pub struct GatewayState {
     pub cfg: GatewayConfig,
     registry: Mutex<Registry>,
-    tokenizers: RwLock<HashMap<String, Arc<ModelTokenizer>>>,
-    fetching: Mutex<HashSet<String>>,
-    /// Worker URLs refused for serving a configured model with another tokenizer or block size.
-    refused: Mutex<HashSet<String>>,
+    /// How each model is tokenized and hashed (`tokenizers.rs`).
+    pub tokenizers: Tokenizers,
     /// The routing policy behind the one `route()` (`kvgate_router::route`).
     pub router: Router,
     /// The prefill/decode split policy (`--split-policy`).
@@ -110,22 +103,8 @@ impl GatewayState {
             registry.add_static(w);
         }
         // Models tokenized here (`[[models]]`): their pools' pods that are not kvgate workers are identified at once.
-        let mut tokenizers = HashMap::new();
+        let tokenizers = Tokenizers::configured(&cfg)?;
         for m in &cfg.models {
-            let prompter = Prompter::from_dir(&m.tokenizer)
-                .map_err(|e| format!("model {}: tokenizer {}: {e}", m.name, m.tokenizer.display()))?
-                .with_segment_cache_tokens(cfg.tokenize_cache_tokens);
-            let scheme = HashScheme::new(m.block_size, prompter.digest());
-            scheme.validate().map_err(|e| format!("model {}: {e}", m.name))?;
-            tracing::info!(model = %m.name, kind = ?m.kind, fingerprint = scheme.fingerprint(), "tokenizer loaded from {}", m.tokenizer.display());
-            for (what, off) in
-                [("chat segments", prompter.segment_cache_off()), ("long text", prompter.long_text_off())]
-            {
-                if let Some(why) = off {
-                    tracing::info!(model = %m.name, %why, "{what} of this model are tokenized whole (not cached)");
-                }
-            }
-            tokenizers.insert(m.name.clone(), Arc::new(ModelTokenizer { prompter, scheme }));
             for w in &m.workers {
                 enroll(&mut registry, m, w);
             }
@@ -167,9 +146,7 @@ impl GatewayState {
         Ok(Self {
             cfg,
             registry: Mutex::new(registry),
-            tokenizers: RwLock::new(tokenizers),
-            fetching: Mutex::new(HashSet::new()),
-            refused: Mutex::new(HashSet::new()),
+            tokenizers,
             router: Router::new(policy),
             split,
             admission,
@@ -327,88 +304,33 @@ impl GatewayState {
     }
 
     pub fn tokenizer(&self, model: &str) -> Option<Arc<ModelTokenizer>> {
-        self.tokenizers.read().unwrap_or_else(|e| e.into_inner()).get(model).cloned()
+        self.tokenizers.get(model)
     }
 
-    /// Fetches a worker's tokenizer, learns its id, model and context length, and keeps the tokenizer for that
-    /// model (the first one fetched for a model defines the gateway's fingerprint for it). The whole fetch takes at
-    /// most [`TOKENIZER_FETCH_TIMEOUT`] and `--max-tokenizer-bytes`.
+    /// Fetches a worker's tokenizer (`Tokenizers::fetch`) and identifies the worker in the registry: its id, model
+    /// and context length. A worker refused for its scheme loses its static entry.
     pub async fn fetch_tokenizer(&self, url: &str) -> Result<String, String> {
-        let uri = format!("{}/kvgate/v1/tokenizer", url.trim_end_matches('/'));
-        let mut req = hyper::Request::get(&uri);
-        if let Some(secret) = self.cfg.report_secret.as_deref() {
-            // Workers with --require-gateway-token answer only gateways.
-            req = req
-                .header("authorization", format!("Bearer {}", kvgate_shared::handoff::gateway_token(secret)));
-        }
-        let req = req.body(Full::new(Bytes::new())).map_err(|e| e.to_string())?;
-        let limit = self.cfg.max_tokenizer_bytes;
-        let fetch = async {
-            let resp = self.client.request(req).await.map_err(|e| format!("{uri}: {e}"))?;
-            if !resp.status().is_success() {
-                return Err(format!("{uri}: status {}", resp.status()));
+        match self.tokenizers.fetch(&self.client, &self.cfg, url).await {
+            Ok(d) => {
+                self.registry().identify(url, &d.worker_id, &d.model, d.max_model_len);
+                Ok(d.model)
             }
-            let body = Limited::new(resp.into_body(), limit)
-                .collect()
-                .await
-                .map_err(|e| format!("{uri}: {e} (limit {limit} bytes, --max-tokenizer-bytes)"))?;
-            Ok(body.to_bytes())
-        };
-        let body = tokio::time::timeout(TOKENIZER_FETCH_TIMEOUT, fetch)
-            .await
-            .map_err(|_| format!("{uri}: no tokenizer within {TOKENIZER_FETCH_TIMEOUT:?}"))??;
-        let json: serde_json::Value = serde_json::from_slice(&body).map_err(|e| format!("{uri}: {e}"))?;
-        let model = json["model"].as_str().ok_or_else(|| format!("{uri}: no model"))?.to_owned();
-        let worker_id = json["worker_id"].as_str().unwrap_or(url).to_owned();
-        let max_model_len = json["max_model_len"].as_u64().map_or(0, |v| v.min(u64::from(u32::MAX)) as u32);
-        let scheme: HashScheme =
-            serde_json::from_value(json["scheme"].clone()).map_err(|e| format!("{uri}: scheme: {e}"))?;
-        let files: TokenizerFiles = serde_json::from_value(json).map_err(|e| format!("{uri}: {e}"))?;
-        if let Some(ours) = self.tokenizer(&model).filter(|_| self.cfg.is_configured(&model)) {
-            if ours.scheme != scheme {
-                self.refused.lock().unwrap_or_else(|e| e.into_inner()).insert(url.to_owned());
+            Err(FetchError::Refused(e)) => {
                 self.registry().remove_static(url);
-                return Err(format!(
-                    "{url} refused: it serves {model} with block size {} and tokenizer digest {:016x}, but this \
-                     gateway's [[models]] entry for {model} has block size {} and digest {:016x} (its hashes would \
-                     never match; fix the entry's tokenizer or block-size, or the worker)",
-                    scheme.block_size, scheme.tokenizer_digest, ours.scheme.block_size, ours.scheme.tokenizer_digest
-                ));
+                Err(e)
             }
+            Err(FetchError::Failed(e)) => Err(e),
         }
-        if self.tokenizer(&model).is_none() {
-            let prompter = Prompter::from_files(files)
-                .map_err(|e| format!("{uri}: {e}"))?
-                .with_segment_cache_tokens(self.cfg.tokenize_cache_tokens);
-            if let Some(why) = prompter.segment_cache_off() {
-                tracing::info!(%uri, %why, "chat prompts of this model are tokenized whole (no segment cache)");
-            }
-            if let Some(why) = prompter.long_text_off() {
-                tracing::info!(%uri, %why, "long text of this model is tokenized whole (no cached chunks)");
-            }
-            if prompter.digest() != scheme.tokenizer_digest {
-                return Err(format!("{uri}: tokenizer digest does not match the advertised scheme"));
-            }
-            tracing::info!(%model, fingerprint = scheme.fingerprint(), "tokenizer loaded from {url}");
-            self.tokenizers
-                .write()
-                .unwrap_or_else(|e| e.into_inner())
-                .entry(model.clone())
-                .or_insert_with(|| Arc::new(ModelTokenizer { prompter, scheme }));
-        }
-        self.registry().identify(url, &worker_id, &model, max_model_len);
-        Ok(model)
     }
 
-    /// Whether a worker was refused for a tokenizer or block size that differs from its model's `[[models]]` entry
-    /// (it is not identified, so never routed to; retrying cannot help).
+    /// Whether a worker was refused for a tokenizer or block size that differs from its model's `[[models]]` entry.
     pub fn is_refused(&self, url: &str) -> bool {
-        self.refused.lock().unwrap_or_else(|e| e.into_inner()).contains(url)
+        self.tokenizers.is_refused(url)
     }
 
     /// Starts fetching a worker's tokenizer in the background unless one is under way.
     pub fn fetch_tokenizer_in_background(self: &Arc<Self>, url: String) {
-        if !self.fetching.lock().unwrap_or_else(|e| e.into_inner()).insert(url.clone()) {
+        if !self.tokenizers.begin_fetch(&url) {
             return;
         }
         let state = self.clone();
@@ -416,7 +338,7 @@ impl GatewayState {
             if let Err(e) = state.fetch_tokenizer(&url).await {
                 tracing::warn!(error = %e, "cannot fetch a worker's tokenizer");
             }
-            state.fetching.lock().unwrap_or_else(|e| e.into_inner()).remove(&url);
+            state.tokenizers.end_fetch(&url);
         });
     }
 }
