@@ -1,4 +1,4 @@
-//! Endpoints the gateway passes through to a worker by load (`passthrough.rs`): vLLM's `/tokenize` and
+//! Endpoints the gateway passes through to a worker by load (`serve/endpoints/passthrough.rs`): vLLM's `/tokenize` and
 //! `/detokenize` on real kvgate workers, `GET /v1/models/{id}`, and the same keys and limits as a completion.
 //! (Embeddings against a real llama.cpp server: `drop_in_llama_cpp.rs`.)
 

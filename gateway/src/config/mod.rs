@@ -73,7 +73,7 @@ pub struct GatewayArgs {
     #[arg(long = "advertise-allow", env = "KVGATE_GATEWAY_ADVERTISE_ALLOW", value_delimiter = ',')]
     pub advertise_allow: Option<Vec<String>>,
     /// Forward the client's `Authorization` header to pods that are not kvgate workers (off: it is the client's
-    /// key to this gateway, not to the pods; kvgate workers get the gateway's token instead).
+    /// key to this gateway, not to the pods; with a report secret kvgate workers get the gateway's token instead).
     #[arg(long, env = "KVGATE_GATEWAY_FORWARD_AUTHORIZATION", num_args = 0..=1, default_missing_value = "true", default_value = "false")]
     pub forward_authorization: Option<bool>,
     /// Hand the prompt's token ids to kvgate workers (body field `kvgate_prompt_ids`, authenticated with the

@@ -2,11 +2,12 @@
 //! decision's pick (its send recorded at routing); each fallback's send is recorded through the router
 //! (`Router::record_fallback`) with its own uncached count, which is its first-byte budget and its charge. A split's
 //! decode leg retried on a worker that imports keeps the prefill peer (P's prefix cache holds the prompt by then);
-//! any other fallback serves the request whole, and gives the split's prefill slot back. Each outcome is settled by
-//! `charge.rs`.
+//! any other fallback serves the request whole. Every fallback gives the split's prefill slot back (P has done its
+//! part, or failed). Each outcome is settled by `charge.rs`.
 //!
-//! Invariants: every in-flight slot taken is given back when its attempt ends (`InflightGuard`); the permit is
-//! settled exactly once, or dropped (a full refund) when no worker computed anything.
+//! Invariants: an attempt's in-flight slot is given back when the attempt ends, the prefill slot at the first
+//! fallback or when the walk ends (`InflightGuard`, on every path); the permit is settled exactly once, or dropped
+//! (a full refund) when no worker computed anything.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};

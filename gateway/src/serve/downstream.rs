@@ -3,8 +3,8 @@
 //! decides (an endpoint picker) needs the reading half and never writes a body.
 //!
 //! Invariants: a body is read once, within the limit given; `gone` resolves only when the client closed its
-//! connection (or sent bytes it should not have, which a front end treats the same); a write error means the client
-//! is gone.
+//! connection (or sent bytes it should not have, which a front end treats the same); a body write error means the
+//! client is gone; a head write error says whether the client is gone or the head could not be built.
 
 use std::future::Future;
 
@@ -17,6 +17,15 @@ use crate::errors::ApiError;
 pub struct Head {
     pub status: u16,
     pub headers: Vec<(HeaderName, HeaderValue)>,
+}
+
+/// Why a response head was not sent.
+#[derive(Debug)]
+pub enum HeadError {
+    /// The client is gone.
+    Gone,
+    /// The front end could not build the head (a header it refuses).
+    Invalid(String),
 }
 
 /// The client of one exchange.
@@ -35,8 +44,8 @@ pub trait Downstream: Send {
     /// Resolves when the client goes away.
     fn gone(&mut self) -> impl Future<Output = ()> + Send;
 
-    /// Sends the response head; `Err`: the client is gone.
-    fn write_head(&mut self, head: Head) -> impl Future<Output = Result<(), ()>> + Send;
+    /// Sends the response head.
+    fn write_head(&mut self, head: Head) -> impl Future<Output = Result<(), HeadError>> + Send;
 
     /// Sends body bytes (`end`: the last); `Err`: the client is gone.
     fn write_body(&mut self, data: Option<Bytes>, end: bool) -> impl Future<Output = Result<(), ()>> + Send;
@@ -50,13 +59,13 @@ pub async fn unless_client_leaves<D: Downstream, F: Future>(down: &mut D, fut: F
     }
 }
 
-/// Answers with a JSON body.
-pub async fn write_json<D: Downstream>(down: &mut D, status: u16, body: Bytes) -> Result<(), ()> {
+/// Answers with a JSON body; `Err`: the client is gone, or the head could not be built.
+pub async fn write_json<D: Downstream>(down: &mut D, status: u16, body: Bytes) -> Result<(), HeadError> {
     let text = |v: &'static str| HeaderValue::from_static(v);
     let headers = vec![
         (hyper::header::CONTENT_TYPE, text("application/json")),
         (hyper::header::CONTENT_LENGTH, HeaderValue::from(body.len())),
     ];
     down.write_head(Head { status, headers }).await?;
-    down.write_body(Some(body), true).await
+    down.write_body(Some(body), true).await.map_err(|()| HeadError::Gone)
 }

@@ -1,9 +1,10 @@
 //! One exchange: a proxied request's walk through the gateway, written once for every endpoint it serves. Each
 //! stage is a function from one typed value (`stages.rs`) to the next, with its limit and its error:
 //!
-//! 1. **read** -> [`Incoming`] + body: the body within `--max-body-bytes` (413) and `--request-read-timeout` (408);
-//! 2. **identify**: the caller from its API key (401 with `--require-api-key`), the headers the later stages read
-//!    (a cache salt header that is not text is refused here, as a worker would refuse it);
+//! 1. **read**: the body within `--max-body-bytes` (413) and `--request-read-timeout` (408);
+//! 2. **identify** -> [`Incoming`]: the caller from its API key (401 with `--require-api-key`), the headers the later
+//!    stages read (a cache salt header that is not text is refused here, as a worker would refuse it; explain runs
+//!    this stage too, so it refuses the same);
 //! 3. **prepare** -> [`Prepared`]: the [`Endpoint`]'s own step: completions and chat are parsed, rendered,
 //!    tokenized and hashed on the tokenize pool (routed by prefix); the pass-through endpoints are parsed for their
 //!    model and priced from their size (routed by load);
@@ -16,6 +17,11 @@
 //!    slots back on every path;
 //! 7. **attempts** (`attempts.rs`): the candidates in rank order until one answers (`upstream/`);
 //! 8. **settle** (`charge.rs`): each outcome reconciles the permit with what was computed.
+//!
+//! An endpoint differs in its prepare stage; after it, the stages branch on one thing only, whether the prepared
+//! prompt was tokenized here (`Prepared::prompt`): then it is priced by a dry run, routed by prefix (a split
+//! possible), its sends shared with the other replicas and its answer taught to the registry and the class's
+//! learned output; else it is priced from its size and routed by load.
 //!
 //! A new endpoint is one [`Endpoint`] implementation; a new front end is one `Downstream` (`downstream.rs`) and a
 //! `ServeHost` (`host.rs`), and may stop after **route** (an endpoint picker answers with the pick).
@@ -204,9 +210,11 @@ pub fn route(
             None => host.router().route_by_load(&mut reg, &input, max, Instant::now()),
         }
     };
-    let routed = routed.ok_or_else(|| ApiError::no_worker(&prep.model))?;
     if prep.prompt.is_some() {
         metrics::histogram!("kvgate_gateway_decision_seconds").record(decided_at.elapsed().as_secs_f64());
+    }
+    let routed = routed.ok_or_else(|| ApiError::no_worker(&prep.model))?;
+    if prep.prompt.is_some() {
         count_split(host.as_ref(), &routed);
         if let Some(t) = routed.candidates.first() {
             let tokens = if routed.is_split() { 0 } else { routed.uncached_tokens };

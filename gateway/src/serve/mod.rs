@@ -6,7 +6,8 @@
 //! `upstream` (one attempt: send, refusal, head, body) -> `charge` (each outcome settled by the charging rules).
 //!
 //! The endpoints (`endpoints/`: completions and chat, tokenized by `prepare` on the `tokenize` pool from bodies parsed
-//! within bounds by `request`; the pass-through endpoints) differ only in their prepare stage. `models` answers the
+//! within bounds by `request`; the pass-through endpoints) differ in their prepare stage; after it the stages branch
+//! only on whether the prompt was tokenized here (`exchange.rs`). `models` answers the
 //! GET routes; `meter` reads what a response cost; `spans` records the request's trace; `learned` keeps each class's
 //! output lengths. Everything here reaches the gateway through `host::ServeHost`, never its whole state.
 

@@ -7,7 +7,7 @@ use bytes::Bytes;
 use kvgate_shared::openai::{ModelCard, ModelList};
 
 use crate::errors::{ApiError, GatewayErrors};
-use crate::serve::downstream::{write_json, Downstream};
+use crate::serve::downstream::{write_json, Downstream, HeadError};
 use crate::serve::host::ServeHost;
 use crate::serve::stages::Ctx;
 
@@ -32,7 +32,10 @@ pub async fn answer<D: Downstream>(
         _ => return Err(ApiError::not_found_route(path)),
     };
     ctx.status = 200;
-    write_json(down, 200, Bytes::from(body)).await.map_err(|()| ApiError::internal("the client is gone"))
+    match write_json(down, 200, Bytes::from(body)).await {
+        Ok(()) | Err(HeadError::Gone) => Ok(()),
+        Err(HeadError::Invalid(e)) => Err(ApiError::internal(e)),
+    }
 }
 
 fn to_json<T: serde::Serialize>(v: &T) -> Result<String, ApiError> {

@@ -4,7 +4,9 @@
 //! (`--prompt-handoff`).
 //!
 //! Invariants: a pod that is not a kvgate worker never gets the gateway's token or assertion, and gets the client's
-//! `authorization` only with `--forward-authorization`; a kvgate worker never gets the client's `authorization`;
+//! `authorization` only with `--forward-authorization`; with a report secret, a kvgate worker never gets the
+//! client's `authorization` (it gets the gateway's token; without a secret, which needs `--insecure-reports`, it is
+//! sent what any pod is);
 //! the salt header is dropped when a tenant's salt replaced it in the body; a data-parallel rank header is only ever
 //! the gateway's (`upstream/send.rs`).
 

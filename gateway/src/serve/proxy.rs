@@ -20,7 +20,7 @@ use pingora::prelude::*;
 use pingora::proxy::{ProxyHttp, Session};
 
 use crate::errors::ApiError;
-use crate::serve::downstream::{Downstream, Head};
+use crate::serve::downstream::{Downstream, Head, HeadError};
 use crate::serve::endpoints::completions::Completions;
 use crate::serve::endpoints::passthrough::{self, PassThrough};
 use crate::serve::exchange;
@@ -136,12 +136,13 @@ impl Downstream for PingoraDownstream<'_> {
         let _ = self.0.read_body_or_idle(true).await;
     }
 
-    async fn write_head(&mut self, head: Head) -> Result<(), ()> {
-        let mut h = ResponseHeader::build(head.status, Some(head.headers.len())).map_err(|_| ())?;
+    async fn write_head(&mut self, head: Head) -> Result<(), HeadError> {
+        let invalid = |e: Box<pingora::Error>| HeadError::Invalid(e.to_string());
+        let mut h = ResponseHeader::build(head.status, Some(head.headers.len())).map_err(invalid)?;
         for (name, value) in head.headers {
-            h.append_header(name, value).map_err(|_| ())?;
+            h.append_header(name, value).map_err(invalid)?;
         }
-        self.0.write_response_header(Box::new(h), false).await.map_err(|_| ())
+        self.0.write_response_header(Box::new(h), false).await.map_err(|_| HeadError::Gone)
     }
 
     async fn write_body(&mut self, data: Option<Bytes>, end: bool) -> Result<(), ()> {

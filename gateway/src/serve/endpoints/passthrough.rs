@@ -2,8 +2,8 @@
 //! score, tokenize, detokenize), passed through to a healthy worker of the body's model, so a client of a vLLM,
 //! SGLang or llama.cpp pool loses nothing by pointing at the gateway.
 //!
-//! Such a request walks the same exchange as a completion (`exchange.rs`) except for its prepare stage (this
-//! file): the body limit and read timeout, the caller's API key, its tenant's salt (a keyed caller's `cache_salt` is
+//! Such a request walks the same exchange as a completion (`exchange.rs`); its prepare stage is this file, and
+//! the later stages treat it as a prompt not tokenized here: the body limit and read timeout, the caller's API key, its tenant's salt (a keyed caller's `cache_salt` is
 //! replaced like a completion's, and a client may not send a tenant salt's form), its class and budget, the
 //! first-byte and idle timeouts, fallbacks on a refusal or a connection failure, the charging rules (`charge.rs`),
 //! and the request metrics (`route="load"`, `"fallback"` for a fallback, plus
@@ -13,7 +13,8 @@
 //!   following);
 //! - the price is an estimate: `body bytes / BYTES_PER_TOKEN` prompt tokens plus `max_output_tokens` (or the
 //!   class's expected output) for `/v1/responses`, settled by the response's `usage` when it has one
-//!   (`prompt_tokens` / `input_tokens`, `completion_tokens` / `output_tokens`), else charged as priced;
+//!   (`prompt_tokens` / `input_tokens`, `completion_tokens` / `output_tokens`), else by the charging rules of
+//!   `charge.rs` (a completed answer: as priced);
 //! - a body without `model` goes to the only model served, or is refused (400, param `model`) when there are
 //!   several.
 //!
@@ -158,7 +159,8 @@ fn read(
         stream: f.stream.unwrap_or(false),
         prompt_tokens: body.len() as u64 / BYTES_PER_TOKEN,
         reasoning: false,
-        max_output: f.max_output_tokens.filter(|_| generates),
+        // 0 names no limit (the class's expected output prices it), as before the one exchange.
+        max_output: f.max_output_tokens.filter(|n| generates && *n > 0),
         generates,
         max_model_len,
         strip_usage: false,

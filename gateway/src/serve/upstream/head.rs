@@ -28,7 +28,8 @@ pub(super) fn is_sse(parts: &Parts) -> bool {
         .is_some_and(|v| v.starts_with("text/event-stream"))
 }
 
-pub(super) fn response_head(parts: &Parts, a: &Attempt<'_>) -> Head {
+/// `Err`: a gateway header's value is not a valid header value (a worker id or class name with control characters).
+pub(super) fn response_head(parts: &Parts, a: &Attempt<'_>) -> Result<Head, String> {
     let mut headers = Vec::with_capacity(parts.headers.len() + 4);
     for (name, value) in &parts.headers {
         if !DROPPED.contains(&name.as_str()) {
@@ -42,9 +43,8 @@ pub(super) fn response_head(parts: &Parts, a: &Attempt<'_>) -> Head {
         ("x-kvgate-admission-wait-ms", format!("{:.3}", a.admission_wait.as_secs_f64() * 1e3)),
     ];
     for (k, v) in extra {
-        if let Ok(v) = HeaderValue::from_str(&v) {
-            headers.push((HeaderName::from_static(k), v));
-        }
+        let v = HeaderValue::from_str(&v).map_err(|e| format!("{k}: {e}"))?;
+        headers.push((HeaderName::from_static(k), v));
     }
-    Head { status: parts.status.as_u16(), headers }
+    Ok(Head { status: parts.status.as_u16(), headers })
 }

@@ -28,7 +28,7 @@ use kvgate_shared::trace::Tracer;
 
 use crate::errors::ApiError;
 use crate::routing::RouteReason;
-use crate::serve::downstream::Downstream;
+use crate::serve::downstream::{Downstream, HeadError};
 pub use crate::serve::meter::UsageSeen;
 use crate::serve::spans::AttemptTrace;
 use crate::serve::stages::Header;
@@ -146,8 +146,14 @@ pub async fn forward<D: Downstream>(
     };
     let status = parts.status.as_u16();
     let sse = head::is_sse(&parts);
-    if down.write_head(head::response_head(&parts, a)).await.is_err() {
-        return Outcome::ClientGone;
+    let head = match head::response_head(&parts, a) {
+        Ok(h) => h,
+        Err(e) => return Outcome::Failed(ApiError::internal(e)),
+    };
+    match down.write_head(head).await {
+        Ok(()) => {}
+        Err(HeadError::Gone) => return Outcome::ClientGone,
+        Err(HeadError::Invalid(e)) => return Outcome::Failed(ApiError::internal(e)),
     }
     // From here on bytes reached the client: no retry.
     match early {
