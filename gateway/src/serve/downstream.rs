@@ -1,6 +1,7 @@
-//! The client's side of an exchange, as the stages see it: its headers, its body, whether it is still there, and
-//! where the answer goes. The pingora listener adapts its session to this (`proxy.rs`); a front end that only
-//! decides (an endpoint picker) needs the reading half and never writes a body.
+//! The client's side of an exchange, as the stages see it: [`Client`] (its headers, its body, whether it is still
+//! there: all the stages up to route need) and [`Downstream`] (where the answer goes: the attempts). The pingora
+//! listener adapts its session to both (`proxy.rs`); a front end that only decides (an endpoint picker, which answers
+//! with the pick) implements [`Client`] alone.
 //!
 //! Invariants: a body is read once, within the limit given; `gone` resolves only when the client closed its
 //! connection (or sent bytes it should not have, which a front end treats the same); a body write error means the
@@ -28,8 +29,8 @@ pub enum HeadError {
     Invalid(String),
 }
 
-/// The client of one exchange.
-pub trait Downstream: Send {
+/// The client of one exchange, as the stages up to route read it.
+pub trait Client: Send {
     /// A request header's value.
     fn header(&self, name: &str) -> Option<&HeaderValue>;
 
@@ -43,7 +44,10 @@ pub trait Downstream: Send {
 
     /// Resolves when the client goes away.
     fn gone(&mut self) -> impl Future<Output = ()> + Send;
+}
 
+/// A client the gateway answers itself (it forwards the request and streams the answer back).
+pub trait Downstream: Client {
     /// Sends the response head.
     fn write_head(&mut self, head: Head) -> impl Future<Output = Result<(), HeadError>> + Send;
 
@@ -52,7 +56,7 @@ pub trait Downstream: Send {
 }
 
 /// Runs `fut` unless the client goes away first (`None` then).
-pub async fn unless_client_leaves<D: Downstream, F: Future>(down: &mut D, fut: F) -> Option<F::Output> {
+pub async fn unless_client_leaves<C: Client, F: Future>(down: &mut C, fut: F) -> Option<F::Output> {
     tokio::select! {
         out = fut => Some(out),
         _ = down.gone() => None,

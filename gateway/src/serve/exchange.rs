@@ -23,8 +23,9 @@
 //! possible), its sends shared with the other replicas and its answer taught to the registry and the class's
 //! learned output; else it is priced from its size and routed by load.
 //!
-//! A new endpoint is one [`Endpoint`] implementation; a new front end is one `Downstream` (`downstream.rs`) and a
-//! `ServeHost` (`host.rs`), and may stop after **route** (an endpoint picker answers with the pick).
+//! A new endpoint is one [`Endpoint`] implementation; a new front end is one `Client` (`downstream.rs`) and a
+//! `ServeHost` (`host.rs`), and may stop after **route** (an endpoint picker answers with the pick); one that
+//! forwards is a `Downstream` and runs the attempts too (`serve`).
 
 use std::future::Future;
 use std::sync::Arc;
@@ -41,7 +42,7 @@ use crate::control::keys::Caller;
 use crate::errors::{ApiError, GatewayErrors};
 use crate::routing::RouteReason;
 use crate::serve::attempts::Walk;
-use crate::serve::downstream::{unless_client_leaves, Downstream};
+use crate::serve::downstream::{unless_client_leaves, Client, Downstream};
 use crate::serve::host::{InflightGuard, ServeHost};
 use crate::serve::outbound::FORWARDABLE;
 use crate::serve::prepare::{CACHE_SALT_HEADER, SESSION_HEADER};
@@ -96,9 +97,9 @@ pub fn identify<'h>(
 }
 
 /// Stages 1 and 2.
-pub async fn read<D: Downstream>(
+pub async fn read<C: Client>(
     host: &dyn ServeHost,
-    down: &mut D,
+    down: &mut C,
     path: &str,
 ) -> Result<(Incoming, Bytes), ApiError> {
     let cfg = host.cfg();
@@ -180,9 +181,9 @@ pub fn price<'s>(
 }
 
 /// Stage 5: `None` when the client left while waiting.
-pub async fn admit<'s, D: Downstream>(
+pub async fn admit<'s, C: Client>(
     host: &dyn ServeHost,
-    down: &mut D,
+    down: &mut C,
     caller: &Caller,
     priced: Priced<'s>,
 ) -> Result<Option<Admitted<'s>>, ApiError> {

@@ -20,7 +20,7 @@ use pingora::prelude::*;
 use pingora::proxy::{ProxyHttp, Session};
 
 use crate::errors::ApiError;
-use crate::serve::downstream::{Downstream, Head, HeadError};
+use crate::serve::downstream::{Client, Downstream, Head, HeadError};
 use crate::serve::endpoints::completions::Completions;
 use crate::serve::endpoints::passthrough::{self, PassThrough};
 use crate::serve::exchange;
@@ -103,7 +103,7 @@ async fn write_error(session: &mut Session, e: &ApiError) -> Result<()> {
 /// Pingora's session as the exchange's client.
 struct PingoraDownstream<'s>(&'s mut Session);
 
-impl Downstream for PingoraDownstream<'_> {
+impl Client for PingoraDownstream<'_> {
     fn header(&self, name: &str) -> Option<&HeaderValue> {
         self.0.req_header().headers.get(name)
     }
@@ -135,7 +135,9 @@ impl Downstream for PingoraDownstream<'_> {
     async fn gone(&mut self) {
         let _ = self.0.read_body_or_idle(true).await;
     }
+}
 
+impl Downstream for PingoraDownstream<'_> {
     async fn write_head(&mut self, head: Head) -> Result<(), HeadError> {
         let invalid = |e: Box<pingora::Error>| HeadError::Invalid(e.to_string());
         let mut h = ResponseHeader::build(head.status, Some(head.headers.len())).map_err(invalid)?;
