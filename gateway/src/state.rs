@@ -323,6 +323,18 @@ impl GatewayState {
         }
     }
 
+    /// (healthy workers, healthy workers whose model's tokenizer is loaded here): the gateway is ready when the
+    /// second is not 0 (`GET /ready`).
+    pub fn readiness(&self) -> (usize, usize) {
+        let statuses = self.registry().status(std::time::Instant::now());
+        let healthy = statuses.iter().filter(|w| w.healthy).count();
+        let serving = statuses
+            .iter()
+            .filter(|w| w.healthy && w.model.as_deref().is_some_and(|m| self.tokenizer(m).is_some()))
+            .count();
+        (healthy, serving)
+    }
+
     /// Whether a worker was refused for a tokenizer or block size that differs from its model's `[[models]]` entry.
     pub fn is_refused(&self, url: &str) -> bool {
         self.tokenizers.is_refused(url)
@@ -442,6 +454,9 @@ impl ServeHost for GatewayState {
     }
     fn tokenizer(&self, model: &str) -> Option<Arc<ModelTokenizer>> {
         GatewayState::tokenizer(self, model)
+    }
+    fn warming_up(&self) -> bool {
+        self.tokenizers.fetching_any() || self.readiness().1 == 0
     }
     fn ring_keys(&self) -> MutexGuard<'_, RingKeys> {
         GatewayState::ring_keys(self)

@@ -88,6 +88,11 @@ impl Tokenizers {
         self.fetching.lock().unwrap_or_else(|e| e.into_inner()).insert(url.to_owned())
     }
 
+    /// Whether any fetch is under way.
+    pub fn fetching_any(&self) -> bool {
+        !self.fetching.lock().unwrap_or_else(|e| e.into_inner()).is_empty()
+    }
+
     /// Marks the fetch from `url` over.
     pub fn end_fetch(&self, url: &str) {
         self.fetching.lock().unwrap_or_else(|e| e.into_inner()).remove(url);

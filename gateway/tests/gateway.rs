@@ -157,6 +157,27 @@ async fn streaming_passes_through_chunk_by_chunk() {
     assert!(text.contains("\"completion_tokens\":150"));
 }
 
+/// Found by the chaos run (issue #45): a replica restarted under load answered 404 `model_not_found` until it had
+/// heard from a worker. Until the gateway is ready it cannot know that a model does not exist: 503, retry.
+#[tokio::test]
+async fn a_gateway_that_has_heard_from_no_worker_yet_answers_retry_not_unknown_model() {
+    let (g, control) = gateway(&[]);
+    assert_eq!(get(&format!("{control}/ready")).await.status, 503);
+    let chat = json!({"model": MODEL, "messages": [{"role": "user", "content": "hi"}]});
+    for (path, body) in
+        [("/v1/chat/completions", chat), ("/v1/embeddings", json!({"model": MODEL, "input": "hi"}))]
+    {
+        let r = post(&format!("{}{path}", g.base), &body, &[]).await;
+        assert_eq!(
+            (r.status, r.json()["error"]["code"].clone()),
+            (503, json!("no_healthy_worker")),
+            "{path}: {}",
+            r.body
+        );
+        assert!(!r.header("retry-after").is_empty(), "{path}: a retry is what helps");
+    }
+}
+
 #[tokio::test]
 async fn error_cases_are_openai_errors() {
     let mut f = fleet(1, &["--max-body-bytes", "4096"]).await;

@@ -8,6 +8,7 @@
 //! - [`sim`]: `simulate`: the virtual-time fleet over the real routing, scheduler and prefix-cache code;
 //! - [`stats`]: percentiles for the reports.
 
+pub mod chaos;
 pub mod client;
 pub mod commands;
 pub mod ending;

@@ -39,6 +39,28 @@ enum Command {
     GenTrace(GenTraceArgs),
     /// The tuning protocol: choose a policy's parameters on the tune set of traces, judge them on the test set.
     Tune(TuneArgs),
+    /// The whole system (two gateway replicas, Redis, four workers, three tenants) under load and a seeded schedule
+    /// of faults, checked against its invariants; exits 1 on a violation.
+    Chaos(ChaosArgs),
+}
+
+#[derive(Args)]
+struct ChaosArgs {
+    /// How long the clients run.
+    #[arg(long, default_value = "180s", value_parser = kvgate_shared::duration::parse_duration)]
+    duration: std::time::Duration,
+    /// Seeds the fault schedule and the clients.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// Client loops per tenant.
+    #[arg(long, default_value_t = 2)]
+    concurrency: usize,
+    /// The simulated workers' timing profile.
+    #[arg(long, default_value = "gpu-h100-llama3-8b")]
+    profile: String,
+    /// Where the logs, outcomes.jsonl, faults.json and summary.json go.
+    #[arg(long, default_value = "target/chaos")]
+    out: PathBuf,
 }
 
 #[derive(Args)]
@@ -223,6 +245,46 @@ struct SimulateArgs {
     markdown: bool,
 }
 
+async fn chaos(a: ChaosArgs) -> Result<(), String> {
+    let spec = kvgate_loadtest::chaos::run::ChaosSpec {
+        seed: a.seed,
+        duration: a.duration,
+        dir: a.out.clone(),
+        bin_dir: kvgate_loadtest::fleet::default_bin_dir(),
+        concurrency: a.concurrency,
+        profile: a.profile,
+    };
+    let s = kvgate_loadtest::chaos::run::run(&spec).await?;
+    println!("{} requests, {} faults; errors by code: {:?}", s.requests, s.faults.len(), s.errors_by_code);
+    println!(
+        "TTFT p50 / p99 ms: outside faults {:.1} / {:.1}, inside {:.1} / {:.1}",
+        s.ttft_p50_ms_quiet, s.ttft_p99_ms_quiet, s.ttft_p50_ms_faults, s.ttft_p99_ms_faults
+    );
+    for r in &s.resources {
+        println!("{r}");
+    }
+    for r in &s.recoveries {
+        let after = r.recovered_after_s.map_or("not within the run".into(), |a| format!("{a:.1} s"));
+        println!(
+            "{} on {}: {:.1} turns/s and hit {:.2} before; back at rate after {after} (hit {:.2})",
+            r.fault.kind.as_str(),
+            r.fault.target,
+            r.rate_before,
+            r.hit_before,
+            r.hit_after.unwrap_or(0.0)
+        );
+    }
+    println!("isolation: {} first sends of shared documents checked", s.isolation_checked);
+    for v in &s.violations {
+        println!("VIOLATION {}: request {}: {} (fault: {:?})", v.invariant, v.request, v.detail, v.fault);
+    }
+    println!("summary: {}", a.out.join("summary.json").display());
+    match s.violations.len() {
+        0 => Ok(()),
+        n => Err(format!("{n} invariant violations")),
+    }
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
@@ -234,6 +296,7 @@ fn main() -> ExitCode {
         Command::Compare(a) => block_on(async { commands::compare(a).await.map(|_| ()) }),
         Command::Up(a) => block_on(commands::up(a)),
         Command::Demo(a) => block_on(commands::demo(a)),
+        Command::Chaos(a) => block_on(chaos(a)),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -235,12 +235,7 @@ async fn workers(State(state): State<Arc<GatewayState>>) -> Response {
 /// else 503, so an orchestrator sends no traffic to a gateway that could only answer "no worker" or "unknown
 /// model".
 async fn ready(State(state): State<Arc<GatewayState>>) -> Response {
-    let statuses = state.registry().status(Instant::now());
-    let healthy = statuses.iter().filter(|w| w.healthy).count();
-    let serving = statuses
-        .iter()
-        .filter(|w| w.healthy && w.model.as_deref().is_some_and(|m| state.tokenizer(m).is_some()))
-        .count();
+    let (healthy, serving) = state.readiness();
     let status = match (healthy, serving) {
         (0, _) => "no healthy worker",
         (_, 0) => "no tokenizer loaded yet",

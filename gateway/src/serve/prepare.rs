@@ -108,7 +108,7 @@ pub fn prepare(
 ) -> Result<PreparedRequest, ApiError> {
     let (fields, prompt) = parse(chat, &body, host.cfg().max_chat_json_values)?;
     let Some(tok) = host.tokenizer(&fields.model) else {
-        return Err(ApiError::model_not_found(&fields.model));
+        return Err(unknown_model(host, &fields.model));
     };
     let tokenized = !matches!(prompt, PromptBody::TokenIds(_));
     let client = RequestPrompt {
@@ -184,6 +184,16 @@ pub fn prepare(
         max_model_len,
         tokenized,
     })
+}
+
+/// A model this gateway has no tokenizer for: 404 `model_not_found`, or, while the gateway may not know every model
+/// yet (`ServeHost::warming_up`: just started, or a worker's tokenizer on its way), 503 `no_healthy_worker`, which
+/// a client retries (a replica restarted under load answered 404 for its first second, found by the chaos run).
+pub fn unknown_model(host: &dyn ServeHost, model: &str) -> ApiError {
+    match host.warming_up() {
+        true => ApiError::no_worker(model),
+        false => ApiError::model_not_found(model),
+    }
 }
 
 /// Refuses what the worker would refuse for its length, before anything is charged: `max_tokens` over the context

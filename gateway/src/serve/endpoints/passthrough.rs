@@ -28,10 +28,10 @@ use kvgate_shared::handoff::TENANT_SALT_PREFIX;
 use serde::Deserialize;
 
 use crate::control::keys::Caller;
-use crate::errors::{ApiError, GatewayErrors};
+use crate::errors::ApiError;
 use crate::serve::exchange::Endpoint;
 use crate::serve::host::ServeHost;
-use crate::serve::prepare::salt_for;
+use crate::serve::prepare::{salt_for, unknown_model};
 use crate::serve::request::set_members;
 use crate::serve::stages::{Incoming, Prepared};
 
@@ -87,7 +87,7 @@ fn model_of(host: &dyn ServeHost, named: Option<String>) -> Result<String, ApiEr
     let served = host.registry().models(Instant::now());
     match named {
         Some(m) if served.contains(&m) || host.cfg().is_configured(&m) => Ok(m),
-        Some(m) => Err(ApiError::model_not_found(&m)),
+        Some(m) => Err(unknown_model(host, &m)),
         None => match served.as_slice() {
             [only] => Ok(only.clone()),
             _ => Err(ApiError::invalid("model", "model is required (this gateway serves several, or none)")),

@@ -1,0 +1,341 @@
+//! The chaos run's clients: per tenant, conversations whose turns grow (so a worker's prefix cache matters), every
+//! prompt opening with the tenant's own words (so a cache hit across tenants would show), sent alternately to the
+//! gateway replicas with the tenant's key; some streams abandoned after their first chunk, some pass-through calls;
+//! and the clients of two faults: slow readers, and a tenant's burst over its class budget. Each request ends as one
+//! [`Outcome`], also when the connection fails or the client gives up.
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+use kvgate_shared::prompt::SplitMix64;
+use serde_json::{json, Value};
+
+use super::deploy::{tenant_key, BURST_CLASS};
+use super::ledger::{Outcome, RequestKind};
+
+type Http = Client<hyper_util::client::legacy::connect::HttpConnector, Full<Bytes>>;
+
+/// What came back: status, error code, time to the first token, usage.
+type Answer = (u16, Option<String>, Option<f64>, Option<Value>);
+
+/// What every client shares: where to send, the run's clock, the ledger.
+#[derive(Clone)]
+pub struct Drive {
+    pub gateways: Arc<Vec<String>>,
+    pub model: String,
+    pub started: Instant,
+    /// A client gives up on a request after this (it is recorded as `client_timeout`).
+    pub give_up: Duration,
+    pub ledger: Arc<Mutex<Vec<Outcome>>>,
+    next_id: Arc<std::sync::atomic::AtomicU64>,
+    http: Http,
+}
+
+/// How a request is read.
+#[derive(Clone, Copy, PartialEq)]
+enum Read {
+    Whole,
+    FirstChunk,
+    Slowly,
+}
+
+impl Drive {
+    pub fn new(gateways: Vec<String>, model: &str, give_up: Duration) -> Self {
+        Self {
+            gateways: Arc::new(gateways),
+            model: model.into(),
+            started: Instant::now(),
+            give_up,
+            ledger: Arc::new(Mutex::new(Vec::new())),
+            next_id: Arc::new(std::sync::atomic::AtomicU64::new(1)),
+            http: Client::builder(TokioExecutor::new())
+                .pool_idle_timeout(Duration::from_secs(5))
+                .build_http(),
+        }
+    }
+
+    fn now_s(&self) -> f64 {
+        self.started.elapsed().as_secs_f64()
+    }
+
+    /// One request; its outcome goes to the ledger (and comes back, to be amended before it does: `first_shared`).
+    async fn send(
+        &self,
+        tenant: usize,
+        replica: usize,
+        kind: RequestKind,
+        path: &str,
+        body: Value,
+        class: Option<&str>,
+    ) -> Outcome {
+        let id = self.next_id.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let start_s = self.now_s();
+        let read = match kind {
+            RequestKind::Abandoned => Read::FirstChunk,
+            RequestKind::Slow => Read::Slowly,
+            _ => Read::Whole,
+        };
+        let limit = if read == Read::Slowly { self.give_up * 4 } else { self.give_up };
+        let url = format!("{}{path}", self.gateways[replica]);
+        let r = tokio::time::timeout(limit, self.exchange(&url, tenant, body, class, read, start_s)).await;
+        self.record(id, tenant, replica, kind, start_s, r.ok(), false)
+    }
+
+    /// Records an outcome.
+    #[allow(clippy::too_many_arguments)]
+    fn record(
+        &self,
+        id: u64,
+        tenant: usize,
+        replica: usize,
+        kind: RequestKind,
+        start_s: f64,
+        r: Option<Answer>,
+        first_shared: bool,
+    ) -> Outcome {
+        let (status, code, ttft_s, usage) = r.unwrap_or((0, Some("client_timeout".into()), None, None));
+        let outcome = Outcome {
+            id,
+            tenant,
+            replica,
+            kind,
+            start_s,
+            end_s: self.now_s(),
+            status,
+            code,
+            ttft_s,
+            cached_tokens: usage.as_ref().and_then(|u| u["prompt_tokens_details"]["cached_tokens"].as_u64()),
+            prompt_tokens: usage.as_ref().and_then(|u| u["prompt_tokens"].as_u64()),
+            first_shared,
+        };
+        self.ledger.lock().unwrap_or_else(|e| e.into_inner()).push(outcome.clone());
+        outcome
+    }
+
+    /// A shared document's send (`first`: this tenant's first of it).
+    async fn send_shared(&self, tenant: usize, replica: usize, body: Value, first: bool) {
+        let id = self.next_id.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let start_s = self.now_s();
+        let url = format!("{}/v1/chat/completions", self.gateways[replica]);
+        let r =
+            tokio::time::timeout(self.give_up, self.exchange(&url, tenant, body, None, Read::Whole, start_s))
+                .await;
+        self.record(id, tenant, replica, RequestKind::Shared, start_s, r.ok(), first);
+    }
+
+    /// (status, error code, time to the first token, usage).
+    async fn exchange(
+        &self,
+        url: &str,
+        tenant: usize,
+        body: Value,
+        class: Option<&str>,
+        read: Read,
+        start_s: f64,
+    ) -> Answer {
+        let mut req = hyper::Request::post(url)
+            .header("content-type", "application/json")
+            .header("authorization", format!("Bearer {}", tenant_key(tenant)));
+        if let Some(c) = class {
+            req = req.header("x-kvgate-class", c);
+        }
+        let Ok(req) = req.body(Full::new(Bytes::from(body.to_string()))) else {
+            return (0, Some("client_error".into()), None, None);
+        };
+        let resp = match self.http.request(req).await {
+            Ok(r) => r,
+            Err(_) => return (0, Some("connection_failed".into()), None, None),
+        };
+        let status = resp.status().as_u16();
+        let mut body = resp.into_body();
+        let mut text = Vec::new();
+        let mut ttft = None;
+        loop {
+            match body.frame().await {
+                None => break,
+                Some(Err(_)) => {
+                    // The gateway cut the stream: what came so far says why, else it is an upstream failure.
+                    break;
+                }
+                Some(Ok(f)) => {
+                    if let Ok(d) = f.into_data() {
+                        if ttft.is_none() && d.windows(8).any(|w| w == b"\"delta\":") {
+                            ttft = Some(self.now_s() - start_s);
+                        }
+                        text.extend_from_slice(&d);
+                    }
+                    match read {
+                        Read::FirstChunk => return (status, None, ttft, None),
+                        Read::Slowly => tokio::time::sleep(Duration::from_secs(1)).await,
+                        Read::Whole => {}
+                    }
+                }
+            }
+        }
+        let (mut code, usage) = read_body(&text, status);
+        // A stream that ended without its `[DONE]` and without an error event was cut (a replica or the connection
+        // died under it).
+        let stream = String::from_utf8_lossy(&text).contains("data: ");
+        if code.is_none()
+            && stream
+            && (200..300).contains(&status)
+            && !text.windows(12).any(|w| w == b"data: [DONE]")
+        {
+            code = Some("stream_cut".into());
+        }
+        (status, code, ttft, usage)
+    }
+}
+
+/// An answer's error code (a JSON error body, or an SSE error event) and its usage.
+fn read_body(text: &[u8], status: u16) -> (Option<String>, Option<Value>) {
+    let text = String::from_utf8_lossy(text);
+    let mut code = None;
+    let mut usage = None;
+    let mut values: Vec<Value> = Vec::new();
+    if let Ok(v) = serde_json::from_str::<Value>(&text) {
+        values.push(v);
+    } else {
+        values.extend(
+            text.split("\n\n")
+                .filter_map(|e| e.trim().strip_prefix("data: "))
+                .filter(|d| *d != "[DONE]")
+                .filter_map(|d| serde_json::from_str(d).ok()),
+        );
+    }
+    for v in values {
+        if let Some(c) = v["error"]["code"].as_str() {
+            code = Some(c.to_owned());
+        }
+        if v["usage"].is_object() {
+            usage = Some(v["usage"].clone());
+        }
+    }
+    if code.is_none() && !(200..300).contains(&status) {
+        code = Some(format!("status_{status}"));
+    }
+    (code, usage)
+}
+
+/// A tenant's conversation loop until `until` (seconds of the run): each turn adds to the conversation, one in
+/// ten is abandoned after its first chunk, one in ten is a pass-through `/tokenize`; a conversation ends after a few
+/// turns and a new one begins.
+pub async fn tenant_loop(d: Drive, tenant: usize, slot: usize, seed: u64, until: f64) {
+    let mut rng = SplitMix64::new(seed ^ ((tenant as u64) << 32) ^ slot as u64);
+    let mut conversation = 0u64;
+    let mut turn = 0;
+    let mut messages: Vec<Value> = Vec::new();
+    let mut n = 0usize;
+    while d.now_s() < until {
+        if turn == 0 || turn > 4 + rng.below(4) as usize {
+            conversation += 1;
+            turn = 0;
+            // The tenant's own words open every prompt: another tenant's cache can never hold them.
+            let system = format!(
+                "You are the assistant of tenant t{tenant}, conversation {slot}-{conversation}. {}",
+                words(&mut rng, 120)
+            );
+            messages = vec![json!({"role": "system", "content": system})];
+        }
+        turn += 1;
+        n += 1;
+        let replica = n % d.gateways.len();
+        if slot == 0 && n.is_multiple_of(8) {
+            // A document every tenant sends word for word; this loop is the tenant's only sender of them, so its
+            // first send of each finds nothing of its own cached.
+            let k = (n / 8) % SHARED_DOCS;
+            d.send_shared(tenant, replica, shared_doc(&d.model, k), n / 8 < SHARED_DOCS).await;
+            continue;
+        }
+        let roll = rng.below(10);
+        if roll == 0 {
+            let body = json!({"model": d.model, "prompt": words(&mut rng, 24)});
+            d.send(tenant, replica, RequestKind::PassThrough, "/tokenize", body, None).await;
+            continue;
+        }
+        messages.push(json!({"role": "user", "content": words(&mut rng, 30)}));
+        let body = json!({"model": d.model, "messages": messages, "max_tokens": 8 + rng.below(24),
+            "stream": true, "stream_options": {"include_usage": true}});
+        let kind = if roll == 1 { RequestKind::Abandoned } else { RequestKind::Chat };
+        d.send(tenant, replica, kind, "/v1/chat/completions", body, None).await;
+        messages.push(json!({"role": "assistant", "content": words(&mut rng, 12)}));
+    }
+}
+
+/// A slow reader: one stream read a chunk a second, again until `until`.
+pub async fn slow_loop(d: Drive, tenant: usize, seed: u64, until: f64) {
+    let mut rng = SplitMix64::new(seed ^ 0x736c_6f77);
+    let mut n = 0;
+    while d.now_s() < until {
+        n += 1;
+        let body = json!({"model": d.model, "messages": [{"role": "user", "content": words(&mut rng, 40)}],
+            "max_tokens": 64, "stream": true});
+        d.send(tenant, n % d.gateways.len(), RequestKind::Slow, "/v1/chat/completions", body, None).await;
+    }
+}
+
+/// A tenant's burst over its class budget (`x-kvgate-class: burst`) until `until`.
+pub async fn burst_loop(d: Drive, tenant: usize, seed: u64, until: f64) {
+    let mut rng = SplitMix64::new(seed ^ 0x6275_7273);
+    let mut n = 0;
+    while d.now_s() < until {
+        n += 1;
+        let body = json!({"model": d.model, "messages": [{"role": "user", "content": words(&mut rng, 80)}],
+            "max_tokens": 32});
+        d.send(
+            tenant,
+            n % d.gateways.len(),
+            RequestKind::Burst,
+            "/v1/chat/completions",
+            body,
+            Some(BURST_CLASS),
+        )
+        .await;
+    }
+}
+
+/// How many shared documents there are (each sent again after the first round: the tenant's own cache hits).
+const SHARED_DOCS: usize = 4;
+
+/// Shared document `k`: the same words for every tenant, its first block its own (`document k` opens it).
+fn shared_doc(model: &str, k: usize) -> Value {
+    let mut rng = SplitMix64::new(0x646f_6373 + k as u64);
+    let text = format!("document {k} of the shared library: {}", words(&mut rng, 200));
+    json!({"model": model, "messages": [{"role": "user", "content": text}], "max_tokens": 4,
+        "stream": true, "stream_options": {"include_usage": true}})
+}
+
+/// `n` words from a small vocabulary.
+fn words(rng: &mut SplitMix64, n: usize) -> String {
+    const W: [&str; 16] = [
+        "cache", "prefix", "token", "block", "worker", "gateway", "route", "budget", "tenant", "stream",
+        "model", "layer", "tier", "decode", "prefill", "share",
+    ];
+    (0..n).map(|_| W[rng.below(W.len() as u64) as usize]).collect::<Vec<_>>().join(" ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_answer_says_its_error_and_usage() {
+        let sse = b"data: {\"choices\":[{\"delta\":{\"content\":\"a\"}}]}\n\ndata: {\"error\":{\"code\":\"upstream_error\"}}\n\n";
+        assert_eq!(read_body(sse, 200).0.as_deref(), Some("upstream_error"));
+        let done = b"data: {\"choices\":[]}\n\ndata: {\"usage\":{\"prompt_tokens\":9,\"prompt_tokens_details\":{\"cached_tokens\":4}}}\n\ndata: [DONE]\n\n";
+        let (code, usage) = read_body(done, 200);
+        assert_eq!(
+            (code, usage.map(|u| u["prompt_tokens_details"]["cached_tokens"].clone())),
+            (None, Some(json!(4)))
+        );
+        assert_eq!(
+            read_body(br#"{"error":{"code":"class_budget_exceeded"}}"#, 429).0.as_deref(),
+            Some("class_budget_exceeded")
+        );
+        assert_eq!(read_body(b"<html>", 502).0.as_deref(), Some("status_502"));
+    }
+}

@@ -1,0 +1,349 @@
+//! A chaos run: start the deployment (`deploy.rs`), measure the resources at rest, drive the clients
+//! (`drive.rs`) for the run's duration while the fault executor works through the seeded schedule
+//! (`schedule.rs`), stop the clients, wait a quiet period, measure again, and check the invariants: the requests'
+//! (`ledger.rs`) and the resources' (every worker's KV blocks free and its queue empty, no gateway in-flight count,
+//! file descriptors and resident memory of the processes that ran throughout within stated bounds of the start).
+//! Writes `outcomes.jsonl`, `faults.json` and `summary.json` under the run's directory and prints a summary; a
+//! violation names its request or resource and the fault active.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use serde::Serialize;
+use serde_json::Value;
+
+use super::deploy::{DeploySpec, Deployment};
+use super::drive::{burst_loop, slow_loop, tenant_loop, Drive};
+use super::ledger::{check, recovery, Limits, Outcome, Recovery, RequestKind, Violation};
+use super::schedule::{schedule, Fault, FaultKind, ScheduleSpec};
+
+/// Most file descriptors a process that ran throughout may hold past its count at rest.
+pub const FD_SLACK: i64 = 64;
+/// Most resident memory a process that ran throughout may gain over the run, as a share of its start (plus 32 MiB).
+pub const RSS_GROWTH: f64 = 0.5;
+
+/// A chaos run's settings.
+#[derive(Clone, Debug)]
+pub struct ChaosSpec {
+    pub seed: u64,
+    pub duration: Duration,
+    pub dir: PathBuf,
+    pub bin_dir: PathBuf,
+    /// Client loops per tenant.
+    pub concurrency: usize,
+    pub profile: String,
+}
+
+const GATEWAYS: usize = 2;
+const WORKERS: usize = 4;
+const TENANTS: usize = 3;
+/// The run's limits on each request (the gateway's default first-byte cap is 30 s at most; a turn's stream is short).
+const LIMITS: Limits = Limits { request_s: 40.0, slack_s: 10.0, settle_s: 5.0 };
+/// How often the processes' resident memory is sampled.
+pub const SAMPLE_EVERY: Duration = Duration::from_secs(10);
+
+/// How long after the clients stop the resources are measured.
+const QUIET: Duration = Duration::from_secs(5);
+
+/// What a run found.
+#[derive(Serialize)]
+pub struct Summary {
+    pub seed: u64,
+    pub duration_s: f64,
+    pub requests: usize,
+    pub by_kind: BTreeMap<String, usize>,
+    pub errors_by_code: BTreeMap<String, usize>,
+    pub faults: Vec<Fault>,
+    pub ttft_p50_ms_quiet: f64,
+    pub ttft_p99_ms_quiet: f64,
+    pub ttft_p50_ms_faults: f64,
+    pub ttft_p99_ms_faults: f64,
+    pub violations: Vec<Violation>,
+    pub resources: Vec<String>,
+    pub recoveries: Vec<Recovery>,
+    /// Every [`SAMPLE_EVERY`]: (seconds, process, resident memory in MiB): whether memory levels off or keeps
+    /// growing.
+    pub rss_timeline: Vec<(f64, String, f64)>,
+    /// Shared documents first sent by a tenant (the isolation check's sample).
+    pub isolation_checked: usize,
+}
+
+/// A process's file descriptors and resident memory (KiB).
+fn usage(pid: u32) -> Option<(i64, i64)> {
+    let fds = std::fs::read_dir(format!("/proc/{pid}/fd")).ok()?.count() as i64;
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let rss =
+        status.lines().find_map(|l| l.strip_prefix("VmRSS:"))?.split_whitespace().next()?.parse().ok()?;
+    Some((fds, rss))
+}
+
+/// A process's name, pid and (fds, rss KiB).
+type Usage = (String, Option<u32>, Option<(i64, i64)>);
+
+/// Every process's usage.
+fn resources(d: &Deployment) -> Vec<Usage> {
+    let all = std::iter::once(&d.redis).chain(&d.gateways).chain(&d.workers);
+    all.map(|m| (m.name.clone(), m.pid(), m.pid().and_then(usage))).collect()
+}
+
+/// Carries out the schedule: each fault at its start, undone at its end.
+async fn execute(d: &tokio::sync::Mutex<Deployment>, drive: &Drive, faults: &[Fault], seed: u64) {
+    let mut clients = Vec::new();
+    for f in faults {
+        let wait = f.start_s - drive.started.elapsed().as_secs_f64();
+        tokio::time::sleep(Duration::from_secs_f64(wait.max(0.0))).await;
+        eprintln!("fault {} on {} at {:.1} s", f.kind.as_str(), f.target, f.start_s);
+        {
+            let mut d = d.lock().await;
+            let r = match f.kind {
+                FaultKind::KillWorker => {
+                    d.workers[f.target].kill();
+                    Ok(())
+                }
+                FaultKind::StopWorker => d.workers[f.target].signal("-STOP"),
+                FaultKind::RestartRedis => {
+                    d.redis.kill();
+                    Ok(())
+                }
+                FaultKind::RestartGateway => {
+                    d.gateways[f.target].kill();
+                    Ok(())
+                }
+                FaultKind::SlowClients => {
+                    for i in 0..8 {
+                        clients.push(tokio::spawn(slow_loop(
+                            drive.clone(),
+                            i % TENANTS,
+                            seed + i as u64,
+                            f.end_s,
+                        )));
+                    }
+                    Ok(())
+                }
+                FaultKind::BudgetBurst => {
+                    for i in 0..4 {
+                        clients.push(tokio::spawn(burst_loop(drive.clone(), f.target, seed + i, f.end_s)));
+                    }
+                    Ok(())
+                }
+            };
+            if let Err(e) = r {
+                eprintln!("fault {} could not start: {e}", f.kind.as_str());
+            }
+        }
+        let wait = f.end_s - drive.started.elapsed().as_secs_f64();
+        tokio::time::sleep(Duration::from_secs_f64(wait.max(0.0))).await;
+        let mut d = d.lock().await;
+        let r = match f.kind {
+            FaultKind::KillWorker => d.workers[f.target].restart(),
+            FaultKind::StopWorker => d.workers[f.target].signal("-CONT"),
+            FaultKind::RestartRedis => d.redis.restart(),
+            FaultKind::RestartGateway => d.gateways[f.target].restart(),
+            FaultKind::SlowClients | FaultKind::BudgetBurst => Ok(()),
+        };
+        if let Err(e) = r {
+            eprintln!("fault {} could not end: {e}", f.kind.as_str());
+        }
+        eprintln!("fault {} ended at {:.1} s", f.kind.as_str(), drive.started.elapsed().as_secs_f64());
+    }
+    for c in clients {
+        let _ = c.await;
+    }
+}
+
+/// Each worker's KV blocks all free and queue empty, and every replica's in-flight counts zero, after the quiet
+/// period; else what is held.
+async fn held(d: &Deployment) -> Vec<String> {
+    let mut out = Vec::new();
+    for w in &d.workers {
+        let text = match metrics_text(&w.url).await {
+            Ok(t) => t,
+            Err(e) => {
+                out.push(format!("{}: no metrics ({e})", w.name));
+                continue;
+            }
+        };
+        let m = |s: &str| text.lines().find_map(|l| l.strip_prefix(s)?.trim().parse::<f64>().ok());
+        let (total, free) =
+            (m("kvgate_worker_kv_blocks{state=\"total\"}"), m("kvgate_worker_kv_blocks{state=\"free\"}"));
+        if total != free {
+            out.push(format!("{}: KV blocks free {free:?} of {total:?} after the quiet period", w.name));
+        }
+        for q in ["waiting", "running"] {
+            let n = m(&format!("kvgate_worker_queue_requests{{state=\"{q}\"}}")).unwrap_or(0.0);
+            if n != 0.0 {
+                out.push(format!("{}: {n} requests {q} after the quiet period", w.name));
+            }
+        }
+    }
+    for c in &d.controls {
+        if let Ok(Value::Array(ws)) = crate::fleet::get_json(&format!("{c}/kvgate/v1/workers")).await {
+            for w in ws {
+                if w["inflight"].as_u64().unwrap_or(0) != 0 {
+                    out.push(format!(
+                        "{c}: worker {} has {} in flight after the quiet period",
+                        w["id"], w["inflight"]
+                    ));
+                }
+            }
+        }
+    }
+    out
+}
+
+async fn metrics_text(base: &str) -> Result<String, String> {
+    let client =
+        hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new()).build_http();
+    let req = hyper::Request::get(format!("{base}/metrics"))
+        .body(http_body_util::Full::new(bytes::Bytes::new()))
+        .map_err(|e| e.to_string())?;
+    let resp = tokio::time::timeout(Duration::from_secs(5), client.request(req))
+        .await
+        .map_err(|_| "timeout".to_string())?
+        .map_err(|e| e.to_string())?;
+    use http_body_util::BodyExt;
+    let body = resp.into_body().collect().await.map_err(|e| e.to_string())?.to_bytes();
+    Ok(String::from_utf8_lossy(&body).into_owned())
+}
+
+fn ttft(outcomes: &[Outcome], faults: &[Fault], in_faults: bool) -> (f64, f64) {
+    let v: Vec<f64> = outcomes
+        .iter()
+        .filter(|o| o.kind == RequestKind::Chat && o.code.is_none())
+        .filter(|o| super::schedule::active_at(faults, o.start_s, LIMITS.settle_s).is_some() == in_faults)
+        .filter_map(|o| o.ttft_s.map(|t| t * 1e3))
+        .collect();
+    (crate::stats::percentile(&v, 0.5), crate::stats::percentile(&v, 0.99))
+}
+
+/// Runs the whole thing; `Err` only when the run could not be carried out (violations are in the summary).
+pub async fn run(spec: &ChaosSpec) -> Result<Summary, String> {
+    let deploy = DeploySpec {
+        bin_dir: spec.bin_dir.clone(),
+        dir: spec.dir.clone(),
+        gateways: GATEWAYS,
+        workers: WORKERS,
+        tenants: TENANTS,
+        profile: spec.profile.clone(),
+    };
+    let d = Deployment::start(&deploy).await?;
+    let faults = schedule(&ScheduleSpec {
+        seed: spec.seed,
+        duration: spec.duration,
+        warmup: Duration::from_secs(15).min(spec.duration / 4),
+        length: (Duration::from_secs(5), Duration::from_secs(12)),
+        gap: (Duration::from_secs(10), Duration::from_secs(20)),
+        workers: WORKERS,
+        gateways: GATEWAYS,
+        tenants: TENANTS,
+    });
+    let at_rest = resources(&d);
+    let gateways: Vec<String> = d.gateways.iter().map(|g| g.url.clone()).collect();
+    let drive = Drive::new(
+        gateways,
+        "kvgate-tiny",
+        Duration::from_secs_f64(LIMITS.request_s + LIMITS.slack_s + 30.0),
+    );
+    let until = spec.duration.as_secs_f64();
+    let mut loops = Vec::new();
+    for t in 0..TENANTS {
+        for s in 0..spec.concurrency {
+            loops.push(tokio::spawn(tenant_loop(drive.clone(), t, s, spec.seed, until)));
+        }
+    }
+    let d = tokio::sync::Mutex::new(d);
+    let mut rss_timeline = Vec::new();
+    {
+        // The faults, then the clients to their end, sampled all along.
+        let exec = async {
+            execute(&d, &drive, &faults, spec.seed).await;
+            for l in loops {
+                let _ = l.await;
+            }
+        };
+        tokio::pin!(exec);
+        let mut tick = tokio::time::interval(SAMPLE_EVERY);
+        loop {
+            tokio::select! {
+                _ = &mut exec => break,
+                _ = tick.tick() => {
+                    let t = drive.started.elapsed().as_secs_f64();
+                    for (name, _, u) in resources(&*d.lock().await) {
+                        if let Some((_, rss)) = u {
+                            rss_timeline.push((t, name, rss as f64 / 1024.0));
+                        }
+                    }
+                }
+            }
+        }
+    }
+    tokio::time::sleep(QUIET).await;
+    let d = d.into_inner();
+    let outcomes = drive.ledger.lock().unwrap_or_else(|e| e.into_inner()).clone();
+    let mut violations = check(&outcomes, &faults, &LIMITS);
+    let mut resources_seen = Vec::new();
+    for (name, msg) in held(&d).await.into_iter().map(|m| ("resources_back", m)) {
+        violations.push(Violation { invariant: name, request: 0, detail: msg, fault: None });
+    }
+    for ((name, pid0, u0), (_, pid1, u1)) in at_rest.iter().zip(resources(&d)) {
+        let (Some((f0, r0)), Some((f1, r1))) = (u0, u1) else { continue };
+        if *pid0 != pid1 {
+            resources_seen
+                .push(format!("{name}: restarted during the run (fds {f1}, rss {} MiB now)", r1 / 1024));
+            continue;
+        }
+        resources_seen.push(format!("{name}: fds {f0} -> {f1}, rss {} -> {} MiB", r0 / 1024, r1 / 1024));
+        if f1 - f0 > FD_SLACK {
+            violations.push(Violation {
+                invariant: "fds_flat",
+                request: 0,
+                detail: format!("{name}: {f0} -> {f1}"),
+                fault: None,
+            });
+        }
+        if r1 as f64 > *r0 as f64 * (1.0 + RSS_GROWTH) + 32.0 * 1024.0 {
+            violations.push(Violation {
+                invariant: "rss_flat",
+                request: 0,
+                detail: format!("{name}: {r0} -> {r1} KiB"),
+                fault: None,
+            });
+        }
+    }
+    let write =
+        |name: &str, text: String| std::fs::write(spec.dir.join(name), text).map_err(|e| e.to_string());
+    let lines: Vec<String> = outcomes.iter().filter_map(|o| serde_json::to_string(o).ok()).collect();
+    write("outcomes.jsonl", lines.join("\n"))?;
+    write("faults.json", serde_json::to_string_pretty(&faults).map_err(|e| e.to_string())?)?;
+    let mut by_kind = BTreeMap::new();
+    let mut errors_by_code = BTreeMap::new();
+    for o in &outcomes {
+        *by_kind.entry(format!("{:?}", o.kind).to_lowercase()).or_insert(0) += 1;
+        if let Some(c) = &o.code {
+            *errors_by_code.entry(c.clone()).or_insert(0) += 1;
+        }
+    }
+    let (q50, q99) = ttft(&outcomes, &faults, false);
+    let (f50, f99) = ttft(&outcomes, &faults, true);
+    let recoveries = recovery(&outcomes, &faults, until);
+    let summary = Summary {
+        seed: spec.seed,
+        duration_s: spec.duration.as_secs_f64(),
+        requests: outcomes.len(),
+        by_kind,
+        errors_by_code,
+        faults,
+        ttft_p50_ms_quiet: q50,
+        ttft_p99_ms_quiet: q99,
+        ttft_p50_ms_faults: f50,
+        ttft_p99_ms_faults: f99,
+        recoveries,
+        rss_timeline,
+        isolation_checked: outcomes.iter().filter(|o| o.first_shared && o.cached_tokens.is_some()).count(),
+        violations,
+        resources: resources_seen,
+    };
+    write("summary.json", serde_json::to_string_pretty(&summary).map_err(|e| e.to_string())?)?;
+    Ok(summary)
+}
