@@ -81,7 +81,9 @@ impl Drive {
         };
         let limit = if read == Read::Slowly { self.give_up * 4 } else { self.give_up };
         let url = format!("{}{path}", self.gateways[replica]);
-        let r = tokio::time::timeout(limit, self.exchange(&url, tenant, body, class, read, start_s)).await;
+        let headers: Vec<(&str, String)> =
+            class.map(|c| ("x-kvgate-class", c.to_owned())).into_iter().collect();
+        let r = tokio::time::timeout(limit, self.exchange(&url, tenant, body, &headers, read, start_s)).await;
         self.record(id, tenant, replica, kind, start_s, r.ok(), false)
     }
 
@@ -116,14 +118,19 @@ impl Drive {
         outcome
     }
 
-    /// A shared document's send (`first`: this tenant's first of it).
-    async fn send_shared(&self, tenant: usize, replica: usize, body: Value, first: bool) {
+    /// A shared document's send (`first`: this tenant's first of it). Every tenant sends document `k` under one
+    /// session id, so with nothing of it in the tenant's own cache the ring sends it to the worker that took the
+    /// other tenants' sends of it: the isolation check meets their blocks.
+    async fn send_shared(&self, tenant: usize, replica: usize, k: usize, body: Value, first: bool) {
+        let headers = [("x-session-id", format!("chaos-shared-document-{k}"))];
         let id = self.next_id.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let start_s = self.now_s();
         let url = format!("{}/v1/chat/completions", self.gateways[replica]);
-        let r =
-            tokio::time::timeout(self.give_up, self.exchange(&url, tenant, body, None, Read::Whole, start_s))
-                .await;
+        let r = tokio::time::timeout(
+            self.give_up,
+            self.exchange(&url, tenant, body, &headers, Read::Whole, start_s),
+        )
+        .await;
         self.record(id, tenant, replica, RequestKind::Shared, start_s, r.ok(), first);
     }
 
@@ -133,15 +140,15 @@ impl Drive {
         url: &str,
         tenant: usize,
         body: Value,
-        class: Option<&str>,
+        headers: &[(&str, String)],
         read: Read,
         start_s: f64,
     ) -> Answer {
         let mut req = hyper::Request::post(url)
             .header("content-type", "application/json")
             .header("authorization", format!("Bearer {}", tenant_key(tenant)));
-        if let Some(c) = class {
-            req = req.header("x-kvgate-class", c);
+        for (name, value) in headers {
+            req = req.header(*name, value);
         }
         let Ok(req) = req.body(Full::new(Bytes::from(body.to_string()))) else {
             return (0, Some("client_error".into()), None, None);
@@ -248,7 +255,7 @@ pub async fn tenant_loop(d: Drive, tenant: usize, slot: usize, seed: u64, until:
             // A document every tenant sends word for word; this loop is the tenant's only sender of them, so its
             // first send of each finds nothing of its own cached.
             let k = (n / 8) % SHARED_DOCS;
-            d.send_shared(tenant, replica, shared_doc(&d.model, k), n / 8 < SHARED_DOCS).await;
+            d.send_shared(tenant, replica, k, shared_doc(&d.model, k), n / 8 < SHARED_DOCS).await;
             continue;
         }
         let roll = rng.below(10);
