@@ -20,8 +20,17 @@ use super::schedule::{schedule, Fault, FaultKind, ScheduleSpec};
 
 /// Most file descriptors a process that ran throughout may hold past its count at rest.
 pub const FD_SLACK: i64 = 64;
-/// Most resident memory a process that ran throughout may gain over the run, as a share of its start (plus 32 MiB).
+/// Most resident memory a worker or Redis that ran throughout may gain over the run, as a share of its start (plus
+/// 32 MiB): their structures are sized at start (the KV pool, the tiers).
 pub const RSS_GROWTH: f64 = 0.5;
+/// Most resident memory a gateway that ran throughout may gain over its value at rest, in MiB: its bounded caches
+/// (chat segments, long text, ring keys, the registry's recent conversations) fill under load; a 20-minute run
+/// levelled off about 60 MiB over rest (`docs/benchmarks/reliability.md`).
+pub const GATEWAY_RSS_GROWTH_MIB: f64 = 128.0;
+/// A process that lived at least this long must have levelled off: over the last third of its life its memory grows
+/// at most [`LEVEL_OFF_GROWTH`] (plus 16 MiB).
+pub const LEVEL_OFF_AFTER_S: f64 = 600.0;
+pub const LEVEL_OFF_GROWTH: f64 = 0.1;
 
 /// A chaos run's settings.
 #[derive(Clone, Debug)]
@@ -62,9 +71,9 @@ pub struct Summary {
     pub violations: Vec<Violation>,
     pub resources: Vec<String>,
     pub recoveries: Vec<Recovery>,
-    /// Every [`SAMPLE_EVERY`]: (seconds, process, resident memory in MiB): whether memory levels off or keeps
+    /// Every [`SAMPLE_EVERY`]: (seconds, process, pid, resident memory in MiB): whether memory levels off or keeps
     /// growing.
-    pub rss_timeline: Vec<(f64, String, f64)>,
+    pub rss_timeline: Vec<(f64, String, u32, f64)>,
     /// Shared documents first sent by a tenant (the isolation check's sample).
     pub isolation_checked: usize,
 }
@@ -192,6 +201,31 @@ async fn held(d: &Deployment) -> Vec<String> {
     out
 }
 
+/// Each process life (name and pid) of at least [`LEVEL_OFF_AFTER_S`] whose memory still grew over its last third.
+fn levelled_off(timeline: &[(f64, String, u32, f64)]) -> Vec<Violation> {
+    let mut lives: BTreeMap<(String, u32), Vec<(f64, f64)>> = BTreeMap::new();
+    for (t, name, pid, mib) in timeline {
+        lives.entry((name.clone(), *pid)).or_default().push((*t, *mib));
+    }
+    let mut out = Vec::new();
+    for ((name, pid), samples) in lives {
+        let (Some(first), Some(last)) = (samples.first(), samples.last()) else { continue };
+        if last.0 - first.0 < LEVEL_OFF_AFTER_S {
+            continue;
+        }
+        let from = last.0 - (last.0 - first.0) / 3.0;
+        let start = samples.iter().find(|s| s.0 >= from).map_or(last.1, |s| s.1);
+        if last.1 > start * (1.0 + LEVEL_OFF_GROWTH) + 16.0 {
+            let detail = format!(
+                "{name} (pid {pid}): {start:.0} -> {:.0} MiB over the last third of its life",
+                last.1
+            );
+            out.push(Violation { invariant: "rss_levels_off", request: 0, detail, fault: None });
+        }
+    }
+    out
+}
+
 async fn metrics_text(base: &str) -> Result<String, String> {
     let client =
         hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new()).build_http();
@@ -269,9 +303,9 @@ pub async fn run(spec: &ChaosSpec) -> Result<Summary, String> {
                 _ = &mut exec => break,
                 _ = tick.tick() => {
                     let t = drive.started.elapsed().as_secs_f64();
-                    for (name, _, u) in resources(&*d.lock().await) {
-                        if let Some((_, rss)) = u {
-                            rss_timeline.push((t, name, rss as f64 / 1024.0));
+                    for (name, pid, u) in resources(&*d.lock().await) {
+                        if let (Some(pid), Some((_, rss))) = (pid, u) {
+                            rss_timeline.push((t, name, pid, rss as f64 / 1024.0));
                         }
                     }
                 }
@@ -302,15 +336,16 @@ pub async fn run(spec: &ChaosSpec) -> Result<Summary, String> {
                 fault: None,
             });
         }
-        if r1 as f64 > *r0 as f64 * (1.0 + RSS_GROWTH) + 32.0 * 1024.0 {
-            violations.push(Violation {
-                invariant: "rss_flat",
-                request: 0,
-                detail: format!("{name}: {r0} -> {r1} KiB"),
-                fault: None,
-            });
+        let bound = match name.starts_with("gateway") {
+            true => *r0 as f64 + GATEWAY_RSS_GROWTH_MIB * 1024.0,
+            false => *r0 as f64 * (1.0 + RSS_GROWTH) + 32.0 * 1024.0,
+        };
+        if r1 as f64 > bound {
+            let detail = format!("{name}: {r0} -> {r1} KiB");
+            violations.push(Violation { invariant: "rss_bounded", request: 0, detail, fault: None });
         }
     }
+    violations.extend(levelled_off(&rss_timeline));
     let write =
         |name: &str, text: String| std::fs::write(spec.dir.join(name), text).map_err(|e| e.to_string());
     let lines: Vec<String> = outcomes.iter().filter_map(|o| serde_json::to_string(o).ok()).collect();
@@ -346,4 +381,28 @@ pub async fn run(spec: &ChaosSpec) -> Result<Summary, String> {
     };
     write("summary.json", serde_json::to_string_pretty(&summary).map_err(|e| e.to_string())?)?;
     Ok(summary)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn memory_must_level_off_over_the_last_third_of_a_long_life() {
+        let life = |name: &str, pid: u32, until: f64, mib: &dyn Fn(f64) -> f64| {
+            let mut v = Vec::new();
+            let mut t = 0.0;
+            while t <= until {
+                v.push((t, name.to_owned(), pid, mib(t)));
+                t += 10.0;
+            }
+            v
+        };
+        let mut tl = life("gateway-0", 1, 1200.0, &|t| 20.0 + 60.0 * (t / 600.0).min(1.0)); // fills, then flat
+        tl.extend(life("gateway-1", 2, 1200.0, &|t| 20.0 + t / 10.0)); // still growing: 100 -> 140 MiB
+        tl.extend(life("worker-w0", 3, 300.0, &|t| 20.0 + t)); // too short a life to judge
+        let v = levelled_off(&tl);
+        assert_eq!(v.len(), 1, "{v:?}");
+        assert!(v[0].detail.starts_with("gateway-1 (pid 2)"), "{}", v[0].detail);
+    }
 }
