@@ -456,7 +456,8 @@ impl ServeHost for GatewayState {
         GatewayState::tokenizer(self, model)
     }
     fn warming_up(&self) -> bool {
-        self.tokenizers.fetching_any() || self.readiness().1 == 0
+        // O(1): an unknown model is a client's to send at will, so this never scans the registry.
+        self.tokenizers.fetching_any() || self.tokenizers.is_empty()
     }
     fn ring_keys(&self) -> MutexGuard<'_, RingKeys> {
         GatewayState::ring_keys(self)

@@ -88,6 +88,11 @@ impl Tokenizers {
         self.fetching.lock().unwrap_or_else(|e| e.into_inner()).insert(url.to_owned())
     }
 
+    /// Whether no model has a tokenizer yet.
+    pub fn is_empty(&self) -> bool {
+        self.by_model.read().unwrap_or_else(|e| e.into_inner()).is_empty()
+    }
+
     /// Whether any fetch is under way.
     pub fn fetching_any(&self) -> bool {
         !self.fetching.lock().unwrap_or_else(|e| e.into_inner()).is_empty()

@@ -47,8 +47,8 @@ pub trait ServeHost: Send + Sync + 'static {
     fn tokenize_pool(&self) -> &TokenizePool;
     /// How `model` is tokenized and hashed, once known.
     fn tokenizer(&self, model: &str) -> Option<Arc<ModelTokenizer>>;
-    /// The gateway may not know every model yet: no healthy worker's model has its tokenizer here (the gateway is
-    /// not ready), or a worker's tokenizer is being fetched. A model unknown meanwhile is answered 503
+    /// The gateway may not know every model yet: no model has a tokenizer here yet, or a worker's tokenizer is
+    /// being fetched. Constant time (a client may send unknown models at will). A model unknown meanwhile is answered 503
     /// `no_healthy_worker` (retry), not 404 `model_not_found`.
     fn warming_up(&self) -> bool;
     /// The ring-key chooser (held briefly: one prompt's block chain).

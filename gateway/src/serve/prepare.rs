@@ -187,7 +187,7 @@ pub fn prepare(
 }
 
 /// A model this gateway has no tokenizer for: 404 `model_not_found`, or, while the gateway may not know every model
-/// yet (`ServeHost::warming_up`: just started, or a worker's tokenizer on its way), 503 `no_healthy_worker`, which
+/// yet (`ServeHost::warming_up`: no tokenizer yet, or a worker's on its way), 503 `no_healthy_worker`, which
 /// a client retries (a replica restarted under load answered 404 for its first second, found by the chaos run).
 pub fn unknown_model(host: &dyn ServeHost, model: &str) -> ApiError {
     match host.warming_up() {
