@@ -449,4 +449,8 @@ async fn leaving_a_stream_early_is_charged_what_was_computed_not_refunded() {
     assert!((50.0..1000.0).contains(&charged), "charged {charged}: {m}");
     assert_eq!(metric(&m, "kvgate_gateway_class_refunds_total{class=\"metered\"}").unwrap_or(0.0), 0.0);
     assert_eq!(metric(&m, "kvgate_gateway_class_partial_charges_total{class=\"metered\"}"), Some(1.0));
+    // The same tokens per tenant (no key: `anonymous`), and no permit left held once every request settled.
+    let tenant = "kvgate_gateway_tenant_tokens_charged_total{class=\"metered\",tenant=\"anonymous\"}";
+    assert_eq!(metric(&m, tenant), Some(charged), "{m}");
+    assert_eq!(metric(&m, "kvgate_gateway_admission_permits_held{class=\"metered\"}"), Some(0.0), "{m}");
 }

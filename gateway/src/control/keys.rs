@@ -23,7 +23,7 @@ use serde::Deserialize;
 use sha2::{Digest, Sha256};
 
 /// The tenant of every caller without a known key.
-pub const ANONYMOUS_TENANT: &str = "anonymous";
+pub const ANONYMOUS_TENANT: &str = kvgate_router::admission::ANONYMOUS;
 /// Most keys in a table.
 pub const MAX_KEYS: usize = 100_000;
 

@@ -4,7 +4,11 @@
 //! A request's cost is its predicted uncached prompt tokens (a cache hit costs less) plus its `max_tokens` (or the
 //! class's expected output). It is reserved at admission and reconciled with the real usage when the request ends
 //! ([`Permit::reconcile`]); a permit dropped without being reconciled (an error answer, a failed or timed-out
-//! upstream, a client that went away) gives its whole charge back. A permit names its class, not an index, so a
+//! upstream, a client that went away) gives its whole charge back. What is settled is counted per class
+//! (`kvgate_gateway_class_tokens_charged_total`) and per class and tenant
+//! (`kvgate_gateway_tenant_tokens_charged_total`: tenants are the configured keys' and `anonymous`, so the series
+//! are bounded by the key file); permits not yet settled are `kvgate_gateway_admission_permits_held{class}`, which
+//! is 0 at rest. A permit names its class, not an index, so a
 //! refund after the class set was replaced reaches the right bucket (or none, if the class is gone).
 //!
 //! Over budget, a request waits in its class queue (FIFO, round-robin across tenants) up to the class's
@@ -28,6 +32,9 @@ pub use classes::{classify, default_classes, ClassConfig, ClassInput, MatchRule,
 pub use virtual_time::{VirtualAdmission, VirtualOffer};
 
 use queue::{Offer, Queues};
+
+/// The tenant of a request admitted without one (the charged-tokens series' label).
+pub const ANONYMOUS: &str = "anonymous";
 
 /// The queue tenants share once a class has `max_tenant_queues` of them.
 pub const OVERFLOW_TENANT: &str = "\u{0}overflow";
@@ -73,10 +80,35 @@ pub struct Permit {
     charged: f64,
     settled: bool,
     pub class_name: String,
+    /// The tenant it was admitted for (the charged-tokens series' label).
+    tenant: String,
     pub waited: Duration,
 }
 
+/// Gauge of the permits admitted and not yet settled, per class.
+const PERMITS_HELD: &str = "kvgate_gateway_admission_permits_held";
+
 impl Permit {
+    fn new(
+        admission: &Admission,
+        payer: String,
+        cost: f64,
+        class_name: String,
+        tenant: Option<&str>,
+        waited: Duration,
+    ) -> Self {
+        metrics::gauge!(PERMITS_HELD, "class" => class_name.clone()).increment(1.0);
+        Permit {
+            admission: admission.clone(),
+            payer,
+            charged: cost,
+            settled: false,
+            class_name,
+            tenant: tenant.unwrap_or(ANONYMOUS).to_owned(),
+            waited,
+        }
+    }
+
     /// Settles the reservation with the real cost (refund if lower, further charge if higher).
     pub fn reconcile(mut self, actual_cost: f64) {
         self.settle(actual_cost);
@@ -92,8 +124,13 @@ impl Permit {
             return;
         }
         self.admission.lock().adjust(&self.payer, self.charged - actual_cost, Instant::now().into_std());
+        let tokens = actual_cost.max(0.0) as u64;
         metrics::counter!("kvgate_gateway_class_tokens_charged_total", "class" => self.class_name.clone())
-            .increment(actual_cost.max(0.0) as u64);
+            .increment(tokens);
+        metrics::counter!("kvgate_gateway_tenant_tokens_charged_total", "class" => self.class_name.clone(),
+            "tenant" => self.tenant.clone())
+        .increment(tokens);
+        metrics::gauge!(PERMITS_HELD, "class" => self.class_name.clone()).decrement(1.0);
         self.admission.wake.notify_one();
     }
 }
@@ -191,14 +228,7 @@ impl Admission {
                 Offer::Admitted { payer } => {
                     metrics::histogram!("kvgate_gateway_class_wait_seconds", "class" => name.clone())
                         .record(0.0);
-                    return Ok(Permit {
-                        admission: self.clone(),
-                        payer,
-                        charged: cost,
-                        settled: false,
-                        class_name: name,
-                        waited: Duration::ZERO,
-                    });
+                    return Ok(Permit::new(self, payer, cost, name, tenant, Duration::ZERO));
                 }
                 Offer::Refused(r) => return Err(r),
                 Offer::Queued { id, max_wait } => (id, name, max_wait),
@@ -214,14 +244,7 @@ impl Admission {
                     .increment(1);
                 metrics::histogram!("kvgate_gateway_class_wait_seconds", "class" => name.clone())
                     .record(waited.as_secs_f64());
-                Ok(Permit {
-                    admission: self.clone(),
-                    payer,
-                    charged: cost,
-                    settled: false,
-                    class_name: name,
-                    waited,
-                })
+                Ok(Permit::new(self, payer, cost, name, tenant, waited))
             }
             _ => {
                 drop(waiting);
