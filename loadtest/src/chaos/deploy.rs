@@ -1,7 +1,10 @@
 //! The deployment a chaos run drives, on 127.0.0.1 only: a `redis-server`, gateway replicas sharing it (classes
-//! with budgets, an API key per tenant, shared sends), and simulated kvgate workers (one with host-DRAM and SSD KV
-//! tiers) reporting to every replica. Each process can be killed, stopped, continued and started again on the same
-//! ports, as the fault executor needs; all of them are killed when the [`Deployment`] is dropped.
+//! with budgets, an API key per tenant, shared sends), and kvgate workers reporting to every replica: `w0` and `w1`
+//! on the simulated engine (`w1` with host-DRAM and SSD KV tiers, its SSD directory a small tmpfs of its own so a
+//! fault can fill it), `w2` a prefill worker and `w3` a decode worker on the CPU engine (the tiny model's real
+//! math: only it moves KV), so the gateway's split policy can send a request's prompt to `w2` and its decode to
+//! `w3`. Each process can be killed, stopped, continued and started again on the same ports, as the fault executor
+//! needs; all of them are killed, and the tmpfs unmounted, when the [`Deployment`] is dropped.
 //!
 //! Invariants: a process started again gets the same arguments, ports and data directory; every process's output
 //! goes to a log file under the run's directory, named in every error.
@@ -21,6 +24,19 @@ pub const BURST_CLASS: &str = "burst";
 
 /// The report secret every process shares.
 const SECRET: &str = "chaos-report-secret";
+
+/// The worker with host-DRAM and SSD tiers, the prefill worker and the decode worker (indices into `workers`).
+pub const TIERED: usize = 1;
+pub const PREFILL: usize = 2;
+pub const DECODE: usize = 3;
+/// The tiered worker's host-DRAM tier: small, so that it lets blocks go to the SSD tier from the first minute.
+const HOST_TIER_BYTES: u64 = 16 << 20;
+/// The tiered worker's SSD tier, and the tmpfs its directory is (room for the tier and a little more: a fault
+/// fills the rest).
+const SSD_TIER_BYTES: u64 = 64 << 20;
+const SSD_FS_BYTES: u64 = 96 << 20;
+/// The CPU workers' KV pool, in tokens (about 0.9 KiB a token for the tiny model).
+const CPU_KV_TOKENS: &str = "24576";
 
 /// A restartable process.
 pub struct Managed {
@@ -104,6 +120,34 @@ pub struct Deployment {
     /// Each gateway's control URL.
     pub controls: Vec<String>,
     pub workers: Vec<Managed>,
+    /// The tiered worker's SSD directory, and whether it is a tmpfs of its own (`Err`: why not, e.g. no
+    /// permission to mount; then no fault can fill it).
+    pub ssd_dir: PathBuf,
+    pub ssd_mounted: Result<(), String>,
+}
+
+impl Drop for Deployment {
+    fn drop(&mut self) {
+        for w in &mut self.workers {
+            w.kill();
+        }
+        if self.ssd_mounted.is_ok() {
+            let _ = Command::new("umount").arg("-l").arg(&self.ssd_dir).status();
+        }
+    }
+}
+
+/// Mounts a tmpfs of `bytes` at `dir` (a chaos run's own directory).
+fn mount_tmpfs(dir: &Path, bytes: u64) -> Result<(), String> {
+    let out = Command::new("mount")
+        .args(["-t", "tmpfs", "-o", &format!("size={bytes}"), "tmpfs"])
+        .arg(dir)
+        .output()
+        .map_err(|e| format!("mount: {e}"))?;
+    match out.status.success() {
+        true => Ok(()),
+        false => Err(format!("mount -t tmpfs: {}", String::from_utf8_lossy(&out.stderr).trim())),
+    }
 }
 
 fn port() -> Result<u16, String> {
@@ -200,6 +244,9 @@ impl Deployment {
             controls.push(format!("http://127.0.0.1:{c}"));
         }
         let report_to = controls.join(",");
+        let ssd_dir = spec.dir.join("ssd-w1");
+        std::fs::create_dir_all(&ssd_dir).map_err(|e| e.to_string())?;
+        let ssd_mounted = mount_tmpfs(&ssd_dir, SSD_FS_BYTES);
         let mut workers = Vec::new();
         for i in 0..spec.workers {
             let p = port()?;
@@ -209,10 +256,6 @@ impl Deployment {
                 "tiny",
                 "--synth-dir",
                 &spec.dir.join("synth").display().to_string(),
-                "--engine",
-                "sim",
-                "--sim-profile",
-                &spec.profile,
                 "--host",
                 "127.0.0.1",
                 "--port",
@@ -225,22 +268,11 @@ impl Deployment {
                 SECRET,
                 "--report-interval",
                 "250ms",
-                "--kv-cache-tokens",
-                "65536",
             ]
             .iter()
             .map(|s| s.to_string())
             .collect();
-            if i == 1 {
-                // The one with lower tiers: host DRAM and an SSD directory of its own.
-                let ssd = spec.dir.join("ssd-w1");
-                std::fs::create_dir_all(&ssd).map_err(|e| e.to_string())?;
-                args.extend(
-                    ["--host-kv-bytes", "67108864", "--disk-kv-bytes", "134217728", "--disk-kv-path"]
-                        .map(String::from),
-                );
-                args.push(ssd.display().to_string());
-            }
+            args.extend(worker_args(i, spec, &ssd_dir)?);
             let mut w = managed(
                 &format!("worker-w{i}"),
                 spec.bin_dir.join("kvgate-worker"),
@@ -255,7 +287,7 @@ impl Deployment {
                 wait_ok(&format!("{}/ready", workers[0].url), Duration::from_secs(120)).await?;
             }
         }
-        let d = Self { redis, gateways, controls, workers };
+        let d = Self { redis, gateways, controls, workers, ssd_dir, ssd_mounted };
         for c in &d.controls {
             d.wait_workers(c, spec.workers, Duration::from_secs(120)).await?;
         }
@@ -282,6 +314,33 @@ impl Deployment {
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
     }
+}
+
+/// What worker `i` is: its engine and role, and the tiered one's tiers.
+fn worker_args(i: usize, spec: &DeploySpec, ssd: &Path) -> Result<Vec<String>, String> {
+    // The CPU engine's KV pool is real memory, touched as it fills: CPU_KV_TOKENS of the tiny model's stay inside
+    // the workers' memory bound (`run.rs`). The simulated engine's holds no tensors.
+    let cpu = |role: &str| {
+        ["--engine", "cpu", "--role", role, "--kv-cache-tokens", CPU_KV_TOKENS].map(String::from).to_vec()
+    };
+    let mut args: Vec<String> = match i {
+        PREFILL => cpu("prefill"),
+        DECODE => cpu("decode"),
+        _ => ["--engine", "sim", "--sim-profile", &spec.profile, "--kv-cache-tokens", "65536"]
+            .map(String::from)
+            .to_vec(),
+    };
+    if i == PREFILL {
+        // A fixed port: a restarted prefill worker is found where it was.
+        args.extend(["--kv-transfer-port".into(), port()?.to_string()]);
+    }
+    if i == TIERED {
+        args.extend(["--host-kv-bytes".into(), HOST_TIER_BYTES.to_string(), "--disk-kv-bytes".into()]);
+        args.push(SSD_TIER_BYTES.to_string());
+        args.push("--disk-kv-path".into());
+        args.push(ssd.display().to_string());
+    }
+    Ok(args)
 }
 
 /// Waits until `GET url` answers 2xx (`within` zero: one try).

@@ -19,8 +19,25 @@ use super::ledger::{Outcome, RequestKind};
 
 type Http = Client<hyper_util::client::legacy::connect::HttpConnector, Full<Bytes>>;
 
-/// What came back: status, error code, time to the first token, usage.
-type Answer = (u16, Option<String>, Option<f64>, Option<Value>);
+/// What came back.
+#[derive(Default)]
+struct Answer {
+    /// 0: no response (the connection failed).
+    status: u16,
+    code: Option<String>,
+    ttft_s: Option<f64>,
+    usage: Option<Value>,
+    /// The gateway's `x-kvgate-worker`, `x-kvgate-route` and `x-kvgate-class`.
+    worker: Option<String>,
+    route: Option<String>,
+    class: Option<String>,
+}
+
+impl Answer {
+    fn failed(code: &str) -> Self {
+        Self { code: Some(code.into()), ..Self::default() }
+    }
+}
 
 /// What every client shares: where to send, the run's clock, the ledger.
 #[derive(Clone)]
@@ -83,23 +100,22 @@ impl Drive {
         let url = format!("{}{path}", self.gateways[replica]);
         let headers: Vec<(&str, String)> =
             class.map(|c| ("x-kvgate-class", c.to_owned())).into_iter().collect();
+        let bound = most_charged(&body);
         let r = tokio::time::timeout(limit, self.exchange(&url, tenant, body, &headers, read, start_s)).await;
-        self.record(id, tenant, replica, kind, start_s, r.ok(), false)
+        self.record(id, (tenant, replica, kind, bound), start_s, r.ok(), false)
     }
 
-    /// Records an outcome.
-    #[allow(clippy::too_many_arguments)]
+    /// Records an outcome: `who` is (tenant, replica, kind, the most it may be charged).
     fn record(
         &self,
         id: u64,
-        tenant: usize,
-        replica: usize,
-        kind: RequestKind,
+        (tenant, replica, kind, bound): (usize, usize, RequestKind, u64),
         start_s: f64,
         r: Option<Answer>,
         first_shared: bool,
     ) -> Outcome {
-        let (status, code, ttft_s, usage) = r.unwrap_or((0, Some("client_timeout".into()), None, None));
+        let a = r.unwrap_or_else(|| Answer::failed("client_timeout"));
+        let usage = a.usage;
         let outcome = Outcome {
             id,
             tenant,
@@ -107,11 +123,16 @@ impl Drive {
             kind,
             start_s,
             end_s: self.now_s(),
-            status,
-            code,
-            ttft_s,
+            status: a.status,
+            code: a.code,
+            ttft_s: a.ttft_s,
             cached_tokens: usage.as_ref().and_then(|u| u["prompt_tokens_details"]["cached_tokens"].as_u64()),
             prompt_tokens: usage.as_ref().and_then(|u| u["prompt_tokens"].as_u64()),
+            completion_tokens: usage.as_ref().and_then(|u| u["completion_tokens"].as_u64()),
+            worker: a.worker,
+            route: a.route,
+            class: a.class,
+            most_charged: bound,
             first_shared,
         };
         self.ledger.lock().unwrap_or_else(|e| e.into_inner()).push(outcome.clone());
@@ -126,12 +147,13 @@ impl Drive {
         let id = self.next_id.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let start_s = self.now_s();
         let url = format!("{}/v1/chat/completions", self.gateways[replica]);
+        let bound = most_charged(&body);
         let r = tokio::time::timeout(
             self.give_up,
             self.exchange(&url, tenant, body, &headers, Read::Whole, start_s),
         )
         .await;
-        self.record(id, tenant, replica, RequestKind::Shared, start_s, r.ok(), first);
+        self.record(id, (tenant, replica, RequestKind::Shared, bound), start_s, r.ok(), first);
     }
 
     /// (status, error code, time to the first token, usage).
@@ -151,13 +173,21 @@ impl Drive {
             req = req.header(*name, value);
         }
         let Ok(req) = req.body(Full::new(Bytes::from(body.to_string()))) else {
-            return (0, Some("client_error".into()), None, None);
+            return Answer::failed("client_error");
         };
         let resp = match self.http.request(req).await {
             Ok(r) => r,
-            Err(_) => return (0, Some("connection_failed".into()), None, None),
+            Err(_) => return Answer::failed("connection_failed"),
         };
         let status = resp.status().as_u16();
+        let header = |name: &str| resp.headers().get(name).and_then(|v| v.to_str().ok()).map(str::to_owned);
+        let mut a = Answer {
+            status,
+            worker: header("x-kvgate-worker"),
+            route: header("x-kvgate-route"),
+            class: header("x-kvgate-class"),
+            ..Answer::default()
+        };
         let mut body = resp.into_body();
         let mut text = Vec::new();
         let mut ttft = None;
@@ -176,7 +206,7 @@ impl Drive {
                         text.extend_from_slice(&d);
                     }
                     match read {
-                        Read::FirstChunk => return (status, None, ttft, None),
+                        Read::FirstChunk => return Answer { ttft_s: ttft, ..a },
                         Read::Slowly => tokio::time::sleep(Duration::from_secs(1)).await,
                         Read::Whole => {}
                     }
@@ -194,7 +224,10 @@ impl Drive {
         {
             code = Some("stream_cut".into());
         }
-        (status, code, ttft, usage)
+        a.code = code;
+        a.ttft_s = ttft;
+        a.usage = usage;
+        a
     }
 }
 
@@ -226,6 +259,13 @@ fn read_body(text: &[u8], status: u16) -> (Option<String>, Option<Value>) {
         code = Some(format!("status_{status}"));
     }
     (code, usage)
+}
+
+/// The most a request can be charged (the gateway's cap: its prompt plus the output it may have): its body's
+/// bytes bound the prompt's tokens (the chat template's few included) plus its `max_tokens` (or a generous 4096
+/// when it names none).
+fn most_charged(body: &Value) -> u64 {
+    body.to_string().len() as u64 + body["max_tokens"].as_u64().unwrap_or(4096)
 }
 
 /// A tenant's conversation loop until `until` (seconds of the run): each turn adds to the conversation, one in
@@ -280,7 +320,7 @@ pub async fn slow_loop(d: Drive, tenant: usize, seed: u64, until: f64) {
     while d.now_s() < until {
         n += 1;
         let body = json!({"model": d.model, "messages": [{"role": "user", "content": words(&mut rng, 40)}],
-            "max_tokens": 64, "stream": true});
+            "max_tokens": 64, "stream": true, "stream_options": {"include_usage": true}});
         d.send(tenant, n % d.gateways.len(), RequestKind::Slow, "/v1/chat/completions", body, None).await;
     }
 }

@@ -46,6 +46,17 @@ pub struct Outcome {
     /// `usage.prompt_tokens_details.cached_tokens`, when the answer carried it.
     pub cached_tokens: Option<u64>,
     pub prompt_tokens: Option<u64>,
+    pub completion_tokens: Option<u64>,
+    /// The gateway's `x-kvgate-worker`, `x-kvgate-route` (`split` for a prefill/decode split) and `x-kvgate-class`
+    /// of the answer, when its head came.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub worker: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub route: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub class: Option<String>,
+    /// The most the gateway may charge it (its prompt's bound plus its `max_tokens`).
+    pub most_charged: u64,
     /// A shared document's first send by this tenant: no block of it can be in this tenant's cache yet, so any
     /// cached token of it was written under another tenant's salt.
     #[serde(skip_serializing_if = "std::ops::Not::not")]
@@ -196,10 +207,10 @@ pub fn recovery(outcomes: &[Outcome], faults: &[Fault], run_end_s: f64) -> Vec<R
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
-    fn o(id: u64, kind: RequestKind, start_s: f64, end_s: f64, code: Option<&str>) -> Outcome {
+    pub(crate) fn o(id: u64, kind: RequestKind, start_s: f64, end_s: f64, code: Option<&str>) -> Outcome {
         Outcome {
             id,
             tenant: 0,
@@ -212,6 +223,11 @@ mod tests {
             ttft_s: None,
             cached_tokens: None,
             prompt_tokens: None,
+            completion_tokens: None,
+            worker: None,
+            route: None,
+            class: None,
+            most_charged: 0,
             first_shared: false,
         }
     }

@@ -1,8 +1,9 @@
 //! A chaos run: start the deployment (`deploy.rs`), measure the resources at rest, drive the clients
-//! (`drive.rs`) for the run's duration while the fault executor works through the seeded schedule
+//! (`drive.rs`) for the run's duration while the fault executor (`execute.rs`) works through the seeded schedule
 //! (`schedule.rs`), stop the clients, wait a quiet period, measure again, and check the invariants: the requests'
-//! (`ledger.rs`) and the resources' (every worker's KV blocks free and its queue empty, no gateway in-flight count,
-//! file descriptors and resident memory of the processes that ran throughout within stated bounds of the start).
+//! (`ledger.rs`), the charges' (`charges.rs`) and the resources' (every worker's KV blocks free, its queue empty,
+//! no transfer lease, import or export staging left; no gateway in-flight count or admission permit; file
+//! descriptors and resident memory of the processes that ran throughout within stated bounds of the start).
 //! Writes `outcomes.jsonl`, `faults.json` and `summary.json` under the run's directory and prints a summary; a
 //! violation names its request or resource and the fault active.
 
@@ -11,12 +12,13 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use serde::Serialize;
-use serde_json::Value;
 
-use super::deploy::{DeploySpec, Deployment};
-use super::drive::{burst_loop, slow_loop, tenant_loop, Drive};
+use super::charges::{self, Tally};
+use super::deploy::{DeploySpec, Deployment, DECODE, PREFILL, TIERED};
+use super::drive::{tenant_loop, Drive};
+use super::execute::{execute, held, Executed};
 use super::ledger::{check, recovery, Limits, Outcome, Recovery, RequestKind, Violation};
-use super::schedule::{schedule, Fault, FaultKind, ScheduleSpec};
+use super::schedule::{schedule, Fault, ScheduleSpec};
 
 /// Most file descriptors a process that ran throughout may hold past its count at rest.
 pub const FD_SLACK: i64 = 64;
@@ -27,6 +29,10 @@ pub const RSS_GROWTH: f64 = 0.5;
 /// (chat segments, long text, ring keys, the registry's recent conversations) fill under load; a 20-minute run
 /// levelled off about 60 MiB over rest (`docs/benchmarks/reliability.md`).
 pub const GATEWAY_RSS_GROWTH_MIB: f64 = 128.0;
+/// Most resident memory a CPU-engine worker that ran throughout may gain over its value at rest, in MiB: at rest
+/// it has computed nothing; its tensor math's working buffers, the allocator's arenas of its threads and its KV
+/// pool (12 MiB of the tiny model's) are touched once it serves. A 100-second run saw about 36 MiB.
+pub const CPU_WORKER_RSS_GROWTH_MIB: f64 = 64.0;
 /// A process that lived at least this long must have levelled off: over the last third of its life its memory grows
 /// at most [`LEVEL_OFF_GROWTH`] (plus 16 MiB).
 pub const LEVEL_OFF_AFTER_S: f64 = 600.0;
@@ -64,6 +70,15 @@ pub struct Summary {
     pub by_kind: BTreeMap<String, usize>,
     pub errors_by_code: BTreeMap<String, usize>,
     pub faults: Vec<Fault>,
+    /// What the executor noted of its faults (a prefill kill mid-transfer, the bytes that filled the SSD, a fault
+    /// it could not inject and why).
+    pub fault_notes: Vec<String>,
+    /// Answers by the gateway's route reason (`split`: a prefill/decode split).
+    pub by_route: BTreeMap<String, usize>,
+    /// What each tenant and class was charged against the usage of its requests (`charges.rs`).
+    pub charges: Vec<Tally>,
+    /// The workers' computed tokens (uncached prompt plus completion) over every worker life.
+    pub computed_tokens: f64,
     pub ttft_p50_ms_quiet: f64,
     pub ttft_p99_ms_quiet: f64,
     pub ttft_p50_ms_faults: f64,
@@ -96,111 +111,6 @@ fn resources(d: &Deployment) -> Vec<Usage> {
     all.map(|m| (m.name.clone(), m.pid(), m.pid().and_then(usage))).collect()
 }
 
-/// Carries out the schedule: each fault at its start, undone at its end.
-async fn execute(d: &tokio::sync::Mutex<Deployment>, drive: &Drive, faults: &[Fault], seed: u64) {
-    let mut clients = Vec::new();
-    for f in faults {
-        let wait = f.start_s - drive.started.elapsed().as_secs_f64();
-        tokio::time::sleep(Duration::from_secs_f64(wait.max(0.0))).await;
-        eprintln!("fault {} on {} at {:.1} s", f.kind.as_str(), f.target, f.start_s);
-        {
-            let mut d = d.lock().await;
-            let r = match f.kind {
-                FaultKind::KillWorker => {
-                    d.workers[f.target].kill();
-                    Ok(())
-                }
-                FaultKind::StopWorker => d.workers[f.target].signal("-STOP"),
-                FaultKind::RestartRedis => {
-                    d.redis.kill();
-                    Ok(())
-                }
-                FaultKind::RestartGateway => {
-                    d.gateways[f.target].kill();
-                    Ok(())
-                }
-                FaultKind::SlowClients => {
-                    for i in 0..8 {
-                        clients.push(tokio::spawn(slow_loop(
-                            drive.clone(),
-                            i % TENANTS,
-                            seed + i as u64,
-                            f.end_s,
-                        )));
-                    }
-                    Ok(())
-                }
-                FaultKind::BudgetBurst => {
-                    for i in 0..4 {
-                        clients.push(tokio::spawn(burst_loop(drive.clone(), f.target, seed + i, f.end_s)));
-                    }
-                    Ok(())
-                }
-            };
-            if let Err(e) = r {
-                eprintln!("fault {} could not start: {e}", f.kind.as_str());
-            }
-        }
-        let wait = f.end_s - drive.started.elapsed().as_secs_f64();
-        tokio::time::sleep(Duration::from_secs_f64(wait.max(0.0))).await;
-        let mut d = d.lock().await;
-        let r = match f.kind {
-            FaultKind::KillWorker => d.workers[f.target].restart(),
-            FaultKind::StopWorker => d.workers[f.target].signal("-CONT"),
-            FaultKind::RestartRedis => d.redis.restart(),
-            FaultKind::RestartGateway => d.gateways[f.target].restart(),
-            FaultKind::SlowClients | FaultKind::BudgetBurst => Ok(()),
-        };
-        if let Err(e) = r {
-            eprintln!("fault {} could not end: {e}", f.kind.as_str());
-        }
-        eprintln!("fault {} ended at {:.1} s", f.kind.as_str(), drive.started.elapsed().as_secs_f64());
-    }
-    for c in clients {
-        let _ = c.await;
-    }
-}
-
-/// Each worker's KV blocks all free and queue empty, and every replica's in-flight counts zero, after the quiet
-/// period; else what is held.
-async fn held(d: &Deployment) -> Vec<String> {
-    let mut out = Vec::new();
-    for w in &d.workers {
-        let text = match metrics_text(&w.url).await {
-            Ok(t) => t,
-            Err(e) => {
-                out.push(format!("{}: no metrics ({e})", w.name));
-                continue;
-            }
-        };
-        let m = |s: &str| text.lines().find_map(|l| l.strip_prefix(s)?.trim().parse::<f64>().ok());
-        let (total, free) =
-            (m("kvgate_worker_kv_blocks{state=\"total\"}"), m("kvgate_worker_kv_blocks{state=\"free\"}"));
-        if total != free {
-            out.push(format!("{}: KV blocks free {free:?} of {total:?} after the quiet period", w.name));
-        }
-        for q in ["waiting", "running"] {
-            let n = m(&format!("kvgate_worker_queue_requests{{state=\"{q}\"}}")).unwrap_or(0.0);
-            if n != 0.0 {
-                out.push(format!("{}: {n} requests {q} after the quiet period", w.name));
-            }
-        }
-    }
-    for c in &d.controls {
-        if let Ok(Value::Array(ws)) = crate::fleet::get_json(&format!("{c}/kvgate/v1/workers")).await {
-            for w in ws {
-                if w["inflight"].as_u64().unwrap_or(0) != 0 {
-                    out.push(format!(
-                        "{c}: worker {} has {} in flight after the quiet period",
-                        w["id"], w["inflight"]
-                    ));
-                }
-            }
-        }
-    }
-    out
-}
-
 /// Each process life (name and pid) of at least [`LEVEL_OFF_AFTER_S`] whose memory still grew over its last third.
 fn levelled_off(timeline: &[(f64, String, u32, f64)]) -> Vec<Violation> {
     let mut lives: BTreeMap<(String, u32), Vec<(f64, f64)>> = BTreeMap::new();
@@ -224,21 +134,6 @@ fn levelled_off(timeline: &[(f64, String, u32, f64)]) -> Vec<Violation> {
         }
     }
     out
-}
-
-async fn metrics_text(base: &str) -> Result<String, String> {
-    let client =
-        hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new()).build_http();
-    let req = hyper::Request::get(format!("{base}/metrics"))
-        .body(http_body_util::Full::new(bytes::Bytes::new()))
-        .map_err(|e| e.to_string())?;
-    let resp = tokio::time::timeout(Duration::from_secs(5), client.request(req))
-        .await
-        .map_err(|_| "timeout".to_string())?
-        .map_err(|e| e.to_string())?;
-    use http_body_util::BodyExt;
-    let body = resp.into_body().collect().await.map_err(|e| e.to_string())?.to_bytes();
-    Ok(String::from_utf8_lossy(&body).into_owned())
 }
 
 fn ttft(outcomes: &[Outcome], faults: &[Fault], in_faults: bool) -> (f64, f64) {
@@ -269,6 +164,8 @@ pub async fn run(spec: &ChaosSpec) -> Result<Summary, String> {
         length: (Duration::from_secs(5), Duration::from_secs(12)),
         gap: (Duration::from_secs(10), Duration::from_secs(20)),
         workers: WORKERS,
+        prefill: PREFILL,
+        tiered: TIERED,
         gateways: GATEWAYS,
         tenants: TENANTS,
     });
@@ -288,19 +185,24 @@ pub async fn run(spec: &ChaosSpec) -> Result<Summary, String> {
     }
     let d = tokio::sync::Mutex::new(d);
     let mut rss_timeline = Vec::new();
+    let mut executed: Executed;
     {
         // The faults, then the clients to their end, sampled all along.
         let exec = async {
-            execute(&d, &drive, &faults, spec.seed).await;
+            let ex = execute(&d, &drive, &faults, spec.seed, TENANTS).await;
             for l in loops {
                 let _ = l.await;
             }
+            ex
         };
         tokio::pin!(exec);
         let mut tick = tokio::time::interval(SAMPLE_EVERY);
         loop {
             tokio::select! {
-                _ = &mut exec => break,
+                ex = &mut exec => {
+                    executed = ex;
+                    break;
+                }
                 _ = tick.tick() => {
                     let t = drive.started.elapsed().as_secs_f64();
                     for (name, pid, u) in resources(&*d.lock().await) {
@@ -316,6 +218,9 @@ pub async fn run(spec: &ChaosSpec) -> Result<Summary, String> {
     let d = d.into_inner();
     let outcomes = drive.ledger.lock().unwrap_or_else(|e| e.into_inner()).clone();
     let mut violations = check(&outcomes, &faults, &LIMITS);
+    executed.scrape_all(&d).await;
+    let tenant = |i: usize| format!("t{i}");
+    violations.extend(charges::check(&outcomes, &executed.counters, &executed.blind, &tenant));
     let mut resources_seen = Vec::new();
     for (name, msg) in held(&d).await.into_iter().map(|m| ("resources_back", m)) {
         violations.push(Violation { invariant: name, request: 0, detail: msg, fault: None });
@@ -336,9 +241,13 @@ pub async fn run(spec: &ChaosSpec) -> Result<Summary, String> {
                 fault: None,
             });
         }
-        let bound = match name.starts_with("gateway") {
-            true => *r0 as f64 + GATEWAY_RSS_GROWTH_MIB * 1024.0,
-            false => *r0 as f64 * (1.0 + RSS_GROWTH) + 32.0 * 1024.0,
+        let cpu = [PREFILL, DECODE].iter().any(|i| *name == format!("worker-w{i}"));
+        let bound = if name.starts_with("gateway") {
+            *r0 as f64 + GATEWAY_RSS_GROWTH_MIB * 1024.0
+        } else if cpu {
+            *r0 as f64 + CPU_WORKER_RSS_GROWTH_MIB * 1024.0
+        } else {
+            *r0 as f64 * (1.0 + RSS_GROWTH) + 32.0 * 1024.0
         };
         if r1 as f64 > bound {
             let detail = format!("{name}: {r0} -> {r1} KiB");
@@ -352,6 +261,10 @@ pub async fn run(spec: &ChaosSpec) -> Result<Summary, String> {
     write("outcomes.jsonl", lines.join("\n"))?;
     write("faults.json", serde_json::to_string_pretty(&faults).map_err(|e| e.to_string())?)?;
     let mut by_kind = BTreeMap::new();
+    let mut by_route = BTreeMap::new();
+    for r in outcomes.iter().filter_map(|o| o.route.clone()) {
+        *by_route.entry(r).or_insert(0) += 1;
+    }
     let mut errors_by_code = BTreeMap::new();
     for o in &outcomes {
         *by_kind.entry(format!("{:?}", o.kind).to_lowercase()).or_insert(0) += 1;
@@ -369,6 +282,10 @@ pub async fn run(spec: &ChaosSpec) -> Result<Summary, String> {
         by_kind,
         errors_by_code,
         faults,
+        fault_notes: executed.notes.clone(),
+        by_route,
+        charges: charges::tallies(&outcomes, &executed.counters, &executed.blind, &tenant),
+        computed_tokens: executed.counters.computed,
         ttft_p50_ms_quiet: q50,
         ttft_p99_ms_quiet: q99,
         ttft_p50_ms_faults: f50,

@@ -1,6 +1,6 @@
 //! The seeded fault schedule of a chaos run: faults one after another (never two at once, so each violation names
 //! the one fault active), each a kind, a target and a window `[start, end)`, separated by quiet gaps in which the
-//! fleet must serve without errors. Pure: the same seed and settings give the same schedule.
+//! fleet must serve without errors (the last fault is followed by one too, before the run ends). Pure: the same seed and settings give the same schedule.
 
 use std::time::Duration;
 
@@ -23,16 +23,22 @@ pub enum FaultKind {
     SlowClients,
     /// A tenant sends a burst over its class budget for the whole window (its 429s are documented).
     BudgetBurst,
+    /// SIGKILL the prefill worker while it holds a transfer (once one is seen in flight); start it again at the end.
+    KillPrefill,
+    /// Fill the tiered worker's SSD directory to the last byte at the start; free it at the end.
+    FillSsd,
 }
 
 impl FaultKind {
-    pub const ALL: [FaultKind; 6] = [
+    pub const ALL: [FaultKind; 8] = [
         FaultKind::KillWorker,
         FaultKind::StopWorker,
         FaultKind::RestartRedis,
         FaultKind::RestartGateway,
         FaultKind::SlowClients,
         FaultKind::BudgetBurst,
+        FaultKind::KillPrefill,
+        FaultKind::FillSsd,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -43,6 +49,8 @@ impl FaultKind {
             FaultKind::RestartGateway => "restart_gateway",
             FaultKind::SlowClients => "slow_clients",
             FaultKind::BudgetBurst => "budget_burst",
+            FaultKind::KillPrefill => "kill_prefill",
+            FaultKind::FillSsd => "fill_ssd",
         }
     }
 }
@@ -70,8 +78,11 @@ pub struct ScheduleSpec {
     pub length: (Duration, Duration),
     /// The quiet gap after a fault before the next one (recovery is measured in it), between these.
     pub gap: (Duration, Duration),
-    /// How many workers, gateway replicas and tenants there are to target.
+    /// How many workers, gateway replicas and tenants there are to target, and which worker is the prefill worker
+    /// and which has the SSD tier.
     pub workers: usize,
+    pub prefill: usize,
+    pub tiered: usize,
     pub gateways: usize,
     pub tenants: usize,
 }
@@ -94,16 +105,24 @@ pub fn schedule(s: &ScheduleSpec) -> Vec<Fault> {
         }
         let kind = bag.remove(rng.below(bag.len() as u64) as usize);
         let length = between(&mut rng, s.length);
-        if t + length > end {
+        // The shortest gap follows the last fault too: its recovery is measured within the run.
+        if t + length + s.gap.0.as_secs_f64() > end {
             break;
         }
         let targets = match kind {
             FaultKind::KillWorker | FaultKind::StopWorker => s.workers,
             FaultKind::RestartGateway => s.gateways,
             FaultKind::BudgetBurst => s.tenants,
-            FaultKind::RestartRedis | FaultKind::SlowClients => 1,
+            FaultKind::RestartRedis
+            | FaultKind::SlowClients
+            | FaultKind::KillPrefill
+            | FaultKind::FillSsd => 1,
         };
-        let target = rng.below(targets.max(1) as u64) as usize;
+        let target = match kind {
+            FaultKind::KillPrefill => s.prefill,
+            FaultKind::FillSsd => s.tiered,
+            _ => rng.below(targets.max(1) as u64) as usize,
+        };
         out.push(Fault { kind, target, start_s: t, end_s: t + length });
         t += length + between(&mut rng, s.gap);
     }
@@ -127,6 +146,8 @@ mod tests {
             length: (Duration::from_secs(5), Duration::from_secs(15)),
             gap: (Duration::from_secs(10), Duration::from_secs(20)),
             workers: 4,
+            prefill: 2,
+            tiered: 1,
             gateways: 2,
             tenants: 3,
         }
@@ -140,13 +161,21 @@ mod tests {
         for k in FaultKind::ALL {
             assert!(a.iter().any(|f| f.kind == k), "{k:?} in {a:?}");
         }
-        assert!(a[0].start_s >= 20.0 && a.last().expect("faults").end_s <= 600.0);
+        assert!(a[0].start_s >= 20.0 && a.last().expect("faults").end_s <= 590.0, "a gap after the last");
         for w in a.windows(2) {
             assert!(w[0].end_s + 10.0 <= w[1].start_s + 1e-9, "a quiet gap between faults: {w:?}");
         }
         for f in &a {
             assert!((5.0..=15.0).contains(&(f.end_s - f.start_s)));
             let bound = match f.kind {
+                FaultKind::KillPrefill => {
+                    assert_eq!(f.target, 2, "{f:?}");
+                    4
+                }
+                FaultKind::FillSsd => {
+                    assert_eq!(f.target, 1, "{f:?}");
+                    4
+                }
                 FaultKind::KillWorker | FaultKind::StopWorker => 4,
                 FaultKind::RestartGateway => 2,
                 FaultKind::BudgetBurst => 3,
