@@ -137,3 +137,48 @@ async fn tokenize_and_detokenize_pass_through_by_load_with_the_callers_key_and_l
     let n = metric(&m, "kvgate_gateway_passthrough_requests_total{path=\"/tokenize\"}").expect("counted");
     assert_eq!(n, 11.0);
 }
+
+/// Whole answers (a `content-length` body: `/tokenize`, a completion that is not streamed) on one keep-alive
+/// connection, each request sent the moment the answer before it is read. The gateway used to watch the client
+/// until the worker's body ended, after the client had the whole answer: that watch read one byte of the client's
+/// next request off the connection, which then arrived as `OST /v1/...` and was answered 404 `route_not_found`
+/// (10 of 3,000 in the field, found by the chaos run, `docs/benchmarks/reliability.md`).
+#[tokio::test]
+async fn the_next_request_on_a_connection_arrives_whole_after_a_whole_answer() {
+    use http_body_util::{BodyExt, Full};
+    let dir = tempfile::tempdir().expect("tmp");
+    let (g, control) = gateway(&[]);
+    let _w = worker("w0", &dir.path().join("tiny"), Some(&control), &[]);
+    wait_healthy(&control, 1).await;
+    let authority = g.base.trim_start_matches("http://").to_owned();
+    let stream = tokio::net::TcpStream::connect(&authority).await.expect("connect");
+    let (mut send, conn) =
+        hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream)).await.expect("handshake");
+    tokio::spawn(conn);
+    let bodies = [
+        ("/tokenize", json!({"model": MODEL, "prompt": "the next request arrives whole"})),
+        (
+            "/v1/completions",
+            json!({"model": MODEL, "prompt": "the next request arrives whole", "max_tokens": 1}),
+        ),
+    ];
+    let mut failed = Vec::new();
+    for i in 0..1600 {
+        let (path, body) = &bodies[i % 2];
+        let req = hyper::Request::post(*path)
+            .header("host", &authority)
+            .header("content-type", "application/json")
+            .body(Full::new(bytes::Bytes::from(body.to_string())))
+            .expect("request");
+        if let Err(e) = send.ready().await {
+            panic!("before request {i}: the gateway closed the connection ({e}); failed so far: {failed:?}");
+        }
+        let resp = send.send_request(req).await.unwrap_or_else(|e| panic!("request {i}: {e}"));
+        let status = resp.status().as_u16();
+        let text = resp.into_body().collect().await.expect("body").to_bytes();
+        if status != 200 {
+            failed.push((i, status, String::from_utf8_lossy(&text).into_owned()));
+        }
+    }
+    assert!(failed.is_empty(), "{} of 1600 failed: {:?}", failed.len(), &failed[..failed.len().min(3)]);
+}

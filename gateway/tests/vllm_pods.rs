@@ -109,6 +109,20 @@ async fn metrics(control: &str) -> String {
     get(&format!("{control}/metrics")).await.body
 }
 
+/// The metrics once every admitted request is settled: a response's charge is settled after its last byte went out,
+/// so a scrape right after a client read an answer may come before that answer's charge (it did: 208 against 180,
+/// the turn before's 28 tokens).
+async fn settled_metrics(control: &str) -> String {
+    wait_until(Duration::from_secs(10), || async {
+        let m = metrics(control).await;
+        m.lines()
+            .filter(|l| l.starts_with("kvgate_gateway_admission_permits_held{"))
+            .all(|l| l.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok()) == Some(0.0))
+    })
+    .await;
+    metrics(control).await
+}
+
 /// Plays `users` conversations of `turns` turns through `base`, interleaved turn by turn; (cached, prompt) tokens.
 async fn play(base: &str, seed: usize, users: usize, turns: usize) -> (u64, u64) {
     let system = words(seed, 60);
@@ -249,7 +263,7 @@ async fn the_quick_start_routes_by_the_pods_events_and_outlives_a_killed_and_res
     assert_eq!(cached(&r2), predicted, "explain's matched blocks vs the pod's cached_tokens ({e})");
 
     // 2. The class budget is charged vLLM's usage: uncached prompt plus completion.
-    let m0 = metrics(&control).await;
+    let m0 = settled_metrics(&control).await;
     let charged =
         |m: &str| metric(m, "kvgate_gateway_class_tokens_charged_total{class=\"short\"}").unwrap_or(0.0);
     conv.push(r2.json()["choices"][0]["message"].clone());
@@ -259,7 +273,7 @@ async fn the_quick_start_routes_by_the_pods_events_and_outlives_a_killed_and_res
     let u = r3.json()["usage"].clone();
     let want = u["prompt_tokens"].as_f64().expect("p") - cached(&r3) as f64
         + u["completion_tokens"].as_f64().expect("c");
-    let m1 = metrics(&control).await;
+    let m1 = settled_metrics(&control).await;
     assert_eq!(charged(&m1) - charged(&m0), want, "the charge is the pod's usage: {u}");
 
     // 3. vLLM's own 400, as vLLM wrote it; /tokenize through the gateway equals the pod's.

@@ -7,8 +7,8 @@
 //! usage, `prompt - cached + completion`, which is the worker's own report of it. So, per tenant and class:
 //! - **nothing charged never**: the charge is at least the usage of the completed requests ([`Tally::exact`]);
 //! - **nothing charged twice**: the charge is at most that plus, for every other request of the tenant (cut short,
-//!   abandoned, failed, or one whose replica died around it), the most it may be charged (its prompt's bound plus
-//!   its `max_tokens`: [`Tally::open`]);
+//!   abandoned, failed, one whose replica died around it, a pass-through call priced from its body), the most it
+//!   may be charged (its prompt's bound plus its `max_tokens`, a pass-through call's body bytes: [`Tally::open`]);
 //! - **workers agree**: the workers' computed tokens (uncached prompt plus completion, summed over every worker life)
 //!   differ from all charges by at most every open request's bound (a request's tokens a killed worker computed
 //!   but never counted are open too).
@@ -61,6 +61,7 @@ fn overlaps(o: &Outcome, b: &Blind) -> bool {
 
 /// The usage a completed request was charged, or `None` for an open one.
 fn exact_usage(o: &Outcome, blind: &[Blind]) -> Option<f64> {
+    // A pass-through call is charged its price (its body's estimate: it carries no usage): open.
     if o.code.is_some() || o.kind == RequestKind::PassThrough {
         return None;
     }
@@ -91,9 +92,6 @@ pub fn tallies(
         row(&mut rows, t.clone(), class.clone()).charged += v;
     }
     for o in outcomes {
-        if o.kind == RequestKind::PassThrough {
-            continue; // not admitted: never charged
-        }
         let class = o.class.clone().unwrap_or_else(|| "?".into());
         let r = row(&mut rows, tenant(o.tenant), class);
         match exact_usage(o, blind) {

@@ -100,7 +100,11 @@ impl Drive {
         let url = format!("{}{path}", self.gateways[replica]);
         let headers: Vec<(&str, String)> =
             class.map(|c| ("x-kvgate-class", c.to_owned())).into_iter().collect();
-        let bound = most_charged(&body);
+        // A pass-through call is priced from its body's bytes (a quarter token each) and has no output to pay.
+        let bound = match kind {
+            RequestKind::PassThrough => body.to_string().len() as u64,
+            _ => most_charged(&body),
+        };
         let r = tokio::time::timeout(limit, self.exchange(&url, tenant, body, &headers, read, start_s)).await;
         self.record(id, (tenant, replica, kind, bound), start_s, r.ok(), false)
     }

@@ -156,7 +156,7 @@ pub struct Recovery {
     /// Cached / prompt tokens of those turns.
     pub hit_before: f64,
     /// Seconds after the fault's end until a [`WINDOW_S`] window serves at least [`RECOVERED`] of `rate_before`
-    /// (`None`: not within the run).
+    /// at a hit rate of at least [`RECOVERED`] of `hit_before` (`None`: not within the run).
     pub recovered_after_s: Option<f64>,
     /// Cached / prompt tokens of the turns in that first recovered window.
     pub hit_after: Option<f64>,
@@ -166,7 +166,7 @@ pub struct Recovery {
 pub const BEFORE_S: f64 = 10.0;
 /// The window a recovered rate is measured over.
 pub const WINDOW_S: f64 = 3.0;
-/// The share of the rate before that counts as recovered.
+/// The share of the rate and of the hit rate before that counts as recovered.
 pub const RECOVERED: f64 = 0.8;
 
 fn served(outcomes: &[Outcome], from: f64, to: f64) -> (f64, f64) {
@@ -189,7 +189,7 @@ pub fn recovery(outcomes: &[Outcome], faults: &[Fault], run_end_s: f64) -> Vec<R
             let mut found = None;
             while t + WINDOW_S <= run_end_s {
                 let (rate, hit) = served(outcomes, t, t + WINDOW_S);
-                if rate >= RECOVERED * rate_before {
+                if rate >= RECOVERED * rate_before && hit >= RECOVERED * hit_before {
                     found = Some((t - f.end_s, hit));
                     break;
                 }
@@ -281,7 +281,8 @@ pub(crate) mod tests {
     #[test]
     fn recovery_is_the_first_window_back_at_the_rate_before() {
         let fault = Fault { kind: FaultKind::KillWorker, target: 0, start_s: 20.0, end_s: 30.0 };
-        // 10 turns a second before the fault, 2 during and for 4 s after it, 10 again from 34 s.
+        // 10 turns a second before the fault, 2 during and for 4 s after it, 10 again from 34 s; the hit rate 0.5
+        // before, 0.1 from the fault until 36 s (a cold index), 0.5 again after.
         let mut runs = Vec::new();
         let mut id = 0;
         let mut t = 0.0;
@@ -292,7 +293,7 @@ pub(crate) mod tests {
                 let end = t + k as f64 / per_s as f64;
                 runs.push(Outcome {
                     prompt_tokens: Some(100),
-                    cached_tokens: Some(if t < 20.0 { 50 } else { 10 }),
+                    cached_tokens: Some(if (20.0..36.0).contains(&t) { 10 } else { 50 }),
                     ..o(id, RequestKind::Chat, end - 0.1, end, None)
                 });
             }
@@ -300,9 +301,10 @@ pub(crate) mod tests {
         }
         let r = recovery(&runs, &[fault], 60.0);
         assert!((r[0].rate_before - 10.0).abs() < 1e-9 && (r[0].hit_before - 0.5).abs() < 1e-9, "{r:?}");
-        // The first 3 s window at 8 a second or more starts at 33.5 s (it holds 34, 35 and half of 33).
+        // The rate is back from the window at 33.5 s (it holds 34, 35 and half of 33), the hit rate (0.4 or more)
+        // from the one at 35.5 s: 5 turns at 0.1, 25 at 0.5.
         let after = r[0].recovered_after_s.expect("recovered");
-        assert!((3.0..=4.0).contains(&after), "{after}");
-        assert!((r[0].hit_after.expect("hit") - 0.1).abs() < 1e-9);
+        assert!((after - 5.5).abs() < 1e-9, "{after}");
+        assert!((r[0].hit_after.expect("hit") - 1300.0 / 3000.0).abs() < 1e-9, "{r:?}");
     }
 }

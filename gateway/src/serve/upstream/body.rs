@@ -2,7 +2,7 @@
 //! `usage` at the end, a usage chunk the client did not ask for taken out). Between chunks the worker has
 //! `--stream-idle-timeout`; before the first one, what is left of the first-byte budget if that is longer (a
 //! stream's first chunk brings its first token). The client leaving is noticed while the worker is silent, not at
-//! the next write. A completed stream records its time per output token, and how far the split decision's
+//! the next write, until a body of declared length is all out (then the client is done with it). A completed stream records its time per output token, and how far the split decision's
 //! prediction was from it.
 
 use std::time::Instant;
@@ -20,6 +20,8 @@ use crate::serve::meter::Meter;
 pub(super) struct Relay {
     pub status: u16,
     pub sse: bool,
+    /// The body's declared length (`content-length`, passed on to the client), when it has one.
+    pub length: Option<u64>,
     /// When the request went out.
     pub sent_at: Instant,
 }
@@ -49,6 +51,7 @@ pub(super) async fn relay<D: Downstream>(
     let mut meter = Meter::new(r.sse, a.strip_usage);
     let mut tpot = TpotClock::default();
     let (mut stalled, mut completed, mut first) = (false, true, true);
+    let mut written = 0u64;
     loop {
         // A worker sends a stream's headers at once and its first chunk with the first token: until then the
         // request may still be queued or in prefill, which the first-byte budget covers, not the idle timeout.
@@ -58,8 +61,16 @@ pub(super) async fn relay<D: Downstream>(
         };
         // The client may leave while the worker is silent (a split's decode worker waits for the prompt's KV
         // before its first token): noticed now, not at the next write, so the worker drops the request at once.
-        let Some(next) = unless_client_leaves(down, tokio::time::timeout(wait, body.frame())).await else {
-            return r.cut(&mut meter);
+        // Once a body of declared length is all out, the client has its whole answer and may send its next request
+        // on the connection at once: it is not watched then, as watching reads from the connection (a byte of that
+        // next request would be taken: its method read as `OST`, a 404).
+        let next = tokio::time::timeout(wait, body.frame());
+        let next = match r.length.is_some_and(|n| written >= n) {
+            true => next.await,
+            false => match unless_client_leaves(down, next).await {
+                Some(next) => next,
+                None => return r.cut(&mut meter),
+            },
         };
         match next {
             Ok(None) => break,
@@ -68,6 +79,7 @@ pub(super) async fn relay<D: Downstream>(
                 if let Ok(data) = frame.into_data() {
                     let out = meter.feed(&data);
                     tpot.saw(meter.tokens_sent(), Instant::now());
+                    written += out.len() as u64;
                     if !out.is_empty() && down.write_body(Some(out), false).await.is_err() {
                         // Dropping the upstream body closes that connection, and the worker aborts the request.
                         return r.cut(&mut meter);

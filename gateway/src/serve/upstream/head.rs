@@ -28,6 +28,11 @@ pub(super) fn is_sse(parts: &Parts) -> bool {
         .is_some_and(|v| v.starts_with("text/event-stream"))
 }
 
+/// The body's declared length (`content-length`), which the client gets too.
+pub(super) fn content_length(parts: &Parts) -> Option<u64> {
+    parts.headers.get(hyper::header::CONTENT_LENGTH)?.to_str().ok()?.trim().parse().ok()
+}
+
 /// `Err`: a gateway header's value is not a valid header value (a worker id or class name with control characters).
 pub(super) fn response_head(parts: &Parts, a: &Attempt<'_>) -> Result<Head, String> {
     let mut headers = Vec::with_capacity(parts.headers.len() + 4);

@@ -146,6 +146,7 @@ pub async fn forward<D: Downstream>(
     };
     let status = parts.status.as_u16();
     let sse = head::is_sse(&parts);
+    let length = head::content_length(&parts);
     let head = match head::response_head(&parts, a) {
         Ok(h) => h,
         Err(e) => return Outcome::Failed(ApiError::internal(e)),
@@ -157,7 +158,7 @@ pub async fn forward<D: Downstream>(
     }
     // From here on bytes reached the client: no retry.
     match early {
-        Ok(body) => body::relay(down, a, body::Relay { status, sse, sent_at: sent.at }, body).await,
+        Ok(body) => body::relay(down, a, body::Relay { status, sse, length, sent_at: sent.at }, body).await,
         Err(bytes) => {
             // A 503 that was not a refusal: its body was read already.
             let ok = down.write_body(Some(bytes), true).await.is_ok();
