@@ -30,18 +30,20 @@ pub struct Executed {
 }
 
 /// One process's `/metrics` text (`base`: its HTTP URL, or a gateway's control URL).
+/// Within 5 s, body included: every await of the executor is bounded.
 pub async fn metrics_text(base: &str) -> Result<String, String> {
+    use http_body_util::BodyExt;
     let client =
         hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new()).build_http();
     let req = hyper::Request::get(format!("{base}/metrics"))
         .body(http_body_util::Full::new(bytes::Bytes::new()))
         .map_err(|e| e.to_string())?;
-    let resp = tokio::time::timeout(Duration::from_secs(5), client.request(req))
-        .await
-        .map_err(|_| "timeout".to_string())?
-        .map_err(|e| e.to_string())?;
-    use http_body_util::BodyExt;
-    let body = resp.into_body().collect().await.map_err(|e| e.to_string())?.to_bytes();
+    let read = async {
+        let resp = client.request(req).await.map_err(|e| e.to_string())?;
+        resp.into_body().collect().await.map(|b| b.to_bytes()).map_err(|e| e.to_string())
+    };
+    let body =
+        tokio::time::timeout(Duration::from_secs(5), read).await.map_err(|_| "timeout".to_string())??;
     Ok(String::from_utf8_lossy(&body).into_owned())
 }
 
@@ -131,94 +133,80 @@ fn fill(dir: &std::path::Path) -> Result<u64, String> {
     }
 }
 
-/// Carries out the schedule: each fault at its start, undone at its end.
-pub async fn execute(
-    d: &tokio::sync::Mutex<Deployment>,
-    drive: &Drive,
-    faults: &[Fault],
+/// The executor's state across faults.
+struct Executor<'a> {
+    ex: Executed,
+    drive: &'a Drive,
     seed: u64,
     tenants: usize,
-) -> Executed {
-    let mut ex = Executed::default();
-    let mut clients = Vec::new();
-    let mut disk_before: Option<(f64, f64)> = None;
-    let now = || drive.started.elapsed().as_secs_f64();
-    for f in faults {
-        tokio::time::sleep(Duration::from_secs_f64((f.start_s - now()).max(0.0))).await;
-        eprintln!("fault {} on {} at {:.1} s", f.kind.as_str(), f.target, f.start_s);
-        {
-            let mut d = d.lock().await;
-            let r = match f.kind {
-                FaultKind::KillWorker => {
-                    ex.kill_worker(&mut d, f.target, now()).await;
-                    Ok(())
+    /// The client loops a fault started (slow readers, a burst), awaited at the end.
+    clients: Vec<tokio::task::JoinHandle<()>>,
+    /// The SSD tier's (written, dropped) when it was filled.
+    disk_before: Option<(f64, f64)>,
+}
+
+impl Executor<'_> {
+    fn now(&self) -> f64 {
+        self.drive.started.elapsed().as_secs_f64()
+    }
+
+    /// Carries out fault `f`.
+    async fn start(&mut self, d: &mut Deployment, f: &Fault) -> Result<(), String> {
+        match f.kind {
+            FaultKind::KillWorker => self.ex.kill_worker(d, f.target, self.now()).await,
+            FaultKind::KillPrefill => {
+                let held = await_transfer(&d.workers[PREFILL]).await;
+                let at = self.now();
+                self.ex.kill_worker(d, f.target, at).await;
+                self.ex.notes.push(match held {
+                    Some(n) => format!("kill_prefill at {at:.1} s: killed holding {n} transfer lease(s)"),
+                    None => format!(
+                        "kill_prefill at {at:.1} s: no transfer in flight within {PREFILL_KILL_WAIT:?}; killed idle"
+                    ),
+                });
+            }
+            FaultKind::StopWorker => return d.workers[f.target].signal("-STOP"),
+            FaultKind::RestartRedis => d.redis.kill(),
+            FaultKind::RestartGateway => self.ex.kill_gateway(d, f.target, self.now()).await,
+            FaultKind::FillSsd => {
+                if let Err(why) = &d.ssd_mounted {
+                    return Err(format!("no tmpfs of its own to fill ({why})"));
                 }
-                FaultKind::KillPrefill => {
-                    let held = await_transfer(&d.workers[PREFILL]).await;
-                    let at = now();
-                    ex.kill_worker(&mut d, f.target, at).await;
-                    ex.notes.push(match held {
-                        Some(n) => format!("kill_prefill at {at:.1} s: killed holding {n} transfer lease(s)"),
-                        None => format!(
-                            "kill_prefill at {at:.1} s: no transfer in flight within {PREFILL_KILL_WAIT:?}; killed idle"
-                        ),
-                    });
-                    Ok(())
+                self.disk_before = disk_writes(&d.workers[f.target]).await;
+                let n = fill(&d.ssd_dir)?;
+                let at = self.now();
+                self.ex
+                    .notes
+                    .push(format!("fill_ssd at {at:.1} s: {} MiB written, the tmpfs is full", n >> 20));
+            }
+            FaultKind::SlowClients => {
+                for i in 0..8 {
+                    let tenant = i % self.tenants;
+                    let l = slow_loop(self.drive.clone(), tenant, self.seed + i as u64, f.end_s);
+                    self.clients.push(tokio::spawn(l));
                 }
-                FaultKind::StopWorker => d.workers[f.target].signal("-STOP"),
-                FaultKind::RestartRedis => {
-                    d.redis.kill();
-                    Ok(())
+            }
+            FaultKind::BudgetBurst => {
+                for i in 0..4 {
+                    let l = burst_loop(self.drive.clone(), f.target, self.seed + i, f.end_s);
+                    self.clients.push(tokio::spawn(l));
                 }
-                FaultKind::RestartGateway => {
-                    ex.kill_gateway(&mut d, f.target, now()).await;
-                    Ok(())
-                }
-                FaultKind::FillSsd => match &d.ssd_mounted {
-                    Ok(()) => {
-                        disk_before = disk_writes(&d.workers[f.target]).await;
-                        fill(&d.ssd_dir).map(|n| {
-                            let at = now();
-                            ex.notes.push(format!(
-                                "fill_ssd at {at:.1} s: {} MiB written, the tmpfs is full",
-                                n >> 20
-                            ))
-                        })
-                    }
-                    Err(why) => Err(format!("no tmpfs of its own to fill ({why})")),
-                },
-                FaultKind::SlowClients => {
-                    for i in 0..8 {
-                        clients.push(tokio::spawn(slow_loop(
-                            drive.clone(),
-                            i % tenants,
-                            seed + i as u64,
-                            f.end_s,
-                        )));
-                    }
-                    Ok(())
-                }
-                FaultKind::BudgetBurst => {
-                    for i in 0..4 {
-                        clients.push(tokio::spawn(burst_loop(drive.clone(), f.target, seed + i, f.end_s)));
-                    }
-                    Ok(())
-                }
-            };
-            if let Err(e) = r {
-                ex.notes.push(format!("{} at {:.1} s could not start: {e}", f.kind.as_str(), f.start_s));
             }
         }
-        tokio::time::sleep(Duration::from_secs_f64((f.end_s - now()).max(0.0))).await;
-        let mut d = d.lock().await;
-        let r = match f.kind {
+        Ok(())
+    }
+
+    /// Undoes fault `f`.
+    async fn end(&mut self, d: &mut Deployment, f: &Fault) -> Result<(), String> {
+        match f.kind {
             FaultKind::KillWorker | FaultKind::KillPrefill => d.workers[f.target].restart(),
             FaultKind::StopWorker => d.workers[f.target].signal("-CONT"),
             FaultKind::RestartRedis => d.redis.restart(),
             FaultKind::RestartGateway => d.gateways[f.target].restart(),
             FaultKind::FillSsd => {
-                if let (Some(b), Some(a)) = (disk_before, disk_writes(&d.workers[f.target]).await) {
-                    ex.notes.push(format!(
+                if let (Some(b), Some(a)) = (self.disk_before.take(), disk_writes(&d.workers[f.target]).await)
+                {
+                    self.ex.notes.push(format!(
                         "fill_ssd: while full, the SSD tier wrote {} blocks and dropped {} writes",
                         a.0 - b.0,
                         a.1 - b.1
@@ -230,16 +218,36 @@ pub async fn execute(
                 }
             }
             FaultKind::SlowClients | FaultKind::BudgetBurst => Ok(()),
-        };
-        if let Err(e) = r {
-            ex.notes.push(format!("{} could not end: {e}", f.kind.as_str()));
         }
-        eprintln!("fault {} ended at {:.1} s", f.kind.as_str(), now());
     }
-    for c in clients {
+}
+
+/// Carries out the schedule: each fault at its start, undone at its end.
+pub async fn execute(
+    d: &tokio::sync::Mutex<Deployment>,
+    drive: &Drive,
+    faults: &[Fault],
+    seed: u64,
+    tenants: usize,
+) -> Executed {
+    let mut x =
+        Executor { ex: Executed::default(), drive, seed, tenants, clients: Vec::new(), disk_before: None };
+    for f in faults {
+        tokio::time::sleep(Duration::from_secs_f64((f.start_s - x.now()).max(0.0))).await;
+        eprintln!("fault {} on {} at {:.1} s", f.kind.as_str(), f.target, f.start_s);
+        if let Err(e) = x.start(&mut *d.lock().await, f).await {
+            x.ex.notes.push(format!("{} at {:.1} s could not start: {e}", f.kind.as_str(), f.start_s));
+        }
+        tokio::time::sleep(Duration::from_secs_f64((f.end_s - x.now()).max(0.0))).await;
+        if let Err(e) = x.end(&mut *d.lock().await, f).await {
+            x.ex.notes.push(format!("{} could not end: {e}", f.kind.as_str()));
+        }
+        eprintln!("fault {} ended at {:.1} s", f.kind.as_str(), x.now());
+    }
+    for c in x.clients.drain(..) {
         let _ = c.await;
     }
-    ex
+    x.ex
 }
 
 /// What is still held after the quiet period: each worker's KV blocks not all free, requests queued or running,

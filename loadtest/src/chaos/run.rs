@@ -146,6 +146,121 @@ fn ttft(outcomes: &[Outcome], faults: &[Fault], in_faults: bool) -> (f64, f64) {
     (crate::stats::percentile(&v, 0.5), crate::stats::percentile(&v, 0.99))
 }
 
+/// The run's fault schedule.
+fn schedule_for(spec: &ChaosSpec) -> Vec<Fault> {
+    schedule(&ScheduleSpec {
+        seed: spec.seed,
+        duration: spec.duration,
+        warmup: Duration::from_secs(15).min(spec.duration / 4),
+        length: (Duration::from_secs(5), Duration::from_secs(12)),
+        gap: (Duration::from_secs(10), Duration::from_secs(20)),
+        workers: WORKERS,
+        prefill: PREFILL,
+        tiered: TIERED,
+        gateways: GATEWAYS,
+        tenants: TENANTS,
+    })
+}
+
+/// A process's memory, sampled: (seconds, name, pid, MiB).
+type Sample = (f64, String, u32, f64);
+
+/// Drives the clients to the run's end while the executor works through `faults`, sampling every process's memory
+/// all along; then the deployment back, what the executor saw, and the samples.
+async fn drive_and_fault(
+    d: Deployment,
+    drive: &Drive,
+    faults: &[Fault],
+    spec: &ChaosSpec,
+) -> (Deployment, Executed, Vec<Sample>) {
+    let until = spec.duration.as_secs_f64();
+    let mut loops = Vec::new();
+    for t in 0..TENANTS {
+        for s in 0..spec.concurrency {
+            loops.push(tokio::spawn(tenant_loop(drive.clone(), t, s, spec.seed, until)));
+        }
+    }
+    let d = tokio::sync::Mutex::new(d);
+    let mut timeline = Vec::new();
+    let executed = {
+        let exec = async {
+            let ex = execute(&d, drive, faults, spec.seed, TENANTS).await;
+            for l in loops {
+                let _ = l.await;
+            }
+            ex
+        };
+        tokio::pin!(exec);
+        let mut tick = tokio::time::interval(SAMPLE_EVERY);
+        loop {
+            tokio::select! {
+                ex = &mut exec => break ex,
+                _ = tick.tick() => {
+                    // Never wait for the lock here: the executor holds it across awaits (a prefill kill waits for
+                    // a transfer), and it is polled only by this loop, so waiting would stop both for good. A
+                    // sample that finds a fault being carried out is skipped.
+                    let Ok(d) = d.try_lock() else { continue };
+                    let t = drive.started.elapsed().as_secs_f64();
+                    for (name, pid, u) in resources(&d) {
+                        if let (Some(pid), Some((_, rss))) = (pid, u) {
+                            timeline.push((t, name, pid, rss as f64 / 1024.0));
+                        }
+                    }
+                }
+            }
+        }
+    };
+    (d.into_inner(), executed, timeline)
+}
+
+/// Each process's descriptors and memory now against its value at rest: a line per process, and the violations
+/// of the bounds (processes restarted during the run are not compared).
+fn drift(at_rest: &[Usage], now: &[Usage]) -> (Vec<String>, Vec<Violation>) {
+    let (mut seen, mut violations) = (Vec::new(), Vec::new());
+    let v = |invariant, detail| Violation { invariant, request: 0, detail, fault: None };
+    for ((name, pid0, u0), (_, pid1, u1)) in at_rest.iter().zip(now) {
+        let (Some((f0, r0)), Some((f1, r1))) = (u0, u1) else { continue };
+        if pid0 != pid1 {
+            seen.push(format!("{name}: restarted during the run (fds {f1}, rss {} MiB now)", r1 / 1024));
+            continue;
+        }
+        seen.push(format!("{name}: fds {f0} -> {f1}, rss {} -> {} MiB", r0 / 1024, r1 / 1024));
+        if f1 - f0 > FD_SLACK {
+            violations.push(v("fds_flat", format!("{name}: {f0} -> {f1}")));
+        }
+        let cpu = [PREFILL, DECODE].iter().any(|i| *name == format!("worker-w{i}"));
+        let bound = if name.starts_with("gateway") {
+            *r0 as f64 + GATEWAY_RSS_GROWTH_MIB * 1024.0
+        } else if cpu {
+            *r0 as f64 + CPU_WORKER_RSS_GROWTH_MIB * 1024.0
+        } else {
+            *r0 as f64 * (1.0 + RSS_GROWTH) + 32.0 * 1024.0
+        };
+        if *r1 as f64 > bound {
+            violations.push(v("rss_bounded", format!("{name}: {r0} -> {r1} KiB")));
+        }
+    }
+    (seen, violations)
+}
+
+/// Requests by kind, by route and errors by code.
+#[allow(clippy::type_complexity)]
+fn counts(
+    outcomes: &[Outcome],
+) -> (BTreeMap<String, usize>, BTreeMap<String, usize>, BTreeMap<String, usize>) {
+    let (mut by_kind, mut by_route, mut errors) = (BTreeMap::new(), BTreeMap::new(), BTreeMap::new());
+    for o in outcomes {
+        *by_kind.entry(format!("{:?}", o.kind).to_lowercase()).or_insert(0) += 1;
+        if let Some(r) = &o.route {
+            *by_route.entry(r.clone()).or_insert(0) += 1;
+        }
+        if let Some(c) = &o.code {
+            *errors.entry(c.clone()).or_insert(0) += 1;
+        }
+    }
+    (by_kind, by_route, errors)
+}
+
 /// Runs the whole thing; `Err` only when the run could not be carried out (violations are in the summary).
 pub async fn run(spec: &ChaosSpec) -> Result<Summary, String> {
     let deploy = DeploySpec {
@@ -157,130 +272,39 @@ pub async fn run(spec: &ChaosSpec) -> Result<Summary, String> {
         profile: spec.profile.clone(),
     };
     let d = Deployment::start(&deploy).await?;
-    let faults = schedule(&ScheduleSpec {
-        seed: spec.seed,
-        duration: spec.duration,
-        warmup: Duration::from_secs(15).min(spec.duration / 4),
-        length: (Duration::from_secs(5), Duration::from_secs(12)),
-        gap: (Duration::from_secs(10), Duration::from_secs(20)),
-        workers: WORKERS,
-        prefill: PREFILL,
-        tiered: TIERED,
-        gateways: GATEWAYS,
-        tenants: TENANTS,
-    });
+    let faults = schedule_for(spec);
     let at_rest = resources(&d);
     let gateways: Vec<String> = d.gateways.iter().map(|g| g.url.clone()).collect();
-    let drive = Drive::new(
-        gateways,
-        "kvgate-tiny",
-        Duration::from_secs_f64(LIMITS.request_s + LIMITS.slack_s + 30.0),
-    );
-    let until = spec.duration.as_secs_f64();
-    let mut loops = Vec::new();
-    for t in 0..TENANTS {
-        for s in 0..spec.concurrency {
-            loops.push(tokio::spawn(tenant_loop(drive.clone(), t, s, spec.seed, until)));
-        }
-    }
-    let d = tokio::sync::Mutex::new(d);
-    let mut rss_timeline = Vec::new();
-    let mut executed: Executed;
-    {
-        // The faults, then the clients to their end, sampled all along.
-        let exec = async {
-            let ex = execute(&d, &drive, &faults, spec.seed, TENANTS).await;
-            for l in loops {
-                let _ = l.await;
-            }
-            ex
-        };
-        tokio::pin!(exec);
-        let mut tick = tokio::time::interval(SAMPLE_EVERY);
-        loop {
-            tokio::select! {
-                ex = &mut exec => {
-                    executed = ex;
-                    break;
-                }
-                _ = tick.tick() => {
-                    let t = drive.started.elapsed().as_secs_f64();
-                    for (name, pid, u) in resources(&*d.lock().await) {
-                        if let (Some(pid), Some((_, rss))) = (pid, u) {
-                            rss_timeline.push((t, name, pid, rss as f64 / 1024.0));
-                        }
-                    }
-                }
-            }
-        }
-    }
+    let give_up = Duration::from_secs_f64(LIMITS.request_s + LIMITS.slack_s + 30.0);
+    let drive = Drive::new(gateways, "kvgate-tiny", give_up);
+    let (d, mut executed, rss_timeline) = drive_and_fault(d, &drive, &faults, spec).await;
     tokio::time::sleep(QUIET).await;
-    let d = d.into_inner();
     let outcomes = drive.ledger.lock().unwrap_or_else(|e| e.into_inner()).clone();
     let mut violations = check(&outcomes, &faults, &LIMITS);
     executed.scrape_all(&d).await;
     let tenant = |i: usize| format!("t{i}");
     violations.extend(charges::check(&outcomes, &executed.counters, &executed.blind, &tenant));
-    let mut resources_seen = Vec::new();
-    for (name, msg) in held(&d).await.into_iter().map(|m| ("resources_back", m)) {
-        violations.push(Violation { invariant: name, request: 0, detail: msg, fault: None });
+    for detail in held(&d).await {
+        violations.push(Violation { invariant: "resources_back", request: 0, detail, fault: None });
     }
-    for ((name, pid0, u0), (_, pid1, u1)) in at_rest.iter().zip(resources(&d)) {
-        let (Some((f0, r0)), Some((f1, r1))) = (u0, u1) else { continue };
-        if *pid0 != pid1 {
-            resources_seen
-                .push(format!("{name}: restarted during the run (fds {f1}, rss {} MiB now)", r1 / 1024));
-            continue;
-        }
-        resources_seen.push(format!("{name}: fds {f0} -> {f1}, rss {} -> {} MiB", r0 / 1024, r1 / 1024));
-        if f1 - f0 > FD_SLACK {
-            violations.push(Violation {
-                invariant: "fds_flat",
-                request: 0,
-                detail: format!("{name}: {f0} -> {f1}"),
-                fault: None,
-            });
-        }
-        let cpu = [PREFILL, DECODE].iter().any(|i| *name == format!("worker-w{i}"));
-        let bound = if name.starts_with("gateway") {
-            *r0 as f64 + GATEWAY_RSS_GROWTH_MIB * 1024.0
-        } else if cpu {
-            *r0 as f64 + CPU_WORKER_RSS_GROWTH_MIB * 1024.0
-        } else {
-            *r0 as f64 * (1.0 + RSS_GROWTH) + 32.0 * 1024.0
-        };
-        if r1 as f64 > bound {
-            let detail = format!("{name}: {r0} -> {r1} KiB");
-            violations.push(Violation { invariant: "rss_bounded", request: 0, detail, fault: None });
-        }
-    }
+    let (resources_seen, drifted) = drift(&at_rest, &resources(&d));
+    violations.extend(drifted);
     violations.extend(levelled_off(&rss_timeline));
     let write =
         |name: &str, text: String| std::fs::write(spec.dir.join(name), text).map_err(|e| e.to_string());
     let lines: Vec<String> = outcomes.iter().filter_map(|o| serde_json::to_string(o).ok()).collect();
     write("outcomes.jsonl", lines.join("\n"))?;
     write("faults.json", serde_json::to_string_pretty(&faults).map_err(|e| e.to_string())?)?;
-    let mut by_kind = BTreeMap::new();
-    let mut by_route = BTreeMap::new();
-    for r in outcomes.iter().filter_map(|o| o.route.clone()) {
-        *by_route.entry(r).or_insert(0) += 1;
-    }
-    let mut errors_by_code = BTreeMap::new();
-    for o in &outcomes {
-        *by_kind.entry(format!("{:?}", o.kind).to_lowercase()).or_insert(0) += 1;
-        if let Some(c) = &o.code {
-            *errors_by_code.entry(c.clone()).or_insert(0) += 1;
-        }
-    }
+    let (by_kind, by_route, errors_by_code) = counts(&outcomes);
     let (q50, q99) = ttft(&outcomes, &faults, false);
     let (f50, f99) = ttft(&outcomes, &faults, true);
-    let recoveries = recovery(&outcomes, &faults, until);
     let summary = Summary {
         seed: spec.seed,
         duration_s: spec.duration.as_secs_f64(),
         requests: outcomes.len(),
         by_kind,
         errors_by_code,
+        recoveries: recovery(&outcomes, &faults, spec.duration.as_secs_f64()),
         faults,
         fault_notes: executed.notes.clone(),
         by_route,
@@ -290,7 +314,6 @@ pub async fn run(spec: &ChaosSpec) -> Result<Summary, String> {
         ttft_p99_ms_quiet: q99,
         ttft_p50_ms_faults: f50,
         ttft_p99_ms_faults: f99,
-        recoveries,
         rss_timeline,
         isolation_checked: outcomes.iter().filter(|o| o.first_shared && o.cached_tokens.is_some()).count(),
         violations,
