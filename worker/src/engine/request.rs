@@ -250,31 +250,51 @@ impl ExportSink {
 /// Bytes an export handed to its link and the link has not sent: bounded, so a decode peer that reads slowly holds
 /// back the export's prefill (back-pressure into the engine) rather than the prompt's whole KV piling up in host
 /// memory. At most one step's chunk past the bound is held.
+///
+/// Once the export ends ([`ExportBacklog::drain`]) the backlog is closed: what it held leaves the gauge, and a chunk
+/// the engine hands over after that (it may step the request once more before it sees the abort; the chunk is
+/// dropped with the closed channel) is not counted, so `kvgate_worker_kv_export_backlog_bytes` comes back to 0.
+/// Every change of the count and of the gauge is one atomic step of the same value.
 #[derive(Debug)]
 pub struct ExportBacklog {
     bytes: std::sync::atomic::AtomicUsize,
     limit: usize,
 }
 
+/// The count of a drained backlog.
+const DRAINED: usize = usize::MAX;
+
 impl ExportBacklog {
     pub fn new(limit: usize) -> Self {
         Self { bytes: std::sync::atomic::AtomicUsize::new(0), limit: limit.max(1) }
     }
-    fn add(&self, n: usize) {
-        self.bytes.fetch_add(n, std::sync::atomic::Ordering::AcqRel);
-        metrics::gauge!("kvgate_worker_kv_export_backlog_bytes").increment(n as f64);
+    fn update(&self, f: impl Fn(usize) -> usize) -> Option<usize> {
+        use std::sync::atomic::Ordering::{AcqRel, Acquire};
+        self.bytes.fetch_update(AcqRel, Acquire, |b| (b != DRAINED).then(|| f(b))).ok()
     }
-    /// `n` bytes handed over have left on the link (or were dropped with it).
+    fn add(&self, n: usize) {
+        if self.update(|b| b.saturating_add(n).min(DRAINED - 1)).is_some() {
+            metrics::gauge!("kvgate_worker_kv_export_backlog_bytes").increment(n as f64);
+        }
+    }
+    /// `n` bytes handed over have left on the link.
     pub fn sent(&self, n: usize) {
-        let _ = self.bytes.fetch_update(
-            std::sync::atomic::Ordering::AcqRel,
-            std::sync::atomic::Ordering::Acquire,
-            |b| Some(b.saturating_sub(n)),
-        );
-        metrics::gauge!("kvgate_worker_kv_export_backlog_bytes").decrement(n as f64);
+        if let Some(before) = self.update(|b| b.saturating_sub(n)) {
+            metrics::gauge!("kvgate_worker_kv_export_backlog_bytes").decrement(n.min(before) as f64);
+        }
+    }
+    /// The export ended: what it held is dropped with its link, and nothing more is counted.
+    pub fn drain(&self) {
+        let before = self.bytes.swap(DRAINED, std::sync::atomic::Ordering::AcqRel);
+        if before != DRAINED {
+            metrics::gauge!("kvgate_worker_kv_export_backlog_bytes").decrement(before as f64);
+        }
     }
     pub fn bytes(&self) -> usize {
-        self.bytes.load(std::sync::atomic::Ordering::Acquire)
+        match self.bytes.load(std::sync::atomic::Ordering::Acquire) {
+            DRAINED => 0,
+            b => b,
+        }
     }
     pub fn held(&self) -> bool {
         self.bytes() >= self.limit
@@ -356,5 +376,27 @@ mod tests {
         let p =
             SamplingParams { logit_bias: vec![(1, 1.0); MAX_LOGIT_BIAS + 1], ..SamplingParams::default() };
         assert_eq!(p.validate().expect_err("over the limit").0, "logit_bias");
+    }
+
+    /// The hour-long chaos run ended with 483,328 bytes in `kvgate_worker_kv_export_backlog_bytes` on the prefill
+    /// worker and nothing exporting: a chunk handed over after the export ended (the engine stepped the request
+    /// once more before it saw the abort) was counted and never sent. A drained backlog counts nothing more.
+    #[test]
+    fn an_export_backlog_drained_at_its_end_counts_no_later_chunk() {
+        let b = ExportBacklog::new(100);
+        b.add(60);
+        b.sent(20);
+        assert_eq!(b.bytes(), 40);
+        b.sent(1000);
+        assert_eq!(b.bytes(), 0, "never below zero");
+        b.add(150);
+        assert!(b.held());
+        b.drain();
+        assert_eq!(b.bytes(), 0);
+        assert!(!b.held());
+        b.add(70); // the engine's late chunk: dropped with the closed link, not counted
+        b.sent(10);
+        b.drain();
+        assert_eq!(b.bytes(), 0);
     }
 }

@@ -342,7 +342,7 @@ struct Drained(Arc<ExportBacklog>);
 
 impl Drop for Drained {
     fn drop(&mut self) {
-        self.0.sent(self.0.bytes());
+        self.0.drain();
     }
 }
 
