@@ -17,6 +17,23 @@ use super::deploy::{Deployment, Managed, PREFILL};
 use super::drive::{burst_loop, slow_loop, Drive};
 use super::schedule::{Fault, FaultKind};
 
+/// Why a fault could not be carried out or undone (recorded in the run's notes; the run goes on: the next fault is
+/// independent, so nothing is retried).
+#[derive(Debug, thiserror::Error)]
+pub enum FaultError {
+    /// The SSD directory is not a tmpfs of the run's own (no right to mount one).
+    #[error("no tmpfs of its own to fill ({0})")]
+    NoTmpfs(String),
+    /// Filling or freeing the directory failed other than by a full filesystem.
+    #[error("after {written} bytes: {source}")]
+    Fill { written: u64, source: std::io::Error },
+    #[error("freeing the filler: {0}")]
+    Free(std::io::Error),
+    /// Signalling or restarting a process failed (its message names it).
+    #[error("{0}")]
+    Process(String),
+}
+
 /// How long a prefill kill waits for a transfer in flight before it kills anyway (and says so).
 pub const PREFILL_KILL_WAIT: Duration = Duration::from_secs(4);
 
@@ -119,8 +136,9 @@ async fn disk_writes(w: &Managed) -> Option<(f64, f64)> {
 const FILLER: &str = "chaos-filler";
 
 /// Writes a filler into `dir` until its filesystem is full: the bytes written.
-fn fill(dir: &std::path::Path) -> Result<u64, String> {
-    let mut f = std::fs::File::create(dir.join(FILLER)).map_err(|e| e.to_string())?;
+fn fill(dir: &std::path::Path) -> Result<u64, FaultError> {
+    let mut f =
+        std::fs::File::create(dir.join(FILLER)).map_err(|source| FaultError::Fill { written: 0, source })?;
     let chunk = vec![0u8; 1 << 20];
     let mut written = 0u64;
     loop {
@@ -128,7 +146,7 @@ fn fill(dir: &std::path::Path) -> Result<u64, String> {
             Ok(0) => return Ok(written),
             Ok(n) => written += n as u64,
             Err(e) if e.raw_os_error() == Some(28) => return Ok(written), // ENOSPC: full
-            Err(e) => return Err(format!("after {written} bytes: {e}")),
+            Err(source) => return Err(FaultError::Fill { written, source }),
         }
     }
 }
@@ -151,7 +169,7 @@ impl Executor<'_> {
     }
 
     /// Carries out fault `f`.
-    async fn start(&mut self, d: &mut Deployment, f: &Fault) -> Result<(), String> {
+    async fn start(&mut self, d: &mut Deployment, f: &Fault) -> Result<(), FaultError> {
         match f.kind {
             FaultKind::KillWorker => self.ex.kill_worker(d, f.target, self.now()).await,
             FaultKind::KillPrefill => {
@@ -165,12 +183,12 @@ impl Executor<'_> {
                     ),
                 });
             }
-            FaultKind::StopWorker => return d.workers[f.target].signal("-STOP"),
+            FaultKind::StopWorker => return d.workers[f.target].signal("-STOP").map_err(FaultError::Process),
             FaultKind::RestartRedis => d.redis.kill(),
             FaultKind::RestartGateway => self.ex.kill_gateway(d, f.target, self.now()).await,
             FaultKind::FillSsd => {
                 if let Err(why) = &d.ssd_mounted {
-                    return Err(format!("no tmpfs of its own to fill ({why})"));
+                    return Err(FaultError::NoTmpfs(why.clone()));
                 }
                 self.disk_before = disk_writes(&d.workers[f.target]).await;
                 let n = fill(&d.ssd_dir)?;
@@ -197,12 +215,14 @@ impl Executor<'_> {
     }
 
     /// Undoes fault `f`.
-    async fn end(&mut self, d: &mut Deployment, f: &Fault) -> Result<(), String> {
+    async fn end(&mut self, d: &mut Deployment, f: &Fault) -> Result<(), FaultError> {
         match f.kind {
-            FaultKind::KillWorker | FaultKind::KillPrefill => d.workers[f.target].restart(),
-            FaultKind::StopWorker => d.workers[f.target].signal("-CONT"),
-            FaultKind::RestartRedis => d.redis.restart(),
-            FaultKind::RestartGateway => d.gateways[f.target].restart(),
+            FaultKind::KillWorker | FaultKind::KillPrefill => {
+                d.workers[f.target].restart().map_err(FaultError::Process)
+            }
+            FaultKind::StopWorker => d.workers[f.target].signal("-CONT").map_err(FaultError::Process),
+            FaultKind::RestartRedis => d.redis.restart().map_err(FaultError::Process),
+            FaultKind::RestartGateway => d.gateways[f.target].restart().map_err(FaultError::Process),
             FaultKind::FillSsd => {
                 if let (Some(b), Some(a)) = (self.disk_before.take(), disk_writes(&d.workers[f.target]).await)
                 {
@@ -213,7 +233,7 @@ impl Executor<'_> {
                     ));
                 }
                 match std::fs::remove_file(d.ssd_dir.join(FILLER)) {
-                    Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e.to_string()),
+                    Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(FaultError::Free(e)),
                     _ => Ok(()),
                 }
             }
