@@ -8,6 +8,8 @@
 //!   usage metering (`meter`), the request's trace (`spans`); it reaches the gateway through `host::ServeHost`;
 //! - [`control`]: the control listener (report ingest, metrics, worker states, upkeep), the admin REST API, API keys,
 //!   which `advertise_url`s a report may register (`trust`), the admin state file (`persist`), bearer checks (`auth`);
+//! - [`epp`]: the endpoint picker (`--epp-listen`): the same stages behind an Envoy `ext_proc` stream, answered
+//!   with the pick instead of forwarded;
 //! - [`pods`]: what the gateway learns from pods by itself: DNS discovery, metric scrapes, vLLM/SGLang KV events
 //!   (`vllm_events` decoding, `vllm_subscriber` over the bounded ZeroMQ client `zmtp`), P->D link probes;
 //! - [`replicas`]: the state gateway replicas share through Redis (budgets, admin state, sends, drains);
@@ -19,6 +21,7 @@
 
 pub mod config;
 pub mod control;
+pub mod epp;
 pub mod errors;
 pub mod pods;
 pub mod replicas;

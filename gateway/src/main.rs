@@ -133,6 +133,13 @@ fn main() -> ExitCode {
         }
     }
 
+    if let Some(addr) = &cfg.epp_listen {
+        if let Err(e) = kvgate_gateway::epp::spawn(state.clone(), addr, cfg.epp_max_streams, cfg.threads) {
+            eprintln!("kvgate-gateway: endpoint picker: {e}");
+            return ExitCode::FAILURE;
+        }
+        println!("kvgate-gateway endpoint picker (ext_proc, gRPC) listening on {addr}");
+    }
     let conf = ServerConf {
         threads: cfg.threads,
         pid_file: std::env::temp_dir()

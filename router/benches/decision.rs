@@ -98,6 +98,7 @@ fn bench(c: &mut Criterion) {
                     session_key: hashes[SHARED_BLOCKS].0,
                     shared_blocks: SHARED_BLOCKS,
                     block_size: 16,
+                    only: None,
                 };
                 let routed = router.route(&mut reg, &input, 3, at).expect("routed");
                 let pick = routed.candidates[0].id.clone();

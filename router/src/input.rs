@@ -16,4 +16,15 @@ pub struct RouteInput<'a> {
     pub shared_blocks: usize,
     /// Tokens per block of the model's hash scheme.
     pub block_size: usize,
+    /// The workers it may go to, by address (`host:port`, [`url_address`]): a proxy's candidate subset (the
+    /// endpoint picker's subset hint). `None`: any.
+    pub only: Option<&'a [String]>,
+}
+
+/// A worker URL's address, `host:port`: without its scheme, path or fragment (`http://10.0.0.1:8000/#dp1` is
+/// `10.0.0.1:8000`).
+pub fn url_address(url: &str) -> &str {
+    let rest = url.split_once("://").map_or(url, |(_, r)| r);
+    let end = rest.find(['/', '#', '?']).unwrap_or(rest.len());
+    &rest[..end]
 }

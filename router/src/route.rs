@@ -271,6 +271,14 @@ fn decide(
     let starts = root_starts(policy, &req, input);
     let (views, registry_index) =
         reg.focused_views(input.model, input.hashes, input.session_key, starts, now);
+    let (views, registry_index) = match input.only {
+        None => (views, registry_index),
+        Some(only) => views
+            .into_iter()
+            .zip(registry_index)
+            .filter(|(_, i)| only.iter().any(|a| a == crate::input::url_address(&reg.workers()[*i].url)))
+            .unzip(),
+    };
     let mut d = policy.choose(&req, &views, reg.ring(), input.block_size)?;
     prefill_workers_last(reg, &registry_index, &views, input, &mut d);
     let considered = split.and_then(|ask| plan(reg, &views, &registry_index, *d.ranked.first()?, input, ask));
@@ -334,6 +342,7 @@ mod tests {
             session_key: 0,
             shared_blocks: 0,
             block_size: 16,
+            only: None,
         }
     }
 

@@ -39,6 +39,14 @@ pub struct GatewayArgs {
     /// Control listener (metrics, report ingest, admin).
     #[arg(long, env = "KVGATE_GATEWAY_CONTROL_LISTEN", default_value = "0.0.0.0:8081")]
     pub control_listen: Option<String>,
+    /// Endpoint picker listener: Envoy's ext_proc gRPC service (h2c) and the gRPC health service, for an
+    /// Envoy-based Kubernetes inference gateway (docs/operating/epp.md). Default none: off.
+    #[arg(long, env = "KVGATE_GATEWAY_EPP_LISTEN")]
+    pub epp_listen: Option<String>,
+    /// Most ext_proc streams (requests) the endpoint picker holds at once; beyond it a request is answered 503
+    /// `epp_overloaded` through the proxy.
+    #[arg(long, env = "KVGATE_GATEWAY_EPP_MAX_STREAMS", default_value = kvgate_shared::default_text!(crate::epp::DEFAULT_MAX_STREAMS))]
+    pub epp_max_streams: Option<usize>,
     /// Static worker base URL (repeatable; env: comma-separated). Workers also register by reporting.
     #[arg(long = "worker", env = "KVGATE_GATEWAY_WORKERS", value_delimiter = ',')]
     pub workers: Option<Vec<String>>,
@@ -260,6 +268,8 @@ pub struct GatewayArgs {
 pub struct GatewayConfig {
     pub listen: String,
     pub control_listen: String,
+    pub epp_listen: Option<String>,
+    pub epp_max_streams: usize,
     pub workers: Vec<String>,
     pub policy: String,
     pub split_policy: String,
@@ -412,6 +422,8 @@ impl GatewayArgs {
         let mut cfg = GatewayConfig {
             listen: set!(listen),
             control_listen: set!(control_listen),
+            epp_listen: pick!(epp_listen).filter(|a| !a.is_empty()),
+            epp_max_streams: set!(epp_max_streams),
             workers: pick!(workers).unwrap_or_default().into_iter().filter(|w| !w.is_empty()).collect(),
             policy: set!(policy),
             split_policy: set!(split_policy),
@@ -539,7 +551,10 @@ impl GatewayConfig {
         if !POLICIES.contains(&self.policy.as_str()) {
             p.push(format!("policy {:?} is not one of {}", self.policy, POLICIES.join(", ")));
         }
-        for (name, addr) in [("listen", &self.listen), ("control-listen", &self.control_listen)] {
+        let epp = self.epp_listen.iter().map(|a| ("epp-listen", a));
+        for (name, addr) in
+            [("listen", &self.listen), ("control-listen", &self.control_listen)].into_iter().chain(epp)
+        {
             if addr.parse::<std::net::SocketAddr>().is_err() {
                 p.push(format!("{name} {addr:?} is not an address like 0.0.0.0:8080"));
             }
@@ -587,6 +602,7 @@ impl GatewayConfig {
         }
         for (name, v) in [
             ("max-connections", self.max_connections),
+            ("epp-max-streams", self.epp_max_streams),
             ("tokenize-threads", self.tokenize_threads),
             ("tokenize-queue", self.tokenize_queue),
             ("max-attempts", self.max_attempts),

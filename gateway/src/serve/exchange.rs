@@ -93,6 +93,7 @@ pub fn identify<'h>(
         session: text(SESSION_HEADER),
         class: text(CLASS_HEADER),
         forwardable: FORWARDABLE.iter().filter_map(|n| Some((*n, header(n)?.clone()))).collect(),
+        subset: None,
     })
 }
 
@@ -164,7 +165,7 @@ pub fn price<'s>(
                 let reg = host.registry();
                 host.router().dry_run_split(
                     &reg,
-                    &prep.route_input(),
+                    &incoming.within(prep.route_input()),
                     max_candidates,
                     ask.as_ref(),
                     Instant::now(),
@@ -196,10 +197,11 @@ pub async fn admit<'s, C: Client>(
 /// Stage 6.
 pub fn route(
     host: &Arc<dyn ServeHost>,
+    incoming: &Incoming,
     prep: &Prepared,
     a: &Admitted<'_>,
 ) -> Result<RoutedRequest, ApiError> {
-    let input = prep.route_input();
+    let input = incoming.within(prep.route_input());
     let max = host.cfg().max_attempts;
     let decided_at = Instant::now();
     let routed = {
@@ -280,7 +282,7 @@ pub async fn serve<D: Downstream, E: Endpoint>(
     ctx.admission_wait = admitted.permit.waited;
     stage(ctx, "admit", t1, &|| vec![("kvgate.class", Value::from(ctx.class.as_str()))]);
     let t2 = Instant::now();
-    let routed = route(host, &prep, &admitted)?;
+    let routed = route(host, &incoming, &prep, &admitted)?;
     stage(ctx, "route", t2, &|| {
         let r = &routed.routed;
         let picked = r.candidates.first().map_or("", |c| c.id.as_str());

@@ -177,6 +177,7 @@ mod tests {
                 (CACHE_SALT_HEADER, v("salt")),
                 ("authorization", v("Bearer client-key")),
             ],
+            subset: None,
         }
     }
 

@@ -72,6 +72,7 @@ impl PreparedRequest {
             session_key: self.session_key,
             shared_blocks: self.shared_blocks,
             block_size: self.block_size,
+            only: None,
         }
     }
 }

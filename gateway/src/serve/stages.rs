@@ -34,6 +34,15 @@ pub struct Incoming {
     pub class: Option<String>,
     /// The client headers a worker may get (`outbound::forwarded_headers` picks among them).
     pub forwardable: Vec<(&'static str, HeaderValue)>,
+    /// The workers it may go to, by address (an endpoint picker's subset hint); `None`: any.
+    pub subset: Option<Vec<String>>,
+}
+
+impl Incoming {
+    /// `input` kept to the workers this request may go to.
+    pub fn within<'a>(&'a self, input: RouteInput<'a>) -> RouteInput<'a> {
+        RouteInput { only: self.subset.as_deref(), ..input }
+    }
 }
 
 /// A request made ready by its endpoint: what every later stage reads, whatever the endpoint.
@@ -71,6 +80,7 @@ impl Prepared {
                 session_key: 0,
                 shared_blocks: 0,
                 block_size: 1,
+                only: None,
             },
         }
     }

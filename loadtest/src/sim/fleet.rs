@@ -301,6 +301,7 @@ impl<'a> Fleet<'a> {
             session_key: ring.key,
             shared_blocks: ring.shared_blocks,
             block_size: self.cfg.block_size as usize,
+            only: None,
         }
     }
 

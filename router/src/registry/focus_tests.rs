@@ -69,6 +69,7 @@ fn input(hashes: &[BlockHash], session: u64) -> RouteInput<'_> {
         session_key: session,
         shared_blocks: SHARED,
         block_size: 16,
+        only: None,
     }
 }
 

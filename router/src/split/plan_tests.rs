@@ -73,7 +73,15 @@ fn prompt() -> Vec<BlockHash> {
 }
 
 fn input(hashes: &[BlockHash]) -> RouteInput<'_> {
-    RouteInput { model: "m", hashes, prompt_tokens: 1024, session_key: 7, shared_blocks: 0, block_size: 16 }
+    RouteInput {
+        model: "m",
+        hashes,
+        prompt_tokens: 1024,
+        session_key: 7,
+        shared_blocks: 0,
+        block_size: 16,
+        only: None,
+    }
 }
 
 /// A prefill worker, a decode worker, and an idle-looking `both` worker (the local pick) whose decodes

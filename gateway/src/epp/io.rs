@@ -1,0 +1,160 @@
+//! One ext_proc stream's two directions ([`StreamIo`]: the proxy's messages in, the picker's answers out) and the
+//! request as the exchange's stages read it ([`EppClient`], a `serve::downstream::Client`): its headers from the
+//! proxy's request headers message, its body from the body messages that follow, and the client gone when the
+//! proxy closes the stream.
+//!
+//! Invariants: the body is read once, refused past the limit given (nothing past it is kept); at most
+//! [`MAX_STASHED`] messages that arrive while the picker waits (for the class budget) are kept for later, a proxy
+//! that sends more is treated as gone; at most [`MAX_HEADERS`] request headers are read.
+
+use std::collections::VecDeque;
+
+use bytes::{Bytes, BytesMut};
+use envoy_types::pb::envoy::service::ext_proc::v3::{
+    processing_request::Request, ProcessingRequest, ProcessingResponse,
+};
+use hyper::header::{HeaderMap, HeaderName, HeaderValue};
+use tokio::sync::mpsc;
+use tonic::{Status, Streaming};
+
+use crate::errors::ApiError;
+use crate::serve::downstream::Client;
+
+/// Messages kept while the picker waits for something else (request trailers, a stray message).
+pub const MAX_STASHED: usize = 4;
+/// Request headers read (Envoy bounds them too: 100 by default).
+pub const MAX_HEADERS: usize = 256;
+
+/// The answers' queue of one stream.
+pub type Answers = mpsc::Sender<Result<ProcessingResponse, Status>>;
+
+/// An ext_proc stream, both ways.
+pub struct StreamIo {
+    inbound: Streaming<ProcessingRequest>,
+    out: Answers,
+    stash: VecDeque<ProcessingRequest>,
+    closed: bool,
+}
+
+impl StreamIo {
+    pub fn new(inbound: Streaming<ProcessingRequest>, out: Answers) -> Self {
+        Self { inbound, out, stash: VecDeque::new(), closed: false }
+    }
+
+    /// The proxy's next message; `None` when it closed the stream (or sent something that is not a message).
+    pub async fn next(&mut self) -> Option<ProcessingRequest> {
+        if let Some(m) = self.stash.pop_front() {
+            return Some(m);
+        }
+        self.receive().await
+    }
+
+    async fn receive(&mut self) -> Option<ProcessingRequest> {
+        if self.closed {
+            return None;
+        }
+        match self.inbound.message().await {
+            Ok(Some(m)) => Some(m),
+            Ok(None) | Err(_) => {
+                self.closed = true;
+                None
+            }
+        }
+    }
+
+    /// Sends answers in order; `false` when the proxy is gone.
+    pub async fn send(&self, answers: impl IntoIterator<Item = ProcessingResponse>) -> bool {
+        for a in answers {
+            if self.out.send(Ok(a)).await.is_err() {
+                return false;
+            }
+        }
+        true
+    }
+
+    /// Ends the stream with a gRPC error.
+    pub async fn fail(&self, status: Status) {
+        let _ = self.out.send(Err(status)).await;
+    }
+
+    /// Resolves when the proxy closes the stream (the client went away); messages that arrive meanwhile are kept.
+    pub async fn gone(&mut self) {
+        loop {
+            match self.receive().await {
+                None => return,
+                Some(_) if self.stash.len() >= MAX_STASHED => return,
+                Some(m) => self.stash.push_back(m),
+            }
+        }
+    }
+}
+
+/// The request's headers as a header map (pseudo-headers and names or values that are not valid are left out).
+pub fn header_map(list: &[(String, Vec<u8>)]) -> HeaderMap {
+    let mut map = HeaderMap::new();
+    for (n, v) in list.iter().take(MAX_HEADERS) {
+        if let (Ok(n), Ok(v)) = (HeaderName::from_bytes(n.as_bytes()), HeaderValue::from_bytes(v)) {
+            map.append(n, v);
+        }
+    }
+    map
+}
+
+/// The request of one stream, as the stages up to route read it.
+pub struct EppClient<'a> {
+    pub io: &'a mut StreamIo,
+    pub headers: HeaderMap,
+    /// The request has no (more) body: its headers message ended the stream.
+    pub body_done: bool,
+    /// Request trailers arrived (answered with the pick).
+    pub trailers: bool,
+}
+
+impl Client for EppClient<'_> {
+    fn header(&self, name: &str) -> Option<&HeaderValue> {
+        self.headers.get(name)
+    }
+
+    async fn read_body(&mut self, limit: usize) -> Result<Bytes, ApiError> {
+        let mut buf = BytesMut::new();
+        while !self.body_done {
+            match self.io.next().await.and_then(|m| m.request) {
+                Some(Request::RequestBody(b)) => {
+                    if buf.len() + b.body.len() > limit {
+                        return Err(ApiError::too_large(limit));
+                    }
+                    buf.extend_from_slice(&b.body);
+                    self.body_done = b.end_of_stream;
+                }
+                Some(Request::RequestTrailers(_)) => {
+                    self.trailers = true;
+                    self.body_done = true;
+                }
+                Some(other) => {
+                    return Err(ApiError::internal(format!(
+                        "the proxy sent {} before the request body ended",
+                        kind(&other)
+                    )))
+                }
+                None => return Err(ApiError::bad_json("the request stream ended before its body")),
+            }
+        }
+        Ok(buf.freeze())
+    }
+
+    async fn gone(&mut self) {
+        self.io.gone().await;
+    }
+}
+
+/// A message's kind, for errors and logs.
+pub fn kind(r: &Request) -> &'static str {
+    match r {
+        Request::RequestHeaders(_) => "request headers",
+        Request::ResponseHeaders(_) => "response headers",
+        Request::RequestBody(_) => "a request body chunk",
+        Request::ResponseBody(_) => "a response body chunk",
+        Request::RequestTrailers(_) => "request trailers",
+        Request::ResponseTrailers(_) => "response trailers",
+    }
+}

@@ -1,0 +1,228 @@
+//! The endpoint picker (`--epp-listen`): kvgate as the Endpoint Picker of an Envoy-based Kubernetes inference
+//! gateway (Gateway API Inference Extension, `docs/proposals/004-endpoint-picker-protocol`). The proxy (Envoy,
+//! through its `ext_proc` filter) streams each request to the picker over gRPC; the picker runs the proxy path's
+//! stages on it (tokenize, hash, price, admit, route: `serve::exchange`) and answers with the pick instead of
+//! forwarding, then follows the pod's answer through (to meter and settle it) as the proxy path does.
+//!
+//! One stream is one request, in two phases, each its own file:
+//! 1. [`pick`]: the request headers, then its body (buffered here, within `--max-body-bytes` and
+//!    `--request-read-timeout`), decided; answered with the `x-gateway-destination-endpoint` header and the same
+//!    value in the `envoy.lb` dynamic metadata (the pick, then the fallbacks), the headers and body the pod gets, or
+//!    an immediate answer (503 when no endpoint can serve, 429 when the class budget sheds it, the gateway's other
+//!    errors as they are);
+//! 2. [`follow`]: the response passed back and settled on the endpoint that served.
+//!
+//! The messages are built and read in [`wire`]; the stream's two directions and the request as the stages read it
+//! live in [`io`]. The gRPC health service answers `liveness` (always, once listening), and `""`, the ext_proc
+//! service's name, `readiness` and `inference-extension` (the names GIE's charts and conformance manifests probe)
+//! once the gateway knows a model's tokenizer.
+//!
+//! Body modes: `FULL_DUPLEX_STREAMED` (the protocol's reference) and `BUFFERED` for the request (`STREAMED` cannot
+//! hold the headers until the body is read, so it is refused); any mode for the response.
+//!
+//! Invariants: at most `--epp-max-streams` streams are decided or followed at once (past it: 503
+//! `epp_overloaded`); every stream's in-flight slot and permit are given back when it ends, however it ends.
+
+pub mod follow;
+pub mod io;
+pub mod pick;
+pub mod wire;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::{
+    ExternalProcessor, ExternalProcessorServer,
+};
+use envoy_types::pb::envoy::service::ext_proc::v3::{processing_request::Request, ProcessingRequest};
+use tokio::sync::{mpsc, Semaphore};
+use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
+use tonic::{Status, Streaming};
+
+use crate::errors::ApiError;
+use crate::serve::host::ServeHost;
+use crate::serve::spans::RequestTrace;
+use crate::serve::stages::Ctx;
+use io::{EppClient, StreamIo};
+use wire::BodyMode;
+
+/// Default of `--epp-max-streams`.
+pub const DEFAULT_MAX_STREAMS: usize = 4096;
+/// Answers queued per stream before the picker waits for the proxy to take them.
+pub const ANSWER_QUEUE: usize = 16;
+/// The gRPC service name the proxy calls.
+pub const SERVICE_NAME: &str = "envoy.service.ext_proc.v3.ExternalProcessor";
+/// How often readiness is brought up to date.
+pub const READINESS_EVERY: Duration = Duration::from_secs(1);
+
+/// The ext_proc service.
+pub struct Picker {
+    host: Arc<dyn ServeHost>,
+    streams: Arc<Semaphore>,
+}
+
+#[tonic::async_trait]
+impl ExternalProcessor for Picker {
+    type ProcessStream = ReceiverStream<Result<wire::Message, Status>>;
+
+    async fn process(
+        &self,
+        request: tonic::Request<Streaming<ProcessingRequest>>,
+    ) -> Result<tonic::Response<Self::ProcessStream>, Status> {
+        let (tx, rx) = mpsc::channel(ANSWER_QUEUE);
+        let io = StreamIo::new(request.into_inner(), tx);
+        let host = self.host.clone();
+        let held = self.streams.clone().try_acquire_owned();
+        tokio::spawn(async move {
+            let _held = match held {
+                Ok(p) => p,
+                Err(_) => return overloaded(io).await,
+            };
+            run(host, io).await;
+        });
+        Ok(tonic::Response::new(ReceiverStream::new(rx)))
+    }
+}
+
+/// Past `--epp-max-streams`: the request is answered 503 without being read.
+async fn overloaded(mut io: StreamIo) {
+    let e = ApiError::unavailable("epp_overloaded", "the endpoint picker is at --epp-max-streams; retry");
+    if io.next().await.is_some() {
+        io.send([pick::refusal(&e)]).await;
+    }
+}
+
+/// One stream, from the request headers to the answer's end.
+async fn run(host: Arc<dyn ServeHost>, mut io: StreamIo) {
+    let Some(first) = io.next().await else { return };
+    let (request_mode, response_mode) = wire::body_modes(&first);
+    let subset = wire::subset_hint(first.metadata_context.as_ref());
+    let Some(Request::RequestHeaders(h)) = first.request else {
+        io.fail(Status::invalid_argument("the first message of a stream must be the request headers")).await;
+        return;
+    };
+    let headers = wire::header_list(&h);
+    let method = wire::header_text(&headers, ":method").unwrap_or("").to_owned();
+    let path = wire::header_text(&headers, ":path").unwrap_or("").split('?').next().unwrap_or("").to_owned();
+    let mut ctx = Ctx::new();
+    let traceparent = wire::header_text(&headers, kvgate_shared::trace::TRACEPARENT);
+    ctx.trace = RequestTrace::begin(host.tracer(), traceparent);
+    let refused = match (method.as_str(), request_mode) {
+        ("POST", BodyMode::Streamed) => Some(ApiError::internal(
+            "the proxy streams the request body without waiting (request_body_mode STREAMED): the picker needs the \
+             whole body before the pick; use FULL_DUPLEX_STREAMED or BUFFERED",
+        )),
+        ("POST", _) => None,
+        _ => Some(ApiError::not_found_route(&path)),
+    };
+    let buffered = request_mode == BodyMode::Buffered;
+    if let Some(e) = refused {
+        ctx.status = e.status;
+        io.send([pick::refusal(&e)]).await;
+    } else if buffered && !h.end_of_stream && !io.send([wire::headers_continue(true)]).await {
+        ctx.status = stages_closed();
+    } else {
+        let mut client = EppClient {
+            io: &mut io,
+            headers: io::header_map(&headers),
+            body_done: h.end_of_stream,
+            trailers: false,
+        };
+        let decided = pick::decide(&host, &mut client, &mut ctx, &path, subset).await;
+        let trailers = client.trailers;
+        match decided {
+            Err(e) => {
+                ctx.status = e.status;
+                io.send([pick::refusal(&e)]).await;
+            }
+            Ok(None) => {}
+            Ok(Some(p)) => {
+                if io.send(pick::answers(&p, buffered, trailers)).await {
+                    follow::follow(&host, &mut io, &mut ctx, p, response_mode).await;
+                }
+            }
+        }
+    }
+    let status = follow::closed_status(&ctx);
+    if let Some(t) = &ctx.trace {
+        t.end(host.tracer(), &path, status, ctx.route, &ctx.class, ctx.worker.as_deref());
+    }
+    metrics::counter!("kvgate_gateway_epp_requests_total", "route" => ctx.route, "status" => status.to_string(),
+        "class" => ctx.class.clone())
+    .increment(1);
+    metrics::histogram!("kvgate_gateway_epp_request_seconds").record(ctx.started.elapsed().as_secs_f64());
+}
+
+fn stages_closed() -> u16 {
+    crate::serve::stages::CLIENT_CLOSED
+}
+
+/// Starts the picker on its own thread and runtime: the ext_proc service and the gRPC health service on `addr`.
+/// Returns once it listens (or could not).
+pub fn spawn(host: Arc<dyn ServeHost>, addr: &str, max_streams: usize, threads: usize) -> Result<(), String> {
+    let addr = addr.to_owned();
+    let (ready_tx, ready_rx) = std::sync::mpsc::channel();
+    std::thread::Builder::new()
+        .name("kvgate-epp".into())
+        .spawn(move || {
+            let rt = match tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(threads.max(1))
+                .thread_name("kvgate-epp")
+                .enable_all()
+                .build()
+            {
+                Ok(rt) => rt,
+                Err(e) => return drop(ready_tx.send(Err(e.to_string()))),
+            };
+            rt.block_on(async move {
+                let listener = match tokio::net::TcpListener::bind(&addr).await {
+                    Ok(l) => l,
+                    Err(e) => return drop(ready_tx.send(Err(format!("cannot listen on {addr}: {e}")))),
+                };
+                let _ = ready_tx.send(Ok(()));
+                serve(host, listener, max_streams).await;
+            });
+        })
+        .map_err(|e| e.to_string())?;
+    match ready_rx.recv_timeout(Duration::from_secs(10)) {
+        Ok(r) => r,
+        Err(_) => Err("the endpoint picker did not start".into()),
+    }
+}
+
+/// Serves the picker and its health on `listener` until the process ends.
+pub async fn serve(host: Arc<dyn ServeHost>, listener: tokio::net::TcpListener, max_streams: usize) {
+    let (reporter, health) = tonic_health::server::health_reporter();
+    reporter.set_service_status("liveness", tonic_health::ServingStatus::Serving).await;
+    let readiness_host = host.clone();
+    tokio::spawn(async move {
+        let mut was = None;
+        loop {
+            let ready = !readiness_host.warming_up();
+            if was != Some(ready) {
+                let status = if ready {
+                    tonic_health::ServingStatus::Serving
+                } else {
+                    tonic_health::ServingStatus::NotServing
+                };
+                for name in ["", SERVICE_NAME, "readiness", "inference-extension"] {
+                    reporter.set_service_status(name, status).await;
+                }
+                was = Some(ready);
+            }
+            tokio::time::sleep(READINESS_EVERY).await;
+        }
+    });
+    let max_message = host.cfg().max_body_bytes.saturating_add(64 * 1024);
+    let picker = Picker { host, streams: Arc::new(Semaphore::new(max_streams)) };
+    let service = ExternalProcessorServer::new(picker).max_decoding_message_size(max_message);
+    let served = tonic::transport::Server::builder()
+        .http2_keepalive_interval(Some(Duration::from_secs(30)))
+        .add_service(health)
+        .add_service(service)
+        .serve_with_incoming(TcpListenerStream::new(listener))
+        .await;
+    if let Err(e) = served {
+        tracing::error!(error = %e, "endpoint picker listener failed");
+    }
+}
