@@ -1,6 +1,7 @@
 """Lint, render and validate the kvgate chart offline (Helm v4 through helm-python-sdk; kubernetes-validate
---strict), for several value sets, and check the chart's behaviour. Run by gateway/tests/helm_chart.rs (so CI runs
-it); exits non-zero with every failure listed.
+--strict; the InferencePool, a CRD kubernetes-validate does not know, against the CRD's own OpenAPI schema in
+inferencepool-v1.schema.yaml), for several value sets, and check the chart's behaviour. Run by
+gateway/tests/helm_chart.rs (so CI runs it); exits non-zero with every failure listed.
 
     python helm/tests/check_chart.py [KUBERNETES_VERSION]
     python helm/tests/check_chart.py --render VALUE_SET   # JSON: the gateway.toml and worker args it renders
@@ -17,6 +18,7 @@ import sys
 from pathlib import Path
 
 import helm_python as helm
+import jsonschema  # kubernetes-validate's own dependency (it validates with it), so installed with it
 import kubernetes_validate
 import yaml
 
@@ -134,6 +136,25 @@ VALUE_SETS: dict[str, dict] = {
     "security-overrides": {"workers": {"gpu": {"count": 1}, "runtimeClassName": "nvidia",
                                        "containerSecurityContext": {"readOnlyRootFilesystem": False}},
                            "gateway": {"podSecurityContext": {"fsGroupChangePolicy": "OnRootMismatch"}}},
+    # The endpoint picker of an InferencePool (GIE): the defaults (port 9002, FailClose, the pool named after the
+    # release), vLLM pods with KV events and a tokenizer PVC; then another port, FailOpen, a named SGLang pool with
+    # an annotation, one replica, eppFrom; an h2c pool without NetworkPolicies; and what a test could run.
+    "epp": {"epp": {"enabled": True, "pool": {"selector": {"app": "vllm-llama3-8b"}, "model": "meta-llama/Llama-3.1-8B-Instruct"}},
+            "workers": {"external": {"kvEventsPort": 5557, "tokenizer": {"pvc": {"claimName": "models", "subPath": "llama-3.1-8b"}}}}},
+    "epp-open": {"epp": {"enabled": True, "port": 9102, "maxStreams": 512, "failureMode": "FailOpen",
+                         "pool": {"name": "qwen-pool", "selector": {"app.kubernetes.io/name": "sglang", "model": "qwen3"},
+                                  "targetPort": 30000, "kind": "sglang", "model": "qwen3",
+                                  "annotations": {"aigateway.envoyproxy.io/processing-body-mode": "buffered"}}},
+                 "workers": {"external": {"blockSize": 32, "tokenizer": {"image": "registry/qwen-tok:1"}}},
+                 "networkPolicy": {"eppFrom": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "envoy-gateway-system"}}}]},
+                 "gateway": {"replicas": 1}, "redis": {"enabled": False}},
+    "epp-h2c": {"epp": {"enabled": True, "pool": {"selector": {"app": "vllm", "tier": "true"}, "model": "llama",
+                                                  "appProtocol": "kubernetes.io/h2c"}},
+                "workers": {"external": {"tokenizer": {"image": "registry/tok:1"}}},
+                "networkPolicy": {"enabled": False}},
+    "epp-e2e": {"gateway": {"replicas": 1}, "redis": {"enabled": False},
+                "epp": {"enabled": True, "pool": {"selector": {"app": "pod"}, "model": "kvgate-tiny", "kind": "openai"}},
+                "workers": {"external": {"tokenizer": {"image": "registry/tokenizer:1"}}}},
 }
 
 # Values the schema must reject, and a word its message must contain.
@@ -186,6 +207,23 @@ BAD_VALUES: dict[str, tuple[dict, str]] = {
     "an unknown split policy": ({"gateway": {"split": {"policy": "sometimes"}}}, "policy"),
     "negative prefill replicas": ({"workers": {"prefill": {"replicas": -1}}}, "replicas"),
     "a zero bandwidth prior": ({"gateway": {"split": {"bandwidthPriorGbps": 0}}}, "bandwidthPriorGbps"),
+    "an endpoint picker without a model": ({"epp": {"enabled": True, "pool": {"selector": {"app": "v"}}},
+                                            "workers": {"external": {"tokenizer": {"image": "t"}}}}, "model"),
+    "an endpoint picker without a selector": ({"epp": {"enabled": True, "pool": {"model": "m"}},
+                                               "workers": {"external": {"tokenizer": {"image": "t"}}}}, "selector"),
+    "an endpoint picker without a tokenizer": ({"epp": {"enabled": True, "pool": {"model": "m", "selector": {"app": "v"}}}},
+                                               "tokenizer"),
+    "an endpoint picker and a fronted service": ({"epp": {"enabled": True, "pool": {"model": "m", "selector": {"app": "v"}}},
+                                                  "workers": {"external": {"service": "vllm", "model": "m",
+                                                                           "tokenizer": {"image": "t"}}}}, "service"),
+    "an unknown failure mode": ({"epp": {"failureMode": "FailSoft"}}, "failureMode"),
+    "a pool label value with a slash": ({"epp": {"pool": {"selector": {"app": "a/b"}}}}, "selector"),
+    "a pool label key with a space": ({"epp": {"pool": {"selector": {"my app": "a"}}}}, "selector"),
+    "an unknown pool protocol": ({"epp": {"pool": {"appProtocol": "grpc"}}}, "appProtocol"),
+    "an epp port over 65535": ({"epp": {"port": 70000}}, "port"),
+    "a pool name with capitals": ({"epp": {"pool": {"name": "MyPool"}}}, "name"),
+    "events from an openai pool": ({"epp": {"enabled": True, "pool": {"model": "m", "selector": {"app": "v"}, "kind": "openai"}},
+                                    "workers": {"external": {"kvEventsPort": 5557, "tokenizer": {"image": "t"}}}}, "kvEventsPort"),
 }
 
 chart = helm.Chart.load(str(CHART))
@@ -282,6 +320,77 @@ def pod_templates(docs: list[dict]) -> list[tuple[str, dict, dict]]:
 def selects(selector: dict, labels: dict) -> bool:
     return all(labels.get(k) == v for k, v in selector.get("matchLabels", {}).items())
 
+
+def fronted(values: dict) -> dict | None:
+    """The pods the gateway fronts instead of kvgate workers, in the shape of workers.external: its own, or with
+    epp.enabled the InferencePool's (the chart's headless Service; port, model and kind from epp.pool); None when
+    the chart deploys kvgate workers."""
+    ext, e = values["workers"]["external"], values["epp"]
+    if e["enabled"]:
+        p = e["pool"]
+        return {**ext, "service": "kv-kvgate-pool.serving.svc.cluster.local", "port": p["targetPort"],
+                "model": p["model"], "kind": p["kind"]}
+    return ext if ext["service"] else None
+
+
+# The InferencePool CRD's schema (GIE v1.6.0, copied verbatim: see the file's header).
+POOL_SCHEMA = yaml.safe_load((Path(__file__).resolve().parent / "inferencepool-v1.schema.yaml").read_text())
+
+
+def strict(node):
+    """The schema refusing unknown fields, as kubernetes-validate --strict does (the API server prunes them, or
+    refuses them under strict field validation): every object schema that lists its properties and says nothing
+    about others gets additionalProperties false (metadata, a bare `type: object`, stays open)."""
+    if isinstance(node, list):
+        return [strict(i) for i in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: ({f: strict(s) for f, s in v.items()} if k == "properties" else strict(v)) for k, v in node.items()}
+    if "properties" in node and "additionalProperties" not in node and not node.get("x-kubernetes-preserve-unknown-fields"):
+        out["additionalProperties"] = False
+    return out
+
+
+POOL_VALIDATOR = jsonschema.Draft7Validator(strict(POOL_SCHEMA))
+
+
+def pool_errors(d: dict) -> list[str]:
+    """What the API server would refuse in an InferencePool: its CRD's OpenAPI schema, and the two CEL rules
+    (x-kubernetes-validations) the CRD adds, which jsonschema does not evaluate."""
+    errs = [f"{e.message} at {list(e.absolute_path)}" for e in POOL_VALIDATOR.iter_errors(d)]
+    if d.get("apiVersion") != "inference.networking.k8s.io/v1" or d.get("kind") != "InferencePool":
+        errs.append(f"apiVersion/kind {d.get('apiVersion')}/{d.get('kind')}")
+    name = d.get("metadata", {}).get("name", "")
+    if not (0 < len(name) <= 253 and all(c.islower() or c.isdigit() or c in "-." for c in name)
+            and name[0].isalnum() and name[-1].isalnum()):
+        errs.append(f"metadata.name {name!r} is not a DNS subdomain")
+    spec = d.get("spec", {})
+    numbers = [p_.get("number") for p_ in spec.get("targetPorts", [])]
+    if len(numbers) != len(set(numbers)):
+        errs.append("port number must be unique")  # self.all(p1, self.exists_one(p2, p1.number==p2.number))
+    ref = spec.get("endpointPickerRef")
+    if ref is not None and ref.get("kind", "Service") == "Service" and "port" not in ref:
+        errs.append("port is required when kind is 'Service' or unspecified")  # self.kind != 'Service' || has(self.port)
+    return errs
+
+
+# The pool check refuses what the API server would (a broken checker would pass everything).
+_good_pool = {"apiVersion": "inference.networking.k8s.io/v1", "kind": "InferencePool", "metadata": {"name": "p"},
+              "spec": {"selector": {"matchLabels": {"app": "v"}}, "targetPorts": [{"number": 8000}],
+                       "endpointPickerRef": {"name": "epp", "port": {"number": 9002}, "failureMode": "FailClose"}}}
+check(pool_errors(_good_pool) == [], f"the InferencePool check accepts a valid pool: {pool_errors(_good_pool)}")
+for what, bad in [("no targetPorts", {"targetPorts": []}), ("a port of 0", {"targetPorts": [{"number": 0}]}),
+                  ("a repeated port", {"targetPorts": [{"number": 1}, {"number": 1}]}),
+                  ("no selector labels", {"selector": {"matchLabels": {}}}),
+                  ("matchExpressions", {"selector": {"matchLabels": {"a": "b"}, "matchExpressions": []}}),
+                  ("a label value with a slash", {"selector": {"matchLabels": {"a": "b/c"}}}),
+                  ("an unknown failure mode", {"endpointPickerRef": {"name": "e", "port": {"number": 1}, "failureMode": "FailSoft"}}),
+                  ("a Service ref without a port", {"endpointPickerRef": {"name": "e"}}),
+                  ("an unknown appProtocol", {"appProtocol": "grpc"})]:
+    pool = copy.deepcopy(_good_pool)
+    pool["spec"].update(bad)
+    check(bool(pool_errors(pool)), f"the InferencePool check refuses {what}")
+
 for name, extra in VALUE_SETS.items():
     values = deep_merge(defaults, extra)
     lint = helm.lint(str(CHART), values, strict=True, kube_version=f"v{KUBE}")
@@ -297,6 +406,11 @@ for name, extra in VALUE_SETS.items():
         if d["kind"] == "ServiceMonitor":
             # A CRD: not in the Kubernetes schemas; check its shape here instead.
             check(d["apiVersion"] == "monitoring.coreos.com/v1" and d["spec"]["endpoints"], f"{name}: ServiceMonitor shape")
+            continue
+        if d["kind"] == "InferencePool":
+            # A CRD too: validated against the CRD's own OpenAPI schema (and its CEL rules).
+            for err in pool_errors(d):
+                failures.append(f"{name}: {path} InferencePool/{d['metadata']['name']}: {err}")
             continue
         try:
             kubernetes_validate.validate(d, KUBE, strict=True)
@@ -358,7 +472,8 @@ for name, extra in VALUE_SETS.items():
     secret_name = refs["report"][0]
     sts = find(docs, "StatefulSet")
     w = values["workers"]
-    ext = w["external"]
+    ext = fronted(values) or w["external"]
+    epp = values["epp"]
     pools = [p for p in ("prefill", "decode") if w[p]["replicas"] > 0]
     check(len(sts) == (0 if ext["service"] else 1 + len(pools)),
           f"{name}: one worker StatefulSet per pool, none when fronting pods")
@@ -468,7 +583,13 @@ for name, extra in VALUE_SETS.items():
         c = pod["containers"][0]
         hpa = values["gateway"]["hpa"]["enabled"]
         check(("replicas" in spec) != hpa, f"{name}: replicas set unless the HPA owns them")
-        check(c["readinessProbe"]["httpGet"]["path"] == "/ready", f"{name}: readiness on /ready (needs a healthy worker)")
+        if epp["enabled"]:
+            # The endpoint picker's gRPC health service on its port (the EPP Service lists only Ready pods).
+            check(c["readinessProbe"].get("grpc") == {"port": epp["port"], "service": "readiness"}
+                  and c["livenessProbe"].get("grpc") == {"port": epp["port"], "service": "liveness"},
+                  f"{name}: gRPC readiness and liveness probes on the EPP port: {c['readinessProbe']} {c['livenessProbe']}")
+        else:
+            check(c["readinessProbe"]["httpGet"]["path"] == "/ready", f"{name}: readiness on /ready (needs a healthy worker)")
         g = values["gateway"]
         check(pod["terminationGracePeriodSeconds"] > g["shutdownGraceSeconds"] + g["preStopSleepSeconds"],
               f"{name}: termination grace longer than the drain")
@@ -671,8 +792,12 @@ for name, extra in VALUE_SETS.items():
                 check(allowed(rules, pod, w["port"]), f"{name}: the worker API port admits {who}")
         rules = npol["kv-kvgate-gateway"]["spec"]["ingress"]
         by_port = {r_["ports"][0]["port"]: r_ for r_ in rules}
-        check(set(by_port) == {g["service"]["port"], g["controlPort"]} and all(len(r_["ports"]) == 1 for r_ in rules),
-              f"{name}: gateway policy covers the public and control ports")
+        gw_np_ports = {g["service"]["port"], g["controlPort"]} | ({epp["port"]} if epp["enabled"] else set())
+        check(set(by_port) == gw_np_ports and len(rules) == len(gw_np_ports) and all(len(r_["ports"]) == 1 for r_ in rules),
+              f"{name}: gateway policy covers the public and control ports (and the EPP port with epp): {sorted(by_port)}")
+        if epp["enabled"]:
+            eppr = by_port.get(epp["port"], {})
+            check(eppr.get("from") == (np_vals["eppFrom"] or None), f"{name}: the EPP port from eppFrom (empty: anyone): {eppr}")
         pub = by_port.get(g["service"]["port"], {})
         if np_vals["publicFrom"]:
             check(pub.get("from") == np_vals["publicFrom"] + [sel("test")], f"{name}: public port from publicFrom and the helm test")
@@ -715,7 +840,8 @@ for name, extra in VALUE_SETS.items():
             else:
                 want_ports = [{"port": ext["port"], "protocol": "TCP"}] + [
                     {"port": ext[k], "protocol": "TCP"} for k in ("kvEventsPort", "kvEventsReplayPort") if ext[k] > 0]
-                want = {"ports": want_ports, **({"to": np_vals["externalTo"]} if np_vals["externalTo"] else {})}
+                to = np_vals["externalTo"] or ([{"podSelector": {"matchLabels": epp["pool"]["selector"]}}] if epp["enabled"] else None)
+                want = {"ports": want_ports, **({"to": to} if to else {})}
                 check(want in gegress, f"{name}: the gateway reaches the fronted pods' ports {want}")
             if r["enabled"] and internal:
                 check(allowed(gegress, redis_pod, 6379, "TCP", "to"), f"{name}: the gateway reaches the in-chart Redis")
@@ -743,6 +869,58 @@ for name, extra in VALUE_SETS.items():
     check(f"get secret {refs['admin'][0]} -o jsonpath='{{.data.{refs['admin'][1]}}}'" in notes, f"{name}: NOTES: the admin token's Secret")
     check(("controlFrom" in notes) == (np_vals["enabled"] and values["serviceMonitor"]["enabled"] and not np_vals["controlFrom"]),
           f"{name}: NOTES reminds that Prometheus needs controlFrom")
+    # --- The endpoint picker of an InferencePool (GIE) ---
+    pools = find(docs, "InferencePool")
+    epp_svcs = [s for s in services if s["metadata"]["name"] == "kv-kvgate-epp"]
+    pool_svcs = [s for s in services if s["metadata"]["name"] == "kv-kvgate-pool"]
+    epp_lines = [l.strip() for l in gw_toml.splitlines() if l.strip().startswith("epp-")]
+    gwc = find(docs, "Deployment", "-gateway")[0]["spec"]["template"]
+    gw_ports = {p_["name"]: p_["containerPort"] for p_ in gwc["spec"]["containers"][0]["ports"]}
+    if not epp["enabled"]:
+        check(not pools and not epp_svcs and not pool_svcs and not epp_lines and "grpc-ext-proc" not in gw_ports,
+              f"{name}: no InferencePool, EPP Services, epp-listen or EPP port without epp.enabled")
+    else:
+        pe = epp["pool"]
+        want_lines = [f'epp-listen = "0.0.0.0:{epp["port"]}"'] + ([f"epp-max-streams = {epp['maxStreams']}"] if epp["maxStreams"] else [])
+        check(epp_lines == want_lines, f"{name}: gateway.toml listens for the EPP on epp.port: {epp_lines} vs {want_lines}")
+        check(gw_ports.get("grpc-ext-proc") == epp["port"], f"{name}: the gateway container's grpc-ext-proc port is epp.port: {gw_ports}")
+        check(len(epp_svcs) == 1 and len(pool_svcs) == 1 and len(pools) == 1, f"{name}: one EPP Service, one pool Service, one InferencePool")
+        if epp_svcs and pool_svcs and pools:
+            try:
+                es, ps, pool = epp_svcs[0]["spec"], pool_svcs[0]["spec"], pools[0]
+                # The EPP Service: ClusterIP, the EPP port as h2c, over the gateway pods (and nothing else of the release).
+                check(es.get("type") == "ClusterIP" and es.get("clusterIP") is None
+                      and es["ports"] == [{"name": "grpc-ext-proc", "port": epp["port"], "targetPort": "grpc-ext-proc",
+                                           "protocol": "TCP", "appProtocol": "kubernetes.io/h2c"}],
+                      f"{name}: the EPP Service: ClusterIP, port {epp['port']} h2c: {es}")
+                for pname, meta, _ in pod_templates(docs):
+                    is_gw = meta.get("labels", {}).get("app.kubernetes.io/component") == "gateway"
+                    check(selects({"matchLabels": es["selector"]}, meta.get("labels", {})) == is_gw,
+                          f"{name}: the EPP Service selects the gateway pods only ({pname})")
+                # The headless Service the gateway discovers the pool's pods through: the pool's selector, its port,
+                # Ready pods only; the [[models]] entry names it.
+                check(ps.get("clusterIP") == "None" and not ps.get("publishNotReadyAddresses")
+                      and ps["selector"] == pe["selector"] == pool["spec"]["selector"]["matchLabels"]
+                      and [(p_["port"], p_["targetPort"]) for p_ in ps["ports"]] == [(pe["targetPort"], pe["targetPort"])],
+                      f"{name}: the pool Service is headless over the pool's selector and port: {ps}")
+                check(f'discover = "kv-kvgate-pool.serving.svc.cluster.local:{pe["targetPort"]}"' in gw_toml
+                      and f'name = "{pe["model"]}"' in gw_toml and f'kind = "{pe["kind"]}"' in gw_toml
+                      and gw_toml.count("[[models]]") == 1, f"{name}: the pool's model in gateway.toml, discovered through the pool Service")
+                check(("block-size = " in gw_toml) == (ext["blockSize"] is not None), f"{name}: block-size from workers.external.blockSize")
+                # The InferencePool: its name, the pool's pods and port, the EPP Service and port, the failure mode.
+                check(pool["metadata"]["name"] == (pe["name"] or "kv-kvgate") and pool["metadata"].get("annotations", {}) == pe["annotations"],
+                      f"{name}: the InferencePool's name and annotations: {pool['metadata']}")
+                check(pool["spec"]["targetPorts"] == [{"number": pe["targetPort"]}] and pool["spec"]["appProtocol"] == pe["appProtocol"],
+                      f"{name}: the InferencePool's targetPorts and appProtocol: {pool['spec']}")
+                check(pool["spec"]["endpointPickerRef"] == {"name": epp_svcs[0]["metadata"]["name"], "port": {"number": epp["port"]},
+                                                             "failureMode": epp["failureMode"]},
+                      f"{name}: endpointPickerRef names the EPP Service, its port and the failure mode: {pool['spec']['endpointPickerRef']}")
+                check(es["ports"][0]["port"] == pool["spec"]["endpointPickerRef"]["port"]["number"],
+                      f"{name}: the pool's EPP port is the EPP Service's port (not a target port)")
+            except (KeyError, IndexError, TypeError) as e:  # a manifest without a field the checks read
+                failures.append(f"{name}: the EPP manifests lack {e!r}")
+        check(not sts and "kv-kvgate-worker" not in npol, f"{name}: no kvgate workers (nor their policy) with epp")
+        check(gwc["spec"].get("automountServiceAccountToken") is False, f"{name}: the picker needs no Kubernetes API access")
     print(f"ok: {name} ({len(docs)} manifests)")
 
 
@@ -750,6 +928,16 @@ for name, extra in VALUE_SETS.items():
 def checksums(values: dict) -> dict:
     return {pn: meta.get("annotations", {}).get("checksum/secret") for pn, meta, _ in pod_templates(render("rotation", values))}
 
+
+# An EPP port that is the gateway's public or control port is refused at render time.
+for clash in ("service", "control"):
+    port = defaults["gateway"]["service"]["port"] if clash == "service" else defaults["gateway"]["controlPort"]
+    try:
+        render("epp-clash", deep_merge(defaults, deep_merge(VALUE_SETS["epp"], {"epp": {"port": port}})))
+        failures.append(f"an EPP port on the gateway's {clash} port rendered")
+    except helm.HelmError as e:
+        check("epp.port" in str(e), f"the EPP port clash names epp.port: {e}")
+print("ok: an EPP port on the public or control port is refused")
 
 base = deep_merge(defaults, VALUE_SETS["given-secrets"])
 before = checksums(deep_merge(base, {"secrets": {"redisPassword": "one"}}))

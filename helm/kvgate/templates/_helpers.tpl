@@ -152,6 +152,37 @@ Call with (dict "root" $ "uses" (list "report" ...)). */}}
 {{- define "kvgate.controlName" -}}{{ include "kvgate.fullname" . }}-control{{- end -}}
 {{- define "kvgate.workerName" -}}{{ include "kvgate.fullname" . }}-worker{{- end -}}
 {{- define "kvgate.redisName" -}}{{ include "kvgate.fullname" . }}-redis{{- end -}}
+{{- define "kvgate.eppName" -}}{{ include "kvgate.fullname" . }}-epp{{- end -}}
+{{- define "kvgate.poolServiceName" -}}{{ include "kvgate.fullname" . }}-pool{{- end -}}
+{{/* The pool's selector as k=v,k=v (sorted), for messages. */}}
+{{- define "kvgate.poolSelectorText" -}}
+{{- $out := list -}}
+{{- range $k, $v := .Values.epp.pool.selector }}{{ $out = append $out (printf "%s=%s" $k $v) }}{{ end -}}
+{{- join "," $out -}}
+{{- end -}}
+{{- define "kvgate.poolName" -}}{{ .Values.epp.pool.name | default (include "kvgate.fullname" .) }}{{- end -}}
+
+{{/* Does the chart deploy kvgate workers? "true", or "" when the gateway fronts pods it does not own
+(workers.external.service, or the InferencePool's pods with epp.enabled). */}}
+{{- define "kvgate.kvWorkers" -}}
+{{- if not (or .Values.workers.external.service .Values.epp.enabled) -}}true{{- end -}}
+{{- end -}}
+
+{{/* The fronted pods as JSON, in the shape of workers.external: workers.external itself, or with epp.enabled the
+InferencePool's pods (service: the chart's headless Service over the pool's selector, whose DNS name lists the Ready
+pods; port, model and kind from epp.pool; tokenizer and KV settings from workers.external). `service` is empty when
+the chart deploys kvgate workers. Numbers come back from fromJson as floats: print them with int64. */}}
+{{- define "kvgate.fronted" -}}
+{{- $f := deepCopy .Values.workers.external -}}
+{{- if .Values.epp.enabled -}}
+{{- $p := .Values.epp.pool -}}
+{{- $_ := set $f "service" (printf "%s.%s.svc.cluster.local" (include "kvgate.poolServiceName" .) .Release.Namespace) -}}
+{{- $_ = set $f "port" $p.targetPort -}}
+{{- $_ = set $f "model" $p.model -}}
+{{- $_ = set $f "kind" $p.kind -}}
+{{- end -}}
+{{- toJson $f -}}
+{{- end -}}
 
 {{/* The control Service's in-cluster URL (workers report there). */}}
 {{- define "kvgate.controlUrl" -}}
