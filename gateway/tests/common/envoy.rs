@@ -21,6 +21,8 @@ pub struct EnvoySpec<'a> {
     pub fail_open: bool,
     /// A subset of the pool the picker must pick from (`envoy.lb.subset_hint`).
     pub subset: Option<&'a [u16]>,
+    /// Bodies BUFFERED (both ways) instead of FULL_DUPLEX_STREAMED.
+    pub buffered: bool,
 }
 
 /// The `envoy` binary next to the test venv's Python (`KVGATE_PYTHON`).
@@ -58,15 +60,16 @@ pub fn bootstrap(spec: &EnvoySpec<'_>, port: u16, admin: u16) -> String {
               processing_mode:
                 request_header_mode: SEND
                 response_header_mode: SEND
-                request_body_mode: FULL_DUPLEX_STREAMED
-                response_body_mode: FULL_DUPLEX_STREAMED
+                request_body_mode: {mode}
+                response_body_mode: {mode}
                 request_trailer_mode: SEND
                 response_trailer_mode: SEND
               metadata_options:
                 forwarding_namespaces: {{untyped: [envoy.lb, envoy.lb.subset_hint]}}
                 receiving_namespaces: {{untyped: [envoy.lb]}}
 "#,
-            fail_open = spec.fail_open
+            fail_open = spec.fail_open,
+            mode = if spec.buffered { "BUFFERED" } else { "FULL_DUPLEX_STREAMED" }
         )
     });
     let epp_cluster = spec.epp.map_or(String::new(), |p| {
