@@ -4,6 +4,8 @@
 //! `override_host` load balancing policy (the pick from the `x-gateway-destination-endpoint` header or the
 //! `envoy.lb` metadata, the fallbacks on retries, round robin when there is no pick) and reports the endpoint
 //! that served as `envoy.lb` `x-gateway-destination-endpoint-served`, which the filter forwards to the picker.
+//! Shared by the tests and the `epp` bench (each uses part of it).
+#![allow(dead_code)]
 
 use std::path::PathBuf;
 use std::process::Command;
