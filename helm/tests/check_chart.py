@@ -14,7 +14,10 @@ import copy
 import hashlib
 import json
 import os
+import ssl
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import helm_python as helm
@@ -137,19 +140,23 @@ VALUE_SETS: dict[str, dict] = {
                                        "containerSecurityContext": {"readOnlyRootFilesystem": False}},
                            "gateway": {"podSecurityContext": {"fsGroupChangePolicy": "OnRootMismatch"}}},
     # The endpoint picker of an InferencePool (GIE): the defaults (port 9002, FailClose, the pool named after the
-    # release), vLLM pods with KV events and a tokenizer PVC; then another port, FailOpen, a named SGLang pool with
-    # an annotation, one replica, eppFrom; an h2c pool without NetworkPolicies; and what a test could run.
+    # release, TLS with the chart's self-signed certificate), vLLM pods with KV events and a tokenizer PVC; then
+    # another port, FailOpen, a named SGLang pool with an annotation, one replica, eppFrom, TLS with a Secret of the
+    # user's (cert-manager's); an h2c pool without NetworkPolicies and a cleartext picker (Istio without a
+    # DestinationRule); and what a test could run.
     "epp": {"epp": {"enabled": True, "pool": {"selector": {"app": "vllm-llama3-8b"}, "model": "meta-llama/Llama-3.1-8B-Instruct"}},
             "workers": {"external": {"kvEventsPort": 5557, "tokenizer": {"pvc": {"claimName": "models", "subPath": "llama-3.1-8b"}}}}},
     "epp-open": {"epp": {"enabled": True, "port": 9102, "maxStreams": 512, "failureMode": "FailOpen",
+                         "tls": {"secretName": "qwen-epp-cert"},
                          "pool": {"name": "qwen-pool", "selector": {"app.kubernetes.io/name": "sglang", "model": "qwen3"},
                                   "targetPort": 30000, "kind": "sglang", "model": "qwen3",
                                   "annotations": {"aigateway.envoyproxy.io/processing-body-mode": "buffered"}}},
                  "workers": {"external": {"blockSize": 32, "tokenizer": {"image": "registry/qwen-tok:1"}}},
                  "networkPolicy": {"eppFrom": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "envoy-gateway-system"}}}]},
                  "gateway": {"replicas": 1}, "redis": {"enabled": False}},
-    "epp-h2c": {"epp": {"enabled": True, "pool": {"selector": {"app": "vllm", "tier": "true"}, "model": "llama",
-                                                  "appProtocol": "kubernetes.io/h2c"}},
+    "epp-h2c": {"epp": {"enabled": True, "tls": {"enabled": False},
+                        "pool": {"selector": {"app": "vllm", "tier": "true"}, "model": "llama",
+                                 "appProtocol": "kubernetes.io/h2c"}},
                 "workers": {"external": {"tokenizer": {"image": "registry/tok:1"}}},
                 "networkPolicy": {"enabled": False}},
     "epp-e2e": {"gateway": {"replicas": 1}, "redis": {"enabled": False},
@@ -222,6 +229,10 @@ BAD_VALUES: dict[str, tuple[dict, str]] = {
     "an unknown pool protocol": ({"epp": {"pool": {"appProtocol": "grpc"}}}, "appProtocol"),
     "an epp port over 65535": ({"epp": {"port": 70000}}, "port"),
     "a pool name with capitals": ({"epp": {"pool": {"name": "MyPool"}}}, "name"),
+    "a picker TLS secret name with capitals": ({"epp": {"tls": {"secretName": "EPP_Cert"}}}, "secretName"),
+    "a picker TLS secret with TLS off": ({"epp": {"tls": {"enabled": False, "secretName": "epp-cert"}}}, "secretName"),
+    "a typo in the picker's TLS": ({"epp": {"tls": {"secret": "epp-cert"}}}, "secret"),
+    "a non-boolean picker TLS switch": ({"epp": {"tls": {"enabled": "on"}}}, "enabled"),
     "events from an openai pool": ({"epp": {"enabled": True, "pool": {"model": "m", "selector": {"app": "v"}, "kind": "openai"}},
                                     "workers": {"external": {"kvEventsPort": 5557, "tokenizer": {"image": "t"}}}}, "kvEventsPort"),
 }
@@ -331,6 +342,24 @@ def fronted(values: dict) -> dict | None:
         return {**ext, "service": "kv-kvgate-pool.serving.svc.cluster.local", "port": p["targetPort"],
                 "model": p["model"], "kind": p["kind"]}
     return ext if ext["service"] else None
+
+
+# Where the gateway container reads the picker's certificate and key (epp.tls).
+EPP_TLS_DIR = "/etc/kvgate/epp-tls"
+
+
+def tls_pair(secret: dict) -> dict | str:
+    """A kubernetes.io/tls Secret's certificate, decoded, if its key is the certificate's (loaded as a TLS server
+    loads them, as the picker does at start); else why not."""
+    with tempfile.TemporaryDirectory() as d:
+        crt, key = Path(d, "tls.crt"), Path(d, "tls.key")
+        crt.write_bytes(base64.b64decode(secret["data"]["tls.crt"]))
+        key.write_bytes(base64.b64decode(secret["data"]["tls.key"]))
+        try:
+            ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(crt, key)
+            return ssl._ssl._test_decode_cert(str(crt))  # the stdlib's decoder (no cryptography package here)
+        except (ssl.SSLError, ValueError) as e:
+            return f"{type(e).__name__}: {e}"
 
 
 # The InferencePool CRD's schema (GIE v1.6.0, copied verbatim: see the file's header).
@@ -450,7 +479,8 @@ for name, extra in VALUE_SETS.items():
         text = yaml.safe_dump(cm["data"])
         for s in ("r3port", "adm1n", "report-secret", "admin-token"):
             check(s not in text, f"{name}: ConfigMap {cm['metadata']['name']} holds no secret ({s})")
-    secrets = find(docs, "Secret")
+    # The chart's Secret of generated and given secrets (the picker's TLS Secret is checked with the picker below).
+    secrets = [s for s in find(docs, "Secret") if s["metadata"]["name"] != "kv-kvgate-epp-tls"]
     refs = expected_secret_refs(values)
     managed_keys = {key for (_, key, managed) in refs.values() if managed}
     if not managed_keys:
@@ -583,13 +613,18 @@ for name, extra in VALUE_SETS.items():
         c = pod["containers"][0]
         hpa = values["gateway"]["hpa"]["enabled"]
         check(("replicas" in spec) != hpa, f"{name}: replicas set unless the HPA owns them")
-        if epp["enabled"]:
+        if epp["enabled"] and not epp["tls"]["enabled"]:
             # The endpoint picker's gRPC health service on its port (the EPP Service lists only Ready pods).
             check(c["readinessProbe"].get("grpc") == {"port": epp["port"], "service": "readiness"}
                   and c["livenessProbe"].get("grpc") == {"port": epp["port"], "service": "liveness"},
                   f"{name}: gRPC readiness and liveness probes on the EPP port: {c['readinessProbe']} {c['livenessProbe']}")
         else:
-            check(c["readinessProbe"]["httpGet"]["path"] == "/ready", f"{name}: readiness on /ready (needs a healthy worker)")
+            # Also a picker over TLS: the kubelet's gRPC probe speaks cleartext only, so HTTP on the control port.
+            check(c["readinessProbe"].get("httpGet") == {"path": "/ready", "port": "control"}
+                  and c["livenessProbe"].get("httpGet") == {"path": "/health", "port": "control"}
+                  and not any("grpc" in c[p_] for p_ in ("readinessProbe", "livenessProbe")),
+                  f"{name}: readiness on /ready (needs a healthy worker), liveness on /health, on the control port: "
+                  f"{c['readinessProbe']} {c['livenessProbe']}")
         g = values["gateway"]
         check(pod["terminationGracePeriodSeconds"] > g["shutdownGraceSeconds"] + g["preStopSleepSeconds"],
               f"{name}: termination grace longer than the drain")
@@ -876,23 +911,33 @@ for name, extra in VALUE_SETS.items():
     epp_lines = [l.strip() for l in gw_toml.splitlines() if l.strip().startswith("epp-")]
     gwc = find(docs, "Deployment", "-gateway")[0]["spec"]["template"]
     gw_ports = {p_["name"]: p_["containerPort"] for p_ in gwc["spec"]["containers"][0]["ports"]}
+    tls_vols = [v for v in gwc["spec"]["volumes"] if v["name"] == "epp-tls"]
+    tls_mounts = [m for m in gwc["spec"]["containers"][0]["volumeMounts"] if m["name"] == "epp-tls"]
+    tls_secrets = [s for s in find(docs, "Secret") if s["metadata"]["name"] == "kv-kvgate-epp-tls"]
+    gw_annotations = gwc["metadata"].get("annotations", {})
     if not epp["enabled"]:
         check(not pools and not epp_svcs and not pool_svcs and not epp_lines and "grpc-ext-proc" not in gw_ports,
               f"{name}: no InferencePool, EPP Services, epp-listen or EPP port without epp.enabled")
+        check(not tls_vols and not tls_mounts and not tls_secrets and "checksum/epp-tls" not in gw_annotations,
+              f"{name}: no picker certificate without epp.enabled")
     else:
         pe = epp["pool"]
-        want_lines = [f'epp-listen = "0.0.0.0:{epp["port"]}"'] + ([f"epp-max-streams = {epp['maxStreams']}"] if epp["maxStreams"] else [])
+        tls, tls_secret = epp["tls"]["enabled"], epp["tls"]["secretName"] or "kv-kvgate-epp-tls"
+        want_lines = ([f'epp-listen = "0.0.0.0:{epp["port"]}"'] + ([f"epp-max-streams = {epp['maxStreams']}"] if epp["maxStreams"] else [])
+                      + ([f'epp-tls-cert = "{EPP_TLS_DIR}/tls.crt"', f'epp-tls-key = "{EPP_TLS_DIR}/tls.key"'] if tls else []))
         check(epp_lines == want_lines, f"{name}: gateway.toml listens for the EPP on epp.port: {epp_lines} vs {want_lines}")
         check(gw_ports.get("grpc-ext-proc") == epp["port"], f"{name}: the gateway container's grpc-ext-proc port is epp.port: {gw_ports}")
         check(len(epp_svcs) == 1 and len(pool_svcs) == 1 and len(pools) == 1, f"{name}: one EPP Service, one pool Service, one InferencePool")
         if epp_svcs and pool_svcs and pools:
             try:
                 es, ps, pool = epp_svcs[0]["spec"], pool_svcs[0]["spec"], pools[0]
-                # The EPP Service: ClusterIP, the EPP port as h2c, over the gateway pods (and nothing else of the release).
+                # The EPP Service: ClusterIP, the EPP port over the gateway pods (and nothing else of the release):
+                # http2 with TLS (as GIE's own picker's Service; not h2c, which says cleartext), else h2c.
+                proto = "http2" if tls else "kubernetes.io/h2c"
                 check(es.get("type") == "ClusterIP" and es.get("clusterIP") is None
                       and es["ports"] == [{"name": "grpc-ext-proc", "port": epp["port"], "targetPort": "grpc-ext-proc",
-                                           "protocol": "TCP", "appProtocol": "kubernetes.io/h2c"}],
-                      f"{name}: the EPP Service: ClusterIP, port {epp['port']} h2c: {es}")
+                                           "protocol": "TCP", "appProtocol": proto}],
+                      f"{name}: the EPP Service: ClusterIP, port {epp['port']} {proto}: {es}")
                 for pname, meta, _ in pod_templates(docs):
                     is_gw = meta.get("labels", {}).get("app.kubernetes.io/component") == "gateway"
                     check(selects({"matchLabels": es["selector"]}, meta.get("labels", {})) == is_gw,
@@ -920,6 +965,36 @@ for name, extra in VALUE_SETS.items():
             except (KeyError, IndexError, TypeError) as e:  # a manifest without a field the checks read
                 failures.append(f"{name}: the EPP manifests lack {e!r}")
         check(not sts and "kv-kvgate-worker" not in npol, f"{name}: no kvgate workers (nor their policy) with epp")
+        # The picker's TLS: the Secret mounted read-only where gateway.toml names the files; the chart's self-signed
+        # certificate only when no Secret is named, a usable pair for the EPP Service's names; the pods roll for a
+        # named Secret's change (its resourceVersion), not for the chart's own.
+        if tls:
+            check([v.get("secret") for v in tls_vols] == [{"secretName": tls_secret, "items": [{"key": "tls.crt", "path": "tls.crt"},
+                                                                                           {"key": "tls.key", "path": "tls.key"}]}]
+                  and tls_mounts == [{"name": "epp-tls", "mountPath": EPP_TLS_DIR, "readOnly": True}],
+                  f"{name}: the Secret {tls_secret} mounted read-only at {EPP_TLS_DIR}: {tls_vols} {tls_mounts}")
+            check(("checksum/epp-tls" in gw_annotations) == bool(epp["tls"]["secretName"]),
+                  f"{name}: checksum/epp-tls only for a named Secret: {sorted(gw_annotations)}")
+            if epp["tls"]["secretName"]:
+                check(not tls_secrets, f"{name}: no certificate generated when epp.tls.secretName names one")
+            else:
+                one = (len(tls_secrets) == 1 and tls_secrets[0].get("type") == "kubernetes.io/tls"
+                       and set(tls_secrets[0].get("data", {})) == {"tls.crt", "tls.key"})
+                check(one, f"{name}: one kubernetes.io/tls Secret kv-kvgate-epp-tls with tls.crt and tls.key: {tls_secrets}")
+                cert = tls_pair(tls_secrets[0]) if one else {}
+                check(isinstance(cert, dict), f"{name}: the generated certificate and key are a usable pair: {cert}")
+                if isinstance(cert, dict):
+                    sans = {v for k, v in cert.get("subjectAltName", ()) if k == "DNS"}
+                    check({"kv-kvgate-epp", "kv-kvgate-epp.serving.svc", "kv-kvgate-epp.serving.svc.cluster.local"} <= sans,
+                          f"{name}: the certificate names the EPP Service: {sans}")
+                    check(ssl.cert_time_to_seconds(cert["notAfter"]) - time.time() > 9 * 365 * 86400,
+                          f"{name}: the self-signed certificate lasts years: {cert['notAfter']}")
+            check(f"over TLS with the certificate of Secret {tls_secret}" in notes and "HTTP/2 cleartext" not in notes,
+                  f"{name}: NOTES says the picker serves TLS, and with which Secret")
+        else:
+            check(not tls_vols and not tls_mounts and not tls_secrets and "checksum/epp-tls" not in gw_annotations,
+                  f"{name}: no picker certificate with epp.tls.enabled false")
+            check("HTTP/2 cleartext" in notes and "epp.tls.enabled=true" in notes, f"{name}: NOTES says the picker serves cleartext")
         check(gwc["spec"].get("automountServiceAccountToken") is False, f"{name}: the picker needs no Kubernetes API access")
     print(f"ok: {name} ({len(docs)} manifests)")
 
@@ -938,6 +1013,17 @@ for clash in ("service", "control"):
     except helm.HelmError as e:
         check("epp.port" in str(e), f"the EPP port clash names epp.port: {e}")
 print("ok: an EPP port on the public or control port is refused")
+
+# The chart's self-signed picker certificate: kept across upgrades by lookup, which finds nothing without a cluster
+# (`helm template`, as here): then every render makes a new one, and the gateway pods' template stays the same (no
+# roll for it). A named Secret's certificate is never rendered.
+_tls_vals = deep_merge(defaults, VALUE_SETS["epp"])
+_renders = [render("epp-tls-render", _tls_vals) for _ in range(2)]
+_certs = [[s["data"]["tls.crt"] for s in find(r_, "Secret") if s["metadata"]["name"] == "kv-kvgate-epp-tls"] for r_ in _renders]
+_cfg = [find(r_, "Deployment", "-gateway")[0]["spec"]["template"]["metadata"]["annotations"]["checksum/config"] for r_ in _renders]
+check(len(_certs[0]) == len(_certs[1]) == 1 and _certs[0] != _certs[1] and _cfg[0] == _cfg[1],
+      "helm template: a new self-signed picker certificate each render, the gateway's configuration unchanged")
+print("ok: the picker's self-signed certificate (new under helm template; the pods not rolled for it)")
 
 base = deep_merge(defaults, VALUE_SETS["given-secrets"])
 before = checksums(deep_merge(base, {"secrets": {"redisPassword": "one"}}))

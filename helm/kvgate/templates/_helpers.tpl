@@ -162,6 +162,53 @@ Call with (dict "root" $ "uses" (list "report" ...)). */}}
 {{- end -}}
 {{- define "kvgate.poolName" -}}{{ .Values.epp.pool.name | default (include "kvgate.fullname" .) }}{{- end -}}
 
+{{/* Does the endpoint picker serve TLS? "true" or "". */}}
+{{- define "kvgate.eppTls" -}}
+{{- if and .Values.epp.enabled .Values.epp.tls.enabled -}}true{{- end -}}
+{{- end -}}
+
+{{/* The picker's kubernetes.io/tls Secret: epp.tls.secretName, else the chart's `<fullname>-epp-tls`. */}}
+{{- define "kvgate.eppTlsSecretName" -}}
+{{- .Values.epp.tls.secretName | default (printf "%s-epp-tls" (include "kvgate.fullname" .)) -}}
+{{- end -}}
+
+{{/* Where the gateway container reads the picker's certificate and key (epp-tls-cert, epp-tls-key). */}}
+{{- define "kvgate.eppTlsDir" -}}/etc/kvgate/epp-tls{{- end -}}
+
+{{/* Computes, once per render, the picker's TLS (kept in .Values._kvgateEppTls, as kvgate.initSecrets does):
+`data`, the chart's Secret's tls.crt / tls.key (base64) when no epp.tls.secretName is given: the installed
+Secret's (lookup: kept across upgrades), else a new self-signed certificate for the EPP Service's DNS names, valid
+10 years (genSelfSignedCert; under `helm template` lookup finds nothing, so every render makes a new one); and
+`checksum`, what rolls the gateway pods: a named Secret's resourceVersion as lookup finds it ("" under `helm
+template`), nothing for the chart's own (whatever certificate a pod read at start serves: the proxies do not
+verify it, and a certificate new on every `helm template` render must not roll the pods every sync). */}}
+{{- define "kvgate.initEppTls" -}}
+{{- if not (hasKey .Values "_kvgateEppTls") -}}
+{{- $data := dict -}}
+{{- $sum := "" -}}
+{{- $name := include "kvgate.eppTlsSecretName" . -}}
+{{- if include "kvgate.eppTls" . -}}
+{{- $installed := lookup "v1" "Secret" .Release.Namespace $name -}}
+{{- if .Values.epp.tls.secretName -}}
+{{- if $installed }}{{ $sum = printf "rv:%s" (default "" $installed.metadata.resourceVersion) }}{{ end -}}
+{{- else -}}
+{{- $old := dict -}}
+{{- if $installed }}{{ $old = default dict $installed.data }}{{ end -}}
+{{- if and (get $old "tls.crt") (get $old "tls.key") -}}
+{{- $data = dict "tls.crt" (get $old "tls.crt") "tls.key" (get $old "tls.key") -}}
+{{- else -}}
+{{- $svc := include "kvgate.eppName" . -}}
+{{- $ns := .Release.Namespace -}}
+{{- $dns := list $svc (printf "%s.%s" $svc $ns) (printf "%s.%s.svc" $svc $ns) (printf "%s.%s.svc.cluster.local" $svc $ns) -}}
+{{- $cert := genSelfSignedCert (printf "%s.%s.svc" $svc $ns) nil $dns 3650 -}}
+{{- $data = dict "tls.crt" ($cert.Cert | b64enc) "tls.key" ($cert.Key | b64enc) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- $_ := set .Values "_kvgateEppTls" (dict "data" $data "checksum" $sum) -}}
+{{- end -}}
+{{- end -}}
+
 {{/* Does the chart deploy kvgate workers? "true", or "" when the gateway fronts pods it does not own
 (workers.external.service, or the InferencePool's pods with epp.enabled). */}}
 {{- define "kvgate.kvWorkers" -}}
