@@ -45,7 +45,7 @@ pub struct GatewayArgs {
     pub epp_listen: Option<String>,
     /// Most ext_proc streams (requests) the endpoint picker holds at once; beyond it a request is answered 503
     /// `epp_overloaded` through the proxy.
-    #[arg(long, env = "KVGATE_GATEWAY_EPP_MAX_STREAMS", default_value = kvgate_shared::default_text!(crate::epp::DEFAULT_MAX_STREAMS))]
+    #[arg(long, env = "KVGATE_GATEWAY_EPP_MAX_STREAMS", default_value = kvgate_shared::default_text!(DEFAULT_EPP_MAX_STREAMS))]
     pub epp_max_streams: Option<usize>,
     /// PEM certificate (chain) the endpoint picker serves TLS with, with `--epp-tls-key`. Default none: HTTP/2
     /// cleartext. Envoy Gateway (through Envoy AI Gateway) dials a pool's picker over TLS without verifying it.
@@ -269,6 +269,9 @@ pub struct GatewayArgs {
     #[arg(long = "model", env = "KVGATE_GATEWAY_MODELS", value_delimiter = ',')]
     pub models: Option<Vec<ModelSpec>>,
 }
+
+/// Default of `--epp-max-streams` (the endpoint picker, `epp/`).
+pub const DEFAULT_EPP_MAX_STREAMS: usize = 4096;
 
 /// The resolved configuration.
 #[derive(Debug, Clone, PartialEq)]

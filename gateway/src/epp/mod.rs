@@ -50,8 +50,6 @@ use crate::serve::stages::Ctx;
 use io::{EppClient, StreamIo};
 use wire::BodyMode;
 
-/// Default of `--epp-max-streams`.
-pub const DEFAULT_MAX_STREAMS: usize = 4096;
 /// Answers queued per stream before the picker waits for the proxy to take them.
 pub const ANSWER_QUEUE: usize = 16;
 /// The gRPC service name the proxy calls.

@@ -1,0 +1,220 @@
+//! The endpoint picker against a proxy that misbehaves (`epp/`): a gRPC ext_proc client (Envoy's protos, tonic)
+//! that sends what Envoy would not: no headers first, a body past the limit, a body that stops coming, a mode the
+//! picker cannot route with, more streams than `--epp-max-streams`, an answer that goes silent, a stream dropped
+//! after the pick. Each gets the documented answer, and whatever the picker held is given back.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue};
+use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
+use envoy_types::pb::envoy::service::ext_proc::v3::processing_request::Request;
+use envoy_types::pb::envoy::service::ext_proc::v3::processing_response::Response;
+use envoy_types::pb::envoy::service::ext_proc::v3::{
+    body_mutation, HttpBody, HttpHeaders, ProcessingRequest, ProcessingResponse, ProtocolConfiguration,
+};
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::Streaming;
+
+/// One stream to the picker: what we send, what it answers.
+struct Stream {
+    tx: Option<mpsc::Sender<ProcessingRequest>>,
+    rx: Streaming<ProcessingResponse>,
+}
+
+impl Stream {
+    async fn open(port: u16) -> Stream {
+        let mut client =
+            ExternalProcessorClient::connect(format!("http://127.0.0.1:{port}")).await.expect("connect");
+        let (tx, rx) = mpsc::channel(16);
+        let rx = client.process(ReceiverStream::new(rx)).await.expect("process").into_inner();
+        Stream { tx: Some(tx), rx }
+    }
+
+    async fn send(&self, r: Request) {
+        self.send_msg(ProcessingRequest { request: Some(r), ..Default::default() }).await;
+    }
+
+    async fn send_msg(&self, m: ProcessingRequest) {
+        self.tx.as_ref().expect("open").send(m).await.expect("send");
+    }
+
+    async fn next(&mut self) -> Result<Option<ProcessingResponse>, tonic::Status> {
+        tokio::time::timeout(Duration::from_secs(10), self.rx.message()).await.expect("an answer in time")
+    }
+
+    /// The immediate answer: (status, body).
+    async fn immediate(&mut self) -> (i32, serde_json::Value) {
+        match self.next().await.expect("ok").and_then(|m| m.response) {
+            Some(Response::ImmediateResponse(i)) => (
+                i.status.expect("status").code,
+                serde_json::from_slice(&i.body).unwrap_or(serde_json::Value::Null),
+            ),
+            other => panic!("an immediate response, got {other:?}"),
+        }
+    }
+}
+
+fn headers(method: &str, path: &str, end: bool) -> Request {
+    let h = |k: &str, v: &str| HeaderValue {
+        key: k.into(),
+        raw_value: v.as_bytes().to_vec(),
+        ..Default::default()
+    };
+    Request::RequestHeaders(HttpHeaders {
+        headers: Some(HeaderMap {
+            headers: vec![h(":method", method), h(":path", path), h("content-type", "application/json")],
+        }),
+        end_of_stream: end,
+        ..Default::default()
+    })
+}
+
+fn body(b: &[u8], end: bool) -> Request {
+    Request::RequestBody(HttpBody { body: b.to_vec(), end_of_stream: end, ..Default::default() })
+}
+
+fn chat_body() -> Vec<u8> {
+    serde_json::json!({"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4})
+        .to_string()
+        .into_bytes()
+}
+
+async fn held(control: &str) -> f64 {
+    let m = get(&format!("{control}/metrics")).await.body;
+    m.lines()
+        .filter(|l| l.starts_with("kvgate_gateway_admission_permits_held{"))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+#[tokio::test]
+async fn a_misbehaving_proxy_gets_the_documented_answers_and_holds_nothing() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let epp = free_port();
+    let listen = format!("127.0.0.1:{epp}");
+    let (_g, control) = gateway(&[
+        "--epp-listen",
+        &listen,
+        "--epp-max-streams",
+        "2",
+        "--max-body-bytes",
+        "4096",
+        "--request-read-timeout",
+        "1s",
+        "--stream-idle-timeout",
+        "1s",
+    ]);
+    let w = worker("w0", &dir.path().join("tiny"), Some(&control), &[]);
+    wait_healthy(&control, 1).await;
+
+    // No headers first: the stream is refused.
+    let mut s = Stream::open(epp).await;
+    s.send(body(b"{}", true)).await;
+    let e = s.next().await.expect_err("a gRPC error");
+    assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e}");
+
+    // A body past --max-body-bytes: 413, as on the proxy path.
+    let mut s = Stream::open(epp).await;
+    s.send(headers("POST", "/v1/chat/completions", false)).await;
+    s.send(body(&vec![b' '; 3000], false)).await;
+    s.send(body(&vec![b' '; 3000], false)).await;
+    let (status, b) = s.immediate().await;
+    assert_eq!((status, b["error"]["code"].clone()), (413, serde_json::json!("request_too_large")));
+
+    // A body that stops coming: 408 after --request-read-timeout.
+    let mut s = Stream::open(epp).await;
+    s.send(headers("POST", "/v1/chat/completions", false)).await;
+    s.send(body(b"{\"model\":", false)).await;
+    let (status, _) = s.immediate().await;
+    assert_eq!(status, 408);
+
+    // A route the picker does not serve: 404; a proxy that will not wait for the pick (STREAMED): 500, said why.
+    let mut s = Stream::open(epp).await;
+    s.send(headers("GET", "/v1/models", true)).await;
+    assert_eq!(s.immediate().await.0, 404);
+    let mut s = Stream::open(epp).await;
+    s.send_msg(ProcessingRequest {
+        request: Some(headers("POST", "/v1/chat/completions", false)),
+        protocol_config: Some(ProtocolConfiguration {
+            request_body_mode: 1,
+            response_body_mode: 1,
+            ..Default::default()
+        }),
+        ..Default::default()
+    })
+    .await;
+    let (status, b) = s.immediate().await;
+    assert_eq!(status, 500);
+    assert!(b["error"]["message"].as_str().unwrap_or("").contains("FULL_DUPLEX_STREAMED"), "{b}");
+
+    // A pick: the destination is the worker's address, in the header and the metadata; the body comes back whole.
+    let mut s = Stream::open(epp).await;
+    s.send(headers("POST", "/v1/chat/completions", false)).await;
+    s.send(body(&chat_body(), true)).await;
+    let pick = s.next().await.expect("ok").expect("a message");
+    let Some(Response::RequestHeaders(h)) = &pick.response else { panic!("the pick: {pick:?}") };
+    let set = &h.response.as_ref().expect("common").header_mutation.as_ref().expect("mutation").set_headers;
+    let dest = set
+        .iter()
+        .filter_map(|o| o.header.as_ref())
+        .find(|h| h.key == "x-gateway-destination-endpoint")
+        .expect("destination");
+    assert_eq!(String::from_utf8_lossy(&dest.raw_value), format!("127.0.0.1:{}", w.port));
+    assert!(format!("{:?}", pick.dynamic_metadata).contains(&format!("127.0.0.1:{}", w.port)));
+    let mut echoed = Vec::new();
+    loop {
+        let m = s.next().await.expect("ok").expect("a message");
+        let Some(Response::RequestBody(b)) = m.response else { panic!("body chunks: {m:?}") };
+        let mutation = b.response.and_then(|c| c.body_mutation).and_then(|m| m.mutation);
+        let Some(body_mutation::Mutation::StreamedResponse(c)) = mutation else { panic!("streamed") };
+        echoed.extend(c.body);
+        if c.end_of_stream {
+            break;
+        }
+    }
+    let sent: serde_json::Value = serde_json::from_slice(&echoed).expect("json");
+    assert_eq!(sent["model"], MODEL);
+    // The response head comes and then nothing: after --stream-idle-timeout the stream ends, the permit settled.
+    s.send(Request::ResponseHeaders(HttpHeaders {
+        headers: Some(HeaderMap {
+            headers: vec![HeaderValue {
+                key: ":status".into(),
+                raw_value: b"200".to_vec(),
+                ..Default::default()
+            }],
+        }),
+        ..Default::default()
+    }))
+    .await;
+    let _head = s.next().await.expect("ok");
+    let e = s.next().await.expect_err("deadline");
+    assert_eq!(e.code(), tonic::Code::DeadlineExceeded, "{e}");
+    wait_until(Duration::from_secs(5), || async { held(&control).await == 0.0 }).await;
+
+    // A stream dropped right after the pick: nothing stays held.
+    let mut s = Stream::open(epp).await;
+    s.send(headers("POST", "/v1/chat/completions", false)).await;
+    s.send(body(&chat_body(), true)).await;
+    let _pick = s.next().await.expect("ok");
+    s.tx.take();
+    drop(s);
+    wait_until(Duration::from_secs(5), || async { held(&control).await == 0.0 }).await;
+
+    // Past --epp-max-streams (2): the third open stream is answered 503 epp_overloaded, unread.
+    let (a, b) = (Stream::open(epp).await, Stream::open(epp).await);
+    a.send(headers("POST", "/v1/chat/completions", false)).await;
+    b.send(headers("POST", "/v1/chat/completions", false)).await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let mut c = Stream::open(epp).await;
+    c.send(headers("POST", "/v1/chat/completions", false)).await;
+    let (status, b3) = c.immediate().await;
+    assert_eq!((status, b3["error"]["code"].clone()), (503, serde_json::json!("epp_overloaded")));
+    drop((a, b));
+
+    let m = get(&format!("{control}/metrics")).await.body;
+    assert!(m.contains("kvgate_gateway_epp_requests_total{"), "{m}");
+}
