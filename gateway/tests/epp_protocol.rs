@@ -107,6 +107,8 @@ async fn a_misbehaving_proxy_gets_the_documented_answers_and_holds_nothing() {
         "1s",
         "--stream-idle-timeout",
         "1s",
+        "--header-read-timeout",
+        "1s",
     ]);
     let w = worker("w0", &dir.path().join("tiny"), Some(&control), &[]);
     wait_healthy(&control, 1).await;
@@ -215,6 +217,57 @@ async fn a_misbehaving_proxy_gets_the_documented_answers_and_holds_nothing() {
     assert_eq!((status, b3["error"]["code"].clone()), (503, serde_json::json!("epp_overloaded")));
     drop((a, b));
 
+    // Silent streams (no first message) give their slots back after --header-read-timeout.
+    let (_a, _b) = (Stream::open(epp).await, Stream::open(epp).await);
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let mut s = Stream::open(epp).await;
+    s.send(headers("GET", "/v1/models", true)).await;
+    assert_eq!(s.immediate().await.0, 404, "served again, not epp_overloaded");
+
+    // BUFFERED with trailers: Envoy holds the trailers until its one body message is answered, which does not say
+    // it ends the body; a message with no request (a window update) is skipped, not taken for the stream's end.
+    let mut s = Stream::open(epp).await;
+    s.send_msg(ProcessingRequest {
+        request: Some(headers("POST", "/v1/chat/completions", false)),
+        protocol_config: Some(ProtocolConfiguration {
+            request_body_mode: 2,
+            response_body_mode: 2,
+            ..Default::default()
+        }),
+        ..Default::default()
+    })
+    .await;
+    let cont = s.next().await.expect("ok").expect("a message");
+    assert!(matches!(cont.response, Some(Response::RequestHeaders(_))), "headers answered first: {cont:?}");
+    s.send_msg(ProcessingRequest::default()).await;
+    s.send(body(&chat_body(), false)).await;
+    let pick = s.next().await.expect("ok").expect("a message");
+    let Some(Response::RequestBody(b)) = &pick.response else { panic!("the pick on the body: {pick:?}") };
+    assert!(b.response.as_ref().is_some_and(|c| c.clear_route_cache && c.header_mutation.is_some()));
+
+    // A 504 (the proxy's upstream timeout) is charged the prefill, not refunded.
+    let refunds = |m: &str| -> f64 {
+        m.lines()
+            .filter(|l| l.starts_with("kvgate_gateway_class_refunds_total{"))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum()
+    };
+    let before = refunds(&get(&format!("{control}/metrics")).await.body);
+    s.send(Request::ResponseHeaders(HttpHeaders {
+        headers: Some(HeaderMap {
+            headers: vec![HeaderValue {
+                key: ":status".into(),
+                raw_value: b"504".to_vec(),
+                ..Default::default()
+            }],
+        }),
+        ..Default::default()
+    }))
+    .await;
+    let _ = s.next().await;
+    drop(s);
+    wait_until(Duration::from_secs(5), || async { held(&control).await == 0.0 }).await;
     let m = get(&format!("{control}/metrics")).await.body;
+    assert_eq!(refunds(&m), before, "{m}");
     assert!(m.contains("kvgate_gateway_epp_requests_total{"), "{m}");
 }

@@ -5,9 +5,11 @@
 //! (`envoy.lb` `x-gateway-destination-endpoint-served`) moves the send, the in-flight slot and the index's credit
 //! from the pick to the fallback that served.
 //!
-//! Bounds: the response head must come within the request's first-byte budget, each later message within
-//! `--stream-idle-timeout` (a stream past it is settled as stalled and ended with `DEADLINE_EXCEEDED`); the meter
-//! holds at most one event.
+//! Bounds: the response head must come within the request's first-byte budget, each body chunk within
+//! `--stream-idle-timeout` of the one before (a stream past it is settled as stalled and ended with
+//! `DEADLINE_EXCEEDED`); messages that are not the answer's do not restart either clock; an answer the proxy does
+//! not take within `--stream-idle-timeout` ends the stream (`io.rs`); the meter holds at most one event. A 504 (the
+//! proxy's upstream timeout) is charged as the proxy path charges its own first-byte timeout.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -19,7 +21,6 @@ use tonic::Status;
 use crate::epp::io::{kind, StreamIo};
 use crate::epp::pick::Picked;
 use crate::epp::wire::{self, BodyMode};
-use crate::registry::Fault;
 use crate::serve::charge::Settle;
 use crate::serve::host::{InflightGuard, ServeHost};
 use crate::serve::meter::Meter;
@@ -29,7 +30,12 @@ use crate::serve::upstream::Outcome;
 /// How the answer ended, as the charging rules read it.
 struct Ended {
     outcome: Outcome,
-    /// The candidate that served (its index in the ranking).
+}
+
+/// The response head, and the candidate that served (its index in the ranking).
+struct Head {
+    headers: Vec<(String, Vec<u8>)>,
+    end_of_stream: bool,
     served: usize,
 }
 
@@ -45,13 +51,15 @@ pub async fn follow(
     let priced = &p.admitted.priced;
     let first_byte =
         cfg.first_byte.for_request(p.routed.routed.uncached_tokens, priced.output, p.prep.stream);
-    let ended = relay(io, &p, response_mode, first_byte, cfg.stream_idle_timeout, ctx.route).await;
+    let head = head(io, &p, first_byte).await;
     let routed = &p.routed.routed;
-    let t = &routed.candidates[ended.served];
+    let served = head.as_ref().map_or(0, |h| h.served);
+    let t = &routed.candidates[served];
     let mut uncached = routed.uncached_tokens;
     let mut guard: Option<InflightGuard> = p.routed.first.take();
-    if ended.served != 0 {
-        // The proxy's fallback served: its send (its own uncached prompt) replaces the pick's.
+    if served != 0 {
+        // The proxy's fallback serves: its send (its own uncached prompt, as it is now), in-flight slot and index
+        // credit replace the pick's before its answer streams.
         guard = None;
         p.routed.prefill.take();
         let input = p.incoming.within(p.prep.route_input());
@@ -69,9 +77,13 @@ pub async fn follow(
         ctx.route = "fallback";
         ctx.worker = Some(t.id.clone());
     }
-    if let Outcome::Responded { stalled: true, .. } = ended.outcome {
-        host.registry().record_fault(t.wref, Fault::Timeout, Instant::now());
-    }
+    let ended = match head {
+        Err(e) => e,
+        Ok(h) => {
+            let route = ctx.route;
+            body(io, &p, h, response_mode, cfg.stream_idle_timeout, route).await
+        }
+    };
     let mut permit = Some(p.admitted.permit);
     let s = Settle {
         host: host.as_ref(),
@@ -108,7 +120,6 @@ fn served_index(p: &Picked<'_>, served: Option<String>) -> usize {
 /// route, the class, the admission wait.
 fn gateway_headers(p: &Picked<'_>, served: usize, route: &'static str) -> wire::HeaderMutation {
     let worker = p.routed.routed.candidates.get(served).map_or("", |c| c.id.as_str());
-    let route = if served == 0 { route } else { "fallback" };
     let wait = format!("{:.3}", p.admitted.permit.waited.as_secs_f64() * 1e3);
     let set: Vec<(String, Vec<u8>)> = [
         ("x-kvgate-worker", worker),
@@ -122,69 +133,84 @@ fn gateway_headers(p: &Picked<'_>, served: usize, route: &'static str) -> wire::
     wire::mutation(&set, Vec::new())
 }
 
-/// Passes the response through (metered) until it ends, the proxy leaves or it goes silent.
-async fn relay(
-    io: &mut StreamIo,
-    p: &Picked<'_>,
-    mode: BodyMode,
-    first_byte: Duration,
-    idle: Duration,
-    route: &'static str,
-) -> Ended {
-    let whole = !p.prep.stream;
-    let mut served = 0;
-    // The head: within the first-byte budget (request trailers may come first).
-    let head = loop {
-        let Ok(m) = tokio::time::timeout(first_byte, io.next()).await else {
+/// The response head, within the first-byte budget from now (request trailers may come first and are answered;
+/// they do not restart the budget).
+async fn head(io: &mut StreamIo, p: &Picked<'_>, first_byte: Duration) -> Result<Head, Ended> {
+    let deadline = tokio::time::Instant::now() + first_byte;
+    loop {
+        let Ok(m) = tokio::time::timeout_at(deadline, io.next()).await else {
             io.fail(Status::deadline_exceeded("no response head within the first-byte timeout")).await;
-            return Ended { outcome: Outcome::TimedOut, served };
+            return Err(Ended { outcome: Outcome::TimedOut });
         };
-        match m.as_ref().and_then(|m| m.request.as_ref()) {
-            None => return Ended { outcome: Outcome::ClientGone, served },
+        let Some(m) = m else { return Err(Ended { outcome: Outcome::ClientGone }) };
+        match m.request {
             Some(Request::RequestTrailers(_)) => {
                 io.send([wire::trailers_continue(true)]).await;
             }
             Some(Request::ResponseHeaders(h)) => {
-                served = served_index(p, wire::served(m.as_ref().and_then(|m| m.metadata_context.as_ref())));
-                break h.clone();
+                let served = served_index(p, wire::served(m.metadata_context.as_ref()));
+                return Ok(Head { headers: wire::header_list(&h), end_of_stream: h.end_of_stream, served });
             }
             Some(other) => {
-                tracing::debug!(message = kind(other), "epp: unexpected message before the response head");
+                tracing::debug!(message = kind(&other), "epp: unexpected message before the response head");
             }
+            None => {}
         }
-    };
-    let headers = wire::header_list(&head);
-    let status = wire::header_text(&headers, ":status").and_then(|s| s.parse().ok()).unwrap_or(0u16);
-    let sse = wire::header_text(&headers, "content-type").is_some_and(|c| c.starts_with("text/event-stream"));
+    }
+}
+
+/// Passes the response body through (metered) until it ends, the proxy leaves or it goes silent past `idle`.
+async fn body(
+    io: &mut StreamIo,
+    p: &Picked<'_>,
+    head: Head,
+    mode: BodyMode,
+    idle: Duration,
+    route: &'static str,
+) -> Ended {
+    let status = wire::header_text(&head.headers, ":status").and_then(|s| s.parse().ok()).unwrap_or(0u16);
+    if status == 504 {
+        // The proxy's own upstream timeout (or a pod's): the pod had the request; its prefill is charged.
+        io.send([wire::headers_continue(false)]).await;
+        return Ended { outcome: Outcome::TimedOut };
+    }
+    let sse =
+        wire::header_text(&head.headers, "content-type").is_some_and(|c| c.starts_with("text/event-stream"));
     let mut meter = Meter::new(sse, p.prep.strip_usage);
-    let responded = |meter: &Meter, completed, stalled| Outcome::Responded {
-        status,
-        usage: meter.usage(),
-        tokens_sent: meter.tokens_sent(),
-        whole,
-        completed,
-        stalled,
+    let whole = !p.prep.stream;
+    let responded = |meter: &Meter, completed, stalled| Ended {
+        outcome: Outcome::Responded {
+            status,
+            usage: meter.usage(),
+            tokens_sent: meter.tokens_sent(),
+            whole,
+            completed,
+            stalled,
+        },
     };
-    if !io.send([wire::headers_with(false, Some(gateway_headers(p, served, route)))]).await {
-        return Ended { outcome: responded(&meter, false, false), served };
+    if !io.send([wire::headers_with(false, Some(gateway_headers(p, head.served, route)))]).await {
+        return responded(&meter, false, false);
     }
+    // Without a body to follow (none, or the proxy does not send it), the answer counts as complete: its price.
     if head.end_of_stream || mode == BodyMode::None {
-        return Ended { outcome: responded(&meter, head.end_of_stream, false), served };
+        return responded(&meter, true, false);
     }
+    let mut deadline = tokio::time::Instant::now() + idle;
     loop {
-        let Ok(m) = tokio::time::timeout(idle, io.next()).await else {
+        let Ok(m) = tokio::time::timeout_at(deadline, io.next()).await else {
             io.fail(Status::deadline_exceeded("the response went silent past --stream-idle-timeout")).await;
-            return Ended { outcome: responded(&meter, false, true), served };
+            return responded(&meter, false, true);
         };
         match m.and_then(|m| m.request) {
             None => {
-                let mut o = responded(&meter, false, false);
-                if let Outcome::Responded { usage, .. } = &mut o {
+                let mut ended = responded(&meter, false, false);
+                if let Outcome::Responded { usage, .. } = &mut ended.outcome {
                     *usage = usage.or(meter.finish_usage());
                 }
-                return Ended { outcome: o, served };
+                return ended;
             }
             Some(Request::ResponseBody(b)) => {
+                deadline = tokio::time::Instant::now() + idle;
                 let mut out = meter.feed(&b.body).to_vec();
                 if b.end_of_stream {
                     out.extend_from_slice(&meter.finish());
@@ -195,10 +221,12 @@ async fn relay(
                 };
                 let sent = io.send(answers).await;
                 if b.end_of_stream || !sent {
-                    return Ended { outcome: responded(&meter, b.end_of_stream && sent, false), served };
+                    return responded(&meter, b.end_of_stream && sent, false);
                 }
             }
             Some(Request::ResponseTrailers(_)) => {
+                // What the meter still holds goes out before the trailers (duplex: a last chunk; the other
+                // modes answered every chunk already, so what is held is an unterminated event, sent as it is).
                 let rest = meter.finish();
                 let mut answers = Vec::new();
                 if mode == BodyMode::Duplex && !rest.is_empty() {
@@ -206,7 +234,7 @@ async fn relay(
                 }
                 answers.push(wire::trailers_continue(false));
                 let sent = io.send(answers).await;
-                return Ended { outcome: responded(&meter, sent, false), served };
+                return responded(&meter, sent, false);
             }
             Some(Request::RequestTrailers(_)) => {
                 io.send([wire::trailers_continue(true)]).await;

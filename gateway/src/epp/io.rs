@@ -5,9 +5,13 @@
 //!
 //! Invariants: the body is read once, refused past the limit given (nothing past it is kept); at most
 //! [`MAX_STASHED`] messages that arrive while the picker waits (for the class budget) are kept for later, a proxy
-//! that sends more is treated as gone; at most [`MAX_HEADERS`] request headers are read.
+//! that sends more is treated as gone; at most [`MAX_HEADERS`] request headers are read into the map the stages
+//! see (the headers a pod would trust are looked for in all of them, `pick.rs`); an answer the proxy does not take
+//! within `send_within` (it stopped granting flow-control window) counts as the proxy gone; a message without a
+//! request (a flow-control window update) is skipped, never taken for the stream's end.
 
 use std::collections::VecDeque;
+use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
 use envoy_types::pb::envoy::service::ext_proc::v3::{
@@ -34,11 +38,13 @@ pub struct StreamIo {
     out: Answers,
     stash: VecDeque<ProcessingRequest>,
     closed: bool,
+    /// How long an answer may wait for the proxy to take it.
+    send_within: Duration,
 }
 
 impl StreamIo {
-    pub fn new(inbound: Streaming<ProcessingRequest>, out: Answers) -> Self {
-        Self { inbound, out, stash: VecDeque::new(), closed: false }
+    pub fn new(inbound: Streaming<ProcessingRequest>, out: Answers, send_within: Duration) -> Self {
+        Self { inbound, out, stash: VecDeque::new(), closed: false, send_within }
     }
 
     /// The proxy's next message; `None` when it closed the stream (or sent something that is not a message).
@@ -53,11 +59,14 @@ impl StreamIo {
         if self.closed {
             return None;
         }
-        match self.inbound.message().await {
-            Ok(Some(m)) => Some(m),
-            Ok(None) | Err(_) => {
-                self.closed = true;
-                None
+        loop {
+            match self.inbound.message().await {
+                Ok(Some(m)) if m.request.is_none() => continue,
+                Ok(Some(m)) => return Some(m),
+                Ok(None) | Err(_) => {
+                    self.closed = true;
+                    return None;
+                }
             }
         }
     }
@@ -65,7 +74,7 @@ impl StreamIo {
     /// Sends answers in order; `false` when the proxy is gone.
     pub async fn send(&self, answers: impl IntoIterator<Item = ProcessingResponse>) -> bool {
         for a in answers {
-            if self.out.send(Ok(a)).await.is_err() {
+            if !matches!(tokio::time::timeout(self.send_within, self.out.send(Ok(a))).await, Ok(Ok(()))) {
                 return false;
             }
         }
@@ -74,7 +83,7 @@ impl StreamIo {
 
     /// Ends the stream with a gRPC error.
     pub async fn fail(&self, status: Status) {
-        let _ = self.out.send(Err(status)).await;
+        let _ = tokio::time::timeout(self.send_within, self.out.send(Err(status))).await;
     }
 
     /// Resolves when the proxy closes the stream (the client went away); messages that arrive meanwhile are kept.
@@ -108,6 +117,9 @@ pub struct EppClient<'a> {
     pub body_done: bool,
     /// Request trailers arrived (answered with the pick).
     pub trailers: bool,
+    /// The proxy buffers the body (`BUFFERED`): its one body message is the whole body, even when trailers follow
+    /// (Envoy holds those until the body is answered).
+    pub buffered: bool,
 }
 
 impl Client for EppClient<'_> {
@@ -124,7 +136,7 @@ impl Client for EppClient<'_> {
                         return Err(ApiError::too_large(limit));
                     }
                     buf.extend_from_slice(&b.body);
-                    self.body_done = b.end_of_stream;
+                    self.body_done = b.end_of_stream || self.buffered;
                 }
                 Some(Request::RequestTrailers(_)) => {
                     self.trailers = true;

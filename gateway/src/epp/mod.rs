@@ -17,14 +17,17 @@
 //! service's name, `readiness` and `inference-extension` (the names GIE's charts and conformance manifests probe)
 //! once the gateway knows a model's tokenizer.
 //!
-//! Body modes: `FULL_DUPLEX_STREAMED` (the protocol's reference) and `BUFFERED` for the request (`STREAMED` cannot
-//! hold the headers until the body is read, so it is refused); any mode for the response.
+//! Body modes: `FULL_DUPLEX_STREAMED` (the protocol's reference) and `BUFFERED` for the request (`STREAMED` and
+//! `NONE` do not give the whole body before the pick, `BUFFERED_PARTIAL` may never end it: refused with a 500 that
+//! says so); `FULL_DUPLEX_STREAMED`, `BUFFERED`, `STREAMED` or `NONE` (charged the request's price: no usage is
+//! seen) for the response.
 //!
 //! TLS: with `--epp-tls-cert` / `--epp-tls-key` the port serves gRPC over TLS (Envoy Gateway dials pickers that
 //! way), else HTTP/2 cleartext (Istio, a hand-written Envoy).
 //!
 //! Invariants: at most `--epp-max-streams` streams are decided or followed at once (past it: 503
-//! `epp_overloaded`); every stream's in-flight slot and permit are given back when it ends, however it ends.
+//! `epp_overloaded`); a stream's first message must come within `--header-read-timeout`; every stream's in-flight
+//! slot and permit are given back when it ends, however it ends.
 
 pub mod follow;
 pub mod io;
@@ -72,13 +75,13 @@ impl ExternalProcessor for Picker {
         request: tonic::Request<Streaming<ProcessingRequest>>,
     ) -> Result<tonic::Response<Self::ProcessStream>, Status> {
         let (tx, rx) = mpsc::channel(ANSWER_QUEUE);
-        let io = StreamIo::new(request.into_inner(), tx);
+        let io = StreamIo::new(request.into_inner(), tx, self.host.cfg().stream_idle_timeout);
         let host = self.host.clone();
         let held = self.streams.clone().try_acquire_owned();
         tokio::spawn(async move {
             let _held = match held {
                 Ok(p) => p,
-                Err(_) => return overloaded(io).await,
+                Err(_) => return overloaded(io, host.cfg().header_read_timeout).await,
             };
             run(host, io).await;
         });
@@ -87,16 +90,19 @@ impl ExternalProcessor for Picker {
 }
 
 /// Past `--epp-max-streams`: the request is answered 503 without being read.
-async fn overloaded(mut io: StreamIo) {
+async fn overloaded(mut io: StreamIo, within: Duration) {
     let e = ApiError::unavailable("epp_overloaded", "the endpoint picker is at --epp-max-streams; retry");
-    if io.next().await.is_some() {
+    if let Ok(Some(_)) = tokio::time::timeout(within, io.next()).await {
         io.send([pick::refusal(&e)]).await;
     }
 }
 
 /// One stream, from the request headers to the answer's end.
 async fn run(host: Arc<dyn ServeHost>, mut io: StreamIo) {
-    let Some(first) = io.next().await else { return };
+    // The proxy sends the headers as it opens the stream: one that stays silent does not keep its slot.
+    let Ok(Some(first)) = tokio::time::timeout(host.cfg().header_read_timeout, io.next()).await else {
+        return;
+    };
     let (request_mode, response_mode) = wire::body_modes(&first);
     let subset = wire::subset_hint(first.metadata_context.as_ref());
     let Some(Request::RequestHeaders(h)) = first.request else {
@@ -109,12 +115,16 @@ async fn run(host: Arc<dyn ServeHost>, mut io: StreamIo) {
     let mut ctx = Ctx::new();
     let traceparent = wire::header_text(&headers, kvgate_shared::trace::TRACEPARENT);
     ctx.trace = RequestTrace::begin(host.tracer(), traceparent);
-    let refused = match (method.as_str(), request_mode) {
-        ("POST", BodyMode::Streamed) => Some(ApiError::internal(
-            "the proxy streams the request body without waiting (request_body_mode STREAMED): the picker needs the \
-             whole body before the pick; use FULL_DUPLEX_STREAMED or BUFFERED",
+    let refused = match (method.as_str(), request_mode, response_mode) {
+        ("POST", BodyMode::Streamed | BodyMode::None | BodyMode::Unsupported, _) => Some(ApiError::internal(
+            "the proxy's request_body_mode does not give the picker the whole body before the pick (STREAMED, \
+             NONE, BUFFERED_PARTIAL): use FULL_DUPLEX_STREAMED or BUFFERED",
         )),
-        ("POST", _) => None,
+        ("POST", _, BodyMode::Unsupported) => Some(ApiError::internal(
+            "the proxy's response_body_mode is not one the picker follows: use FULL_DUPLEX_STREAMED, BUFFERED, \
+             STREAMED or NONE",
+        )),
+        ("POST", _, _) => None,
         _ => Some(ApiError::not_found_route(&path)),
     };
     let buffered = request_mode == BodyMode::Buffered;
@@ -129,8 +139,10 @@ async fn run(host: Arc<dyn ServeHost>, mut io: StreamIo) {
             headers: io::header_map(&headers),
             body_done: h.end_of_stream,
             trailers: false,
+            buffered,
         };
-        let decided = pick::decide(&host, &mut client, &mut ctx, &path, subset).await;
+        let trusted = pick::trusted_sent(&headers);
+        let decided = pick::decide(&host, &mut client, &mut ctx, &path, subset, trusted).await;
         let trailers = client.trailers;
         match decided {
             Err(e) => {
@@ -233,7 +245,7 @@ pub async fn serve(
         }
     });
     let max_message = host.cfg().max_body_bytes.saturating_add(64 * 1024);
-    let picker = Picker { host, streams: Arc::new(Semaphore::new(max_streams)) };
+    let picker = Picker { host, streams: Arc::new(Semaphore::new(max_streams.min(Semaphore::MAX_PERMITS))) };
     let service = ExternalProcessorServer::new(picker).max_decoding_message_size(max_message);
     let mut builder = tonic::transport::Server::builder();
     if let Some(identity) = tls {
@@ -246,6 +258,8 @@ pub async fn serve(
     }
     let served = builder
         .http2_keepalive_interval(Some(Duration::from_secs(30)))
+        // Streams past --epp-max-streams are answered 503; past this many more on one connection, refused by HTTP/2.
+        .max_concurrent_streams(Some(u32::try_from(max_streams.saturating_add(64)).unwrap_or(u32::MAX)))
         .add_service(health)
         .add_service(service)
         // Without TCP_NODELAY each answer waits out the peer's delayed ACK (about 40 ms a request on loopback).

@@ -12,7 +12,6 @@
 use std::sync::Arc;
 
 use kvgate_router::input::url_address;
-use kvgate_router::split::plan::can_import;
 
 use crate::epp::io::EppClient;
 use crate::epp::wire::{self, DESTINATION_HEADER};
@@ -55,13 +54,23 @@ fn trusted(name: &str) -> bool {
         || name.starts_with(DESTINATION_HEADER)
 }
 
-/// Stages 1 to 6 for the request at `path`; `Ok(None)`: the client left while it waited.
+/// The names of the headers a pod would trust among all the request's headers (not only those the stages read).
+pub fn trusted_sent(headers: &[(String, Vec<u8>)]) -> Vec<String> {
+    let mut names: Vec<String> = headers.iter().map(|(n, _)| n.clone()).filter(|n| trusted(n)).collect();
+    names.sort();
+    names.dedup();
+    names
+}
+
+/// Stages 1 to 6 for the request at `path`; `Ok(None)`: the client left while it waited. `trusted`: the headers a
+/// pod would trust that the client sent ([`trusted_sent`]), removed unless the picker sets them.
 pub async fn decide<'s>(
     host: &'s Arc<dyn ServeHost>,
     client: &mut EppClient<'_>,
     ctx: &mut Ctx,
     path: &str,
     subset: Option<Vec<String>>,
+    trusted: Vec<String>,
 ) -> Result<Option<Picked<'s>>, ApiError> {
     let (mut incoming, body) = exchange::read(host.as_ref(), client, path).await?;
     incoming.subset = subset;
@@ -82,18 +91,20 @@ pub async fn decide<'s>(
     let first = r.candidates.first().ok_or_else(|| ApiError::no_worker(&prep.model))?;
     ctx.route = if r.is_split() { "split" } else { r.reason.as_str() };
     ctx.worker = Some(first.id.clone());
+    // The proxy sends every fallback the headers built for the pick: a split's prefill grant names the decode
+    // worker, a data-parallel rank the pick's; then there is no fallback.
+    let per_host = r.is_split() || dp_rank::split(&first.url).1.is_some();
     let mut addresses: Vec<String> = Vec::with_capacity(r.candidates.len());
-    for c in &r.candidates {
+    for c in r.candidates.iter().take(if per_host { 1 } else { usize::MAX }) {
         let a = url_address(&c.url).to_owned();
         if !addresses.contains(&a) {
             addresses.push(a);
         }
     }
     // What the first candidate gets on the proxy path (a split's decode worker: its prefill peer and grant).
-    let split = r.split.as_ref().filter(|_| r.is_split());
-    let peer = split.filter(|s| first.id != s.prefill_worker || can_import(&host.registry(), first.wref));
+    let peer = r.split.as_ref().filter(|_| r.is_split()).map(|s| s.peer.as_str());
     let out = Outbound::new(host.cfg(), &incoming, &prep, admitted.priced.kvgate_pool);
-    let (body, headers) = out.for_candidate(first, peer.map(|s| s.peer.as_str()));
+    let (body, headers) = out.for_candidate(first, peer);
     let body = body.clone();
     let mut set: Vec<(String, Vec<u8>)> =
         headers.iter().map(|(n, v)| (n.as_str().to_owned(), v.as_bytes().to_vec())).collect();
@@ -102,14 +113,7 @@ pub async fn decide<'s>(
     }
     // The body may have changed (a tenant's salt, the usage asked for): the proxy sends it chunked.
     let mut remove: Vec<String> = vec!["content-length".to_owned()];
-    remove.extend(
-        client
-            .headers
-            .keys()
-            .map(|n| n.as_str())
-            .filter(|n| trusted(n) && !set.iter().any(|(s, _)| s == n))
-            .map(str::to_owned),
-    );
+    remove.extend(trusted.into_iter().filter(|n| !set.iter().any(|(s, _)| s == n)));
     Ok(Some(Picked { incoming, prep, admitted, routed, addresses, set, remove, body }))
 }
 
@@ -154,6 +158,11 @@ mod tests {
         }
         assert!(trusted("x-gateway-destination-endpoint"));
         assert!(trusted("x-gateway-destination-endpoint-served"));
+        // Found among all the headers, past the ones the stages read.
+        let mut many: Vec<(String, Vec<u8>)> =
+            (0..300).map(|i| (format!("x-filler-{i}"), vec![b'a'])).collect();
+        many.push(("x-kvgate-gateway-auth".into(), b"forged".to_vec()));
+        assert_eq!(trusted_sent(&many), vec!["x-kvgate-gateway-auth".to_owned()]);
         for h in ["content-type", "x-session-id", "accept", "user-agent"] {
             assert!(!trusted(h), "{h}");
         }

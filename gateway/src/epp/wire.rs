@@ -5,8 +5,8 @@
 //!
 //! Pure: messages in, messages out. Invariants: the destination header and the `envoy.lb` metadata always carry the
 //! same value (the pick, then its fallbacks, comma separated); a header a pod would trust that the client sent is
-//! removed from what the pod gets unless the picker sets it itself; no body message is larger than
-//! [`MAX_BODY_MESSAGE_BYTES`].
+//! removed from what the pod gets unless the picker sets it itself; no streamed body message is larger than
+//! [`MAX_BODY_MESSAGE_BYTES`] (a buffered body is answered in one message: the proxy sent it in one).
 
 use std::collections::HashMap;
 
@@ -49,8 +49,11 @@ pub enum BodyMode {
     Streamed,
     /// Chunk by chunk, answered with streamed mutations whenever the picker is ready (`FULL_DUPLEX_STREAMED`).
     Duplex,
-    /// Whole, after the headers were answered (`BUFFERED`, `BUFFERED_PARTIAL`).
+    /// Whole, after the headers were answered (`BUFFERED`).
     Buffered,
+    /// A mode the picker does not serve (`BUFFERED_PARTIAL`: a body past the proxy's buffer never ends; any
+    /// mode this build does not know).
+    Unsupported,
 }
 
 impl BodyMode {
@@ -58,14 +61,15 @@ impl BodyMode {
         match BodySendMode::try_from(mode) {
             Ok(BodySendMode::None) => Self::None,
             Ok(BodySendMode::Streamed) => Self::Streamed,
-            Ok(BodySendMode::Buffered | BodySendMode::BufferedPartial) => Self::Buffered,
-            // The protocol's reference mode, and what a proxy that does not say is assumed to use.
-            _ => Self::Duplex,
+            Ok(BodySendMode::Buffered) => Self::Buffered,
+            Ok(BodySendMode::FullDuplexStreamed) => Self::Duplex,
+            _ => Self::Unsupported,
         }
     }
 }
 
-/// The request and response body modes the first message announces (`FULL_DUPLEX_STREAMED` when it does not).
+/// The request and response body modes the first message announces (`FULL_DUPLEX_STREAMED`, the protocol's
+/// reference mode, when it does not).
 pub fn body_modes(first: &ProcessingRequest) -> (BodyMode, BodyMode) {
     match &first.protocol_config {
         Some(p) => (BodyMode::of(p.request_body_mode), BodyMode::of(p.response_body_mode)),

