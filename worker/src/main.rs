@@ -46,6 +46,27 @@ enum Command {
         #[arg(long, default_value_t = 1)]
         shards: usize,
     },
+    /// Write a random LoRA adapter in PEFT's format (adapter_config.json, adapter_model.safetensors) for a model.
+    SynthLora {
+        /// Output directory (created if missing).
+        #[arg(long)]
+        out: PathBuf,
+        /// The base model's directory (its config.json gives the shapes).
+        #[arg(long)]
+        model: PathBuf,
+        /// Rank.
+        #[arg(long, default_value_t = 8)]
+        rank: usize,
+        /// `lora_alpha` (the update is scaled by alpha / rank).
+        #[arg(long, default_value_t = 16.0)]
+        alpha: f64,
+        /// Seed: the same seed writes identical files.
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+        /// Every B matrix 0: the adapter changes nothing.
+        #[arg(long)]
+        zero: bool,
+    },
     /// Measure the CPU engine and fit the simulated engine's timing model to it; writes a profile (TOML).
     Calibrate {
         /// Model directory to measure.
@@ -158,6 +179,24 @@ fn main() -> ExitCode {
                 }
                 Err(e) => {
                     eprintln!("synth-model: {e}");
+                    ExitCode::FAILURE
+                }
+            }
+        }
+        Command::SynthLora { out, model, rank, alpha, seed, zero } => {
+            use kvgate_worker::model::lora::{synth_lora, LoraSpec, Target};
+            let base = model.display().to_string();
+            let spec = LoraSpec { base: &base, rank, alpha, targets: &Target::ALL, seed, zero };
+            match ModelConfig::from_dir(&model).and_then(|cfg| synth_lora(&out, &cfg, &spec)) {
+                Ok(()) => {
+                    println!(
+                        "wrote {} (rank {rank}, alpha {alpha}, q/k/v/o and MLP projections)",
+                        out.display()
+                    );
+                    ExitCode::SUCCESS
+                }
+                Err(e) => {
+                    eprintln!("synth-lora: {e}");
                     ExitCode::FAILURE
                 }
             }

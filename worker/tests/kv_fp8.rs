@@ -37,14 +37,26 @@ fn rows(
     let chunks: Vec<SeqChunk<'_>> = seqs
         .iter()
         .zip(&slots)
-        .map(|(s, sl)| SeqChunk { tokens: &s[..prefill], start: 0, slots: sl, want_logits: true })
+        .map(|(s, sl)| SeqChunk {
+            tokens: &s[..prefill],
+            start: 0,
+            slots: sl,
+            want_logits: true,
+            adapter: None,
+        })
         .collect();
     out.extend(model.forward(&chunks, kv).expect("prefill").into_iter().map(|l| l.expect("logits")));
     for pos in prefill..span {
         let chunks: Vec<SeqChunk<'_>> = seqs
             .iter()
             .zip(&slots)
-            .map(|(s, sl)| SeqChunk { tokens: &s[pos..pos + 1], start: pos, slots: sl, want_logits: true })
+            .map(|(s, sl)| SeqChunk {
+                tokens: &s[pos..pos + 1],
+                start: pos,
+                slots: sl,
+                want_logits: true,
+                adapter: None,
+            })
             .collect();
         out.extend(model.forward(&chunks, kv).expect("decode").into_iter().map(|l| l.expect("logits")));
     }

@@ -91,6 +91,7 @@ impl Ours {
                 start: *start,
                 slots: &self.slots[*seq],
                 want_logits: true,
+                adapter: None,
             })
             .collect();
         self.model

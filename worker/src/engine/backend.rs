@@ -319,6 +319,8 @@ impl Backend for CpuBackend {
                 start: it.start,
                 slots: &it.slots,
                 want_logits: it.want_next,
+                // The engine does not run adapters yet (#47): the forward pass does (`model::lora`).
+                adapter: None,
             })
             .collect();
         let mut inner = |n: usize, kv: &KvStore| {

@@ -11,6 +11,7 @@
 
 use candle_core::{DType, Device, Tensor};
 
+use super::lora::{LoraAdapter, Target};
 use super::{ModelConfig, ModelError, ModelWeights};
 
 /// Query rows per attention tile.
@@ -214,6 +215,72 @@ pub struct SeqChunk<'a> {
     pub slots: &'a [usize],
     /// Return the logits of the chunk's last token.
     pub want_logits: bool,
+    /// The LoRA adapter its sequence runs with (`lora.rs`); `None`: the base model.
+    pub adapter: Option<&'a LoraAdapter>,
+}
+
+/// The rows of a batch that run with each adapter (chunks of one adapter grouped), for the low-rank updates.
+struct AdapterRows<'a> {
+    groups: Vec<(&'a LoraAdapter, Tensor)>,
+}
+
+impl<'a> AdapterRows<'a> {
+    fn of(chunks: &[SeqChunk<'a>]) -> Result<Self, ModelError> {
+        let mut groups: Vec<(&'a LoraAdapter, Vec<u32>)> = Vec::new();
+        let mut offset = 0u32;
+        for c in chunks {
+            let n = c.tokens.len() as u32;
+            if let Some(a) = c.adapter {
+                let rows = offset..offset + n;
+                match groups.iter_mut().find(|(g, _)| std::ptr::eq(*g, a)) {
+                    Some((_, r)) => r.extend(rows),
+                    None => groups.push((a, rows.collect())),
+                }
+            }
+            offset += n;
+        }
+        let groups = groups
+            .into_iter()
+            .filter(|(_, r)| !r.is_empty())
+            .map(|(a, r)| {
+                let n = r.len();
+                Ok((a, Tensor::from_vec(r, n, &Device::Cpu)?))
+            })
+            .collect::<Result<_, ModelError>>()?;
+        Ok(Self { groups })
+    }
+
+    /// `base` (`[T, sum of targets' outputs]`, the fused projections of `input` `[T, in]`) plus each group's
+    /// adapter update of `targets` on its rows; a target an adapter does not touch adds zeros.
+    fn add(
+        &self,
+        base: Tensor,
+        input: &Tensor,
+        layer: usize,
+        targets: &[(Target, usize)],
+    ) -> Result<Tensor, ModelError> {
+        let mut out = base;
+        for (adapter, rows) in &self.groups {
+            let x = input.index_select(rows, 0)?;
+            let n = rows.dims1()?;
+            let mut parts = Vec::with_capacity(targets.len());
+            let mut any = false;
+            for &(t, width) in targets {
+                match adapter.delta(layer, t, &x)? {
+                    Some(d) => {
+                        any = true;
+                        parts.push(d);
+                    }
+                    None => parts.push(Tensor::zeros((n, width), DType::F32, &Device::Cpu)?),
+                }
+            }
+            if any {
+                let delta = Tensor::cat(&parts, 1)?;
+                out = out.index_add(rows, &delta, 0)?;
+            }
+        }
+        Ok(out)
+    }
 }
 
 struct Layer {
@@ -372,9 +439,16 @@ impl LlamaModel {
         let dev = Device::Cpu;
         let (cos, sin) = self.rope_tables(&positions)?;
         let mut x = self.embed.index_select(&Tensor::from_vec(ids, total, &dev)?, 0)?;
+        let lora = AdapterRows::of(chunks)?;
+        let inter = cfg.intermediate_size;
         for (li, layer) in self.layers.iter().enumerate() {
             let xn = candle_nn::ops::rms_norm(&x, &layer.input_norm, self.eps)?;
-            let mut qkv = xn.matmul(&layer.wqkv)?;
+            let mut qkv = lora.add(
+                xn.matmul(&layer.wqkv)?,
+                &xn,
+                li,
+                &[(Target::Q, qd), (Target::K, kvd), (Target::V, kvd)],
+            )?;
             if let Some(b) = &layer.bqkv {
                 qkv = qkv.broadcast_add(b)?;
             }
@@ -418,12 +492,16 @@ impl LlamaModel {
             let outs: Vec<Tensor> = outs.into_iter().map(|(_, t)| t).collect();
             // [heads, T, hd] -> [T, heads * hd]
             let y = Tensor::cat(&outs, 1)?.transpose(0, 1)?.contiguous()?.reshape((total, qd))?;
-            x = (x + y.matmul(&layer.wo)?)?;
+            x = (x + lora.add(y.matmul(&layer.wo)?, &y, li, &[(Target::O, cfg.hidden_size)])?)?;
             let xn = candle_nn::ops::rms_norm(&x, &layer.post_norm, self.eps)?;
-            let gu = xn.matmul(&layer.wgate_up)?;
-            let inter = cfg.intermediate_size;
+            let gu = lora.add(
+                xn.matmul(&layer.wgate_up)?,
+                &xn,
+                li,
+                &[(Target::Gate, inter), (Target::Up, inter)],
+            )?;
             let m = (candle_nn::ops::silu(&gu.narrow(1, 0, inter)?)? * gu.narrow(1, inter, inter)?)?;
-            x = (x + m.matmul(&layer.wdown)?)?;
+            x = (x + lora.add(m.matmul(&layer.wdown)?, &m, li, &[(Target::Down, cfg.hidden_size)])?)?;
         }
         // Logits only for the rows asked for.
         let mut rows = Vec::new();

@@ -5,12 +5,14 @@
 //! - `weights`: safetensors loading by Hugging Face tensor names into `ModelWeights` (f32 on the CPU);
 //! - `synth`: `kvgate-worker synth-model`: random-weight models in the real HF format;
 //! - `identity`: a digest of a model directory's weights (what the SSD tier's records are valid for);
+//! - `lora`: PEFT LoRA adapters read and checked against the model, and synthesized (not applied yet: #47);
 //! - `llama`: the forward pass (Llama 2/3, Qwen2, Mistral) reading and writing the paged KV pool.
 
 pub mod config;
 pub mod fp8;
 pub mod identity;
 pub mod llama;
+pub mod lora;
 pub mod stored;
 pub mod synth;
 pub mod weights;

@@ -1,0 +1,149 @@
+//! LoRA adapters in the forward pass (`model::lora`, `SeqChunk::adapter`) against candle-transformers' llama on the
+//! same weights with the adapter merged in (`W + s B A`, what PEFT's `merge_and_unload` computes): one batch mixes
+//! two adapters and the base model, through a prefill and batched decodes, and each sequence matches its own
+//! reference; a zero adapter changes nothing. Tolerance 1e-4 relative (f32), as `reference.rs`.
+
+use std::path::Path;
+
+use candle_core::{DType, Device, Tensor};
+use candle_nn::VarBuilder;
+use candle_transformers::models::llama;
+use kvgate_worker::model::llama::{LlamaModel, SeqChunk};
+use kvgate_worker::model::lora::{synth_lora, LoraAdapter, LoraSpec, Target, DEFAULT_MAX_LORA_RANK};
+use kvgate_worker::model::synth::{synth_model, Preset, SynthSpec};
+use kvgate_worker::model::ModelConfig;
+
+const TOL: f32 = 1e-4;
+
+fn rel_err(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    let scale = b.iter().fold(0f32, |m, x| m.max(x.abs())).max(1e-6);
+    a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs())) / scale
+}
+
+/// A model directory with `adapter` merged into the base weights of `base`.
+fn merged(base: &Path, adapter: &LoraAdapter, out: &Path) {
+    std::fs::create_dir_all(out).expect("dir");
+    for f in ["config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json"] {
+        if base.join(f).exists() {
+            std::fs::copy(base.join(f), out.join(f)).expect("copy");
+        }
+    }
+    let mut w =
+        candle_core::safetensors::load(base.join("model.safetensors"), &Device::Cpu).expect("weights");
+    for (layer, targets) in adapter.layers.iter().enumerate() {
+        for (t, pair) in targets {
+            let path = match t {
+                Target::Q | Target::K | Target::V | Target::O => format!("self_attn.{}", t.module()),
+                _ => format!("mlp.{}", t.module()),
+            };
+            let name = format!("model.layers.{layer}.{path}.weight");
+            let delta = (pair.b.matmul(&pair.a).expect("BA") * f64::from(adapter.scaling)).expect("s");
+            let base_w = w[&name].to_dtype(DType::F32).expect("f32");
+            w.insert(name, (base_w + delta).expect("W + sBA"));
+        }
+    }
+    candle_core::safetensors::save(&w, out.join("model.safetensors")).expect("save");
+}
+
+/// candle-transformers' llama on `dir`: the logits after `tokens` (fed at once), then after each of `more`.
+fn reference(dir: &Path, tokens: &[u32], more: &[u32]) -> Vec<Vec<f32>> {
+    let files = [dir.join("model.safetensors")];
+    // SAFETY (of the mmap): the files are test fixtures nobody modifies while mapped.
+    #[allow(unsafe_code)]
+    let vb = unsafe { VarBuilder::from_mmaped_safetensors(&files, DType::F32, &Device::Cpu).expect("vb") };
+    let text = std::fs::read_to_string(dir.join("config.json")).expect("config");
+    let cfg: llama::LlamaConfig = serde_json::from_str(&text).expect("llama config");
+    let cfg = cfg.into_config(false);
+    let mut cache = llama::Cache::new(true, DType::F32, &cfg, &Device::Cpu).expect("cache");
+    let model = llama::Llama::load(vb, &cfg).expect("llama");
+    let mut step = |t: &[u32], pos: usize| {
+        let input = Tensor::new(t, &Device::Cpu).expect("t").unsqueeze(0).expect("u");
+        model
+            .forward(&input, pos, &mut cache)
+            .expect("forward")
+            .flatten_all()
+            .expect("f")
+            .to_vec1::<f32>()
+            .expect("v")
+    };
+    let mut out = vec![step(tokens, 0)];
+    for (i, t) in more.iter().enumerate() {
+        out.push(step(&[*t], tokens.len() + i));
+    }
+    out
+}
+
+fn prompt(n: usize, seed: u32) -> Vec<u32> {
+    (0..n as u32).map(|i| (i.wrapping_mul(2_654_435_761).wrapping_add(seed * 7919)) % 500).collect()
+}
+
+#[test]
+fn a_batch_mixing_adapters_gives_each_sequence_its_own_adapters_answer() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let base = dir.path().join("base");
+    synth_model(&base, &SynthSpec::new(Preset::Tiny, 5)).expect("synth");
+    let cfg = ModelConfig::from_dir(&base).expect("config");
+    let spec = |targets, seed, zero| LoraSpec { base: "tiny", rank: 8, alpha: 16.0, targets, seed, zero };
+    let (a_dir, b_dir, z_dir) = (dir.path().join("a"), dir.path().join("b"), dir.path().join("z"));
+    synth_lora(&a_dir, &cfg, &spec(&Target::ALL, 1, false)).expect("a");
+    synth_lora(&b_dir, &cfg, &spec(&[Target::Q, Target::V, Target::Down], 2, false)).expect("b");
+    synth_lora(&z_dir, &cfg, &spec(&Target::ALL, 3, true)).expect("z");
+    let load = |d: &Path, n: &str| LoraAdapter::load(d, n, &cfg, DEFAULT_MAX_LORA_RANK).expect("adapter");
+    let (a, b, z) = (load(&a_dir, "a"), load(&b_dir, "b"), load(&z_dir, "z"));
+    merged(&base, &a, &dir.path().join("merged-a"));
+    merged(&base, &b, &dir.path().join("merged-b"));
+
+    let model = LlamaModel::load(&base).expect("model");
+    let span = 64;
+    let mut kv = model.new_kv_store(4 * span);
+    let slots: Vec<Vec<usize>> = (0..4).map(|i| (i * span..(i + 1) * span).collect()).collect();
+    let prompts: Vec<Vec<u32>> = (0..4).map(|i| prompt(23 + i, i as u32)).collect();
+    let adapters = [Some(&a), None, Some(&b), Some(&z)];
+    let more: Vec<u32> = vec![7, 99, 311];
+
+    // One batch: four prefills (adapter a, base, adapter b, zero adapter), then three batched decode steps.
+    let mut ours: Vec<Vec<Vec<f32>>> = vec![Vec::new(); 4];
+    let chunks: Vec<SeqChunk<'_>> = (0..4)
+        .map(|i| SeqChunk {
+            tokens: &prompts[i],
+            start: 0,
+            slots: &slots[i],
+            want_logits: true,
+            adapter: adapters[i],
+        })
+        .collect();
+    for (i, l) in model.forward(&chunks, &mut kv).expect("prefill").into_iter().enumerate() {
+        ours[i].push(l.expect("logits"));
+    }
+    for (step, t) in more.iter().enumerate() {
+        let tok = [*t];
+        let chunks: Vec<SeqChunk<'_>> = (0..4)
+            .map(|i| SeqChunk {
+                tokens: &tok,
+                start: prompts[i].len() + step,
+                slots: &slots[i],
+                want_logits: true,
+                adapter: adapters[i],
+            })
+            .collect();
+        for (i, l) in model.forward(&chunks, &mut kv).expect("decode").into_iter().enumerate() {
+            ours[i].push(l.expect("logits"));
+        }
+    }
+    let refs = [
+        reference(&dir.path().join("merged-a"), &prompts[0], &more),
+        reference(&base, &prompts[1], &more),
+        reference(&dir.path().join("merged-b"), &prompts[2], &more),
+        reference(&base, &prompts[3], &more),
+    ];
+    for (i, name) in ["adapter a", "base", "adapter b", "zero adapter"].iter().enumerate() {
+        for (s, (o, r)) in ours[i].iter().zip(&refs[i]).enumerate() {
+            let e = rel_err(o, r);
+            assert!(e <= TOL, "{name}, step {s}: relative error {e:e}");
+        }
+    }
+    // The adapters change the answer (the test is not vacuous).
+    let base_ref = reference(&base, &prompts[0], &[]);
+    assert!(rel_err(&ours[0][0], &base_ref[0]) > 1e-2, "adapter a changes the logits");
+}
