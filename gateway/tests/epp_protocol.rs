@@ -8,13 +8,14 @@ mod common;
 use std::time::Duration;
 
 use common::*;
-use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue};
+use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue, Metadata};
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
 use envoy_types::pb::envoy::service::ext_proc::v3::processing_request::Request;
 use envoy_types::pb::envoy::service::ext_proc::v3::processing_response::Response;
 use envoy_types::pb::envoy::service::ext_proc::v3::{
     body_mutation, HttpBody, HttpHeaders, ProcessingRequest, ProcessingResponse, ProtocolConfiguration,
 };
+use envoy_types::pb::google::protobuf::{value::Kind, Struct, Value};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::Streaming;
@@ -180,22 +181,34 @@ async fn a_misbehaving_proxy_gets_the_documented_answers_and_holds_nothing() {
     }
     let sent: serde_json::Value = serde_json::from_slice(&echoed).expect("json");
     assert_eq!(sent["model"], MODEL);
-    // The response head comes and then nothing: after --stream-idle-timeout the stream ends, the permit settled.
-    s.send(Request::ResponseHeaders(HttpHeaders {
-        headers: Some(HeaderMap {
-            headers: vec![HeaderValue {
-                key: ":status".into(),
-                raw_value: b"200".to_vec(),
-                ..Default::default()
-            }],
+    // The response head comes (the proxy naming a pod the picker did not rank: counted, credited to none) and then
+    // nothing: after --stream-idle-timeout the stream ends, the permit settled.
+    let served = Struct {
+        fields: [(
+            "x-gateway-destination-endpoint-served".to_owned(),
+            Value { kind: Some(Kind::StringValue("10.9.9.9:1".into())) },
+        )]
+        .into(),
+    };
+    let status = HeaderValue { key: ":status".into(), raw_value: b"200".to_vec(), ..Default::default() };
+    s.send_msg(ProcessingRequest {
+        request: Some(Request::ResponseHeaders(HttpHeaders {
+            headers: Some(HeaderMap { headers: vec![status] }),
+            ..Default::default()
+        })),
+        metadata_context: Some(Metadata {
+            filter_metadata: [("envoy.lb".to_owned(), served)].into(),
+            ..Default::default()
         }),
         ..Default::default()
-    }))
+    })
     .await;
     let _head = s.next().await.expect("ok");
     let e = s.next().await.expect_err("deadline");
     assert_eq!(e.code(), tonic::Code::DeadlineExceeded, "{e}");
     wait_until(Duration::from_secs(5), || async { held(&control).await == 0.0 }).await;
+    let m = get(&format!("{control}/metrics")).await.body;
+    assert_eq!(metric(&m, "kvgate_gateway_epp_served_total{by=\"unranked\"}"), Some(1.0), "{m}");
 
     // A stream dropped right after the pick: nothing stays held.
     let mut s = Stream::open(epp).await;

@@ -37,6 +37,8 @@ struct Head {
     headers: Vec<(String, Vec<u8>)>,
     end_of_stream: bool,
     served: usize,
+    /// The proxy named an endpoint the picker did not rank: no worker's index is credited.
+    unranked: bool,
 }
 
 /// Follows the answer to its end and settles it.
@@ -54,6 +56,7 @@ pub async fn follow(
     let head = head(io, &p, first_byte).await;
     let routed = &p.routed.routed;
     let served = head.as_ref().map_or(0, |h| h.served);
+    let unranked = head.as_ref().is_ok_and(|h| h.unranked);
     let t = &routed.candidates[served];
     let mut uncached = routed.uncached_tokens;
     let mut guard: Option<InflightGuard> = p.routed.first.take();
@@ -93,6 +96,7 @@ pub async fn follow(
         uncached,
         first_byte,
         predicted: routed.predicted_cached_tokens,
+        served_known: !unranked,
     };
     let mut refused_for = None;
     if let Some(Err(e)) = s.settle(ctx, ended.outcome, &mut permit, &mut refused_for) {
@@ -101,9 +105,10 @@ pub async fn follow(
     drop(guard);
 }
 
-/// Which candidate the proxy says served (the pick when it does not say, or names an endpoint not ranked).
-fn served_index(p: &Picked<'_>, served: Option<String>) -> usize {
-    let Some(s) = served else { return 0 };
+/// Which candidate the proxy says served (the pick when it does not say), and whether it named an endpoint the
+/// picker did not rank (then the pick's slot is kept and no index is credited).
+fn served_index(p: &Picked<'_>, served: Option<String>) -> (usize, bool) {
+    let Some(s) = served else { return (0, false) };
     let i = p.addresses.iter().position(|a| *a == s);
     let label = match i {
         Some(0) => "pick",
@@ -111,9 +116,9 @@ fn served_index(p: &Picked<'_>, served: Option<String>) -> usize {
         None => "unranked",
     };
     metrics::counter!("kvgate_gateway_epp_served_total", "by" => label).increment(1);
-    let Some(i) = i else { return 0 };
+    let Some(i) = i else { return (0, true) };
     let address = &p.addresses[i];
-    p.routed.routed.candidates.iter().position(|c| url_address(&c.url) == address).unwrap_or(0)
+    (p.routed.routed.candidates.iter().position(|c| url_address(&c.url) == address).unwrap_or(0), false)
 }
 
 /// The gateway's response headers, as on the proxy path (`serve::upstream::head`): the worker that served, the
@@ -148,8 +153,13 @@ async fn head(io: &mut StreamIo, p: &Picked<'_>, first_byte: Duration) -> Result
                 io.send([wire::trailers_continue(true)]).await;
             }
             Some(Request::ResponseHeaders(h)) => {
-                let served = served_index(p, wire::served(m.metadata_context.as_ref()));
-                return Ok(Head { headers: wire::header_list(&h), end_of_stream: h.end_of_stream, served });
+                let (served, unranked) = served_index(p, wire::served(m.metadata_context.as_ref()));
+                return Ok(Head {
+                    headers: wire::header_list(&h),
+                    end_of_stream: h.end_of_stream,
+                    served,
+                    unranked,
+                });
             }
             Some(other) => {
                 tracing::debug!(message = kind(&other), "epp: unexpected message before the response head");

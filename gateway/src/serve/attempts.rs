@@ -125,6 +125,7 @@ impl Walk<'_> {
                 uncached,
                 first_byte,
                 predicted: routed.predicted_cached_tokens,
+                served_known: true,
             };
             if let Some(done) = s.settle(ctx, outcome, &mut permit, &mut refused_for) {
                 return done;

@@ -88,6 +88,9 @@ pub struct Settle<'a> {
     pub first_byte: Duration,
     /// The cached tokens the decision predicted.
     pub predicted: usize,
+    /// `t` is known to be the worker that served (an endpoint picker's proxy may report one the gateway did not
+    /// rank: then no worker's index is credited).
+    pub served_known: bool,
 }
 
 impl Settle<'_> {
@@ -170,7 +173,9 @@ impl Settle<'_> {
     /// completed generation teaches its class's output length.
     fn served(&self, usage: Option<&UsageSeen>, completed: bool) {
         let Some(p) = &self.prep.prompt else { return };
-        self.host.registry().record_served(self.t.wref, &p.hashes);
+        if self.served_known {
+            self.host.registry().record_served(self.t.wref, &p.hashes);
+        }
         if let (Some(u), true) = (usage, completed) {
             self.host.learned_outputs().learn(&self.priced.class_name, u.completion);
         }
