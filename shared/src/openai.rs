@@ -438,6 +438,9 @@ pub struct ModelCard {
     /// kvgate workers: their part in prefill/decode disaggregation (`both`, `prefill`, `decode`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub role: Option<String>,
+    /// A LoRA adapter's base model (vLLM's field); `None` for a base model.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub parent: Option<String>,
 }
 
 /// `GET /v1/models`.

@@ -90,7 +90,7 @@ fn prompt(n: usize, salt: usize) -> Vec<u32> {
 
 fn req(id: u64, prompt: Vec<u32>, max_tokens: u32) -> EngineRequest {
     let params = SamplingParams { ignore_eos: true, ..SamplingParams::greedy(max_tokens) };
-    EngineRequest { id, prompt, params, extra_keys: ExtraKeys::none() }
+    EngineRequest { id, prompt, params, extra_keys: ExtraKeys::none(), adapter: None }
 }
 
 fn median(mut v: Vec<f64>) -> f64 {

@@ -12,6 +12,7 @@ use kvgate_worker::model::llama::{LlamaModel, SeqChunk};
 use kvgate_worker::model::lora::{synth_lora, LoraAdapter, LoraSpec, Target, DEFAULT_MAX_LORA_RANK};
 use kvgate_worker::model::synth::{synth_model, Preset, SynthSpec};
 use kvgate_worker::model::ModelConfig;
+use serde_json::Value;
 
 const TOL: f32 = 1e-4;
 
@@ -146,4 +147,71 @@ fn a_batch_mixing_adapters_gives_each_sequence_its_own_adapters_answer() {
     // The adapters change the answer (the test is not vacuous).
     let base_ref = reference(&base, &prompts[0], &[]);
     assert!(rel_err(&ours[0][0], &base_ref[0]) > 1e-2, "adapter a changes the logits");
+}
+
+mod common;
+
+/// `usage` of a greedy completion of `prompt` on `model` through the worker: (text, cached prompt tokens).
+async fn complete(base: &str, model: &str, prompt: &str) -> (u16, String, u64) {
+    let body = serde_json::json!({"model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0});
+    let r = common::post(&format!("{base}/v1/completions"), &body, &[]).await;
+    let v = r.json();
+    let text = v["choices"][0]["text"].as_str().unwrap_or("").to_owned();
+    (r.status, text, v["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap_or(0))
+}
+
+#[tokio::test]
+async fn a_worker_serves_its_adapters_by_name_and_never_shares_their_blocks() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let base = dir.path().join("base");
+    synth_model(&base, &SynthSpec::new(Preset::Tiny, 0)).expect("synth");
+    let cfg = ModelConfig::from_dir(&base).expect("config");
+    for (name, seed) in [("a", 1), ("b", 2)] {
+        let spec = LoraSpec { base: "tiny", rank: 8, alpha: 32.0, targets: &Target::ALL, seed, zero: false };
+        synth_lora(&dir.path().join(name), &cfg, &spec).expect("adapter");
+    }
+    let lora = |n: &str| format!("{n}={}", dir.path().join(n).display());
+    let (la, lb) = (lora("a"), lora("b"));
+    let w = common::serve(&[
+        "--model",
+        base.to_str().expect("p"),
+        "--model-id",
+        "tiny-base",
+        "--kv-cache-tokens",
+        "4096",
+        "--lora",
+        &la,
+        "--lora",
+        &lb,
+    ]);
+    let models = common::get(&format!("{}/v1/models", w.base)).await.json();
+    let cards: Vec<(String, Value)> = models["data"]
+        .as_array()
+        .expect("list")
+        .iter()
+        .map(|c| (c["id"].as_str().unwrap_or("").to_owned(), c["parent"].clone()))
+        .collect();
+    assert_eq!(
+        cards,
+        vec![
+            ("tiny-base".to_owned(), Value::Null),
+            ("a".to_owned(), Value::from("tiny-base")),
+            ("b".to_owned(), Value::from("tiny-base"))
+        ]
+    );
+    let prompt = "the quick brown fox jumps over the lazy dog and runs far away into the hills ".repeat(3);
+    let (s, base_text, cached) = complete(&w.base, "tiny-base", &prompt).await;
+    assert_eq!((s, cached), (200, 0));
+    // Adapter a: another answer, and none of the base model's blocks (its name keys the chain).
+    let (s, a_text, cached) = complete(&w.base, "a", &prompt).await;
+    assert_eq!((s, cached), (200, 0), "an adapter never reads the base model's blocks");
+    assert_ne!(a_text, base_text, "the adapter changes the answer");
+    let (_, a_again, cached) = complete(&w.base, "a", &prompt).await;
+    assert!(cached > 0, "its own blocks are its own cache hits");
+    assert_eq!(a_again, a_text);
+    let (s, b_text, cached) = complete(&w.base, "b", &prompt).await;
+    assert_eq!((s, cached), (200, 0), "nor another adapter's");
+    assert_ne!(b_text, a_text);
+    let (s, _, _) = complete(&w.base, "nope", &prompt).await;
+    assert_eq!(s, 404);
 }

@@ -48,6 +48,7 @@ fn model_cards(host: &dyn ServeHost) -> Vec<ModelCard> {
     reg.models(Instant::now())
         .into_iter()
         .map(|id| ModelCard {
+            parent: None,
             max_model_len: reg.max_model_len(&id),
             id,
             object: "model".into(),

@@ -364,8 +364,13 @@ impl<'a> Fleet<'a> {
         *self.out.routes.entry(reason.to_owned()).or_default() += 1;
         let params =
             SamplingParams { max_tokens, temperature: 0.0, ignore_eos: true, ..SamplingParams::default() };
-        let req =
-            EngineRequest { id: i as u64, prompt: tokens.to_vec(), params, extra_keys: ExtraKeys::none() };
+        let req = EngineRequest {
+            id: i as u64,
+            prompt: tokens.to_vec(),
+            params,
+            extra_keys: ExtraKeys::none(),
+            adapter: None,
+        };
         self.workers[w].engine.backend_mut().set_now(t);
         match self.workers[w].engine.add_request(req) {
             Ok(()) => {

@@ -10,5 +10,6 @@ pub fn request(id: u64, prompt: Vec<u32>, max_tokens: u32) -> EngineRequest {
         prompt,
         params: SamplingParams { ignore_eos: true, ..SamplingParams::greedy(max_tokens) },
         extra_keys: ExtraKeys::none(),
+        adapter: None,
     }
 }

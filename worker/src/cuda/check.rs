@@ -104,6 +104,7 @@ pub fn logits(dir: &Path, ordinal: usize, dt: DType, out: &Path, cpu: bool) -> G
                         slots: slot_tables[s.seq].clone(),
                         want_next: s.want,
                         greedy: false,
+                        adapter: None,
                     })
                     .collect();
                 Some(crate::engine::Backend::forward(c, &items).map_err(|e| e.to_string())?)

@@ -22,6 +22,8 @@ pub struct BatchItem<'a> {
     pub want_next: bool,
     /// The next token is picked greedily (arg-max): a backend may pick it itself and return [`Next::Token`].
     pub greedy: bool,
+    /// The LoRA adapter its sequence runs with (only given to a backend that [`Backend::runs_adapters`]).
+    pub adapter: Option<&'a crate::model::lora::LoraAdapter>,
 }
 
 /// What a backend returns for an item that wants a next token.
@@ -47,6 +49,12 @@ pub trait Backend: Send {
 
     /// The model's end-of-sequence ids.
     fn eos_token_ids(&self) -> Vec<u32>;
+
+    /// Whether it applies [`BatchItem::adapter`] (default: no, and a request with an adapter is refused at
+    /// admission: the CUDA path has no LoRA kernels yet, the simulated engine models no adapters).
+    fn runs_adapters(&self) -> bool {
+        false
+    }
 
     /// Whether [`BatchItem::slots`] must be filled (default `true`). A backend without KV memory says `false` and
     /// saves the engine an O(context) walk per item per step.
@@ -173,6 +181,9 @@ impl<B: Backend + ?Sized> Backend for Box<B> {
     fn needs_slots(&self) -> bool {
         (**self).needs_slots()
     }
+    fn runs_adapters(&self) -> bool {
+        (**self).runs_adapters()
+    }
     fn kv_block_bytes(&self, block_size: usize) -> Option<usize> {
         (**self).kv_block_bytes(block_size)
     }
@@ -256,6 +267,12 @@ impl Backend for CpuBackend {
         self.forward_tapped(items, &mut |_, _| {})
     }
 
+    /// The CPU forward pass applies each item's adapter (`model::llama`, checked against merged weights in
+    /// `tests/lora.rs`).
+    fn runs_adapters(&self) -> bool {
+        true
+    }
+
     fn vocab_size(&self) -> usize {
         self.model.config().vocab_size
     }
@@ -319,8 +336,7 @@ impl Backend for CpuBackend {
                 start: it.start,
                 slots: &it.slots,
                 want_logits: it.want_next,
-                // The engine does not run adapters yet (#47): the forward pass does (`model::lora`).
-                adapter: None,
+                adapter: it.adapter,
             })
             .collect();
         let mut inner = |n: usize, kv: &KvStore| {

@@ -152,6 +152,7 @@ pub fn calibrate(
             slots: slots.clone(),
             want_next: want,
             greedy: true,
+            adapter: None,
         };
         let mut best = f64::INFINITY;
         for _ in 0..reps {
@@ -177,6 +178,7 @@ pub fn calibrate(
                 slots: slots[b].clone(),
                 want_next: true,
                 greedy: true,
+                adapter: None,
             })
             .collect();
         backend.forward(&step)?; // warm-up

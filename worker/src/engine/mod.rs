@@ -347,6 +347,11 @@ impl<B: Backend> Engine<B> {
         if req.prompt.is_empty() {
             return Err(AdmitError::EmptyPrompt);
         }
+        if req.adapter.is_some() && !self.backend.runs_adapters() {
+            return Err(AdmitError::AdapterUnsupported(
+                "CUDA and the simulated engine serve the base model only",
+            ));
+        }
         req.params.validate().map_err(|(f, m)| AdmitError::InvalidParam(f, m))?;
         let vocab = self.backend.vocab_size();
         if let Some(t) = req.prompt.iter().find(|t| **t as usize >= vocab) {
@@ -382,8 +387,14 @@ impl<B: Backend> Engine<B> {
     /// A validated sequence for `req`, its cached prefix estimated and its SSD blocks read ahead.
     fn new_sequence(&self, req: EngineRequest) -> Result<Sequence, AdmitError> {
         self.validate(&req)?;
-        let hasher = BlockHasher::new(&self.scheme, &req.extra_keys);
+        // An adapter's blocks are its own: its name keys the chain, whoever built the request.
+        let mut keys = req.extra_keys;
+        if let Some(a) = &req.adapter {
+            keys.push(kvgate_shared::hashing::ExtraKey::LoraAdapter(a.name.clone()));
+        }
+        let hasher = BlockHasher::new(&self.scheme, &keys);
         let mut seq = Sequence::new(req.id, req.prompt, req.params, hasher);
+        seq.adapter = req.adapter;
         // The SSD reads a request would wait for overlap the engine work queued ahead of it.
         let kv = self.sched.kv();
         let ahead_s = self.sched.prefill_tokens() as f64 * kv.costs().prefill_s_per_token;
@@ -428,6 +439,7 @@ impl<B: Backend> Engine<B> {
                         slots,
                         want_next: c.sample,
                         greedy: seq.params.temperature < sampler::GREEDY_BELOW && !seq.params.needs_logits(),
+                        adapter: seq.adapter.as_deref(),
                     }
                 })
                 .collect();

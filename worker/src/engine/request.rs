@@ -146,6 +146,9 @@ pub struct EngineRequest {
     pub params: SamplingParams,
     /// Hash extra keys (the tenant's `cache_salt`, ...): requests with different keys share no blocks.
     pub extra_keys: ExtraKeys,
+    /// The LoRA adapter it runs with (`model::lora`); the engine adds the adapter's name to `extra_keys`, so its
+    /// blocks are never another adapter's or the base model's. `None`: the base model.
+    pub adapter: Option<std::sync::Arc<crate::model::lora::LoraAdapter>>,
 }
 
 /// Why a sequence ended.
@@ -217,6 +220,8 @@ pub enum AdmitError {
     DuplicateId(RequestId),
     #[error("no room to import the request's KV now ({0})")]
     NoRoom(&'static str),
+    #[error("this worker's backend does not run LoRA adapters ({0})")]
+    AdapterUnsupported(&'static str),
 }
 
 /// Where an exporting request's blocks go as they are written (the server: the transfer link's queue), and the

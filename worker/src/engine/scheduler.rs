@@ -44,6 +44,8 @@ impl Default for SchedulerConfig {
 #[derive(Debug)]
 pub struct Sequence {
     pub id: RequestId,
+    /// The LoRA adapter it runs with (its name is among the hasher's extra keys).
+    pub adapter: Option<std::sync::Arc<crate::model::lora::LoraAdapter>>,
     /// Prompt then generated tokens.
     pub tokens: Vec<u32>,
     pub prompt_len: usize,
@@ -79,6 +81,7 @@ impl Sequence {
         let seed = params.seed.unwrap_or(id ^ 0xA076_1D64_78BD_642F);
         Self {
             id,
+            adapter: None,
             prompt_len: prompt.len(),
             tokens: prompt,
             rng: SplitMix64::new(seed),

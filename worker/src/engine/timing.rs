@@ -198,8 +198,17 @@ mod tests {
                 slots: vec![],
                 want_next: true,
                 greedy: true,
+                adapter: None,
             },
-            BatchItem { tokens: &tokens, start: 2000, len: 1, slots: vec![], want_next: true, greedy: true },
+            BatchItem {
+                tokens: &tokens,
+                start: 2000,
+                len: 1,
+                slots: vec![],
+                want_next: true,
+                greedy: true,
+                adapter: None,
+            },
         ];
         // One base per step: the larger of the two.
         let both = m.prefill(1000, 1000) + m.decode(1, 2001) - m.prefill_base_s.min(m.decode_base_s);

@@ -185,9 +185,7 @@ pub async fn completions(State(state): State<Arc<AppState>>, headers: HeaderMap,
     let result = async {
         let l = loaded(&state)?;
         let req: CompletionRequest = parse_body(body, state.cfg.max_body_bytes).await?;
-        if req.model != l.model_id {
-            return Err(ApiError::model_not_found(&req.model, &l.model_id));
-        }
+        let adapter = l.resolve(&req.model)?;
         if req.echo == Some(true) || req.logprobs.is_some() {
             return Err(ApiError::unsupported(if req.logprobs.is_some() { "logprobs" } else { "echo" }));
         }
@@ -210,13 +208,13 @@ pub async fn completions(State(state): State<Arc<AppState>>, headers: HeaderMap,
         let extra = prompt.extra_keys();
         let params = sampling(&req.sampling, &req.extra, 16, None)?;
         let peer = super::pd::prefill_peer(&state, &l, &headers, &req.model, &ids)?;
-        Ok((l, ids, params, extra, req.sampling, peer))
+        Ok((l, ids, params, extra, req.sampling, peer, adapter))
     }
     .await;
     match result {
-        Ok((l, ids, params, extra, fields, peer)) => {
+        Ok((l, ids, params, extra, fields, peer, adapter)) => {
             let spans = RequestSpans::begin(&state.tracer, &headers, &l.worker_id, &l.model_id);
-            run(l, Endpoint::Completion, ids, params, extra, &fields, started, peer, spans).await
+            run(l, Endpoint::Completion, ids, params, extra, &fields, started, (peer, adapter), spans).await
         }
         Err(e) => e.into_response(),
     }
@@ -232,9 +230,7 @@ pub async fn chat_completions(
     let result = async {
         let l = loaded(&state)?;
         let mut req: ChatCompletionRequest = parse_body(body, state.cfg.max_body_bytes).await?;
-        if req.model != l.model_id {
-            return Err(ApiError::model_not_found(&req.model, &l.model_id));
-        }
+        let adapter = l.resolve(&req.model)?;
         let logprobs = logprobs::take_chat_fields(&mut req.extra)?;
         if let Some(p) = unsupported_parameter(&req.extra) {
             return Err(ApiError::unsupported(p));
@@ -255,13 +251,13 @@ pub async fn chat_completions(
         let room = l.max_model_len.saturating_sub(ids.len()).max(1) as u32;
         let params = sampling(&req.sampling, &req.extra, state.cfg.default_max_tokens.min(room), logprobs)?;
         let peer = super::pd::prefill_peer(&state, &l, &headers, &req.model, &ids)?;
-        Ok((l, ids, params, extra, req.sampling, peer))
+        Ok((l, ids, params, extra, req.sampling, peer, adapter))
     }
     .await;
     match result {
-        Ok((l, ids, params, extra, fields, peer)) => {
+        Ok((l, ids, params, extra, fields, peer, adapter)) => {
             let spans = RequestSpans::begin(&state.tracer, &headers, &l.worker_id, &l.model_id);
-            run(l, Endpoint::Chat, ids, params, extra, &fields, started, peer, spans).await
+            run(l, Endpoint::Chat, ids, params, extra, &fields, started, (peer, adapter), spans).await
         }
         Err(e) => e.into_response(),
     }
@@ -347,6 +343,7 @@ pub(super) fn refusal(r: Refusal) -> ApiError {
             AdmitError::InvalidParam(field, m) => ApiError::invalid(field, m),
             AdmitError::DuplicateId(_) => ApiError::internal(e.to_string()),
             AdmitError::NoRoom(_) => ApiError::refused(SharedRefusal::KvImportNoRoom, e.to_string()),
+            AdmitError::AdapterUnsupported(_) => ApiError::invalid("model", e.to_string()),
         },
     }
 }
@@ -448,19 +445,20 @@ async fn run(
     extra_keys: ExtraKeys,
     fields: &SamplingFields,
     started: Instant,
-    peer: Option<super::pd::Split>,
+    (peer, adapter): (Option<super::pd::Split>, Option<Arc<crate::model::lora::LoraAdapter>>),
     mut spans: Option<RequestSpans>,
 ) -> Response {
     let id = l.engine.next_id();
     let stops = params.stop.clone();
     // A prefill worker samples the first token from a fixed frame (temperature, top-p, top-k, seed): a request
     // whose logits are adjusted first (penalties, bias, min-p) or reported (logprobs) is served whole here instead.
-    let peer = peer.filter(|_| !params.needs_logits());
+    // A request with a LoRA adapter is served whole: KV transfers do not carry adapters yet (#47).
+    let peer = peer.filter(|_| !params.needs_logits() && adapter.is_none());
     if let Some(s) = &mut spans {
         s.split = peer.is_some();
     }
     let collector = params.logprobs.map(|_| Collector::new(l.prompter.clone()));
-    let req = EngineRequest { id, prompt: ids, params, extra_keys };
+    let req = EngineRequest { id, prompt: ids, params, extra_keys, adapter };
     let started_leg = match peer {
         None => l.engine.submit(req).await.map(|rx| (rx, None)),
         Some(peer) => super::pd::start_import(&l, req, peer).await.map(|(rx, c)| (rx, Some(c))),

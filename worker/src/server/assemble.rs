@@ -35,6 +35,7 @@ pub fn load(cfg: &ServeConfig, worker_id: &str) -> Result<ServingModel, String> 
     let scheme = HashScheme::new(cfg.block_size, prompter.digest());
     let weights = weights_identity(cfg, &dir)?;
     let made = device::make_backend(cfg, &dir, &prompter)?;
+    let adapters = adapters(cfg, &dir, made.backend.runs_adapters(), &model_id(cfg))?;
     let (max_model_len, device, transfers_kv) = (made.max_model_len, made.device.clone(), made.transfers_kv);
     let engine = engine(cfg, made, scheme, &prompter, weights)?;
     let kv = if transfers_kv { transfer_parts(&engine, weights) } else { None };
@@ -81,7 +82,37 @@ pub fn load(cfg: &ServeConfig, worker_id: &str) -> Result<ServingModel, String> 
         device,
         pd_info,
         transfer,
+        adapters,
     })
+}
+
+/// The `--lora` adapters, read and checked against the model in `dir`; refused on a backend that does not run
+/// them, and under a name that is the model's own or given twice.
+fn adapters(
+    cfg: &ServeConfig,
+    dir: &std::path::Path,
+    runs: bool,
+    model_id: &str,
+) -> Result<std::collections::BTreeMap<String, Arc<crate::model::lora::LoraAdapter>>, String> {
+    let mut out = std::collections::BTreeMap::new();
+    if cfg.lora.is_empty() {
+        return Ok(out);
+    }
+    if !runs {
+        return Err(
+            "--lora: this engine does not run LoRA adapters (the CPU engine does; CUDA not yet)".into()
+        );
+    }
+    let model = crate::model::ModelConfig::from_dir(dir).map_err(|e| e.to_string())?;
+    for (name, path) in &cfg.lora {
+        if name == model_id || out.contains_key(name) {
+            return Err(format!("--lora {name}: the name is the model's or another adapter's"));
+        }
+        let a = crate::model::lora::LoraAdapter::load(path, name, &model, cfg.max_lora_rank)
+            .map_err(|e| format!("--lora {name}: {e}"))?;
+        out.insert(name.clone(), Arc::new(a));
+    }
+    Ok(out)
 }
 
 /// Builds the model directory for `--synth` once (written beside, then renamed, so concurrent workers are safe).

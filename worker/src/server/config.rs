@@ -42,6 +42,13 @@ pub struct ServeArgs {
     /// `models/<preset>-<seed>`.
     #[arg(long, env = "KVGATE_WORKER_SYNTH_DIR")]
     pub synth_dir: Option<PathBuf>,
+    /// A LoRA adapter in PEFT's format to serve as `NAME` (`NAME=DIR`, repeatable; env: comma-separated): a request
+    /// whose `model` is `NAME` runs with it, on the CPU engine. Default none.
+    #[arg(long = "lora", env = "KVGATE_WORKER_LORA", value_delimiter = ',')]
+    pub lora: Option<Vec<String>>,
+    /// Largest LoRA rank an adapter may have.
+    #[arg(long, env = "KVGATE_WORKER_MAX_LORA_RANK", default_value = kvgate_shared::default_text!(crate::model::lora::DEFAULT_MAX_LORA_RANK))]
+    pub max_lora_rank: Option<usize>,
     /// Seed of `--synth`.
     #[arg(long, env = "KVGATE_WORKER_SYNTH_SEED", default_value = "0")]
     pub synth_seed: Option<u64>,
@@ -224,6 +231,9 @@ pub struct ServeConfig {
     pub bloom_fp_rate: f64,
     /// `None`: the device's default (65536 on the CPU, sized from memory on CUDA).
     pub kv_cache_tokens: Option<usize>,
+    /// LoRA adapters served: (name, directory).
+    pub lora: Vec<(String, PathBuf)>,
+    pub max_lora_rank: usize,
     pub host_kv_bytes: usize,
     pub disk_kv_bytes: u64,
     pub disk_kv_path: Option<PathBuf>,
@@ -361,6 +371,18 @@ impl ServeArgs {
             summary_granularity: set!(summary_granularity),
             bloom_fp_rate: set!(bloom_fp_rate),
             kv_cache_tokens: pick!(kv_cache_tokens),
+            lora: pick!(lora)
+                .unwrap_or_default()
+                .into_iter()
+                .filter(|l| !l.is_empty())
+                .map(|l| match l.split_once('=') {
+                    Some((n, d)) if !n.trim().is_empty() && !d.trim().is_empty() => {
+                        Ok((n.trim().to_owned(), PathBuf::from(d.trim())))
+                    }
+                    _ => Err(format!("--lora {l:?} is not NAME=DIR")),
+                })
+                .collect::<Result<_, _>>()?,
+            max_lora_rank: set!(max_lora_rank),
             host_kv_bytes: set!(host_kv_bytes),
             disk_kv_bytes: set!(disk_kv_bytes),
             disk_kv_path: pick!(disk_kv_path),

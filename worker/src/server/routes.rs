@@ -74,19 +74,19 @@ async fn models(State(state): State<Arc<AppState>>) -> Response {
     let Some(l) = state.loaded() else {
         return ApiError::refused(Refusal::ModelLoading, "the model is still loading").into_response();
     };
-    Json(ModelList {
-        object: "list".into(),
-        data: vec![ModelCard {
-            id: l.model_id.clone(),
-            object: "model".into(),
-            created: state.created,
-            owned_by: "kvgate".into(),
-            max_model_len: Some(l.max_model_len as u32),
-            device: Some(l.device.clone()),
-            role: Some(l.pd_info.role.as_str().to_owned()),
-        }],
-    })
-    .into_response()
+    let card = |id: &str, parent: Option<String>| ModelCard {
+        id: id.to_owned(),
+        object: "model".into(),
+        created: state.created,
+        owned_by: "kvgate".into(),
+        max_model_len: Some(l.max_model_len as u32),
+        device: Some(l.device.clone()),
+        role: Some(l.pd_info.role.as_str().to_owned()),
+        parent,
+    };
+    let mut data = vec![card(&l.model_id, None)];
+    data.extend(l.adapters.keys().map(|a| card(a, Some(l.model_id.clone()))));
+    Json(ModelList { object: "list".into(), data }).into_response()
 }
 
 fn engine_dead_response() -> Response {

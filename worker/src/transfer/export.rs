@@ -388,7 +388,8 @@ async fn export<L: KvLink>(
         ..SamplingParams::default()
     };
     let rid = t.engine.next_id();
-    let req = EngineRequest { id: rid, prompt: h.prompt.clone(), params, extra_keys: keys };
+    // The exporting leg runs the base model: splits carry no adapter yet (`server::api` serves those whole).
+    let req = EngineRequest { id: rid, prompt: h.prompt.clone(), params, extra_keys: keys, adapter: None };
     let group = if h.layer_group > 0 { h.layer_group } else { t.layer_group };
     let backlog = Arc::new(ExportBacklog::new(t.export_backlog));
     let _drained = Drained(backlog.clone());
