@@ -387,10 +387,10 @@ impl<B: Backend> Engine<B> {
     /// A validated sequence for `req`, its cached prefix estimated and its SSD blocks read ahead.
     fn new_sequence(&self, req: EngineRequest) -> Result<Sequence, AdmitError> {
         self.validate(&req)?;
-        // An adapter's blocks are its own: its name keys the chain, whoever built the request.
+        // An adapter's blocks are its own: its name and weights' digest key the chain, whoever built the request.
         let mut keys = req.extra_keys;
         if let Some(a) = &req.adapter {
-            keys.push(kvgate_shared::hashing::ExtraKey::LoraAdapter(a.name.clone()));
+            keys.push(kvgate_shared::hashing::ExtraKey::LoraAdapter(a.key.clone()));
         }
         let hasher = BlockHasher::new(&self.scheme, &keys);
         let mut seq = Sequence::new(req.id, req.prompt, req.params, hasher);

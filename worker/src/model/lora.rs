@@ -95,6 +95,10 @@ pub struct LoraPair {
 #[derive(Clone, Debug)]
 pub struct LoraAdapter {
     pub name: String,
+    /// What keys its KV blocks (`ExtraKey::LoraAdapter`): its name and a digest of its files, `name@<16 hex>`, so
+    /// an adapter loaded again under the same name with other weights never reads the old one's blocks (the SSD
+    /// tier keeps blocks across restarts).
+    pub key: String,
     pub rank: usize,
     /// `lora_alpha / r` (or `/ sqrt(r)` with rsLoRA).
     pub scaling: f32,
@@ -184,6 +188,15 @@ fn parse_config(
     Ok((r, scaling, targets, base))
 }
 
+/// The first 16 hex digits of BLAKE3 over the config's bytes and the weights file (streamed).
+fn digest(config: &[u8], weights: &Path) -> std::io::Result<String> {
+    let mut h = blake3::Hasher::new();
+    h.update(&(config.len() as u64).to_le_bytes());
+    h.update(config);
+    h.update_reader(std::fs::File::open(weights)?)?;
+    Ok(h.finalize().to_hex()[..16].to_owned())
+}
+
 /// `(layer, target, is_a)` of a PEFT tensor name.
 fn parse_key(key: &str) -> Option<(usize, Target, bool)> {
     let rest = key.strip_prefix(KEY_PREFIX)?;
@@ -260,7 +273,11 @@ impl LoraAdapter {
         if layers.iter().all(HashMap::is_empty) {
             return Err(ModelError::File { file, reason: "no LoRA tensors".into() });
         }
-        Ok(Self { name: name.to_owned(), rank, scaling, base_model, layers })
+        let key = format!(
+            "{name}@{}",
+            digest(text.as_bytes(), &path).map_err(|e| ModelError::File { file, reason: e.to_string() })?
+        );
+        Ok(Self { name: name.to_owned(), key, rank, scaling, base_model, layers })
     }
 
     /// The update of `target` in `layer` applied to `x` (`[n, in]`): `s (x A^T) B^T` (`[n, out]`); `None` when the
@@ -361,6 +378,15 @@ mod tests {
         synth_lora(&out, &cfg, &spec(8, 16.0, &Target::ALL, false)).expect("synth-lora");
         let a = LoraAdapter::load(&out, "a", &cfg, DEFAULT_MAX_LORA_RANK).expect("load");
         assert_eq!((a.rank, a.scaling, a.layers.len()), (8, 2.0, cfg.num_hidden_layers));
+        assert!(a.key.starts_with("a@") && a.key.len() == 2 + 16, "{}", a.key);
+        // The same name over other weights keys other blocks.
+        let other = dir.path().join("lora-a2");
+        synth_lora(&other, &cfg, &spec(8, 16.0, &Target::ALL, false)).expect("same files");
+        let same = LoraAdapter::load(&other, "a", &cfg, DEFAULT_MAX_LORA_RANK).expect("load");
+        assert_eq!(same.key, a.key, "the same files, the same key");
+        synth_lora(&other, &cfg, &LoraSpec { seed: 8, ..spec(8, 16.0, &Target::ALL, false) }).expect("other");
+        let changed = LoraAdapter::load(&other, "a", &cfg, DEFAULT_MAX_LORA_RANK).expect("load");
+        assert_ne!(changed.key, a.key);
         assert!(a.layers.iter().all(|l| l.len() == 7));
         let x = Tensor::ones((3, cfg.hidden_size), DType::F32, &Device::Cpu).expect("x");
         let d = a.delta(0, Target::Q, &x).expect("delta").expect("targeted");
