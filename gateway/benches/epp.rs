@@ -8,6 +8,8 @@
 //!
 //! `KVGATE_PYTHON=$PWD/.venv/bin/python cargo bench -p kvgate-gateway --bench epp` (builds the release binaries).
 
+#[path = "../tests/common/chats.rs"]
+mod chats;
 mod common;
 #[path = "../tests/common/envoy.rs"]
 mod envoy;
@@ -16,7 +18,6 @@ use std::time::{Duration, Instant};
 
 use common::{http, percentile, port, release_bins, small_body, start, timed, Http};
 use envoy::{Envoy, EnvoySpec};
-use serde_json::{json, Value};
 
 const LATENCY_REQUESTS: u32 = 1000;
 const CPU_REQUESTS: u32 = 1000;
@@ -35,28 +36,6 @@ fn cpu_s(pid: u32) -> f64 {
 async fn send(client: &Http, base: &str, i: u32) -> (bool, f64) {
     let (status, ms) = timed(client, "POST", &format!("{base}/v1/completions"), small_body(i)).await;
     (status == 200, ms)
-}
-
-/// Hit rate of `USERS` x `TURNS` growing conversations through `base` (texts tagged `tag`).
-async fn hit_rate(base: &str, tag: &str) -> f64 {
-    let system = "You are a careful assistant. Answer briefly and precisely. ".repeat(2);
-    let (mut cached, mut prompt) = (0.0, 0.0);
-    let mut history: Vec<Vec<Value>> =
-        (0..USERS).map(|_| vec![json!({"role": "system", "content": system.clone()})]).collect();
-    for turn in 0..TURNS {
-        for (u, h) in history.iter_mut().enumerate() {
-            let words: Vec<String> = (0..60).map(|i| format!("{tag}{u}t{turn}w{i}")).collect();
-            h.push(json!({"role": "user", "content": words.join(" ")}));
-            let body = json!({"model": "kvgate-tiny", "messages": h, "max_tokens": 4, "temperature": 0});
-            let r = kvgate_testkit::http::post(&format!("{base}/v1/chat/completions"), &body, &[]).await;
-            assert_eq!(r.status, 200, "{}", r.body);
-            let v = r.json();
-            prompt += v["usage"]["prompt_tokens"].as_f64().unwrap_or(0.0);
-            cached += v["usage"]["prompt_tokens_details"]["cached_tokens"].as_f64().unwrap_or(0.0);
-            h.push(json!({"role": "assistant", "content": v["choices"][0]["message"]["content"].clone()}));
-        }
-    }
-    cached / prompt
 }
 
 fn main() {
@@ -157,9 +136,9 @@ fn main() {
             let after: f64 = proxies[k].iter().map(|p| cpu_s(*p)).sum();
             cpu_ms.push((after - before) * 1e3 / f64::from(CPU_REQUESTS));
         }
-        let hit_proxy = hit_rate(&paths[1].1, "p").await;
-        let hit_picker = hit_rate(&paths[3].1, "e").await;
-        let hit_alone = hit_rate(&paths[2].1, "r").await;
+        let hit_proxy = chats::conversations(&paths[1].1, "p", USERS, TURNS).await.0;
+        let hit_picker = chats::conversations(&paths[3].1, "e", USERS, TURNS).await.0;
+        let hit_alone = chats::conversations(&paths[2].1, "r", USERS, TURNS).await.0;
 
         println!(
             "{LATENCY_REQUESTS} sequential 4-token completions (max_tokens 1) per path, tiny model, 3 workers, \

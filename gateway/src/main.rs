@@ -135,7 +135,8 @@ fn main() -> ExitCode {
 
     if let Some(addr) = &cfg.epp_listen {
         if let Err(e) = kvgate_gateway::epp::spawn(state.clone(), addr, cfg.epp_max_streams, cfg.threads) {
-            eprintln!("kvgate-gateway: endpoint picker: {e}");
+            let retry = if e.retryable() { " (starting again may succeed)" } else { "" };
+            eprintln!("kvgate-gateway: endpoint picker: {e}{retry}");
             return ExitCode::FAILURE;
         }
         println!("kvgate-gateway endpoint picker (ext_proc, gRPC) listening on {addr}");

@@ -74,6 +74,20 @@ fn headers(method: &str, path: &str, end: bool) -> Request {
     })
 }
 
+/// A chat completion's headers, opening a stream whose body modes (request and response) are `mode` (Envoy's
+/// `BodySendMode`: 1 STREAMED, 2 BUFFERED, 4 FULL_DUPLEX_STREAMED).
+fn chat_headers_in_mode(mode: i32) -> ProcessingRequest {
+    ProcessingRequest {
+        request: Some(headers("POST", "/v1/chat/completions", false)),
+        protocol_config: Some(ProtocolConfiguration {
+            request_body_mode: mode,
+            response_body_mode: mode,
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+}
+
 fn body(b: &[u8], end: bool) -> Request {
     Request::RequestBody(HttpBody { body: b.to_vec(), end_of_stream: end, ..Default::default() })
 }
@@ -140,16 +154,7 @@ async fn a_misbehaving_proxy_gets_the_documented_answers_and_holds_nothing() {
     s.send(headers("GET", "/v1/models", true)).await;
     assert_eq!(s.immediate().await.0, 404);
     let mut s = Stream::open(epp).await;
-    s.send_msg(ProcessingRequest {
-        request: Some(headers("POST", "/v1/chat/completions", false)),
-        protocol_config: Some(ProtocolConfiguration {
-            request_body_mode: 1,
-            response_body_mode: 1,
-            ..Default::default()
-        }),
-        ..Default::default()
-    })
-    .await;
+    s.send_msg(chat_headers_in_mode(1)).await;
     let (status, b) = s.immediate().await;
     assert_eq!(status, 500);
     assert!(b["error"]["message"].as_str().unwrap_or("").contains("FULL_DUPLEX_STREAMED"), "{b}");
@@ -240,16 +245,7 @@ async fn a_misbehaving_proxy_gets_the_documented_answers_and_holds_nothing() {
     // BUFFERED with trailers: Envoy holds the trailers until its one body message is answered, which does not say
     // it ends the body; a message with no request (a window update) is skipped, not taken for the stream's end.
     let mut s = Stream::open(epp).await;
-    s.send_msg(ProcessingRequest {
-        request: Some(headers("POST", "/v1/chat/completions", false)),
-        protocol_config: Some(ProtocolConfiguration {
-            request_body_mode: 2,
-            response_body_mode: 2,
-            ..Default::default()
-        }),
-        ..Default::default()
-    })
-    .await;
+    s.send_msg(chat_headers_in_mode(2)).await;
     let cont = s.next().await.expect("ok").expect("a message");
     assert!(matches!(cont.response, Some(Response::RequestHeaders(_))), "headers answered first: {cont:?}");
     s.send_msg(ProcessingRequest::default()).await;

@@ -105,32 +105,24 @@ fn a_batch_mixing_adapters_gives_each_sequence_its_own_adapters_answer() {
 
     // One batch: four prefills (adapter a, base, adapter b, zero adapter), then three batched decode steps.
     let mut ours: Vec<Vec<Vec<f32>>> = vec![Vec::new(); 4];
-    let chunks: Vec<SeqChunk<'_>> = (0..4)
-        .map(|i| SeqChunk {
-            tokens: &prompts[i],
-            start: 0,
-            slots: &slots[i],
-            want_logits: true,
-            adapter: adapters[i],
-        })
-        .collect();
-    for (i, l) in model.forward(&chunks, &mut kv).expect("prefill").into_iter().enumerate() {
-        ours[i].push(l.expect("logits"));
-    }
-    for (step, t) in more.iter().enumerate() {
-        let tok = [*t];
+    let mut step = |ours: &mut Vec<Vec<Vec<f32>>>, tokens: &dyn Fn(usize) -> (Vec<u32>, usize)| {
+        let parts: Vec<(Vec<u32>, usize)> = (0..4).map(tokens).collect();
         let chunks: Vec<SeqChunk<'_>> = (0..4)
             .map(|i| SeqChunk {
-                tokens: &tok,
-                start: prompts[i].len() + step,
+                tokens: &parts[i].0,
+                start: parts[i].1,
                 slots: &slots[i],
                 want_logits: true,
                 adapter: adapters[i],
             })
             .collect();
-        for (i, l) in model.forward(&chunks, &mut kv).expect("decode").into_iter().enumerate() {
+        for (i, l) in model.forward(&chunks, &mut kv).expect("forward").into_iter().enumerate() {
             ours[i].push(l.expect("logits"));
         }
+    };
+    step(&mut ours, &|i| (prompts[i].clone(), 0));
+    for (s, t) in more.iter().enumerate() {
+        step(&mut ours, &|i| (vec![*t], prompts[i].len() + s));
     }
     let refs = [
         reference(&dir.path().join("merged-a"), &prompts[0], &more),

@@ -171,19 +171,54 @@ fn stages_closed() -> u16 {
     crate::serve::stages::CLIENT_CLOSED
 }
 
+/// Why the picker did not start.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    /// A TLS file could not be read (fix the path or its permissions; retrying as is does not help).
+    #[error("{path}: {source}")]
+    TlsFile { path: String, source: std::io::Error },
+    /// The certificate or key is not a usable PEM pair (retrying does not help).
+    #[error("--epp-tls-cert / --epp-tls-key: {0}")]
+    TlsConfig(String),
+    /// The address could not be bound (another process holds the port: a retry may help once it is free).
+    #[error("cannot listen on {addr}: {source}")]
+    Bind { addr: String, source: std::io::Error },
+    /// Its thread or runtime could not be made (the process is out of resources).
+    #[error("cannot start its runtime: {0}")]
+    Runtime(std::io::Error),
+    /// It did not say it listens within 10 s.
+    #[error("the endpoint picker did not start")]
+    NotStarted,
+}
+
+impl StartError {
+    /// Whether starting again, unchanged, may succeed.
+    pub fn retryable(&self) -> bool {
+        matches!(self, StartError::Bind { .. } | StartError::NotStarted)
+    }
+}
+
 /// Starts the picker on its own thread and runtime: the ext_proc service and the gRPC health service on `addr`.
 /// Returns once it listens (or could not).
-pub fn spawn(host: Arc<dyn ServeHost>, addr: &str, max_streams: usize, threads: usize) -> Result<(), String> {
+pub fn spawn(
+    host: Arc<dyn ServeHost>,
+    addr: &str,
+    max_streams: usize,
+    threads: usize,
+) -> Result<(), StartError> {
     let addr = addr.to_owned();
     let tls = match &host.cfg().epp_tls {
         None => None,
         Some((cert, key)) => {
-            let read = |p: &std::path::Path| std::fs::read(p).map_err(|e| format!("{}: {e}", p.display()));
+            let read = |p: &std::path::Path| {
+                std::fs::read(p)
+                    .map_err(|source| StartError::TlsFile { path: p.display().to_string(), source })
+            };
             let identity = tonic::transport::Identity::from_pem(read(cert)?, read(key)?);
             // Refused at start, not at the first connection.
             tonic::transport::Server::builder()
                 .tls_config(tonic::transport::ServerTlsConfig::new().identity(identity.clone()))
-                .map_err(|e| format!("--epp-tls-cert / --epp-tls-key: {e}"))?;
+                .map_err(|e| StartError::TlsConfig(e.to_string()))?;
             Some(identity)
         }
     };
@@ -198,22 +233,19 @@ pub fn spawn(host: Arc<dyn ServeHost>, addr: &str, max_streams: usize, threads: 
                 .build()
             {
                 Ok(rt) => rt,
-                Err(e) => return drop(ready_tx.send(Err(e.to_string()))),
+                Err(e) => return drop(ready_tx.send(Err(StartError::Runtime(e)))),
             };
             rt.block_on(async move {
                 let listener = match tokio::net::TcpListener::bind(&addr).await {
                     Ok(l) => l,
-                    Err(e) => return drop(ready_tx.send(Err(format!("cannot listen on {addr}: {e}")))),
+                    Err(source) => return drop(ready_tx.send(Err(StartError::Bind { addr, source }))),
                 };
                 let _ = ready_tx.send(Ok(()));
                 serve(host, listener, max_streams, tls).await;
             });
         })
-        .map_err(|e| e.to_string())?;
-    match ready_rx.recv_timeout(Duration::from_secs(10)) {
-        Ok(r) => r,
-        Err(_) => Err("the endpoint picker did not start".into()),
-    }
+        .map_err(StartError::Runtime)?;
+    ready_rx.recv_timeout(Duration::from_secs(10)).unwrap_or(Err(StartError::NotStarted))
 }
 
 /// Serves the picker and its health on `listener` until the process ends (over TLS with `tls`).

@@ -14,6 +14,7 @@ pub use kvgate_testkit::http::{
 pub use kvgate_testkit::percentile;
 pub use kvgate_testkit::process::{bin, free_port, spawn, start, Proc};
 
+pub mod chats;
 pub mod envoy;
 pub mod redis;
 pub mod vllm;

@@ -261,23 +261,23 @@ impl<'a> AdapterRows<'a> {
     ) -> Result<Tensor, ModelError> {
         let mut out = base;
         for (adapter, rows) in &self.groups {
+            // Nothing is gathered or allocated for an adapter that leaves these projections of this layer alone.
+            let touched =
+                adapter.layers.get(layer).is_some_and(|l| targets.iter().any(|(t, _)| l.contains_key(t)));
+            if !touched {
+                continue;
+            }
             let x = input.index_select(rows, 0)?;
             let n = rows.dims1()?;
             let mut parts = Vec::with_capacity(targets.len());
-            let mut any = false;
             for &(t, width) in targets {
                 match adapter.delta(layer, t, &x)? {
-                    Some(d) => {
-                        any = true;
-                        parts.push(d);
-                    }
+                    Some(d) => parts.push(d),
                     None => parts.push(Tensor::zeros((n, width), DType::F32, &Device::Cpu)?),
                 }
             }
-            if any {
-                let delta = Tensor::cat(&parts, 1)?;
-                out = out.index_add(rows, &delta, 0)?;
-            }
+            let delta = if parts.len() == 1 { parts.remove(0) } else { Tensor::cat(&parts, 1)? };
+            out = out.index_add(rows, &delta, 0)?;
         }
         Ok(out)
     }

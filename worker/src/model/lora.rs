@@ -9,8 +9,10 @@
 //!
 //! Invariants: everything an adapter file says is input (an adapter may come from a client's load call): a field
 //! this code does not implement (`fan_in_fan_out`, a `bias` other than `none`, `modules_to_save`,
-//! `layers_to_transform`, `rank_pattern`, `alpha_pattern`, `use_dora`, a regex `target_modules`, a target outside
-//! the seven) is refused by name, never ignored; a rank past the limit, a tensor of the wrong shape, a key that
+//! `layers_to_transform`, `rank_pattern`, `alpha_pattern`, `use_dora`, `lora_bias`, `layer_replication`,
+//! `use_qalora`, `alora_invocation_tokens`, `trainable_token_indices`, `target_parameters`, a regex
+//! `target_modules`, a target outside the seven) is refused by name, never ignored (what matters only in training,
+//! such as `lora_dropout` or `init_lora_weights`, is not read); a rank past the limit, a tensor of the wrong shape, a key that
 //! names no known layer and module, or a file past [`MAX_ADAPTER_BYTES`] is refused before anything is kept.
 
 use std::collections::HashMap;
@@ -152,6 +154,12 @@ fn parse_config(
         "rank_pattern",
         "alpha_pattern",
         "use_dora",
+        "lora_bias",
+        "layer_replication",
+        "use_qalora",
+        "alora_invocation_tokens",
+        "trainable_token_indices",
+        "target_parameters",
     ] {
         if truthy(k) {
             return Err(field(file, k, "not supported by kvgate's LoRA (refused, not ignored)"));
@@ -415,6 +423,9 @@ mod tests {
             ("layers_to_transform", json!([0])),
             ("rank_pattern", json!({"q_proj": 4})),
             ("use_dora", json!(true)),
+            ("lora_bias", json!(true)),
+            ("layer_replication", json!([[0, 1]])),
+            ("alora_invocation_tokens", json!([1, 2])),
             ("bias", json!("all")),
             ("target_modules", json!(".*proj")),
             ("target_modules", json!(["embed_tokens"])),

@@ -35,7 +35,8 @@ pub fn load(cfg: &ServeConfig, worker_id: &str) -> Result<ServingModel, String> 
     let scheme = HashScheme::new(cfg.block_size, prompter.digest());
     let weights = weights_identity(cfg, &dir)?;
     let made = device::make_backend(cfg, &dir, &prompter)?;
-    let adapters = adapters(cfg, &dir, made.backend.runs_adapters(), &model_id(cfg))?;
+    let adapters =
+        adapters(cfg, &dir, made.backend.runs_adapters(), &model_id(cfg)).map_err(|e| e.to_string())?;
     let (max_model_len, device, transfers_kv) = (made.max_model_len, made.device.clone(), made.transfers_kv);
     let engine = engine(cfg, made, scheme, &prompter, weights)?;
     let kv = if transfers_kv { transfer_parts(&engine, weights) } else { None };
@@ -86,6 +87,20 @@ pub fn load(cfg: &ServeConfig, worker_id: &str) -> Result<ServingModel, String> 
     })
 }
 
+/// Why the `--lora` adapters could not be served (none of these is helped by a retry: the flags or files must
+/// change).
+#[derive(Debug, thiserror::Error)]
+pub enum AdapterError {
+    #[error("--lora: this engine does not run LoRA adapters (the CPU engine does; CUDA not yet)")]
+    Unsupported,
+    #[error("--lora {0}: the name is the model's or another adapter's")]
+    NameTaken(String),
+    #[error("--lora: the base model: {0}")]
+    Model(crate::model::ModelError),
+    #[error("--lora {name}: {source}")]
+    Adapter { name: String, source: crate::model::ModelError },
+}
+
 /// The `--lora` adapters, read and checked against the model in `dir`; refused on a backend that does not run
 /// them, and under a name that is the model's own or given twice.
 fn adapters(
@@ -93,23 +108,21 @@ fn adapters(
     dir: &std::path::Path,
     runs: bool,
     model_id: &str,
-) -> Result<std::collections::BTreeMap<String, Arc<crate::model::lora::LoraAdapter>>, String> {
+) -> Result<std::collections::BTreeMap<String, Arc<crate::model::lora::LoraAdapter>>, AdapterError> {
     let mut out = std::collections::BTreeMap::new();
     if cfg.lora.is_empty() {
         return Ok(out);
     }
     if !runs {
-        return Err(
-            "--lora: this engine does not run LoRA adapters (the CPU engine does; CUDA not yet)".into()
-        );
+        return Err(AdapterError::Unsupported);
     }
-    let model = crate::model::ModelConfig::from_dir(dir).map_err(|e| e.to_string())?;
+    let model = crate::model::ModelConfig::from_dir(dir).map_err(AdapterError::Model)?;
     for (name, path) in &cfg.lora {
         if name == model_id || out.contains_key(name) {
-            return Err(format!("--lora {name}: the name is the model's or another adapter's"));
+            return Err(AdapterError::NameTaken(name.clone()));
         }
         let a = crate::model::lora::LoraAdapter::load(path, name, &model, cfg.max_lora_rank)
-            .map_err(|e| format!("--lora {name}: {e}"))?;
+            .map_err(|source| AdapterError::Adapter { name: name.clone(), source })?;
         out.insert(name.clone(), Arc::new(a));
     }
     Ok(out)
