@@ -140,7 +140,9 @@ async fn through_envoy_the_pick_serves_conversations_stick_and_streams_pass_inta
 
     // Every request was settled: the permits are back, the served reports were read.
     wait_until(Duration::from_secs(5), || async {
-        sum(&metrics(&control).await, "kvgate_gateway_admission_permits_held{") == 0.0
+        let m = metrics(&control).await;
+        sum(&m, "kvgate_gateway_admission_permits_held{") == 0.0
+            && sum(&m, "kvgate_gateway_worker_inflight{") == 0.0
     })
     .await;
     let m = metrics(&control).await;

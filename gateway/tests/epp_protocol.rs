@@ -98,10 +98,14 @@ fn chat_body() -> Vec<u8> {
         .into_bytes()
 }
 
+/// Permits and in-flight slots held (both 0 at rest).
 async fn held(control: &str) -> f64 {
     let m = get(&format!("{control}/metrics")).await.body;
     m.lines()
-        .filter(|l| l.starts_with("kvgate_gateway_admission_permits_held{"))
+        .filter(|l| {
+            l.starts_with("kvgate_gateway_admission_permits_held{")
+                || l.starts_with("kvgate_gateway_worker_inflight{")
+        })
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
         .sum()
 }
