@@ -15,6 +15,7 @@ fn forged(id: &str, url: &str, seq: u64) -> Vec<u8> {
     let scheme = HashScheme::new(16, 1);
     WorkerReport {
         pd: Default::default(),
+        lora: Default::default(),
         worker_id: id.into(),
         advertise_url: url.into(),
         model_id: MODEL.into(),

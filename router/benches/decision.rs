@@ -37,6 +37,7 @@ fn report(k: usize, hashes: &[BlockHash], holds: usize) -> WorkerReport {
     }
     WorkerReport {
         pd: Default::default(),
+        lora: Default::default(),
         worker_id: format!("worker-{k}"),
         advertise_url: format!("http://10.0.{}.{}:8000", k / 256, k % 256),
         model_id: "m".into(),

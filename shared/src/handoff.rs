@@ -77,10 +77,14 @@ pub fn gateway_token(secret: &str) -> String {
 
 /// Whether `authorization` (the whole header value) carries the gateway token of `secret` (constant time).
 pub fn check_gateway_token(secret: &str, authorization: Option<&str>) -> bool {
+    bearer_is(&gateway_token(secret), authorization)
+}
+
+/// Whether `authorization` (the whole header value) is `Bearer <want>` (constant time in the token's bytes).
+pub fn bearer_is(want: &str, authorization: Option<&str>) -> bool {
     let Some(token) = authorization.and_then(|a| a.strip_prefix("Bearer ")).map(str::trim) else {
         return false;
     };
-    let want = gateway_token(secret);
     token.len() == want.len() && token.bytes().zip(want.bytes()).fold(0u8, |acc, (a, b)| acc | (a ^ b)) == 0
 }
 

@@ -59,6 +59,7 @@ fn main() {
         }
         let report = WorkerReport {
             pd: Default::default(),
+            lora: Default::default(),
             worker_id: "w".into(),
             advertise_url: "http://10.0.0.1:8000".into(),
             model_id: "m".into(),

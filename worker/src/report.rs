@@ -126,6 +126,8 @@ impl ReportSource {
             },
             throughput,
             tiers,
+            // The server sets what it holds (`server::adapters`); the simulator's workers hold none.
+            lora: Default::default(),
         }
     }
 }

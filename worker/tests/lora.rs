@@ -207,3 +207,77 @@ async fn a_worker_serves_its_adapters_by_name_and_never_shares_their_blocks() {
     let (s, _, _) = complete(&w.base, "nope", &prompt).await;
     assert_eq!(s, 404);
 }
+
+#[tokio::test]
+async fn adapters_load_and_unload_at_run_time_behind_the_admin_token_with_an_lru_past_the_limit() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let base = dir.path().join("base");
+    synth_model(&base, &SynthSpec::new(Preset::Tiny, 0)).expect("synth");
+    let cfg = ModelConfig::from_dir(&base).expect("config");
+    for (name, seed) in [("a", 1), ("b", 2), ("c", 3)] {
+        let spec = LoraSpec { base: "tiny", rank: 4, alpha: 8.0, targets: &Target::ALL, seed, zero: false };
+        synth_lora(&dir.path().join(name), &cfg, &spec).expect("adapter");
+    }
+    let path = |n: &str| dir.path().join(n).display().to_string();
+    let la = format!("a={}", path("a"));
+    let w = common::serve(&[
+        "--model",
+        base.to_str().expect("p"),
+        "--model-id",
+        "tiny-base",
+        "--kv-cache-tokens",
+        "4096",
+        "--lora",
+        &la,
+        "--max-loras",
+        "2",
+        "--admin-token",
+        "s3cret",
+    ]);
+    let admin = [("authorization", "Bearer s3cret")];
+    let load = |name: &str, auth: bool| {
+        let body = serde_json::json!({"lora_name": name, "lora_path": path(name)});
+        let url = format!("{}/v1/load_lora_adapter", w.base);
+        async move { common::post(&url, &body, if auth { &admin[..] } else { &[] }).await }
+    };
+    let r = load("b", false).await;
+    assert_eq!((r.status, r.json()["error"]["code"].as_str()), (401, Some("admin_token_required")));
+    let r = load("b", true).await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    let v = r.json();
+    assert_eq!((v["status"].as_str(), v["parent"].as_str()), (Some("loaded"), Some("tiny-base")));
+    assert!(v["key"].as_str().is_some_and(|k| k.starts_with("b@")), "{v}");
+    assert_eq!(load("b", true).await.json()["status"], "already_loaded");
+    let prompt = "one two three four five six seven eight nine ten ".repeat(4);
+    assert_eq!(complete(&w.base, "b", &prompt).await.0, 200, "a loaded adapter serves at once");
+    // Two slots, `a` pinned by --lora: c takes b's.
+    let v = load("c", true).await.json();
+    assert_eq!((v["status"].as_str(), v["evicted"].as_str()), (Some("loaded"), Some("b")), "{v}");
+    assert_eq!(complete(&w.base, "b", &prompt).await.0, 404, "an unloaded adapter is no model");
+    assert_eq!(complete(&w.base, "c", &prompt).await.0, 200);
+    let ids: Vec<String> = common::get(&format!("{}/v1/models", w.base)).await.json()["data"]
+        .as_array()
+        .expect("list")
+        .iter()
+        .map(|c| c["id"].as_str().unwrap_or("").to_owned())
+        .collect();
+    assert_eq!(ids, ["tiny-base", "a", "c"]);
+    // Refused by name: a field kvgate does not implement, a name that is the model's, a missing directory.
+    let url = format!("{}/v1/load_lora_adapter", w.base);
+    let body = serde_json::json!({"lora_name": "d", "lora_path": path("c"), "load_inplace": true});
+    let e = common::post(&url, &body, &admin).await.json();
+    assert_eq!(
+        (e["error"]["code"].as_str(), e["error"]["param"].as_str()),
+        (Some("unsupported_parameter"), Some("load_inplace"))
+    );
+    let body = serde_json::json!({"lora_name": "tiny-base", "lora_path": path("c")});
+    assert_eq!(common::post(&url, &body, &admin).await.status, 400);
+    let body = serde_json::json!({"lora_name": "d", "lora_path": path("nowhere")});
+    assert_eq!(common::post(&url, &body, &admin).await.json()["error"]["code"], "lora_path_not_found");
+    let unload = format!("{}/v1/unload_lora_adapter", w.base);
+    let r = common::post(&unload, &serde_json::json!({"lora_name": "c"}), &admin).await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    let r = common::post(&unload, &serde_json::json!({"lora_name": "c"}), &admin).await;
+    assert_eq!((r.status, r.json()["error"]["code"].as_str()), (404, Some("lora_not_found")));
+    assert_eq!(complete(&w.base, "c", &prompt).await.0, 404);
+}

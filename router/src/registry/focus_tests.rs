@@ -33,6 +33,7 @@ fn report(k: usize, seq: u64, holds: &[&[BlockHash]]) -> WorkerReport {
     prompt(0, SHARED).iter().for_each(|h| bloom.insert(*h));
     WorkerReport {
         pd: Default::default(),
+        lora: Default::default(),
         worker_id: format!("w{k}"),
         advertise_url: format!("http://10.0.0.{k}:8000"),
         model_id: "m".into(),

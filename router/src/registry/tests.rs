@@ -22,6 +22,7 @@ fn report(id: &str, seq: u64, hashes: &[BlockHash], fingerprint: u64) -> WorkerR
     hashes.iter().for_each(|h| bloom.insert(*h));
     WorkerReport {
         pd: Default::default(),
+        lora: Default::default(),
         worker_id: id.into(),
         advertise_url: format!("http://{id}:8000"),
         model_id: "m".into(),

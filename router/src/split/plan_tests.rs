@@ -22,6 +22,7 @@ fn report(id: &str, role: Role, stall: f64, imports: Vec<PeerImport>) -> WorkerR
     // The `both` worker looks idle (the local pick); the others are busy.
     let (running, queued) = if role == Role::Both { (0, 0) } else { (8, 40_000) };
     WorkerReport {
+        lora: Default::default(),
         pd: PdInfo {
             role,
             // The `both` worker of these tests cannot transfer (no listener, an engine that copies no KV).

@@ -15,6 +15,7 @@
 //! waiting_requests u32 | prefill_tokens u64 | running_requests u32
 //! prefill_area u64 | prefilling_requests u32                                                   (version 5 on)
 //! prefill_tokens_per_s f64 | decode_tokens_per_s f64
+//! adapter_slots u16 | adapter count u16 (<= 256), then per adapter: name str | key str                  (version 6 on)
 //! tier count u8 (<= 3), then per tier:
 //!   tier u8 (0 device, 1 host, 2 disk) | blocks_total u64 | blocks_free u64 | blocks_cached u64
 //!   has_summary u8 (0/1) [ granularity u32 | entries u64 | bloom_len u32 | bloom bytes ]
@@ -22,7 +23,7 @@
 //! Version 1 (no `instance_id` / `max_model_len`, flags 0) is still decoded, as `instance_id` 0 and
 //! `max_model_len` 0 (unknown), versions 1-2 as role `both` without a transfer listener, versions 1-3 without step
 //! timings or imports, versions 1-4 without the prefill fit, the queue's area or its prefilling count (0:
-//! unknown), so a gateway can be upgraded before its workers. `instance_id` is random per worker process: a new one
+//! unknown), versions 1-5 without LoRA adapters (none held, none loadable), so a gateway can be upgraded before its workers. `instance_id` is random per worker process: a new one
 //! means a restart, whose `seq` starts again. Nothing may follow the last tier. Decoding is
 //! strict: a wrong magic, an unknown version, a truncated field, a
 //! value out of range or trailing bytes is a [`ReportError`], never a panic.
@@ -39,8 +40,12 @@ pub use bloom::{BlockBloom, BLOOM_HEADER_BYTES, BLOOM_SEED, MAX_BLOOM_BYTES, MAX
 
 use crate::hashing::{BlockHash, HashScheme};
 
-/// Current wire version (the encoder writes it; the decoder also reads versions 1 to 4).
-pub const REPORT_VERSION: u16 = 5;
+/// Current wire version (the encoder writes it; the decoder also reads versions 1 to 5).
+pub const REPORT_VERSION: u16 = 6;
+/// Most LoRA adapters one report names (a worker holding more names the most recently used).
+pub const MAX_REPORT_ADAPTERS: usize = 256;
+/// Longest LoRA adapter name, in bytes (a worker refuses to load an adapter under a longer one).
+pub const MAX_ADAPTER_NAME_BYTES: usize = 256;
 /// Most prefill peers one report's import figures name (a decode worker importing from more sums the rest into
 /// none: the figures are a sample for the gateway's bandwidth estimate, not an account).
 pub const MAX_IMPORT_PEERS: usize = 16;
@@ -57,8 +62,11 @@ pub fn attention_area(start: u64, n: u64) -> u64 {
 pub const REPORT_MAGIC: [u8; 4] = *b"KVGR";
 /// Longest string field.
 pub const MAX_STRING_BYTES: usize = 1024;
-/// Largest encoded report accepted (bodies above it are refused before decoding).
-pub const MAX_REPORT_BYTES: usize = 3 * MAX_BLOOM_BYTES + 4096;
+/// Largest encoded report accepted (bodies above it are refused before decoding): three tier summaries, the
+/// adapters' names and keys, and the rest.
+pub const MAX_REPORT_BYTES: usize = 3 * MAX_BLOOM_BYTES
+    + MAX_REPORT_ADAPTERS * (2 * MAX_ADAPTER_NAME_BYTES + 2 * 2 + ADAPTER_DIGEST_CHARS + 1)
+    + 4096;
 /// Content type of an encoded report.
 pub const REPORT_CONTENT_TYPE: &str = "application/x-kvgate-report";
 
@@ -227,6 +235,39 @@ pub struct WorkerReport {
     /// Prefill/decode disaggregation: the worker's role and where it exports KV (version 3; earlier senders read
     /// as `both` with no transfer listener).
     pub pd: PdInfo,
+    /// The LoRA adapters it holds and how many it may hold (version 6; earlier senders: none).
+    pub lora: LoraInfo,
+}
+
+/// Hex digits of the digest in an adapter's key (`name@` + 16 hex digits of BLAKE3 over its files).
+pub const ADAPTER_DIGEST_CHARS: usize = 16;
+
+/// A worker's LoRA adapters, as its reports say.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct LoraInfo {
+    /// How many adapters it holds at most (0: it serves none and loads none at run time).
+    pub slots: u16,
+    /// The adapters it holds, most recently used first.
+    pub held: Vec<HeldAdapter>,
+}
+
+/// One adapter a worker holds: the name requests give as `model`, and the key its blocks are hashed under
+/// (`ExtraKey::LoraAdapter`): `name@` and 16 hex digits of BLAKE3 over its files, so two adapters under one name
+/// never share a block.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HeldAdapter {
+    pub name: String,
+    pub key: String,
+}
+
+impl HeldAdapter {
+    /// Whether `key` is a well-formed key of an adapter called `name`.
+    pub fn key_is_valid(name: &str, key: &str) -> bool {
+        key.strip_prefix(name).and_then(|r| r.strip_prefix('@')).is_some_and(|d| {
+            d.len() == ADAPTER_DIGEST_CHARS
+                && d.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+        })
+    }
 }
 
 /// What a worker can do in a prefill/decode split (`kvgate-worker serve --role`).
@@ -365,6 +406,13 @@ impl WorkerReport {
         put_u32(&mut w, self.queue.prefilling_requests);
         put_u64(&mut w, self.throughput.prefill_tokens_per_s.to_bits());
         put_u64(&mut w, self.throughput.decode_tokens_per_s.to_bits());
+        put_u16(&mut w, self.lora.slots);
+        let held = &self.lora.held[..self.lora.held.len().min(MAX_REPORT_ADAPTERS)];
+        put_u16(&mut w, held.len() as u16);
+        for a in held {
+            put_str(&mut w, &a.name);
+            put_str(&mut w, &a.key);
+        }
         w.push(self.tiers.len().min(u8::MAX as usize) as u8);
         for t in &self.tiers {
             w.push(t.tier as u8);
@@ -479,6 +527,7 @@ impl WorkerReport {
             prefill_tokens_per_s: r.rate("prefill_tokens_per_s")?,
             decode_tokens_per_s: r.rate("decode_tokens_per_s")?,
         };
+        let lora = if version >= 6 { r.lora()? } else { LoraInfo::default() };
         let n_tiers = r.u8("tier count")?;
         if n_tiers > 3 {
             return Err(invalid("tiers", format!("{n_tiers} tiers (at most 3)")));
@@ -534,6 +583,7 @@ impl WorkerReport {
             throughput,
             tiers,
             pd,
+            lora,
         })
     }
 }
@@ -599,6 +649,35 @@ impl<'a> Reader<'a> {
         }
         Ok(v)
     }
+    /// The adapters part (version 6): at most [`MAX_REPORT_ADAPTERS`], names non-empty, at most
+    /// [`MAX_ADAPTER_NAME_BYTES`] and distinct, keys well formed ([`HeldAdapter::key_is_valid`]).
+    fn lora(&mut self) -> Result<LoraInfo, ReportError> {
+        let slots = self.u16("adapter_slots")?;
+        let n = self.u16("adapter count")? as usize;
+        if n > MAX_REPORT_ADAPTERS {
+            return Err(invalid("adapters", format!("{n} adapters (at most {MAX_REPORT_ADAPTERS})")));
+        }
+        let mut held: Vec<HeldAdapter> = Vec::with_capacity(n);
+        for _ in 0..n {
+            let name = self.str("adapter name")?;
+            let key = self.str("adapter key")?;
+            if name.is_empty() || name.len() > MAX_ADAPTER_NAME_BYTES {
+                return Err(invalid(
+                    "adapter name",
+                    format!("{} bytes (1 to {MAX_ADAPTER_NAME_BYTES})", name.len()),
+                ));
+            }
+            if !HeldAdapter::key_is_valid(&name, &key) {
+                return Err(invalid("adapter key", format!("{key:?} is not {name:?}@ and 16 hex digits")));
+            }
+            if held.iter().any(|a| a.name == name) {
+                return Err(invalid("adapter name", format!("{name:?} appears twice")));
+            }
+            held.push(HeldAdapter { name, key });
+        }
+        Ok(LoraInfo { slots, held })
+    }
+
     fn str(&mut self, what: &'static str) -> Result<String, ReportError> {
         let len = self.u16(what)? as usize;
         if len > MAX_STRING_BYTES {

@@ -12,6 +12,7 @@ fn sample(n_hashes: u64, granularity: u32) -> WorkerReport {
     }
     WorkerReport {
         pd: Default::default(),
+        lora: Default::default(),
         worker_id: "worker-0".into(),
         advertise_url: "http://127.0.0.1:8000".into(),
         model_id: "kvgate-small".into(),
@@ -68,9 +69,21 @@ fn draining_flag_round_trips_and_unknown_flags_are_refused() {
     assert!(matches!(WorkerReport::decode(&bad), Err(ReportError::Invalid { field: "flags", .. })));
 }
 
+/// The version-5 encoding of `r`: no adapters.
+fn encode_v5(r: &WorkerReport) -> Vec<u8> {
+    let v6 = r.encode();
+    let strings: usize = [&r.worker_id, &r.advertise_url, &r.model_id].iter().map(|s| 2 + s.len()).sum();
+    let start = 8 + strings + 24 + 16 + 12 + pd_len(r) + 16 + 16 + 12 + 16;
+    let len = 4 + r.lora.held.iter().map(|a| 4 + a.name.len() + a.key.len()).sum::<usize>();
+    let mut v5 = v6[..start].to_vec();
+    v5.extend_from_slice(&v6[start + len..]);
+    v5[4..6].copy_from_slice(&5u16.to_le_bytes());
+    v5
+}
+
 /// The version-4 encoding of `r`: no prefill fit in the step timings, no attention area in the queue.
 fn encode_v4(r: &WorkerReport) -> Vec<u8> {
-    let v5 = r.encode();
+    let v5 = encode_v5(r);
     let strings: usize = [&r.worker_id, &r.advertise_url, &r.model_id].iter().map(|s| 2 + s.len()).sum();
     let fit = 8 + strings + 24 + 16 + 12 + 1 + 2 + r.pd.transfer_addr.len() + 4 + 2 + 24;
     let area = 8 + strings + 24 + 16 + 12 + pd_len(r) + 16 + 16;
@@ -129,6 +142,55 @@ fn pd_sample() -> PdInfo {
             transfers: 3,
         }],
     }
+}
+
+fn lora_sample() -> LoraInfo {
+    let key = |n: &str| format!("{n}@{:016x}", n.len() as u64 * 0x0123_4567_89ab);
+    let held = ["sql", "chat-v2"].iter().map(|n| HeldAdapter { name: (*n).into(), key: key(n) }).collect();
+    LoraInfo { slots: 8, held }
+}
+
+#[test]
+fn adapters_round_trip_older_senders_hold_none_and_hostile_ones_are_refused() {
+    let mut r = sample(10, 1);
+    r.pd = pd_sample();
+    r.lora = lora_sample();
+    assert_eq!(WorkerReport::decode(&r.encode()).expect("v6"), r);
+    let v5 = WorkerReport::decode(&encode_v5(&r)).expect("v5");
+    assert_eq!(v5, WorkerReport { lora: LoraInfo::default(), ..r.clone() }, "a version-5 sender holds none");
+    let refused = |l: LoraInfo| {
+        let bad = WorkerReport { lora: l, ..r.clone() };
+        match WorkerReport::decode(&bad.encode()) {
+            Err(ReportError::Invalid { field, .. }) => field,
+            other => panic!("{other:?}"),
+        }
+    };
+    let with = |name: &str, key: &str| {
+        let mut l = lora_sample();
+        l.held.push(HeldAdapter { name: name.into(), key: key.into() });
+        l
+    };
+    assert_eq!(refused(with("sql", &lora_sample().held[0].key)), "adapter name", "a name twice");
+    assert_eq!(refused(with("x", "y@0123456789abcdef")), "adapter key", "another name's key");
+    assert_eq!(refused(with("x", "x@0123456789ABCDEF")), "adapter key", "not lowercase hex");
+    assert_eq!(refused(with("x", "x@0123")), "adapter key", "short digest");
+    assert_eq!(refused(with("", "@0123456789abcdef")), "adapter name", "empty name");
+    let long = "n".repeat(MAX_ADAPTER_NAME_BYTES + 1);
+    assert_eq!(refused(with(&long, &format!("{long}@0123456789abcdef"))), "adapter name");
+    // More than the limit: the encoder sends the first MAX_REPORT_ADAPTERS; a count past it is refused.
+    let many = LoraInfo {
+        slots: u16::MAX,
+        held: (0..MAX_REPORT_ADAPTERS + 5)
+            .map(|i| HeldAdapter { name: format!("a{i}"), key: format!("a{i}@{i:016x}") })
+            .collect(),
+    };
+    let sent = WorkerReport::decode(&WorkerReport { lora: many, ..r.clone() }.encode()).expect("capped");
+    assert_eq!(sent.lora.held.len(), MAX_REPORT_ADAPTERS);
+    let mut bytes = r.encode();
+    let strings: usize = [&r.worker_id, &r.advertise_url, &r.model_id].iter().map(|s| 2 + s.len()).sum();
+    let count = 8 + strings + 24 + 16 + 12 + pd_len(&r) + 16 + 16 + 12 + 16 + 2;
+    bytes[count..count + 2].copy_from_slice(&(MAX_REPORT_ADAPTERS as u16 + 1).to_le_bytes());
+    assert!(matches!(WorkerReport::decode(&bytes), Err(ReportError::Invalid { field: "adapters", .. })));
 }
 
 #[test]

@@ -35,8 +35,9 @@ pub fn load(cfg: &ServeConfig, worker_id: &str) -> Result<ServingModel, String> 
     let scheme = HashScheme::new(cfg.block_size, prompter.digest());
     let weights = weights_identity(cfg, &dir)?;
     let made = device::make_backend(cfg, &dir, &prompter)?;
-    let adapters =
-        adapters(cfg, &dir, made.backend.runs_adapters(), &model_id(cfg)).map_err(|e| e.to_string())?;
+    let adapters = Arc::new(
+        adapters(cfg, &dir, made.backend.runs_adapters(), &model_id(cfg)).map_err(|e| e.to_string())?,
+    );
     let (max_model_len, device, transfers_kv) = (made.max_model_len, made.device.clone(), made.transfers_kv);
     let engine = engine(cfg, made, scheme, &prompter, weights)?;
     let kv = if transfers_kv { transfer_parts(&engine, weights) } else { None };
@@ -93,39 +94,33 @@ pub fn load(cfg: &ServeConfig, worker_id: &str) -> Result<ServingModel, String> 
 pub enum AdapterError {
     #[error("--lora: this engine does not run LoRA adapters (the CPU engine does; CUDA not yet)")]
     Unsupported,
-    #[error("--lora {0}: the name is the model's or another adapter's")]
-    NameTaken(String),
     #[error("--lora: the base model: {0}")]
     Model(crate::model::ModelError),
-    #[error("--lora {name}: {source}")]
-    Adapter { name: String, source: crate::model::ModelError },
+    #[error("--lora: {0}")]
+    Adapter(super::adapters::LoadError),
 }
 
-/// The `--lora` adapters, read and checked against the model in `dir`; refused on a backend that does not run
-/// them, and under a name that is the model's own or given twice.
+/// The adapter store: the `--lora` adapters read, checked against the model in `dir` and pinned; refused on a
+/// backend that does not run them, under a name that is the model's own or given twice, or past `--max-loras`.
+/// A backend that runs none gets a store that loads none (its reports say 0 slots).
 fn adapters(
     cfg: &ServeConfig,
     dir: &std::path::Path,
     runs: bool,
     model_id: &str,
-) -> Result<std::collections::BTreeMap<String, Arc<crate::model::lora::LoraAdapter>>, AdapterError> {
-    let mut out = std::collections::BTreeMap::new();
-    if cfg.lora.is_empty() {
-        return Ok(out);
-    }
+) -> Result<super::adapters::AdapterStore, AdapterError> {
+    use super::adapters::AdapterStore;
     if !runs {
-        return Err(AdapterError::Unsupported);
+        if !cfg.lora.is_empty() {
+            return Err(AdapterError::Unsupported);
+        }
+        return Ok(AdapterStore::new(model_id, None, cfg.max_lora_rank, 0, None));
     }
     let model = crate::model::ModelConfig::from_dir(dir).map_err(AdapterError::Model)?;
-    for (name, path) in &cfg.lora {
-        if name == model_id || out.contains_key(name) {
-            return Err(AdapterError::NameTaken(name.clone()));
-        }
-        let a = crate::model::lora::LoraAdapter::load(path, name, &model, cfg.max_lora_rank)
-            .map_err(|source| AdapterError::Adapter { name: name.clone(), source })?;
-        out.insert(name.clone(), Arc::new(a));
-    }
-    Ok(out)
+    let store =
+        AdapterStore::new(model_id, Some(model), cfg.max_lora_rank, cfg.max_loras, cfg.lora_root.clone());
+    store.preload(&cfg.lora).map_err(AdapterError::Adapter)?;
+    Ok(store)
 }
 
 /// Builds the model directory for `--synth` once (written beside, then renamed, so concurrent workers are safe).

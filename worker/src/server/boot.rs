@@ -139,6 +139,7 @@ fn start_reporter(state: &AppState, l: &ServingModel, advertise: &str) {
         report_now: state.report_now.clone(),
         draining_reported: state.draining_reported.clone(),
         transfers: l.transfer.clone(),
+        adapters: l.adapters.clone(),
     };
     tokio::spawn(reporter::run(source, l.engine.clone(), plan));
 }

@@ -49,6 +49,21 @@ pub struct ServeArgs {
     /// Largest LoRA rank an adapter may have.
     #[arg(long, env = "KVGATE_WORKER_MAX_LORA_RANK", default_value = kvgate_shared::default_text!(crate::model::lora::DEFAULT_MAX_LORA_RANK))]
     pub max_lora_rank: Option<usize>,
+    /// Most LoRA adapters held at once (`--lora` ones included): loading one more at run time unloads the least
+    /// recently used adapter that was loaded at run time (`--lora` adapters stay until unloaded by name). 0: no
+    /// adapters.
+    #[arg(long, env = "KVGATE_WORKER_MAX_LORAS", default_value = kvgate_shared::default_text!(crate::server::adapters::DEFAULT_MAX_LORAS))]
+    pub max_loras: Option<usize>,
+    /// The directory runtime loads (`POST /v1/load_lora_adapter`) may read adapters from: a `lora_path` outside it
+    /// (after resolving links) is refused (403 `lora_path_forbidden`). Default: none, any directory this process
+    /// can read (the caller is already authenticated).
+    #[arg(long, env = "KVGATE_WORKER_LORA_ROOT")]
+    pub lora_root: Option<PathBuf>,
+    /// Bearer token of the worker's admin calls (`POST /v1/load_lora_adapter`, `/v1/unload_lora_adapter`); a
+    /// kvgate gateway's token (from `--report-secret`) is accepted too. With neither, runtime loading is off (403
+    /// `runtime_lora_disabled`).
+    #[arg(long, env = "KVGATE_WORKER_ADMIN_TOKEN", hide_env_values = true)]
+    pub admin_token: Option<String>,
     /// Seed of `--synth`.
     #[arg(long, env = "KVGATE_WORKER_SYNTH_SEED", default_value = "0")]
     pub synth_seed: Option<u64>,
@@ -234,6 +249,9 @@ pub struct ServeConfig {
     /// LoRA adapters served: (name, directory).
     pub lora: Vec<(String, PathBuf)>,
     pub max_lora_rank: usize,
+    pub max_loras: usize,
+    pub lora_root: Option<PathBuf>,
+    pub admin_token: Option<String>,
     pub host_kv_bytes: usize,
     pub disk_kv_bytes: u64,
     pub disk_kv_path: Option<PathBuf>,
@@ -383,6 +401,9 @@ impl ServeArgs {
                 })
                 .collect::<Result<_, _>>()?,
             max_lora_rank: set!(max_lora_rank),
+            max_loras: set!(max_loras),
+            lora_root: pick!(lora_root),
+            admin_token: pick!(admin_token).filter(|t| !t.is_empty()),
             host_kv_bytes: set!(host_kv_bytes),
             disk_kv_bytes: set!(disk_kv_bytes),
             disk_kv_path: pick!(disk_kv_path),

@@ -20,6 +20,7 @@
 //! measurement), `state` (what handlers share), `telemetry` (metrics); the handlers in `api`, `tokens`, `pd`; the
 //! engine thread in `engine_thread`; cache-summary reports in `reporter`.
 
+pub mod adapters;
 pub mod api;
 mod assemble;
 mod boot;

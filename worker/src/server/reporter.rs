@@ -41,6 +41,8 @@ pub struct ReportPlan {
     pub draining_reported: Arc<tokio::sync::Notify>,
     /// The KV transfers whose imports each report samples (`None`: this worker cannot transfer).
     pub transfers: Option<Arc<crate::transfer::Transfers>>,
+    /// The LoRA adapters each report names.
+    pub adapters: Arc<super::adapters::AdapterStore>,
 }
 
 impl ReportSource {
@@ -140,8 +142,17 @@ fn fan_out(uri: &hyper::Uri, mut addrs: Vec<std::net::SocketAddr>) -> Option<Vec
 /// Runs forever: builds a report each interval (or at once when `plan.report_now` is notified) and sends it to
 /// every gateway (every address of each `--report-to` host).
 pub async fn run(source: ReportSource, engine: EngineHandle, plan: ReportPlan) {
-    let ReportPlan { targets, interval, timeout, secret, draining, report_now, draining_reported, transfers } =
-        plan;
+    let ReportPlan {
+        targets,
+        interval,
+        timeout,
+        secret,
+        draining,
+        report_now,
+        draining_reported,
+        transfers,
+        adapters,
+    } = plan;
     let client: Client<_, Full<Bytes>> = Client::builder(TokioExecutor::new()).build_http();
     let mut busy: HashMap<String, Arc<AtomicBool>> = HashMap::new();
     let mut ticker = tokio::time::interval(interval);
@@ -158,6 +169,7 @@ pub async fn run(source: ReportSource, engine: EngineHandle, plan: ReportPlan) {
         seq += 1;
         let draining = draining.load(Ordering::Acquire);
         let mut report = source.build(&engine, seq, &prev, &now, prev_at.elapsed(), draining);
+        report.lora = adapters.info();
         if let Some(t) = &transfers {
             report.pd.imports = t.imports.lock().unwrap_or_else(|e| e.into_inner()).take();
         }

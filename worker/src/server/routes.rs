@@ -1,6 +1,6 @@
 //! The HTTP route table ([`router`]: which path goes to which handler, which routes only gateways may call, the
 //! `x-kvgate-worker` header on every answer) and the small handlers that read the server's state directly: probes,
-//! `/v1/models`, the tokenizer description. The OpenAI endpoints live in `api`, vLLM's tokenize endpoints in
+//! `/v1/models`, the tokenizer description. Runtime LoRA loading is in `adapters`, behind `admin_only`. The OpenAI endpoints live in `api`, vLLM's tokenize endpoints in
 //! `tokens`, the KV probe in `pd`, the metrics page in `telemetry`.
 //!
 //! Invariants: `/health`, `/ready` and `/metrics` are never behind `--require-gateway-token` (orchestrators and
@@ -18,7 +18,7 @@ use kvgate_shared::openai::{ModelCard, ModelList};
 use super::errors::{ApiError, Refusal};
 use super::state::AppState;
 use super::telemetry::metrics_text;
-use super::{api, pd, tokens};
+use super::{adapters, api, pd, tokens};
 
 /// The HTTP routes over `state`.
 pub fn router(state: Arc<AppState>) -> Router {
@@ -33,8 +33,14 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/kvgate/v1/tokenizer", get(tokenizer))
         .route("/kvgate/v1/kv-probe", post(pd::probe))
         .route_layer(axum::middleware::from_fn_with_state(state.clone(), gateway_only));
+    // Runtime adapter loading: the admin token or a gateway's (`admin_only`).
+    let admin = Router::new()
+        .route("/v1/load_lora_adapter", post(adapters::load))
+        .route("/v1/unload_lora_adapter", post(adapters::unload))
+        .route_layer(axum::middleware::from_fn_with_state(state.clone(), admin_only));
     Router::new()
         .merge(gated)
+        .merge(admin)
         .route("/health", get(health))
         .route("/ready", get(ready))
         .route("/metrics", get(metrics_text))
@@ -70,6 +76,35 @@ async fn gateway_only(
     next.run(req).await
 }
 
+/// The worker's admin calls: `Authorization: Bearer` the `--admin-token`, or a kvgate gateway's token (from
+/// `--report-secret`); with neither configured they are off (403 `runtime_lora_disabled`), else 401
+/// `admin_token_required`.
+async fn admin_only(
+    State(state): State<Arc<AppState>>,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let (admin, secret) = (state.cfg.admin_token.as_deref(), state.cfg.report_secret.as_deref());
+    if admin.is_none() && secret.is_none() {
+        return ApiError::new(
+            403,
+            "permission_error",
+            "runtime_lora_disabled",
+            "runtime LoRA loading is off on this worker: give it --admin-token (or --report-secret, for gateways)",
+        )
+        .into_response();
+    }
+    let auth = req.headers().get(axum::http::header::AUTHORIZATION).and_then(|v| v.to_str().ok());
+    let ok = admin.is_some_and(|t| kvgate_shared::handoff::bearer_is(t, auth))
+        || secret.is_some_and(|s| kvgate_shared::handoff::check_gateway_token(s, auth));
+    if !ok {
+        metrics::counter!("kvgate_worker_unauthorized_requests_total").increment(1);
+        return ApiError::unauthorized("admin_token_required", "this call needs the worker's admin token")
+            .into_response();
+    }
+    next.run(req).await
+}
+
 async fn models(State(state): State<Arc<AppState>>) -> Response {
     let Some(l) = state.loaded() else {
         return ApiError::refused(Refusal::ModelLoading, "the model is still loading").into_response();
@@ -85,7 +120,9 @@ async fn models(State(state): State<Arc<AppState>>) -> Response {
         parent,
     };
     let mut data = vec![card(&l.model_id, None)];
-    data.extend(l.adapters.keys().map(|a| card(a, Some(l.model_id.clone()))));
+    let mut names = l.adapters.names();
+    names.sort();
+    data.extend(names.iter().map(|a| card(a, Some(l.model_id.clone()))));
     Json(ModelList { object: "list".into(), data }).into_response()
 }
 

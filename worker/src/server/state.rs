@@ -30,8 +30,8 @@ pub struct ServingModel {
     pub pd_info: kvgate_shared::report::PdInfo,
     /// What KV transfers need (`None`: this worker has no report secret, so it neither exports nor imports).
     pub transfer: Option<Arc<crate::transfer::Transfers>>,
-    /// The LoRA adapters it serves (`--lora`), by the name a request's `model` gives.
-    pub adapters: std::collections::BTreeMap<String, Arc<crate::model::lora::LoraAdapter>>,
+    /// The LoRA adapters it holds (`--lora`, then runtime loads), by the name a request's `model` gives.
+    pub adapters: Arc<super::adapters::AdapterStore>,
 }
 
 impl ServingModel {
@@ -40,15 +40,7 @@ impl ServingModel {
         &self,
         model: &str,
     ) -> Result<Option<Arc<crate::model::lora::LoraAdapter>>, super::errors::ApiError> {
-        use super::errors::WorkerErrors;
-        if model == self.model_id {
-            return Ok(None);
-        }
-        self.adapters
-            .get(model)
-            .cloned()
-            .map(Some)
-            .ok_or_else(|| super::errors::ApiError::model_not_found(model, &self.model_id))
+        self.adapters.resolve(model)
     }
 }
 

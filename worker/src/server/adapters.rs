@@ -1,0 +1,433 @@
+//! The LoRA adapters a worker holds ([`AdapterStore`]): the one owner of which adapters are loaded, under which
+//! names, and which goes when a new one needs its slot. Lifecycle as vLLM's: `--lora NAME=DIR` at start, then
+//! `POST /v1/load_lora_adapter` / `/v1/unload_lora_adapter` at run time (`routes.rs` authenticates them), and
+//! [`AdapterStore::resolve`] for every request whose `model` names one.
+//!
+//! Invariants: at most `slots` adapters are held; loading one past that unloads the least recently used adapter
+//! that was loaded at run time (an adapter from `--lora` is pinned: it goes only when unloaded by name), and is
+//! refused (409 `lora_slots_full`) when every slot is pinned. A request holds its adapter's `Arc`, so an adapter
+//! unloaded under a running request stays in memory until that request ends; its cached blocks stay keyed by its
+//! key (`name@digest` of its files), so the same files loaded again find them, and other files under the same name
+//! never do. Names are never the base model's, at most `MAX_ADAPTER_NAME_BYTES` bytes, without control characters.
+//! Files are read outside the lock (a load takes milliseconds to seconds); two loads of one name race to the lock
+//! and the second finds the first.
+
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use kvgate_shared::report::{HeldAdapter, LoraInfo, MAX_ADAPTER_NAME_BYTES};
+
+use crate::model::lora::LoraAdapter;
+use crate::model::{ModelConfig, ModelError};
+
+use super::errors::ApiError;
+
+/// Adapters a worker holds at once when `--max-loras` is not given.
+pub const DEFAULT_MAX_LORAS: usize = 16;
+
+/// Why an adapter could not be loaded or unloaded. None is helped by retrying the same call.
+#[derive(Debug, thiserror::Error)]
+pub enum LoadError {
+    #[error("this engine does not run LoRA adapters (the CPU engine does; CUDA not yet)")]
+    Unsupported,
+    #[error("the adapter name {0:?} is not usable: {1}")]
+    BadName(String, &'static str),
+    #[error("an adapter named {name:?} is already loaded from other files ({held}); unload it first")]
+    NameTaken { name: String, held: String },
+    #[error("lora_path {0:?} is not a directory this worker can read")]
+    NoDirectory(PathBuf),
+    #[error("lora_path {0:?} is outside --lora-root")]
+    Forbidden(PathBuf),
+    #[error("{0}")]
+    Invalid(ModelError),
+    #[error("this worker holds no LoRA adapters (--max-loras 0)")]
+    NoSlots,
+    #[error(
+        "every one of the {0} adapter slots (--max-loras) holds an adapter given by --lora; unload one first"
+    )]
+    SlotsFull(usize),
+    #[error("no LoRA adapter named {0:?} is loaded")]
+    Unknown(String),
+}
+
+impl LoadError {
+    /// The OpenAI-style answer: 400 for what the body gets wrong, 403 for a path outside the root, 404 for a
+    /// missing directory or adapter, 409 when no slot can be freed.
+    pub fn api(&self) -> ApiError {
+        let m = self.to_string();
+        match self {
+            LoadError::Unsupported => ApiError::new(400, "invalid_request_error", "lora_unsupported", m),
+            LoadError::BadName(..) => ApiError::invalid("lora_name", m),
+            LoadError::NameTaken { .. } => {
+                ApiError::new(400, "invalid_request_error", "lora_name_taken", m).with_param("lora_name")
+            }
+            LoadError::NoDirectory(_) => {
+                ApiError::new(404, "invalid_request_error", "lora_path_not_found", m).with_param("lora_path")
+            }
+            LoadError::Forbidden(_) => {
+                ApiError::new(403, "permission_error", "lora_path_forbidden", m).with_param("lora_path")
+            }
+            LoadError::Invalid(_) => ApiError::invalid("lora_path", m),
+            LoadError::NoSlots => ApiError::new(400, "invalid_request_error", "lora_unsupported", m),
+            LoadError::SlotsFull(_) => ApiError::new(409, "invalid_request_error", "lora_slots_full", m),
+            LoadError::Unknown(_) => ApiError::new(404, "invalid_request_error", "lora_not_found", m),
+        }
+    }
+}
+
+/// What a load did.
+#[derive(Debug)]
+pub struct Loaded {
+    pub adapter: Arc<LoraAdapter>,
+    /// The same files were already loaded under this name (nothing changed).
+    pub already: bool,
+    /// The adapter unloaded to make room.
+    pub evicted: Option<String>,
+}
+
+struct Held {
+    adapter: Arc<LoraAdapter>,
+    dir: PathBuf,
+    /// Loaded by `--lora`: never evicted.
+    pinned: bool,
+}
+
+/// The adapters one worker holds.
+pub struct AdapterStore {
+    model_id: String,
+    /// The base model's shapes (`None`: the backend runs no adapters).
+    base: Option<ModelConfig>,
+    max_rank: usize,
+    slots: usize,
+    root: Option<PathBuf>,
+    /// Most recently used first.
+    held: Mutex<Vec<Held>>,
+}
+
+impl AdapterStore {
+    /// A store for `model_id` (shapes `base`; `None` when the backend runs no adapters) holding at most `slots`.
+    pub fn new(
+        model_id: &str,
+        base: Option<ModelConfig>,
+        max_rank: usize,
+        slots: usize,
+        root: Option<PathBuf>,
+    ) -> Self {
+        Self { model_id: model_id.to_owned(), base, max_rank, slots, root, held: Mutex::new(Vec::new()) }
+    }
+
+    /// The held list (a panic under the lock left a consistent list: every change is one insert or remove).
+    fn lock(&self) -> MutexGuard<'_, Vec<Held>> {
+        self.held.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The `--lora` adapters, loaded and pinned (refused past the slots).
+    pub fn preload(&self, adapters: &[(String, PathBuf)]) -> Result<(), LoadError> {
+        for (name, dir) in adapters {
+            let a = self.read(name, dir)?;
+            let mut held = self.lock();
+            if held.iter().any(|h| h.adapter.name == *name) {
+                return Err(LoadError::NameTaken { name: name.clone(), held: "--lora".into() });
+            }
+            if held.len() >= self.slots {
+                return Err(LoadError::SlotsFull(self.slots));
+            }
+            held.push(Held { adapter: Arc::new(a), dir: dir.clone(), pinned: true });
+        }
+        Ok(())
+    }
+
+    /// What a request's `model` names: the base model (`None`) or a held adapter (now the most recently used);
+    /// else 404.
+    pub fn resolve(&self, model: &str) -> Result<Option<Arc<LoraAdapter>>, ApiError> {
+        use super::errors::WorkerErrors;
+        if model == self.model_id {
+            return Ok(None);
+        }
+        let mut held = self.lock();
+        let i = held
+            .iter()
+            .position(|h| h.adapter.name == model)
+            .ok_or_else(|| ApiError::model_not_found(model, &self.model_id))?;
+        let h = held.remove(i);
+        let a = h.adapter.clone();
+        held.insert(0, h);
+        Ok(Some(a))
+    }
+
+    /// Loads the adapter in `dir` as `name` (blocking: reads its files), unloading the least recently used
+    /// unpinned adapter when every slot is taken.
+    pub fn load(&self, name: &str, dir: &Path) -> Result<Loaded, LoadError> {
+        let a = Arc::new(self.read(name, dir)?);
+        let mut held = self.lock();
+        if let Some(h) = held.iter().find(|h| h.adapter.name == name) {
+            if h.adapter.key == a.key {
+                return Ok(Loaded { adapter: h.adapter.clone(), already: true, evicted: None });
+            }
+            return Err(LoadError::NameTaken { name: name.into(), held: h.dir.display().to_string() });
+        }
+        let mut evicted = None;
+        if held.len() >= self.slots {
+            let i = held.iter().rposition(|h| !h.pinned).ok_or(LoadError::SlotsFull(self.slots))?;
+            evicted = Some(held.remove(i).adapter.name.clone());
+        }
+        held.insert(0, Held { adapter: a.clone(), dir: dir.to_owned(), pinned: false });
+        Ok(Loaded { adapter: a, already: false, evicted })
+    }
+
+    /// Unloads `name` (requests running with it finish with it).
+    pub fn unload(&self, name: &str) -> Result<(), LoadError> {
+        let mut held = self.lock();
+        let i = held
+            .iter()
+            .position(|h| h.adapter.name == name)
+            .ok_or_else(|| LoadError::Unknown(name.into()))?;
+        held.remove(i);
+        Ok(())
+    }
+
+    /// The names held, most recently used first.
+    pub fn names(&self) -> Vec<String> {
+        self.lock().iter().map(|h| h.adapter.name.clone()).collect()
+    }
+
+    /// What reports say: the slots (0 when the backend runs none) and the adapters held.
+    pub fn info(&self) -> LoraInfo {
+        let slots = if self.base.is_some() { self.slots.min(u16::MAX as usize) as u16 } else { 0 };
+        let held = self
+            .lock()
+            .iter()
+            .map(|h| HeldAdapter { name: h.adapter.name.clone(), key: h.adapter.key.clone() })
+            .collect();
+        LoraInfo { slots, held }
+    }
+
+    /// Checks the name and the path, then reads and checks the adapter against the base model.
+    fn read(&self, name: &str, dir: &Path) -> Result<LoraAdapter, LoadError> {
+        let base = self.base.as_ref().ok_or(LoadError::Unsupported)?;
+        if self.slots == 0 {
+            return Err(LoadError::NoSlots);
+        }
+        check_name(name, &self.model_id)?;
+        let real = dir.canonicalize().map_err(|_| LoadError::NoDirectory(dir.to_owned()))?;
+        if !real.is_dir() {
+            return Err(LoadError::NoDirectory(dir.to_owned()));
+        }
+        if let Some(root) = &self.root {
+            let root = root.canonicalize().map_err(|_| LoadError::Forbidden(dir.to_owned()))?;
+            if !real.starts_with(&root) {
+                return Err(LoadError::Forbidden(dir.to_owned()));
+            }
+        }
+        LoraAdapter::load(&real, name, base, self.max_rank).map_err(LoadError::Invalid)
+    }
+}
+
+/// A name requests may give as `model`: not the base model's, 1 to `MAX_ADAPTER_NAME_BYTES` bytes, no control
+/// characters or whitespace (it travels in headers and reports).
+pub fn check_name(name: &str, model_id: &str) -> Result<(), LoadError> {
+    let bad = |why| Err(LoadError::BadName(name.to_owned(), why));
+    if name.is_empty() || name.len() > MAX_ADAPTER_NAME_BYTES {
+        return bad("it must be 1 to 256 bytes");
+    }
+    if name.chars().any(|c| c.is_control() || c.is_whitespace()) {
+        return bad("it may not hold whitespace or control characters");
+    }
+    if name == model_id {
+        return bad("it is the base model's");
+    }
+    Ok(())
+}
+
+/// Largest body of a load or unload call.
+pub const MAX_ADMIN_BODY_BYTES: usize = 64 * 1024;
+
+/// `POST /v1/load_lora_adapter` (vLLM's): `{"lora_name", "lora_path"}`; any other field is refused by name.
+/// 200 with what was loaded (`status`: `loaded` or `already_loaded`; `evicted`: the adapter unloaded for it).
+pub async fn load(
+    axum::extract::State(state): axum::extract::State<Arc<super::state::AppState>>,
+    body: bytes::Bytes,
+) -> axum::response::Response {
+    use axum::response::IntoResponse;
+    let (l, req) = match admin_call(&state, &body) {
+        Ok(v) => v,
+        Err(e) => return e.into_response(),
+    };
+    let Some(path) = req.lora_path else {
+        return ApiError::invalid("lora_path", "lora_path is required").into_response();
+    };
+    let (store, name) = (l.adapters.clone(), req.lora_name.clone());
+    let started = std::time::Instant::now();
+    let done = tokio::task::spawn_blocking(move || store.load(&name, Path::new(&path))).await;
+    let loaded = match done {
+        Ok(Ok(v)) => v,
+        Ok(Err(e)) => {
+            metrics::counter!("kvgate_worker_lora_loads_total", "outcome" => "refused").increment(1);
+            return e.api().into_response();
+        }
+        Err(e) => return ApiError::internal(format!("adapter load: {e}")).into_response(),
+    };
+    let outcome = if loaded.already { "already_loaded" } else { "loaded" };
+    metrics::counter!("kvgate_worker_lora_loads_total", "outcome" => outcome).increment(1);
+    if loaded.evicted.is_some() {
+        metrics::counter!("kvgate_worker_lora_evictions_total").increment(1);
+    }
+    metrics::gauge!("kvgate_worker_lora_adapters").set(l.adapters.names().len() as f64);
+    tracing::info!(name = %req.lora_name, key = %loaded.adapter.key, outcome, evicted = ?loaded.evicted, "LoRA adapter");
+    state.report_now.notify_one();
+    axum::Json(serde_json::json!({
+        "object": "lora_adapter",
+        "id": req.lora_name,
+        "parent": l.model_id,
+        "key": loaded.adapter.key,
+        "status": outcome,
+        "evicted": loaded.evicted,
+        "load_ms": started.elapsed().as_secs_f64() * 1e3,
+    }))
+    .into_response()
+}
+
+/// `POST /v1/unload_lora_adapter` (vLLM's): `{"lora_name"}`. 200, or 404 `lora_not_found`.
+pub async fn unload(
+    axum::extract::State(state): axum::extract::State<Arc<super::state::AppState>>,
+    body: bytes::Bytes,
+) -> axum::response::Response {
+    use axum::response::IntoResponse;
+    let (l, req) = match admin_call(&state, &body) {
+        Ok(v) => v,
+        Err(e) => return e.into_response(),
+    };
+    if req.lora_path.is_some() {
+        return ApiError::unsupported("lora_path").into_response();
+    }
+    if let Err(e) = l.adapters.unload(&req.lora_name) {
+        return e.api().into_response();
+    }
+    metrics::counter!("kvgate_worker_lora_unloads_total").increment(1);
+    metrics::gauge!("kvgate_worker_lora_adapters").set(l.adapters.names().len() as f64);
+    state.report_now.notify_one();
+    axum::Json(serde_json::json!({"object": "lora_adapter", "id": req.lora_name, "status": "unloaded"}))
+        .into_response()
+}
+
+/// The body of a load or unload call.
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct AdminBody {
+    lora_name: String,
+    #[serde(default)]
+    lora_path: Option<String>,
+}
+
+/// The loaded model and the parsed body of an admin call; 503 while the model loads, 413 past
+/// [`MAX_ADMIN_BODY_BYTES`], 400 naming a field kvgate does not implement (vLLM's `load_inplace`, `lora_int_id`).
+fn admin_call(
+    state: &super::state::AppState,
+    body: &[u8],
+) -> Result<(Arc<super::state::ServingModel>, AdminBody), ApiError> {
+    let l = state.loaded().ok_or_else(|| {
+        ApiError::refused(super::errors::Refusal::ModelLoading, "the model is still loading")
+    })?;
+    if body.len() > MAX_ADMIN_BODY_BYTES {
+        return Err(ApiError::too_large(MAX_ADMIN_BODY_BYTES));
+    }
+    let v: serde_json::Value = serde_json::from_slice(body).map_err(|e| ApiError::bad_json(e.to_string()))?;
+    if let Some(o) = v.as_object() {
+        if let Some(k) = o.keys().find(|k| !matches!(k.as_str(), "lora_name" | "lora_path")) {
+            return Err(ApiError::unsupported(k));
+        }
+    }
+    let b: AdminBody = serde_json::from_value(v).map_err(|e| ApiError::bad_json(e.to_string()))?;
+    Ok((l, b))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::lora::{synth_lora, LoraSpec, Target};
+    use crate::model::synth::{synth_model, Preset, SynthSpec};
+
+    fn fixture(n: usize) -> (tempfile::TempDir, ModelConfig, Vec<PathBuf>) {
+        let t = tempfile::tempdir().expect("tmp");
+        let model = t.path().join("m");
+        synth_model(&model, &SynthSpec::new(Preset::Tiny, 1)).expect("model");
+        let cfg = ModelConfig::from_dir(&model).expect("cfg");
+        let dirs = (0..n)
+            .map(|i| {
+                let d = t.path().join(format!("a{i}"));
+                let spec = LoraSpec {
+                    base: "m",
+                    rank: 4,
+                    alpha: 8.0,
+                    targets: &Target::ALL,
+                    seed: i as u64,
+                    zero: false,
+                };
+                synth_lora(&d, &cfg, &spec).expect("lora");
+                d
+            })
+            .collect();
+        (t, cfg, dirs)
+    }
+
+    #[test]
+    fn past_its_slots_the_least_recently_used_runtime_adapter_goes_and_pinned_ones_stay() {
+        let (_t, cfg, d) = fixture(4);
+        let s = AdapterStore::new("base", Some(cfg), 64, 3, None);
+        s.preload(&[("pinned".into(), d[0].clone())]).expect("preload");
+        s.load("x", &d[1]).expect("x");
+        s.load("y", &d[2]).expect("y");
+        s.resolve("x").expect("x used").expect("an adapter");
+        let l = s.load("z", &d[3]).expect("z");
+        assert_eq!(l.evicted.as_deref(), Some("y"), "y is the least recently used unpinned");
+        assert_eq!(s.names(), ["z", "x", "pinned"]);
+        assert_eq!(s.resolve("y").expect_err("gone").status, 404);
+        let info = s.info();
+        assert_eq!((info.slots, info.held.len()), (3, 3));
+        assert!(info.held.iter().all(|h| HeldAdapter::key_is_valid(&h.name, &h.key)), "{info:?}");
+        // Every slot pinned: refused, nothing unloaded.
+        let only = AdapterStore::new("base", s.base.clone(), 64, 1, None);
+        only.preload(&[("p".into(), d[0].clone())]).expect("preload");
+        assert!(matches!(only.load("q", &d[1]), Err(LoadError::SlotsFull(1))));
+        assert_eq!(only.names(), ["p"]);
+    }
+
+    #[test]
+    fn a_name_holds_one_set_of_files_and_loading_them_again_changes_nothing() {
+        let (_t, cfg, d) = fixture(2);
+        let s = AdapterStore::new("base", Some(cfg), 64, 4, None);
+        let first = s.load("a", &d[0]).expect("a");
+        let again = s.load("a", &d[0]).expect("again");
+        assert!(again.already && Arc::ptr_eq(&again.adapter, &first.adapter));
+        let e = s.load("a", &d[1]).expect_err("other files");
+        assert_eq!((e.api().status, e.api().code), (400, "lora_name_taken"));
+        s.unload("a").expect("unload");
+        assert_eq!(s.unload("a").expect_err("twice").api().status, 404);
+        let other = s.load("a", &d[1]).expect("other files after the unload");
+        assert_ne!(other.adapter.key, first.adapter.key, "other files, another key: no block is shared");
+    }
+
+    #[test]
+    fn hostile_names_and_paths_are_refused_by_name() {
+        let (t, cfg, d) = fixture(1);
+        let s = AdapterStore::new("base", Some(cfg.clone()), 64, 4, Some(t.path().join("a0")));
+        for (name, code) in [("", "invalid_value"), ("base", "invalid_value"), ("a b", "invalid_value")] {
+            let e = s.load(name, &d[0]).expect_err(name).api();
+            assert_eq!((e.status, e.code, e.param.as_deref()), (400, code, Some("lora_name")), "{name:?}");
+        }
+        assert_eq!(s.load(&"n".repeat(257), &d[0]).expect_err("long").api().status, 400);
+        let e = s.load("m", &t.path().join("m")).expect_err("outside the root").api();
+        assert_eq!((e.status, e.code), (403, "lora_path_forbidden"));
+        let e = s.load("m", &t.path().join("a0/../m")).expect_err("a way out of the root").api();
+        assert_eq!(e.code, "lora_path_forbidden");
+        let e = s.load("m", &t.path().join("nowhere")).expect_err("missing").api();
+        assert_eq!((e.status, e.code), (404, "lora_path_not_found"));
+        // The model's own directory is not an adapter.
+        let open = AdapterStore::new("base", Some(cfg), 64, 4, None);
+        let e = open.load("m", &t.path().join("m")).expect_err("no adapter files").api();
+        assert_eq!((e.status, e.param.as_deref()), (400, Some("lora_path")));
+        let none = AdapterStore::new("base", None, 64, 4, None);
+        assert_eq!(none.load("a", &d[0]).expect_err("unsupported").api().code, "lora_unsupported");
+        assert_eq!(none.info().slots, 0);
+    }
+}
