@@ -100,6 +100,7 @@ fn bench(c: &mut Criterion) {
                     shared_blocks: SHARED_BLOCKS,
                     block_size: 16,
                     only: None,
+                    adapter: None,
                 };
                 let routed = router.route(&mut reg, &input, 3, at).expect("routed");
                 let pick = routed.candidates[0].id.clone();

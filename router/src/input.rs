@@ -19,6 +19,9 @@ pub struct RouteInput<'a> {
     /// The workers it may go to, by address (`host:port`, [`url_address`]): a proxy's candidate subset (the
     /// endpoint picker's subset hint). `None`: any.
     pub only: Option<&'a [String]>,
+    /// The LoRA adapter it runs with (its `model` named one of `model`'s adapters): only workers holding it are
+    /// candidates (`placement` says where to load one first). `None`: the base model.
+    pub adapter: Option<&'a str>,
 }
 
 /// A worker URL's address, `host:port`: without its scheme, path or fragment (`http://10.0.0.1:8000/#dp1` is

@@ -271,13 +271,14 @@ fn decide(
     let starts = root_starts(policy, &req, input);
     let (views, registry_index) =
         reg.focused_views(input.model, input.hashes, input.session_key, starts, now);
-    let (views, registry_index) = match input.only {
-        None => (views, registry_index),
-        Some(only) => views
-            .into_iter()
-            .zip(registry_index)
-            .filter(|(_, i)| only.iter().any(|a| a == crate::input::url_address(&reg.workers()[*i].url)))
-            .unzip(),
+    let allowed = |i: usize| {
+        let w = &reg.workers()[i];
+        input.only.is_none_or(|only| only.iter().any(|a| a == crate::input::url_address(&w.url)))
+            && input.adapter.is_none_or(|a| w.lora.holds(a, now))
+    };
+    let (views, registry_index) = match (input.only, input.adapter) {
+        (None, None) => (views, registry_index),
+        _ => views.into_iter().zip(registry_index).filter(|(_, i)| allowed(*i)).unzip(),
     };
     let mut d = policy.choose(&req, &views, reg.ring(), input.block_size)?;
     prefill_workers_last(reg, &registry_index, &views, input, &mut d);
@@ -343,6 +344,7 @@ mod tests {
             shared_blocks: 0,
             block_size: 16,
             only: None,
+            adapter: None,
         }
     }
 

@@ -73,6 +73,7 @@ impl PreparedRequest {
             shared_blocks: self.shared_blocks,
             block_size: self.block_size,
             only: None,
+            adapter: self.adapter.as_ref().map(|a| a.name.as_str()),
         }
     }
 }

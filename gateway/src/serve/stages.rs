@@ -81,6 +81,7 @@ impl Prepared {
                 shared_blocks: 0,
                 block_size: 1,
                 only: None,
+                adapter: None,
             },
         }
     }

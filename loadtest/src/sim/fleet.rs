@@ -302,6 +302,7 @@ impl<'a> Fleet<'a> {
             shared_blocks: ring.shared_blocks,
             block_size: self.cfg.block_size as usize,
             only: None,
+            adapter: None,
         }
     }
 

@@ -71,6 +71,7 @@ fn input(hashes: &[BlockHash], session: u64) -> RouteInput<'_> {
         shared_blocks: SHARED,
         block_size: 16,
         only: None,
+        adapter: None,
     }
 }
 

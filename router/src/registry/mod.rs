@@ -13,6 +13,7 @@
 //! report with a new `instance_id` is a restart and is accepted whatever its `seq`. A reported worker silent for
 //! `forget_after` is removed, with its metric series. The registry holds at most `max_workers` workers.
 
+pub mod adapters;
 pub mod approx;
 pub mod event_index;
 mod focus;
@@ -324,6 +325,7 @@ impl Registry {
             w.counters.fingerprint_mismatches += 1;
         }
         w.pd.ingest(&report.pd);
+        w.lora.set(&report.lora);
         if w.fingerprint_ok == Some(true) {
             let summaries: Vec<&CacheSummary> =
                 report.tiers.iter().filter_map(|t| t.summary.as_ref()).collect();

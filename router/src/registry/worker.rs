@@ -177,6 +177,8 @@ pub struct Worker {
     pub counters: WorkerCounters,
     /// What its reports say for prefill/decode splits (step timings, P->D rates).
     pub pd: super::pd::PdState,
+    /// The LoRA adapters it holds and what loading one costs there (`adapters.rs`).
+    pub lora: super::adapters::WorkerAdapters,
 }
 
 impl Worker {
@@ -210,6 +212,7 @@ impl Worker {
             sessions: Sessions::default(),
             counters: WorkerCounters::default(),
             pd: Default::default(),
+            lora: Default::default(),
         }
     }
 

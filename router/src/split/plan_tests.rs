@@ -82,6 +82,7 @@ fn input(hashes: &[BlockHash]) -> RouteInput<'_> {
         shared_blocks: 0,
         block_size: 16,
         only: None,
+        adapter: None,
     }
 }
 
