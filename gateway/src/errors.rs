@@ -43,6 +43,16 @@ pub trait GatewayErrors {
         ApiError::unauthorized("invalid_api_key", "a known API key is required (Authorization: Bearer <key>)")
     }
     /// The caller named a class it may not choose.
+    /// 403: the caller's key names the models it may use, and not this one.
+    fn model_not_allowed(model: &str) -> ApiError {
+        ApiError::new(
+            403,
+            "permission_error",
+            "model_not_allowed",
+            format!("this API key may not use the model {model:?} (its key names the models it may use)"),
+        )
+        .with_param("model")
+    }
     fn class_not_allowed(class: &str) -> ApiError {
         ApiError::new(
             403,

@@ -41,6 +41,8 @@ pub struct GatewayState {
     pub split: Box<dyn kvgate_router::split::SplitPolicy>,
     /// Per class: the output length of its completed requests (configured class names only).
     pub learned_outputs: LearnedOutputs,
+    /// The `--lora` catalogue and its loads (`serve/adapters.rs`).
+    pub adapter_loads: crate::serve::adapters::AdapterLoads,
     pub admission: Admission,
     pub keys: KeyTable,
     pub tokenize: TokenizePool,
@@ -143,7 +145,9 @@ impl GatewayState {
         let cfg_ring = (cfg.ring_sketch_entries, cfg.ring_hub_fanout);
         let cfg_share_sends = cfg.share_sends && cfg.redis_url.is_some();
         let cfg_classes = cfg.classes.len();
+        let adapter_loads = crate::serve::adapters::AdapterLoads::new(&cfg.lora);
         Ok(Self {
+            adapter_loads,
             cfg,
             registry: Mutex::new(registry),
             tokenizers,
@@ -473,5 +477,8 @@ impl ServeHost for GatewayState {
     }
     fn tracer(&self) -> &kvgate_shared::trace::Tracer {
         &self.tracer
+    }
+    fn adapter_loads(&self) -> &crate::serve::adapters::AdapterLoads {
+        &self.adapter_loads
     }
 }

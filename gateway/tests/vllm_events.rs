@@ -25,7 +25,7 @@ fn golden_frames_from_vllm_decode_exactly() {
         serde_json::from_str(include_str!("golden/vllm_kv_events.json")).expect("golden frames parse");
     assert_eq!(golden["vllm_version"], "0.33.0");
     let frames = golden["frames"].as_array().expect("frames");
-    assert_eq!(frames.len(), 6);
+    assert_eq!(frames.len(), 8);
     for f in frames {
         let name = f["name"].as_str().expect("name");
         let topic = unhex(f["topic_hex"].as_str().expect("topic"));
@@ -44,7 +44,14 @@ fn golden_frames_from_vllm_decode_exactly() {
             match (got, want["type"].as_str().expect("type")) {
                 (
                     KvEvent::Stored {
-                        block_hashes, parent, token_ids, block_size, medium, keyed_from, ..
+                        block_hashes,
+                        parent,
+                        token_ids,
+                        block_size,
+                        medium,
+                        keyed_from,
+                        lora,
+                        ..
                     },
                     "stored",
                 ) => {
@@ -67,6 +74,9 @@ fn golden_frames_from_vllm_decode_exactly() {
                     assert_eq!(*block_size as u64, want["block_size"].as_u64().expect("bs"), "{name}");
                     assert_eq!(medium.as_deref(), want["medium"].as_str(), "{name}");
                     assert_eq!(keyed_from.is_some(), want["keyed"].as_bool().expect("keyed"), "{name}");
+                    if let Some(l) = want.get("lora") {
+                        assert_eq!(lora.as_deref(), l.as_str(), "{name}");
+                    }
                 }
                 (KvEvent::Removed { block_hashes, medium, .. }, "removed") => {
                     let names: Vec<String> = block_hashes.iter().map(hash_name).collect();
@@ -116,6 +126,34 @@ fn a_golden_batch_indexes_vllm_blocks_under_kvgate_hashes() {
     assert!(ix.holds(want[0]) && ix.holds(want[1]) && !ix.holds(want[2]));
     ix.apply(seq + 1, &batch);
     assert!(ix.is_empty());
+}
+
+/// A LoRA adapter's blocks (vLLM 0.33's frame) are indexed under the adapter's name, as the gateway hashes a
+/// request for that adapter on a pod: never as the base model's blocks; an event keyed by more (a salt) is not.
+#[test]
+fn a_golden_lora_batch_indexes_the_adapters_blocks_under_its_name() {
+    use kvgate_router::registry::event_index::{Applied, EventIndex};
+    use kvgate_shared::hashing::{BlockHasher, ExtraKey, ExtraKeys, HashScheme};
+    let golden: Value = serde_json::from_str(include_str!("golden/vllm_kv_events.json")).expect("golden");
+    let frame = golden["frames"]
+        .as_array()
+        .expect("frames")
+        .iter()
+        .find(|f| f["name"] == "map-events/lora")
+        .expect("frame");
+    let payload = unhex(frame["payload_hex"].as_str().expect("payload"));
+    let (seq, batch) = decode_frames(&[b"kv-events", &3i64.to_be_bytes(), &payload]).expect("decode");
+    let scheme = HashScheme::new(16, 5);
+    let tokens: Vec<u32> = (1000..1048).collect();
+    let lora = ExtraKeys::none().with(ExtraKey::LoraAdapter("sql-lora".into()));
+    let as_lora = BlockHasher::new(&scheme, &lora).hash_blocks(&tokens);
+    let as_base = BlockHasher::new(&scheme, &ExtraKeys::none()).hash_blocks(&tokens);
+    let mut ix = EventIndex::new(&scheme);
+    assert_eq!(ix.apply(seq, &batch), Applied::InOrder);
+    assert!(ix.holds(as_lora[0]) && ix.holds(as_lora[1]), "the adapter's two blocks under its name");
+    assert!(!ix.holds(as_lora[2]), "the salted third block is not rebuilt");
+    assert!(as_base.iter().all(|h| !ix.holds(*h)), "never as the base model's blocks");
+    assert_eq!(ix.len(), 2, "the nameless adapter's block is not indexed either");
 }
 
 /// Golden frames published by a real libzmq PUB socket (pyzmq), followed by kvgate's subscriber: the pod's exact

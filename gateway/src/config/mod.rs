@@ -173,6 +173,26 @@ pub struct GatewayArgs {
     /// shutting_down, engine_stopped, aborted).
     #[arg(long, env = "KVGATE_GATEWAY_MAX_ATTEMPTS", default_value = "3")]
     pub max_attempts: Option<usize>,
+    /// A LoRA adapter this gateway may load on pods (`NAME=PATH`, repeatable; env: comma-separated): `PATH` is its
+    /// directory as the pods see it (the `lora_path` of their `POST /v1/load_lora_adapter`). A request naming an
+    /// adapter no healthy pod holds, or one whose holders are busier than a load costs, loads it where the placement
+    /// cost is least (docs/operating/lora.md). Default none: adapter requests go to the pods that hold them, and an
+    /// adapter no pod holds is 404.
+    #[arg(long = "lora", env = "KVGATE_GATEWAY_LORA", value_delimiter = ',')]
+    pub lora: Option<Vec<String>>,
+    /// The base model of the `--lora` adapters. Default: the one model the fleet serves (with several, a request
+    /// for a `--lora` adapter nobody holds is 404 until this is set).
+    #[arg(long, env = "KVGATE_GATEWAY_LORA_BASE")]
+    pub lora_base: Option<String>,
+    /// Longest an adapter load on a pod may take; past it (or on a refusal) the request goes to the adapter's
+    /// holders, or, with none, is answered 503 `adapter_load_failed` (retryable), and that pod is not asked to load
+    /// that adapter again for 30 s.
+    #[arg(long, env = "KVGATE_GATEWAY_LORA_LOAD_TIMEOUT", default_value = "30s")]
+    pub lora_load_timeout: Option<String>,
+    /// Bearer token of adapter loads on pods that are not kvgate workers (vLLM's `--api-key`); kvgate workers get
+    /// the gateway's token (with `--report-secret`). Default none.
+    #[arg(long, env = "KVGATE_GATEWAY_LORA_LOAD_TOKEN", hide_env_values = true)]
+    pub lora_load_token: Option<String>,
     /// A reported worker silent this long is forgotten (with its metric series).
     #[arg(long, env = "KVGATE_GATEWAY_FORGET_AFTER", default_value = "300s")]
     pub forget_after: Option<String>,
@@ -312,6 +332,11 @@ pub struct GatewayConfig {
     pub first_byte: FirstByteTimeout,
     pub stream_idle_timeout: Duration,
     pub max_attempts: usize,
+    /// `--lora` adapters: (name, path on the pods).
+    pub lora: Vec<(String, String)>,
+    pub lora_base: Option<String>,
+    pub lora_load_timeout: Duration,
+    pub lora_load_token: Option<String>,
     pub forget_after: Duration,
     pub probe_interval: Duration,
     pub max_workers: usize,
@@ -363,6 +388,28 @@ impl FirstByteTimeout {
             t.min(self.cap.as_secs_f64()).max(self.floor.as_secs_f64().min(self.cap.as_secs_f64())),
         )
     }
+}
+
+/// The `--lora` entries as (name, path): each `NAME=PATH`, names distinct and at most
+/// `MAX_ADAPTER_NAME_BYTES` bytes without whitespace.
+fn lora_catalogue(entries: Vec<String>) -> Result<Vec<(String, String)>, String> {
+    let mut out: Vec<(String, String)> = Vec::new();
+    for e in entries.iter().map(|e| e.trim()).filter(|e| !e.is_empty()) {
+        let Some((n, p)) = e.split_once('=').map(|(n, p)| (n.trim(), p.trim())) else {
+            return Err(format!("--lora {e:?} is not NAME=PATH"));
+        };
+        let max = kvgate_shared::report::MAX_ADAPTER_NAME_BYTES;
+        if n.is_empty() || p.is_empty() || n.len() > max || n.chars().any(char::is_whitespace) {
+            return Err(format!(
+                "--lora {e:?}: NAME (1 to {max} bytes, no whitespace) and PATH are both needed"
+            ));
+        }
+        if out.iter().any(|(o, _)| o == n) {
+            return Err(format!("--lora {n}: given twice"));
+        }
+        out.push((n.to_owned(), p.to_owned()));
+    }
+    Ok(out)
 }
 
 fn duration(v: String, name: &str) -> Result<Duration, String> {
@@ -487,6 +534,10 @@ impl GatewayArgs {
             },
             stream_idle_timeout: duration(set!(stream_idle_timeout), "stream-idle-timeout")?,
             max_attempts: set!(max_attempts),
+            lora: lora_catalogue(pick!(lora).unwrap_or_default())?,
+            lora_base: pick!(lora_base).filter(|b| !b.is_empty()),
+            lora_load_timeout: duration(set!(lora_load_timeout), "lora-load-timeout")?,
+            lora_load_token: pick!(lora_load_token).filter(|t| !t.is_empty()),
             forget_after: duration(set!(forget_after), "forget-after")?,
             probe_interval: duration(set!(probe_interval), "probe-interval")?,
             max_workers: set!(max_workers),

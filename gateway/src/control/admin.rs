@@ -370,7 +370,25 @@ async fn explain(State(state): State<Arc<GatewayState>>, headers: HeaderMap, bod
     let decision = priced.dry.as_ref();
     let (class, cost) = (&priced.class_name, priced.cost as u64);
     let predicted = decision.map(|d| d.predicted_cached_tokens);
+    // An adapter request: where it would run (its holders, or the worker that would load it) and every term.
+    let placement = p.adapter.as_ref().and_then(|a| {
+        let loadable = host.adapter_loads().path(&a.name).is_some();
+        let reg = host.registry();
+        let input = incoming.within(prep.route_input());
+        kvgate_router::placement::place(
+            &reg,
+            &input,
+            loadable,
+            &host.adapter_loads().place,
+            std::time::Instant::now(),
+        )
+    });
+    let adapter = p
+        .adapter
+        .as_ref()
+        .map(|a| serde_json::json!({"name": a.name, "base": a.base, "key": a.key, "placement": placement}));
     Json(serde_json::json!({
+        "adapter": adapter,
         "model": p.fields.model,
         "policy": state.router.policy().name(),
         "prompt_tokens": p.ids.len(),

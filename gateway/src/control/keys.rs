@@ -13,6 +13,7 @@
 //! tenant = "team-a"
 //! classes = ["long"]             # classes this key may name in x-kvgate-class (default: none)
 //! cache_salt = "team-a"          # optional: replaces any cache_salt the caller sends
+//! models = ["base", "sql-lora"]  # optional: the only models (base models or LoRA adapters) it may name
 //! ```
 
 use std::collections::HashMap;
@@ -37,11 +38,24 @@ pub struct Caller {
     pub cache_salt: Option<String>,
     /// Whether a key identified the caller.
     pub known: bool,
+    /// The only models it may name (base models or LoRA adapters); `None`: any.
+    pub models: Option<Vec<String>>,
 }
 
 impl Caller {
     pub fn anonymous() -> Self {
-        Self { tenant: ANONYMOUS_TENANT.into(), classes: Vec::new(), cache_salt: None, known: false }
+        Self {
+            tenant: ANONYMOUS_TENANT.into(),
+            classes: Vec::new(),
+            cache_salt: None,
+            known: false,
+            models: None,
+        }
+    }
+
+    /// Whether it may name `model` (403 `model_not_allowed` otherwise).
+    pub fn allows(&self, model: &str) -> bool {
+        self.models.as_ref().is_none_or(|m| m.iter().any(|x| x == model))
     }
 }
 
@@ -61,6 +75,7 @@ struct KeyEntry {
     #[serde(default)]
     classes: Vec<String>,
     cache_salt: Option<String>,
+    models: Option<Vec<String>>,
 }
 
 /// The key table.
@@ -130,6 +145,7 @@ impl KeyTable {
                     classes: k.classes,
                     cache_salt: k.cache_salt.filter(|s| !s.is_empty()),
                     known: true,
+                    models: k.models,
                 };
                 if by_digest.insert(d, Arc::new(caller)).is_some() {
                     problems.push(format!("keys[{i}]: the same key appears twice"));

@@ -86,6 +86,7 @@ pub async fn decide<'s>(
         return Ok(None);
     };
     ctx.admission_wait = admitted.permit.waited;
+    crate::serve::adapters::place(host, &prep, &mut incoming).await?;
     let routed = exchange::route(host, &incoming, &prep, &admitted)?;
     let r = &routed.routed;
     let first = r.candidates.first().ok_or_else(|| ApiError::no_worker(&prep.model))?;

@@ -14,7 +14,9 @@
 //!
 //! - the model's context length, from the pod's `/v1/models` (`max_model_len` of the model's card, as vLLM and
 //!   SGLang serve it) every [`MODELS_EVERY`] scrapes, the smaller of it and the `[[models]]` entry's
-//!   `max-model-len` (`Registry::set_max_model_len`): the gateway then refuses over-long requests itself.
+//!   `max-model-len` (`Registry::set_max_model_len`): the gateway then refuses over-long requests itself; and the
+//!   LoRA adapters it holds (the cards whose `parent` is the model; `Registry::set_pod_adapters`), every
+//!   [`MODELS_EVERY_WITH_LORA`] scrapes when the gateway has a `--lora` catalogue.
 //!
 //! A vLLM pod's data-parallel rank listed as a worker of its own (`dp_rank`) reads only its engine's series
 //! (`engine="<rank>"`) and its share of the pod's KV capacity (`parse_rank`).
@@ -44,28 +46,56 @@ pub const MIN_USAGE_FOR_CAPACITY: f64 = 0.2;
 pub const MAX_SCRAPED_KV_TOKENS: u64 = 1 << 34;
 /// `/v1/models` is read at the first scrape and then every this many.
 pub const MODELS_EVERY: u32 = 30;
+/// With a `--lora` catalogue, `/v1/models` (the adapters a pod holds) is read every this many scrapes.
+pub const MODELS_EVERY_WITH_LORA: u32 = 2;
 /// Largest `/v1/models` body read.
 pub const MAX_MODELS_BYTES: usize = 1 << 20;
 
-/// The `max_model_len` of `model`'s card in a `/v1/models` body (vLLM, SGLang); `None` if absent or not a
-/// positive integer that fits a u32.
-pub fn parse_models(body: &[u8], model: &str) -> Option<u32> {
+/// What a pod's `/v1/models` says of `model`: its context length and its LoRA adapters.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct PodModels {
+    /// `max_model_len` of the model's card; `None` if absent or not a positive integer that fits a u32.
+    pub max_model_len: Option<u32>,
+    /// The ids of the cards whose `parent` is the model (vLLM lists its LoRA adapters so), at most
+    /// `MAX_REPORT_ADAPTERS`, each at most `MAX_ADAPTER_NAME_BYTES` bytes.
+    pub adapters: Vec<String>,
+}
+
+/// What a `/v1/models` body (vLLM, SGLang) says of `model`; `None` if it is not a model list.
+pub fn parse_models(body: &[u8], model: &str) -> Option<PodModels> {
     #[derive(serde::Deserialize)]
     struct Card {
         id: String,
         #[serde(default)]
         max_model_len: Option<serde_json::Value>,
+        #[serde(default)]
+        parent: Option<String>,
     }
     #[derive(serde::Deserialize)]
     struct List {
         data: Vec<Card>,
     }
+    use kvgate_shared::report::{MAX_ADAPTER_NAME_BYTES, MAX_REPORT_ADAPTERS};
     let list: List = serde_json::from_slice(body).ok()?;
-    let card = list.data.into_iter().find(|c| c.id == model)?;
-    card.max_model_len?.as_u64().filter(|n| *n > 0).and_then(|n| u32::try_from(n).ok())
+    let max_model_len = list
+        .data
+        .iter()
+        .find(|c| c.id == model)
+        .and_then(|c| c.max_model_len.as_ref()?.as_u64())
+        .filter(|n| *n > 0)
+        .and_then(|n| u32::try_from(n).ok());
+    let adapters = list
+        .data
+        .into_iter()
+        .filter(|c| c.parent.as_deref() == Some(model) && c.id != model)
+        .filter(|c| !c.id.is_empty() && c.id.len() <= MAX_ADAPTER_NAME_BYTES)
+        .map(|c| c.id)
+        .take(MAX_REPORT_ADAPTERS)
+        .collect();
+    Some(PodModels { max_model_len, adapters })
 }
 
-async fn models_once(state: &impl PodsHost, url: &str, model: &str) -> Option<u32> {
+async fn models_once(state: &impl PodsHost, url: &str, model: &str) -> Option<PodModels> {
     let uri = format!("{}/v1/models", super::dp_rank::base(url));
     let req = hyper::Request::get(&uri).body(Full::new(Bytes::new())).ok()?;
     let fetch = async {
@@ -255,13 +285,18 @@ pub fn spawn_pod<H: PodsHost>(
         let mut tick = tokio::time::interval(SCRAPE_INTERVAL);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut n: u32 = 0;
+        // With a `--lora` catalogue the adapters a pod holds change at run time: read them more often.
+        let every = if s.cfg().lora.is_empty() { MODELS_EVERY } else { MODELS_EVERY_WITH_LORA };
         loop {
             tick.tick().await;
             n = n.wrapping_add(1);
-            if n % MODELS_EVERY == 1 {
-                if let Some(len) = models_once(s.as_ref(), &url, &name).await {
-                    let len = configured.map_or(len, |c| c.min(len));
-                    s.registry().set_max_model_len(&url, len);
+            if n % every == 1 || every == 1 {
+                if let Some(m) = models_once(s.as_ref(), &url, &name).await {
+                    let mut reg = s.registry();
+                    if let Some(len) = m.max_model_len {
+                        reg.set_max_model_len(&url, configured.map_or(len, |c| c.min(len)));
+                    }
+                    reg.set_pod_adapters(&url, &m.adapters, None);
                 }
             }
             match scrape_once(s.as_ref(), &url, &names, block_size).await {
@@ -286,8 +321,9 @@ mod tests {
     fn a_pods_context_length_is_read_from_its_model_card() {
         let vllm = br#"{"object":"list","data":[{"id":"other","max_model_len":1},
             {"id":"llama","object":"model","owned_by":"vllm","root":"/m","max_model_len":131072}]}"#;
-        assert_eq!(parse_models(vllm, "llama"), Some(131_072));
-        assert_eq!(parse_models(vllm, "absent"), None);
+        let len = |b: &[u8], m: &str| parse_models(b, m).and_then(|p| p.max_model_len);
+        assert_eq!(len(vllm, "llama"), Some(131_072));
+        assert_eq!(len(vllm, "absent"), None);
         for bad in [
             &br#"{"data":[{"id":"llama"}]}"#[..],
             br#"{"data":[{"id":"llama","max_model_len":0}]}"#,
@@ -297,8 +333,28 @@ mod tests {
             br#"{"data":[{"id":"llama","max_model_len":99999999999}]}"#,
             b"not json",
         ] {
-            assert_eq!(parse_models(bad, "llama"), None, "{}", String::from_utf8_lossy(bad));
+            assert_eq!(len(bad, "llama"), None, "{}", String::from_utf8_lossy(bad));
         }
+    }
+
+    #[test]
+    fn a_pods_lora_adapters_are_the_cards_whose_parent_is_the_model() {
+        // As vLLM 0.11+ lists `--lora-modules` and runtime-loaded adapters.
+        let vllm = br#"{"object":"list","data":[
+            {"id":"llama","object":"model","root":"/m","parent":null,"max_model_len":4096},
+            {"id":"sql","object":"model","root":"/loras/sql","parent":"llama","max_model_len":4096},
+            {"id":"other-base-lora","object":"model","root":"/x","parent":"mistral"},
+            {"id":"llama","object":"model","parent":"llama"}]}"#;
+        let p = parse_models(vllm, "llama").expect("a list");
+        assert_eq!((p.max_model_len, p.adapters), (Some(4096), vec!["sql".to_owned()]));
+        let long = format!(r#"{{"data":[{{"id":"{}","parent":"llama"}}]}}"#, "n".repeat(300));
+        assert!(
+            parse_models(long.as_bytes(), "llama").expect("list").adapters.is_empty(),
+            "an overlong name"
+        );
+        let many: Vec<String> = (0..300).map(|i| format!(r#"{{"id":"a{i}","parent":"llama"}}"#)).collect();
+        let many = format!(r#"{{"data":[{}]}}"#, many.join(","));
+        assert_eq!(parse_models(many.as_bytes(), "llama").expect("list").adapters.len(), 256);
     }
 
     fn queue(waiting: u32, running: u32) -> Scraped {

@@ -204,12 +204,15 @@ fn medium(f: &Fields<'_>) -> Result<Option<String>, EventError> {
 }
 
 /// The index of the first block whose `extra_keys` entry is not null (nor an empty list).
-fn keyed_from(v: Option<&Value>) -> Result<Option<usize>, EventError> {
+/// The first block keyed by more than its tokens and `lora` (an event's adapter: vLLM lists its bare name as each
+/// block's extra key, `[name]`); `None`: every block is its tokens (and the adapter) alone.
+fn keyed_from(v: Option<&Value>, lora: Option<&str>) -> Result<Option<usize>, EventError> {
+    let only_lora = |a: &[Value]| matches!((a, lora), ([Value::String(n)], Some(l)) if n.as_str() == Some(l));
     match v {
         None => Ok(None),
         Some(Value::Array(per_block)) => Ok(per_block.iter().position(|k| match k {
             Value::Nil => false,
-            Value::Array(a) => !a.is_empty(),
+            Value::Array(a) => !a.is_empty() && !only_lora(a),
             _ => true,
         })),
         Some(_) => Err(shape("extra_keys is not an array")),
@@ -261,12 +264,22 @@ fn decode_event(v: &Value) -> Result<Option<KvEvent>, EventError> {
                     block_hashes.len()
                 )));
             }
-            // A LoRA adapter keys every block; otherwise the first block with a non-null extra key (vLLM sends
-            // one entry per block, null for a block of tokens alone).
-            let keyed_from = if f.get("lora_id").is_some() || f.get("lora_name").is_some() {
-                Some(0)
-            } else {
-                keyed_from(f.get("extra_keys"))?
+            // A LoRA adapter keys every block by its name (rebuilt under that name, as the gateway keys a pod's
+            // adapter); an adapter without a name cannot be rebuilt. Otherwise the first block with an extra key
+            // other than the adapter's (vLLM sends one entry per block, null for a block of tokens alone).
+            let lora = match f.get("lora_name") {
+                None => None,
+                Some(Value::String(n)) => match n.as_str() {
+                    Some(n) if !n.is_empty() && n.len() <= kvgate_shared::report::MAX_ADAPTER_NAME_BYTES => {
+                        Some(n.to_owned())
+                    }
+                    _ => return Err(shape("lora_name is not a name of 1 to 256 bytes")),
+                },
+                Some(_) => return Err(shape("lora_name is not a string")),
+            };
+            let keyed_from = match (&lora, f.get("lora_id")) {
+                (None, Some(_)) => Some(0),
+                _ => keyed_from(f.get("extra_keys"), lora.as_deref())?,
             };
             Ok(Some(KvEvent::Stored {
                 block_hashes,
@@ -275,6 +288,7 @@ fn decode_event(v: &Value) -> Result<Option<KvEvent>, EventError> {
                 block_size,
                 medium: medium(&f)?,
                 keyed_from,
+                lora,
                 group: group(&f)?,
             }))
         }

@@ -12,11 +12,13 @@
 //!    expected output, the split the request may get, and the price, from a dry run of the routing decision for a
 //!    prefix-routed request (explain runs stages 2 to 4 and shows the dry run);
 //! 5. **admit** -> [`Admitted`]: the class budget's permit (429), noticing a client that leaves meanwhile;
-//! 6. **route** -> [`RoutedRequest`]: decided again on the registry as it is after the wait, the send recorded under
+//! 6. **place** (`adapters.rs`, LoRA adapter requests only): the adapter loaded first where placement says, the
+//!    request then pinned to that worker;
+//! 7. **route** -> [`RoutedRequest`]: decided again on the registry as it is after the wait, the send recorded under
 //!    one lock (`kvgate_router::route`), local or split (the split policy's choice), guards that give the in-flight
 //!    slots back on every path;
-//! 7. **attempts** (`attempts.rs`): the candidates in rank order until one answers (`upstream/`);
-//! 8. **settle** (`charge.rs`): each outcome reconciles the permit with what was computed.
+//! 8. **attempts** (`attempts.rs`): the candidates in rank order until one answers (`upstream/`);
+//! 9. **settle** (`charge.rs`): each outcome reconciles the permit with what was computed.
 //!
 //! An endpoint differs in its prepare stage; after it, the stages branch on one thing only, whether the prepared
 //! prompt was tokenized here (`Prepared::prompt`): then it is priced by a dry run, routed by prefix (a split
@@ -41,6 +43,7 @@ use crate::config::WorkerKind;
 use crate::control::keys::Caller;
 use crate::errors::{ApiError, GatewayErrors};
 use crate::routing::RouteReason;
+use crate::serve::adapters;
 use crate::serve::attempts::Walk;
 use crate::serve::downstream::{unless_client_leaves, Client, Downstream};
 use crate::serve::host::{InflightGuard, ServeHost};
@@ -151,13 +154,18 @@ pub fn price<'s>(
         None if prep.generates => learned.expected(&class_name, None, configured),
         None => 0,
     };
-    let kvgate_pool = cfg.pool_kind(&prep.model) == WorkerKind::Kvgate;
+    let kvgate_pool = cfg.pool_kind(prep.route_input().model) == WorkerKind::Kvgate;
     let tokenized = prep.prompt.is_some();
-    let ask = cfg.report_secret.as_ref().filter(|_| kvgate_pool && tokenized).map(|_| SplitAsk {
-        policy: host.split_policy(),
-        settings: cfg.split,
-        expected_output: learned.expected(&class_name, prep.max_output, configured),
-    });
+    // An adapter request runs whole: KV transfers do not carry adapters (#47).
+    let adapter = prep.prompt.as_ref().and_then(|p| p.adapter.as_ref());
+    let ask =
+        cfg.report_secret.as_ref().filter(|_| kvgate_pool && tokenized && adapter.is_none()).map(|_| {
+            SplitAsk {
+                policy: host.split_policy(),
+                settings: cfg.split,
+                expected_output: learned.expected(&class_name, prep.max_output, configured),
+            }
+        });
     let (uncached, dry) = match tokenized {
         false => (prep.prompt_tokens, None),
         true => {
@@ -171,8 +179,13 @@ pub fn price<'s>(
                     Instant::now(),
                 )
             };
-            let dry = dry.ok_or_else(|| ApiError::no_worker(&prep.model))?;
-            (dry.uncached_tokens, Some(dry))
+            match dry {
+                Some(dry) => (dry.uncached_tokens, Some(dry)),
+                // An adapter no healthy worker holds yet: the placement stage loads it (a fresh load holds no
+                // prefix), or answers why it cannot.
+                None if adapter.is_some() => (prep.prompt_tokens, None),
+                None => return Err(ApiError::no_worker(&prep.model)),
+            }
         }
     };
     let cost = uncached.saturating_add(output) as f64;
@@ -249,7 +262,7 @@ fn count_split(host: &dyn ServeHost, routed: &kvgate_router::route::Routed) {
         terms = ?d.terms, input = ?s.input, "split considered");
 }
 
-/// The whole exchange of one request at `path` for `endpoint` (stages 1 to 8).
+/// The whole exchange of one request at `path` for `endpoint` (stages 1 to 9).
 pub async fn serve<D: Downstream, E: Endpoint>(
     host: &Arc<dyn ServeHost>,
     down: &mut D,
@@ -264,7 +277,7 @@ pub async fn serve<D: Downstream, E: Endpoint>(
         }
     };
     let t0 = Instant::now();
-    let (incoming, body) = read(host.as_ref(), down, path).await?;
+    let (mut incoming, body) = read(host.as_ref(), down, path).await?;
     let prep = endpoint.prepare(host, &incoming, body).await?;
     stage(ctx, "prepare", t0, &|| {
         vec![
@@ -282,6 +295,7 @@ pub async fn serve<D: Downstream, E: Endpoint>(
     ctx.admission_wait = admitted.permit.waited;
     stage(ctx, "admit", t1, &|| vec![("kvgate.class", Value::from(ctx.class.as_str()))]);
     let t2 = Instant::now();
+    adapters::place(host, &prep, &mut incoming).await?;
     let routed = route(host, &incoming, &prep, &admitted)?;
     stage(ctx, "route", t2, &|| {
         let r = &routed.routed;

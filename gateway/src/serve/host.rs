@@ -61,6 +61,8 @@ pub trait ServeHost: Send + Sync + 'static {
     fn client(&self) -> &HttpClient;
     /// Request spans (`--otlp-endpoint`).
     fn tracer(&self) -> &Tracer;
+    /// The `--lora` catalogue and its loads.
+    fn adapter_loads(&self) -> &crate::serve::adapters::AdapterLoads;
 }
 
 /// Gives a worker's in-flight slot back on every path (the send was recorded by the router).

@@ -11,6 +11,7 @@
 //! GET routes; `meter` reads what a response cost; `spans` records the request's trace; `learned` keeps each class's
 //! output lengths. Everything here reaches the gateway through `host::ServeHost`, never its whole state.
 
+pub mod adapters;
 pub mod attempts;
 pub mod charge;
 pub mod downstream;

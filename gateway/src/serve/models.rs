@@ -1,5 +1,6 @@
 //! The GET routes the gateway answers itself: `/v1/models` and `/v1/models/{id}` (the models some healthy worker
-//! serves now: the gateway knows the pools; 404 `model_not_found` for any other id) and `/health`.
+//! serves now and their LoRA adapters: the gateway knows the pools; 404 `model_not_found` for any other id) and
+//! `/health`.
 
 use std::time::Instant;
 
@@ -42,20 +43,37 @@ fn to_json<T: serde::Serialize>(v: &T) -> Result<String, ApiError> {
     serde_json::to_string(v).map_err(|e| ApiError::internal(e.to_string()))
 }
 
-/// The cards of the models some healthy worker serves now.
+/// The cards of the models some healthy worker serves now, then their LoRA adapters (`parent`: the base model):
+/// those a healthy worker holds, and those of the `--lora` catalogue (loaded on a pod when first asked for).
 fn model_cards(host: &dyn ServeHost) -> Vec<ModelCard> {
-    let reg = host.registry();
-    reg.models(Instant::now())
-        .into_iter()
-        .map(|id| ModelCard {
-            parent: None,
-            max_model_len: reg.max_model_len(&id),
-            id,
-            object: "model".into(),
-            created: 0,
-            owned_by: "kvgate".into(),
-            device: None,
-            role: None,
-        })
-        .collect()
+    let now = Instant::now();
+    let (models, mut adapters) = {
+        let reg = host.registry();
+        let models: Vec<(String, Option<u32>)> =
+            reg.models(now).into_iter().map(|m| (m.clone(), reg.max_model_len(&m))).collect();
+        (models, reg.adapters(now))
+    };
+    let base = host.cfg().lora_base.clone().or_else(|| match models.as_slice() {
+        [(one, _)] => Some(one.clone()),
+        _ => None,
+    });
+    for name in host.adapter_loads().names() {
+        if let (Some(b), false) = (&base, adapters.iter().any(|(a, _)| *a == name)) {
+            adapters.push((name, b.clone()));
+        }
+    }
+    adapters.sort();
+    let len = |m: &str| models.iter().find(|(id, _)| id == m).and_then(|(_, l)| *l);
+    let card = |id: String, parent: Option<String>| ModelCard {
+        max_model_len: len(parent.as_deref().unwrap_or(&id)),
+        parent,
+        id,
+        object: "model".into(),
+        created: 0,
+        owned_by: "kvgate".into(),
+        device: None,
+        role: None,
+    };
+    let bases = models.iter().map(|(m, _)| card(m.clone(), None));
+    bases.chain(adapters.into_iter().map(|(a, b)| card(a, Some(b)))).collect()
 }

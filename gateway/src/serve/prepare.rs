@@ -60,13 +60,15 @@ pub struct PreparedRequest {
     pub max_model_len: Option<u32>,
     /// The gateway rendered and tokenized the prompt (chat or text; a prompt of token ids was given as ids).
     pub tokenized: bool,
+    /// The LoRA adapter its `model` names (tokenized as its base model, its blocks keyed by the adapter's key).
+    pub adapter: Option<crate::serve::adapters::AdapterRef>,
 }
 
 impl PreparedRequest {
     /// What the router needs to know about this request.
     pub fn route_input(&self) -> RouteInput<'_> {
         RouteInput {
-            model: &self.fields.model,
+            model: self.adapter.as_ref().map_or(&self.fields.model, |a| &a.base),
             hashes: &self.hashes,
             prompt_tokens: self.ids.len(),
             session_key: self.session_key,
@@ -109,7 +111,12 @@ pub fn prepare(
     learn: bool,
 ) -> Result<PreparedRequest, ApiError> {
     let (fields, prompt) = parse(chat, &body, host.cfg().max_chat_json_values)?;
-    let Some(tok) = host.tokenizer(&fields.model) else {
+    if !caller.allows(&fields.model) {
+        return Err(ApiError::model_not_allowed(&fields.model));
+    }
+    let adapter = crate::serve::adapters::resolve(host, &fields.model)?;
+    let base = adapter.as_ref().map_or(fields.model.as_str(), |a| a.base.as_str());
+    let Some(tok) = host.tokenizer(base) else {
         return Err(unknown_model(host, &fields.model));
     };
     let tokenized = !matches!(prompt, PromptBody::TokenIds(_));
@@ -161,9 +168,13 @@ pub fn prepare(
     };
     let ids = request.token_ids(&tok.prompter, None).map_err(|e| ApiError::prompt(e, request.param()))?;
     let salt = request.salt().map(str::to_owned);
-    let extra = request.extra_keys();
+    let mut extra = request.extra_keys();
+    if let Some(a) = &adapter {
+        // As the worker keys an adapter's blocks (`Engine::new_sequence`): never the base model's or another's.
+        extra = extra.with(kvgate_shared::hashing::ExtraKey::LoraAdapter(a.key.clone()));
+    }
     drop(prompt);
-    let max_model_len = host.registry().max_model_len(&fields.model);
+    let max_model_len = host.registry().max_model_len(base);
     if let Some(limit) = max_model_len {
         check_context(ids.len(), fields.max_tokens, limit)?;
     }
@@ -185,6 +196,7 @@ pub fn prepare(
         body,
         max_model_len,
         tokenized,
+        adapter,
     })
 }
 

@@ -81,6 +81,23 @@ def frames(ns, fmt):
         {"type": "stored", "hashes": ["i:21"], "parent": None, "tokens": toks[:16], "block_size": 16,
          "medium": "GPU", "keyed": True},
     ]})
+    # A LoRA adapter's blocks alone: vLLM lists the adapter's bare name as each block's extra key
+    # (`to_event_extra_keys`); kvgate rebuilds them under the adapter's name. An adapter without a name cannot be.
+    add("lora", 10, B(ts=3.5, events=[
+        BS(block_hashes=[31, 32], parent_block_hash=None, token_ids=toks[:32], block_size=16, lora_id=1,
+           medium="GPU", lora_name="sql-lora", extra_keys=[("sql-lora",), ("sql-lora",)]),
+        BS(block_hashes=[33], parent_block_hash=32, token_ids=toks[32:48], block_size=16, lora_id=1,
+           medium="GPU", lora_name="sql-lora", extra_keys=[("sql-lora", "salt")]),
+        BS(block_hashes=[34], parent_block_hash=None, token_ids=toks[:16], block_size=16, lora_id=2,
+           medium="GPU", lora_name=None),
+    ]), {"ts": 3.5, "dp_rank": None, "events": [
+        {"type": "stored", "hashes": ["i:31", "i:32"], "parent": None, "tokens": toks[:32], "block_size": 16,
+         "medium": "GPU", "keyed": False, "lora": "sql-lora"},
+        {"type": "stored", "hashes": ["i:33"], "parent": "i:32", "tokens": toks[32:48], "block_size": 16,
+         "medium": "GPU", "keyed": True, "lora": "sql-lora"},
+        {"type": "stored", "hashes": ["i:34"], "parent": None, "tokens": toks[:16], "block_size": 16,
+         "medium": "GPU", "keyed": True, "lora": None},
+    ]})
     return out
 
 

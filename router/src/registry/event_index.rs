@@ -4,7 +4,10 @@
 //! hash is rebuilt from its parent's (found by the parent's vLLM hash) and its tokens, exactly as a kvgate worker
 //! would hash it; the gateway can then summarise the pod like a kvgate worker's report. Pure: no sockets, no clocks.
 //!
-//! What is not indexed (counted in [`IndexCounters`]): blocks hashed with extra keys (LoRA, multimodal, cache salt)
+//! A LoRA adapter's blocks are indexed under its name (`ExtraKey::LoraAdapter(name)`: the chain's root is the
+//! adapter's), as the gateway hashes a request for that adapter on a pod.
+//!
+//! What is not indexed (counted in [`IndexCounters`]): blocks hashed with other extra keys (multimodal, cache salt)
 //! and those chained after them in the same event, blocks of a KV cache group other than full attention (a hybrid
 //! model's sliding-window or Mamba groups: their removals are ignored too, as the group is learned from its stores,
 //! at most [`MAX_OTHER_GROUPS`] of them), blocks of another block size, blocks whose parent the index never saw (it joined mid-stream or missed a batch),
@@ -53,6 +56,7 @@ pub enum Applied {
 /// One pod's index.
 #[derive(Debug)]
 pub struct EventIndex {
+    scheme: HashScheme,
     hasher: BlockHasher,
     block_size: usize,
     /// vLLM hash -> kvgate hash of every indexed block.
@@ -86,6 +90,7 @@ impl EventIndex {
     /// An index for a pod serving `scheme`'s model (its tokenizer and block size).
     pub fn new(scheme: &HashScheme) -> Self {
         Self {
+            scheme: *scheme,
             hasher: BlockHasher::new(scheme, &ExtraKeys::none()),
             block_size: scheme.block_size as usize,
             by_external: HashMap::new(),
@@ -165,6 +170,12 @@ impl EventIndex {
         outcome
     }
 
+    /// The root of adapter `name`'s chains (a first block of it chains from here).
+    fn lora_root(&self, name: &str) -> BlockHash {
+        let keys = ExtraKeys::none().with(kvgate_shared::hashing::ExtraKey::LoraAdapter(name.to_owned()));
+        BlockHasher::new(&self.scheme, &keys).root()
+    }
+
     /// A removal from a group of another kind: the same vLLM hash may name a full-attention block still held.
     fn is_other_group(&self, group: &CacheGroup) -> bool {
         group.full_attention == Some(false) || group.idx.is_some_and(|g| self.other_groups.contains(&g))
@@ -172,7 +183,16 @@ impl EventIndex {
 
     fn apply_event(&mut self, e: &KvEvent) {
         match e {
-            KvEvent::Stored { block_hashes, parent, token_ids, block_size, medium, keyed_from, group } => {
+            KvEvent::Stored {
+                block_hashes,
+                parent,
+                token_ids,
+                block_size,
+                medium,
+                keyed_from,
+                lora,
+                group,
+            } => {
                 let n = block_hashes.len() as u64;
                 if group.full_attention == Some(false) {
                     if let Some(g) = group.idx {
@@ -192,6 +212,8 @@ impl EventIndex {
                     return;
                 }
                 let mut prev = match parent {
+                    // An adapter's first block chains from the adapter's root.
+                    None if lora.is_some() => Some(self.lora_root(lora.as_deref().unwrap_or_default())),
                     None => None,
                     Some(p) => match self.by_external.get(p) {
                         Some(k) => Some(*k),
@@ -262,6 +284,7 @@ mod tests {
             block_size: 4,
             medium: Some("GPU".into()),
             keyed_from: None,
+            lora: None,
             group: CacheGroup::default(),
         }
     }
@@ -317,6 +340,7 @@ mod tests {
             block_size: 4,
             medium: None,
             keyed_from: Some(0),
+            lora: None,
             group: CacheGroup::default(),
         };
         let other_size = KvEvent::Stored {
@@ -326,6 +350,7 @@ mod tests {
             block_size: 8,
             medium: None,
             keyed_from: None,
+            lora: None,
             group: CacheGroup::default(),
         };
         let on_cpu = KvEvent::Stored {
@@ -335,6 +360,7 @@ mod tests {
             block_size: 4,
             medium: Some("CPU".into()),
             keyed_from: None,
+            lora: None,
             group: CacheGroup::default(),
         };
         // A child whose parent was never seen (the index joined mid-stream).

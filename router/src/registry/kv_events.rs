@@ -22,11 +22,14 @@ pub enum KvEvent {
         token_ids: Vec<u32>,
         block_size: usize,
         medium: Option<String>,
-        /// The first block hashed with more than its tokens (a LoRA adapter, a multimodal input, a cache salt:
-        /// vLLM's non-null `lora_id` / `lora_name`, or a non-null `extra_keys` entry). kvgate cannot rebuild that
-        /// hash, nor those of the blocks chained after it, so from there on the event's blocks are not indexed.
-        /// `None`: every block is the tokens alone.
+        /// The first block hashed with more than its tokens and [`KvEvent::Stored::lora`] (a multimodal input, a
+        /// cache salt, an adapter without a name: a non-null `extra_keys` entry other than the adapter's name, or a
+        /// `lora_id` without a `lora_name`). kvgate cannot rebuild that hash, nor those of the blocks chained after
+        /// it, so from there on the event's blocks are not indexed. `None`: every block is the tokens alone.
         keyed_from: Option<usize>,
+        /// The LoRA adapter the blocks were computed with (vLLM's `lora_name`): rebuilt under
+        /// `ExtraKey::LoraAdapter(name)`, the key the gateway gives a pod's adapter.
+        lora: Option<String>,
         /// The KV cache group the blocks belong to (hybrid models keep one per attention kind).
         group: CacheGroup,
     },

@@ -28,7 +28,7 @@ use kvgate_shared::handoff::TENANT_SALT_PREFIX;
 use serde::Deserialize;
 
 use crate::control::keys::Caller;
-use crate::errors::ApiError;
+use crate::errors::{ApiError, GatewayErrors};
 use crate::serve::exchange::Endpoint;
 use crate::serve::host::ServeHost;
 use crate::serve::prepare::{salt_for, unknown_model};
@@ -111,6 +111,9 @@ fn read(
         }
     })?;
     let model = model_of(host, f.model)?;
+    if !caller.allows(&model) {
+        return Err(ApiError::model_not_allowed(&model));
+    }
     let had_salt = f.cache_salt.is_some();
     let client_salt = f.cache_salt.as_ref().and_then(|s| s.as_deref()).or(header_salt);
     if client_salt.is_some_and(|s| s.starts_with(TENANT_SALT_PREFIX)) {

@@ -1,0 +1,236 @@
+//! LoRA adapters at the gateway: which `model` names an adapter ([`resolve`]: one a healthy pod holds, or one of
+//! the `--lora` catalogue), and the placement stage ([`place`], between admission and routing) that loads an adapter
+//! where `kvgate_router::placement` says before the request goes there.
+//!
+//! A load is a pod's own `POST /v1/load_lora_adapter` (`{"lora_name", "lora_path"}`, vLLM's API, which kvgate
+//! workers answer too), with the gateway's token for a kvgate worker or `--lora-load-token` for another pod, within
+//! `--lora-load-timeout`. Its latency is measured into the registry (the placement's `load` term); a failure keeps
+//! that pod from being asked again for that adapter for a while (`FAILED_LOAD_BACKOFF`).
+//!
+//! Invariants: one load of an adapter at a time per gateway (a cold adapter's burst waits for the one load, then
+//! finds the holder; a hot adapter's spread is skipped while one is running, its requests going to the holders);
+//! the lock map holds catalogue names only (a client cannot grow it); a request pinned to the worker that loaded
+//! its adapter is routed within that one worker (`Incoming::subset`).
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Instant;
+
+use bytes::Bytes;
+use http_body_util::BodyExt;
+use hyper::header::{HeaderValue, AUTHORIZATION, CONTENT_TYPE};
+use kvgate_router::placement::{place as placement, Choice, PlaceConfig, Placement};
+use kvgate_router::registry::WorkerRef;
+
+use crate::errors::{ApiError, GatewayErrors};
+use crate::serve::host::ServeHost;
+use crate::serve::stages::{Incoming, Prepared};
+
+/// Largest answer read from a load call.
+const MAX_LOAD_ANSWER_BYTES: usize = 64 * 1024;
+
+/// An adapter a request names: its name, its base model and the key its blocks are hashed under.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct AdapterRef {
+    pub name: String,
+    pub base: String,
+    /// `name@digest` as its holders report it; the name alone before any holder said (a pod keyed by name, or
+    /// an adapter not loaded yet: no block is cached under it then).
+    pub key: String,
+}
+
+/// The `--lora` catalogue and the one-load-at-a-time locks.
+pub struct AdapterLoads {
+    paths: HashMap<String, String>,
+    locks: HashMap<String, Arc<tokio::sync::Mutex<()>>>,
+    /// Placement's knobs.
+    pub place: PlaceConfig,
+}
+
+impl AdapterLoads {
+    /// The catalogue of `(name, path)` entries.
+    pub fn new(catalogue: &[(String, String)]) -> Self {
+        let paths: HashMap<String, String> = catalogue.iter().cloned().collect();
+        let locks = paths.keys().map(|n| (n.clone(), Arc::default())).collect();
+        Self { paths, locks, place: PlaceConfig::default() }
+    }
+
+    /// The path pods load `name` from, when the catalogue has it.
+    pub fn path(&self, name: &str) -> Option<&str> {
+        self.paths.get(name).map(String::as_str)
+    }
+
+    /// The catalogue's names, sorted.
+    pub fn names(&self) -> Vec<String> {
+        let mut n: Vec<String> = self.paths.keys().cloned().collect();
+        n.sort();
+        n
+    }
+}
+
+/// The adapter `model` names: `None` for a model with a tokenizer here (a base model) or a name that is neither
+/// held nor in the catalogue (the caller answers 404). An adapter of the catalogue nobody holds has the base
+/// `--lora-base`, else the fleet's one model; with several and no `--lora-base` it is 404 with that said.
+pub fn resolve(host: &dyn ServeHost, model: &str) -> Result<Option<AdapterRef>, ApiError> {
+    if host.tokenizer(model).is_some() {
+        return Ok(None);
+    }
+    let now = Instant::now();
+    let reg = host.registry();
+    let key = || reg.adapter_key(model).unwrap_or_else(|| model.to_owned());
+    if let Some(base) = reg.adapter_base(model, now) {
+        return Ok(Some(AdapterRef { name: model.to_owned(), base, key: key() }));
+    }
+    if host.adapter_loads().path(model).is_none() {
+        return Ok(None);
+    }
+    let base = match host.cfg().lora_base.clone() {
+        Some(b) => b,
+        None => match reg.models(now).as_slice() {
+            [one] => one.clone(),
+            [] => return Err(ApiError::no_worker(model)),
+            _ => {
+                return Err(ApiError::unknown_model(format!(
+                    "no pod holds the adapter {model:?} and the fleet serves several models: set --lora-base to load it"
+                )))
+            }
+        },
+    };
+    Ok(Some(AdapterRef { name: model.to_owned(), base, key: key() }))
+}
+
+/// The placement stage: for an adapter request, loads its adapter first where placement says, and pins the
+/// request there. Returns the placement (explain and the logs show it); `None` for a request without an adapter.
+pub async fn place(
+    host: &Arc<dyn ServeHost>,
+    prep: &Prepared,
+    incoming: &mut Incoming,
+) -> Result<Option<Placement>, ApiError> {
+    let Some(adapter) = prep.prompt.as_ref().and_then(|p| p.adapter.clone()) else { return Ok(None) };
+    let loads = host.adapter_loads();
+    let loadable = loads.path(&adapter.name).is_some();
+    let decide = |incoming: &Incoming| {
+        let reg = host.registry();
+        placement(&reg, &incoming.within(prep.route_input()), loadable, &loads.place, Instant::now())
+    };
+    let Some(mut p) = decide(incoming) else { return Ok(None) };
+    if let Choice::Load { reason, .. } = &p.choice {
+        let lock = loads.locks.get(&adapter.name).cloned().unwrap_or_default();
+        let _one = match *reason {
+            // A copy beside busy holders is an optimisation: not while another load of it runs.
+            "hot" => match lock.try_lock_owned() {
+                Ok(g) => g,
+                Err(_) => return Ok(Some(Placement { choice: Choice::Holders, ..p })),
+            },
+            _ => lock.lock_owned().await,
+        };
+        // Decided again: the load this request waited for may have made a holder.
+        p = decide(incoming).unwrap_or(p);
+    }
+    match &p.choice {
+        Choice::Holders => {}
+        Choice::Nowhere => return Err(ApiError::no_worker(&prep.model)),
+        Choice::Load { wref, worker, url, reason } => {
+            let path = loads.path(&adapter.name).unwrap_or_default();
+            match load(host, *wref, url, &adapter.name, path, reason).await {
+                Ok(()) => incoming.subset = Some(vec![kvgate_router::input::url_address(url).to_owned()]),
+                Err(e) => {
+                    let holders = p.terms.iter().any(|t| t.holds);
+                    tracing::warn!(adapter = %adapter.name, %worker, error = %e, holders, "adapter load failed");
+                    if !holders {
+                        return Err(ApiError::unavailable(
+                            "adapter_load_failed",
+                            format!(
+                                "the adapter {:?} could not be loaded on a pod ({e}); retry later",
+                                adapter.name
+                            ),
+                        ));
+                    }
+                    p.choice = Choice::Holders;
+                }
+            }
+        }
+    }
+    Ok(Some(p))
+}
+
+/// Why a load failed.
+#[derive(Debug, thiserror::Error)]
+pub enum LoadFailure {
+    #[error("no answer within --lora-load-timeout")]
+    Timeout,
+    #[error("{0}")]
+    Connect(String),
+    #[error("HTTP {status}: {body}")]
+    Refused { status: u16, body: String },
+}
+
+/// Loads `name` from `path` on the worker at `url` and records the outcome and its latency in the registry.
+async fn load(
+    host: &Arc<dyn ServeHost>,
+    wref: WorkerRef,
+    url: &str,
+    name: &str,
+    path: &str,
+    reason: &str,
+) -> Result<(), LoadFailure> {
+    let started = Instant::now();
+    let running = metrics::gauge!("kvgate_gateway_lora_loads_running");
+    running.increment(1.0);
+    let outcome = call(host.as_ref(), wref, url, name, path).await;
+    running.decrement(1.0);
+    let secs = started.elapsed().as_secs_f64();
+    let label = if outcome.is_ok() { "loaded" } else { "failed" };
+    metrics::counter!("kvgate_gateway_lora_loads_total", "outcome" => label, "reason" => reason.to_owned())
+        .increment(1);
+    metrics::histogram!("kvgate_gateway_lora_load_seconds").record(secs);
+    tracing::info!(adapter = name, url, reason, secs, outcome = label, "adapter load");
+    let recorded = outcome.as_ref().map(|k| k.clone()).map_err(|_| ());
+    host.registry().record_adapter_load(wref, name, recorded, secs, Instant::now());
+    outcome.map(|_| ())
+}
+
+/// The load call; `Ok(key)`: the key a kvgate worker answered (a vLLM pod answers text: `None`). A vLLM pod that
+/// already holds it answers 400 "already been loaded": that is a load.
+async fn call(
+    host: &dyn ServeHost,
+    wref: WorkerRef,
+    url: &str,
+    name: &str,
+    path: &str,
+) -> Result<Option<String>, LoadFailure> {
+    let reports = host.registry().workers().iter().any(|w| w.uid == wref.uid && w.report.is_some());
+    let token = match (reports, host.cfg().report_secret.as_deref()) {
+        (true, Some(secret)) => Some(kvgate_shared::handoff::gateway_token(secret)),
+        _ => host.cfg().lora_load_token.clone(),
+    };
+    let body = serde_json::json!({"lora_name": name, "lora_path": path}).to_string();
+    let mut req = hyper::Request::post(format!("{}/v1/load_lora_adapter", url.trim_end_matches('/')))
+        .header(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    if let Some(v) = token.and_then(|t| HeaderValue::from_str(&format!("Bearer {t}")).ok()) {
+        req = req.header(AUTHORIZATION, v);
+    }
+    let req = req
+        .body(http_body_util::Full::new(Bytes::from(body)))
+        .map_err(|e| LoadFailure::Connect(e.to_string()))?;
+    let timeout = host.cfg().lora_load_timeout;
+    let answer = async {
+        let resp = host.client().request(req).await.map_err(|e| LoadFailure::Connect(e.to_string()))?;
+        let status = resp.status().as_u16();
+        let limited = http_body_util::Limited::new(resp.into_body(), MAX_LOAD_ANSWER_BYTES);
+        let body = limited.collect().await.map(|b| b.to_bytes()).unwrap_or_default();
+        Ok::<_, LoadFailure>((status, String::from_utf8_lossy(&body).into_owned()))
+    };
+    let (status, body) = tokio::time::timeout(timeout, answer).await.map_err(|_| LoadFailure::Timeout)??;
+    match status {
+        200..=299 => {
+            let key = serde_json::from_str::<serde_json::Value>(&body)
+                .ok()
+                .and_then(|v| v["key"].as_str().map(str::to_owned))
+                .filter(|k| kvgate_shared::report::HeldAdapter::key_is_valid(name, k));
+            Ok(key)
+        }
+        400 if body.contains("already been loaded") => Ok(None),
+        _ => Err(LoadFailure::Refused { status, body: body.chars().take(200).collect() }),
+    }
+}
