@@ -14,10 +14,12 @@
 //!             cost a load again), else 0
 //! rate(w)   = its measured prefill tokens/s, else `PlaceConfig::default_prefill_tokens_per_s`
 //! ```
-//! The cheapest worker wins. A holder winning: [`Choice::Holders`] (the policy routes among the holders). A
-//! worker that must load winning: [`Choice::Load`], `cold` when nobody holds the adapter, `hot` when its holders
-//! are so busy that a copy elsewhere is cheaper, load included (spreading a hot adapter); only adapters the
-//! gateway knows how to load (its catalogue) are loaded. A cold adapter that cannot be loaded: [`Choice::Nowhere`].
+//! The cheapest worker wins, except that a copy beside holders must save at least `PlaceConfig::spread_gain_s`
+//! (a copy takes a slot for as long as it is used, so a passing queue of a request or two is not worth one). A
+//! holder winning: [`Choice::Holders`] (the policy routes among the holders). A worker that must load winning:
+//! [`Choice::Load`], `cold` when nobody holds the adapter, `hot` when its holders are so busy that a copy elsewhere
+//! is cheaper by that margin, load included (spreading a hot adapter); only adapters the gateway knows how to load
+//! (its catalogue) are loaded. A cold adapter that cannot be loaded: [`Choice::Nowhere`].
 //! Cold adapters are unloaded by the workers themselves, least recently used first, when a load needs the slot;
 //! `evict` prices that.
 //!
@@ -41,15 +43,19 @@ pub struct PlaceConfig {
     pub default_prefill_tokens_per_s: f64,
     /// Tokens a queued or running request counts for (`Load::cost`).
     pub per_request_tokens: u64,
+    /// Least a copy of an adapter beside its holders must save on the request's cost, seconds.
+    pub spread_gain_s: f64,
 }
 
 impl Default for PlaceConfig {
-    /// 0.5 s a load (a PEFT adapter of a 7-8B model read from local disk), 4,096 tokens/s, 256 tokens a request.
+    /// 0.5 s a load (a PEFT adapter of a 7-8B model read from local disk), 4,096 tokens/s, 256 tokens a request,
+    /// a copy when it saves 1 s.
     fn default() -> Self {
         Self {
             default_load_s: DEFAULT_LOAD_S,
             default_prefill_tokens_per_s: DEFAULT_PREFILL_TOKENS_PER_S,
             per_request_tokens: crate::routing::Load::DEFAULT_PER_REQUEST_TOKENS,
+            spread_gain_s: DEFAULT_SPREAD_GAIN_S,
         }
     }
 }
@@ -58,6 +64,9 @@ impl Default for PlaceConfig {
 pub const DEFAULT_LOAD_S: f64 = 0.5;
 /// Prefill tokens per second assumed for a worker that never measured its own.
 pub const DEFAULT_PREFILL_TOKENS_PER_S: f64 = 4096.0;
+/// Least a copy beside the holders must save, seconds (chosen from the cost's units, a load's order of magnitude;
+/// not tuned on the benchmark workloads).
+pub const DEFAULT_SPREAD_GAIN_S: f64 = 1.0;
 
 /// One candidate's terms.
 #[derive(Clone, Debug, PartialEq, Serialize)]
@@ -96,6 +105,7 @@ pub enum Choice {
 #[derive(Clone, Debug, Serialize)]
 pub struct Placement {
     pub adapter: String,
+    #[serde(flatten)]
     pub choice: Choice,
     pub terms: Vec<PlaceTerms>,
 }
@@ -138,10 +148,12 @@ pub fn place(
         scored.push((i, terms));
     }
     scored.sort_by(|a, b| a.1.cost_s.total_cmp(&b.1.cost_s).then(b.1.holds.cmp(&a.1.holds)));
-    let any_holder = scored.iter().any(|(_, t)| t.holds);
+    let best_holder = scored.iter().find(|(_, t)| t.holds).map(|(_, t)| t.cost_s);
+    let any_holder = best_holder.is_some();
+    let spread_pays = |t: &PlaceTerms| best_holder.is_none_or(|h| t.cost_s + cfg.spread_gain_s < h);
     let choice = match scored.first() {
         None => Choice::Nowhere,
-        Some((_, t)) if t.holds => Choice::Holders,
+        Some((_, t)) if t.holds || !spread_pays(t) => Choice::Holders,
         Some(&(i, ref t)) => match reg.worker_ref(i) {
             Some(wref) => Choice::Load {
                 wref,

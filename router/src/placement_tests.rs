@@ -75,8 +75,12 @@ fn input<'a>(h: &'a [BlockHash], adapter: &'a str) -> RouteInput<'a> {
     }
 }
 
-const CFG: PlaceConfig =
-    PlaceConfig { default_load_s: 0.5, default_prefill_tokens_per_s: 4096.0, per_request_tokens: 256 };
+const CFG: PlaceConfig = PlaceConfig {
+    default_load_s: 0.5,
+    default_prefill_tokens_per_s: 4096.0,
+    per_request_tokens: 256,
+    spread_gain_s: 1.0,
+};
 
 #[test]
 fn a_cold_adapter_loads_on_the_cheapest_worker_with_a_free_slot() {
@@ -117,7 +121,14 @@ fn holders_are_kept_while_they_are_cheaper_and_a_hot_adapter_spreads_when_they_a
     let p = place(&reg, &input(&h, "a"), true, &CFG, now).expect("placed");
     assert_eq!(p.choice, Choice::Holders, "{:#?}", p.terms);
     assert_eq!(p.terms[0].prefill_s, 0.5, "the holder's prefix for this adapter counts");
-    // The holder drowning: a copy on the idle worker is cheaper, load included.
+    // Busier, a copy would be cheaper, but not by the spread gain (holder 1.0 + 0.5 s vs 1.5 s): the holder.
+    let reg = registry(vec![report("h", 4096 + 2048, 4, &["a"], 128), report("o", 0, 4, &[], 0)], now);
+    let p = place(&reg, &input(&h, "a"), true, &CFG, now).expect("placed");
+    assert_eq!(p.choice, Choice::Holders, "{:#?}", p.terms);
+    let (copy, holder) = (&p.terms[0], &p.terms[1]);
+    assert!(!copy.holds && holder.holds && holder.cost_s - copy.cost_s < 1.0, "{:#?}", p.terms);
+    assert!(holder.cost_s > copy.cost_s, "cheaper elsewhere, by less than the gain");
+    // The holder drowning: a copy on the idle worker is cheaper, load included, by more than the gain.
     let reg = registry(vec![report("h", 40_000, 4, &["a"], 128), report("o", 0, 4, &[], 0)], now);
     let p = place(&reg, &input(&h, "a"), true, &CFG, now).expect("placed");
     assert!(matches!(&p.choice, Choice::Load { worker, reason: "hot", .. } if worker == "o"), "{p:?}");

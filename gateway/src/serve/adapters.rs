@@ -114,16 +114,18 @@ pub async fn place(
         placement(&reg, &incoming.within(prep.route_input()), loadable, &loads.place, Instant::now())
     };
     let Some(mut p) = decide(incoming) else { return Ok(None) };
+    // Held until this request's load (if any) is over: one load of an adapter at a time.
+    let mut _one = None;
     if let Choice::Load { reason, .. } = &p.choice {
         let lock = loads.locks.get(&adapter.name).cloned().unwrap_or_default();
-        let _one = match *reason {
+        _one = Some(match *reason {
             // A copy beside busy holders is an optimisation: not while another load of it runs.
             "hot" => match lock.try_lock_owned() {
                 Ok(g) => g,
                 Err(_) => return Ok(Some(Placement { choice: Choice::Holders, ..p })),
             },
             _ => lock.lock_owned().await,
-        };
+        });
         // Decided again: the load this request waited for may have made a holder.
         p = decide(incoming).unwrap_or(p);
     }
