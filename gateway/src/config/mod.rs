@@ -189,6 +189,11 @@ pub struct GatewayArgs {
     /// that adapter again for 30 s.
     #[arg(long, env = "KVGATE_GATEWAY_LORA_LOAD_TIMEOUT", default_value = "30s")]
     pub lora_load_timeout: Option<String>,
+    /// Where an adapter request runs: `cost` (a worker holding the adapter, or the one where loading it costs least,
+    /// `kvgate_router::placement`) or `anywhere` (the policy's pick among all the model's workers, the adapter
+    /// loaded there when it lacks it: what a router that does not know adapters does, for comparisons).
+    #[arg(long, env = "KVGATE_GATEWAY_LORA_PLACEMENT", default_value = "cost", value_parser = ["cost", "anywhere"])]
+    pub lora_placement: Option<String>,
     /// Bearer token of adapter loads on pods that are not kvgate workers (vLLM's `--api-key`); kvgate workers get
     /// the gateway's token (with `--report-secret`). Default none.
     #[arg(long, env = "KVGATE_GATEWAY_LORA_LOAD_TOKEN", hide_env_values = true)]
@@ -337,6 +342,8 @@ pub struct GatewayConfig {
     pub lora_base: Option<String>,
     pub lora_load_timeout: Duration,
     pub lora_load_token: Option<String>,
+    /// `--lora-placement anywhere`: adapter requests routed as if the adapter did not matter.
+    pub lora_anywhere: bool,
     pub forget_after: Duration,
     pub probe_interval: Duration,
     pub max_workers: usize,
@@ -538,6 +545,7 @@ impl GatewayArgs {
             lora_base: pick!(lora_base).filter(|b| !b.is_empty()),
             lora_load_timeout: duration(set!(lora_load_timeout), "lora-load-timeout")?,
             lora_load_token: pick!(lora_load_token).filter(|t| !t.is_empty()),
+            lora_anywhere: set!(lora_placement) == "anywhere",
             forget_after: duration(set!(forget_after), "forget-after")?,
             probe_interval: duration(set!(probe_interval), "probe-interval")?,
             max_workers: set!(max_workers),

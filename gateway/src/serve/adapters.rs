@@ -113,6 +113,9 @@ pub async fn place(
         let reg = host.registry();
         placement(&reg, &incoming.within(prep.route_input()), loadable, &loads.place, Instant::now())
     };
+    if host.cfg().lora_anywhere {
+        return anywhere(host, prep, incoming, &adapter).await;
+    }
     let Some(mut p) = decide(incoming) else { return Ok(None) };
     // Held until this request's load (if any) is over: one load of an adapter at a time.
     let mut _one = None;
@@ -154,6 +157,48 @@ pub async fn place(
         }
     }
     Ok(Some(p))
+}
+
+/// `--lora-placement anywhere`: the policy's pick among all the model's workers, as if the adapter did not matter;
+/// the adapter is loaded there first when it lacks it.
+async fn anywhere(
+    host: &Arc<dyn ServeHost>,
+    prep: &Prepared,
+    incoming: &mut Incoming,
+    adapter: &AdapterRef,
+) -> Result<Option<Placement>, ApiError> {
+    let pick = |incoming: &Incoming| {
+        let reg = host.registry();
+        let input = kvgate_router::route::RouteInput { adapter: None, ..incoming.within(prep.route_input()) };
+        let c = host.router().dry_run(&reg, &input, 1, Instant::now())?.candidates.into_iter().next()?;
+        let holds =
+            reg.workers().iter().any(|w| w.uid == c.wref.uid && w.lora.holds(&adapter.name, Instant::now()));
+        Some((c, holds))
+    };
+    let (c, holds) = pick(incoming).ok_or_else(|| ApiError::no_worker(&prep.model))?;
+    let choice = match holds {
+        true => Choice::Holders,
+        false => {
+            let path =
+                host.adapter_loads().path(&adapter.name).ok_or_else(|| ApiError::no_worker(&prep.model))?;
+            let lock = host.adapter_loads().locks.get(&adapter.name).cloned().unwrap_or_default();
+            let _one = lock.lock_owned().await;
+            if !pick(incoming).is_some_and(|(again, h)| again.wref == c.wref && h) {
+                load(host, c.wref, &c.url, &adapter.name, path, "anywhere").await.map_err(|e| {
+                    ApiError::unavailable(
+                        "adapter_load_failed",
+                        format!(
+                            "the adapter {:?} could not be loaded on a pod ({e}); retry later",
+                            adapter.name
+                        ),
+                    )
+                })?;
+            }
+            Choice::Load { wref: c.wref, worker: c.id.clone(), url: c.url.clone(), reason: "anywhere" }
+        }
+    };
+    incoming.subset = Some(vec![kvgate_router::input::url_address(&c.url).to_owned()]);
+    Ok(Some(Placement { adapter: adapter.name.clone(), choice, terms: Vec::new() }))
 }
 
 /// Why a load failed.
