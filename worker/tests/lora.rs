@@ -253,15 +253,18 @@ async fn adapters_load_and_unload_at_run_time_behind_the_admin_token_with_an_lru
     // Two slots, `a` pinned by --lora: c takes b's.
     let v = load("c", true).await.json();
     assert_eq!((v["status"].as_str(), v["evicted"].as_str()), (Some("loaded"), Some("b")), "{v}");
-    assert_eq!(complete(&w.base, "b", &prompt).await.0, 404, "an unloaded adapter is no model");
     assert_eq!(complete(&w.base, "c", &prompt).await.0, 200);
+    // b's weights went, its name did not: a request for it reads them again (taking c's slot), as vLLM does.
+    assert_eq!(complete(&w.base, "b", &prompt).await.0, 200, "an unloaded adapter is read again");
+    let m = common::get(&format!("{}/metrics", w.base)).await.body;
+    assert_eq!(common::metric(&m, "kvgate_worker_lora_loads_total{outcome=\"reloaded\"}"), Some(1.0));
     let ids: Vec<String> = common::get(&format!("{}/v1/models", w.base)).await.json()["data"]
         .as_array()
         .expect("list")
         .iter()
         .map(|c| c["id"].as_str().unwrap_or("").to_owned())
         .collect();
-    assert_eq!(ids, ["tiny-base", "a", "c"]);
+    assert_eq!(ids, ["tiny-base", "a", "b", "c"], "every adapter it knows");
     // Refused by name: a field kvgate does not implement, a name that is the model's, a missing directory.
     let url = format!("{}/v1/load_lora_adapter", w.base);
     let body = serde_json::json!({"lora_name": "d", "lora_path": path("c"), "load_inplace": true});

@@ -3,12 +3,15 @@
 //! `POST /v1/load_lora_adapter` / `/v1/unload_lora_adapter` at run time (`routes.rs` authenticates them), and
 //! [`AdapterStore::resolve`] for every request whose `model` names one.
 //!
-//! Invariants: at most `slots` adapters are held; loading one past that unloads the least recently used adapter
-//! that was loaded at run time (an adapter from `--lora` is pinned: it goes only when unloaded by name), and is
-//! refused (409 `lora_slots_full`) when every slot is pinned. A request holds its adapter's `Arc`, so an adapter
-//! unloaded under a running request stays in memory until that request ends; its cached blocks stay keyed by its
-//! key (`name@digest` of its files), so the same files loaded again find them, and other files under the same name
-//! never do. Names are never the base model's, at most `MAX_ADAPTER_NAME_BYTES` bytes, without control characters.
+//! Invariants: at most `slots` adapters' weights are resident; loading one past that unloads the weights of the
+//! least recently used adapter loaded at run time (an adapter from `--lora` is pinned: it goes only when unloaded
+//! by name), and is refused (409 `lora_slots_full`) when every slot is pinned. An adapter whose weights were
+//! unloaded stays known (at most [`MAX_KNOWN_ADAPTERS`]): a request naming it reads them again from its directory
+//! first (as vLLM does for a registered adapter), so a gateway's request never meets a 404 because another load
+//! took the slot; only `unload` forgets a name. Reports name the resident adapters. A request holds its adapter's
+//! `Arc`, so weights unloaded under a running request stay in memory until that request ends; cached blocks stay
+//! keyed by the adapter's key (`name@digest` of its files), so the same files loaded again find them, and other
+//! files under the same name never do. Names are never the base model's, at most `MAX_ADAPTER_NAME_BYTES` bytes, without control characters.
 //! Files are read outside the lock (a load takes milliseconds to seconds); two loads of one name race to the lock
 //! and the second finds the first.
 
@@ -85,14 +88,34 @@ pub struct Loaded {
     pub evicted: Option<String>,
 }
 
-struct Held {
-    adapter: Arc<LoraAdapter>,
+/// An adapter this worker knows: loaded by `--lora` or a load call, its weights resident or unloaded past the
+/// slots (they are read again from `dir` when a request names it).
+struct Entry {
+    name: String,
     dir: PathBuf,
+    /// The weights, while resident.
+    adapter: Option<Arc<LoraAdapter>>,
+    /// Its key when last read (what reports said).
+    key: String,
     /// Loaded by `--lora`: never evicted.
     pinned: bool,
 }
 
-/// The adapters one worker holds.
+/// Most adapters a worker remembers (resident or not); past it the least recently used non-resident one is
+/// forgotten (a request for it is then 404 until it is loaded again).
+pub const MAX_KNOWN_ADAPTERS: usize = 1024;
+
+/// What a request's `model` names.
+pub enum Lookup {
+    /// The base model.
+    Base,
+    /// A resident adapter (now the most recently used).
+    Resident(Arc<LoraAdapter>),
+    /// A known adapter whose weights were unloaded: [`AdapterStore::reload`] reads them again.
+    Unloaded,
+}
+
+/// The adapters one worker knows and holds.
 pub struct AdapterStore {
     model_id: String,
     /// The base model's shapes (`None`: the backend runs no adapters).
@@ -101,7 +124,7 @@ pub struct AdapterStore {
     slots: usize,
     root: Option<PathBuf>,
     /// Most recently used first.
-    held: Mutex<Vec<Held>>,
+    entries: Mutex<Vec<Entry>>,
 }
 
 impl AdapterStore {
@@ -113,91 +136,142 @@ impl AdapterStore {
         slots: usize,
         root: Option<PathBuf>,
     ) -> Self {
-        Self { model_id: model_id.to_owned(), base, max_rank, slots, root, held: Mutex::new(Vec::new()) }
+        Self { model_id: model_id.to_owned(), base, max_rank, slots, root, entries: Mutex::new(Vec::new()) }
     }
 
-    /// The held list (a panic under the lock left a consistent list: every change is one insert or remove).
-    fn lock(&self) -> MutexGuard<'_, Vec<Held>> {
-        self.held.lock().unwrap_or_else(|e| e.into_inner())
+    /// The list (a panic under the lock left a consistent list: every change is one insert, remove or swap).
+    fn lock(&self) -> MutexGuard<'_, Vec<Entry>> {
+        self.entries.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// The `--lora` adapters, loaded and pinned (refused past the slots).
     pub fn preload(&self, adapters: &[(String, PathBuf)]) -> Result<(), LoadError> {
         for (name, dir) in adapters {
             let a = self.read(name, dir)?;
-            let mut held = self.lock();
-            if held.iter().any(|h| h.adapter.name == *name) {
+            let mut entries = self.lock();
+            if entries.iter().any(|e| e.name == *name) {
                 return Err(LoadError::NameTaken { name: name.clone(), held: "--lora".into() });
             }
-            if held.len() >= self.slots {
+            if entries.len() >= self.slots {
                 return Err(LoadError::SlotsFull(self.slots));
             }
-            held.push(Held { adapter: Arc::new(a), dir: dir.clone(), pinned: true });
+            let key = a.key.clone();
+            entries.push(Entry {
+                name: name.clone(),
+                dir: dir.clone(),
+                adapter: Some(Arc::new(a)),
+                key,
+                pinned: true,
+            });
         }
         Ok(())
     }
 
-    /// What a request's `model` names: the base model (`None`) or a held adapter (now the most recently used);
-    /// else 404.
-    pub fn resolve(&self, model: &str) -> Result<Option<Arc<LoraAdapter>>, ApiError> {
+    /// What a request's `model` names (an adapter named is now the most recently used); 404 for anything else.
+    pub fn lookup(&self, model: &str) -> Result<Lookup, ApiError> {
         use super::errors::WorkerErrors;
         if model == self.model_id {
-            return Ok(None);
+            return Ok(Lookup::Base);
         }
-        let mut held = self.lock();
-        let i = held
+        let mut entries = self.lock();
+        let i = entries
             .iter()
-            .position(|h| h.adapter.name == model)
+            .position(|e| e.name == model)
             .ok_or_else(|| ApiError::model_not_found(model, &self.model_id))?;
-        let h = held.remove(i);
-        let a = h.adapter.clone();
-        held.insert(0, h);
-        Ok(Some(a))
+        let e = entries.remove(i);
+        let found = match &e.adapter {
+            Some(a) => Lookup::Resident(a.clone()),
+            None => Lookup::Unloaded,
+        };
+        entries.insert(0, e);
+        Ok(found)
+    }
+
+    /// [`Self::lookup`] for a caller that cannot wait for a reload: an unloaded adapter is a 404.
+    pub fn resolve(&self, model: &str) -> Result<Option<Arc<LoraAdapter>>, ApiError> {
+        use super::errors::WorkerErrors;
+        match self.lookup(model)? {
+            Lookup::Base => Ok(None),
+            Lookup::Resident(a) => Ok(Some(a)),
+            Lookup::Unloaded => Err(ApiError::model_not_found(model, &self.model_id)),
+        }
+    }
+
+    /// Reads the weights of the known adapter `name` again (blocking), as a load would.
+    pub fn reload(&self, name: &str) -> Result<Loaded, LoadError> {
+        let dir = self.lock().iter().find(|e| e.name == name).map(|e| e.dir.clone());
+        let dir = dir.ok_or_else(|| LoadError::Unknown(name.into()))?;
+        self.load_as(name, &dir, true)
     }
 
     /// Loads the adapter in `dir` as `name` (blocking: reads its files), unloading the least recently used
-    /// unpinned adapter when every slot is taken.
+    /// unpinned adapter's weights when every slot is taken.
     pub fn load(&self, name: &str, dir: &Path) -> Result<Loaded, LoadError> {
+        self.load_as(name, dir, false)
+    }
+
+    fn load_as(&self, name: &str, dir: &Path, reload: bool) -> Result<Loaded, LoadError> {
         let a = Arc::new(self.read(name, dir)?);
-        let mut held = self.lock();
-        if let Some(h) = held.iter().find(|h| h.adapter.name == name) {
-            if h.adapter.key == a.key {
-                return Ok(Loaded { adapter: h.adapter.clone(), already: true, evicted: None });
+        let mut entries = self.lock();
+        let existing = entries.iter().position(|e| e.name == name);
+        if let Some(i) = existing {
+            let e = &entries[i];
+            if let Some(held) = e.adapter.as_ref().filter(|h| h.key == a.key) {
+                return Ok(Loaded { adapter: held.clone(), already: true, evicted: None });
             }
-            return Err(LoadError::NameTaken { name: name.into(), held: h.dir.display().to_string() });
+            // Other files under a known name: refused, unless it is the reload of that name (its files changed).
+            if !reload && e.key != a.key {
+                return Err(LoadError::NameTaken { name: name.into(), held: e.dir.display().to_string() });
+            }
         }
+        let resident = entries.iter().filter(|e| e.adapter.is_some()).count();
         let mut evicted = None;
-        if held.len() >= self.slots {
-            let i = held.iter().rposition(|h| !h.pinned).ok_or(LoadError::SlotsFull(self.slots))?;
-            evicted = Some(held.remove(i).adapter.name.clone());
+        if resident >= self.slots {
+            let i = entries
+                .iter()
+                .rposition(|e| e.adapter.is_some() && !e.pinned)
+                .ok_or(LoadError::SlotsFull(self.slots))?;
+            entries[i].adapter = None;
+            evicted = Some(entries[i].name.clone());
         }
-        held.insert(0, Held { adapter: a.clone(), dir: dir.to_owned(), pinned: false });
+        let pinned = existing.is_some_and(|i| entries[i].pinned);
+        if let Some(i) = existing {
+            entries.remove(i);
+        }
+        if entries.len() >= MAX_KNOWN_ADAPTERS {
+            if let Some(i) = entries.iter().rposition(|e| e.adapter.is_none() && !e.pinned) {
+                entries.remove(i);
+            }
+        }
+        let key = a.key.clone();
+        entries.insert(
+            0,
+            Entry { name: name.to_owned(), dir: dir.to_owned(), adapter: Some(a.clone()), key, pinned },
+        );
         Ok(Loaded { adapter: a, already: false, evicted })
     }
 
-    /// Unloads `name` (requests running with it finish with it).
+    /// Forgets `name` (requests running with it finish with it).
     pub fn unload(&self, name: &str) -> Result<(), LoadError> {
-        let mut held = self.lock();
-        let i = held
-            .iter()
-            .position(|h| h.adapter.name == name)
-            .ok_or_else(|| LoadError::Unknown(name.into()))?;
-        held.remove(i);
+        let mut entries = self.lock();
+        let i = entries.iter().position(|e| e.name == name).ok_or_else(|| LoadError::Unknown(name.into()))?;
+        entries.remove(i);
         Ok(())
     }
 
-    /// The names held, most recently used first.
+    /// The names known (resident or not), most recently used first.
     pub fn names(&self) -> Vec<String> {
-        self.lock().iter().map(|h| h.adapter.name.clone()).collect()
+        self.lock().iter().map(|e| e.name.clone()).collect()
     }
 
-    /// What reports say: the slots (0 when the backend runs none) and the adapters held.
+    /// What reports say: the slots (0 when the backend runs none) and the adapters resident.
     pub fn info(&self) -> LoraInfo {
         let slots = if self.base.is_some() { self.slots.min(u16::MAX as usize) as u16 } else { 0 };
         let held = self
             .lock()
             .iter()
-            .map(|h| HeldAdapter { name: h.adapter.name.clone(), key: h.adapter.key.clone() })
+            .filter(|e| e.adapter.is_some())
+            .map(|e| HeldAdapter { name: e.name.clone(), key: e.key.clone() })
             .collect();
         LoraInfo { slots, held }
     }
@@ -380,11 +454,19 @@ mod tests {
         s.resolve("x").expect("x used").expect("an adapter");
         let l = s.load("z", &d[3]).expect("z");
         assert_eq!(l.evicted.as_deref(), Some("y"), "y is the least recently used unpinned");
-        assert_eq!(s.names(), ["z", "x", "pinned"]);
-        assert_eq!(s.resolve("y").expect_err("gone").status, 404);
+        let resident = |s: &AdapterStore| s.info().held.iter().map(|h| h.name.clone()).collect::<Vec<_>>();
+        assert_eq!(resident(&s), ["z", "x", "pinned"]);
+        assert_eq!(s.names(), ["z", "x", "y", "pinned"], "y's weights went, its name stays known");
+        assert!(matches!(s.lookup("y"), Ok(Lookup::Unloaded)));
+        assert_eq!(s.resolve("y").expect_err("not resident").status, 404, "a caller that cannot wait");
+        // A request naming y reads it again, taking the least recently used slot (x: y's lookup came after z).
+        let again = s.reload("y").expect("reload");
+        assert_eq!(again.evicted.as_deref(), Some("x"));
+        assert_eq!(resident(&s), ["y", "z", "pinned"]);
         let info = s.info();
         assert_eq!((info.slots, info.held.len()), (3, 3));
         assert!(info.held.iter().all(|h| HeldAdapter::key_is_valid(&h.name, &h.key)), "{info:?}");
+        assert_eq!(s.lookup("nope").err().map(|e| e.status), Some(404));
         // Every slot pinned: refused, nothing unloaded.
         let only = AdapterStore::new("base", s.base.clone(), 64, 1, None);
         only.preload(&[("p".into(), d[0].clone())]).expect("preload");

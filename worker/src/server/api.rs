@@ -185,7 +185,7 @@ pub async fn completions(State(state): State<Arc<AppState>>, headers: HeaderMap,
     let result = async {
         let l = loaded(&state)?;
         let req: CompletionRequest = parse_body(body, state.cfg.max_body_bytes).await?;
-        let adapter = l.resolve(&req.model)?;
+        let adapter = l.resolve(&req.model).await?;
         if req.echo == Some(true) || req.logprobs.is_some() {
             return Err(ApiError::unsupported(if req.logprobs.is_some() { "logprobs" } else { "echo" }));
         }
@@ -230,7 +230,7 @@ pub async fn chat_completions(
     let result = async {
         let l = loaded(&state)?;
         let mut req: ChatCompletionRequest = parse_body(body, state.cfg.max_body_bytes).await?;
-        let adapter = l.resolve(&req.model)?;
+        let adapter = l.resolve(&req.model).await?;
         let logprobs = logprobs::take_chat_fields(&mut req.extra)?;
         if let Some(p) = unsupported_parameter(&req.extra) {
             return Err(ApiError::unsupported(p));

@@ -35,12 +35,29 @@ pub struct ServingModel {
 }
 
 impl ServingModel {
-    /// What a request's `model` names: the base model (`None`) or one of its adapters; else 404.
-    pub fn resolve(
+    /// What a request's `model` names: the base model (`None`) or one of its adapters, its weights read again
+    /// first if they were unloaded past `--max-loras` (as vLLM does for a registered adapter); else 404.
+    pub async fn resolve(
         &self,
         model: &str,
     ) -> Result<Option<Arc<crate::model::lora::LoraAdapter>>, super::errors::ApiError> {
-        self.adapters.resolve(model)
+        use super::adapters::Lookup;
+        match self.adapters.lookup(model)? {
+            Lookup::Base => Ok(None),
+            Lookup::Resident(a) => Ok(Some(a)),
+            Lookup::Unloaded => {
+                let (store, name) = (self.adapters.clone(), model.to_owned());
+                let done = tokio::task::spawn_blocking(move || store.reload(&name))
+                    .await
+                    .map_err(|e| super::errors::ApiError::internal(format!("adapter reload: {e}")))?;
+                let loaded = done.map_err(|e| e.api())?;
+                metrics::counter!("kvgate_worker_lora_loads_total", "outcome" => "reloaded").increment(1);
+                if loaded.evicted.is_some() {
+                    metrics::counter!("kvgate_worker_lora_evictions_total").increment(1);
+                }
+                Ok(Some(loaded.adapter))
+            }
+        }
     }
 }
 
