@@ -3,13 +3,16 @@
 
 Starts a fleet of pods serving the synthetic model, with ADAPTERS synthetic LoRA adapters in the gateway's `--lora`
 catalogue and no adapter on any pod at the start; each pod holds at most MAX_LORAS adapters (fewer slots in the
-fleet than adapters). Then, for each placement, a fresh fleet and the same workload:
+fleet than adapters). Then, for each arm (`placement:policy`, the gateway's --lora-placement and --policy), a fresh
+fleet and the same workload:
   cost       kvgate's default: a request goes to a pod holding its adapter, scored on the prefix held for that
              adapter, or its adapter is loaded where the placement cost is least (kvgate_router::placement)
   anywhere   adapter-blind: the routing policy's pick among all pods as if the adapter did not matter, the adapter
-             loaded there when it lacks it (what a router that does not know adapters does)
+             loaded there when it lacks it (what a router that does not know adapters does); with round_robin, a
+             Kubernetes Service; with cache_aware_measured, a prefix-aware router keyed by model name
 Workload (seeded; nothing in kvgate was tuned on it): ADAPTERS adapters with Zipf(S) popularity; each adapter has its
-own system prompt of SYSTEM_WORDS words and every request adds a question of QUESTION_WORDS words; Poisson arrivals
+own system prompt of SYSTEM_WORDS words (with --prompt-groups G, adapter k shares group k mod G's: fine-tunes of one
+application) and every request adds a question of QUESTION_WORDS words; Poisson arrivals
 at RATE requests/s; streamed completions through the `openai` client (`stream_options.include_usage`), TTFT = the
 first content chunk. Reported per row: hit rate (cached / prompt tokens, from each answer's usage), TTFT p50/p95,
 adapter loads (the gateway's `kvgate_gateway_lora_loads_total`) and evictions (kvgate workers'
@@ -124,7 +127,9 @@ def zipf_weights(n, s):
 
 def workload(a):
     rng = random.Random(a.seed)
-    systems = [" ".join(rng.choice(WORDS) for _ in range(a.system_words)) for _ in range(a.adapters)]
+    groups = a.prompt_groups or a.adapters
+    prompts = [" ".join(rng.choice(WORDS) for _ in range(a.system_words)) for _ in range(groups)]
+    systems = [prompts[k % groups] for k in range(a.adapters)]
     weights = zipf_weights(a.adapters, a.zipf)
     t, out = 0.0, []
     for i in range(a.requests):
@@ -135,18 +140,19 @@ def workload(a):
     return out
 
 
-def start_fleet(a, placement, work, procs):
-    """A gateway (placement `placement`) and its pods; returns (gateway base, control base, pod bases)."""
+def start_fleet(a, arm, work, procs):
+    """A gateway (arm `placement:policy`) and its pods; returns (gateway base, control base, pod bases)."""
+    placement, policy = arm.split(":")
     gport, cport = free_port(), free_port()
     catalogue = []
     for k in range(a.adapters):
         catalogue += ["--lora", f"lora-{k}={os.path.join(work, f'lora-{k}')}"]
     common = ["--listen", f"127.0.0.1:{gport}", "--control-listen", f"127.0.0.1:{cport}", "--report-secret", "bench",
-              "--admin-token", "bench", "--lora-placement", placement]
+              "--admin-token", "bench", "--lora-placement", placement, "--policy", policy]
     pods = []
     if a.pods == "kvgate":
         gw = [os.path.join(a.bin_dir, "kvgate-gateway")] + common + catalogue
-        procs.start(gw, os.path.join(a.out, f"gateway-{placement}.log"), {"KVGATE_DATA_DIR": work})
+        procs.start(gw, os.path.join(a.out, f"gateway-{arm}.log"), {"KVGATE_DATA_DIR": work})
         for i in range(a.workers):
             port = free_port()
             args = [os.path.join(a.bin_dir, "kvgate-worker"), "serve", "--model", os.path.join(work, "model"),
@@ -154,7 +160,7 @@ def start_fleet(a, placement, work, procs):
                     "--report-to", f"http://127.0.0.1:{cport}", "--report-secret", "bench", "--max-loras",
                     str(a.max_loras), "--kv-cache-tokens", str(a.kv_tokens)]
             # One compute thread each: the pods share this machine's cores, as they would not share GPUs.
-            procs.start(args, os.path.join(a.out, f"worker{i}-{placement}.log"), {"RAYON_NUM_THREADS": "1"})
+            procs.start(args, os.path.join(a.out, f"worker{i}-{arm}.log"), {"RAYON_NUM_THREADS": "1"})
             pods.append(f"http://127.0.0.1:{port}")
     else:
         bases = []
@@ -167,14 +173,14 @@ def start_fleet(a, placement, work, procs):
                     "--max-lora-rank", "8"]
             env = {"HF_HUB_OFFLINE": "1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
                    "VLLM_CPU_OMP_THREADS_BIND": str(i % (os.cpu_count() or 1))}
-            procs.start(args, os.path.join(a.out, f"pod{i}-{placement}.log"), env)
+            procs.start(args, os.path.join(a.out, f"pod{i}-{arm}.log"), env)
             bases.append(f"http://127.0.0.1:{port}")
-        toml = os.path.join(work, f"gateway-{placement}.toml")
+        toml = os.path.join(work, f"gateway-{arm}.toml")
         with open(toml, "w") as f:
             f.write(f'[[models]]\nname = "base"\ntokenizer = "{os.path.join(work, "model")}"\nblock-size = 32\n'
                     f'kind = "vllm"\nworkers = {json.dumps(bases)}\n')
         gw = [os.path.join(a.bin_dir, "kvgate-gateway"), "--config", toml] + common + catalogue
-        procs.start(gw, os.path.join(a.out, f"gateway-{placement}.log"), {"KVGATE_DATA_DIR": work})
+        procs.start(gw, os.path.join(a.out, f"gateway-{arm}.log"), {"KVGATE_DATA_DIR": work})
         pods = bases
     control = f"http://127.0.0.1:{cport}"
 
@@ -184,7 +190,7 @@ def start_fleet(a, placement, work, procs):
             return False
         return sum(1 for w in json.loads(body) if w.get("healthy")) == a.workers
 
-    wait_for(ready, f"{placement} fleet", procs)
+    wait_for(ready, f"{arm} fleet", procs)
     return f"http://127.0.0.1:{gport}", control, pods
 
 
@@ -238,7 +244,10 @@ def main():
     ap.add_argument("--system-words", type=int, default=300)
     ap.add_argument("--question-words", type=int, default=20)
     ap.add_argument("--seed", type=int, default=47)
-    ap.add_argument("--placements", default="cost,anywhere")
+    ap.add_argument("--arms", default="cost:cache_aware_measured,anywhere:cache_aware_measured,anywhere:round_robin",
+                    help="placement:policy, comma-separated")
+    ap.add_argument("--prompt-groups", type=int, default=0,
+                    help="adapters share system prompts in this many groups (0: each adapter its own)")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     work = tempfile.mkdtemp(prefix="lora-bench-")
@@ -252,10 +261,10 @@ def main():
                        check=True, stdout=subprocess.DEVNULL)
     reqs = workload(a)
     rows = []
-    for placement in a.placements.split(","):
+    for arm in a.arms.split(","):
         procs = Procs()
         try:
-            gateway, control, pods = start_fleet(a, placement, work, procs)
+            gateway, control, pods = start_fleet(a, arm, work, procs)
             rec, wall = asyncio.run(replay(gateway, reqs))
             time.sleep(1.5)
             loads = metric_sum(control, "kvgate_gateway_lora_loads_total", 'outcome="loaded"')
@@ -268,18 +277,18 @@ def main():
         ttft = [r["ttft_s"] for r in ok if r["ttft_s"] is not None]
         prompt = sum(r["prompt"] for r in ok)
         rows.append({
-            "placement": placement, "requests": len(rec), "ok": len(ok),
+            "arm": arm, "requests": len(rec), "ok": len(ok),
             "hit_rate": sum(r["cached"] for r in ok) / prompt if prompt else 0.0,
             "ttft_p50_ms": 1e3 * pct(ttft, 50), "ttft_p95_ms": 1e3 * pct(ttft, 95),
             "loads": loads, "failed_loads": failed, "evictions": evictions, "wall_s": wall,
             "errors": sorted({r["error"] for r in rec if r["error"]})[:3],
         })
         print(json.dumps(rows[-1]), file=sys.stderr)
-    print(f"| placement | requests ok | hit rate | TTFT p50 | TTFT p95 | adapter loads | evictions |")
+    print(f"| placement:policy | requests ok | hit rate | TTFT p50 | TTFT p95 | adapter loads | evictions |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         ev = "n/a" if r["evictions"] is None else f"{r['evictions']:.0f}"
-        print(f"| {r['placement']} | {r['ok']}/{r['requests']} | {r['hit_rate']:.3f} | {r['ttft_p50_ms']:.0f} ms "
+        print(f"| {r['arm']} | {r['ok']}/{r['requests']} | {r['hit_rate']:.3f} | {r['ttft_p50_ms']:.0f} ms "
               f"| {r['ttft_p95_ms']:.0f} ms | {r['loads']:.0f} | {ev} |")
     with open(os.path.join(a.out, "results.json"), "w") as f:
         json.dump({"args": vars(a), "rows": rows}, f, indent=1)

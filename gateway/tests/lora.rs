@@ -55,8 +55,23 @@ async fn adapters_are_routed_to_their_holders_and_loaded_once_where_nobody_holds
         &[],
         "models = [\"a\"]\n[[keys]]\nkey = \"open-key-0123456789\"\ntenant = \"open\"\n",
     );
-    let mut args =
-        vec!["--policy", "cache_aware", "--api-keys-file", keys.to_str().expect("p"), "--admin-token", "adm"];
+    // A class of its own for adapter `a` (a budget per adapter), the rest in another.
+    let cfg = dir.path().join("gateway.toml");
+    let class = |name: &str, rule: &str| {
+        format!("[[classes]]\nname = \"{name}\"\nrefill_tokens_per_s = 100000\nburst_tokens = 100000\n{rule}")
+    };
+    std::fs::write(&cfg, class("adapter-a", "[classes.match]\nmodels = [\"a\"]\n") + &class("rest", ""))
+        .expect("cfg");
+    let mut args = vec![
+        "--policy",
+        "cache_aware",
+        "--api-keys-file",
+        keys.to_str().expect("p"),
+        "--admin-token",
+        "adm",
+        "--config",
+        cfg.to_str().expect("cfg"),
+    ];
     for c in &catalogue {
         args.extend(["--lora", c.as_str()]);
     }
@@ -85,6 +100,9 @@ async fn adapters_are_routed_to_their_holders_and_loaded_once_where_nobody_holds
     let prompt = "the quick brown fox jumps over the lazy dog and runs far away into the hills ".repeat(3);
     let (s, w, _, v) = complete(&g.base, "a", &prompt, &[]).await;
     assert_eq!((s, w.as_str()), (200, "w0"), "{v}");
+    let body = json!({"model": "a", "prompt": prompt, "max_tokens": 1});
+    let r = post(&format!("{}/v1/completions", g.base), &body, &[]).await;
+    assert_eq!(r.header("x-kvgate-class"), "adapter-a", "the adapter's own class");
     let (_, w, cached, _) = complete(&g.base, "a", &prompt, &[]).await;
     assert_eq!(w, "w0");
     assert!(cached > 0, "the adapter's own blocks are a hit");
@@ -92,6 +110,11 @@ async fn adapters_are_routed_to_their_holders_and_loaded_once_where_nobody_holds
     // `b`: nobody holds it. Loaded once (cold), on a worker with a free slot, then served there with hits.
     let (s, first, cached, v) = complete(&g.base, "b", &prompt, &[]).await;
     assert_eq!((s, cached), (200, 0), "{v}");
+    let body = json!({"model": "b", "prompt": "x", "max_tokens": 1});
+    assert_eq!(
+        post(&format!("{}/v1/completions", g.base), &body, &[]).await.header("x-kvgate-class"),
+        "rest"
+    );
     let m = get(&format!("{control}/metrics")).await.body;
     assert_eq!(loads(&m, "cold"), 1.0);
     // Once the worker has reported it, the gateway hashes `b` under the worker's key: the prefix is scored.

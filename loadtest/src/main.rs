@@ -237,6 +237,24 @@ struct SimulateArgs {
     /// Run admission with these classes: a TOML file with `[[classes]]` tables, the gateway config's syntax.
     #[arg(long, value_name = "FILE")]
     classes: Option<PathBuf>,
+    /// LoRA adapters for a trace without `lora` fields: this many adapters, Zipf(--adapter-zipf) popularity, one per
+    /// request drawn from its first hash id (a trace's own `lora` fields are used whatever this says). Default 0:
+    /// none.
+    #[arg(long, default_value_t = 0)]
+    adapters: usize,
+    /// Zipf exponent of the adapters' popularity. Default 1.
+    #[arg(long, default_value_t = 1.0)]
+    adapter_zipf: f64,
+    /// Adapters each worker holds at once (the worker's --max-loras). Default 8.
+    #[arg(long, default_value_t = 8)]
+    adapter_slots: usize,
+    /// How long an adapter load takes on a worker, in ms (a request waits for it). Default 500.
+    #[arg(long, default_value_t = 500.0)]
+    adapter_load_ms: f64,
+    /// Where adapter requests go: cost (the gateway's), anywhere, random_holder, least_loaded, or all (each in
+    /// turn, with --policy). Default cost.
+    #[arg(long, default_value = "cost")]
+    adapter_placement: String,
     /// Print one JSON object per policy (one line each) instead of a table.
     #[arg(long, conflicts_with = "markdown")]
     json: bool,
@@ -385,9 +403,31 @@ fn simulate(a: SimulateArgs) -> Result<(), String> {
     } else {
         return Err(format!("unknown policy {:?}; expected one of {} or all", a.policy, POLICIES.join(", ")));
     };
-    let prep = sim::prepare(&trace, &cfg, pace)?;
-    let jobs = std::thread::available_parallelism().map_or(1, |n| n.get()).min(policies.len()).max(1);
-    let results = run_parallel(&trace, &cfg, &prep, &policies, jobs)?;
+    let rules = match a.adapter_placement.as_str() {
+        "all" => sim::adapters::Rule::ALL.to_vec(),
+        one => vec![sim::adapters::Rule::parse(one)?],
+    };
+    let with_adapters = a.adapters > 0 || trace.requests.iter().any(|r| r.lora.is_some());
+    let runs: Vec<(String, SimConfig)> = match with_adapters {
+        false => policies.into_iter().map(|p| (p, cfg.clone())).collect(),
+        true => policies
+            .iter()
+            .flat_map(|p| {
+                rules.iter().map(|rule| {
+                    let adapters = sim::adapters::AdapterSim {
+                        rule: *rule,
+                        slots: a.adapter_slots,
+                        load_s: a.adapter_load_ms / 1000.0,
+                        assign: (a.adapters > 0).then_some((a.adapters, a.adapter_zipf)),
+                    };
+                    (p.clone(), SimConfig { adapters: Some(adapters), ..cfg.clone() })
+                })
+            })
+            .collect(),
+    };
+    let prep = sim::prepare(&trace, &runs[0].1, pace)?;
+    let jobs = std::thread::available_parallelism().map_or(1, |n| n.get()).min(runs.len()).max(1);
+    let results = run_parallel(&trace, &prep, &runs, jobs)?;
     if a.json {
         for r in &results {
             println!("{}", serde_json::to_string(r).map_err(|e| e.to_string())?);
@@ -412,21 +452,21 @@ fn load_classes(path: &std::path::Path) -> Result<Vec<kvgate_router::admission::
     Ok(f.classes)
 }
 
+/// Replays each (policy, configuration) on `jobs` threads.
 fn run_parallel(
     trace: &Trace,
-    cfg: &SimConfig,
     prep: &sim::ReplayPlan,
-    policies: &[String],
+    runs: &[(String, SimConfig)],
     jobs: usize,
 ) -> Result<Vec<SimResult>, String> {
     let next = std::sync::atomic::AtomicUsize::new(0);
     let slots: Vec<std::sync::Mutex<Option<Result<SimResult, String>>>> =
-        policies.iter().map(|_| std::sync::Mutex::new(None)).collect();
+        runs.iter().map(|_| std::sync::Mutex::new(None)).collect();
     std::thread::scope(|s| {
         for _ in 0..jobs {
             s.spawn(|| loop {
                 let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                let Some(p) = policies.get(i) else { break };
+                let Some((p, cfg)) = runs.get(i) else { break };
                 let r = sim::simulate(trace, cfg, prep, p);
                 if let Ok(mut slot) = slots[i].lock() {
                     *slot = Some(r);
@@ -457,6 +497,12 @@ fn print_table(trace: &Trace, cfg: &SimConfig, results: &[SimResult]) {
         "policy", "hit_rate", "ttft_p50_ms", "ttft_p99_ms", "ttft_mean", "max/mean", "busy", "rejected"
     );
     for r in results {
+        if let Some(rule) = &r.adapter_placement {
+            println!(
+                "adapters placed by {rule}: {} loads, {} unloaded for another",
+                r.adapter_loads, r.adapter_evictions
+            );
+        }
         println!(
             "{:<16} {:>9.3} {:>11.1} {:>11.1} {:>11.1} {:>9.2} {:>8.2} {:>9}",
             r.policy,
@@ -477,7 +523,36 @@ fn print_table(trace: &Trace, cfg: &SimConfig, results: &[SimResult]) {
     }
 }
 
+/// One row per adapter placement rule.
+fn print_adapter_markdown(results: &[SimResult]) {
+    println!("| load | policy | placement | hit rate | x oracle | TTFT p50 ms | TTFT p99 ms | max/mean | adapter loads | unloaded for another |");
+    println!("|---|---|---|---|---|---|---|---|---|---|");
+    for r in results {
+        let vs_oracle = if r.oracle_hit_rate > 0.0 {
+            format!("{:.2}", r.hit_rate / r.oracle_hit_rate)
+        } else {
+            "-".into()
+        };
+        println!(
+            "| {:.2} | {} | {} | {:.3} | {} | {:.0} | {:.0} | {:.2} | {} | {} |",
+            r.offered_load,
+            r.policy,
+            r.adapter_placement.as_deref().unwrap_or("-"),
+            r.hit_rate,
+            vs_oracle,
+            r.ttft_p50_ms,
+            r.ttft_p99_ms,
+            r.max_mean_load,
+            r.adapter_loads,
+            r.adapter_evictions
+        );
+    }
+}
+
 fn print_markdown(cfg: &SimConfig, results: &[SimResult]) {
+    if results.iter().any(|r| r.adapter_placement.is_some()) {
+        return print_adapter_markdown(results);
+    }
     println!(
         "| load | KV tokens/worker | policy | hit rate | x round_robin | x oracle | TTFT p50 ms | TTFT p99 ms | max/mean | busy |"
     );

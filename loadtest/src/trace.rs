@@ -1,5 +1,6 @@
 //! Mooncake request traces (`loadtest/traces/README.md`): one JSON object a line with `timestamp` (ms from the
-//! first request), `input_length`, `output_length` and `hash_ids` (chained prefix-block ids, 512 tokens a block).
+//! first request), `input_length`, `output_length` and `hash_ids` (chained prefix-block ids, 512 tokens a block),
+//! and optionally `lora` (the LoRA adapter the request names; kvgate's extension).
 //!
 //! Replaying a trace needs real tokens: [`expand_prompt`] turns each hash id into 512 deterministic token ids
 //! seeded by the id (equal ids give equal tokens, so the trace's shared prefixes become shared token prefixes) and
@@ -24,6 +25,10 @@ pub struct TraceRequest {
     pub input_length: usize,
     pub output_length: usize,
     pub hash_ids: Vec<u64>,
+    /// The LoRA adapter the request names (its `model`), if any: an extension of the Mooncake format, which the
+    /// simulator reads (`sim::adapters`).
+    #[serde(default)]
+    pub lora: Option<String>,
 }
 
 /// A whole trace, in arrival order.

@@ -108,6 +108,7 @@ pub fn long_document(c: &LongDocument) -> Trace {
                 input_length,
                 output_length: uniform(&mut rng, c.output_tokens),
                 hash_ids,
+                lora: None,
             }
         })
         .collect();

@@ -112,6 +112,7 @@ impl Gen {
             input_length: hash_ids.len() * TRACE_BLOCK_TOKENS,
             output_length: output,
             hash_ids: hash_ids.to_vec(),
+            lora: None,
         });
     }
 

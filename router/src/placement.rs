@@ -8,6 +8,7 @@
 //! cost(w)   = queue(w) + prefill(w) + load(w) + evict(w)
 //! queue(w)  = load.cost(per_request_tokens) / rate(w)          the work ahead of it
 //! prefill(w)= (prompt - cached(w)) / rate(w)                    cached: the prefix w holds *for this adapter*
+//!                                                               (whether or not its weights are resident now)
 //! load(w)   = 0 if w holds the adapter, else its measured load seconds (the fleet's mean before it has one,
 //!             `PlaceConfig::default_load_s` before any)
 //! evict(w)  = load(w) if w does not hold it and every adapter slot of w is taken (the adapter it unloads will
@@ -135,7 +136,9 @@ pub fn place(
             r if r > 0.0 && r.is_finite() => r,
             _ => cfg.default_prefill_tokens_per_s,
         };
-        let cached = if holds { v.tier_match(input.hashes).through_disk * input.block_size } else { 0 };
+        // The prefix held for this adapter counts on a worker whose adapter weights were unloaded too: its blocks
+        // stay cached under the adapter's key, so loading the adapter there again may beat computing elsewhere.
+        let cached = v.tier_match(input.hashes).through_disk * input.block_size;
         let full = !holds && w.lora.full(now);
         let load_s = if holds { 0.0 } else { w.lora.load_s.unwrap_or(default_load) };
         let evict_s = if full { load_s } else { 0.0 };

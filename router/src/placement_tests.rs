@@ -24,7 +24,7 @@ fn hashes(adapter: &str) -> Vec<BlockHash> {
 /// A worker reporting `waiting` queued prefill tokens, holding `held` adapters of `slots`, with `cached` blocks of
 /// the adapter `a`'s prompt in its cache.
 fn report(id: &str, waiting: u64, slots: u16, held: &[&str], cached: usize) -> WorkerReport {
-    let mut bloom = BlockBloom::with_capacity(64, 0.001);
+    let mut bloom = BlockBloom::with_capacity(1024, 0.0001);
     hashes("a")[..cached].iter().for_each(|h| bloom.insert(*h));
     WorkerReport {
         pd: Default::default(),
@@ -209,4 +209,16 @@ fn an_adapter_request_is_routed_only_to_its_holders_and_scored_by_their_prefix_f
     assert!(router.dry_run(&reg, &input(&h, "c"), 8, now).is_none(), "nobody holds c");
     let base = router.dry_run(&reg, &RouteInput { adapter: None, ..input(&h, "a") }, 8, now).expect("base");
     assert_eq!(base.candidates.len(), 3, "the base model runs anywhere");
+}
+
+#[test]
+fn a_worker_that_still_caches_the_adapters_prefix_is_credited_though_its_weights_left() {
+    let now = Instant::now();
+    let h = hashes("a");
+    // `a` is held by a busy worker; w2 no longer holds it but still caches 200 of its 256 blocks.
+    let reg = registry(vec![report("h", 12_000, 4, &["a"], 0), report("w2", 0, 4, &["x"], 200)], now);
+    let p = place(&reg, &input(&h, "a"), true, &CFG, now).expect("placed");
+    let w2 = p.terms.iter().find(|t| t.worker == "w2").expect("w2");
+    assert_eq!(w2.prefill_s, (4096.0 - 3200.0) / 4096.0, "its blocks for `a` count");
+    assert!(matches!(&p.choice, Choice::Load { worker, .. } if worker == "w2"), "{:#?}", p.terms);
 }

@@ -33,9 +33,13 @@ use kvgate_worker::report::{summarise_tiers, ReportSource};
 use kvgate_worker::server::engine_thread::{time_step, EngineSnapshot, StepWork};
 use kvgate_worker::server::reporter::step_timing;
 
+use super::adapters::{key as adapter_key, Resident, Rule};
 use super::admission::{Admitted, Pumped, Ready, Reservation, SimAdmission};
 use super::SimConfig;
 use crate::trace::{expand_prompt, Trace};
+use kvgate_router::placement::{place, Choice, PlaceConfig};
+use kvgate_shared::hashing::ExtraKey;
+use kvgate_shared::prompt::SplitMix64;
 
 /// The model id every simulated worker serves.
 pub const SIM_MODEL: &str = "sim";
@@ -67,6 +71,9 @@ pub struct Outcome {
     pub classes: BTreeMap<String, ClassOutcome>,
     /// (predicted, actual) TTFT seconds of the requests the measured guard predicted one for.
     pub ttft_predicted: Vec<(f64, f64)>,
+    /// LoRA adapters loaded on workers, and adapters unloaded for them (`SimConfig::adapters`).
+    pub adapter_loads: u64,
+    pub adapter_evictions: u64,
 }
 
 /// One admission class's requests.
@@ -96,6 +103,12 @@ struct SimWorker {
     totals: EngineSnapshot,
     reported: EngineSnapshot,
     reported_at: f64,
+    /// Its resident LoRA adapters (`SimConfig::adapters`).
+    lora: Resident,
+    /// Requests waiting for an adapter load, with when it completes.
+    loading: Vec<(f64, EngineRequest)>,
+    /// When each adapter's latest load here completes.
+    load_ready: HashMap<String, f64>,
 }
 
 struct InFlight {
@@ -131,6 +144,10 @@ struct Fleet<'a> {
     /// Sends on their way to the other replicas (`share_sends`): (when they arrive, sending replica, send), in
     /// time order (one delay for all).
     shared: VecDeque<(f64, usize, SharedSend)>,
+    /// Each trace request's LoRA adapter (empty without `SimConfig::adapters`).
+    adapter_of: Vec<Option<String>>,
+    /// The `random_holder` rule's draws.
+    rng: SplitMix64,
     _ssd: Option<tempfile::TempDir>,
     out: Outcome,
 }
@@ -186,6 +203,9 @@ impl<'a> Fleet<'a> {
                     totals: EngineSnapshot::default(),
                     reported: EngineSnapshot::default(),
                     reported_at: 0.0,
+                    lora: Resident::new(cfg.adapters.as_ref().map_or(0, |a| a.slots)),
+                    loading: Vec::new(),
+                    load_ready: HashMap::new(),
                 }
             })
             .collect();
@@ -202,6 +222,8 @@ impl<'a> Fleet<'a> {
                 .collect(),
             admission: (!cfg.classes.is_empty()).then(|| SimAdmission::new(cfg.classes.clone(), base)),
             shared: VecDeque::new(),
+            adapter_of: Vec::new(),
+            rng: SplitMix64::new(0x5349_4D4C),
             _ssd: ssd,
             out: Outcome { busy_s: vec![0.0; n], ..Outcome::default() },
         }
@@ -214,12 +236,19 @@ impl<'a> Fleet<'a> {
     fn run(mut self, trace: &Trace, time_scale: f64) -> Outcome {
         let t0 = trace.requests.first().map_or(0, |r| r.timestamp_ms);
         let arrival = |i: usize| (trace.requests[i].timestamp_ms - t0) as f64 / 1000.0 * time_scale;
+        if let Some(a) = &self.cfg.adapters {
+            self.adapter_of = a.adapters_of(trace);
+        }
         let mut next = 0;
         loop {
             let t_arr = if next < trace.requests.len() { arrival(next) } else { f64::INFINITY };
             let step = argmin(self.workers.iter().map(|w| w.busy_until.unwrap_or(f64::INFINITY)));
+            let loaded = argmin(
+                self.workers.iter().map(|w| w.loading.iter().map(|l| l.0).fold(f64::INFINITY, f64::min)),
+            );
             let waiting = self.admission.as_ref().is_some_and(|a| a.waiting() > 0);
             let idle = step.1.is_infinite()
+                && loaded.1.is_infinite()
                 && !waiting
                 && self.shared.is_empty()
                 && self.workers.iter().all(|w| !w.engine.has_work());
@@ -231,6 +260,8 @@ impl<'a> Fleet<'a> {
             let t_share = self.shared.front().map_or(f64::INFINITY, |s| s.0);
             if t_share <= step.1 && t_share <= report.1 && t_share <= t_adm && t_share <= t_arr {
                 self.apply_shared(t_share);
+            } else if loaded.1 <= step.1 && loaded.1 <= report.1 && loaded.1 <= t_adm && loaded.1 <= t_arr {
+                self.adapter_loaded(loaded.0, loaded.1);
             } else if step.1 <= report.1 && step.1 <= t_adm && step.1 <= t_arr {
                 self.finish_step(step.0, step.1);
             } else if report.1 <= t_adm && report.1 <= t_arr {
@@ -260,7 +291,11 @@ impl<'a> Fleet<'a> {
     fn arrive(&mut self, trace: &Trace, i: usize, t: f64) {
         let r = &trace.requests[i];
         let tokens = expand_prompt(r, self.cfg.vocab);
-        let hashes = self.hasher.hash_blocks(&tokens);
+        let hashes = match self.adapter(i) {
+            // An adapter's blocks are keyed by it, as a kvgate worker and the gateway key them.
+            Some(a) => BlockHasher::new(&self.cfg.scheme(), &adapter_keys(a)).hash_blocks(&tokens),
+            None => self.hasher.hash_blocks(&tokens),
+        };
         let replica = self.replica(i);
         let ring = self.ring_keys[replica].route_key(None, &hashes, &tokens, true);
         let max_tokens = r.output_length.max(1) as u32;
@@ -269,12 +304,19 @@ impl<'a> Fleet<'a> {
             return;
         };
         let (class_idx, class) = adm.classify(tokens.len(), max_tokens, SIM_MODEL);
-        let input = self.route_input(&tokens, &hashes, ring);
-        let Some(priced) = self.router.dry_run(&self.registries[replica], &input, 1, self.instant(t)) else {
-            self.out.rejected += 1;
-            return;
+        let adapter = self.adapter(i).map(str::to_owned);
+        let input = self.route_input(&tokens, &hashes, ring, adapter.as_deref());
+        // An adapter nobody holds is priced as a whole prompt (the placement loads it at dispatch).
+        let priced = self.router.dry_run(&self.registries[replica], &input, 1, self.instant(t));
+        let uncached = match (priced, adapter) {
+            (Some(p), _) => p.uncached_tokens,
+            (None, Some(_)) => tokens.len() as u64,
+            (None, None) => {
+                self.out.rejected += 1;
+                return;
+            }
         };
-        let cost = (priced.uncached_tokens + u64::from(max_tokens)) as f64;
+        let cost = (uncached + u64::from(max_tokens)) as f64;
         let ready =
             Ready { request: i, arrival: t, tokens, hashes, ring, max_tokens, class: class.clone(), cost };
         let Some(adm) = self.admission.as_mut() else { return };
@@ -293,7 +335,13 @@ impl<'a> Fleet<'a> {
         i % self.registries.len()
     }
 
-    fn route_input<'h>(&self, tokens: &[u32], hashes: &'h [BlockHash], ring: RingKey) -> RouteInput<'h> {
+    fn route_input<'h>(
+        &self,
+        tokens: &[u32],
+        hashes: &'h [BlockHash],
+        ring: RingKey,
+        adapter: Option<&'h str>,
+    ) -> RouteInput<'h> {
         RouteInput {
             model: SIM_MODEL,
             hashes,
@@ -302,8 +350,13 @@ impl<'a> Fleet<'a> {
             shared_blocks: ring.shared_blocks,
             block_size: self.cfg.block_size as usize,
             only: None,
-            adapter: None,
+            adapter,
         }
+    }
+
+    /// Request `i`'s adapter, if any.
+    fn adapter(&self, i: usize) -> Option<&str> {
+        self.adapter_of.get(i).and_then(|a| a.as_deref())
     }
 
     /// Serves the class queues at `t` and refuses waiters past their deadline.
@@ -342,8 +395,26 @@ impl<'a> Fleet<'a> {
             self.out.classes.entry(name.clone()).or_default().wait_s.push(t - arrival);
         }
         let now = self.instant(t);
-        let input = self.route_input(tokens, hashes, ring);
         let replica = self.replica(i);
+        let adapter = self.adapter(i).map(str::to_owned);
+        let input = self.route_input(tokens, hashes, ring, adapter.as_deref());
+        let pinned = match self.place_adapter(replica, &input, now) {
+            Ok(p) => p,
+            Err(()) => {
+                self.refuse(class, t);
+                return;
+            }
+        };
+        let only: Vec<String> = pinned
+            .map(|w| {
+                vec![kvgate_router::input::url_address(&self.registries[replica].workers()[w].url).to_owned()]
+            })
+            .unwrap_or_default();
+        let mut input = self.route_input(tokens, hashes, ring, adapter.as_deref());
+        if pinned.is_some() {
+            // The placement chose this worker; it may not hold the adapter yet (it loads it below).
+            input = RouteInput { only: Some(&only), adapter: None, ..input };
+        }
         let routed = self.router.route(&mut self.registries[replica], &input, 1, now);
         let Some(ticket) = routed.as_ref().and_then(|r| r.ticket) else {
             self.refuse(class, t);
@@ -369,9 +440,21 @@ impl<'a> Fleet<'a> {
             id: i as u64,
             prompt: tokens.to_vec(),
             params,
-            extra_keys: ExtraKeys::none(),
+            // The simulated engine runs no adapter math; its blocks are keyed by the adapter all the same.
+            extra_keys: adapter.as_deref().map_or_else(ExtraKeys::none, adapter_keys),
             adapter: None,
         };
+        if let Some(name) = &adapter {
+            let ready = self.ensure_adapter(w, replica, name, t);
+            if ready > t {
+                self.inflight.insert(
+                    i as u64,
+                    InFlight { arrival, tickets, first_token: false, class, predicted_ttft_s },
+                );
+                self.workers[w].loading.push((ready, req));
+                return;
+            }
+        }
         self.workers[w].engine.backend_mut().set_now(t);
         match self.workers[w].engine.add_request(req) {
             Ok(()) => {
@@ -487,6 +570,108 @@ impl<'a> Fleet<'a> {
         }
     }
 
+    /// Where the adapter request `input` goes under the configured rule: `Ok(None)` among the holders (the routing
+    /// policy picks), `Ok(Some(w))` pinned to worker `w` (which loads the adapter if it lacks it), `Err` nowhere.
+    fn place_adapter(
+        &mut self,
+        replica: usize,
+        input: &RouteInput<'_>,
+        now: Instant,
+    ) -> Result<Option<usize>, ()> {
+        let (Some(sim), Some(name)) = (&self.cfg.adapters, input.adapter) else { return Ok(None) };
+        let reg = &self.registries[replica];
+        let healthy = |reg: &Registry| -> Vec<(usize, u64)> {
+            let (views, index) = reg.views(input.model, input.hashes, None, now);
+            let per_request = self.cfg.weights.per_request_tokens;
+            views
+                .iter()
+                .zip(index)
+                .filter(|(v, _)| v.healthy)
+                .map(|(v, i)| (i, v.load.cost(per_request)))
+                .collect()
+        };
+        match sim.rule {
+            Rule::Cost => {
+                let cfg = PlaceConfig { default_load_s: sim.load_s, ..PlaceConfig::default() };
+                match place(reg, input, true, &cfg, now).map(|p| p.choice) {
+                    None | Some(Choice::Holders) => Ok(None),
+                    Some(Choice::Load { wref, .. }) => reg.find(wref).map(Some).ok_or(()),
+                    Some(Choice::Nowhere) => Err(()),
+                }
+            }
+            Rule::Anywhere => {
+                let blind = RouteInput { adapter: None, ..*input };
+                let pick = self
+                    .router
+                    .dry_run(reg, &blind, 1, now)
+                    .and_then(|r| r.candidates.first().map(|c| c.wref));
+                pick.and_then(|w| reg.find(w)).map(Some).ok_or(())
+            }
+            Rule::RandomHolder => {
+                let all = healthy(reg);
+                let holders: Vec<usize> =
+                    all.iter().map(|(i, _)| *i).filter(|i| reg.workers()[*i].lora.holds(name, now)).collect();
+                let pool = if holders.is_empty() { all.iter().map(|(i, _)| *i).collect() } else { holders };
+                match pool.len() {
+                    0 => Err(()),
+                    n => Ok(Some(pool[self.rng.below(n as u64) as usize])),
+                }
+            }
+            Rule::LeastLoaded => {
+                healthy(reg).into_iter().min_by_key(|(_, cost)| *cost).map(|(i, _)| Some(i)).ok_or(())
+            }
+        }
+    }
+
+    /// Worker `w` gets adapter `name` for a request at `t`: loaded if it lacks it (the gateway's replica
+    /// `replica` records the load), else used. Returns when the request may start (a load in progress delays it).
+    fn ensure_adapter(&mut self, w: usize, replica: usize, name: &str, t: f64) -> f64 {
+        let load_s = self.cfg.adapters.as_ref().map_or(0.0, |a| a.load_s);
+        let worker = &mut self.workers[w];
+        if worker.lora.holds(name) {
+            worker.lora.touch(name);
+            return worker.load_ready.get(name).copied().unwrap_or(t).max(t);
+        }
+        if worker.lora.load(name).is_some() {
+            self.out.adapter_evictions += 1;
+        }
+        self.out.adapter_loads += 1;
+        let ready = t + load_s;
+        worker.load_ready.insert(name.to_owned(), ready);
+        let now = self.instant(t);
+        let reg = &mut self.registries[replica];
+        if let Some(r) = reg.worker_ref(w) {
+            reg.record_adapter_load(r, name, Ok(Some(adapter_key(name))), load_s, now);
+        }
+        ready
+    }
+
+    /// The earliest adapter load on worker `w` completed at `t`: its waiting request joins the engine.
+    fn adapter_loaded(&mut self, w: usize, t: f64) {
+        let worker = &mut self.workers[w];
+        let Some(j) =
+            worker.loading.iter().enumerate().min_by(|a, b| a.1 .0.total_cmp(&b.1 .0)).map(|(j, _)| j)
+        else {
+            return;
+        };
+        let (_, req) = worker.loading.swap_remove(j);
+        let id = req.id;
+        worker.engine.backend_mut().set_now(t);
+        if let Err(e) = worker.engine.add_request(req) {
+            tracing::debug!(request = id, error = %e, "simulated worker refused the request");
+            if let Some(f) = self.inflight.remove(&id) {
+                for (q, ticket) in f.tickets {
+                    self.registries[q].record_done(ticket);
+                }
+                self.refuse(f.class, t);
+            }
+            return;
+        }
+        if self.workers[w].busy_until.is_none() {
+            self.start_step(w, t);
+        }
+    }
+
     fn report(&mut self, w: usize, t: f64) {
         let now = self.instant(t);
         let n = self.workers.len() as f64;
@@ -505,6 +690,7 @@ impl<'a> Fleet<'a> {
         let mut report =
             worker.source.assemble(worker.seq, (t * 1000.0) as u64, &stats, throughput, summaries, false);
         report.pd.timing = step_timing(prev, totals);
+        report.lora = worker.lora.info();
         (worker.reported, worker.reported_at) = (worker.totals, t);
         let fingerprint = worker.source.scheme.fingerprint();
         // The first report registers the worker at t = 0; later ones come at phase w / n of the interval.
@@ -517,6 +703,11 @@ impl<'a> Fleet<'a> {
             }
         }
     }
+}
+
+/// The extra keys of adapter `name`'s blocks.
+fn adapter_keys(name: &str) -> ExtraKeys {
+    ExtraKeys::none().with(ExtraKey::LoraAdapter(adapter_key(name)))
 }
 
 /// Index and value of the smallest element (ties: the first).

@@ -7,6 +7,7 @@
 //! - `oracle`: the global-LRU upper bound;
 //! - `workload`: offered work per request (what `--target-load` scales by).
 
+pub mod adapters;
 mod admission;
 pub mod fleet;
 pub mod oracle;
@@ -79,6 +80,9 @@ pub struct SimConfig {
     /// `1 + speed_spread x (2i / (n - 1) - 1)` times as fast as the profile (every compute term of its timing
     /// divided by that; the tiers' load costs kept), the same total speed (0..1). Mixed accelerator generations.
     pub speed_spread: f64,
+    /// LoRA adapters (`--adapters`, `--adapter-*`; default none): which requests name one, what workers hold and
+    /// where the gateway places them (`adapters.rs`).
+    pub adapters: Option<adapters::AdapterSim>,
 }
 
 impl SimConfig {
@@ -116,6 +120,7 @@ impl SimConfig {
             kv_load_policy: kvgate_worker::kv::LoadPolicy::Auto,
             kv_spread: 0.0,
             speed_spread: 0.0,
+            adapters: None,
         }
     }
 
@@ -186,6 +191,7 @@ impl SimConfig {
             p.extend(kvgate_router::admission::classes::validate(&self.classes));
         }
         p.extend(self.profile.timing.validate());
+        p.extend(self.adapters.as_ref().map(adapters::AdapterSim::validate).unwrap_or_default());
         p
     }
 }
@@ -288,6 +294,11 @@ pub struct SimResult {
     pub ttft_prediction: Option<PredictionError>,
     /// Per admission class (empty without `SimConfig::classes`).
     pub classes: BTreeMap<String, ClassResult>,
+    /// The LoRA adapter placement rule (`None`: no adapters), adapters loaded and unloaded for another.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub adapter_placement: Option<String>,
+    pub adapter_loads: u64,
+    pub adapter_evictions: u64,
 }
 
 /// One admission class's figures.
@@ -383,6 +394,9 @@ pub fn simulate(
         recomputed_tokens: o.recomputed_tokens,
         routes: o.routes,
         ttft_prediction: PredictionError::of(&o.ttft_predicted),
+        adapter_placement: cfg.adapters.as_ref().map(|a| a.rule.name().to_owned()),
+        adapter_loads: o.adapter_loads,
+        adapter_evictions: o.adapter_evictions,
         classes: o
             .classes
             .into_iter()

@@ -285,3 +285,71 @@ fn workers_of_different_speeds_keep_the_fleets_total_speed() {
     cfg.speed_spread = 1.0;
     assert!(cfg.validate().iter().any(|p| p.contains("speed-spread")), "a worker of no speed is refused");
 }
+
+/// A trace whose rows name their adapter: (arrival ms, input length, hash ids, adapter).
+fn adapter_trace(rows: &[(u64, usize, &[u64], &str)]) -> Trace {
+    let text: String = rows
+        .iter()
+        .map(|(ts, len, ids, lora)| {
+            format!(
+                r#"{{"timestamp": {ts}, "input_length": {len}, "output_length": 2, "hash_ids": {ids:?}, "lora": "{lora}"}}"#
+            ) + "\n"
+        })
+        .collect();
+    Trace::parse(&text).expect("trace")
+}
+
+fn with_adapters(cfg: &SimConfig, rule: adapters::Rule, slots: usize, load_s: f64) -> SimConfig {
+    let a = adapters::AdapterSim { rule, slots, load_s, assign: None };
+    SimConfig { adapters: Some(a), ..cfg.clone() }
+}
+
+#[test]
+fn two_adapters_on_one_prompt_never_share_a_block_and_an_adapter_finds_its_own() {
+    // The same prompt for adapters a, b, then a again (10 s later: through the reports).
+    let t = adapter_trace(&[
+        (0, 2000, &[1, 2, 3, 4], "a"),
+        (5000, 2000, &[1, 2, 3, 4], "b"),
+        (10_000, 3000, &[1, 2, 3, 4, 5, 6], "a"),
+    ]);
+    let base = SimConfig::new(1, 65_536, profile());
+    let cfg = with_adapters(&base, adapters::Rule::Cost, 4, 0.25);
+    let prep = prepare(&t, &cfg, Pace::TimeScale(1.0)).expect("prepare");
+    let r = simulate(&t, &cfg, &prep, "cache_aware").expect("runs");
+    assert_eq!(r.completed, 3);
+    // One worker: b's request finds nothing of a's; a's second finds all of its first (2000 of 7000 tokens).
+    assert!((r.hit_rate - 2000.0 / 7000.0).abs() < 1e-9, "{}", r.hit_rate);
+    assert_eq!((r.adapter_loads, r.adapter_evictions), (2, 0), "a and b once each");
+    assert_eq!(r.adapter_placement.as_deref(), Some("cost"));
+    // A lone request of a cold adapter waits for its load: the load is in its TTFT.
+    let lone = adapter_trace(&[(0, 5000, &[1, 2, 3, 4, 5, 6, 7, 8, 9, 10], "a")]);
+    let prep = prepare(&lone, &cfg, Pace::TimeScale(1.0)).expect("prepare");
+    let r = simulate(&lone, &cfg, &prep, "cache_aware").expect("runs");
+    let want = 0.25 + request_work_s(&cfg.profile.timing, 2048, 5000, 0, 0);
+    assert!((r.ttft_p50_ms / 1000.0 - want).abs() < 1e-9, "{} vs {want}", r.ttft_p50_ms);
+}
+
+#[test]
+fn the_gateways_placement_keeps_an_adapter_on_its_holder_where_blind_rules_load_it_again() {
+    // Three adapters asked in turn, 1 s apart, on 4 workers of 2 slots (round robin puts each on every worker);
+    // every request is short, so the fleet is idle and loads dominate.
+    let mut rows: Vec<(u64, usize, Vec<u64>, String)> = Vec::new();
+    for i in 0..24u64 {
+        let k = i % 3;
+        rows.push((i * 1000, 600, vec![100 * k + 1, 1000 + i], format!("lora-{k}")));
+    }
+    let rows: Vec<(u64, usize, &[u64], &str)> =
+        rows.iter().map(|(t, l, ids, a)| (*t, *l, ids.as_slice(), a.as_str())).collect();
+    let t = adapter_trace(&rows);
+    let base = SimConfig::new(4, 65_536, profile());
+    let loads = |rule| {
+        let cfg = with_adapters(&base, rule, 2, 0.5);
+        let prep = prepare(&t, &cfg, Pace::TimeScale(1.0)).expect("prepare");
+        let r = simulate(&t, &cfg, &prep, "round_robin").expect("runs");
+        assert_eq!(r.completed, 24, "{rule:?}");
+        r.adapter_loads
+    };
+    assert_eq!(loads(adapters::Rule::Cost), 3, "each adapter loaded once, then its holder serves it");
+    assert!(loads(adapters::Rule::Anywhere) >= 12, "round robin ignores where the adapters are");
+    assert_eq!(loads(adapters::Rule::RandomHolder), 3, "a holder whenever there is one");
+}
