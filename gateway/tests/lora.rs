@@ -154,3 +154,56 @@ async fn adapters_are_routed_to_their_holders_and_loaded_once_where_nobody_holds
     assert_eq!(complete(&g.base, "a", &prompt, &auth).await.0, 200);
     drop((w0, w1, w2));
 }
+
+/// A split adapter request: the prefill worker computes the prompt with the adapter (it holds it under the same
+/// key), the decode worker imports that KV and decodes with the adapter; the answer is the one the decode worker
+/// gives the same request alone. A split whose prefill worker lacks the adapter is never planned (only holders
+/// are candidates).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_split_adapter_request_is_prefilled_with_its_adapter_and_decoded_with_it() {
+    let dir = tempfile::tempdir().expect("tmp");
+    model_and_adapters(dir.path(), &["a"]);
+    let la = format!("a={}", dir.path().join("a").display());
+    let (g, control) = gateway(&["--split-policy", "always"]);
+    let model = dir.path().join("model");
+    let d = worker("d0", &model, Some(&control), &["--lora", &la]);
+    let _p = worker(
+        "p0",
+        &model,
+        Some(&control),
+        &["--lora", &la, "--role", "prefill", "--kv-transfer-port", "0"],
+    );
+    wait_healthy(&control, 2).await;
+    let prompt = "harbor lantern quiet river stone meadow copper window orchard thunder ".repeat(6);
+    let body = json!({"model": "a", "prompt": prompt, "max_tokens": 8, "temperature": 0});
+    let mut split = None;
+    for _ in 0..50 {
+        let r = post(&format!("{}/v1/completions", g.base), &body, &[]).await;
+        assert_eq!(r.status, 200, "{}", r.body);
+        if r.header("x-kvgate-route") == "split" {
+            split = Some(r);
+            break;
+        }
+        // The pair's link is probed first; until then the planner may serve it whole.
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let split = split.expect("a split adapter request");
+    assert_eq!(split.header("x-kvgate-worker"), "d0");
+    let m = get(&format!("{}/metrics", d.base)).await.body;
+    assert!(
+        metric(&m, "kvgate_worker_kv_transfers_total{side=\"import\",outcome=\"ok\"}").unwrap_or(0.0) >= 1.0,
+        "the decode worker imported the adapter's KV"
+    );
+    // The same request on the decode worker alone (a fresh prompt of the same text would hit its cache: ask the
+    // base model nothing, compare the adapter's greedy answer).
+    let alone = post(&format!("{}/v1/completions", d.base), &body, &[]).await;
+    assert_eq!(alone.status, 200, "{}", alone.body);
+    assert_eq!(
+        split.json()["choices"][0]["text"],
+        alone.json()["choices"][0]["text"],
+        "the adapter's answer"
+    );
+    let base = json!({"model": BASE, "prompt": prompt, "max_tokens": 8, "temperature": 0});
+    let base = post(&format!("{}/v1/completions", d.base), &base, &[]).await;
+    assert_ne!(base.json()["choices"][0]["text"], alone.json()["choices"][0]["text"], "not the base model's");
+}

@@ -74,6 +74,7 @@ async fn side(e: Engine<CpuBackend>, layer_group: u16, listen: bool) -> (Arc<Tra
         engine,
         transport: Default::default(),
         imports: Default::default(),
+        adapters: kvgate_worker::transfer::no_adapters(),
     });
     let mut addr = String::new();
     if listen {

@@ -156,16 +156,14 @@ pub fn price<'s>(
     };
     let kvgate_pool = cfg.pool_kind(prep.route_input().model) == WorkerKind::Kvgate;
     let tokenized = prep.prompt.is_some();
-    // An adapter request runs whole: KV transfers do not carry adapters (#47).
+    // An adapter request may be split too: its candidates are the adapter's holders (`route.rs`), so both sides
+    // hold it, and its key travels in the transfer's keys.
     let adapter = prep.prompt.as_ref().and_then(|p| p.adapter.as_ref());
-    let ask =
-        cfg.report_secret.as_ref().filter(|_| kvgate_pool && tokenized && adapter.is_none()).map(|_| {
-            SplitAsk {
-                policy: host.split_policy(),
-                settings: cfg.split,
-                expected_output: learned.expected(&class_name, prep.max_output, configured),
-            }
-        });
+    let ask = cfg.report_secret.as_ref().filter(|_| kvgate_pool && tokenized).map(|_| SplitAsk {
+        policy: host.split_policy(),
+        settings: cfg.split,
+        expected_output: learned.expected(&class_name, prep.max_output, configured),
+    });
     let (uncached, dry) = match tokenized {
         false => (prep.prompt_tokens, None),
         true => {

@@ -4,7 +4,9 @@
 //! what loads cost on each worker, measured (a moving average of the load calls' latency), and the loads that failed
 //! there (not tried again on it for [`FAILED_LOAD_BACKOFF`]).
 //!
-//! Invariants: a worker's lists are bounded (`MAX_REPORT_ADAPTERS` from a report or a scrape; its own loads are
+//! Invariants: `Registry::adapter_names` holds every name of every worker's lists (rebuilt when workers come or
+//! go or a list changes; a load adds its name), so a request naming no adapter costs one hash lookup, not a scan;
+//! a worker's lists are bounded (`MAX_REPORT_ADAPTERS` from a report or a scrape; its own loads are
 //! bounded by [`MAX_BELIEVED`]); an adapter's key is whatever the last holder said (`name@digest`), or the name
 //! alone for a pod whose events carry only the name.
 
@@ -98,14 +100,31 @@ impl WorkerAdapters {
 }
 
 impl Registry {
+    /// Rebuilds the set of adapter names held or loaded anywhere (when workers come or go, or a list changes).
+    pub(super) fn rebuild_adapter_names(&mut self) {
+        self.adapter_names = self
+            .workers
+            .iter()
+            .flat_map(|w| {
+                w.lora.held.iter().map(|h| h.name.clone()).chain(w.lora.loaded.iter().map(|l| l.0.clone()))
+            })
+            .collect();
+    }
+
     /// The key `name`'s blocks are hashed under (`ExtraKey::LoraAdapter`): the one its holders report (the
     /// first worker, in registry order, that says), else `None`.
     pub fn adapter_key(&self, name: &str) -> Option<String> {
+        if !self.adapter_names.contains(name) {
+            return None;
+        }
         self.workers.iter().find_map(|w| w.lora.key(name)).map(str::to_owned)
     }
 
     /// The base model of adapter `name`: the model of a healthy worker holding it.
     pub fn adapter_base(&self, name: &str, now: Instant) -> Option<String> {
+        if !self.adapter_names.contains(name) {
+            return None;
+        }
         self.workers
             .iter()
             .filter(|w| w.lora.holds(name, now) && self.healthy(w, now))
@@ -136,13 +155,18 @@ impl Registry {
             return false;
         };
         // A pod keys its blocks by the adapter's name alone (vLLM's events carry no digest).
-        w.lora.held = names
+        let held: Vec<HeldAdapter> = names
             .iter()
             .take(MAX_REPORT_ADAPTERS)
             .map(|n| HeldAdapter { name: n.clone(), key: n.clone() })
             .collect();
+        let changed = w.lora.held != held;
+        w.lora.held = held;
         if slots.is_some() {
             w.lora.slots = slots;
+        }
+        if changed {
+            self.rebuild_adapter_names();
         }
         true
     }
@@ -164,6 +188,7 @@ impl Registry {
                 w.lora.load_s = Some(w.lora.load_s.map_or(s, |m| 0.7 * m + 0.3 * s));
                 w.lora.loaded.retain(|(n, ..)| n != name);
                 WorkerAdapters::remember(&mut w.lora.loaded, (name.to_owned(), key, now));
+                self.adapter_names.insert(name.to_owned());
             }
             Err(()) => WorkerAdapters::remember(&mut w.lora.failed, (name.to_owned(), now)),
         }

@@ -159,6 +159,9 @@ pub struct Registry {
     by_uid: HashMap<u64, usize>,
     by_id: HashMap<String, usize>,
     roots: roots::RootIndex,
+    /// Every LoRA adapter name some worker holds or was loaded with (a superset; `adapters.rs`): a request naming
+    /// anything else is answered without a scan.
+    adapter_names: std::collections::HashSet<String>,
 }
 
 impl Registry {
@@ -171,6 +174,7 @@ impl Registry {
             by_uid: HashMap::new(),
             by_id: HashMap::new(),
             roots: roots::RootIndex::new(cfg.root_capacity),
+            adapter_names: Default::default(),
         }
     }
 
@@ -186,6 +190,7 @@ impl Registry {
         self.ring = Ring::new(self.workers.iter().map(|w| w.id.as_str()), self.cfg.vnodes);
         self.by_uid = self.workers.iter().enumerate().map(|(i, w)| (w.uid, i)).collect();
         self.by_id = self.workers.iter().enumerate().map(|(i, w)| (w.id.clone(), i)).collect();
+        self.rebuild_adapter_names();
     }
 
     pub fn config(&self) -> &RegistryConfig {
@@ -325,6 +330,7 @@ impl Registry {
             w.counters.fingerprint_mismatches += 1;
         }
         w.pd.ingest(&report.pd);
+        let adapters_changed = w.lora.held != report.lora.held;
         w.lora.set(&report.lora);
         if w.fingerprint_ok == Some(true) {
             let summaries: Vec<&CacheSummary> =
@@ -341,6 +347,8 @@ impl Registry {
         w.shared_load.clear();
         if ring_changed {
             self.rebuild_ring();
+        } else if adapters_changed {
+            self.rebuild_adapter_names();
         }
         Ingest::Accepted
     }

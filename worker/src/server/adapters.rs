@@ -251,6 +251,18 @@ impl AdapterStore {
         Ok(Loaded { adapter: a, already: false, evicted })
     }
 
+    /// The adapter whose key is `key` (`name@digest`), its weights read again first if they were unloaded
+    /// (blocking); `None` when this worker does not know the name, or knows other files under it.
+    pub fn by_key(&self, key: &str) -> Option<Arc<LoraAdapter>> {
+        let (name, _) = key.rsplit_once('@')?;
+        let a = match self.lookup(name).ok()? {
+            Lookup::Base => return None,
+            Lookup::Resident(a) => a,
+            Lookup::Unloaded => self.reload(name).ok()?.adapter,
+        };
+        (a.key == key).then_some(a)
+    }
+
     /// Forgets `name` (requests running with it finish with it).
     pub fn unload(&self, name: &str) -> Result<(), LoadError> {
         let mut entries = self.lock();

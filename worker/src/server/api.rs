@@ -452,8 +452,7 @@ async fn run(
     let stops = params.stop.clone();
     // A prefill worker samples the first token from a fixed frame (temperature, top-p, top-k, seed): a request
     // whose logits are adjusted first (penalties, bias, min-p) or reported (logprobs) is served whole here instead.
-    // A request with a LoRA adapter is served whole: KV transfers do not carry adapters yet (#47).
-    let peer = peer.filter(|_| !params.needs_logits() && adapter.is_none());
+    let peer = peer.filter(|_| !params.needs_logits());
     if let Some(s) = &mut spans {
         s.split = peer.is_some();
     }

@@ -65,6 +65,10 @@ pub fn load(cfg: &ServeConfig, worker_id: &str) -> Result<ServingModel, String> 
             engine: handle.clone(),
             transport: Default::default(),
             imports: Default::default(),
+            adapters: {
+                let store = adapters.clone();
+                Arc::new(move |key: &str| store.by_key(key))
+            },
         })
     });
     let pd_info = kvgate_shared::report::PdInfo {

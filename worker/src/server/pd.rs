@@ -108,7 +108,12 @@ pub async fn start_import(
     split: Split,
 ) -> Result<(mpsc::UnboundedReceiver<StepOutput>, oneshot::Sender<()>), Refusal> {
     let Some(t) = l.transfer.clone() else { return Err(Refusal::EngineGone) };
-    let (id, prompt, keys, params) = (req.id, req.prompt.clone(), req.extra_keys.clone(), req.params.clone());
+    let (id, prompt, params) = (req.id, req.prompt.clone(), req.params.clone());
+    // The prefill peer keys (and computes) the blocks as this worker will: the adapter's key travels in the keys.
+    let mut keys = req.extra_keys.clone();
+    if let Some(a) = &req.adapter {
+        keys.push(kvgate_shared::hashing::ExtraKey::LoraAdapter(a.key.clone()));
+    }
     let (plan, rx) = l.engine.start_import(req).await?;
     let (cancel, cancelled) = oneshot::channel();
     tokio::spawn(async move {

@@ -282,8 +282,12 @@ pub fn check(
     if !h.verifies(&t.key) {
         return Err((RefuseCode::Unauthorized, "the Hello does not verify under this worker's key".into()));
     }
+    let keys = ExtraKeys::from_bytes(&h.extra_keys)
+        .ok_or((RefuseCode::Invalid, "extra keys are malformed".into()))?;
+    // A LoRA adapter's request was granted under the adapter's name (the `model` its client gave).
+    let adapter_name = super::adapter_key(&keys).and_then(|k| k.rsplit_once('@')).map(|(name, _)| name);
     let g = kvgate_shared::handoff::GrantFor {
-        model: &t.model,
+        model: adapter_name.unwrap_or(&t.model),
         peer: &state.reach,
         decode: &h.decode,
         prompt: &h.prompt,
@@ -316,8 +320,6 @@ pub fn check(
     if (h.max_frame as usize) < t.block_bytes {
         return Err((RefuseCode::Invalid, format!("frames of {} bytes cannot hold a block", h.max_frame)));
     }
-    let keys = ExtraKeys::from_bytes(&h.extra_keys)
-        .ok_or((RefuseCode::Invalid, "extra keys are malformed".into()))?;
     state.use_grant(granted, now_ms)?;
     Ok(keys)
 }
@@ -387,9 +389,25 @@ async fn export<L: KvLink>(
         seed: h.sampling.seed,
         ..SamplingParams::default()
     };
+    // A LoRA adapter's prompt is computed with the adapter, which this worker must hold under the same key (the
+    // same files): the KV is the adapter's, keyed by it on both sides.
+    let adapter = match super::adapter_key(&keys).map(str::to_owned) {
+        None => None,
+        Some(key) => {
+            let lookup = t.adapters.clone();
+            let found = tokio::task::spawn_blocking(move || lookup(&key)).await.ok().flatten();
+            match found {
+                Some(a) => Some(a),
+                None => {
+                    let reason =
+                        "this worker does not hold the request's LoRA adapter (or holds other files)";
+                    return Err(refuse(link, id, RefuseCode::WrongModel, reason.into()).await);
+                }
+            }
+        }
+    };
     let rid = t.engine.next_id();
-    // The exporting leg runs the base model: splits carry no adapter yet (`server::api` serves those whole).
-    let req = EngineRequest { id: rid, prompt: h.prompt.clone(), params, extra_keys: keys, adapter: None };
+    let req = EngineRequest { id: rid, prompt: h.prompt.clone(), params, extra_keys: keys, adapter };
     let group = if h.layer_group > 0 { h.layer_group } else { t.layer_group };
     let backlog = Arc::new(ExportBacklog::new(t.export_backlog));
     let _drained = Drained(backlog.clone());

@@ -33,6 +33,7 @@ pub mod frame;
 pub mod import;
 pub mod link;
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use crate::server::engine_thread::EngineHandle;
@@ -122,6 +123,25 @@ pub struct Transfers {
     pub transport: link::TcpTransport,
     /// What this worker imported since the last report, by peer (the gateway's bandwidth samples).
     pub imports: std::sync::Mutex<ImportLog>,
+    /// The LoRA adapter an export's keys name (`ExtraKey::LoraAdapter`, `name@digest`), if this worker holds it
+    /// (blocking: it may read the weights again); `None`: it does not, and the export is refused.
+    pub adapters: AdapterLookup,
+}
+
+/// Finds an adapter by its key (`name@digest`) for an export (see [`Transfers::adapters`]).
+pub type AdapterLookup = Arc<dyn Fn(&str) -> Option<Arc<crate::model::lora::LoraAdapter>> + Send + Sync>;
+
+/// An [`AdapterLookup`] that finds none (a worker without adapters).
+pub fn no_adapters() -> AdapterLookup {
+    Arc::new(|_: &str| None)
+}
+
+/// The adapter a request's keys name, as its key (`name@digest`).
+pub fn adapter_key(keys: &kvgate_shared::hashing::ExtraKeys) -> Option<&str> {
+    keys.keys().iter().find_map(|k| match k {
+        kvgate_shared::hashing::ExtraKey::LoraAdapter(key) => Some(key.as_str()),
+        _ => None,
+    })
 }
 
 /// Per-peer sums of finished imports over one report interval, for at most `MAX_IMPORT_PEERS` peers (a transfer
