@@ -183,6 +183,9 @@ def start_fleet(a, arm, work, procs):
         procs.start(gw, os.path.join(a.out, f"gateway-{arm}.log"), {"KVGATE_DATA_DIR": work})
         pods = bases
     control = f"http://127.0.0.1:{cport}"
+    # A pod the gateway lists statically counts as healthy before it answers: wait for each pod itself first.
+    for p in pods:
+        wait_for(lambda: http("GET", f"{p}/health")[0] == 200, f"{arm} pod {p}", procs)
 
     def ready():
         s, body = http("GET", f"{control}/kvgate/v1/workers")

@@ -233,7 +233,14 @@ async fn load(
     metrics::histogram!("kvgate_gateway_lora_load_seconds").record(secs);
     tracing::info!(adapter = name, url, reason, secs, outcome = label, "adapter load");
     let recorded = outcome.as_ref().map(|k| k.clone()).map_err(|_| ());
-    host.registry().record_adapter_load(wref, name, recorded, secs, Instant::now());
+    let mut reg = host.registry();
+    reg.record_adapter_load(wref, name, recorded, secs, Instant::now());
+    // A pod that refuses the connection is down: out of the ring until a probe or a report brings it back, as a
+    // refused request's would be.
+    if matches!(outcome, Err(LoadFailure::Connect(_))) {
+        reg.record_fault(wref, kvgate_router::registry::Fault::Refused, Instant::now());
+    }
+    drop(reg);
     outcome.map(|_| ())
 }
 
