@@ -42,7 +42,7 @@ pub struct GatewayState {
     /// Per class: the output length of its completed requests (configured class names only).
     pub learned_outputs: LearnedOutputs,
     /// The `--lora` catalogue and its loads (`serve/adapters.rs`).
-    pub adapter_loads: crate::serve::adapters::AdapterLoads,
+    pub adapter_loads: crate::serve::lora_catalog::AdapterLoads,
     pub admission: Admission,
     pub keys: KeyTable,
     pub tokenize: TokenizePool,
@@ -145,7 +145,7 @@ impl GatewayState {
         let cfg_ring = (cfg.ring_sketch_entries, cfg.ring_hub_fanout);
         let cfg_share_sends = cfg.share_sends && cfg.redis_url.is_some();
         let cfg_classes = cfg.classes.len();
-        let adapter_loads = crate::serve::adapters::AdapterLoads::new(&cfg.lora);
+        let adapter_loads = crate::serve::lora_catalog::AdapterLoads::new(&cfg.lora);
         Ok(Self {
             adapter_loads,
             cfg,
@@ -478,7 +478,7 @@ impl ServeHost for GatewayState {
     fn tracer(&self) -> &kvgate_shared::trace::Tracer {
         &self.tracer
     }
-    fn adapter_loads(&self) -> &crate::serve::adapters::AdapterLoads {
+    fn adapter_loads(&self) -> &crate::serve::lora_catalog::AdapterLoads {
         &self.adapter_loads
     }
 }

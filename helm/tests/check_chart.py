@@ -172,7 +172,7 @@ BAD_VALUES: dict[str, tuple[dict, str]] = {
     "negative gateway replicas": ({"gateway": {"replicas": -2}}, "replicas"),
     "unknown policy": ({"gateway": {"policy": "fastest"}}, "policy"),
     "unknown lora placement": ({"gateway": {"lora": {"placement": "random"}}}, "placement"),
-    "a lora name with a space": ({"gateway": {"lora": {"adapters": {"my adapter": "/models/a"}}}}, "adapters"),
+    "a lora name with a space": ({"gateway": {"lora": {"adapters": {"my adapter": "/models/a"}}}}, "my adapter"),
     "unknown engine": ({"workers": {"engine": "tpu"}}, "engine"),
     "pvc without a claim": ({"workers": {"model": {"source": "pvc"}}}, "claimName"),
     "external redis without a url": ({"redis": {"enabled": True, "mode": "external"}}, "url"),

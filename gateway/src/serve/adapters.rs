@@ -1,6 +1,6 @@
-//! LoRA adapters at the gateway: which `model` names an adapter ([`resolve`]: one a healthy pod holds, or one of
-//! the `--lora` catalogue), and the placement stage ([`place`], between admission and routing) that loads an adapter
-//! where `kvgate_router::placement` says before the request goes there.
+//! The placement stage of LoRA adapter requests ([`place`], between admission and routing): loads an adapter where
+//! `kvgate_router::placement` says before the request goes there. Which `model` names an adapter is `prepare.rs`'s
+//! (`resolve_adapter`); the catalogue and its locks are `lora_catalog.rs`'s.
 //!
 //! A load is a pod's own `POST /v1/load_lora_adapter` (`{"lora_name", "lora_path"}`, vLLM's API, which kvgate
 //! workers answer too), with the gateway's token for a kvgate worker or `--lora-load-token` for another pod, within
@@ -12,92 +12,22 @@
 //! the lock map holds catalogue names only (a client cannot grow it); a request pinned to the worker that loaded
 //! its adapter is routed within that one worker (`Incoming::subset`).
 
-use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Instant;
 
 use bytes::Bytes;
 use http_body_util::BodyExt;
 use hyper::header::{HeaderValue, AUTHORIZATION, CONTENT_TYPE};
-use kvgate_router::placement::{place as placement, Choice, PlaceConfig, Placement};
+use kvgate_router::placement::{place as placement, Choice, Placement};
 use kvgate_router::registry::WorkerRef;
 
 use crate::errors::{ApiError, GatewayErrors};
 use crate::serve::host::ServeHost;
+use crate::serve::lora_catalog::AdapterRef;
 use crate::serve::stages::{Incoming, Prepared};
 
 /// Largest answer read from a load call.
 const MAX_LOAD_ANSWER_BYTES: usize = 64 * 1024;
-
-/// An adapter a request names: its name, its base model and the key its blocks are hashed under.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct AdapterRef {
-    pub name: String,
-    pub base: String,
-    /// `name@digest` as its holders report it; the name alone before any holder said (a pod keyed by name, or
-    /// an adapter not loaded yet: no block is cached under it then).
-    pub key: String,
-}
-
-/// The `--lora` catalogue and the one-load-at-a-time locks.
-pub struct AdapterLoads {
-    paths: HashMap<String, String>,
-    locks: HashMap<String, Arc<tokio::sync::Mutex<()>>>,
-    /// Placement's knobs.
-    pub place: PlaceConfig,
-}
-
-impl AdapterLoads {
-    /// The catalogue of `(name, path)` entries.
-    pub fn new(catalogue: &[(String, String)]) -> Self {
-        let paths: HashMap<String, String> = catalogue.iter().cloned().collect();
-        let locks = paths.keys().map(|n| (n.clone(), Arc::default())).collect();
-        Self { paths, locks, place: PlaceConfig::default() }
-    }
-
-    /// The path pods load `name` from, when the catalogue has it.
-    pub fn path(&self, name: &str) -> Option<&str> {
-        self.paths.get(name).map(String::as_str)
-    }
-
-    /// The catalogue's names, sorted.
-    pub fn names(&self) -> Vec<String> {
-        let mut n: Vec<String> = self.paths.keys().cloned().collect();
-        n.sort();
-        n
-    }
-}
-
-/// The adapter `model` names: `None` for a model with a tokenizer here (a base model) or a name that is neither
-/// held nor in the catalogue (the caller answers 404). An adapter of the catalogue nobody holds has the base
-/// `--lora-base`, else the fleet's one model; with several and no `--lora-base` it is 404 with that said.
-pub fn resolve(host: &dyn ServeHost, model: &str) -> Result<Option<AdapterRef>, ApiError> {
-    if host.tokenizer(model).is_some() {
-        return Ok(None);
-    }
-    let now = Instant::now();
-    let reg = host.registry();
-    let key = || reg.adapter_key(model).unwrap_or_else(|| model.to_owned());
-    if let Some(base) = reg.adapter_base(model, now) {
-        return Ok(Some(AdapterRef { name: model.to_owned(), base, key: key() }));
-    }
-    if host.adapter_loads().path(model).is_none() {
-        return Ok(None);
-    }
-    let base = match host.cfg().lora_base.clone() {
-        Some(b) => b,
-        None => match reg.models(now).as_slice() {
-            [one] => one.clone(),
-            [] => return Err(ApiError::no_worker(model)),
-            _ => {
-                return Err(ApiError::unknown_model(format!(
-                    "no pod holds the adapter {model:?} and the fleet serves several models: set --lora-base to load it"
-                )))
-            }
-        },
-    };
-    Ok(Some(AdapterRef { name: model.to_owned(), base, key: key() }))
-}
 
 /// The placement stage: for an adapter request, loads its adapter first where placement says, and pins the
 /// request there. Returns the placement (explain and the logs show it); `None` for a request without an adapter.
@@ -120,7 +50,7 @@ pub async fn place(
     // Held until this request's load (if any) is over: one load of an adapter at a time.
     let mut _one = None;
     if let Choice::Load { reason, .. } = &p.choice {
-        let lock = loads.locks.get(&adapter.name).cloned().unwrap_or_default();
+        let lock = loads.lock_for(&adapter.name);
         _one = Some(match *reason {
             // A copy beside busy holders is an optimisation: not while another load of it runs.
             "hot" => match lock.try_lock_owned() {
@@ -181,7 +111,7 @@ async fn anywhere(
         false => {
             let path =
                 host.adapter_loads().path(&adapter.name).ok_or_else(|| ApiError::no_worker(&prep.model))?;
-            let lock = host.adapter_loads().locks.get(&adapter.name).cloned().unwrap_or_default();
+            let lock = host.adapter_loads().lock_for(&adapter.name);
             let _one = lock.lock_owned().await;
             if !pick(incoming).is_some_and(|(again, h)| again.wref == c.wref && h) {
                 load(host, c.wref, &c.url, &adapter.name, path, "anywhere").await.map_err(|e| {

@@ -62,7 +62,7 @@ pub trait ServeHost: Send + Sync + 'static {
     /// Request spans (`--otlp-endpoint`).
     fn tracer(&self) -> &Tracer;
     /// The `--lora` catalogue and its loads.
-    fn adapter_loads(&self) -> &crate::serve::adapters::AdapterLoads;
+    fn adapter_loads(&self) -> &crate::serve::lora_catalog::AdapterLoads;
 }
 
 /// Gives a worker's in-flight slot back on every path (the send was recorded by the router).

@@ -20,6 +20,7 @@ pub mod exchange;
 pub mod host;
 pub mod learned;
 pub mod listener;
+pub mod lora_catalog;
 pub mod meter;
 pub mod models;
 pub mod outbound;

@@ -12,6 +12,8 @@
 //! Streams are asked for usage (`stream_options.include_usage`) when the client did not ask, so the end of every
 //! stream says what it cost (`charge.rs`); `strip_usage` tells the proxy to take it out again.
 
+use std::time::Instant;
+
 use bytes::Bytes;
 use kvgate_shared::handoff::{tenant_salt, TenantScope, TENANT_SALT_PREFIX};
 use kvgate_shared::hashing::{BlockHash, BlockHasher};
@@ -21,6 +23,7 @@ use crate::control::keys::Caller;
 use crate::errors::{ApiError, GatewayErrors};
 use crate::route::RouteInput;
 use crate::serve::host::ServeHost;
+use crate::serve::lora_catalog::AdapterRef;
 use crate::serve::request::{parse, set_members, stream_options_with_usage, PromptBody, RoutingFields};
 
 /// Header carrying a session id for the ring.
@@ -61,7 +64,7 @@ pub struct PreparedRequest {
     /// The gateway rendered and tokenized the prompt (chat or text; a prompt of token ids was given as ids).
     pub tokenized: bool,
     /// The LoRA adapter its `model` names (tokenized as its base model, its blocks keyed by the adapter's key).
-    pub adapter: Option<crate::serve::adapters::AdapterRef>,
+    pub adapter: Option<AdapterRef>,
 }
 
 impl PreparedRequest {
@@ -114,7 +117,7 @@ pub fn prepare(
     if !caller.allows(&fields.model) {
         return Err(ApiError::model_not_allowed(&fields.model));
     }
-    let adapter = crate::serve::adapters::resolve(host, &fields.model)?;
+    let adapter = resolve_adapter(host, &fields.model)?;
     let base = adapter.as_ref().map_or(fields.model.as_str(), |a| a.base.as_str());
     let Some(tok) = host.tokenizer(base) else {
         return Err(unknown_model(host, &fields.model));
@@ -198,6 +201,37 @@ pub fn prepare(
         tokenized,
         adapter,
     })
+}
+
+/// The adapter `model` names: `None` for a model with a tokenizer here (a base model) or a name that is neither
+/// held nor in the catalogue (the caller answers 404). An adapter of the catalogue nobody holds has the base
+/// `--lora-base`, else the fleet's one model; with several and no `--lora-base` it is 404 with that said.
+pub fn resolve_adapter(host: &dyn ServeHost, model: &str) -> Result<Option<AdapterRef>, ApiError> {
+    if host.tokenizer(model).is_some() {
+        return Ok(None);
+    }
+    let now = Instant::now();
+    let reg = host.registry();
+    let key = || reg.adapter_key(model).unwrap_or_else(|| model.to_owned());
+    if let Some(base) = reg.adapter_base(model, now) {
+        return Ok(Some(AdapterRef { name: model.to_owned(), base, key: key() }));
+    }
+    if host.adapter_loads().path(model).is_none() {
+        return Ok(None);
+    }
+    let base = match host.cfg().lora_base.clone() {
+        Some(b) => b,
+        None => match reg.models(now).as_slice() {
+            [one] => one.clone(),
+            [] => return Err(ApiError::no_worker(model)),
+            _ => {
+                return Err(ApiError::unknown_model(format!(
+                    "no pod holds the adapter {model:?} and the fleet serves several models: set --lora-base to load it"
+                )))
+            }
+        },
+    };
+    Ok(Some(AdapterRef { name: model.to_owned(), base, key: key() }))
 }
 
 /// A model this gateway has no tokenizer for: 404 `model_not_found`, or, while the gateway may not know every model
