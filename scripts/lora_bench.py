@@ -29,73 +29,21 @@ import asyncio
 import json
 import os
 import random
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 
 import openai
+
+# The fleet helpers of the vLLM peer bench (a free port, a JSON call, process groups stopped together).
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from vllm_peer_bench import Procs, free_port, http  # noqa: E402
 
 WORDS = ("harbor lantern quiet river stone meadow copper window orchard thunder velvet signal candle marble forest "
          "engine silver garden bridge winter amber falcon pepper saddle ribbon glacier tunnel basket canyon "
          "compass feather island jungle kettle ladder magnet needle oyster pillow quarry rocket shadow tiger "
          "umbrella valley wagon yarn zebra anchor").split()
-
-
-def free_port():
-    for _ in range(1000):
-        p = random.randrange(15000, 32768)
-        s = socket.socket()
-        try:
-            s.bind(("127.0.0.1", p))
-            return p
-        except OSError:
-            pass
-        finally:
-            s.close()
-    raise RuntimeError("no free port")
-
-
-def http(method, url, body=None, timeout=5, headers=None):
-    data = json.dumps(body).encode() if body is not None else None
-    h = {"content-type": "application/json", **(headers or {})}
-    req = urllib.request.Request(url, data=data, method=method, headers=h)
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, r.read()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read()
-    except OSError:
-        return None, b""
-
-
-class Procs:
-    """Every process started, each in its own process group; stopped together."""
-
-    def __init__(self):
-        self.procs = []
-
-    def start(self, args, log, env=None):
-        out = open(log, "w")
-        p = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                             env={**os.environ, **(env or {})}, start_new_session=True)
-        self.procs.append(p)
-        return p
-
-    def stop_all(self):
-        for p in self.procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGTERM)
-        for p in self.procs:
-            try:
-                p.wait(20)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
-        self.procs = []
 
 
 def wait_for(check, what, procs, within=900):

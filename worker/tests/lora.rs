@@ -3,7 +3,7 @@
 //! two adapters and the base model, through a prefill and batched decodes, and each sequence matches its own
 //! reference; a zero adapter changes nothing. Tolerance 1e-4 relative (f32), as `reference.rs`.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
@@ -152,30 +152,40 @@ async fn complete(base: &str, model: &str, prompt: &str) -> (u16, String, u64) {
     (r.status, text, v["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap_or(0))
 }
 
+/// A tiny base model in `dir/base` and adapters `names` for it (seeds 1, 2, ...; rank `rank`).
+fn base_and_adapters(dir: &Path, names: &[&str], rank: usize) -> PathBuf {
+    let base = dir.join("base");
+    synth_model(&base, &SynthSpec::new(Preset::Tiny, 0)).expect("synth");
+    let cfg = ModelConfig::from_dir(&base).expect("config");
+    for (i, name) in names.iter().enumerate() {
+        let spec = LoraSpec {
+            base: "tiny",
+            rank,
+            alpha: 4.0 * rank as f64,
+            targets: &Target::ALL,
+            seed: i as u64 + 1,
+            zero: false,
+        };
+        synth_lora(&dir.join(name), &cfg, &spec).expect("adapter");
+    }
+    base
+}
+
+/// A worker of `base` (model id `tiny-base`, 4,096 KV tokens) with `extra` flags.
+fn serve_base(base: &Path, extra: &[&str]) -> common::Worker {
+    let mut args =
+        vec!["--model", base.to_str().expect("p"), "--model-id", "tiny-base", "--kv-cache-tokens", "4096"];
+    args.extend_from_slice(extra);
+    common::serve(&args)
+}
+
 #[tokio::test]
 async fn a_worker_serves_its_adapters_by_name_and_never_shares_their_blocks() {
     let dir = tempfile::tempdir().expect("tmp");
-    let base = dir.path().join("base");
-    synth_model(&base, &SynthSpec::new(Preset::Tiny, 0)).expect("synth");
-    let cfg = ModelConfig::from_dir(&base).expect("config");
-    for (name, seed) in [("a", 1), ("b", 2)] {
-        let spec = LoraSpec { base: "tiny", rank: 8, alpha: 32.0, targets: &Target::ALL, seed, zero: false };
-        synth_lora(&dir.path().join(name), &cfg, &spec).expect("adapter");
-    }
+    let base = base_and_adapters(dir.path(), &["a", "b"], 8);
     let lora = |n: &str| format!("{n}={}", dir.path().join(n).display());
     let (la, lb) = (lora("a"), lora("b"));
-    let w = common::serve(&[
-        "--model",
-        base.to_str().expect("p"),
-        "--model-id",
-        "tiny-base",
-        "--kv-cache-tokens",
-        "4096",
-        "--lora",
-        &la,
-        "--lora",
-        &lb,
-    ]);
+    let w = serve_base(&base, &["--lora", &la, "--lora", &lb]);
     let models = common::get(&format!("{}/v1/models", w.base)).await.json();
     let cards: Vec<(String, Value)> = models["data"]
         .as_array()
@@ -211,29 +221,10 @@ async fn a_worker_serves_its_adapters_by_name_and_never_shares_their_blocks() {
 #[tokio::test]
 async fn adapters_load_and_unload_at_run_time_behind_the_admin_token_with_an_lru_past_the_limit() {
     let dir = tempfile::tempdir().expect("tmp");
-    let base = dir.path().join("base");
-    synth_model(&base, &SynthSpec::new(Preset::Tiny, 0)).expect("synth");
-    let cfg = ModelConfig::from_dir(&base).expect("config");
-    for (name, seed) in [("a", 1), ("b", 2), ("c", 3)] {
-        let spec = LoraSpec { base: "tiny", rank: 4, alpha: 8.0, targets: &Target::ALL, seed, zero: false };
-        synth_lora(&dir.path().join(name), &cfg, &spec).expect("adapter");
-    }
+    let base = base_and_adapters(dir.path(), &["a", "b", "c"], 4);
     let path = |n: &str| dir.path().join(n).display().to_string();
     let la = format!("a={}", path("a"));
-    let w = common::serve(&[
-        "--model",
-        base.to_str().expect("p"),
-        "--model-id",
-        "tiny-base",
-        "--kv-cache-tokens",
-        "4096",
-        "--lora",
-        &la,
-        "--max-loras",
-        "2",
-        "--admin-token",
-        "s3cret",
-    ]);
+    let w = serve_base(&base, &["--lora", &la, "--max-loras", "2", "--admin-token", "s3cret"]);
     let admin = [("authorization", "Bearer s3cret")];
     let load = |name: &str, auth: bool| {
         let body = serde_json::json!({"lora_name": name, "lora_path": path(name)});
