@@ -152,6 +152,16 @@ async fn adapters_are_routed_to_their_holders_and_loaded_once_where_nobody_holds
     let (s, _, _, v) = complete(&g.base, "b", &prompt, &auth).await;
     assert_eq!((s, v["error"]["code"].as_str()), (403, Some("model_not_allowed")), "{v}");
     assert_eq!(complete(&g.base, "a", &prompt, &auth).await.0, 200);
+    // Every path gave back what it held: no permit, no load counted running.
+    wait_until(Duration::from_secs(10), || async {
+        let m = get(&format!("{control}/metrics")).await.body;
+        let held = m
+            .lines()
+            .filter(|l| l.starts_with("kvgate_gateway_admission_permits_held{"))
+            .all(|l| l.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok()) == Some(0.0));
+        held && metric(&m, "kvgate_gateway_lora_loads_running") == Some(0.0)
+    })
+    .await;
     drop((w0, w1, w2));
 }
 

@@ -131,6 +131,23 @@ async fn anywhere(
     Ok(Some(Placement { adapter: adapter.name.clone(), choice, terms: Vec::new() }))
 }
 
+/// Counts a load in `kvgate_gateway_lora_loads_running` until it is dropped (a request whose client left mid-load
+/// drops it too).
+struct Running;
+
+impl Running {
+    fn start() -> Self {
+        metrics::gauge!("kvgate_gateway_lora_loads_running").increment(1.0);
+        Running
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        metrics::gauge!("kvgate_gateway_lora_loads_running").decrement(1.0);
+    }
+}
+
 /// Why a load failed.
 #[derive(Debug, thiserror::Error)]
 pub enum LoadFailure {
@@ -152,10 +169,9 @@ async fn load(
     reason: &str,
 ) -> Result<(), LoadFailure> {
     let started = Instant::now();
-    let running = metrics::gauge!("kvgate_gateway_lora_loads_running");
-    running.increment(1.0);
+    let running = Running::start();
     let outcome = call(host.as_ref(), wref, url, name, path).await;
-    running.decrement(1.0);
+    drop(running);
     let secs = started.elapsed().as_secs_f64();
     let label = if outcome.is_ok() { "loaded" } else { "failed" };
     metrics::counter!("kvgate_gateway_lora_loads_total", "outcome" => label, "reason" => reason.to_owned())
