@@ -7,13 +7,16 @@
 # CPU reference, f32 and bf16); logits of the `small` synthetic model on the GPU against the CPU engine and HF
 # transformers (f32 and bf16; one-shot, decode, chunked, cached prefix, mixed batch); `serve --device cuda` against
 # `--device cpu` end to end, then with a host DRAM and then an SSD KV tier under a small device pool (blocks copied
-# down and back); `gpu-bench` on the Llama-3-8B shape; `calibrate --device cuda`. Prints one table.
-# STEPS=34 (say) runs only those steps (default: all, 1-6).
+# down and back); `gpu-bench` on the Llama-3-8B shape; `calibrate --device cuda`; LoRA adapters on CUDA (logits
+# with two synthesized adapters, a batch mixing them with the base model, against the CPU engine and HF
+# transformers on merged weights, then with one device slot; `serve` with three adapters over two device slots,
+# concurrent requests, against the CPU engine). Prints one table.
+# STEPS=34 (say) runs only those steps (default: all, 1-7).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 BIN=${1:-.gpu/kvgate-worker}
 OUT=${OUT:-/tmp/kvgate-gpu-check}
-STEPS=${STEPS:-123456}
+STEPS=${STEPS:-1234567}
 PY=${PYTHON:-python3}
 mkdir -p "$OUT"
 WORK=$(mktemp -d)
@@ -74,6 +77,22 @@ name="gpu-$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tr 'A-
 timeout 240 "$BIN" calibrate --device cuda --llama3-8b --name "$name" --out "$OUT/$name.toml" || status=1
 }
 
+want 7 && { step "7. LoRA adapters on CUDA: logits vs CPU engine vs HF (merged), sub-batches, serve"
+"$BIN" synth-lora --model "$WORK/small" --out "$WORK/lora-a" --seed 1 >/dev/null
+"$BIN" synth-lora --model "$WORK/small" --out "$WORK/lora-b" --seed 2 --rank 16 --alpha 8 >/dev/null
+for dt in float32 bfloat16; do
+  timeout 120 "$BIN" gpu-logits --model "$WORK/small" --dtype "$dt" --out "$WORK/logits" \
+    --lora "a=$WORK/lora-a" --lora "b=$WORK/lora-b" || status=1
+done
+timeout 240 $PY scripts/gpu_compare_hf.py "$WORK/small" "$WORK/logits" float32-lora bfloat16-lora | tee "$OUT/lora-logits.json" || status=1
+# One device slot: every batch of two adapters runs as two, each adapter evicted and uploaded again.
+timeout 120 "$BIN" gpu-logits --model "$WORK/small" --dtype float32 --out "$WORK/logits-1slot" \
+  --lora "a=$WORK/lora-a" --lora "b=$WORK/lora-b" --gpu-lora-slots 1 | tee "$OUT/lora-1slot.json" || status=1
+$PY -c 'import json,sys; d=json.load(open(sys.argv[1])); sys.exit(0 if d["max_rel_diff"] <= 1e-4 else 1)' \
+  "$OUT/lora-1slot.json" || { echo "LoRA with 1 device slot: GPU vs CPU engine past 1e-4"; status=1; }
+timeout 300 $PY scripts/gpu_serve_check.py "$BIN" "$WORK/small" --lora-only cuda | tee "$OUT/lora-serve.json" || status=1
+}
+
 step "summary"
 $PY - "$OUT" <<'PY'
 import json, os, sys
@@ -95,6 +114,24 @@ for dt in ("float32", "bfloat16"):
         print(f"logits {dt}: vs HF max rel {h['max_rel_diff']:.2e}, top-1 {h['top1_agree']:.3f} ({h['rows']} rows) "
               f"{'PASS' if h['pass'] else 'FAIL'} [{h['criterion']}]; vs CPU engine max rel "
               f"{c.get('max_rel_diff', float('nan')):.2e}, top-1 {c.get('top1_agree', float('nan')):.3f}")
+ll = load("lora-logits.json") or {}
+for dt in ("float32-lora", "bfloat16-lora"):
+    d = ll.get(dt)
+    if d:
+        h, c = d["vs_hf"], d.get("vs_cpu_f32") or {}
+        print(f"LoRA logits {dt}: vs HF (merged) max rel {h['max_rel_diff']:.2e}, top-1 {h['top1_agree']:.3f} "
+              f"({h['rows']} rows, adapter effect {d.get('adapter_effect_min_rel', float('nan')):.2e}) "
+              f"{'PASS' if h['pass'] else 'FAIL'} [{h['criterion']}]; vs CPU engine max rel "
+              f"{c.get('max_rel_diff', float('nan')):.2e}, top-1 {c.get('top1_agree', float('nan')):.3f}")
+l1 = load("lora-1slot.json")
+if l1:
+    print(f"LoRA logits float32, 1 device slot: vs CPU engine max rel {l1.get('max_rel_diff', float('nan')):.2e}, "
+          f"top-1 {l1.get('top1_agree', float('nan')):.3f} ({l1.get('rows')} rows)")
+ls = load("lora-serve.json")
+if ls:
+    print(f"LoRA serve on CUDA (3 adapters, 2 device slots): {'PASS' if ls['ok'] else 'FAIL'} "
+          f"(texts same as CPU {all(ls['same_as_cpu'].values())}, adapters change text {ls['adapters_change_text']}, "
+          f"device uploads {ls['gpu_uploads']:.0f})")
 sv = load("serve.json")
 if sv:
     print(f"serve: CUDA greedy text identical to CPU: {sv['identical_greedy_text']}; cached tokens {sv['cuda_cached_tokens']}; "

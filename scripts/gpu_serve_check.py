@@ -1,16 +1,19 @@
 #!/usr/bin/env python3
 """End to end on a GPU: `kvgate-worker serve --device cuda` against `--device cpu` on the same synthetic model
 (float32 on both), greedy completions of the same prompts must be token-identical; the second request of a prompt
-is a prefix-cache hit on both; then the KV tiers on the GPU (`tiered`: host DRAM, then SSD). Prints one JSON object;
-exits 1 on a mismatch.
+is a prefix-cache hit on both; then the KV tiers on the GPU (`tiered`: host DRAM, then SSD). With `--lora-only
+DEVICE`, LoRA adapters instead (`lora`: three synthesized adapters and the base model, concurrent requests so
+batches mix them, two device slots on CUDA so batches of three adapters run as sub-batches and adapters are evicted
+and uploaded again). Prints one JSON object; exits 1 on a mismatch.
 
-usage: gpu_serve_check.py BIN MODEL_DIR [--tiers-only [DEVICE]]
+usage: gpu_serve_check.py BIN MODEL_DIR [--tiers-only [DEVICE] | --lora-only [DEVICE]]
 """
 import json
 import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 
@@ -76,8 +79,79 @@ def tiered(bin_, model, device, port, want, tier="host"):
             "prompt_tokens": outs[0]["usage"]["prompt_tokens"]}
 
 
+def lora(bin_, model, device, port=18304):
+    """Greedy completions for the base model and three adapters on two prompts, on `device` and on the CPU engine
+    (the reference: it matches PEFT), sent eight at a time so the engine batches different adapters together, then
+    again one by one (prefix-cache hits under each adapter's key). `--max-gpu-loras 2` on CUDA: a batch naming three
+    adapters runs as two, and adapters leave the device and come back."""
+    tmp = tempfile.TemporaryDirectory()
+    names = ["a", "b", "c"]
+    flags = []
+    for seed, name in enumerate(names, start=1):
+        d = os.path.join(tmp.name, name)
+        subprocess.run([bin_, "synth-lora", "--model", model, "--out", d, "--seed", str(seed)], check=True,
+                       stdout=subprocess.DEVNULL)
+        flags += ["--lora", f"{name}={d}"]
+    prompts = [" ".join(f"q{i}" for i in range(n)) for n in (7, 400)]
+    results = {}
+    for dev, p_ in ((device, port), ("cpu", port + 1)):
+        extra = ["--kv-cache-tokens", "16384", *flags] + (["--max-gpu-loras", "2"] if dev == "cuda" else [])
+        p = start(bin_, model, dev, p_, extra)
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{p_}/v1/models") as r:
+                cards = json.load(r)["data"]
+            base = next(c["id"] for c in cards if not c.get("parent"))
+            models = [base, *names]
+            jobs = [(m, i) for m in models for i in range(len(prompts))]
+            first = {}
+
+            def one(job):
+                m, i = job
+                body, _ = post(p_, {"model": m, "prompt": prompts[i], "max_tokens": 16, "temperature": 0})
+                first[job] = body
+
+            threads = [threading.Thread(target=one, args=(j,)) for j in jobs]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            again = {j: post(p_, {"model": j[0], "prompt": prompts[j[1]], "max_tokens": 16, "temperature": 0})[0]
+                     for j in jobs}
+            with urllib.request.urlopen(f"http://127.0.0.1:{p_}/metrics") as r:
+                metrics = r.read().decode()
+        finally:
+            p.terminate()
+            p.wait(timeout=30)
+        results[dev] = {
+            "listed": sorted(c["id"] for c in cards if c.get("parent")),
+            "text": {f"{m}/{i}": first[(m, i)]["choices"][0]["text"] for m, i in jobs},
+            "text_again": {f"{m}/{i}": again[(m, i)]["choices"][0]["text"] for m, i in jobs},
+            "cached_again": {f"{m}/{i}": (again[(m, i)]["usage"].get("prompt_tokens_details") or {})
+                             .get("cached_tokens") or 0 for m, i in jobs},
+            "gpu_uploads": sum(float(l.split()[-1]) for l in metrics.splitlines()
+                               if l.startswith("kvgate_worker_lora_gpu_uploads_total")),
+        }
+    tmp.cleanup()
+    got, want = results[device], results["cpu"]
+    same = {k: got["text"][k] == want["text"][k] == got["text_again"][k] for k in want["text"]}
+    # Each adapter must change some answer, or identical texts would not show that adapters ran.
+    changed = {n: any(want["text"][f"{n}/{i}"] != want["text"][f"{base}/{i}"] for i in range(len(prompts)))
+               for n in names}
+    cached = all(v > 0 for k, v in got["cached_again"].items() if k.endswith("/1"))
+    # On CUDA every adapter went to the device at least once (more: evictions with two slots).
+    uploaded = device != "cuda" or got["gpu_uploads"] >= len(names)
+    ok = all(same.values()) and all(changed.values()) and cached and got["listed"] == sorted(names) and uploaded
+    return {"ok": ok, "device": device, "same_as_cpu": same, "adapters_change_text": changed,
+            "cached_again": got["cached_again"], "listed": got["listed"], "gpu_uploads": got["gpu_uploads"]}
+
+
 def main():
     bin_, model = sys.argv[1], sys.argv[2]
+    if len(sys.argv) > 3 and sys.argv[3] == "--lora-only":
+        # gpu-check.sh's step 7 (cuda), or a local check of the comparison itself (cpu against cpu).
+        out = lora(bin_, model, sys.argv[4] if len(sys.argv) > 4 else "cpu")
+        print(json.dumps(out, indent=1))
+        sys.exit(0 if out["ok"] else 1)
     if len(sys.argv) > 3 and sys.argv[3] == "--tiers-only":
         # Local check of the tier round trip on one device (e.g. cpu against itself).
         device = sys.argv[4] if len(sys.argv) > 4 else "cpu"

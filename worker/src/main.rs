@@ -124,6 +124,13 @@ enum Command {
         out: PathBuf,
         #[arg(long, default_value_t = 0)]
         gpu: usize,
+        /// A LoRA adapter (`NAME=DIR`, repeatable; two exercise a batch of two adapters): the script's sequences run
+        /// with them (`cuda::check::LORA_OF_SEQ`) and the files are `logits-<dtype>-lora.*`.
+        #[arg(long = "lora")]
+        lora: Vec<String>,
+        /// Adapters the CUDA engine keeps in device memory (fewer than `--lora`: sub-batches and evictions).
+        #[arg(long, default_value_t = 2)]
+        gpu_lora_slots: usize,
     },
     /// Benchmark the CUDA engine on the Llama-3-8B shape (random bf16 weights made on the GPU); prints JSON.
     GpuBench {
@@ -216,12 +223,24 @@ fn main() -> ExitCode {
             calibrate(CalibrateArgs { model, synth, out, quick, device, dtype, llama3_8b, name })
         }
         Command::GpuSelftest { gpu, json } => gpu_selftest(gpu, json),
-        Command::GpuLogits { model, dtype, out, gpu } => {
+        Command::GpuLogits { model, dtype, out, gpu, lora, gpu_lora_slots } => {
             let Some(dt) = kvgate_worker::cuda::DType::parse(&dtype) else {
                 eprintln!("gpu-logits: unknown dtype {dtype}");
                 return ExitCode::from(2);
             };
-            match kvgate_worker::cuda::check::logits(&model, gpu, dt, &out, true) {
+            let mut run = kvgate_worker::cuda::check::LoraRun { adapters: Vec::new(), slots: gpu_lora_slots };
+            for l in &lora {
+                match l.split_once('=') {
+                    Some((name, dir)) if !name.is_empty() && !dir.is_empty() => {
+                        run.adapters.push((name.to_owned(), PathBuf::from(dir)))
+                    }
+                    _ => {
+                        eprintln!("gpu-logits: --lora {l:?}: expected NAME=DIR");
+                        return ExitCode::from(2);
+                    }
+                }
+            }
+            match kvgate_worker::cuda::check::logits(&model, gpu, dt, &out, true, &run) {
                 Ok(summary) => {
                     println!("{}", summary["vs_cpu_f32"]);
                     ExitCode::SUCCESS

@@ -9,6 +9,7 @@ use std::path::Path;
 
 use super::forward::{self, GpuChunk, GpuKv, Out, Want, Workspace};
 use super::gpu::{Gpu, GpuResult};
+use super::lora::AdapterCache;
 use super::weights::GpuWeights;
 use super::DType;
 use crate::engine::{Backend, BackendError, BatchItem, Next};
@@ -22,6 +23,8 @@ pub struct CudaBackend {
     kv: GpuKv,
     ws: Workspace,
     block_size: usize,
+    /// LoRA adapters in device memory (`lora.rs`); 0 slots: the base model only.
+    lora: AdapterCache,
 }
 
 impl std::fmt::Debug for CudaBackend {
@@ -59,7 +62,9 @@ impl GpuModel {
 }
 
 /// KV slots (tokens) that fit: `kv_cache_tokens` if given (checked), else `utilization` x free memory less the
-/// scratch of a `max_tokens`-token step with `max_rows` logits rows; rounded down to whole blocks.
+/// scratch of a `max_tokens`-token step with `max_rows` logits rows and `reserved` bytes (LoRA adapters'
+/// device memory, `lora::reserve_bytes`); rounded down to whole blocks.
+#[allow(clippy::too_many_arguments)]
 pub fn kv_slots_for(
     l: &GpuModel,
     utilization: f64,
@@ -67,6 +72,7 @@ pub fn kv_slots_for(
     max_tokens: usize,
     max_rows: usize,
     block_size: usize,
+    reserved: usize,
 ) -> GpuResult<usize> {
     let (free, _) = l.gpu.mem_info()?;
     let per_token = GpuKv::bytes_per_token(&l.cfg, l.weights.dt);
@@ -76,7 +82,7 @@ pub fn kv_slots_for(
         max_tokens,
         max_rows,
         l.cfg.max_position_embeddings.min(1 << 17),
-    );
+    ) + reserved;
     let budget = ((free as f64 * utilization) as usize).saturating_sub(scratch);
     let fits = budget / per_token / block_size * block_size;
     match kv_cache_tokens {
@@ -134,7 +140,19 @@ impl CudaBackend {
             }
             ws.set_decode_tc(ok);
         }
-        Ok(Self { gpu: l.gpu, cfg: l.cfg, w: l.weights, kv, ws, block_size })
+        Ok(Self { gpu: l.gpu, cfg: l.cfg, w: l.weights, kv, ws, block_size, lora: AdapterCache::new(0) })
+    }
+
+    /// Runs LoRA adapters, at most `slots` in device memory at once (their memory reserved by the caller when it
+    /// sized the KV pool: `kv_slots_for`'s `reserved`). 0: the base model only.
+    pub fn with_adapter_slots(mut self, slots: usize) -> Self {
+        self.lora = AdapterCache::new(slots);
+        self
+    }
+
+    /// Adapters it keeps in device memory at once (0: none run).
+    pub fn adapter_slots(&self) -> usize {
+        self.lora.slots()
     }
 
     pub fn gpu(&self) -> &Gpu {
@@ -188,8 +206,16 @@ impl CudaBackend {
     }
 }
 
-impl Backend for CudaBackend {
-    fn forward(&mut self, items: &[BatchItem<'_>]) -> Result<Vec<Option<Next>>, BackendError> {
+impl CudaBackend {
+    /// One sub-batch of items whose distinct adapters fit the device slots: adapters made resident, then the
+    /// forward pass.
+    fn forward_part(&mut self, items: &[BatchItem<'_>]) -> Result<Vec<Option<Out>>, BackendError> {
+        let want: Vec<&crate::model::lora::LoraAdapter> = items.iter().filter_map(|it| it.adapter).collect();
+        if !want.is_empty() && self.lora.slots() == 0 {
+            return Err(BackendError::Unsupported("LoRA on CUDA is off (--max-gpu-loras 0)".into()));
+        }
+        let at = self.lora.ensure(&self.gpu, self.w.dt, &self.cfg, &want)?;
+        let mut at = at.into_iter();
         let chunks: Vec<GpuChunk<'_>> = items
             .iter()
             .map(|it| GpuChunk {
@@ -201,9 +227,22 @@ impl Backend for CudaBackend {
                     (true, true) => Want::Argmax,
                     (true, false) => Want::Logits,
                 },
+                adapter: it.adapter.and_then(|_| at.next()).and_then(|i| self.lora.get(i)),
             })
             .collect();
-        let out = self.run(&chunks)?;
+        Ok(forward::forward(&self.gpu, &self.cfg, &self.w, &self.kv, &mut self.ws, self.block_size, &chunks)?)
+    }
+}
+
+impl Backend for CudaBackend {
+    /// A batch whose items name more distinct adapters than fit in device memory runs as consecutive sub-batches
+    /// (`lora::sub_batches`); each item's result is the same either way.
+    fn forward(&mut self, items: &[BatchItem<'_>]) -> Result<Vec<Option<Next>>, BackendError> {
+        let keys: Vec<Option<&str>> = items.iter().map(|it| it.adapter.map(|a| a.key.as_str())).collect();
+        let mut out = Vec::with_capacity(items.len());
+        for part in super::lora::sub_batches(&keys, self.lora.slots()) {
+            out.extend(self.forward_part(&items[part])?);
+        }
         Ok(out
             .into_iter()
             .map(|o| {
@@ -213,6 +252,11 @@ impl Backend for CudaBackend {
                 })
             })
             .collect())
+    }
+
+    /// With device slots for adapters (`--max-gpu-loras`); UNVERIFIED on a GPU yet (`lora.rs`).
+    fn runs_adapters(&self) -> bool {
+        self.lora.slots() > 0
     }
 
     fn vocab_size(&self) -> usize {

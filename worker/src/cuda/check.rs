@@ -1,7 +1,8 @@
 //! The GPU check's measurements: `gpu-logits` (the CUDA engine's logits against the CPU engine on the same
 //! weights, in the scenarios that exercise every path: one-shot prefill, decode steps, chunked prefill, a cached
-//! prefix, a mixed batch; written out for the comparison with HF transformers) and `gpu-bench` (copy bandwidth,
-//! GEMM rate, paged decode attention bandwidth, prefill and decode throughput, TTFT with a cached prefix).
+//! prefix, a mixed batch; with `--lora`, the same with LoRA adapters and a batch mixing them; written out for the
+//! comparison with HF transformers) and `gpu-bench` (copy bandwidth, GEMM rate, paged decode attention bandwidth,
+//! prefill and decode throughput, TTFT with a cached prefix).
 
 use std::path::Path;
 
@@ -12,8 +13,9 @@ use super::backend::{CudaBackend, GpuModel};
 use super::forward::{as_bytes, GpuChunk, Out, Want};
 use super::gpu::{Gpu, GpuResult};
 use super::DType;
-use crate::engine::CpuBackend;
+use crate::engine::{Backend, BatchItem, CpuBackend, Next};
 use crate::model::llama::LlamaModel;
+use crate::model::lora::{LoraAdapter, DEFAULT_MAX_LORA_RANK};
 use crate::model::ModelConfig;
 
 const BS: usize = 16;
@@ -23,6 +25,9 @@ const BS: usize = 16;
 pub struct Row {
     pub scenario: &'static str,
     pub position: usize,
+    /// The LoRA adapter its sequence ran with (`gpu-logits --lora`); absent: the base model.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub adapter: Option<String>,
 }
 
 /// A chunk of the script: tokens `start..start + len` of sequence `seq` (slot table `tables[seq]`).
@@ -39,8 +44,9 @@ fn slots(blocks: &[usize]) -> Vec<usize> {
     blocks.iter().flat_map(|b| b * BS..(b + 1) * BS).collect()
 }
 
-/// The scenario script over `len` (96) tokens: batches of steps run in order.
-fn script(len: usize) -> (Vec<Vec<usize>>, Vec<Vec<Step>>) {
+/// The scenario script over `len` (96) tokens: batches of steps run in order. With `lora`, four more sequences
+/// and a batch that mixes adapters (see [`LORA_OF_SEQ`]).
+fn script(len: usize, lora: bool) -> (Vec<Vec<usize>>, Vec<Vec<Step>>) {
     let nb = len / BS; // 6
     let own = |first: usize| (first..first + nb).collect::<Vec<usize>>();
     // seq 0 single; 1 decode; 2 chunked; 3 cached (A's first 4 blocks); 4 mixed prefill; 5 mixed decode (A's first 5)
@@ -60,20 +66,66 @@ fn script(len: usize) -> (Vec<Vec<usize>>, Vec<Vec<Step>>) {
     batches.push(vec![s(3, 64, len - 64, true, "cached")]);
     batches.push(vec![s(5, 0, 80, false, "mixed")]);
     batches.push(vec![s(4, 0, 40, true, "mixed"), s(5, 80, 1, true, "mixed")]);
+    let mut tables = tables;
+    if lora {
+        // 6 base, 7 and 9 the first adapter (neighbours in the batch: one run of rows), 8 the second.
+        tables.extend([vec![26, 27, 28], vec![30, 31, 32], vec![70, 71, 72], vec![74]]);
+        batches.push(vec![
+            s(7, 0, 48, true, "mixed_adapters"),
+            s(9, 0, 1, true, "mixed_adapters"),
+            s(6, 0, 48, true, "mixed_adapters"),
+            s(8, 0, 48, true, "mixed_adapters"),
+        ]);
+    }
     (tables, batches)
 }
 
+/// With `gpu-logits --lora A [--lora B]`: the adapter of each sequence of the script (an index into the adapters,
+/// the second wrapping to the first when only one is given; `None`: the base model). Sequences that share blocks
+/// (0, 3 and 5) run with the same adapter, since a block's KV is its adapter's; 4 and 5 make the last `mixed`
+/// batch one of two adapters, and `mixed_adapters` runs the base model (6) beside two adapters in one batch.
+pub const LORA_OF_SEQ: [Option<usize>; 10] =
+    [Some(0), Some(1), None, Some(0), Some(1), Some(0), None, Some(0), Some(1), Some(0)];
+
+/// LoRA adapters for [`logits`]: `(name, dir)` each, and the device slots the CUDA engine gets (fewer than the
+/// adapters: a batch naming more runs as sub-batches, and adapters are evicted and uploaded again).
+#[derive(Clone, Debug, Default)]
+pub struct LoraRun {
+    pub adapters: Vec<(String, std::path::PathBuf)>,
+    pub slots: usize,
+}
+
 /// Runs the script on the GPU (and the CPU engine when `cpu`); writes `logits-<dtype>.bin` (f32 rows) and
-/// `logits-<dtype>.json` under `out`, and returns the JSON summary.
-pub fn logits(dir: &Path, ordinal: usize, dt: DType, out: &Path, cpu: bool) -> GpuResult<serde_json::Value> {
+/// `logits-<dtype>.json` under `out` (`logits-<dtype>-lora.*` with adapters, each row naming its adapter; the GPU
+/// then runs through the engine's `Backend::forward`, as serving does), and returns the JSON summary.
+pub fn logits(
+    dir: &Path,
+    ordinal: usize,
+    dt: DType,
+    out: &Path,
+    cpu: bool,
+    lora: &LoraRun,
+) -> GpuResult<serde_json::Value> {
     let len = 96;
     let l = GpuModel::from_dir(dir, ordinal, dt)?;
-    let vocab = l.cfg.vocab_size;
+    let cfg = l.cfg.clone();
+    let vocab = cfg.vocab_size;
     let tokens: Vec<u32> = (0..len).map(|i| ((i * 7919 + 13) % vocab) as u32).collect();
-    let (tables, batches) = script(len);
+    let with_lora = !lora.adapters.is_empty();
+    let (tables, batches) = script(len, with_lora);
     let slot_tables: Vec<Vec<usize>> = tables.iter().map(|t| slots(t)).collect();
     let num_slots = 80 * BS;
-    let mut gpu = CudaBackend::new(l, num_slots, BS)?;
+    let adapters: Vec<LoraAdapter> = lora
+        .adapters
+        .iter()
+        .map(|(name, d)| LoraAdapter::load(d, name, &cfg, DEFAULT_MAX_LORA_RANK).map_err(|e| e.to_string()))
+        .collect::<Result<_, _>>()?;
+    let adapter_of = |seq: usize| match with_lora {
+        true => LORA_OF_SEQ[seq].map(|i| &adapters[i % adapters.len()]),
+        false => None,
+    };
+    let mut gpu =
+        CudaBackend::new(l, num_slots, BS)?.with_adapter_slots(if with_lora { lora.slots.max(1) } else { 0 });
     let mut cpu_backend = if cpu {
         Some(CpuBackend::new(LlamaModel::load(dir).map_err(|e| e.to_string())?, num_slots))
     } else {
@@ -83,46 +135,64 @@ pub fn logits(dir: &Path, ordinal: usize, dt: DType, out: &Path, cpu: bool) -> G
     let mut gpu_rows: Vec<Vec<f32>> = Vec::new();
     let mut cpu_rows: Vec<Vec<f32>> = Vec::new();
     for batch in &batches {
-        let chunks: Vec<GpuChunk<'_>> = batch
+        let items: Vec<BatchItem<'_>> = batch
             .iter()
-            .map(|s| GpuChunk {
-                tokens: &tokens[s.start..s.start + s.len],
+            .map(|s| BatchItem {
+                tokens: &tokens,
                 start: s.start,
-                slots: &slot_tables[s.seq],
-                want: if s.want { Want::Logits } else { Want::Nothing },
+                len: s.len,
+                slots: slot_tables[s.seq].clone(),
+                want_next: s.want,
+                greedy: false,
+                adapter: adapter_of(s.seq),
             })
             .collect();
-        let got = gpu.run(&chunks)?;
-        let cpu_got = match cpu_backend.as_mut() {
-            Some(c) => {
-                let items: Vec<crate::engine::BatchItem<'_>> = batch
+        let got: Vec<Option<Vec<f32>>> = match with_lora {
+            true => Backend::forward(&mut gpu, &items)
+                .map_err(|e| e.to_string())?
+                .into_iter()
+                .map(|o| match o {
+                    Some(Next::Logits(l)) => Some(l),
+                    _ => None,
+                })
+                .collect(),
+            false => {
+                let chunks: Vec<GpuChunk<'_>> = batch
                     .iter()
-                    .map(|s| crate::engine::BatchItem {
-                        tokens: &tokens,
+                    .map(|s| GpuChunk {
+                        tokens: &tokens[s.start..s.start + s.len],
                         start: s.start,
-                        len: s.len,
-                        slots: slot_tables[s.seq].clone(),
-                        want_next: s.want,
-                        greedy: false,
+                        slots: &slot_tables[s.seq],
+                        want: if s.want { Want::Logits } else { Want::Nothing },
                         adapter: None,
                     })
                     .collect();
-                Some(crate::engine::Backend::forward(c, &items).map_err(|e| e.to_string())?)
+                gpu.run(&chunks)?
+                    .into_iter()
+                    .map(|o| match o {
+                        Some(Out::Logits(l)) => Some(l),
+                        _ => None,
+                    })
+                    .collect()
             }
+        };
+        let cpu_got = match cpu_backend.as_mut() {
+            Some(c) => Some(Backend::forward(c, &items).map_err(|e| e.to_string())?),
             None => None,
         };
         for (i, s) in batch.iter().enumerate() {
             if !s.want {
                 continue;
             }
-            let Some(Out::Logits(v)) = &got[i] else {
+            let Some(v) = &got[i] else {
                 return Err(format!("no logits for {}", s.scenario).into());
             };
-            rows.push(Row { scenario: s.scenario, position: s.start + s.len - 1 });
+            let adapter = adapter_of(s.seq).map(|a| a.name.clone());
+            rows.push(Row { scenario: s.scenario, position: s.start + s.len - 1, adapter });
             gpu_rows.push(v.clone());
             if let Some(c) = &cpu_got {
                 match &c[i] {
-                    Some(crate::engine::Next::Logits(l)) => cpu_rows.push(l.clone()),
+                    Some(Next::Logits(l)) => cpu_rows.push(l.clone()),
                     _ => return Err("the CPU engine returned no logits".into()),
                 }
             }
@@ -130,17 +200,21 @@ pub fn logits(dir: &Path, ordinal: usize, dt: DType, out: &Path, cpu: bool) -> G
     }
     let flat: Vec<f32> = gpu_rows.iter().flatten().copied().collect();
     std::fs::create_dir_all(out).map_err(|e| e.to_string())?;
-    let name = dt.hf_name();
+    let name = format!("{}{}", dt.hf_name(), if with_lora { "-lora" } else { "" });
     std::fs::write(out.join(format!("logits-{name}.bin")), as_bytes(&flat)).map_err(|e| e.to_string())?;
     let vs_cpu = (!cpu_rows.is_empty()).then(|| agreement(&gpu_rows, &cpu_rows));
     let summary = json!({
         "model": dir.display().to_string(),
-        "dtype": name,
+        "dtype": dt.hf_name(),
         "device": gpu.describe(),
         "vocab": vocab,
         "tokens": tokens,
         "rows": rows,
         "vs_cpu_f32": vs_cpu,
+        "adapters": adapters.iter().zip(&lora.adapters).map(|(a, (_, d))| json!({
+            "name": a.name, "dir": d.display().to_string(), "key": a.key, "rank": a.rank, "scaling": a.scaling,
+        })).collect::<Vec<_>>(),
+        "gpu_lora_slots": gpu.adapter_slots(),
     });
     std::fs::write(out.join(format!("logits-{name}.json")), summary.to_string())
         .map_err(|e| e.to_string())?;
@@ -332,7 +406,13 @@ pub fn bench(ordinal: usize, quick: bool, kernels_only: bool) -> GpuResult<serde
             while s < n {
                 let len = 8192.min(n - s);
                 let want = if s + len == n { Want::Argmax } else { Want::Nothing };
-                b.run(&[GpuChunk { tokens: &tokens[s..s + len], start: s, slots: &seq_slots, want }])?;
+                b.run(&[GpuChunk {
+                    tokens: &tokens[s..s + len],
+                    start: s,
+                    slots: &seq_slots,
+                    want,
+                    adapter: None,
+                }])?;
                 s += len;
             }
             Ok(())
@@ -351,8 +431,14 @@ pub fn bench(ordinal: usize, quick: bool, kernels_only: bool) -> GpuResult<serde
     if b.flash() {
         b.set_flash(false);
         let ms = time_ms(&mut b, 2, |b| {
-            b.run(&[GpuChunk { tokens: &tokens[..8192], start: 0, slots: &seq_slots, want: Want::Argmax }])
-                .map(|_| ())
+            b.run(&[GpuChunk {
+                tokens: &tokens[..8192],
+                start: 0,
+                slots: &seq_slots,
+                want: Want::Argmax,
+                adapter: None,
+            }])
+            .map(|_| ())
         })?;
         b.set_flash(true);
         report["prefill_8k_gemm_attention_ms"] = json!(ms);
@@ -369,6 +455,7 @@ pub fn bench(ordinal: usize, quick: bool, kernels_only: bool) -> GpuResult<serde
                 start: cached,
                 slots: &seq_slots,
                 want: Want::Argmax,
+                adapter: None,
             }])
             .map(|_| ())
         })?;
@@ -388,7 +475,13 @@ pub fn bench(ordinal: usize, quick: bool, kernels_only: bool) -> GpuResult<serde
         let ms = time_ms(&mut b, 10, |b| {
             let chunks: Vec<GpuChunk<'_>> = tables
                 .iter()
-                .map(|t| GpuChunk { tokens: &step_tokens[ctx..], start: ctx, slots: t, want: Want::Argmax })
+                .map(|t| GpuChunk {
+                    tokens: &step_tokens[ctx..],
+                    start: ctx,
+                    slots: t,
+                    want: Want::Argmax,
+                    adapter: None,
+                })
                 .collect();
             b.run(&chunks).map(|_| ())
         })?;

@@ -13,6 +13,7 @@
 
 use super::attention::{self, Heads, PrefillScratch, SCORE_BUDGET};
 use super::gpu::{DevBuf, Gpu, GpuError, GpuResult, Scratch};
+use super::lora::{GpuAdapter, Site};
 use super::weights::{ptr, GpuWeights};
 use super::DType;
 use crate::model::ModelConfig;
@@ -75,6 +76,8 @@ pub struct GpuChunk<'a> {
     /// Slot of every position `0..start + tokens.len()`.
     pub slots: &'a [usize],
     pub want: Want,
+    /// The LoRA adapter its sequence runs with (in device memory); `None`: the base model.
+    pub adapter: Option<&'a GpuAdapter>,
 }
 
 /// What a chunk wants back for its last token.
@@ -110,6 +113,8 @@ pub struct Workspace {
     decode_tc: bool,
     prefill: PrefillScratch,
     logits: Scratch,
+    /// LoRA's `x . A^T` rows (`lora::GpuAdapter::apply`).
+    lora_low: Scratch,
 }
 
 impl Workspace {
@@ -250,6 +255,7 @@ pub fn forward(
     let gu = ws.gu.get(gpu, n * 2 * inter * es)?;
     let act = ws.act.get(gpu, n * inter * es)?;
     let eps = cfg.rms_norm_eps as f32;
+    let lora = AdapterRuns::of(gpu, dt, chunks, n, &mut ws.lora_low)?;
 
     // embed + first norm
     let (mut a0, mut a1, mut a2, mut hid) = (x, w.embed.ptr(), m(o_ids), hidden as i32);
@@ -272,6 +278,7 @@ pub fn forward(
 
     for (li, layer) in w.layers.iter().enumerate() {
         gpu.linear(dt, dt, qkv, qkvd, xn, hidden, layer.wqkv.ptr(), n, qkvd, hidden)?;
+        lora.apply(gpu, dt, li, Site::Qkv, (xn, hidden), (qkv, qkvd))?;
         {
             let (mut a, mut b, mut qq, mut kc, mut vc) =
                 (qkv, layer.bqkv.as_ref().map_or(0, |b| b.ptr()), q, kv.k[li].ptr(), kv.v[li].ptr());
@@ -324,8 +331,10 @@ pub fn forward(
             )?;
         }
         gpu.linear(dt, dt, y, hidden, o, qd, layer.wo.ptr(), n, hidden, qd)?;
+        lora.apply(gpu, dt, li, Site::O, (o, qd), (y, hidden))?;
         add_rmsnorm(gpu, sfx, x, y, xn, layer.post_norm.ptr(), n, hidden, eps)?;
         gpu.linear(dt, dt, gu, 2 * inter, xn, hidden, layer.wgate_up.ptr(), n, 2 * inter, hidden)?;
+        lora.apply(gpu, dt, li, Site::GateUp, (xn, hidden), (gu, 2 * inter))?;
         {
             let (mut a, mut b, mut i_) = (act, gu, inter as i32);
             gpu.launch(
@@ -337,6 +346,7 @@ pub fn forward(
             )?;
         }
         gpu.linear(dt, dt, y, hidden, act, inter, layer.wdown.ptr(), n, hidden, inter)?;
+        lora.apply(gpu, dt, li, Site::Down, (act, inter), (y, hidden))?;
         let next_norm = w.layers.get(li + 1).map_or(w.norm.ptr(), |l| l.input_norm.ptr());
         add_rmsnorm(gpu, sfx, x, y, xn, next_norm, n, hidden, eps)?;
     }
@@ -402,6 +412,55 @@ pub fn forward(
     }
     gpu.sync()?;
     Ok(out)
+}
+
+/// The batch's rows that run with adapters, as runs of one adapter, and the scratch their updates use.
+struct AdapterRuns<'a> {
+    adapters: Vec<&'a GpuAdapter>,
+    runs: Vec<super::lora::Run>,
+    low: u64,
+}
+
+impl<'a> AdapterRuns<'a> {
+    fn of(gpu: &Gpu, dt: DType, chunks: &[GpuChunk<'a>], n: usize, scratch: &mut Scratch) -> GpuResult<Self> {
+        let mut adapters: Vec<&'a GpuAdapter> = Vec::new();
+        let which: Vec<Option<usize>> = chunks
+            .iter()
+            .map(|c| {
+                c.adapter.map(|a| match adapters.iter().position(|b| std::ptr::eq(*b, a)) {
+                    Some(i) => i,
+                    None => {
+                        adapters.push(a);
+                        adapters.len() - 1
+                    }
+                })
+            })
+            .collect();
+        let lens: Vec<usize> = chunks.iter().map(|c| c.tokens.len()).collect();
+        let runs = super::lora::runs(&lens, &which);
+        let widest = adapters.iter().map(|a| a.max_rows).max().unwrap_or(0);
+        let low = match runs.is_empty() {
+            true => 0,
+            false => scratch.get(gpu, n * widest * dt.size())?,
+        };
+        Ok(Self { adapters, runs, low })
+    }
+
+    /// Every run's adapter update of `site` in `layer`: `y` rows `+=` the update of the same rows of `x`.
+    fn apply(
+        &self,
+        gpu: &Gpu,
+        dt: DType,
+        layer: usize,
+        site: Site,
+        x: (u64, usize),
+        y: (u64, usize),
+    ) -> GpuResult<()> {
+        for &(row0, m, a) in &self.runs {
+            self.adapters[a].apply(gpu, dt, layer, site, x, y, (row0, m), self.low)?;
+        }
+        Ok(())
+    }
 }
 
 #[allow(clippy::too_many_arguments)]

@@ -7,6 +7,7 @@
 //! - `weights`: the model's tensors on the device (loaded from safetensors, or random for benchmarks);
 //! - `attention`: split-K paged decode and GEMM-based causal prefill over the pool;
 //! - `forward`: the Llama-family forward pass over the paged KV pool in device memory;
+//! - `lora`: LoRA adapters' updates of the fused projections and their device cache (unverified on a GPU yet);
 //! - `backend`: [`CudaBackend`], the engine's `Backend` on a GPU, and KV pool sizing;
 //! - `selftest`: every kernel against its CPU reference (`kvgate-worker gpu-selftest`);
 //! - `check`: logits against the CPU engine and benchmarks (`kvgate-worker gpu-logits`, `gpu-bench`).
@@ -17,6 +18,7 @@ pub mod check;
 pub mod compile;
 pub mod forward;
 pub mod gpu;
+pub mod lora;
 pub mod selftest;
 pub mod weights;
 

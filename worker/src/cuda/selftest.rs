@@ -96,6 +96,9 @@ pub fn run(ordinal: usize) -> GpuResult<Vec<Case>> {
         cases.push(linear(&gpu, dt, &mut rng, 2, 1000, 128, DType::F32)?);
         cases.push(linear(&gpu, dt, &mut rng, 8, 77, 1032, dt)?);
         cases.extend(norms(&gpu, dt, &mut rng)?);
+        // LoRA's update of a fused projection: m <= 2 takes the GEMV kernel for x . A^T, 37 rows cuBLAS.
+        cases.push(lora_site(&gpu, dt, &mut rng, 1)?);
+        cases.push(lora_site(&gpu, dt, &mut rng, 37)?);
         cases.push(silu(&gpu, dt, &mut rng)?);
         cases.push(embed(&gpu, dt, &mut rng)?);
         cases.extend(rope(&gpu, dt, &mut rng)?);
@@ -487,6 +490,60 @@ fn prefill(gpu: &Gpu, dt: DType, rng: &mut Rng, h: Heads, flash: bool) -> GpuRes
         if flash { "prefill_attn (flash)" } else { "prefill_attn (GEMM)" },
         dt,
         format!("chunks (start, len) {chunks:?}, {}/{} heads x {}", h.heads, h.kv_heads, h.head_dim),
+        &got,
+        &want,
+    ))
+}
+
+/// A LoRA adapter's update of a fused projection (`lora::GpuAdapter::apply`) on a run of `m` rows in the middle of
+/// a batch, added to outputs that already hold the base projection (beta 1), against `lora::apply_host`: the fused
+/// output has three targets, the middle one not adapted; rows outside the run must stay as they were.
+fn lora_site(gpu: &Gpu, dt: DType, rng: &mut Rng, m: usize) -> GpuResult<Case> {
+    use super::lora::{apply_host, GpuAdapter, HostAdapter, HostOut, HostSite, Site};
+    let (fin, rank, row0, scaling) = (264, 4, 3, 1.5f32);
+    let widths = [48, 16, 24];
+    let ldy: usize = widths.iter().sum();
+    let rows_total = row0 + m + 2;
+    let mut host = |n: usize, scale: f32| -> Vec<f32> {
+        rng.vec(n, scale).into_iter().map(|v| bf16_round(v, dt)).collect()
+    };
+    let site = HostSite {
+        a: host(2 * rank * fin, 0.1),
+        rows: 2 * rank,
+        fin,
+        outs: vec![
+            HostOut { col0: 0, out: widths[0], a_row0: 0, b: host(widths[0] * rank, 0.5) },
+            HostOut {
+                col0: widths[0] + widths[1],
+                out: widths[2],
+                a_row0: rank,
+                b: host(widths[2] * rank, 0.5),
+            },
+        ],
+    };
+    let xv = host(rows_total * fin, 1.0);
+    let yv = host(rows_total * ldy, 1.0);
+    let adapter = HostAdapter {
+        key: "selftest".into(),
+        rank,
+        scaling,
+        layers: vec![[Some(site.clone()), None, None, None]],
+    };
+    let dev = GpuAdapter::upload(gpu, dt, &adapter)?;
+    let x = upload_as(gpu, dt, &xv)?;
+    let y = upload_as(gpu, dt, &yv)?;
+    let low = gpu.zeros(m * 2 * rank * dt.size())?;
+    dev.apply(gpu, dt, 0, Site::Qkv, (x.ptr(), fin), (y.ptr(), ldy), (row0, m), low.ptr())?;
+    let got = download_f32(gpu, dt, y.ptr(), rows_total * ldy)?;
+    let mut want = yv.clone();
+    let run = row0 * ldy..(row0 + m) * ldy;
+    apply_host(&site, rank, scaling, &xv[row0 * fin..(row0 + m) * fin], fin, &mut want[run], ldy);
+    let want: Vec<f32> = want.into_iter().map(|v| bf16_round(v, dt)).collect();
+    let path = if m <= super::gpu::GEMV_MAX_ROWS { "GEMV + cuBLAS" } else { "cuBLAS" };
+    Ok(compare(
+        &format!("lora site ({path})"),
+        dt,
+        format!("{m} of {rows_total} rows, in {fin}, out {widths:?} (middle not adapted), rank {rank}"),
         &got,
         &want,
     ))

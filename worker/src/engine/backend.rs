@@ -51,7 +51,7 @@ pub trait Backend: Send {
     fn eos_token_ids(&self) -> Vec<u32>;
 
     /// Whether it applies [`BatchItem::adapter`] (default: no, and a request with an adapter is refused at
-    /// admission: the CUDA path has no LoRA kernels yet, the simulated engine models no adapters).
+    /// admission: the simulated engine models no adapters; CUDA runs them when it has device slots).
     fn runs_adapters(&self) -> bool {
         false
     }

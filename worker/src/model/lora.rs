@@ -1,6 +1,7 @@
 //! LoRA adapters in PEFT's on-disk format (`adapter_config.json` + `adapter_model.safetensors`), read and checked
 //! against the base model ([`LoraAdapter::load`]), and synthesized for tests ([`synth_lora`], as `synth-model`
-//! synthesizes models). A first step of issue #47: the engine does not apply adapters yet.
+//! synthesizes models). The CPU engine applies them in `model::llama` ([`LoraAdapter::delta`]), the CUDA engine in
+//! `cuda::lora` (packed for its fused projections).
 //!
 //! What an adapter changes: each targeted projection `y = x W^T` becomes `y = x W^T + s (x A^T) B^T`, with `A`
 //! `[r, in]`, `B` `[out, r]` (PEFT's `lora_A.weight` / `lora_B.weight`) and `s = lora_alpha / r` (`lora_alpha /

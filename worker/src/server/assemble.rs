@@ -96,7 +96,7 @@ pub fn load(cfg: &ServeConfig, worker_id: &str) -> Result<ServingModel, String> 
 /// change).
 #[derive(Debug, thiserror::Error)]
 pub enum AdapterError {
-    #[error("--lora: this engine does not run LoRA adapters (the CPU engine does; CUDA not yet)")]
+    #[error("--lora: this engine does not run LoRA adapters (the simulated engine, or CUDA with --max-gpu-loras 0)")]
     Unsupported,
     #[error("--lora: the base model: {0}")]
     Model(crate::model::ModelError),

@@ -43,7 +43,7 @@ pub struct ServeArgs {
     #[arg(long, env = "KVGATE_WORKER_SYNTH_DIR")]
     pub synth_dir: Option<PathBuf>,
     /// A LoRA adapter in PEFT's format to serve as `NAME` (`NAME=DIR`, repeatable; env: comma-separated): a request
-    /// whose `model` is `NAME` runs with it, on the CPU engine. Default none.
+    /// whose `model` is `NAME` runs with it (the CPU engine; CUDA with `--max-gpu-loras` above 0). Default none.
     #[arg(long = "lora", env = "KVGATE_WORKER_LORA", value_delimiter = ',')]
     pub lora: Option<Vec<String>>,
     /// Largest LoRA rank an adapter may have.
@@ -54,6 +54,12 @@ pub struct ServeArgs {
     /// adapters.
     #[arg(long, env = "KVGATE_WORKER_MAX_LORAS", default_value = kvgate_shared::default_text!(crate::server::adapters::DEFAULT_MAX_LORAS))]
     pub max_loras: Option<usize>,
+    /// CUDA: LoRA adapters kept in device memory at once (least recently used evicted; a batch naming more runs
+    /// as several). Device memory for this many adapters of `--max-lora-rank` on every projection is kept out of
+    /// the KV pool at start. 0: CUDA serves the base model only (requests naming an adapter are refused). No
+    /// effect on the CPU engine, whose adapters live in host memory.
+    #[arg(long, env = "KVGATE_WORKER_MAX_GPU_LORAS", default_value = kvgate_shared::default_text!(crate::cuda::lora::DEFAULT_MAX_GPU_LORAS))]
+    pub max_gpu_loras: Option<usize>,
     /// The directory runtime loads (`POST /v1/load_lora_adapter`) may read adapters from: a `lora_path` outside it
     /// (after resolving links) is refused (403 `lora_path_forbidden`). Default: none, any directory this process
     /// can read (the caller is already authenticated).
@@ -250,6 +256,7 @@ pub struct ServeConfig {
     pub lora: Vec<(String, PathBuf)>,
     pub max_lora_rank: usize,
     pub max_loras: usize,
+    pub max_gpu_loras: usize,
     pub lora_root: Option<PathBuf>,
     pub admin_token: Option<String>,
     pub host_kv_bytes: usize,
@@ -402,6 +409,7 @@ impl ServeArgs {
                 .collect::<Result<_, _>>()?,
             max_lora_rank: set!(max_lora_rank),
             max_loras: set!(max_loras),
+            max_gpu_loras: set!(max_gpu_loras),
             lora_root: pick!(lora_root),
             admin_token: pick!(admin_token).filter(|t| !t.is_empty()),
             host_kv_bytes: set!(host_kv_bytes),

@@ -85,6 +85,15 @@ fn cuda(cfg: &ServeConfig, dir: &Path, ordinal: usize) -> Result<DeviceBackend, 
     let bs = cfg.block_size as usize;
     let l = crate::cuda::backend::GpuModel::from_dir(dir, ordinal, cfg.dtype)
         .map_err(|e| format!("--device cuda:{ordinal}: {e} (--device cpu serves on the CPU)"))?;
+    // Adapters need no device memory where the worker can hold none.
+    let adapter_slots = if cfg.max_loras == 0 { 0 } else { cfg.max_gpu_loras.min(cfg.max_loras) };
+    let reserved = crate::cuda::lora::reserve_bytes(
+        &l.cfg,
+        l.weights.dt,
+        adapter_slots,
+        cfg.max_lora_rank,
+        cfg.max_num_batched_tokens,
+    );
     let slots = crate::cuda::backend::kv_slots_for(
         &l,
         cfg.gpu_memory_utilization,
@@ -92,11 +101,14 @@ fn cuda(cfg: &ServeConfig, dir: &Path, ordinal: usize) -> Result<DeviceBackend, 
         cfg.max_num_batched_tokens,
         cfg.max_num_seqs,
         bs,
+        reserved,
     )?;
     let max_model_len = l.cfg.max_position_embeddings;
-    let backend = crate::cuda::CudaBackend::new(l, slots, bs)?;
+    let backend = crate::cuda::CudaBackend::new(l, slots, bs)?.with_adapter_slots(adapter_slots);
     let device = backend.describe();
-    tracing::info!(device = %device, kv_cache_tokens = slots, "CUDA engine");
+    tracing::info!(device = %device, kv_cache_tokens = slots, lora_slots = adapter_slots,
+        lora_reserved_mib = reserved >> 20, "CUDA engine");
+
     Ok(DeviceBackend {
         backend: Box::new(backend),
         kv_slots: slots,
