@@ -106,23 +106,16 @@ st = load("selftest.json") or []
 if st:
     print(f"selftest: {sum(c['pass'] for c in st)}/{len(st)} kernel cases pass"
       + "".join(f"\n  FAIL {c['kernel']} {c['dtype']} rel {c['rel_err']:.2e} ({c['shape']})" for c in st if not c["pass"]))
-lg = load("logits.json") or {}
-for dt in ("float32", "bfloat16"):
-    d = lg.get(dt)
+logits = {**(load("logits.json") or {}), **(load("lora-logits.json") or {})}
+for dt in ("float32", "bfloat16", "float32-lora", "bfloat16-lora"):
+    d = logits.get(dt)
     if d:
         h, c = d["vs_hf"], d.get("vs_cpu_f32") or {}
-        print(f"logits {dt}: vs HF max rel {h['max_rel_diff']:.2e}, top-1 {h['top1_agree']:.3f} ({h['rows']} rows) "
-              f"{'PASS' if h['pass'] else 'FAIL'} [{h['criterion']}]; vs CPU engine max rel "
-              f"{c.get('max_rel_diff', float('nan')):.2e}, top-1 {c.get('top1_agree', float('nan')):.3f}")
-ll = load("lora-logits.json") or {}
-for dt in ("float32-lora", "bfloat16-lora"):
-    d = ll.get(dt)
-    if d:
-        h, c = d["vs_hf"], d.get("vs_cpu_f32") or {}
-        print(f"LoRA logits {dt}: vs HF (merged) max rel {h['max_rel_diff']:.2e}, top-1 {h['top1_agree']:.3f} "
-              f"({h['rows']} rows, adapter effect {d.get('adapter_effect_min_rel', float('nan')):.2e}) "
-              f"{'PASS' if h['pass'] else 'FAIL'} [{h['criterion']}]; vs CPU engine max rel "
-              f"{c.get('max_rel_diff', float('nan')):.2e}, top-1 {c.get('top1_agree', float('nan')):.3f}")
+        lora = f", adapter effect {d['adapter_effect_min_rel']:.2e}" if "adapter_effect_min_rel" in d else ""
+        print(f"logits {dt}: vs HF{' (merged)' if lora else ''} max rel {h['max_rel_diff']:.2e}, top-1 "
+              f"{h['top1_agree']:.3f} ({h['rows']} rows{lora}) {'PASS' if h['pass'] else 'FAIL'} [{h['criterion']}]; "
+              f"vs CPU engine max rel {c.get('max_rel_diff', float('nan')):.2e}, "
+              f"top-1 {c.get('top1_agree', float('nan')):.3f}")
 l1 = load("lora-1slot.json")
 if l1:
     print(f"LoRA logits float32, 1 device slot: vs CPU engine max rel {l1.get('max_rel_diff', float('nan')):.2e}, "
