@@ -209,10 +209,12 @@ impl CudaBackend {
 impl CudaBackend {
     /// One sub-batch of items whose distinct adapters fit the device slots: adapters made resident, then the
     /// forward pass.
-    fn forward_part(&mut self, items: &[BatchItem<'_>]) -> Result<Vec<Option<Out>>, BackendError> {
+    fn forward_part(&mut self, items: &[&BatchItem<'_>]) -> Result<Vec<Option<Out>>, BackendError> {
         let want: Vec<&crate::model::lora::LoraAdapter> = items.iter().filter_map(|it| it.adapter).collect();
         if !want.is_empty() && self.lora.slots() == 0 {
-            return Err(BackendError::Unsupported("LoRA on CUDA is off (--max-gpu-loras 0)".into()));
+            return Err(BackendError::Unsupported(
+                "LoRA on CUDA has no device slots (--max-gpu-loras)".into(),
+            ));
         }
         let at = self.lora.ensure(&self.gpu, self.w.dt, &self.cfg, &want)?;
         let mut at = at.into_iter();
@@ -235,23 +237,26 @@ impl CudaBackend {
 }
 
 impl Backend for CudaBackend {
-    /// A batch whose items name more distinct adapters than fit in device memory runs as consecutive sub-batches
-    /// (`lora::sub_batches`); each item's result is the same either way.
+    /// Items run grouped by adapter, and a batch naming more distinct adapters than fit in device memory runs as
+    /// consecutive sub-batches (`lora::plan`); results come back in the batch's order, each the same either way.
     fn forward(&mut self, items: &[BatchItem<'_>]) -> Result<Vec<Option<Next>>, BackendError> {
-        let keys: Vec<Option<&str>> = items.iter().map(|it| it.adapter.map(|a| a.key.as_str())).collect();
-        let mut out = Vec::with_capacity(items.len());
-        for part in super::lora::sub_batches(&keys, self.lora.slots()) {
-            out.extend(self.forward_part(&items[part])?);
+        let next = |o: Out| match o {
+            Out::Logits(l) => Next::Logits(l),
+            Out::Token(t) => Next::Token(t),
+        };
+        if items.iter().all(|it| it.adapter.is_none()) {
+            let all: Vec<&BatchItem<'_>> = items.iter().collect();
+            return Ok(self.forward_part(&all)?.into_iter().map(|o| o.map(next)).collect());
         }
-        Ok(out
-            .into_iter()
-            .map(|o| {
-                o.map(|o| match o {
-                    Out::Logits(l) => Next::Logits(l),
-                    Out::Token(t) => Next::Token(t),
-                })
-            })
-            .collect())
+        let keys: Vec<Option<&str>> = items.iter().map(|it| it.adapter.map(|a| a.key.as_str())).collect();
+        let mut out: Vec<Option<Next>> = vec![None; items.len()];
+        for part in super::lora::plan(&keys, |k| self.lora.holds(k), self.lora.slots()) {
+            let these: Vec<&BatchItem<'_>> = part.iter().map(|i| &items[*i]).collect();
+            for (i, o) in part.iter().zip(self.forward_part(&these)?) {
+                out[*i] = o.map(next);
+            }
+        }
+        Ok(out)
     }
 
     /// With device slots for adapters (`--max-gpu-loras`); UNVERIFIED on a GPU yet (`lora.rs`).

@@ -10,26 +10,22 @@
 //! y[rows, c_t..c_t + out_t] += s . low[:, j_t r..(j_t + 1) r] . B_t[out_t, r]^T      per target t (beta = 1)
 //! ```
 //! with `c_t` the target's first column in the fused output (q 0, k q, v q + kv; gate 0, up i) and `s` the adapter's
-//! scaling. Rows run in contiguous runs of one adapter (one pair of GEMMs per run: a batch of many adapters costs
-//! launches, not a gather; punica-style grouped kernels would do better and are not written).
+//! scaling. A batch's rows are grouped by adapter ([`plan`]), so each adapter's rows are one run: per site, one GEMM
+//! for `x Aᵀ` and one per target for `Bᵀ`. A batch of many adapters costs launches, not a gather (Punica-style
+//! grouped SGMV kernels would launch once per site for all adapters and are not written).
 //!
 //! Device memory: [`AdapterCache`] holds at most `--max-gpu-loras` adapters (uploaded on first use from the host
 //! copy the worker's adapter store keeps, one allocation each laid out by [`flatten`]; least recently used
 //! evicted, never one the batch being run needs); the KV pool is sized after reserving [`reserve_bytes`]
 //! (that many adapters at `--max-lora-rank` on all seven projections, and the `low` scratch), so adapters never
-//! run the device out of memory mid-serving. A batch naming more distinct adapters than slots runs as consecutive
-//! sub-batches ([`sub_batches`]).
-
-use std::ops::Range;
+//! run the device out of memory mid-serving. A batch runs grouped by adapter, and one naming more distinct adapters
+//! than slots runs as consecutive sub-batches, adapters already resident first ([`plan`]).
 
 use super::gpu::{DevBuf, Gpu, GpuError, GpuResult};
 use super::weights::upload_as;
 use super::DType;
 use crate::model::lora::{LoraAdapter, Target};
 use crate::model::ModelConfig;
-
-/// Adapters held in device memory at once when `--max-gpu-loras` is not given.
-pub const DEFAULT_MAX_GPU_LORAS: usize = 4;
 
 /// A fused projection of the forward pass an adapter may update.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -176,8 +172,9 @@ pub fn slot_bytes(cfg: &ModelConfig, dt: DType, rank: usize) -> usize {
     per_layer * cfg.num_hidden_layers * dt.size()
 }
 
-/// Device memory kept from the KV pool for `slots` adapters of up to `max_rank` and the `low` scratch of a step of
-/// `max_tokens` tokens (0 when `slots` is 0).
+/// Device memory kept from the KV pool for `slots` adapters of up to `max_rank`, the `low` scratch of a step of
+/// `max_tokens` tokens (rounded up as `Scratch` allocates) and the f32 staging buffer an upload converts through
+/// (`weights::upload_as`: at most 2^24 values); 0 when `slots` is 0.
 pub fn reserve_bytes(
     cfg: &ModelConfig,
     dt: DType,
@@ -188,32 +185,45 @@ pub fn reserve_bytes(
     if slots == 0 {
         return 0;
     }
-    slots * slot_bytes(cfg, dt, max_rank) + max_tokens * 3 * max_rank * dt.size()
+    let one = slot_bytes(cfg, dt, max_rank);
+    let staging = if dt == DType::F32 { 0 } else { (one / dt.size()).min(1 << 24) * 4 };
+    slots * one + (max_tokens * 3 * max_rank * dt.size()).next_multiple_of(1 << 20) + staging
 }
 
-/// Splits a batch whose items run with adapters `keys` (`None`: the base model) into consecutive sub-batches of at
-/// most `slots` distinct adapters each (one sub-batch when `slots` suffices; `slots` 0 counts as 1).
-pub fn sub_batches(keys: &[Option<&str>], slots: usize) -> Vec<Range<usize>> {
-    let slots = slots.max(1);
-    let mut out = Vec::new();
-    let mut start = 0;
-    let mut seen: Vec<&str> = Vec::new();
+/// The order a batch runs in on the device: the item indices of each consecutive sub-batch. Items are grouped by
+/// adapter (the base model's first, then the adapters already in device memory per `resident`, then the others,
+/// each group in the order its adapter first appears, and items within a group in batch order), so each adapter's
+/// rows are one run (one pair of GEMMs per projection however its items interleave), and a sub-batch is cut only
+/// between groups, when the next group's adapter would make `slots` + 1 distinct ones (`slots` 0 counts as 1).
+/// Rows of a forward pass are independent (each item has its own slots; a step's new blocks are committed after
+/// it), so the order changes no item's result.
+pub fn plan(keys: &[Option<&str>], resident: impl Fn(&str) -> bool, slots: usize) -> Vec<Vec<usize>> {
+    let mut base: Vec<usize> = Vec::new();
+    let mut groups: Vec<(&str, Vec<usize>)> = Vec::new();
     for (i, k) in keys.iter().enumerate() {
-        if let Some(k) = k {
-            if !seen.contains(k) {
-                if seen.len() == slots {
-                    out.push(start..i);
-                    start = i;
-                    seen.clear();
-                }
-                seen.push(k);
-            }
+        match k {
+            None => base.push(i),
+            Some(k) => match groups.iter_mut().find(|(g, _)| g == k) {
+                Some((_, items)) => items.push(i),
+                None => groups.push((k, vec![i])),
+            },
         }
     }
-    if start < keys.len() || out.is_empty() {
-        out.push(start..keys.len());
+    // Stable: residents keep their order, then the others keep theirs.
+    groups.sort_by_key(|(k, _)| !resident(k));
+    let mut parts = vec![base];
+    let mut distinct = 0;
+    for (_, items) in groups {
+        if distinct == slots.max(1) {
+            parts.push(Vec::new());
+            distinct = 0;
+        }
+        distinct += 1;
+        if let Some(last) = parts.last_mut() {
+            last.extend(items);
+        }
     }
-    out
+    parts
 }
 
 /// A run of consecutive rows of a batch on one adapter: `(first row, rows, adapter index)`.
@@ -385,7 +395,12 @@ impl AdapterCache {
         self.entries.len()
     }
 
-    /// Makes every adapter of `want` (at most `slots` distinct: see [`sub_batches`]) resident and returns, per
+    /// Whether the adapter keyed `key` is in device memory.
+    pub fn holds(&self, key: &str) -> bool {
+        self.entries.iter().any(|(g, _)| g.key == key)
+    }
+
+    /// Makes every adapter of `want` (at most `slots` distinct: see [`plan`]) resident and returns, per
     /// entry of `want`, its index for [`AdapterCache::get`]. Evicts the least recently used adapters `want` does
     /// not name; an upload that fails leaves the cache as it was, less what was evicted.
     pub fn ensure(
@@ -435,10 +450,13 @@ impl AdapterCache {
                 "LoRA adapter uploaded to the GPU");
             self.entries.push((dev, self.tick));
         }
-        Ok(want
-            .iter()
-            .map(|a| self.entries.iter().position(|(g, _)| g.key == a.key).unwrap_or(usize::MAX))
-            .collect())
+        want.iter()
+            .map(|a| {
+                self.entries.iter().position(|(g, _)| g.key == a.key).ok_or_else(|| {
+                    GpuError::Invalid(format!("adapter {} is not in device memory after its upload", a.key))
+                })
+            })
+            .collect()
     }
 
     /// The adapter at `i` (from [`AdapterCache::ensure`]).
@@ -463,22 +481,33 @@ mod tests {
     }
 
     #[test]
-    fn sub_batches_hold_at_most_the_slots_distinct_adapters_and_keep_order() {
+    fn a_plan_groups_each_adapters_items_residents_first_and_holds_at_most_the_slots_per_part() {
         let k = [Some("a"), None, Some("b"), Some("a"), Some("c"), Some("b"), None, Some("d")];
-        assert_eq!(sub_batches(&k, 4), vec![0..8]);
-        assert_eq!(sub_batches(&k, 2), vec![0..4, 4..7, 7..8]);
-        assert_eq!(sub_batches(&k, 1), vec![0..2, 2..3, 3..4, 4..5, 5..7, 7..8]);
-        assert_eq!(sub_batches(&[None, None], 0), vec![0..2]);
-        assert_eq!(sub_batches(&[], 3), vec![0..0]);
-        for s in 1..5 {
-            let parts = sub_batches(&k, s);
-            assert_eq!(parts.first().map(|r| r.start), Some(0));
-            assert!(parts.windows(2).all(|w| w[0].end == w[1].start));
-            for r in parts {
-                let mut d: Vec<&str> = k[r].iter().flatten().copied().collect();
-                d.sort_unstable();
+        let none = |_: &str| false;
+        assert_eq!(plan(&k, none, 4), vec![vec![1, 6, 0, 3, 2, 5, 4, 7]]);
+        assert_eq!(plan(&k, none, 2), vec![vec![1, 6, 0, 3, 2, 5], vec![4, 7]]);
+        assert_eq!(plan(&k, none, 1), vec![vec![1, 6, 0, 3], vec![2, 5], vec![4], vec![7]]);
+        // Adapters in device memory run first, so the first part needs no upload.
+        assert_eq!(plan(&k, |a| a == "c" || a == "d", 2), vec![vec![1, 6, 4, 7], vec![0, 3, 2, 5]]);
+        assert_eq!(plan(&[None, None], none, 0), vec![vec![0, 1]]);
+        assert_eq!(plan(&[], none, 3), vec![Vec::<usize>::new()]);
+        // Interleaved decodes of three adapters over two slots: two parts, not one per change of adapter.
+        let d = [Some("a"), Some("b"), Some("c"), Some("a"), Some("b"), Some("c")];
+        assert_eq!(plan(&d, |a| a != "c", 2), vec![vec![0, 3, 1, 4], vec![2, 5]]);
+        for s in 0..5 {
+            let parts = plan(&k, |a| a == "b", s);
+            let mut all: Vec<usize> = parts.iter().flatten().copied().collect();
+            all.sort_unstable();
+            assert_eq!(all, (0..k.len()).collect::<Vec<_>>(), "every item once");
+            for p in &parts {
+                let ks: Vec<Option<&str>> = p.iter().map(|i| k[*i]).collect();
+                let mut d: Vec<&str> = ks.iter().flatten().copied().collect();
                 d.dedup();
-                assert!(d.len() <= s);
+                assert!(d.len() <= s.max(1), "{ks:?}");
+                let mut seen = d.clone();
+                seen.sort_unstable();
+                seen.dedup();
+                assert_eq!(seen.len(), d.len(), "one run per adapter: {ks:?}");
             }
         }
     }

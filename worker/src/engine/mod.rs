@@ -349,7 +349,7 @@ impl<B: Backend> Engine<B> {
         }
         if req.adapter.is_some() && !self.backend.runs_adapters() {
             return Err(AdmitError::AdapterUnsupported(
-                "this engine serves the base model only (the simulated engine, or CUDA with --max-gpu-loras 0)",
+                "this engine serves the base model only (the simulated engine, or CUDA with no device slots for adapters: --max-gpu-loras)",
             ));
         }
         req.params.validate().map_err(|(f, m)| AdmitError::InvalidParam(f, m))?;

@@ -31,7 +31,7 @@ pub const DEFAULT_MAX_LORAS: usize = 16;
 /// Why an adapter could not be loaded or unloaded. None is helped by retrying the same call.
 #[derive(Debug, thiserror::Error)]
 pub enum LoadError {
-    #[error("this engine does not run LoRA adapters (the simulated engine, or CUDA with --max-gpu-loras 0)")]
+    #[error("this engine does not run LoRA adapters (the simulated engine, or CUDA with no device slots for adapters: --max-gpu-loras)")]
     Unsupported,
     #[error("the adapter name {0:?} is not usable: {1}")]
     BadName(String, &'static str),

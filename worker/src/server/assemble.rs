@@ -96,7 +96,7 @@ pub fn load(cfg: &ServeConfig, worker_id: &str) -> Result<ServingModel, String> 
 /// change).
 #[derive(Debug, thiserror::Error)]
 pub enum AdapterError {
-    #[error("--lora: this engine does not run LoRA adapters (the simulated engine, or CUDA with --max-gpu-loras 0)")]
+    #[error("--lora: this engine does not run LoRA adapters (the simulated engine, or CUDA with no device slots for adapters: --max-gpu-loras)")]
     Unsupported,
     #[error("--lora: the base model: {0}")]
     Model(crate::model::ModelError),

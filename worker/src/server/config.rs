@@ -43,7 +43,7 @@ pub struct ServeArgs {
     #[arg(long, env = "KVGATE_WORKER_SYNTH_DIR")]
     pub synth_dir: Option<PathBuf>,
     /// A LoRA adapter in PEFT's format to serve as `NAME` (`NAME=DIR`, repeatable; env: comma-separated): a request
-    /// whose `model` is `NAME` runs with it (the CPU engine; CUDA with `--max-gpu-loras` above 0). Default none.
+    /// whose `model` is `NAME` runs with it (on the CPU engine and on CUDA). Default none.
     #[arg(long = "lora", env = "KVGATE_WORKER_LORA", value_delimiter = ',')]
     pub lora: Option<Vec<String>>,
     /// Largest LoRA rank an adapter may have.
@@ -56,9 +56,10 @@ pub struct ServeArgs {
     pub max_loras: Option<usize>,
     /// CUDA: LoRA adapters kept in device memory at once (least recently used evicted; a batch naming more runs
     /// as several). Device memory for this many adapters of `--max-lora-rank` on every projection is kept out of
-    /// the KV pool at start. 0: CUDA serves the base model only (requests naming an adapter are refused). No
-    /// effect on the CPU engine, whose adapters live in host memory.
-    #[arg(long, env = "KVGATE_WORKER_MAX_GPU_LORAS", default_value = kvgate_shared::default_text!(crate::cuda::lora::DEFAULT_MAX_GPU_LORAS))]
+    /// the KV pool at start. Default: one per `--lora` adapter, and none without `--lora` (no device memory kept:
+    /// CUDA then serves the base model only and refuses adapter requests and runtime loads; give a number to load
+    /// adapters at run time). No effect on the CPU engine, whose adapters live in host memory.
+    #[arg(long, env = "KVGATE_WORKER_MAX_GPU_LORAS")]
     pub max_gpu_loras: Option<usize>,
     /// The directory runtime loads (`POST /v1/load_lora_adapter`) may read adapters from: a `lora_path` outside it
     /// (after resolving links) is refused (403 `lora_path_forbidden`). Default: none, any directory this process
@@ -256,7 +257,8 @@ pub struct ServeConfig {
     pub lora: Vec<(String, PathBuf)>,
     pub max_lora_rank: usize,
     pub max_loras: usize,
-    pub max_gpu_loras: usize,
+    /// `None`: one slot per `--lora` adapter (`ServeConfig::gpu_lora_slots`).
+    pub max_gpu_loras: Option<usize>,
     pub lora_root: Option<PathBuf>,
     pub admin_token: Option<String>,
     pub host_kv_bytes: usize,
@@ -409,7 +411,7 @@ impl ServeArgs {
                 .collect::<Result<_, _>>()?,
             max_lora_rank: set!(max_lora_rank),
             max_loras: set!(max_loras),
-            max_gpu_loras: set!(max_gpu_loras),
+            max_gpu_loras: pick!(max_gpu_loras),
             lora_root: pick!(lora_root),
             admin_token: pick!(admin_token).filter(|t| !t.is_empty()),
             host_kv_bytes: set!(host_kv_bytes),
@@ -451,6 +453,12 @@ impl ServeArgs {
 }
 
 impl ServeConfig {
+    /// Adapters a CUDA engine keeps in device memory: `--max-gpu-loras`, or one per `--lora` adapter; never more
+    /// than `--max-loras` (the adapters the worker may hold at all).
+    pub fn gpu_lora_slots(&self) -> usize {
+        self.max_gpu_loras.unwrap_or(self.lora.len()).min(self.max_loras)
+    }
+
     /// Checks every field; the error lists each problem.
     pub fn validate(&self) -> Result<(), String> {
         let mut problems = Vec::new();
@@ -610,6 +618,25 @@ mod reference_tests {
         assert_eq!((cfg.port, cfg.report_interval), (9000, Duration::from_secs(2)));
         assert_eq!(cfg.max_num_seqs, 64, "the declared default");
         assert_eq!(parse(&["serve", "--config", p, "--port", "9100"]).port, 9100);
+    }
+
+    #[test]
+    fn cuda_keeps_device_slots_for_the_lora_adapters_given_or_as_many_as_asked_never_past_max_loras() {
+        use clap::FromArgMatches;
+        let slots = |args: &[&str]| {
+            let mut all = vec!["serve", "--synth", "tiny"];
+            all.extend_from_slice(args);
+            let m = ServeArgs::command().try_get_matches_from(&all).expect("flags");
+            let mut a = ServeArgs::from_arg_matches(&m).expect("args");
+            a.layers = Layers::from_matches(&m);
+            a.resolve().expect("ok").gpu_lora_slots()
+        };
+        assert_eq!(slots(&[]), 0, "no adapters: no device memory kept");
+        assert_eq!(slots(&["--lora", "a=/x", "--lora", "b=/y"]), 2);
+        assert_eq!(slots(&["--max-gpu-loras", "3"]), 3, "runtime loads");
+        assert_eq!(slots(&["--lora", "a=/x", "--max-gpu-loras", "0"]), 0);
+        assert_eq!(slots(&["--max-gpu-loras", "5", "--max-loras", "2"]), 2);
+        assert_eq!(slots(&["--lora", "a=/x", "--max-loras", "0"]), 0);
     }
 
     #[test]

@@ -85,8 +85,7 @@ fn cuda(cfg: &ServeConfig, dir: &Path, ordinal: usize) -> Result<DeviceBackend, 
     let bs = cfg.block_size as usize;
     let l = crate::cuda::backend::GpuModel::from_dir(dir, ordinal, cfg.dtype)
         .map_err(|e| format!("--device cuda:{ordinal}: {e} (--device cpu serves on the CPU)"))?;
-    // Adapters need no device memory where the worker can hold none.
-    let adapter_slots = if cfg.max_loras == 0 { 0 } else { cfg.max_gpu_loras.min(cfg.max_loras) };
+    let adapter_slots = cfg.gpu_lora_slots();
     let reserved = crate::cuda::lora::reserve_bytes(
         &l.cfg,
         l.weights.dt,
