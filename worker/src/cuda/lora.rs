@@ -3,7 +3,8 @@
 //! site`) and `gpu-logits --lora` (against the CPU engine and HF transformers on merged weights) on a GPU machine.
 //!
 //! The forward pass fuses projections that share an input (q/k/v into one `[q + 2 kv, hidden]` weight, gate/up
-//! into `[2 i, hidden]`). An adapter's update of one fused projection (a [`Site`]) on a run of rows is two GEMMs:
+//! into `[2 i, hidden]`). An adapter's update of one fused projection (a [`Site`]) on a run of rows is one GEMM
+//! for `low` and one per target:
 //!
 //! ```text
 //! low[m, R]  = x[rows, in] . A_site[R, in]^T          A_site: the site's targets' A stacked (R = r x targets)
@@ -193,7 +194,7 @@ pub fn reserve_bytes(
 /// The order a batch runs in on the device: the item indices of each consecutive sub-batch. Items are grouped by
 /// adapter (the base model's first, then the adapters already in device memory per `resident`, then the others,
 /// each group in the order its adapter first appears, and items within a group in batch order), so each adapter's
-/// rows are one run (one pair of GEMMs per projection however its items interleave), and a sub-batch is cut only
+/// rows are one run (one `low` GEMM per site, however its items interleave), and a sub-batch is cut only
 /// between groups, when the next group's adapter would make `slots` + 1 distinct ones (`slots` 0 counts as 1).
 /// Rows of a forward pass are independent (each item has its own slots; a step's new blocks are committed after
 /// it), so the order changes no item's result.
@@ -390,11 +391,6 @@ impl AdapterCache {
         self.slots
     }
 
-    /// Adapters held now.
-    pub fn held(&self) -> usize {
-        self.entries.len()
-    }
-
     /// Whether the adapter keyed `key` is in device memory.
     pub fn holds(&self, key: &str) -> bool {
         self.entries.iter().any(|(g, _)| g.key == key)
@@ -410,6 +406,9 @@ impl AdapterCache {
         cfg: &ModelConfig,
         want: &[&LoraAdapter],
     ) -> GpuResult<Vec<usize>> {
+        if want.is_empty() {
+            return Ok(Vec::new()); // a base-model batch: nothing to do, nothing allocated
+        }
         let mut distinct: Vec<&str> = want.iter().map(|a| a.key.as_str()).collect();
         distinct.sort_unstable();
         distinct.dedup();

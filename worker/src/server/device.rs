@@ -107,7 +107,6 @@ fn cuda(cfg: &ServeConfig, dir: &Path, ordinal: usize) -> Result<DeviceBackend, 
     let device = backend.describe();
     tracing::info!(device = %device, kv_cache_tokens = slots, lora_slots = adapter_slots,
         lora_reserved_mib = reserved >> 20, "CUDA engine");
-
     Ok(DeviceBackend {
         backend: Box::new(backend),
         kv_slots: slots,
