@@ -90,7 +90,7 @@ fn main() {
     let pool: Vec<u16> = workers.iter().map(|(_, p)| *p).collect();
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().expect("rt");
     rt.block_on(async move {
-        let spec = |epp| EnvoySpec { epp, pool: &pool, fail_open: false, subset: None, buffered: false, tls: false };
+        let spec = |epp| EnvoySpec { epp, pool: &pool, fail_open: false, subset: None, buffered: false, ..Default::default() };
         let alone = Envoy::start(&python, dir.path(), "alone", &spec(None)).await;
         let picker = Envoy::start(&python, dir.path(), "picker", &spec(Some(ep))).await;
         let client = http();

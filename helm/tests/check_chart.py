@@ -157,10 +157,15 @@ VALUE_SETS: dict[str, dict] = {
                  "networkPolicy": {"eppFrom": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "envoy-gateway-system"}}}]},
                  "gateway": {"replicas": 1}, "redis": {"enabled": False}},
     "epp-h2c": {"epp": {"enabled": True, "tls": {"enabled": False},
+                        "auth": {"mode": "token", "tokenSecret": "picker-token"},
                         "pool": {"selector": {"app": "vllm", "tier": "true"}, "model": "llama",
                                  "appProtocol": "kubernetes.io/h2c"}},
                 "workers": {"external": {"tokenizer": {"image": "registry/tok:1"}}},
                 "networkPolicy": {"enabled": False}},
+    # Mutual TLS between the proxies and the picker (epp.auth.mode mtls).
+    "epp-mtls": {"epp": {"enabled": True, "auth": {"mode": "mtls", "clientCASecret": "proxies-ca"},
+                         "pool": {"selector": {"app": "vllm"}, "model": "llama"}},
+                 "workers": {"external": {"tokenizer": {"image": "registry/tok:1"}}}},
     "epp-e2e": {"gateway": {"replicas": 1}, "redis": {"enabled": False},
                 "epp": {"enabled": True, "pool": {"selector": {"app": "pod"}, "model": "kvgate-tiny", "kind": "openai"}},
                 "workers": {"external": {"tokenizer": {"image": "registry/tokenizer:1"}}}},
@@ -236,6 +241,8 @@ BAD_VALUES: dict[str, tuple[dict, str]] = {
     "a picker TLS secret name with capitals": ({"epp": {"tls": {"secretName": "EPP_Cert"}}}, "secretName"),
     "a picker TLS secret with TLS off": ({"epp": {"tls": {"enabled": False, "secretName": "epp-cert"}}}, "secretName"),
     "a typo in the picker's TLS": ({"epp": {"tls": {"secret": "epp-cert"}}}, "secret"),
+    "an unknown picker auth mode": ({"epp": {"auth": {"mode": "none"}}}, "mode"),
+    "a picker token secret name with capitals": ({"epp": {"auth": {"tokenSecret": "Token"}}}, "tokenSecret"),
     "a non-boolean picker TLS switch": ({"epp": {"tls": {"enabled": "on"}}}, "enabled"),
     "events from an openai pool": ({"epp": {"enabled": True, "pool": {"model": "m", "selector": {"app": "v"}, "kind": "openai"}},
                                     "workers": {"external": {"kvEventsPort": 5557, "tokenizer": {"image": "t"}}}}, "kvEventsPort"),
@@ -927,9 +934,26 @@ for name, extra in VALUE_SETS.items():
     else:
         pe = epp["pool"]
         tls, tls_secret = epp["tls"]["enabled"], epp["tls"]["secretName"] or "kv-kvgate-epp-tls"
+        mode = epp["auth"]["mode"]
         want_lines = ([f'epp-listen = "0.0.0.0:{epp["port"]}"'] + ([f"epp-max-streams = {epp['maxStreams']}"] if epp["maxStreams"] else [])
-                      + ([f'epp-tls-cert = "{EPP_TLS_DIR}/tls.crt"', f'epp-tls-key = "{EPP_TLS_DIR}/tls.key"'] if tls else []))
-        check(epp_lines == want_lines, f"{name}: gateway.toml listens for the EPP on epp.port: {epp_lines} vs {want_lines}")
+                      + ([f'epp-tls-cert = "{EPP_TLS_DIR}/tls.crt"', f'epp-tls-key = "{EPP_TLS_DIR}/tls.key"'] if tls else [])
+                      + (["epp-trust-network = true"] if mode == "network" else [])
+                      + ([f'epp-client-ca = "/etc/kvgate/epp-client-ca/ca.crt"'] if mode == "mtls" else []))
+        check(epp_lines == want_lines, f"{name}: gateway.toml listens for the EPP on epp.port, says who may drive it: {epp_lines} vs {want_lines}")
+        # Who may drive the picker: the token from its Secret, the client CA mounted, or the network policy.
+        gw_env = {e["name"]: e for e in gwc["spec"]["containers"][0].get("env", [])}
+        token_env = gw_env.get("KVGATE_GATEWAY_EPP_TOKEN", {}).get("valueFrom", {}).get("secretKeyRef")
+        check(token_env == ({"name": epp["auth"]["tokenSecret"], "key": "token"} if mode == "token" else None),
+              f"{name}: the picker's token comes from epp.auth.tokenSecret (key token) with mode token: {token_env}")
+        ca_vols = [v for v in gwc["spec"]["volumes"] if v["name"] == "epp-client-ca"]
+        ca_mounts = [m for m in gwc["spec"]["containers"][0]["volumeMounts"] if m["name"] == "epp-client-ca"]
+        if mode == "mtls":
+            check(len(ca_vols) == 1 and ca_vols[0]["secret"]["secretName"] == epp["auth"]["clientCASecret"]
+                  and ca_vols[0]["secret"]["items"] == [{"key": "ca.crt", "path": "ca.crt"}]
+                  and len(ca_mounts) == 1 and ca_mounts[0]["mountPath"] == "/etc/kvgate/epp-client-ca"
+                  and ca_mounts[0]["readOnly"] is True, f"{name}: the client CA mounted read-only: {ca_vols} {ca_mounts}")
+        else:
+            check(not ca_vols and not ca_mounts, f"{name}: no client CA without mode mtls")
         check(gw_ports.get("grpc-ext-proc") == epp["port"], f"{name}: the gateway container's grpc-ext-proc port is epp.port: {gw_ports}")
         check(len(epp_svcs) == 1 and len(pool_svcs) == 1 and len(pools) == 1, f"{name}: one EPP Service, one pool Service, one InferencePool")
         if epp_svcs and pool_svcs and pools:
@@ -1017,6 +1041,21 @@ for clash in ("service", "control"):
     except helm.HelmError as e:
         check("epp.port" in str(e), f"the EPP port clash names epp.port: {e}")
 print("ok: an EPP port on the public or control port is refused")
+
+# A picker whose callers nothing tells apart is refused at render time (epp.auth).
+for what, extra, word in [
+    ("network mode without NetworkPolicies", {"networkPolicy": {"enabled": False}}, "networkPolicy.enabled"),
+    ("network mode with an empty eppFrom", {"networkPolicy": {"eppFrom": []}}, "eppFrom"),
+    ("token mode without its Secret", {"epp": {"auth": {"mode": "token"}}}, "tokenSecret"),
+    ("mtls mode without its CA", {"epp": {"auth": {"mode": "mtls"}}}, "clientCASecret"),
+    ("mtls mode without TLS", {"epp": {"auth": {"mode": "mtls", "clientCASecret": "ca"}, "tls": {"enabled": False}}}, "epp.tls.enabled"),
+]:
+    try:
+        render("epp-auth", deep_merge(defaults, deep_merge(VALUE_SETS["epp"], extra)))
+        failures.append(f"the picker rendered with {what}")
+    except helm.HelmError as e:
+        check(word in str(e), f"the refusal of {what} names {word}: {e}")
+print("ok: a picker without a way to tell its proxies apart is refused")
 
 # The chart's self-signed picker certificate: kept across upgrades by lookup, which finds nothing without a cluster
 # (`helm template`, as here): then every render makes a new one, and the gateway pods' template stays the same (no

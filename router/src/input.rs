@@ -17,7 +17,7 @@ pub struct RouteInput<'a> {
     /// Tokens per block of the model's hash scheme.
     pub block_size: usize,
     /// The workers it may go to, by address (`host:port`, [`url_address`]): a proxy's candidate subset (the
-    /// endpoint picker's subset hint). `None`: any.
+    /// endpoint picker's subset hint), sorted (looked up by binary search: [`RouteInput::allows`]). `None`: any.
     pub only: Option<&'a [String]>,
     /// The LoRA adapter it runs with (its `model` named one of `model`'s adapters): only workers holding it are
     /// candidates (`placement` says where to load one first). `None`: the base model.
@@ -30,4 +30,12 @@ pub fn url_address(url: &str) -> &str {
     let rest = url.split_once("://").map_or(url, |(_, r)| r);
     let end = rest.find(['/', '#', '?']).unwrap_or(rest.len());
     &rest[..end]
+}
+
+impl RouteInput<'_> {
+    /// Whether the worker at `url` is in the proxy's subset ([`RouteInput::only`], sorted), or there is none.
+    pub fn allows(&self, url: &str) -> bool {
+        let address = url_address(url);
+        self.only.is_none_or(|only| only.binary_search_by(|a| a.as_str().cmp(address)).is_ok())
+    }
 }

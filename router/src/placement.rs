@@ -127,8 +127,7 @@ pub fn place(
     for (v, &i) in views.iter().zip(&index) {
         let w = &reg.workers()[i];
         let holds = w.lora.holds(adapter, now);
-        let in_subset =
-            input.only.is_none_or(|only| only.iter().any(|a| a == crate::input::url_address(&w.url)));
+        let in_subset = input.allows(&w.url);
         if !v.healthy || !in_subset || !(holds || (loadable && w.lora.may_load(adapter, now))) {
             continue;
         }

@@ -273,8 +273,7 @@ fn decide(
         reg.focused_views(input.model, input.hashes, input.session_key, starts, now);
     let allowed = |i: usize| {
         let w = &reg.workers()[i];
-        input.only.is_none_or(|only| only.iter().any(|a| a == crate::input::url_address(&w.url)))
-            && input.adapter.is_none_or(|a| w.lora.holds(a, now))
+        input.allows(&w.url) && input.adapter.is_none_or(|a| w.lora.holds(a, now))
     };
     let (views, registry_index) = match (input.only, input.adapter) {
         (None, None) => (views, registry_index),

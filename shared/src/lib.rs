@@ -6,12 +6,14 @@
 //! - [`openai`]: the OpenAI API types and error body; [`errors`]: the one `ApiError` (axum adapter with feature
 //!   `axum`);
 //! - [`handoff`]: token ids the gateway computed, passed to the worker (authenticated) so it skips tokenizing;
+//! - [`credential`]: the per-request credential an endpoint picker's proxy carries to a worker (never the token);
 //! - [`duration`]: configuration durations (`1s`, `500ms`); [`settings`]: defaults written once (clap), the
 //!   flags > environment > TOML > default layering, and the generated configuration references.
 //! - [`trace`]: W3C `traceparent`, spans and their OTLP/HTTP export (bounded, never blocking a request);
 //! - [`ports`]: free loopback ports for local fleets (tests, benches, the load tester's fleet);
 //! - [`stats`]: the one percentile of every report, bench and test.
 
+pub mod credential;
 pub mod duration;
 pub mod errors;
 pub mod handoff;

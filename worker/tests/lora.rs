@@ -275,3 +275,106 @@ async fn adapters_load_and_unload_at_run_time_behind_the_admin_token_with_an_lru
     assert_eq!((r.status, r.json()["error"]["code"].as_str()), (404, Some("lora_not_found")));
     assert_eq!(complete(&w.base, "c", &prompt).await.0, 404);
 }
+
+/// Issue #65: the gateway's static token is not an admin credential (a gateway loads with a credential for that
+/// call alone), `--lora` adapters cannot be unloaded, files are read only as regular files inside `--lora-root`
+/// (a link out is refused, a FIFO answered at once), and a burst of requests for an unloaded adapter reads its
+/// files once.
+#[tokio::test]
+async fn runtime_loads_need_their_own_credential_stay_in_the_root_and_read_once_per_burst() {
+    use kvgate_shared::credential::{now_ms, sign_request, RequestFor};
+    let dir = tempfile::tempdir().expect("tmp");
+    let root = dir.path().join("root");
+    std::fs::create_dir_all(&root).expect("root");
+    let base = base_and_adapters(&root, &["a", "b", "c"], 4);
+    let at = |n: &str| root.join(n).display().to_string();
+    let la = format!("a={}", at("a"));
+    let root_s = root.display().to_string();
+    let w = serve_base(
+        &base,
+        &[
+            "--lora",
+            &la,
+            "--max-loras",
+            "2",
+            "--lora-root",
+            &root_s,
+            "--admin-token",
+            "s3cret",
+            "--report-secret",
+            "rs",
+        ],
+    );
+    let url = format!("{}/v1/load_lora_adapter", w.base);
+    let load_body =
+        |name: &str, path: &str| serde_json::json!({"lora_name": name, "lora_path": path}).to_string();
+    let send = |body: String, auth: String| {
+        let url = url.clone();
+        async move {
+            common::request(
+                "POST",
+                &url,
+                Some(body),
+                &[("authorization", &auth), ("content-type", "application/json")],
+            )
+            .await
+        }
+    };
+    // The gateway's static token calls the API, it does not load files.
+    let static_token = format!("Bearer {}", kvgate_shared::handoff::gateway_token("rs"));
+    let r = send(load_body("b", &at("b")), static_token).await;
+    assert_eq!(
+        (r.status, r.json()["error"]["code"].clone()),
+        (401, serde_json::json!("admin_token_required"))
+    );
+    // A gateway's credential for this very call loads; the same credential for another body does not.
+    let body = load_body("b", &at("b"));
+    let r = RequestFor { path: "/v1/load_lora_adapter", body: body.as_bytes(), salt_header: None };
+    let cred = format!("Bearer {}", sign_request("rs", now_ms(), &r));
+    let ok = send(body, cred.clone()).await;
+    assert_eq!(ok.status, 200, "{}", ok.body);
+    let r = send(load_body("c", &at("c")), cred).await;
+    assert_eq!(r.status, 401, "{}", r.body);
+    let admin = "Bearer s3cret".to_owned();
+    // A pinned adapter stays.
+    let unload = format!("{}/v1/unload_lora_adapter", w.base);
+    let r =
+        common::post(&unload, &serde_json::json!({"lora_name": "a"}), &[("authorization", "Bearer s3cret")])
+            .await;
+    assert_eq!((r.status, r.json()["error"]["code"].clone()), (409, serde_json::json!("lora_pinned")));
+    // A weights file that links out of the root, and a FIFO: refused, the FIFO at once.
+    let out = dir.path().join("outside");
+    let evil = root.join("evil");
+    std::fs::create_dir_all(&evil).expect("dir");
+    std::fs::create_dir_all(&out).expect("dir");
+    std::fs::copy(root.join("b/adapter_model.safetensors"), out.join("w.safetensors")).expect("copy");
+    std::fs::copy(root.join("b/adapter_config.json"), evil.join("adapter_config.json")).expect("copy");
+    std::os::unix::fs::symlink(out.join("w.safetensors"), evil.join("adapter_model.safetensors"))
+        .expect("link");
+    let r = send(load_body("evil", &evil.display().to_string()), admin.clone()).await;
+    assert_eq!(
+        (r.status, r.json()["error"]["code"].clone()),
+        (403, serde_json::json!("lora_path_forbidden"))
+    );
+    let fifo = root.join("fifo");
+    std::fs::create_dir_all(&fifo).expect("dir");
+    std::fs::copy(root.join("b/adapter_config.json"), fifo.join("adapter_config.json")).expect("copy");
+    assert!(std::process::Command::new("mkfifo")
+        .arg(fifo.join("adapter_model.safetensors"))
+        .status()
+        .expect("mkfifo")
+        .success());
+    let started = std::time::Instant::now();
+    let r = send(load_body("fifo", &fifo.display().to_string()), admin.clone()).await;
+    assert_eq!(r.status, 400, "{}", r.body);
+    assert!(started.elapsed() < std::time::Duration::from_secs(5), "a FIFO is not waited on");
+    // c takes b's slot (a is pinned); then twenty requests for b at once read its files once.
+    assert_eq!(send(load_body("c", &at("c")), admin).await.status, 200);
+    let prompt = "one two three four five six seven eight nine ten ".repeat(2);
+    let burst: Vec<_> = (0..20).map(|_| complete(&w.base, "b", &prompt)).collect();
+    for (status, _, _) in futures_util::future::join_all(burst).await {
+        assert_eq!(status, 200);
+    }
+    let m = common::get(&format!("{}/metrics", w.base)).await.body;
+    assert_eq!(common::metric(&m, "kvgate_worker_lora_reloads_total{outcome=\"read\"}"), Some(1.0), "{m}");
+}

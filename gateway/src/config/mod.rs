@@ -13,7 +13,10 @@ use kvgate_shared::settings::Layers;
 use crate::admission::{default_classes, ClassConfig};
 use crate::routing::{Weights, POLICIES};
 
+mod epp;
 mod models;
+
+pub use epp::{EppAuth, DEFAULT_EPP_MAX_BUFFERED_BYTES, MIN_EPP_TOKEN_CHARS};
 pub use models::{ModelSpec, PodEvents, WorkerKind};
 
 /// Flags (and environment) of `kvgate-gateway`. `None` = not given here.
@@ -47,6 +50,11 @@ pub struct GatewayArgs {
     /// `epp_overloaded` through the proxy.
     #[arg(long, env = "KVGATE_GATEWAY_EPP_MAX_STREAMS", default_value = kvgate_shared::default_text!(DEFAULT_EPP_MAX_STREAMS))]
     pub epp_max_streams: Option<usize>,
+    /// Most request body bytes the endpoint picker holds across all its streams at once (each stream's body is
+    /// buffered until the pick); past it a stream is answered 503 `epp_overloaded` through the proxy, so memory
+    /// does not grow to `--epp-max-streams` x `--max-body-bytes`.
+    #[arg(long, env = "KVGATE_GATEWAY_EPP_MAX_BUFFERED_BYTES", default_value = kvgate_shared::default_text!(DEFAULT_EPP_MAX_BUFFERED_BYTES))]
+    pub epp_max_buffered_bytes: Option<usize>,
     /// PEM certificate (chain) the endpoint picker serves TLS with, with `--epp-tls-key`. Default none: HTTP/2
     /// cleartext. Envoy Gateway (through Envoy AI Gateway) dials a pool's picker over TLS without verifying it.
     #[arg(long, env = "KVGATE_GATEWAY_EPP_TLS_CERT")]
@@ -54,6 +62,21 @@ pub struct GatewayArgs {
     /// PEM private key of `--epp-tls-cert`.
     #[arg(long, env = "KVGATE_GATEWAY_EPP_TLS_KEY")]
     pub epp_tls_key: Option<PathBuf>,
+    /// A shared credential the proxy must present to drive the endpoint picker: gRPC metadata `authorization:
+    /// Bearer <token>` on each ext_proc stream (Envoy: the ext_proc `grpc_service`'s `initial_metadata`), checked
+    /// before the stream's first message; a stream without it ends UNAUTHENTICATED. At least 16 characters.
+    /// Default none.
+    #[arg(long, env = "KVGATE_GATEWAY_EPP_TOKEN", hide_env_values = true)]
+    pub epp_token: Option<String>,
+    /// PEM CA certificate(s) the proxy's client certificate must chain to (mutual TLS on the picker's port; needs
+    /// `--epp-tls-cert`): a connection without such a certificate is refused in the handshake. Default none.
+    #[arg(long, env = "KVGATE_GATEWAY_EPP_CLIENT_CA")]
+    pub epp_client_ca: Option<PathBuf>,
+    /// Let the endpoint picker listen on an address that is not loopback without `--epp-token` or
+    /// `--epp-client-ca`: the network alone must keep everyone but the proxies out (a NetworkPolicy, as the Helm
+    /// chart writes by default). Without it such a picker refuses to start.
+    #[arg(long, env = "KVGATE_GATEWAY_EPP_TRUST_NETWORK", num_args = 0..=1, default_missing_value = "true", default_value = "false")]
+    pub epp_trust_network: Option<bool>,
     /// Static worker base URL (repeatable; env: comma-separated). Workers also register by reporting.
     #[arg(long = "worker", env = "KVGATE_GATEWAY_WORKERS", value_delimiter = ',')]
     pub workers: Option<Vec<String>>,
@@ -297,7 +320,6 @@ pub struct GatewayArgs {
 
 /// Default of `--epp-max-streams` (the endpoint picker, `epp/`).
 pub const DEFAULT_EPP_MAX_STREAMS: usize = 4096;
-
 /// The resolved configuration.
 #[derive(Debug, Clone, PartialEq)]
 pub struct GatewayConfig {
@@ -305,8 +327,11 @@ pub struct GatewayConfig {
     pub control_listen: String,
     pub epp_listen: Option<String>,
     pub epp_max_streams: usize,
+    pub epp_max_buffered_bytes: usize,
     /// (certificate, key) PEM files of the picker's TLS.
     pub epp_tls: Option<(PathBuf, PathBuf)>,
+    /// Who may drive the picker.
+    pub epp_auth: EppAuth,
     pub workers: Vec<String>,
     pub policy: String,
     pub split_policy: String,
@@ -490,10 +515,16 @@ impl GatewayArgs {
             control_listen: set!(control_listen),
             epp_listen: pick!(epp_listen).filter(|a| !a.is_empty()),
             epp_max_streams: set!(epp_max_streams),
+            epp_max_buffered_bytes: set!(epp_max_buffered_bytes),
             epp_tls: match (pick!(epp_tls_cert), pick!(epp_tls_key)) {
                 (Some(c), Some(k)) => Some((c, k)),
                 (None, None) => None,
                 _ => return Err("--epp-tls-cert and --epp-tls-key go together".into()),
+            },
+            epp_auth: EppAuth {
+                token: pick!(epp_token).filter(|t| !t.is_empty()),
+                client_ca: pick!(epp_client_ca),
+                trust_network: set!(epp_trust_network),
             },
             workers: pick!(workers).unwrap_or_default().into_iter().filter(|w| !w.is_empty()).collect(),
             policy: set!(policy),
@@ -635,6 +666,7 @@ impl GatewayConfig {
                 p.push(format!("{name} {addr:?} is not an address like 0.0.0.0:8080"));
             }
         }
+        epp::problems(self, &mut p);
         models::problems(&self.models, &mut p);
         for w in &self.workers {
             if !w.starts_with("http://") {
@@ -679,6 +711,7 @@ impl GatewayConfig {
         for (name, v) in [
             ("max-connections", self.max_connections),
             ("epp-max-streams", self.epp_max_streams),
+            ("epp-max-buffered-bytes", self.epp_max_buffered_bytes),
             ("tokenize-threads", self.tokenize_threads),
             ("tokenize-queue", self.tokenize_queue),
             ("max-attempts", self.max_attempts),

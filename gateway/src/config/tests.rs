@@ -193,3 +193,36 @@ fn the_committed_configuration_reference_is_what_the_flags_declare() {
     kvgate_shared::settings::check_reference(&path, &GatewayArgs::reference())
         .unwrap_or_else(|e| panic!("{e}"));
 }
+
+#[test]
+fn a_picker_off_loopback_must_say_who_may_drive_it() {
+    let resolve = |flags: &[&str]| {
+        let mut args = vec!["g", "--report-secret", "s"];
+        args.extend_from_slice(flags);
+        GatewayArgs::from_iter_args(args).expect("flags").resolve().and_then(|c| c.validate().map(|()| c))
+    };
+    let e = resolve(&["--epp-listen", "0.0.0.0:9002"]).expect_err("anyone could drive it");
+    assert!(e.contains("--epp-token") && e.contains("--epp-trust-network"), "{e}");
+    assert!(resolve(&["--epp-listen", "127.0.0.1:9002"]).is_ok(), "loopback: only this host's processes");
+    assert!(resolve(&["--epp-listen", "[::1]:9002"]).is_ok());
+    let c = resolve(&["--epp-listen", "0.0.0.0:9002", "--epp-token", "0123456789abcdef"]).expect("a token");
+    assert_eq!(c.epp_auth.token.as_deref(), Some("0123456789abcdef"));
+    assert!(resolve(&["--epp-listen", "0.0.0.0:9002", "--epp-trust-network"]).is_ok());
+    let e = resolve(&["--epp-listen", "0.0.0.0:9002", "--epp-token", "short"]).expect_err("too short");
+    assert!(e.contains("at least 16"), "{e}");
+    let e = resolve(&["--epp-listen", "0.0.0.0:9002", "--epp-client-ca", "/ca.pem"]).expect_err("no TLS");
+    assert!(e.contains("epp-tls-cert"), "{e}");
+    let c = resolve(&[
+        "--epp-listen",
+        "0.0.0.0:9002",
+        "--epp-client-ca",
+        "/ca.pem",
+        "--epp-tls-cert",
+        "/c",
+        "--epp-tls-key",
+        "/k",
+    ])
+    .expect("mutual TLS");
+    assert_eq!(c.epp_auth.client_ca, Some(PathBuf::from("/ca.pem")));
+    assert_eq!(c.epp_max_buffered_bytes, DEFAULT_EPP_MAX_BUFFERED_BYTES);
+}

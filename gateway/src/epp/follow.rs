@@ -97,6 +97,7 @@ pub async fn follow(
         first_byte,
         predicted: routed.predicted_cached_tokens,
         served_known: !unranked,
+        proxied: true,
     };
     let mut refused_for = None;
     if let Some(Err(e)) = s.settle(ctx, ended.outcome, &mut permit, &mut refused_for) {

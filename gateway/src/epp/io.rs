@@ -3,7 +3,8 @@
 //! proxy's request headers message, its body from the body messages that follow, and the client gone when the
 //! proxy closes the stream.
 //!
-//! Invariants: the body is read once, refused past the limit given (nothing past it is kept); at most
+//! Invariants: the body is read once, refused past the limit given (nothing past it is kept) and past the bytes
+//! all streams' bodies may hold between them (`--epp-max-buffered-bytes`: 503 `epp_overloaded`); at most
 //! [`MAX_STASHED`] messages that arrive while the picker waits (for the class budget) are kept for later, a proxy
 //! that sends more is treated as gone; at most [`MAX_HEADERS`] request headers are read into the map the stages
 //! see (the headers a pod would trust are looked for in all of them, `pick.rs`); an answer the proxy does not take
@@ -11,6 +12,7 @@
 //! request (a flow-control window update) is skipped, never taken for the stream's end.
 
 use std::collections::VecDeque;
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
@@ -18,7 +20,7 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
     processing_request::Request, ProcessingRequest, ProcessingResponse,
 };
 use hyper::header::{HeaderMap, HeaderName, HeaderValue};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
 use tonic::{Status, Streaming};
 
 use crate::errors::ApiError;
@@ -120,6 +122,10 @@ pub struct EppClient<'a> {
     /// The proxy buffers the body (`BUFFERED`): its one body message is the whole body, even when trailers follow
     /// (Envoy holds those until the body is answered).
     pub buffered: bool,
+    /// The bytes every stream's body may hold between them (`--epp-max-buffered-bytes`).
+    pub bodies: Arc<Semaphore>,
+    /// This body's share of them, held until the stream ends (the caller takes it).
+    pub body_held: Option<OwnedSemaphorePermit>,
 }
 
 impl Client for EppClient<'_> {
@@ -135,6 +141,7 @@ impl Client for EppClient<'_> {
                     if buf.len() + b.body.len() > limit {
                         return Err(ApiError::too_large(limit));
                     }
+                    self.hold(b.body.len())?;
                     buf.extend_from_slice(&b.body);
                     self.body_done = b.end_of_stream || self.buffered;
                 }
@@ -157,6 +164,27 @@ impl Client for EppClient<'_> {
     async fn gone(&mut self) {
         self.io.gone().await;
     }
+}
+
+impl EppClient<'_> {
+    /// Counts `n` more body bytes against every stream's budget; past it, 503 `epp_overloaded`.
+    fn hold(&mut self, n: usize) -> Result<(), ApiError> {
+        let Ok(n32) = u32::try_from(n) else { return Err(overloaded_bodies()) };
+        let more = self.bodies.clone().try_acquire_many_owned(n32).map_err(|_| overloaded_bodies())?;
+        match &mut self.body_held {
+            Some(h) => h.merge(more),
+            None => self.body_held = Some(more),
+        }
+        Ok(())
+    }
+}
+
+fn overloaded_bodies() -> ApiError {
+    metrics::counter!("kvgate_gateway_epp_body_budget_refusals_total").increment(1);
+    ApiError::unavailable(
+        "epp_overloaded",
+        "the endpoint picker holds --epp-max-buffered-bytes of request bodies already; retry",
+    )
 }
 
 /// A message's kind, for errors and logs.

@@ -23,12 +23,17 @@
 //! seen) for the response.
 //!
 //! TLS: with `--epp-tls-cert` / `--epp-tls-key` the port serves gRPC over TLS (Envoy Gateway dials pickers that
-//! way), else HTTP/2 cleartext (Istio, a hand-written Envoy).
+//! way), else HTTP/2 cleartext (Istio, a hand-written Envoy); with `--epp-client-ca` too, mutual TLS.
 //!
-//! Invariants: at most `--epp-max-streams` streams are decided or followed at once (past it: 503
-//! `epp_overloaded`); a stream's first message must come within `--header-read-timeout`; every stream's in-flight
+//! Who may drive it: [`auth`] (a token in each stream's metadata, mutual TLS, or a loopback address / a network
+//! said to admit only the proxies).
+//!
+//! Invariants: at most `--epp-max-streams` streams are decided or followed at once, holding at most
+//! `--epp-max-buffered-bytes` of request bodies between them (past either: 503 `epp_overloaded`); a stream's first
+//! message must come within `--header-read-timeout`; every stream's in-flight
 //! slot and permit are given back when it ends, however it ends.
 
+pub mod auth;
 pub mod follow;
 pub mod io;
 pub mod pick;
@@ -64,6 +69,14 @@ pub const READINESS_EVERY: Duration = Duration::from_secs(1);
 pub struct Picker {
     host: Arc<dyn ServeHost>,
     streams: Arc<Semaphore>,
+    /// Request body bytes buffered across all streams (`--epp-max-buffered-bytes`).
+    bodies: Arc<Semaphore>,
+}
+
+impl Picker {
+    fn token(&self) -> Option<&str> {
+        self.host.cfg().epp_auth.token.as_deref()
+    }
 }
 
 #[tonic::async_trait]
@@ -74,16 +87,18 @@ impl ExternalProcessor for Picker {
         &self,
         request: tonic::Request<Streaming<ProcessingRequest>>,
     ) -> Result<tonic::Response<Self::ProcessStream>, Status> {
+        // Before anything of the stream is read or held.
+        auth::check(self.token(), request.metadata())?;
         let (tx, rx) = mpsc::channel(ANSWER_QUEUE);
         let io = StreamIo::new(request.into_inner(), tx, self.host.cfg().stream_idle_timeout);
-        let host = self.host.clone();
+        let (host, bodies) = (self.host.clone(), self.bodies.clone());
         let held = self.streams.clone().try_acquire_owned();
         tokio::spawn(async move {
             let _held = match held {
                 Ok(p) => p,
                 Err(_) => return overloaded(io, host.cfg().header_read_timeout).await,
             };
-            run(host, io).await;
+            run(host, io, bodies).await;
         });
         Ok(tonic::Response::new(ReceiverStream::new(rx)))
     }
@@ -98,7 +113,7 @@ async fn overloaded(mut io: StreamIo, within: Duration) {
 }
 
 /// One stream, from the request headers to the answer's end.
-async fn run(host: Arc<dyn ServeHost>, mut io: StreamIo) {
+async fn run(host: Arc<dyn ServeHost>, mut io: StreamIo, bodies: Arc<Semaphore>) {
     // The proxy sends the headers as it opens the stream: one that stays silent does not keep its slot.
     let Ok(Some(first)) = tokio::time::timeout(host.cfg().header_read_timeout, io.next()).await else {
         return;
@@ -140,10 +155,14 @@ async fn run(host: Arc<dyn ServeHost>, mut io: StreamIo) {
             body_done: h.end_of_stream,
             trailers: false,
             buffered,
+            bodies,
+            body_held: None,
         };
         let trusted = pick::trusted_sent(&headers);
         let decided = pick::decide(&host, &mut client, &mut ctx, &path, subset, trusted).await;
         let trailers = client.trailers;
+        // The body's bytes stay counted until the stream ends (the pick's body and the prepared one hold them).
+        let _body_held = client.body_held.take();
         match decided {
             Err(e) => {
                 ctx.status = e.status;
@@ -177,8 +196,8 @@ pub enum StartError {
     /// A TLS file could not be read (fix the path or its permissions; retrying as is does not help).
     #[error("{path}: {source}")]
     TlsFile { path: String, source: std::io::Error },
-    /// The certificate or key is not a usable PEM pair (retrying does not help).
-    #[error("--epp-tls-cert / --epp-tls-key: {0}")]
+    /// The certificate, key or client CA is not usable PEM (retrying does not help).
+    #[error("--epp-tls-cert / --epp-tls-key / --epp-client-ca: {0}")]
     TlsConfig(String),
     /// The address could not be bound (another process holds the port: a retry may help once it is free).
     #[error("cannot listen on {addr}: {source}")]
@@ -215,11 +234,19 @@ pub fn spawn(
                     .map_err(|source| StartError::TlsFile { path: p.display().to_string(), source })
             };
             let identity = tonic::transport::Identity::from_pem(read(cert)?, read(key)?);
+            let mut tls = tonic::transport::ServerTlsConfig::new().identity(identity);
+            if let Some(ca) = &host.cfg().epp_auth.client_ca {
+                let ca = read(ca)?;
+                if !String::from_utf8_lossy(&ca).contains("-----BEGIN CERTIFICATE-----") {
+                    return Err(StartError::TlsConfig("the client CA file holds no PEM certificate".into()));
+                }
+                tls = tls.client_ca_root(tonic::transport::Certificate::from_pem(ca));
+            }
             // Refused at start, not at the first connection.
             tonic::transport::Server::builder()
-                .tls_config(tonic::transport::ServerTlsConfig::new().identity(identity.clone()))
+                .tls_config(tls.clone())
                 .map_err(|e| StartError::TlsConfig(e.to_string()))?;
-            Some(identity)
+            Some(tls)
         }
     };
     let (ready_tx, ready_rx) = std::sync::mpsc::channel();
@@ -253,7 +280,7 @@ pub async fn serve(
     host: Arc<dyn ServeHost>,
     listener: tokio::net::TcpListener,
     max_streams: usize,
-    tls: Option<tonic::transport::Identity>,
+    tls: Option<tonic::transport::ServerTlsConfig>,
 ) {
     let (reporter, health) = tonic_health::server::health_reporter();
     reporter.set_service_status("liveness", tonic_health::ServingStatus::Serving).await;
@@ -277,11 +304,13 @@ pub async fn serve(
         }
     });
     let max_message = host.cfg().max_body_bytes.saturating_add(64 * 1024);
-    let picker = Picker { host, streams: Arc::new(Semaphore::new(max_streams.min(Semaphore::MAX_PERMITS))) };
+    let bodies = Arc::new(Semaphore::new(host.cfg().epp_max_buffered_bytes.min(Semaphore::MAX_PERMITS)));
+    let picker =
+        Picker { host, streams: Arc::new(Semaphore::new(max_streams.min(Semaphore::MAX_PERMITS))), bodies };
     let service = ExternalProcessorServer::new(picker).max_decoding_message_size(max_message);
     let mut builder = tonic::transport::Server::builder();
-    if let Some(identity) = tls {
-        builder = match builder.tls_config(tonic::transport::ServerTlsConfig::new().identity(identity)) {
+    if let Some(tls) = tls {
+        builder = match builder.tls_config(tls) {
             Ok(b) => b,
             Err(e) => {
                 return tracing::error!(error = %e, "endpoint picker: the TLS certificate or key is not usable")

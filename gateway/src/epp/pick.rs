@@ -1,8 +1,9 @@
 //! The request phase of one ext_proc stream: the exchange's stages 1 to 6 (`serve::exchange`: read, identify,
 //! prepare, price, admit, route) on the request the proxy streams, then the answer that names the pick instead of
 //! forwarding to it: the destination (the pick, then the other candidates as fallbacks, `ip:port`), the headers a
-//! worker gets (`serve::outbound`, as on the proxy path: the gateway's token and assertion for kvgate workers, the
-//! client's headers for other pods, a split's prefill peer and grant), and the body every worker gets.
+//! worker gets (`serve::outbound`, as on the proxy path, except that a kvgate worker gets a per-request credential
+//! where the proxy path sends the gateway's token: its assertion, the client's headers for other pods, a split's
+//! prefill peer and grant), and the body every worker gets.
 //!
 //! Invariants: a header a worker would trust (`authorization`, `x-kvgate-*`, the data-parallel rank, the routing
 //! headers) that the client sent reaches the pod only when the picker sets it itself; a request the stages refuse
@@ -105,7 +106,8 @@ pub async fn decide<'s>(
     // What the first candidate gets on the proxy path (a split's decode worker: its prefill peer and grant).
     let peer = r.split.as_ref().filter(|_| r.is_split()).map(|s| s.peer.as_str());
     let out = Outbound::new(host.cfg(), &incoming, &prep, admitted.priced.kvgate_pool);
-    let (body, headers) = out.for_candidate(first, peer);
+    // The proxy holds what it is handed: a credential for this request alone, never the gateway's token.
+    let (body, headers) = out.per_request(first, peer, path);
     let body = body.clone();
     let mut set: Vec<(String, Vec<u8>)> =
         headers.iter().map(|(n, v)| (n.as_str().to_owned(), v.as_bytes().to_vec())).collect();

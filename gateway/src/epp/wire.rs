@@ -119,9 +119,15 @@ fn metadata_value<'a>(md: Option<&'a Metadata>, namespace: &str, key: &str) -> O
     md?.filter_metadata.get(namespace)?.fields.get(key)
 }
 
-/// The candidate subset the proxy allows, when it passed one (`None`: any endpoint).
+/// The candidate subset the proxy allows, when it passed one (`None`: any endpoint), sorted and without
+/// repeats (the router looks each worker up in it by binary search: `RouteInput::only`).
 pub fn subset_hint(md: Option<&Metadata>) -> Option<Vec<String>> {
-    metadata_value(md, SUBSET_NAMESPACE, SUBSET_KEY).map(endpoints_of)
+    metadata_value(md, SUBSET_NAMESPACE, SUBSET_KEY).map(|v| {
+        let mut list = endpoints_of(v);
+        list.sort_unstable();
+        list.dedup();
+        list
+    })
 }
 
 /// The endpoint that served the request, when the proxy reported it.
@@ -315,14 +321,15 @@ mod tests {
             Some(vec!["10.0.0.1:8000".to_owned(), "10.0.0.2:8000".to_owned()])
         );
         assert_eq!(
-            subset_hint(Some(&md(SUBSET_NAMESPACE, SUBSET_KEY, text("a:1,b:2")))),
-            Some(vec!["a:1".to_owned(), "b:2".to_owned()])
+            subset_hint(Some(&md(SUBSET_NAMESPACE, SUBSET_KEY, text("b:2,a:1,b:2")))),
+            Some(vec!["a:1".to_owned(), "b:2".to_owned()]),
+            "sorted, each once"
         );
         assert_eq!(subset_hint(None), None);
         assert_eq!(subset_hint(Some(&md(LB_NAMESPACE, SERVED_KEY, text("a:1")))), None);
-        let many = vec!["x:1"; MAX_SUBSET * 2].join(",");
+        let many: Vec<String> = (0..MAX_SUBSET * 2).map(|i| format!("x:{i}")).collect();
         assert_eq!(
-            subset_hint(Some(&md(SUBSET_NAMESPACE, SUBSET_KEY, text(&many)))).map(|v| v.len()),
+            subset_hint(Some(&md(SUBSET_NAMESPACE, SUBSET_KEY, text(&many.join(","))))).map(|v| v.len()),
             Some(MAX_SUBSET)
         );
         assert_eq!(

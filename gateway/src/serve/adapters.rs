@@ -3,7 +3,9 @@
 //! (`resolve_adapter`); the catalogue and its locks are `lora_catalog.rs`'s.
 //!
 //! A load is a pod's own `POST /v1/load_lora_adapter` (`{"lora_name", "lora_path"}`, vLLM's API, which kvgate
-//! workers answer too), with the gateway's token for a kvgate worker or `--lora-load-token` for another pod, within
+//! workers answer too), with a credential for that call for a kvgate worker (`kvgate_shared::credential`, made with
+//! the report secret: the static gateway token loads nothing) or `--lora-load-token` for another pod, to the pod's
+//! URL (a data-parallel rank's without its `#dpN`), within
 //! `--lora-load-timeout`. Its latency is measured into the registry (the placement's `load` term); a failure keeps
 //! that pod from being asked again for that adapter for a while (`FAILED_LOAD_BACKOFF`).
 //!
@@ -28,6 +30,8 @@ use crate::serve::stages::{Incoming, Prepared};
 
 /// Largest answer read from a load call.
 const MAX_LOAD_ANSWER_BYTES: usize = 64 * 1024;
+/// The pods' load call (vLLM's).
+const LOAD_PATH: &str = "/v1/load_lora_adapter";
 
 /// The placement stage: for an adapter request, loads its adapter first where placement says, and pins the
 /// request there. Returns the placement (explain and the logs show it); `None` for a request without an adapter.
@@ -200,12 +204,23 @@ async fn call(
     path: &str,
 ) -> Result<Option<String>, LoadFailure> {
     let reports = host.registry().workers().iter().any(|w| w.uid == wref.uid && w.report.is_some());
+    let body = serde_json::json!({"lora_name": name, "lora_path": path}).to_string();
+    // A kvgate worker gets a credential for this call alone (its body: this name, this path), which only a
+    // gateway holding the report secret can make: the static gateway token loads nothing.
     let token = match (reports, host.cfg().report_secret.as_deref()) {
-        (true, Some(secret)) => Some(kvgate_shared::handoff::gateway_token(secret)),
+        (true, Some(secret)) => {
+            let r = kvgate_shared::credential::RequestFor {
+                path: LOAD_PATH,
+                body: body.as_bytes(),
+                salt_header: None,
+            };
+            Some(kvgate_shared::credential::sign_request(secret, kvgate_shared::credential::now_ms(), &r))
+        }
         _ => host.cfg().lora_load_token.clone(),
     };
-    let body = serde_json::json!({"lora_name": name, "lora_path": path}).to_string();
-    let mut req = hyper::Request::post(format!("{}/v1/load_lora_adapter", url.trim_end_matches('/')))
+    // A data-parallel rank's URL names its pod and rank (`#dpN`): the pod loads the adapter for all its ranks.
+    let pod = crate::pods::dp_rank::base(url);
+    let mut req = hyper::Request::post(format!("{pod}{LOAD_PATH}"))
         .header(CONTENT_TYPE, HeaderValue::from_static("application/json"));
     if let Some(v) = token.and_then(|t| HeaderValue::from_str(&format!("Bearer {t}")).ok()) {
         req = req.header(AUTHORIZATION, v);

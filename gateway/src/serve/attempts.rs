@@ -126,6 +126,7 @@ impl Walk<'_> {
                 first_byte,
                 predicted: routed.predicted_cached_tokens,
                 served_known: true,
+                proxied: false,
             };
             if let Some(done) = s.settle(ctx, outcome, &mut permit, &mut refused_for) {
                 return done;

@@ -11,7 +11,12 @@
 //!   client left before the first token, the uncached prompt (the gateway cannot see whether prefill began, so it
 //!   assumes it did); a whole (not streamed) answer whose client left: its price (it may have been all but done);
 //! - a fallback worker's uncached prompt is its own prefix match's, at the fallback (`Router::record_fallback`);
-//! - a pod's usage is believed up to the prompt plus the output the request may have had (`Priced::cap`);
+//! - a pod's usage is believed up to the prompt plus the output the request may have (`Priced::cap`): the output
+//!   of every choice a request asks for (`n`, `best_of`), each at most its `max_tokens` (else the model's context);
+//! - a completed answer teaches its class's output length per choice, never past what one choice may have;
+//! - what an endpoint picker's proxy reports (`epp/follow.rs`) is the proxy's word, not the gateway's own sight:
+//!   its timeouts and stalls charge as above but mark no pod faulted (a stream held silent must not take a pod out
+//!   of every client's rotation);
 //! - refunded in full only when no worker computed anything: refusals, connection failures, error answers, and
 //!   every refusal before a worker was tried (admission, validation, no worker).
 //!
@@ -91,6 +96,8 @@ pub struct Settle<'a> {
     /// `t` is known to be the worker that served (an endpoint picker's proxy may report one the gateway did not
     /// rank: then no worker's index is credited).
     pub served_known: bool,
+    /// The outcome is what an endpoint picker's proxy reported, not what the gateway saw: it faults no worker.
+    pub proxied: bool,
 }
 
 impl Settle<'_> {
@@ -107,7 +114,7 @@ impl Settle<'_> {
             Outcome::Responded { status, usage, tokens_sent, whole, completed, stalled } => {
                 ctx.status = status;
                 if stalled {
-                    self.host.registry().record_fault(t.wref, Fault::Timeout, Instant::now());
+                    self.fault(Fault::Timeout);
                 }
                 self.usage_seen(usage.as_ref());
                 let permit = permit.take()?;
@@ -142,8 +149,9 @@ impl Settle<'_> {
                 None
             }
             Outcome::TimedOut => {
-                tracing::warn!(worker = %t.id, after = ?self.first_byte, "first-byte timeout: worker suspect");
-                self.host.registry().record_fault(t.wref, Fault::Timeout, Instant::now());
+                tracing::warn!(worker = %t.id, after = ?self.first_byte, proxied = self.proxied,
+                    "first-byte timeout: worker suspect (unless a proxy reported it)");
+                self.fault(Fault::Timeout);
                 // The worker had the request: its prefill is charged.
                 permit.take()?.reconcile(self.uncached as f64);
                 Some(Err(ApiError::upstream_timeout(&t.id, self.first_byte)))
@@ -159,6 +167,15 @@ impl Settle<'_> {
             }
             Outcome::Failed(e) => Some(Err(e)),
         }
+    }
+
+    /// Marks the worker faulted, when the gateway saw the fault itself.
+    fn fault(&self, f: Fault) {
+        if self.proxied {
+            metrics::counter!("kvgate_gateway_epp_unconfirmed_faults_total").increment(1);
+            return;
+        }
+        self.host.registry().record_fault(self.t.wref, f, Instant::now());
     }
 
     /// A usage read from any answer: the cache it reports against the prediction, the prompt length against ours.
@@ -177,7 +194,11 @@ impl Settle<'_> {
             self.host.registry().record_served(self.t.wref, &p.hashes);
         }
         if let (Some(u), true) = (usage, completed) {
-            self.host.learned_outputs().learn(&self.priced.class_name, u.completion);
+            // Per choice, and never past what one choice may have: a pod's numbers (or a proxy's) are input.
+            let per_choice = u.completion / self.priced.choices.max(1);
+            self.host
+                .learned_outputs()
+                .learn(&self.priced.class_name, per_choice.min(self.priced.output_cap));
         }
     }
 

@@ -138,9 +138,11 @@ pub fn price<'s>(
     max_candidates: usize,
 ) -> Result<Priced<'s>, ApiError> {
     let cfg = host.cfg();
+    let choices = prep.choices.max(1);
     let input = ClassInput {
         prompt_tokens: prep.prompt_tokens,
-        max_tokens: prep.max_output,
+        // All choices' output: `n` cannot make a long request look short.
+        max_tokens: prep.max_output.map(|m| m.saturating_mul(choices)),
         model: &prep.model,
         reasoning: prep.reasoning,
     };
@@ -149,11 +151,12 @@ pub fn price<'s>(
     let learned = host.learned_outputs();
     // The budget reserves what the request may produce (its max_tokens); the split is priced with what it
     // probably will (the class's learned output, capped by max_tokens).
-    let output = match prep.max_output {
+    let per_choice = match prep.max_output {
         Some(m) => m,
         None if prep.generates => learned.expected(&class_name, None, configured),
         None => 0,
     };
+    let output = per_choice.saturating_mul(choices);
     let kvgate_pool = cfg.pool_kind(prep.route_input().model) == WorkerKind::Kvgate;
     let tokenized = prep.prompt.is_some();
     // An adapter request may be split too: its candidates are the adapter's holders (`route.rs`), so both sides
@@ -187,9 +190,12 @@ pub fn price<'s>(
         }
     };
     let cost = uncached.saturating_add(output) as f64;
-    let output_cap = prep.max_output.or(prep.max_model_len.map(u64::from)).unwrap_or(UNBOUNDED_OUTPUT_CAP);
-    let cap = prep.prompt_tokens.saturating_add(output_cap);
-    Ok(Priced { class, class_name, output, cost, cap, kvgate_pool, ask, dry })
+    let output_cap = match prep.generates {
+        true => prep.max_output.or(prep.max_model_len.map(u64::from)).unwrap_or(UNBOUNDED_OUTPUT_CAP),
+        false => 0,
+    };
+    let cap = prep.prompt_cap.saturating_add(output_cap.saturating_mul(choices));
+    Ok(Priced { class, class_name, output, output_cap, choices, cost, cap, kvgate_pool, ask, dry })
 }
 
 /// Stage 5: `None` when the client left while waiting.

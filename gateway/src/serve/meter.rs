@@ -15,16 +15,17 @@
 //!
 //! Bounds: an event is held only until its blank line arrives; one that grows past [`MAX_EVENT_BYTES`] is forwarded
 //! as it is and counted as one token event, so memory never grows with what a peer sends. A JSON (non-stream)
-//! response is not parsed: its usage is read from its last [`TAIL_BYTES`].
+//! response is not parsed into a tree: its top-level `usage` member is found by structure as the bytes pass
+//! (`usage_scan.rs`, constant memory), wherever the pod wrote it (vLLM writes it before `prompt_logprobs`).
 //!
 //! Pure: bytes in, bytes out, no I/O.
 
 use bytes::{Bytes, BytesMut};
 
+use crate::serve::usage_scan::UsageScan;
+
 /// Longest event held back to classify it; longer ones pass through unclassified (counted as one token event).
 pub const MAX_EVENT_BYTES: usize = 256 * 1024;
-/// Bytes of a JSON response's end kept to find its `usage`.
-pub const TAIL_BYTES: usize = 16 * 1024;
 
 /// The `usage` numbers of a response.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -141,8 +142,10 @@ pub struct Meter {
     sse: bool,
     /// Take usage events (and `"usage":null` members) out of what is forwarded: the gateway asked for them.
     strip_usage: bool,
-    /// The current, incomplete event (SSE), or the response's last bytes (JSON).
+    /// The current, incomplete event (SSE).
     pending: BytesMut,
+    /// A JSON response's top-level `usage`, found as it passes.
+    scan: UsageScan,
     /// The current event grew past [`MAX_EVENT_BYTES`]: forwarded as it comes until its end.
     oversized: bool,
     token_events: u64,
@@ -156,6 +159,7 @@ impl Meter {
             sse,
             strip_usage: strip_usage && sse,
             pending: BytesMut::new(),
+            scan: UsageScan::new(),
             oversized: false,
             token_events: 0,
             usage: None,
@@ -180,11 +184,7 @@ impl Meter {
     /// Takes a chunk from the worker; returns what to forward now.
     pub fn feed(&mut self, data: &[u8]) -> Bytes {
         if !self.sse {
-            self.pending.extend_from_slice(data);
-            if self.pending.len() > 2 * TAIL_BYTES {
-                let cut = self.pending.len() - TAIL_BYTES;
-                let _ = self.pending.split_to(cut);
-            }
+            self.scan.feed(data);
             return Bytes::copy_from_slice(data);
         }
         let mut out = BytesMut::new();
@@ -282,7 +282,7 @@ impl Meter {
     /// The response ended: what is still held (an event without its blank line is forwarded as it is).
     pub fn finish(&mut self) -> Bytes {
         if !self.sse {
-            self.usage = UsageSeen::parse(&self.pending);
+            self.usage = self.scan.usage().and_then(UsageSeen::parse);
             return Bytes::new();
         }
         if self.oversized {
@@ -426,7 +426,7 @@ mod tests {
     }
 
     #[test]
-    fn json_responses_pass_untouched_and_their_usage_is_read_at_the_end() {
+    fn json_responses_pass_untouched_and_their_usage_is_read_by_structure() {
         let body = format!(
             "{{\"choices\":[{{\"message\":{{\"content\":\"{}\"}}}}],\"usage\":{{\"prompt_tokens\":100,\
              \"completion_tokens\":7,\"prompt_tokens_details\":{{\"cached_tokens\":64}}}}}}",
@@ -436,7 +436,7 @@ mod tests {
         let mut out = 0;
         for c in body.as_bytes().chunks(4096) {
             out += m.feed(c).len();
-            assert!(m.pending.len() <= 2 * TAIL_BYTES + 4096);
+            assert!(m.pending.is_empty(), "a JSON answer is not held");
         }
         assert!(m.finish().is_empty());
         assert_eq!(out, body.len());

@@ -8,7 +8,8 @@
 //! The endpoints (`endpoints/`: completions and chat, tokenized by `prepare` on the `tokenize` pool from bodies parsed
 //! within bounds by `request`; the pass-through endpoints) differ in their prepare stage; after it the stages branch
 //! only on whether the prompt was tokenized here (`exchange.rs`). `models` answers the
-//! GET routes; `meter` reads what a response cost; `spans` records the request's trace; `learned` keeps each class's
+//! GET routes; `meter` reads what a response cost (`usage_scan` finds a
+//! whole answer's usage); `spans` records the request's trace; `learned` keeps each class's
 //! output lengths. Everything here reaches the gateway through `host::ServeHost`, never its whole state.
 
 pub mod adapters;
@@ -31,3 +32,4 @@ pub mod spans;
 pub mod stages;
 pub mod tokenize;
 pub mod upstream;
+pub mod usage_scan;

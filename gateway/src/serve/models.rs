@@ -1,6 +1,9 @@
 //! The GET routes the gateway answers itself: `/v1/models` and `/v1/models/{id}` (the models some healthy worker
 //! serves now and their LoRA adapters: the gateway knows the pools; 404 `model_not_found` for any other id) and
 //! `/health`.
+//!
+//! Invariants: the model routes identify the caller as a POST does (401 without a key under `--require-api-key`)
+//! and list only what its key may use (a key's `models`): one tenant's adapters are not another's to see.
 
 use std::time::Instant;
 
@@ -9,6 +12,7 @@ use kvgate_shared::openai::{ModelCard, ModelList};
 
 use crate::errors::{ApiError, GatewayErrors};
 use crate::serve::downstream::{write_json, Downstream, HeadError};
+use crate::serve::exchange;
 use crate::serve::host::ServeHost;
 use crate::serve::stages::Ctx;
 
@@ -24,10 +28,17 @@ pub async fn answer<D: Downstream>(
 ) -> Result<(), ApiError> {
     let body = match path {
         "/health" => "{\"status\":\"ok\"}".to_owned(),
-        "/v1/models" => to_json(&ModelList { object: "list".into(), data: model_cards(host) })?,
+        "/v1/models" => {
+            let caller =
+                exchange::identify(host, path, down.header_str("authorization"), |n| down.header(n))?.caller;
+            let data = model_cards(host).into_iter().filter(|c| caller.allows(&c.id)).collect();
+            to_json(&ModelList { object: "list".into(), data })?
+        }
         p if p.starts_with(MODEL_PATH) => {
+            let caller =
+                exchange::identify(host, path, down.header_str("authorization"), |n| down.header(n))?.caller;
             let id = &p[MODEL_PATH.len()..];
-            let card = model_cards(host).into_iter().find(|c| c.id == id);
+            let card = model_cards(host).into_iter().find(|c| c.id == id && caller.allows(&c.id));
             to_json(&card.ok_or_else(|| ApiError::model_not_found(id))?)?
         }
         _ => return Err(ApiError::not_found_route(path)),

@@ -7,13 +7,14 @@
 //! `authorization` only with `--forward-authorization`; with a report secret, a kvgate worker never gets the
 //! client's `authorization` (it gets the gateway's token; without a secret, which needs `--insecure-reports`, it is
 //! sent what any pod is);
-//! the salt header is dropped when a tenant's salt replaced it in the body; a data-parallel rank header is only ever
+//! through an endpoint picker's proxy a kvgate worker gets a per-request credential, never the token
+//! (`Outbound::per_request`); the salt header is dropped when a tenant's salt replaced it in the body; a data-parallel rank header is only ever
 //! the gateway's (`upstream/send.rs`).
 
 use bytes::Bytes;
 use hyper::header::{HeaderName, HeaderValue};
 use kvgate_router::route::Candidate;
-use kvgate_shared::handoff;
+use kvgate_shared::{credential, handoff};
 
 use crate::config::GatewayConfig;
 use crate::serve::prepare::{PreparedRequest, CACHE_SALT_HEADER, SESSION_HEADER};
@@ -43,10 +44,6 @@ pub fn forwarded_headers(
         .collect()
 }
 
-fn now_ms() -> u64 {
-    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
-}
-
 /// The gateway's token for kvgate workers.
 fn token(secret: &str) -> Option<Header> {
     let v = HeaderValue::from_str(&format!("Bearer {}", handoff::gateway_token(secret))).ok()?;
@@ -57,7 +54,7 @@ fn token(secret: &str) -> Option<Header> {
 /// salt, model, fingerprint and handed-off ids (`ids`: the field's value), issued now.
 pub fn gateway_headers(secret: &str, p: &PreparedRequest, ids: Option<&str>) -> Vec<Header> {
     let assertion = handoff::Assertion {
-        issued_ms: now_ms(),
+        issued_ms: credential::now_ms(),
         fingerprint: p.fingerprint,
         scope: p.scope.as_ref(),
         model: &p.fields.model,
@@ -76,7 +73,7 @@ pub fn gateway_headers(secret: &str, p: &PreparedRequest, ids: Option<&str>) -> 
 /// this decode worker, one use: `kvgate_shared::handoff::PREFILL_GRANT_HEADER`).
 pub fn split_headers(secret: &str, g: &handoff::GrantFor<'_>) -> Vec<Header> {
     let nonce = u64::from_le_bytes(kvgate_shared::trace::new_id::<8>());
-    let grant = handoff::sign_prefill_grant(secret, now_ms(), nonce, g);
+    let grant = handoff::sign_prefill_grant(secret, credential::now_ms(), nonce, g);
     [(handoff::PREFILL_PEER_HEADER, g.peer.to_owned()), (handoff::PREFILL_GRANT_HEADER, grant)]
         .into_iter()
         .filter_map(|(n, v)| Some((HeaderName::from_static(n), HeaderValue::from_str(&v).ok()?)))
@@ -148,6 +145,24 @@ impl<'a> Outbound<'a> {
         };
         (body, h)
     }
+
+    /// [`Self::for_candidate`]'s body and headers with the gateway's token replaced by a credential for this
+    /// request alone (its `path`, body and salt header: `kvgate_shared::credential`), for a proxy that carries the
+    /// request to the worker (the endpoint picker's): nothing it is handed serves another request or an admin call.
+    pub fn per_request(&self, t: &Candidate, split_peer: Option<&str>, path: &str) -> (&Bytes, Vec<Header>) {
+        let (body, mut h) = self.for_candidate(t, split_peer);
+        let Some(secret) = self.cfg.report_secret.as_deref().filter(|_| self.kvgate_pool) else {
+            return (body, h);
+        };
+        h.retain(|(n, _)| n != hyper::header::AUTHORIZATION);
+        let salt = h.iter().find(|(n, _)| n == CACHE_SALT_HEADER).map(|(_, v)| v.as_bytes());
+        let r = credential::RequestFor { path, body, salt_header: salt };
+        let bearer = format!("Bearer {}", credential::sign_request(secret, credential::now_ms(), &r));
+        if let Ok(v) = HeaderValue::from_str(&bearer) {
+            h.push((hyper::header::AUTHORIZATION, v));
+        }
+        (body, h)
+    }
 }
 
 #[cfg(test)]
@@ -208,6 +223,8 @@ mod tests {
             stream: false,
             salt_rewritten: false,
             prompt_tokens: 1,
+            prompt_cap: 1,
+            choices: 1,
             reasoning: false,
             max_output: None,
             generates: false,

@@ -36,7 +36,14 @@ pub struct RoutingFields {
     pub body_keys: BodyKeys,
     /// The request carries `reasoning_effort`.
     pub reasoning: bool,
+    /// Sequences the pod generates for it: the larger of `n` and `best_of` (1 without them). Each may produce up
+    /// to `max_tokens`: the price and the cap are per choice times this.
+    pub choices: u32,
 }
+
+/// Most choices (`n`, `best_of`) one request may ask for (OpenAI's limit on `n`): past it, 400 `invalid_value`
+/// on the member that asked.
+pub const MAX_CHOICES: u32 = 128;
 
 /// Whether the body has these top-level keys at all (even `null`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -85,6 +92,10 @@ struct ChatLean<'a> {
     #[serde(default)]
     max_completion_tokens: Option<u32>,
     #[serde(default)]
+    n: Option<u32>,
+    #[serde(default)]
+    best_of: Option<u32>,
+    #[serde(default)]
     stream: Option<bool>,
     #[serde(default, deserialize_with = "present")]
     stream_options: Option<Option<StreamOptionsLean>>,
@@ -106,6 +117,10 @@ struct CompletionLean<'a> {
     max_tokens: Option<u32>,
     #[serde(default)]
     max_completion_tokens: Option<u32>,
+    #[serde(default)]
+    n: Option<u32>,
+    #[serde(default)]
+    best_of: Option<u32>,
     #[serde(default)]
     stream: Option<bool>,
     #[serde(default, deserialize_with = "present")]
@@ -135,6 +150,8 @@ struct StreamOptionsLean {
 struct Common<'a> {
     max_tokens: Option<u32>,
     max_completion_tokens: Option<u32>,
+    n: Option<u32>,
+    best_of: Option<u32>,
     stream: Option<bool>,
     include_usage: bool,
     stream_options_key: bool,
@@ -147,6 +164,8 @@ macro_rules! common {
         Common {
             max_tokens: $r.max_tokens,
             max_completion_tokens: $r.max_completion_tokens,
+            n: $r.n,
+            best_of: $r.best_of,
             stream: $r.stream,
             include_usage: $r
                 .stream_options
@@ -211,7 +230,7 @@ pub fn parse(
             ));
         }
         let reasoning = req.reasoning_effort.is_some_and(|r| r.get() != "null");
-        Ok((fields(req.model, common!(req), reasoning), PromptBody::Chat { messages, options }))
+        Ok((fields(req.model, common!(req), reasoning)?, PromptBody::Chat { messages, options }))
     } else {
         let req: CompletionLean<'_> = typed(body)?;
         reserved(req.kvgate_prompt_ids)?;
@@ -226,12 +245,30 @@ pub fn parse(
                 return Err(ApiError::invalid("prompt", &m));
             }
         };
-        Ok((fields(req.model, common!(req), false), prompt))
+        Ok((fields(req.model, common!(req), false)?, prompt))
     }
 }
 
-fn fields(model: Cow<'_, str>, c: Common<'_>, reasoning: bool) -> RoutingFields {
-    RoutingFields {
+/// The choices a body asks for (`n`, `best_of`), within [`MAX_CHOICES`].
+fn choices(n: Option<u32>, best_of: Option<u32>) -> Result<u32, ApiError> {
+    for (param, v) in [("n", n), ("best_of", best_of)] {
+        match v {
+            Some(0) => return Err(ApiError::invalid(param, format!("{param} must be at least 1"))),
+            Some(v) if v > MAX_CHOICES => {
+                let m = format!(
+                    "{param} may be at most {MAX_CHOICES} through the gateway (each choice is priced)"
+                );
+                return Err(ApiError::invalid(param, m));
+            }
+            _ => {}
+        }
+    }
+    Ok(n.unwrap_or(1).max(best_of.unwrap_or(1)))
+}
+
+fn fields(model: Cow<'_, str>, c: Common<'_>, reasoning: bool) -> Result<RoutingFields, ApiError> {
+    Ok(RoutingFields {
+        choices: choices(c.n, c.best_of)?,
         model: model.into_owned(),
         max_tokens: c.max_completion_tokens.or(c.max_tokens),
         stream: c.stream.unwrap_or(false),
@@ -240,7 +277,7 @@ fn fields(model: Cow<'_, str>, c: Common<'_>, reasoning: bool) -> RoutingFields 
         body_keys: BodyKeys { cache_salt: c.cache_salt.is_some(), stream_options: c.stream_options_key },
         cache_salt: c.cache_salt.flatten().filter(|s| !s.is_empty()),
         reasoning,
-    }
+    })
 }
 
 /// Deserializes a body, naming the offending field (`param`) on error; malformed JSON is `invalid_json`.

@@ -55,9 +55,15 @@ pub struct Prepared {
     pub salt_rewritten: bool,
     /// Prompt tokens: counted when tokenized, else estimated from the body.
     pub prompt_tokens: u64,
+    /// The most prompt tokens a pod's usage is believed: the count when tokenized, else a bound from the body
+    /// (`endpoints/passthrough.rs`).
+    pub prompt_cap: u64,
     pub reasoning: bool,
-    /// The most output tokens the body asks for (`max_tokens`, `max_output_tokens`).
+    /// The most output tokens the body asks for per choice (`max_tokens`, `max_output_tokens`).
     pub max_output: Option<u64>,
+    /// Sequences it generates (`n`, `best_of`; 1 for every other request): output is priced and capped per
+    /// choice times this.
+    pub choices: u64,
     /// Whether it generates text: without `max_output`, its output is priced at its class's expected output.
     pub generates: bool,
     /// The model's context length, when a worker told it.
@@ -91,11 +97,15 @@ impl Prepared {
 pub struct Priced<'s> {
     pub class: usize,
     pub class_name: String,
-    /// The output it is priced with: `max_output`, else the class's expected output when it generates.
+    /// The output it is priced with: `max_output`, else the class's expected output when it generates, times
+    /// its choices.
     pub output: u64,
+    /// The most output one choice may have (`max_output`, else the model's context; 0 when it generates none).
+    pub output_cap: u64,
+    pub choices: u64,
     /// What admission reserves: the predicted uncached prompt + output.
     pub cost: f64,
-    /// The most a pod's usage is believed: the prompt and the output the request may have.
+    /// The most a pod's usage is believed: the prompt's cap and the output the request may have (all choices).
     pub cap: u64,
     /// The model's pool runs kvgate workers.
     pub kvgate_pool: bool,

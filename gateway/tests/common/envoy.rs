@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 use kvgate_testkit::process::{free_port, Proc};
 
 /// What the Envoy in front of the pool does.
+#[derive(Default)]
 pub struct EnvoySpec<'a> {
     /// The endpoint picker's port; `None`: no picker, Envoy's own round robin.
     pub epp: Option<u16>,
@@ -26,6 +27,13 @@ pub struct EnvoySpec<'a> {
     pub buffered: bool,
     /// Dial the picker over TLS without verifying its certificate (as Envoy AI Gateway sets Envoy Gateway up).
     pub tls: bool,
+    /// The picker's `--epp-token`, sent in each stream's gRPC metadata (`initial_metadata`).
+    pub token: Option<&'a str>,
+    /// A client certificate and key (PEM files) to present to the picker over TLS (mutual TLS).
+    pub client_cert: Option<(&'a str, &'a str)>,
+    /// The picker refuses this Envoy's connections (mutual TLS without an accepted certificate): its health check
+    /// is waited on to fail, not to pass.
+    pub refused: bool,
 }
 
 /// The `envoy` binary next to the test venv's Python (`KVGATE_PYTHON`).
@@ -58,7 +66,9 @@ pub fn bootstrap(spec: &EnvoySpec<'_>, port: u16, admin: u16) -> String {
             r#"          - name: envoy.filters.http.ext_proc
             typed_config:
               "@type": type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor
-              grpc_service: {{envoy_grpc: {{cluster_name: epp}}}}
+              grpc_service:
+                envoy_grpc: {{cluster_name: epp}}
+{metadata}
               failure_mode_allow: {fail_open}
               processing_mode:
                 request_header_mode: SEND
@@ -72,7 +82,10 @@ pub fn bootstrap(spec: &EnvoySpec<'_>, port: u16, admin: u16) -> String {
                 receiving_namespaces: {{untyped: [envoy.lb]}}
 "#,
             fail_open = spec.fail_open,
-            mode = if spec.buffered { "BUFFERED" } else { "FULL_DUPLEX_STREAMED" }
+            mode = if spec.buffered { "BUFFERED" } else { "FULL_DUPLEX_STREAMED" },
+            metadata = spec.token.map_or(String::new(), |t| format!(
+                "                initial_metadata: [{{key: authorization, value: \"Bearer {t}\"}}]\n"
+            )),
         )
     });
     let epp_cluster = spec.epp.map_or(String::new(), |p| {
@@ -100,12 +113,17 @@ pub fn bootstrap(spec: &EnvoySpec<'_>, port: u16, admin: u16) -> String {
       - lb_endpoints:
         - endpoint: {{address: {{socket_address: {{address: 127.0.0.1, port_value: {p}}}}}}}
 "#,
-            tls = if spec.tls {
-                "    transport_socket:\n      name: envoy.transport_sockets.tls\n      typed_config:\n        \"@type\": \
-                 type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext\n        \
-                 common_tls_context: {alpn_protocols: [h2]}\n"
-            } else {
-                ""
+            tls = match (spec.tls, spec.client_cert) {
+                (false, _) => String::new(),
+                (true, cert) => format!(
+                    "    transport_socket:\n      name: envoy.transport_sockets.tls\n      typed_config:\n        \
+                     \"@type\": type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext\n        \
+                     common_tls_context:\n          alpn_protocols: [h2]\n{}",
+                    cert.map_or(String::new(), |(c, k)| format!(
+                        "          tls_certificates: [{{certificate_chain: {{filename: \"{c}\"}}, private_key: \
+                         {{filename: \"{k}\"}}}}]\n"
+                    ))
+                ),
             }
         )
     });
@@ -203,7 +221,7 @@ impl Envoy {
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
         if spec.epp.is_some() {
-            wait_picker(&admin, true, deadline).await;
+            wait_picker(&admin, !spec.refused, deadline).await;
         }
         Envoy { proc, base: format!("http://127.0.0.1:{port}"), admin, config }
     }

@@ -89,6 +89,9 @@ user), "external" (redis.auth.existingSecret of an external Redis) or "". */}}
 {{- if and .Values.redis.enabled (eq .Values.redis.mode "external") .Values.redis.urlSecret -}}
 {{- $_ := set $refs "redisUrl" (dict "name" .Values.redis.urlSecret "key" "redis-url" "managed" false) -}}
 {{- end -}}
+{{- if and .Values.epp.enabled (eq .Values.epp.auth.mode "token") .Values.epp.auth.tokenSecret -}}
+{{- $_ := set $refs "eppToken" (dict "name" .Values.epp.auth.tokenSecret "key" "token" "managed" false) -}}
+{{- end -}}
 {{- toJson $refs -}}
 {{- end -}}
 
@@ -174,6 +177,37 @@ Call with (dict "root" $ "uses" (list "report" ...)). */}}
 
 {{/* Where the gateway container reads the picker's certificate and key (epp-tls-cert, epp-tls-key). */}}
 {{- define "kvgate.eppTlsDir" -}}/etc/kvgate/epp-tls{{- end -}}
+
+{{/* Where the gateway container reads the CA of the proxies' client certificates (epp.auth.mode mtls). */}}
+{{- define "kvgate.eppClientCaDir" -}}/etc/kvgate/epp-client-ca{{- end -}}
+
+{{/* Refuses a picker whose callers nothing tells apart (epp.auth): network needs an enforced, non-empty eppFrom;
+token its Secret; mtls its CA's Secret and TLS. */}}
+{{- define "kvgate.eppAuthCheck" -}}
+{{- $epp := .Values.epp -}}
+{{- $np := .Values.networkPolicy -}}
+{{- if $epp.enabled -}}
+{{- if eq $epp.auth.mode "network" -}}
+{{- if not $np.enabled -}}
+{{- fail "epp.auth.mode network trusts the NetworkPolicy to let only the proxies reach the picker, but networkPolicy.enabled is false: enable it, or use epp.auth.mode token or mtls" -}}
+{{- end -}}
+{{- if not $np.eppFrom -}}
+{{- fail "epp.auth.mode network with an empty networkPolicy.eppFrom lets anyone drive the picker: name the inference gateway's proxies there, or use epp.auth.mode token or mtls" -}}
+{{- end -}}
+{{- else if eq $epp.auth.mode "token" -}}
+{{- if not $epp.auth.tokenSecret -}}
+{{- fail "epp.auth.mode token needs epp.auth.tokenSecret: a Secret whose key `token` the proxies send as gRPC metadata authorization: Bearer <token>" -}}
+{{- end -}}
+{{- else if eq $epp.auth.mode "mtls" -}}
+{{- if not $epp.auth.clientCASecret -}}
+{{- fail "epp.auth.mode mtls needs epp.auth.clientCASecret: a Secret whose key `ca.crt` the proxies' client certificates chain to" -}}
+{{- end -}}
+{{- if not $epp.tls.enabled -}}
+{{- fail "epp.auth.mode mtls needs epp.tls.enabled: mutual TLS is TLS first" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
 
 {{/* Computes, once per render, the picker's TLS (kept in .Values._kvgateEppTls, as kvgate.initSecrets does):
 `data`, the chart's Secret's tls.crt / tls.key (base64) when no epp.tls.secretName is given: the installed

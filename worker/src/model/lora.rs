@@ -14,7 +14,8 @@
 //! `use_qalora`, `alora_invocation_tokens`, `trainable_token_indices`, `target_parameters`, a regex
 //! `target_modules`, a target outside the seven) is refused by name, never ignored (what matters only in training,
 //! such as `lora_dropout` or `init_lora_weights`, is not read); a rank past the limit, a tensor of the wrong shape, a key that
-//! names no known layer and module, or a file past [`MAX_ADAPTER_BYTES`] is refused before anything is kept.
+//! names no known layer and module, or a file past [`MAX_ADAPTER_BYTES`] is refused before anything is kept; only
+//! regular files are read, within their bound as read ([`read_regular`]).
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -198,12 +199,52 @@ fn parse_config(
 }
 
 /// The first 16 hex digits of BLAKE3 over the config's bytes and the weights file (streamed).
-fn digest(config: &[u8], weights: &Path) -> std::io::Result<String> {
+fn digest(config: &[u8], weights: &[u8]) -> String {
     let mut h = blake3::Hasher::new();
     h.update(&(config.len() as u64).to_le_bytes());
     h.update(config);
-    h.update_reader(std::fs::File::open(weights)?)?;
-    Ok(h.finalize().to_hex()[..16].to_owned())
+    h.update(weights);
+    h.finalize().to_hex()[..16].to_owned()
+}
+
+/// Largest `adapter_config.json` read.
+pub const MAX_ADAPTER_CONFIG_BYTES: u64 = 1 << 20;
+
+/// The bytes of `path`, a regular file, at most `limit` of them (counted as read, not as `stat` says: a file that
+/// grows, or a device that never ends, stops at the bound). The path is opened without following a link at its
+/// last component (callers pass a canonical path: no link anywhere in it) and without blocking (a FIFO is refused,
+/// not waited on); anything but a regular file is refused.
+pub fn read_regular(path: &Path, limit: u64) -> Result<Vec<u8>, String> {
+    use std::io::Read;
+    use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+        .open(path)
+        .map_err(|e| e.to_string())?;
+    let meta = f.metadata().map_err(|e| e.to_string())?;
+    let t = meta.file_type();
+    if !t.is_file() {
+        let what = if t.is_fifo() {
+            "a FIFO"
+        } else if t.is_char_device() || t.is_block_device() {
+            "a device"
+        } else if t.is_symlink() {
+            "a link"
+        } else {
+            "not a regular file"
+        };
+        return Err(format!("{what}: only regular files are read"));
+    }
+    if meta.len() > limit {
+        return Err(format!("{} bytes, past the limit of {limit}", meta.len()));
+    }
+    let mut out = Vec::with_capacity(meta.len() as usize);
+    f.take(limit + 1).read_to_end(&mut out).map_err(|e| e.to_string())?;
+    if out.len() as u64 > limit {
+        return Err(format!("more than the limit of {limit} bytes"));
+    }
+    Ok(out)
 }
 
 /// `(layer, target, is_a)` of a PEFT tensor name.
@@ -221,25 +262,28 @@ fn parse_key(key: &str) -> Option<(usize, Target, bool)> {
 }
 
 impl LoraAdapter {
-    /// Reads and checks the adapter in `dir` against the base model `cfg`.
-    pub fn load(dir: &Path, name: &str, cfg: &ModelConfig, max_rank: usize) -> Result<Self, ModelError> {
-        let cfg_path = dir.join("adapter_config.json");
-        let cfg_file = cfg_path.display().to_string();
-        let text = std::fs::read_to_string(&cfg_path)
-            .map_err(|e| ModelError::File { file: cfg_file.clone(), reason: e.to_string() })?;
+    /// Reads and checks an adapter against the base model `cfg`.
+    /// Each file is read by [`read_regular`] from `files(name)`, the canonical path the caller vouches for (a
+    /// `--lora-root` check: `server::adapters`); [`LoraAdapter::load`] reads `dir`'s files as they are.
+    pub fn load_files(
+        files: &dyn Fn(&str) -> Result<std::path::PathBuf, String>,
+        name: &str,
+        cfg: &ModelConfig,
+        max_rank: usize,
+    ) -> Result<Self, ModelError> {
+        let read = |f: &str, limit: u64| -> Result<(String, Vec<u8>), ModelError> {
+            let path = files(f).map_err(|reason| ModelError::File { file: f.to_owned(), reason })?;
+            let file = path.display().to_string();
+            let bytes = read_regular(&path, limit)
+                .map_err(|reason| ModelError::File { file: file.clone(), reason })?;
+            Ok((file, bytes))
+        };
+        let (cfg_file, cfg_bytes) = read("adapter_config.json", MAX_ADAPTER_CONFIG_BYTES)?;
+        let text = String::from_utf8(cfg_bytes)
+            .map_err(|_| ModelError::File { file: cfg_file.clone(), reason: "not UTF-8".into() })?;
         let (rank, scaling, targets, base_model) = parse_config(&text, &cfg_file, max_rank)?;
-        let path = dir.join("adapter_model.safetensors");
-        let file = path.display().to_string();
-        let size = std::fs::metadata(&path)
-            .map_err(|e| ModelError::File { file: file.clone(), reason: e.to_string() })?
-            .len();
-        if size > MAX_ADAPTER_BYTES {
-            return Err(ModelError::File {
-                file,
-                reason: format!("{size} bytes, past the limit of {MAX_ADAPTER_BYTES}"),
-            });
-        }
-        let tensors = candle_core::safetensors::load(&path, &Device::Cpu)
+        let (file, weights) = read("adapter_model.safetensors", MAX_ADAPTER_BYTES)?;
+        let tensors = candle_core::safetensors::load_buffer(&weights, &Device::Cpu)
             .map_err(|e| ModelError::File { file: file.clone(), reason: e.to_string() })?;
         let tensor_err =
             |t: &str, reason: String| ModelError::Tensor { file: file.clone(), tensor: t.into(), reason };
@@ -282,11 +326,15 @@ impl LoraAdapter {
         if layers.iter().all(HashMap::is_empty) {
             return Err(ModelError::File { file, reason: "no LoRA tensors".into() });
         }
-        let key = format!(
-            "{name}@{}",
-            digest(text.as_bytes(), &path).map_err(|e| ModelError::File { file, reason: e.to_string() })?
-        );
+        let key = format!("{name}@{}", digest(text.as_bytes(), &weights));
         Ok(Self { name: name.to_owned(), key, rank, scaling, base_model, layers })
+    }
+
+    /// Reads and checks the adapter in `dir` against the base model `cfg` (its files as they are: links
+    /// followed).
+    pub fn load(dir: &Path, name: &str, cfg: &ModelConfig, max_rank: usize) -> Result<Self, ModelError> {
+        let files = |f: &str| dir.join(f).canonicalize().map_err(|e| e.to_string());
+        Self::load_files(&files, name, cfg, max_rank)
     }
 
     /// The update of `target` in `layer` applied to `x` (`[n, in]`): `s (x A^T) B^T` (`[n, out]`); `None` when the

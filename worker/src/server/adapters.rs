@@ -13,8 +13,11 @@
 //! keyed by the adapter's key (`name@digest` of its files), so the same files loaded again find them, and other
 //! files under the same name never do. Names are never the base model's, at most `MAX_ADAPTER_NAME_BYTES` bytes, without control characters.
 //! Files are read outside the lock (a load takes milliseconds to seconds); two loads of one name race to the lock
-//! and the second finds the first.
+//! and the second finds the first; requests that find one adapter unloaded wait for one read of its files
+//! ([`AdapterStore::reload`]). Only regular files are read (no FIFO, no device), each within its bound as read,
+//! and under `--lora-root` every file's canonical path (its links followed) must be inside the root.
 
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -24,6 +27,9 @@ use crate::model::lora::LoraAdapter;
 use crate::model::{ModelConfig, ModelError};
 
 use super::errors::ApiError;
+
+/// The files of an adapter directory that are read.
+const ADAPTER_FILES: [&str; 2] = ["adapter_config.json", "adapter_model.safetensors"];
 
 /// Adapters a worker holds at once when `--max-loras` is not given.
 pub const DEFAULT_MAX_LORAS: usize = 16;
@@ -39,7 +45,7 @@ pub enum LoadError {
     NameTaken { name: String, held: String },
     #[error("lora_path {0:?} is not a directory this worker can read")]
     NoDirectory(PathBuf),
-    #[error("lora_path {0:?} is outside --lora-root")]
+    #[error("lora_path {0:?} is outside --lora-root (or a link in it leads out)")]
     Forbidden(PathBuf),
     #[error("{0}")]
     Invalid(ModelError),
@@ -51,11 +57,13 @@ pub enum LoadError {
     SlotsFull(usize),
     #[error("no LoRA adapter named {0:?} is loaded")]
     Unknown(String),
+    #[error("the adapter {0:?} was given by --lora: it stays loaded for as long as the worker runs")]
+    Pinned(String),
 }
 
 impl LoadError {
     /// The OpenAI-style answer: 400 for what the body gets wrong, 403 for a path outside the root, 404 for a
-    /// missing directory or adapter, 409 when no slot can be freed.
+    /// missing directory or adapter, 409 when no slot can be freed or a `--lora` adapter would be unloaded.
     pub fn api(&self) -> ApiError {
         let m = self.to_string();
         match self {
@@ -74,6 +82,9 @@ impl LoadError {
             LoadError::NoSlots => ApiError::new(400, "invalid_request_error", "lora_unsupported", m),
             LoadError::SlotsFull(_) => ApiError::new(409, "invalid_request_error", "lora_slots_full", m),
             LoadError::Unknown(_) => ApiError::new(404, "invalid_request_error", "lora_not_found", m),
+            LoadError::Pinned(_) => {
+                ApiError::new(409, "invalid_request_error", "lora_pinned", m).with_param("lora_name")
+            }
         }
     }
 }
@@ -125,6 +136,8 @@ pub struct AdapterStore {
     root: Option<PathBuf>,
     /// Most recently used first.
     entries: Mutex<Vec<Entry>>,
+    /// One reload of a name at a time: requests that find an adapter unloaded wait for the one read of its files.
+    reloading: Mutex<HashMap<String, Arc<Mutex<()>>>>,
 }
 
 impl AdapterStore {
@@ -136,7 +149,15 @@ impl AdapterStore {
         slots: usize,
         root: Option<PathBuf>,
     ) -> Self {
-        Self { model_id: model_id.to_owned(), base, max_rank, slots, root, entries: Mutex::new(Vec::new()) }
+        Self {
+            model_id: model_id.to_owned(),
+            base,
+            max_rank,
+            slots,
+            root,
+            entries: Mutex::new(Vec::new()),
+            reloading: Mutex::new(HashMap::new()),
+        }
     }
 
     /// The list (a panic under the lock left a consistent list: every change is one insert, remove or swap).
@@ -197,10 +218,29 @@ impl AdapterStore {
         }
     }
 
-    /// Reads the weights of the known adapter `name` again (blocking), as a load would.
+    /// Reads the weights of the known adapter `name` again (blocking), as a load would; one read at a time per
+    /// name: a caller that waited for another's read gets its result without reading.
     pub fn reload(&self, name: &str) -> Result<Loaded, LoadError> {
+        let resident = |entries: &[Entry]| -> Result<Option<Arc<LoraAdapter>>, LoadError> {
+            let e = entries.iter().find(|e| e.name == name).ok_or_else(|| LoadError::Unknown(name.into()))?;
+            Ok(e.adapter.clone())
+        };
+        resident(&self.lock())?;
+        let one = {
+            let mut map = self.reloading.lock().unwrap_or_else(|e| e.into_inner());
+            if map.len() >= 2 * MAX_KNOWN_ADAPTERS {
+                map.retain(|_, l| Arc::strong_count(l) > 1);
+            }
+            map.entry(name.to_owned()).or_default().clone()
+        };
+        let _one = one.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(adapter) = resident(&self.lock())? {
+            metrics::counter!("kvgate_worker_lora_reloads_total", "outcome" => "shared").increment(1);
+            return Ok(Loaded { adapter, already: true, evicted: None });
+        }
         let dir = self.lock().iter().find(|e| e.name == name).map(|e| e.dir.clone());
         let dir = dir.ok_or_else(|| LoadError::Unknown(name.into()))?;
+        metrics::counter!("kvgate_worker_lora_reloads_total", "outcome" => "read").increment(1);
         self.load_as(name, &dir, true)
     }
 
@@ -263,10 +303,13 @@ impl AdapterStore {
         (a.key == key).then_some(a)
     }
 
-    /// Forgets `name` (requests running with it finish with it).
+    /// Forgets `name` (requests running with it finish with it); an adapter given by `--lora` is refused.
     pub fn unload(&self, name: &str) -> Result<(), LoadError> {
         let mut entries = self.lock();
         let i = entries.iter().position(|e| e.name == name).ok_or_else(|| LoadError::Unknown(name.into()))?;
+        if entries[i].pinned {
+            return Err(LoadError::Pinned(name.into()));
+        }
         entries.remove(i);
         Ok(())
     }
@@ -299,13 +342,24 @@ impl AdapterStore {
         if !real.is_dir() {
             return Err(LoadError::NoDirectory(dir.to_owned()));
         }
-        if let Some(root) = &self.root {
-            let root = root.canonicalize().map_err(|_| LoadError::Forbidden(dir.to_owned()))?;
-            if !real.starts_with(&root) {
-                return Err(LoadError::Forbidden(dir.to_owned()));
+        let root = match &self.root {
+            None => None,
+            Some(root) => Some(root.canonicalize().map_err(|_| LoadError::Forbidden(dir.to_owned()))?),
+        };
+        if root.as_ref().is_some_and(|r| !real.starts_with(r)) {
+            return Err(LoadError::Forbidden(dir.to_owned()));
+        }
+        // Each file where its links lead (a Hugging Face cache's files are links into its blobs), and, under
+        // --lora-root, only there: a link out of the root is refused like a directory outside it.
+        for f in ADAPTER_FILES {
+            if let (Some(r), Ok(p)) = (&root, real.join(f).canonicalize()) {
+                if !p.starts_with(r) {
+                    return Err(LoadError::Forbidden(dir.join(f)));
+                }
             }
         }
-        LoraAdapter::load(&real, name, base, self.max_rank).map_err(LoadError::Invalid)
+        let files = |f: &str| real.join(f).canonicalize().map_err(|e| e.to_string());
+        LoraAdapter::load_files(&files, name, base, self.max_rank).map_err(LoadError::Invalid)
     }
 }
 
@@ -523,5 +577,76 @@ mod tests {
         let none = AdapterStore::new("base", None, 64, 4, None);
         assert_eq!(none.load("a", &d[0]).expect_err("unsupported").api().code, "lora_unsupported");
         assert_eq!(none.info().slots, 0);
+    }
+    /// An adapter directory like `d` whose weights file is made by `weights` (a link, a FIFO...).
+    fn with_weights(t: &Path, d: &Path, name: &str, weights: impl FnOnce(&Path)) -> PathBuf {
+        let out = t.join(name);
+        std::fs::create_dir_all(&out).expect("dir");
+        std::fs::copy(d.join("adapter_config.json"), out.join("adapter_config.json")).expect("config");
+        weights(&out.join("adapter_model.safetensors"));
+        out
+    }
+
+    #[test]
+    fn only_regular_files_inside_the_root_are_read_and_within_their_bound() {
+        let (t, cfg, d) = fixture(1);
+        let root = t.path().join("root");
+        std::fs::create_dir_all(&root).expect("root");
+        let rooted = AdapterStore::new("base", Some(cfg.clone()), 64, 4, Some(root.clone()));
+        let open = AdapterStore::new("base", Some(cfg), 64, 4, None);
+        // A file link out of the root: refused like a directory outside it.
+        let out_link = with_weights(&root, &d[0], "out", |w| {
+            std::os::unix::fs::symlink(d[0].join("adapter_model.safetensors"), w).expect("link")
+        });
+        let e = rooted.load("x", &out_link).expect_err("a link out of the root").api();
+        assert_eq!((e.status, e.code), (403, "lora_path_forbidden"));
+        // A link that stays inside the root (a Hugging Face cache's blobs) is followed.
+        let blob = root.join("blob.safetensors");
+        std::fs::copy(d[0].join("adapter_model.safetensors"), &blob).expect("blob");
+        let in_link =
+            with_weights(&root, &d[0], "in", |w| std::os::unix::fs::symlink(&blob, w).expect("link"));
+        rooted.load("y", &in_link).expect("a link inside the root");
+        // A FIFO is refused at once, not waited on; a device is refused, never read.
+        let fifo = with_weights(t.path(), &d[0], "fifo", |w| {
+            let made = std::process::Command::new("mkfifo").arg(w).status().expect("mkfifo (coreutils)");
+            assert!(made.success(), "mkfifo");
+        });
+        let started = std::time::Instant::now();
+        let e = open.load("f", &fifo).expect_err("a FIFO");
+        assert!(started.elapsed() < std::time::Duration::from_secs(2), "not waited on");
+        assert!(e.to_string().contains("FIFO"), "{e}");
+        let zero = with_weights(t.path(), &d[0], "zero", |w| {
+            std::os::unix::fs::symlink("/dev/zero", w).expect("link")
+        });
+        let e = open.load("z", &zero).expect_err("a device");
+        assert!(e.to_string().contains("device"), "{e}");
+        let read = crate::model::lora::read_regular(Path::new("/dev/zero"), 10);
+        assert_eq!(read.err().as_deref(), Some("a device: only regular files are read"));
+        // A regular file past its bound, as read.
+        let big = t.path().join("big");
+        std::fs::write(&big, vec![0u8; 64]).expect("write");
+        assert!(crate::model::lora::read_regular(&big, 63).is_err());
+        assert_eq!(crate::model::lora::read_regular(&big, 64).expect("at the bound").len(), 64);
+    }
+
+    #[test]
+    fn pinned_adapters_stay_and_a_burst_for_an_unloaded_one_reads_its_files_once() {
+        let (_t, cfg, d) = fixture(3);
+        let s = Arc::new(AdapterStore::new("base", Some(cfg), 64, 2, None));
+        s.preload(&[("pinned".into(), d[0].clone())]).expect("preload");
+        let e = s.unload("pinned").expect_err("pinned").api();
+        assert_eq!((e.status, e.code), (409, "lora_pinned"));
+        s.load("b", &d[1]).expect("b");
+        s.load("c", &d[2]).expect("c takes b's slot");
+        assert!(matches!(s.lookup("b"), Ok(Lookup::Unloaded)));
+        let threads: Vec<_> = (0..16)
+            .map(|_| {
+                let s = s.clone();
+                std::thread::spawn(move || s.reload("b").expect("reload"))
+            })
+            .collect();
+        let loaded: Vec<Loaded> = threads.into_iter().map(|t| t.join().expect("thread")).collect();
+        assert_eq!(loaded.iter().filter(|l| !l.already).count(), 1, "one read; the others got its result");
+        assert!(loaded.iter().all(|l| Arc::ptr_eq(&l.adapter, &loaded[0].adapter)));
     }
 }

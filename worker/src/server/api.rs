@@ -42,7 +42,12 @@ enum Endpoint {
 
 /// Reads the body within the limit and parses it, naming the offending field on error.
 pub async fn parse_body<T: DeserializeOwned>(body: Body, limit: usize) -> Result<T, ApiError> {
-    let bytes = axum::body::to_bytes(body, limit).await.map_err(|e| {
+    parse_json(&read_body(body, limit).await?)
+}
+
+/// The whole body, at most `limit` bytes (past it: 413).
+pub async fn read_body(body: Body, limit: usize) -> Result<bytes::Bytes, ApiError> {
+    axum::body::to_bytes(body, limit).await.map_err(|e| {
         let too_large = std::error::Error::source(&e)
             .is_some_and(|s| s.is::<http_body_util::LengthLimitError>())
             || e.to_string().contains("length limit");
@@ -51,8 +56,7 @@ pub async fn parse_body<T: DeserializeOwned>(body: Body, limit: usize) -> Result
         } else {
             ApiError::bad_json(format!("cannot read the request body: {e}"))
         }
-    })?;
-    parse_json(&bytes)
+    })
 }
 
 /// Parses straight into the typed request (no intermediate JSON tree): malformed JSON is `invalid_json`, a well-formed

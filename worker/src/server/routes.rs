@@ -1,6 +1,7 @@
 //! The HTTP route table ([`router`]: which path goes to which handler, which routes only gateways may call, the
 //! `x-kvgate-worker` header on every answer) and the small handlers that read the server's state directly: probes,
-//! `/v1/models`, the tokenizer description. Runtime LoRA loading is in `adapters`, behind `admin_only`. The OpenAI endpoints live in `api`, vLLM's tokenize endpoints in
+//! `/v1/models`, the tokenizer description. Runtime LoRA loading is in `adapters`, behind `admin_only` (the admin
+//! token, or a gateway's credential for that call: never the gateway's static token). The OpenAI endpoints live in `api`, vLLM's tokenize endpoints in
 //! `tokens`, the KV probe in `pd`, the metrics page in `telemetry`.
 //!
 //! Invariants: `/health`, `/ready` and `/metrics` are never behind `--require-gateway-token` (orchestrators and
@@ -56,29 +57,85 @@ pub fn router(state: Arc<AppState>) -> Router {
 }
 
 /// With `--require-gateway-token`, refuses (401 `gateway_token_required`) a request without the gateway token
-/// (`kvgate_shared::handoff::gateway_token` of the report secret).
+/// (`kvgate_shared::handoff::gateway_token` of the report secret) or a per-request credential that verifies for
+/// this path, body and salt header (`kvgate_shared::credential`: what an endpoint picker's proxy carries).
 async fn gateway_only(
     State(state): State<Arc<AppState>>,
     req: axum::extract::Request,
     next: axum::middleware::Next,
 ) -> Response {
-    if let (true, Some(secret)) = (state.cfg.require_gateway_token, state.cfg.report_secret.as_deref()) {
-        let auth = req.headers().get(axum::http::header::AUTHORIZATION).and_then(|v| v.to_str().ok());
-        if !kvgate_shared::handoff::check_gateway_token(secret, auth) {
-            metrics::counter!("kvgate_worker_unauthorized_requests_total").increment(1);
-            return ApiError::unauthorized(
-                "gateway_token_required",
-                "this worker answers only kvgate gateways (--require-gateway-token): send requests through a gateway",
-            )
-            .into_response();
-        }
+    let (true, Some(secret)) = (state.cfg.require_gateway_token, state.cfg.report_secret.as_deref()) else {
+        return next.run(req).await;
+    };
+    let auth = req.headers().get(axum::http::header::AUTHORIZATION).and_then(|v| v.to_str().ok());
+    if kvgate_shared::handoff::check_gateway_token(secret, auth) {
+        return next.run(req).await;
     }
-    next.run(req).await
+    let refused = |why: &str| {
+        metrics::counter!("kvgate_worker_unauthorized_requests_total").increment(1);
+        ApiError::unauthorized(
+            "gateway_token_required",
+            format!(
+                "this worker answers only kvgate gateways (--require-gateway-token): send requests through a \
+                 gateway{why}"
+            ),
+        )
+        .into_response()
+    };
+    match with_request_credential(&state, secret, req).await {
+        Credential::Verified(req) => next.run(req).await,
+        Credential::Refused(why) => refused(&why),
+        Credential::Failed(r) => r,
+    }
 }
 
-/// The worker's admin calls: `Authorization: Bearer` the `--admin-token`, or a kvgate gateway's token (from
-/// `--report-secret`); with neither configured they are off (403 `runtime_lora_disabled`), else 401
-/// `admin_token_required`.
+/// What a request credential said.
+enum Credential {
+    /// It verifies: the request, its body read back in.
+    Verified(axum::extract::Request),
+    /// None, or one that does not verify: why (for the 401's message).
+    Refused(String),
+    /// The body could not be read (its error answer).
+    Failed(Response),
+}
+
+/// Checks the request's per-request credential (`kvgate_shared::credential`) against its path, body (read, at
+/// most `--max-body-bytes`) and salt header.
+async fn with_request_credential(state: &AppState, secret: &str, req: axum::extract::Request) -> Credential {
+    let auth = req.headers().get(axum::http::header::AUTHORIZATION).and_then(|v| v.to_str().ok());
+    if !kvgate_shared::credential::is_request_credential(auth) {
+        return Credential::Refused(String::new());
+    }
+    let token = auth.and_then(|a| a.strip_prefix("Bearer ")).unwrap_or("").to_owned();
+    let (parts, body) = req.into_parts();
+    let body = match super::api::read_body(body, state.cfg.max_body_bytes).await {
+        Ok(b) => b,
+        Err(e) => return Credential::Failed(e.into_response()),
+    };
+    let salt = parts.headers.get(kvgate_shared::prompt::CACHE_SALT_HEADER).map(|v| v.as_bytes());
+    let r = kvgate_shared::credential::RequestFor { path: parts.uri.path(), body: &body, salt_header: salt };
+    if let Err(e) = kvgate_shared::credential::verify_request(
+        Some(secret),
+        &token,
+        &r,
+        kvgate_shared::credential::now_ms(),
+    ) {
+        return Credential::Refused(match e {
+            kvgate_shared::handoff::AssertionError::Expired { skew_ms } => {
+                format!(" (the per-request credential was issued {skew_ms} ms away from this worker's clock)")
+            }
+            _ => " (the per-request credential does not verify: it serves only the request it was made for)"
+                .into(),
+        });
+    }
+    Credential::Verified(axum::extract::Request::from_parts(parts, axum::body::Body::from(body)))
+}
+
+/// The worker's admin calls (runtime LoRA loading): `Authorization: Bearer` the `--admin-token`, or a gateway's
+/// per-request credential for this very call (`kvgate_shared::credential`: a gateway loading an adapter of its
+/// catalogue signs the call's body, name and path, with the report secret). The gateway's static token is not an
+/// admin credential: whoever holds it can call the API, not load files. With neither `--admin-token` nor
+/// `--report-secret` the calls are off (403 `runtime_lora_disabled`); else 401 `admin_token_required`.
 async fn admin_only(
     State(state): State<Arc<AppState>>,
     req: axum::extract::Request,
@@ -90,19 +147,29 @@ async fn admin_only(
             403,
             "permission_error",
             "runtime_lora_disabled",
-            "runtime LoRA loading is off on this worker: give it --admin-token (or --report-secret, for gateways)",
+            "runtime LoRA loading is off on this worker: give it --admin-token (or --report-secret, for gateways' \
+             catalogue loads)",
         )
         .into_response();
     }
     let auth = req.headers().get(axum::http::header::AUTHORIZATION).and_then(|v| v.to_str().ok());
-    let ok = admin.is_some_and(|t| kvgate_shared::handoff::bearer_is(t, auth))
-        || secret.is_some_and(|s| kvgate_shared::handoff::check_gateway_token(s, auth));
-    if !ok {
-        metrics::counter!("kvgate_worker_unauthorized_requests_total").increment(1);
-        return ApiError::unauthorized("admin_token_required", "this call needs the worker's admin token")
-            .into_response();
+    if admin.is_some_and(|t| kvgate_shared::handoff::bearer_is(t, auth)) {
+        return next.run(req).await;
     }
-    next.run(req).await
+    let refused = || {
+        metrics::counter!("kvgate_worker_unauthorized_requests_total").increment(1);
+        ApiError::unauthorized(
+            "admin_token_required",
+            "this call needs the worker's admin token (or a gateway's credential for this call)",
+        )
+        .into_response()
+    };
+    let Some(secret) = secret else { return refused() };
+    match with_request_credential(&state, secret, req).await {
+        Credential::Verified(req) => next.run(req).await,
+        Credential::Refused(_) => refused(),
+        Credential::Failed(r) => r,
+    }
 }
 
 async fn models(State(state): State<Arc<AppState>>) -> Response {

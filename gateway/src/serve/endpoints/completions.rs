@@ -69,6 +69,8 @@ impl Endpoint for Completions {
             stream: p.fields.stream,
             salt_rewritten: p.salt_rewritten,
             prompt_tokens: p.ids.len() as u64,
+            prompt_cap: p.ids.len() as u64,
+            choices: u64::from(p.fields.choices),
             reasoning: p.fields.reasoning,
             max_output: p.fields.max_tokens.map(u64::from),
             generates: true,

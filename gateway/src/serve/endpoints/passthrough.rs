@@ -11,8 +11,9 @@
 //! - the worker is chosen by load alone (`Router::route_by_load`), whatever the policy: the gateway does not read
 //!   these bodies' prompts, so it has no prefix to match (and embeddings, rerank and tokenize keep no KV worth
 //!   following);
-//! - the price is an estimate: `body bytes / BYTES_PER_TOKEN` prompt tokens plus `max_output_tokens` (or the
-//!   class's expected output) for `/v1/responses`, settled by the response's `usage` when it has one
+//! - the price is an estimate: `body bytes / BYTES_PER_TOKEN` prompt tokens (a score or rerank body: per
+//!   (query, document) pair, `sizing.rs`) plus `max_output_tokens` (or the class's expected output) for
+//!   `/v1/responses`, settled by the response's `usage` when it has one
 //!   (`prompt_tokens` / `input_tokens`, `completion_tokens` / `output_tokens`), else by the charging rules of
 //!   `charge.rs` (a completed answer: as priced);
 //! - a body without `model` goes to the only model served, or is refused (400, param `model`) when there are
@@ -29,6 +30,7 @@ use serde::Deserialize;
 
 use crate::control::keys::Caller;
 use crate::errors::{ApiError, GatewayErrors};
+use crate::serve::endpoints::sizing;
 use crate::serve::exchange::Endpoint;
 use crate::serve::host::ServeHost;
 use crate::serve::prepare::{salt_for, unknown_model};
@@ -157,10 +159,13 @@ fn read(
             ));
         }
     }
+    let size = sizing::pairs(path, &body, max_model_len).unwrap_or_else(|| sizing::whole(body.len() as u64));
     Ok(Prepared {
         model,
         stream: f.stream.unwrap_or(false),
-        prompt_tokens: body.len() as u64 / BYTES_PER_TOKEN,
+        prompt_tokens: size.estimate,
+        prompt_cap: size.cap,
+        choices: 1,
         reasoning: false,
         // 0 names no limit (the class's expected output prices it), as before the one exchange.
         max_output: f.max_output_tokens.filter(|n| generates && *n > 0),

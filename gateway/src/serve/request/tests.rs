@@ -26,6 +26,7 @@ fn chat_fields_and_options() {
             cache_salt: Some("s".into()),
             body_keys: BodyKeys { cache_salt: true, stream_options: false },
             reasoning: true,
+            choices: 1,
         }
     );
     let PromptBody::Chat { messages, options } = p else { panic!("chat") };
@@ -36,6 +37,28 @@ fn chat_fields_and_options() {
     let (f, _) = chat(&json!({"model": "m", "messages": [], "reasoning_effort": null, "stream": null}))
         .expect("nulls are absent");
     assert!(!f.reasoning && !f.stream);
+}
+
+#[test]
+fn choices_are_the_larger_of_n_and_best_of_and_bounded() {
+    let body = |extra: Value| {
+        let mut b = json!({"model": "m", "prompt": "x"});
+        b.as_object_mut().expect("object").extend(extra.as_object().expect("object").clone());
+        parse(false, b.to_string().as_bytes(), 10)
+    };
+    assert_eq!(body(json!({})).expect("ok").0.choices, 1);
+    assert_eq!(body(json!({"n": 50})).expect("ok").0.choices, 50);
+    assert_eq!(body(json!({"n": 2, "best_of": 5})).expect("ok").0.choices, 5);
+    for (extra, param) in [
+        (json!({"n": 0}), "n"),
+        (json!({"n": MAX_CHOICES + 1}), "n"),
+        (json!({"best_of": MAX_CHOICES + 1}), "best_of"),
+    ] {
+        let e = body(extra).expect_err("refused");
+        assert_eq!((e.status, e.code, e.param.as_deref()), (400, "invalid_value", Some(param)));
+    }
+    let (f, _) = chat(&json!({"model": "m", "messages": [], "n": 3})).expect("chat");
+    assert_eq!(f.choices, 3);
 }
 
 #[test]
