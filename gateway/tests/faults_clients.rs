@@ -324,3 +324,46 @@ async fn a_cache_salt_header_that_is_not_text_gets_400_from_the_gateway() {
     assert!(resp.starts_with("HTTP/1.1 400"), "{resp}");
     assert!(resp.contains("x-kvgate-cache-salt") && resp.contains("invalid_request_error"), "{resp}");
 }
+
+/// HTTP/1.1 pipelining (RFC 9112 §9.3.2): a request sent on a keep-alive connection before the answer to the one
+/// before it, behind a stream and behind a whole answer. Each gets its answer, in order (the gateway watching the
+/// client for its leaving used to read the next request's first byte, take it for a client that sent data after
+/// its body, and drop both).
+#[tokio::test]
+async fn a_request_pipelined_behind_a_stream_or_a_whole_answer_gets_its_answer() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let (g, control) = gateway(&[]);
+    let _w = worker("w0", &dir.path().join("tiny"), Some(&control), &[]);
+    wait_healthy(&control, 1).await;
+    let host = addr(&g.base);
+    let req = |path: &str, body: serde_json::Value, last: bool| {
+        let b = body.to_string();
+        let close = if last { "connection: close\r\n" } else { "" };
+        format!(
+            "POST {path} HTTP/1.1\r\nhost: {host}\r\ncontent-type: application/json\r\ncontent-length: {}\r\n{close}\r\n{b}",
+            b.len()
+        )
+    };
+    let chat = |stream: bool| {
+        json!({"model": MODEL, "max_tokens": 16, "stream": stream, "temperature": 0,
+            "messages": [{"role": "user", "content": "pipelined requests each get an answer"}]})
+    };
+    for (first_streams, label) in [(true, "behind a stream"), (false, "behind a whole answer")] {
+        let mut s = TcpStream::connect(&host).await.expect("connect");
+        // Both requests in one write: the second is on the wire before the first is answered.
+        let both = format!(
+            "{}{}",
+            req("/v1/chat/completions", chat(first_streams), false),
+            req("/v1/chat/completions", chat(!first_streams), true)
+        );
+        s.write_all(both.as_bytes()).await.expect("write");
+        let (text, _) = read_to_close(&mut s, Duration::from_secs(60)).await.expect("both answers in time");
+        let heads = text.matches("HTTP/1.1 200").count();
+        assert_eq!(heads, 2, "{label}: two answers, got {heads}:\n{text}");
+        assert!(text.contains("data: [DONE]"), "{label}: the stream ran to its end:\n{text}");
+        assert!(text.contains("\"object\":\"chat.completion\""), "{label}: the whole answer came:\n{text}");
+    }
+    // Both second requests were parsed from the bytes read with the first (`listener.rs`).
+    let m = get(&format!("{control}/metrics")).await.body;
+    assert_eq!(metric(&m, "kvgate_gateway_pipelined_requests_total"), Some(2.0), "{m}");
+}

@@ -48,6 +48,9 @@ impl ProxyHttp for Gateway {
     }
 
     async fn request_filter(&self, session: &mut Session, ctx: &mut Ctx) -> Result<bool> {
+        // A request pipelined behind this one (RFC 9112 §9.3.2) waits for its turn: watching this client for its
+        // leaving keeps the next request's bytes for it instead of taking them for data sent after the body.
+        session.as_downstream_mut().set_pipelining_enabled(true);
         let traceparent = session.req_header().headers.get(kvgate_shared::trace::TRACEPARENT);
         ctx.trace = RequestTrace::begin(self.host.tracer(), traceparent.and_then(|v| v.to_str().ok()));
         if let Err(e) = dispatch(&self.host, session, ctx).await {

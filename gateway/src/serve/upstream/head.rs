@@ -1,6 +1,6 @@
 //! The response head the client gets: the worker's status and headers without hop-by-hop ones (and without a
 //! worker's own `x-kvgate-*` of these names), plus the gateway's `x-kvgate-worker`, `-route`, `-class` and
-//! `-admission-wait-ms`.
+//! `-admission-wait-ms`; a body of no declared length (a stream) is sent chunked, so the connection outlives it.
 
 use hyper::header::{HeaderName, HeaderValue};
 use hyper::http::response::Parts;
@@ -50,6 +50,12 @@ pub(super) fn response_head(parts: &Parts, a: &Attempt<'_>) -> Result<Head, Stri
     for (k, v) in extra {
         let v = HeaderValue::from_str(&v).map_err(|e| format!("{k}: {e}"))?;
         headers.push((HeaderName::from_static(k), v));
+    }
+    // A body of no declared length (a stream) goes out chunked: sent as it comes, it would otherwise end only with
+    // the connection (pingora frames a body of unknown length by closing), and no request could follow it on the
+    // connection, a pipelined one included.
+    if content_length(parts).is_none() && !matches!(parts.status.as_u16(), 100..=199 | 204 | 304) {
+        headers.push((hyper::header::TRANSFER_ENCODING, HeaderValue::from_static("chunked")));
     }
     Ok(Head { status: parts.status.as_u16(), headers })
 }
