@@ -405,8 +405,12 @@ async fn a_chat_template_that_is_not_the_pods_is_counted_as_a_prompt_mismatch() 
             let r = post(&format!("{}/v1/chat/completions", g.base), &body, &[]).await;
             assert_eq!(r.status, 200, "{}", r.body);
         }
-        let m = get(&format!("{control}/metrics")).await.body;
+        // A request is settled (and its usage compared) just after its answer's last byte left: wait for it.
         let series = format!("kvgate_gateway_prompt_token_mismatches_total{{model=\"{MODEL}\"}}");
-        assert_eq!(metric(&m, &series), want, "{name}");
+        let counted = || async { metric(&get(&format!("{control}/metrics")).await.body, &series) };
+        if want.is_some() {
+            wait_until(std::time::Duration::from_secs(5), || async { counted().await == want }).await;
+        }
+        assert_eq!(counted().await, want, "{name}");
     }
 }
