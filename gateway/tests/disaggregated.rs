@@ -325,3 +325,30 @@ async fn a_split_whose_prefill_sends_nothing_is_answered_within_the_stall_timeou
     let leases = "kvgate_worker_kv_transfer_leases";
     assert_eq!(wait_metric(&p.base, leases, 0.0, std::time::Duration::from_secs(3)).await, 0.0);
 }
+
+/// A prompt the workers measurably need longer for than the first-byte formula gives is waited for: each worker
+/// measured its prefill cost before it served (here 3 ms a token, slowed on purpose), the split decision predicted
+/// the request's time from it, and the first-byte bound stretches to twice that (at most its cap). Before, the
+/// formula's 500 ms cut the request off with 504 while the workers were still computing it.
+#[tokio::test]
+async fn a_prompt_the_workers_measurably_need_longer_for_is_not_cut_off_by_the_formula() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let synth = dir.path().join("tiny");
+    let (g, control) = gateway(&["--first-byte-timeout", "500ms", "--first-byte-per-prompt-token", "0ms"]);
+    let slow = [("KVGATE_FAULT_SLOW_FORWARD_US", "3000")];
+    let p_flags = ["--role", "prefill", "--kv-transfer-port", "0", "--kv-cache-tokens", "1024"];
+    let _p = worker_on(free_port(), "p0", &synth, Some(&control), &p_flags, &slow);
+    let d_flags = ["--role", "decode", "--kv-cache-tokens", "1024"];
+    let _d = worker_on(free_port(), "d0", &synth, Some(&control), &d_flags, &slow);
+    wait_healthy(&control, 2).await;
+    // 400 prompt tokens: at least 1.2 s of prefill wherever it runs.
+    let prompt: Vec<u32> = (0..400u32).map(|i| (i * 41 + 7) % 500 + 1).collect();
+    let body =
+        json!({"model": MODEL, "prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": true});
+    let started = std::time::Instant::now();
+    let r = post(&format!("{}/v1/completions", g.base), &body, &[]).await;
+    let took = started.elapsed();
+    assert_eq!(r.status, 200, "after {took:?}: {}", r.body);
+    assert!(took > std::time::Duration::from_millis(1_200), "the prefill was slowed: {took:?}");
+    assert_eq!(r.json()["usage"]["completion_tokens"], 4);
+}

@@ -68,18 +68,17 @@ async fn the_cost_model_splits_where_it_must_keeps_local_where_it_must_and_stops
         let r = post(&format!("{}/v1/completions", w.base), &body(512, seed, 4, false), &[]).await;
         assert_eq!(r.status, 200, "{}", r.body);
     }
-    // Each reports its fit of what its prefill costs (seconds per token, per unit of attention area), which the
-    // admin API shows with its token rate.
+    // Each reports its fit of what its prefill costs (seconds per token, per unit of attention area; measured at
+    // start, then on its prompts), which the admin API shows with its token rate (once it has computed one).
     for id in ["p0", "d0"] {
         let w = wait_worker(&control, id, Duration::from_secs(10), |w| {
-            w["speed"]["prefill_per_token_s"].as_f64() > Some(0.0)
+            w["speed"]["prefill_tokens_per_s"].as_f64() > Some(0.0)
         })
         .await;
         let s = &w["speed"];
-        assert!(
-            s["prefill_attention_s"].as_f64() >= Some(0.0) && s["prefill_tokens_per_s"].as_f64() > Some(0.0),
-            "{w}"
-        );
+        let fitted =
+            s["prefill_per_token_s"].as_f64() > Some(0.0) || s["prefill_attention_s"].as_f64() > Some(0.0);
+        assert!(fitted && s["prefill_attention_s"].as_f64() >= Some(0.0), "{w}");
     }
 
     // 1. A follow-up whose prompt the decode worker holds (it answered the same prompt before): local costs it

@@ -18,21 +18,24 @@ const SECRET: &str = "pd-test-secret";
 const MODEL: &str = "kvgate-tiny";
 
 fn prefill_worker(env: &[(&str, &str)]) -> Worker {
-    start_worker_env(
-        &[
-            "--role",
-            "prefill",
-            "--report-secret",
-            SECRET,
-            "--kv-transfer-port",
-            "0",
-            "--kv-transfer-lease",
-            "1s",
-            "--max-num-batched-tokens",
-            "64",
-        ],
-        env,
-    )
+    prefill_worker_with(&[], env)
+}
+
+fn prefill_worker_with(extra: &[&str], env: &[(&str, &str)]) -> Worker {
+    let mut flags = vec![
+        "--role",
+        "prefill",
+        "--report-secret",
+        SECRET,
+        "--kv-transfer-port",
+        "0",
+        "--kv-transfer-lease",
+        "1s",
+        "--max-num-batched-tokens",
+        "64",
+    ];
+    flags.extend_from_slice(extra);
+    start_worker_env(&flags, env)
 }
 
 fn decode_worker(extra: &[&str]) -> Worker {
@@ -280,6 +283,9 @@ async fn a_killed_or_stopped_prefill_worker_ends_in_a_local_recompute() {
     assert!(started.elapsed() < Duration::from_secs(3), "no hang: {:?}", started.elapsed());
     killer.await.expect("killer");
     assert_eq!(m(&d, "kvgate_worker_kv_transfers_total{side=\"import\",outcome=\"fallback\"}").await, 1.0);
+    // What arrived before the peer died (8 blocks, then the pause) is not computed again.
+    assert_eq!(m(&d, "kvgate_worker_kv_import_kept_tokens_total").await, 8.0 * 16.0);
+    assert_eq!(got.1["prompt_tokens_details"]["cached_tokens"], 8 * 16, "{}", got.1);
     pool_at_baseline(&d, Duration::from_secs(2)).await;
 
     // SIGSTOP: the decode worker gives up after the 1 s lease; the prefill worker, resumed, drops its export.
@@ -303,6 +309,26 @@ async fn a_killed_or_stopped_prefill_worker_ends_in_a_local_recompute() {
     );
     stopper.await.expect("stopper");
     wait_metric(&p, "kvgate_worker_kv_transfer_leases", 0.0, Duration::from_secs(2)).await;
+    pool_at_baseline(&p, Duration::from_secs(2)).await;
+    pool_at_baseline(&d, Duration::from_secs(2)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefill_whose_steps_outlast_the_stall_timeout_is_waited_for_while_it_moves() {
+    let alone = start_worker(&[]);
+    let pr = prompt(600, 11);
+    let want = text_and_usage(&post_pd(&alone, None, None, &body(&pr, 6, false)).await).0;
+    // Each 64-token step of the prefill takes over 256 ms (4 ms a token), past the decode worker's 100 ms stall
+    // timeout: its first block leaves only after the first step. The prefill worker measured its cost at start
+    // and announces each step with what it expects it to take. (Before Progress frames this fell back: stalled.)
+    let p = prefill_worker_with(&["--kv-cache-tokens", "1024"], &[("KVGATE_FAULT_SLOW_FORWARD_US", "4000")]);
+    let d = decode_worker(&["--kv-transfer-stall-timeout", "100ms"]);
+    let got = text_and_usage(&post_pd(&d, Some(&p.transfer), None, &body(&pr, 6, false)).await);
+    assert_eq!(got.0, want, "imported, and decoded like a whole run");
+    let outcome = |o: &str| format!("kvgate_worker_kv_transfers_total{{side=\"import\",outcome=\"{o}\"}}");
+    assert_eq!(m(&d, &outcome("ok")).await, 1.0, "{}", metrics(&d).await);
+    assert_eq!(m(&d, &outcome("stalled")).await, 0.0);
+    assert_eq!(m(&d, &outcome("fallback")).await, 0.0);
     pool_at_baseline(&p, Duration::from_secs(2)).await;
     pool_at_baseline(&d, Duration::from_secs(2)).await;
 }

@@ -402,7 +402,9 @@ fn url_has_password(url: &str) -> bool {
 }
 
 /// The first-byte timeout of a request: `floor + uncached prompt tokens x per_prompt_token` (+ `max_tokens x
-/// per_output_token` when not streamed, since the header then follows the last token), at most `cap`.
+/// per_output_token` when not streamed, since the header then follows the last token), at most `cap`; where the
+/// route's prediction from measured speeds says the header comes later, [`PREDICTED_MARGIN`] times that (still at
+/// most `cap`): a worker that measurably needs 65 s for a prompt is not cut off at 44 s (and the work wasted).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct FirstByteTimeout {
     pub floor: Duration,
@@ -411,7 +413,18 @@ pub struct FirstByteTimeout {
     pub cap: Duration,
 }
 
+/// How many times its predicted time a request's first byte may take (`FirstByteTimeout::stretched`).
+pub const PREDICTED_MARGIN: f64 = 2.0;
+
 impl FirstByteTimeout {
+    /// `base` (from [`Self::for_request`]), or [`PREDICTED_MARGIN`] x `predicted_s` (the predicted seconds to the
+    /// response header) if longer, at most `cap`. A prediction that is not a finite positive number is ignored.
+    pub fn stretched(&self, base: Duration, predicted_s: Option<f64>) -> Duration {
+        let Some(p) = predicted_s.filter(|p| p.is_finite() && *p > 0.0) else { return base };
+        let want = (p * PREDICTED_MARGIN).min(self.cap.as_secs_f64());
+        base.max(Duration::from_secs_f64(want))
+    }
+
     pub fn for_request(&self, uncached_prompt_tokens: u64, max_tokens: u64, stream: bool) -> Duration {
         let prefill = self.per_prompt_token.as_secs_f64() * uncached_prompt_tokens as f64;
         let decode = if stream { 0.0 } else { self.per_output_token.as_secs_f64() * max_tokens as f64 };

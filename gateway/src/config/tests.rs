@@ -130,6 +130,15 @@ fn first_byte_timeout_scales_with_uncached_tokens_and_output_between_floor_and_c
     assert_eq!(t.for_request(3000, 100, true), Duration::from_secs(5));
     assert_eq!(t.for_request(3000, 100, false), Duration::from_secs(6));
     assert_eq!(t.for_request(10_000_000, 0, true), Duration::from_secs(20));
+    // A route predicted from measured speeds stretches it to twice the prediction, never past the cap, never
+    // below the formula; a prediction that is not a number changes nothing.
+    let base = t.for_request(3000, 100, true);
+    assert_eq!(t.stretched(base, Some(4.0)), Duration::from_secs(8));
+    assert_eq!(t.stretched(base, Some(1.0)), base);
+    assert_eq!(t.stretched(base, Some(1e9)), Duration::from_secs(20));
+    for bad in [None, Some(f64::NAN), Some(f64::INFINITY), Some(-3.0)] {
+        assert_eq!(t.stretched(base, bad), base);
+    }
 }
 
 #[test]

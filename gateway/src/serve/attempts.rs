@@ -84,7 +84,14 @@ impl Walk<'_> {
                 continue; // forgotten since the decision
             };
             ctx.route = reason.as_str();
-            let first_byte = cfg.first_byte.for_request(uncached, priced.output, prep.stream);
+            let base = cfg.first_byte.for_request(uncached, priced.output, prep.stream);
+            // The first attempt's header is expected when the route predicted it (its TTFT, and for a whole answer
+            // the rest of its output at the predicted TPOT).
+            let header_s = predicted.filter(|_| attempt == 0).map(|(ttft, tpot)| match prep.stream {
+                true => ttft,
+                false => ttft + priced.output.saturating_sub(1) as f64 * tpot,
+            });
+            let first_byte = cfg.first_byte.stretched(base, header_s);
             // A split's decode leg retried on another worker that imports keeps the prefill peer: P holds the
             // prompt's KV in its prefix cache now, so the new decode worker fetches it instead of recomputing it
             // (and computes it itself if P has lost it meanwhile).

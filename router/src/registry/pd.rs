@@ -127,7 +127,7 @@ impl PdState {
         if t.prefill_tokens_per_s > 0.0 {
             self.prefill_tokens_per_s = blend(self.prefill_tokens_per_s, t.prefill_tokens_per_s);
         }
-        if t.prefill_per_token_s > 0.0 {
+        if t.prefill_per_token_s > 0.0 || t.prefill_attention_s > 0.0 {
             (self.prefill_per_token_s, self.prefill_attention_s) =
                 (t.prefill_per_token_s, t.prefill_attention_s);
         }

@@ -144,7 +144,11 @@ impl Inputs<'_> {
     fn cost_of(&self, i: usize) -> Option<Cost> {
         let s = &self.workers[i].speed;
         let ok = |v: f64| v.is_finite() && v >= 0.0;
-        if s.prefill_per_token_s > 0.0 && ok(s.prefill_per_token_s) && ok(s.prefill_attention_s) {
+        // A fit counts once the worker has computed prompts (a token rate): what it measured at start alone does
+        // not set identical workers apart.
+        let fitted =
+            (s.prefill_per_token_s > 0.0 || s.prefill_attention_s > 0.0) && self.speed_of(i).is_some();
+        if fitted && ok(s.prefill_per_token_s) && ok(s.prefill_attention_s) {
             return Some(Cost {
                 per_token_s: s.prefill_per_token_s.min(1.0 / MIN_PREFILL_TOKENS_PER_S),
                 attention_s: s.prefill_attention_s.min(MAX_ATTENTION_S),

@@ -1,8 +1,13 @@
 //! `cost_model`: split or not by the predicted TTFT, TPOT and cost of both options, judged by the SLOs.
 //!
 //! ```text
-//! prefill_s(W, n)  = (W.queue_tokens + n) / W.prefill_tokens_per_s        (the queue ahead, then its own tokens)
-//! compute_s(W, n)  = n / W.prefill_tokens_per_s
+//! prefill_s(W, n)  = W.queue_tokens / W.prefill_tokens_per_s + compute_s(W, n)   (the queue ahead, then its own)
+//! compute_s(W, n)  = a x n + b x n x (W.held + n/2)     a, b = W's fit of its prefill steps (per token, per unit of
+//!                                                      attention area: causal attention over what it holds and
+//!                                                      the tokens before), where measured;
+//!                  = n / W.prefill_tokens_per_s        otherwise (a token rate alone under-prices long prompts:
+//!                                                      a 14K-token prompt on a CPU worker of `small`, predicted
+//!                                                      6.7 s from its rate, took 65 s)
 //! tpot(W)          = W.decode_step_s / (1 - W.stall_ratio)                 (stall ratio capped at MAX_STALL)
 //!
 //! local on L:  ttft = prefill_s(L, L.uncached) + L.decode_step_s
@@ -51,6 +56,8 @@ pub const MIN_PREFILL_TOKENS_PER_S: f64 = 1.0;
 pub const MAX_BUSY: f64 = 0.95;
 /// The slowest link believed (bytes/s).
 pub const MIN_BANDWIDTH: f64 = 1.0;
+/// The largest attention term believed (seconds per unit of attention area; the routing's bound).
+pub const MAX_ATTENTION_S: f64 = crate::routing::hotspot::MAX_ATTENTION_S;
 
 pub struct CostModel;
 
@@ -68,11 +75,17 @@ fn rate(w: &Side) -> f64 {
 }
 
 fn prefill_s(w: &Side, n: u64) -> f64 {
-    (w.queue_tokens as f64 + n as f64) / rate(w)
+    w.queue_tokens as f64 / rate(w) + compute_s(w, n)
 }
 
 fn compute_s(w: &Side, n: u64) -> f64 {
-    n as f64 / rate(w)
+    let (a, b) = (sane(w.prefill_per_token_s, 0.0), sane(w.prefill_attention_s, 0.0));
+    if a == 0.0 && b == 0.0 {
+        return n as f64 / rate(w);
+    }
+    let n_f = n as f64;
+    let a = a.min(1.0 / MIN_PREFILL_TOKENS_PER_S);
+    a * n_f + b.min(MAX_ATTENTION_S) * n_f * (w.held_tokens as f64 + n_f / 2.0)
 }
 
 fn tpot(w: &Side) -> f64 {

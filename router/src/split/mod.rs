@@ -32,6 +32,12 @@ pub struct Side {
     pub running: u64,
     /// Measured prefill speed (tokens per second; the last non-idle interval's).
     pub prefill_tokens_per_s: f64,
+    /// Its fit of a prefill step's seconds (`StepTiming::prefill_per_token_s`, `prefill_attention_s`): per prompt
+    /// token and per unit of attention area. Both 0: not measured (the token rate is used alone).
+    pub prefill_per_token_s: f64,
+    pub prefill_attention_s: f64,
+    /// Prompt tokens it holds already: the tokens it computes attend to these too.
+    pub held_tokens: u64,
     /// Measured seconds per decode step without co-located prefill.
     pub decode_step_s: f64,
     /// Share of its decode-carrying step time that prefill chunks took (0..1): what co-located prefill costs

@@ -139,16 +139,38 @@ pub fn plan(
     }
     let rate_prior = mean_nonzero(ready.iter().map(|(_, w)| w.pd.prefill_tokens_per_s));
     let step_prior = mean_nonzero(ready.iter().map(|(_, w)| w.pd.decode_step_s));
+    // A worker's fit of its prefill cost (per token, per unit of attention area) is its own once it has computed
+    // prompts (it has a token rate); before, what it measured at start joins the fleet's mean (the same model's),
+    // which stands for it: identical workers are priced alike, not by the noise of their start-up timings. One
+    // with no attention term yet takes the fleet's.
+    let has_fit = |w: &Worker| w.pd.prefill_per_token_s > 0.0 || w.pd.prefill_attention_s > 0.0;
+    let fitted = |w: &Worker| has_fit(w) && w.pd.prefill_tokens_per_s > 0.0;
+    let fits: Vec<&Worker> = ready.iter().map(|(_, w)| *w).filter(|w| has_fit(w)).collect();
+    let mean = |f: fn(&Worker) -> f64| match fits.len() {
+        0 => 0.0,
+        n => fits.iter().map(|w| f(w)).sum::<f64>() / n as f64,
+    };
+    let fit_prior = (mean(|w| w.pd.prefill_per_token_s), mean(|w| w.pd.prefill_attention_s));
     let side = |v: usize| {
         let w = &reg.workers()[index[v]];
         let or = |own: f64, prior: f64| if own > 0.0 { own } else { prior };
+        let (per_token_s, attention_s) = match fitted(w) {
+            true => (w.pd.prefill_per_token_s, or(w.pd.prefill_attention_s, fit_prior.1)),
+            false => fit_prior,
+        };
+        // The queue ahead is priced by the token rate; a worker with a fit and no rate yet, by its per-token cost.
+        let rate = or(w.pd.prefill_tokens_per_s, rate_prior);
+        let rate = if rate == 0.0 && per_token_s > 0.0 { 1.0 / per_token_s } else { rate };
         Side {
+            prefill_per_token_s: per_token_s,
+            prefill_attention_s: attention_s,
+            held_tokens: (req.prompt_tokens as u64).saturating_sub(uncached(v)),
             uncached_tokens: uncached(v),
             queue_tokens: views[v].load.pending_tokens,
             // The streams a prefill here would stall. A prefill worker's requests are exports that end at their
             // first token (and the whole requests it serves as a last fallback are rare): none.
             running: if role(w) == Role::Prefill { 0 } else { views[v].load.requests },
-            prefill_tokens_per_s: or(w.pd.prefill_tokens_per_s, rate_prior),
+            prefill_tokens_per_s: rate,
             decode_step_s: or(w.pd.decode_step_s, step_prior),
             stall_ratio: w.pd.stall_ratio,
             prefill_busy: w.prefill_busy(),
@@ -176,7 +198,7 @@ pub fn plan(
         decode_worker: d.id.clone(),
         peer,
         bandwidth_measured: measured.is_some(),
-        speed_measured: rate_prior > 0.0,
+        speed_measured: rate_prior > 0.0 || !fits.is_empty(),
         input,
         decision,
     })

@@ -222,3 +222,33 @@ fn a_plan_before_any_measured_prefill_speed_says_so() {
     assert!(!plan.speed_measured);
     assert!(plan.decision.terms.local.ttft_s >= 1024.0, "the floor belief, 1 token/s: {plan:?}");
 }
+
+#[test]
+fn a_fit_of_the_prefill_cost_prices_the_prompt_by_its_attention_and_stands_for_a_worker_without_one() {
+    // P measured its fit (at start, before any prompt): 0.1 ms a token and 1e-7 s per unit of attention area;
+    // the others report none. Every side prices the 1,024-token prompt by P's fit, not by the 40K tokens/s rate.
+    let now = Instant::now();
+    let mut reg = Registry::new(RegistryConfig::default());
+    let fp = Some(scheme().fingerprint());
+    for (id, role) in [("p", Role::Prefill), ("d", Role::Decode), ("b", Role::Both)] {
+        let mut r = report(id, role, 0.0, vec![]);
+        if id == "p" {
+            (r.pd.timing.prefill_per_token_s, r.pd.timing.prefill_attention_s) = (1e-4, 1e-7);
+        }
+        reg.ingest(r, fp, now);
+    }
+    let router = Router::new(policy_by_name("cache_aware", Weights::default()).expect("policy"));
+    let hashes = prompt();
+    let r = router.route_split(&mut reg, &input(&hashes), 3, Some(&ask(&CostModel)), now).expect("routed");
+    let plan = r.split.as_ref().expect("considered");
+    assert!(plan.speed_measured);
+    for side in [&plan.input.prefill, &plan.input.decode, &plan.input.local] {
+        assert_eq!((side.prefill_per_token_s, side.prefill_attention_s), (1e-4, 1e-7), "{plan:?}");
+        assert_eq!(side.held_tokens, 0);
+    }
+    // P's own prefill: 1,024 x 1e-4 + 1e-7 x 1,024 x 512 = 0.1548 s after its queue (40,000 tokens at 40K/s).
+    let want = 1.0 + 1024.0 * 1e-4 + 1e-7 * 1024.0 * 512.0;
+    let p = &plan.input.prefill;
+    let split = plan.decision.terms.split.ttft_s - plan.decision.terms.exposed_transfer_s - p.decode_step_s;
+    assert!((split - want).abs() < 1e-9, "{split} vs {want}");
+}

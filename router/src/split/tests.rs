@@ -15,6 +15,9 @@ fn side(uncached: u64, stall: f64) -> Side {
         queue_tokens: 0,
         running: 0,
         prefill_tokens_per_s: 1.0 / 0.000023872551629443412,
+        prefill_per_token_s: 0.0,
+        prefill_attention_s: 0.0,
+        held_tokens: 0,
         decode_step_s: 0.005781023922206126,
         stall_ratio: stall,
         prefill_busy: 0.0,
@@ -274,4 +277,38 @@ fn the_anchor_rules_decide_as_published() {
         assert_eq!(split_policy_by_name(name).expect(name).name(), name);
     }
     assert!(split_policy_by_name("nope").is_none());
+}
+
+#[test]
+fn a_long_prompt_is_priced_by_the_fit_of_its_attention_not_by_the_token_rate() {
+    // The reproduction of #65: a CPU worker of `small` measured ~2,200 tokens/s on short prompts, and its fit of
+    // 5e-4 s a token and 7e-7 s per unit of attention area; a 14,223-token prompt took about 65 s.
+    let cpu = |held: u64, uncached: u64| Side {
+        uncached_tokens: uncached,
+        held_tokens: held,
+        prefill_tokens_per_s: 2_200.0,
+        prefill_per_token_s: 5e-4,
+        prefill_attention_s: 7e-7,
+        decode_step_s: 0.005,
+        ..Side::default()
+    };
+    let mut i = input(14_223, 1, 0.0, GBPS_25);
+    (i.local, i.prefill, i.decode) = (cpu(0, 14_223), cpu(0, 14_223), cpu(0, 14_223));
+    let t = predict(&i);
+    let n = 14_223.0_f64;
+    let want = 5e-4 * n + 7e-7 * n * n / 2.0 + 0.005;
+    assert!((t.local.ttft_s - want).abs() < 1e-6 && t.local.ttft_s > 70.0, "{} vs {want}", t.local.ttft_s);
+    // The rate alone said 6.5 s.
+    let rate_only = Side { prefill_per_token_s: 0.0, prefill_attention_s: 0.0, ..cpu(0, 14_223) };
+    i.local = rate_only;
+    assert!((predict(&i).local.ttft_s - (n / 2_200.0 + 0.005)).abs() < 1e-9);
+    // Held tokens are attended to: the last 1,000 tokens after 13,223 held cost their share of the area.
+    i.local = cpu(13_223, 1_000);
+    let tail = 5e-4 * 1_000.0 + 7e-7 * 1_000.0 * (13_223.0 + 500.0) + 0.005;
+    assert!((predict(&i).local.ttft_s - tail).abs() < 1e-9);
+    // Hostile fits are bounded: NaN and negatives read as 0 (the rate then prices), infinities are capped.
+    i.local = Side { prefill_per_token_s: f64::NAN, prefill_attention_s: -1.0, ..cpu(0, 14_223) };
+    assert!((predict(&i).local.ttft_s - (n / 2_200.0 + 0.005)).abs() < 1e-9);
+    i.local = Side { prefill_attention_s: f64::INFINITY, ..cpu(0, 14_223) };
+    assert!(predict(&i).local.ttft_s.is_finite());
 }

@@ -237,6 +237,16 @@ impl<B: Backend + ?Sized> Backend for Box<B> {
     }
 }
 
+/// Fault injection (tests only): `KVGATE_FAULT_SLOW_FORWARD_US=<us>` makes every CPU forward take `us` longer per
+/// token it computes, as a slower device would (the worker measures it like any cost).
+fn fault_slow_forward() -> Option<std::time::Duration> {
+    static SLOW: std::sync::OnceLock<Option<std::time::Duration>> = std::sync::OnceLock::new();
+    *SLOW.get_or_init(|| {
+        let us = std::env::var("KVGATE_FAULT_SLOW_FORWARD_US").ok()?.parse().ok()?;
+        Some(std::time::Duration::from_micros(us))
+    })
+}
+
 /// The CPU engine: the Llama-family model with an in-memory KV store.
 #[derive(Debug)]
 pub struct CpuBackend {
@@ -329,6 +339,9 @@ impl Backend for CpuBackend {
         items: &[BatchItem<'_>],
         tap: &mut LayerTap<'_>,
     ) -> Result<Vec<Option<Next>>, BackendError> {
+        if let Some(per_token) = fault_slow_forward() {
+            std::thread::sleep(per_token * items.iter().map(|i| i.len as u32).sum::<u32>());
+        }
         let chunks: Vec<SeqChunk<'_>> = items
             .iter()
             .map(|it| SeqChunk {

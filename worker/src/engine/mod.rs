@@ -11,6 +11,7 @@
 pub mod backend;
 pub mod backend_error;
 pub mod calibrate;
+pub mod first_fit;
 pub mod pd;
 pub mod request;
 pub mod sampler;
@@ -27,8 +28,8 @@ pub use backend::{Backend, BatchItem, CpuBackend, Next};
 pub use backend_error::{BackendError, Fault};
 pub use pd::{ImportError, ImportPlan};
 pub use request::{
-    AdmitError, EngineRequest, ExportBacklog, ExportSink, FinishReason, KvChunk, RequestId, SamplingParams,
-    StepOutput, TokenLogprobs,
+    AdmitError, EngineRequest, ExportBacklog, ExportProgress, ExportSink, FinishReason, KvChunk, RequestId,
+    SamplingParams, StepOutput, TokenLogprobs,
 };
 pub use scheduler::{Scheduler, SchedulerConfig, Sequence};
 
@@ -96,6 +97,9 @@ pub struct Engine<B: Backend> {
     detok: Option<Arc<dyn Detokenizer>>,
     /// The engine's monotonic clock, where the backend keeps none ([`Backend::clock_s`]).
     started: std::time::Instant,
+    /// The worker's fit of a prefill step's seconds: per prompt token, per unit of attention area
+    /// (`set_prefill_cost`; (0, 0) until measured). What an export's progress expects a step to take.
+    prefill_cost: (f64, f64),
 }
 
 impl<B: Backend> std::fmt::Debug for Engine<B> {
@@ -116,6 +120,7 @@ impl<B: Backend> Engine<B> {
             eos,
             detok,
             started: std::time::Instant::now(),
+            prefill_cost: (0.0, 0.0),
         }
     }
 
@@ -232,6 +237,13 @@ impl<B: Backend> Engine<B> {
 
     /// Feeds a measured prefill step (its computed tokens and seconds) into load-vs-recompute's prefill cost (a
     /// moving average; steps of under 256 tokens, mostly decode, are not prefill measurements).
+    /// Takes the worker's latest fit of a prefill step's cost (seconds per prompt token, per unit of attention
+    /// area; `server::prefill_fit`): non-finite or negative terms read as 0.
+    pub fn set_prefill_cost(&mut self, per_token_s: f64, attention_s: f64) {
+        let ok = |v: f64| if v.is_finite() && v > 0.0 { v } else { 0.0 };
+        self.prefill_cost = (ok(per_token_s), ok(attention_s));
+    }
+
     pub fn observe_prefill(&self, tokens: u64, secs: f64) {
         if tokens < 256 || !(secs > 0.0 && secs.is_finite()) {
             return;
@@ -417,6 +429,7 @@ impl<B: Backend> Engine<B> {
         if plan.is_empty() {
             return Vec::new();
         }
+        self.announce_exports(&plan);
         let mut taps = self.layer_taps(&plan);
         let result = if let Err(e) = moved {
             Err(e)

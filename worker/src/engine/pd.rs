@@ -18,7 +18,8 @@
 
 use super::backend::LayerRead;
 use super::request::{
-    AdmitError, EngineRequest, Export, ExportSink, ImportState, KvChunk, RequestId, StepOutput,
+    AdmitError, EngineRequest, Export, ExportProgress, ExportSink, ImportState, KvChunk, RequestId,
+    StepOutput,
 };
 use super::sampler::GREEDY_BELOW;
 use super::scheduler::ScheduledChunk;
@@ -129,6 +130,39 @@ impl<B: Backend> Engine<B> {
             }
         }
         out
+    }
+
+    /// Announces, for each exporting sequence this step computes part of the prompt of, how far its prefill has
+    /// got and what the step is expected to take: the fit's cost of every prompt chunk in the step (they run as
+    /// one forward), else the measured token rate's, else 0 (not measured).
+    pub(super) fn announce_exports(&self, plan: &[ScheduledChunk]) {
+        let running = self.sched.running();
+        let exporting = |c: &&ScheduledChunk| {
+            let seq = &running[c.index];
+            seq.export.is_some() && c.start < seq.prompt_len
+        };
+        if !plan.iter().any(|c| exporting(&c)) {
+            return;
+        }
+        let (mut tokens, mut area) = (0.0, 0.0);
+        for c in plan.iter().filter(|c| c.start < running[c.index].prompt_len) {
+            let n = c.len as f64;
+            tokens += n;
+            area += n * (c.start as f64 + n / 2.0);
+        }
+        let (a, b) = self.prefill_cost;
+        let eta_s = if a > 0.0 || b > 0.0 {
+            a * tokens + b * area
+        } else {
+            tokens * self.sched.kv().costs().prefill_s_per_token.max(0.0)
+        };
+        for c in plan.iter().filter(exporting) {
+            let seq = &running[c.index];
+            if let Some(e) = &seq.export {
+                let through = (c.start + c.len).min(seq.prompt_len);
+                e.sink.announce(ExportProgress { computed: c.start, through, eta_s });
+            }
+        }
     }
 
     /// The layer taps of this step's forward: for each exporting chunk with a layer group, what to read as its
@@ -298,14 +332,25 @@ impl<B: Backend> Engine<B> {
         Ok(o)
     }
 
-    /// Gives up an import and computes the prompt here instead (the prefill worker failed): the blocks written so
-    /// far are freed and the request waits at the head of the queue. `false` if it was not importing.
-    pub fn import_to_local(&mut self, id: RequestId) -> bool {
-        let Some(mut seq) = self.sched.take_importing(id) else { return false };
+    /// Gives up an import and computes the prompt here instead (the prefill worker failed or stalled): the blocks
+    /// that arrived whole, without a gap from the first one lacked, enter the prefix cache (a prefill that got far
+    /// is not thrown away: the local prefill finds them as cache hits, unless they are evicted first), the rest are
+    /// freed, and the request waits at the head of the queue. Returns the imported prompt tokens kept that way;
+    /// `None` if it was not importing.
+    pub fn import_to_local(&mut self, id: RequestId) -> Option<usize> {
+        let mut seq = self.sched.take_importing(id)?;
+        let bs = self.scheme.block_size as usize;
+        let (from, whole) = seq.import.as_ref().map_or((0, 0), |i| (i.from_block, i.whole_through()));
+        // Whole blocks only: the prompt's last block, if partial, is never cached.
+        let kept = (whole * bs).min(seq.prompt_len / bs * bs);
+        if let Some(table) = seq.table.as_mut() {
+            self.sched.kv().commit(table, &seq.tokens, kept);
+        }
+        let kept = seq.table.as_ref().map_or(0, |t| t.chained_tokens()).min(kept);
         seq.import = None;
         seq.table = None;
         seq.num_computed = 0;
         self.sched.add_front(seq);
-        true
+        Some(kept.saturating_sub(from * bs))
     }
 }

@@ -190,8 +190,9 @@ fn bad_writes_are_refused_and_every_ending_frees_the_blocks() {
     local.add_request(req(1, prompt.clone(), 4)).expect("ok");
     let want = drain(&mut local).remove(&1).expect("local").0;
     d.start_import(req(4, prompt.clone(), 4)).expect("import");
-    d.write_import(4, 0, 1, 0..layers, &vec![0; per]).expect("garbage that must not survive");
-    assert!(d.import_to_local(4));
+    // One layer of a block is not a block: nothing of it is kept.
+    d.write_import(4, 0, 1, 0..1, &vec![0; per / layers]).expect("garbage that must not survive");
+    assert_eq!(d.import_to_local(4), Some(0));
     assert_eq!(drain(&mut d).remove(&4).expect("ran").0, want);
     assert_eq!(d.stats().blocks_free, free, "every block is free again (cached or not)");
 }
@@ -211,4 +212,63 @@ fn layer_groups_leave_during_the_forward_and_import_like_whole_blocks() {
     assert_eq!(chunks.iter().filter(|c| c.layers == (0..1)).map(|c| c.count).sum::<usize>(), 10);
     assert_eq!(import(&mut d, 2, &chunks, first, cached), want);
     assert_eq!(cached_bytes(&mut d, &prompt), cached_bytes(&mut local, &prompt), "K/V bit-identical");
+}
+
+#[test]
+fn a_fallback_keeps_the_whole_blocks_that_arrived_and_computes_only_the_rest() {
+    let (dir, prompt, _, want) = setup(8);
+    let (mut p, mut d) = (engine(dir.path()), engine(dir.path()));
+    let free = d.stats().blocks_free;
+    let plan = d.start_import(req(2, prompt.clone(), 8)).expect("import");
+    let (chunks, _, _) = export(&mut p, &prompt, plan.from_block);
+    // The first two chunks arrive (blocks 0..4), then one layer of the next: the transfer then fails.
+    for c in &chunks[..2] {
+        d.write_import(2, c.first, c.count, c.layers.clone(), &c.bytes).expect("write");
+    }
+    let c = &chunks[2];
+    let one_layer = c.bytes.len() / c.count / 2;
+    d.write_import(2, c.first, 1, 0..1, &c.bytes[..one_layer]).expect("one layer");
+    assert_eq!((chunks[0].first, chunks[1].first + chunks[1].count), (0, 4));
+    assert_eq!(d.import_to_local(2), Some(4 * 16), "blocks 0..4 kept");
+    assert!(d.import_to_local(2).is_none(), "no longer importing");
+    let (tokens, _, cached) = drain(&mut d).remove(&2).expect("ran");
+    assert_eq!(tokens, want, "the kept blocks are the prompt's KV");
+    assert_eq!(cached, 4 * 16, "served from the kept blocks");
+    assert_eq!(d.stats().blocks_free, free);
+}
+
+#[test]
+fn each_step_of_an_export_is_announced_with_what_the_fit_expects_it_to_take() {
+    let (dir, prompt, _, _) = setup(1);
+    let mut p = engine(dir.path());
+    p.set_prefill_cost(1e-3, 0.0);
+    let (tx, rx) = tokio::sync::watch::channel(ExportProgress::default());
+    let backlog = std::sync::Arc::new(super::request::ExportBacklog::new(usize::MAX));
+    let sink = ExportSink::new(std::sync::Arc::new(|_| {}), backlog).with_progress(tx);
+    p.add_export(req(100, prompt.clone(), 1), 0, 0, sink).expect("export");
+    let mut seen = Vec::new();
+    while p.has_work() {
+        p.step();
+        let a = *rx.borrow();
+        seen.push((a.computed, a.through, (a.eta_s * 1e6).round() as u64));
+    }
+    // Chunks of 32 tokens (the engine's budget), the last one short; 1 ms a token.
+    let want: Vec<(usize, usize, u64)> =
+        (0..150).step_by(32).map(|s| (s, (s + 32).min(150), ((s + 32).min(150) - s) as u64 * 1000)).collect();
+    assert_eq!(seen, want);
+    // With an attention term, a step at a longer context is expected to take longer.
+    p.set_prefill_cost(0.0, 1e-6);
+    let (tx, rx) = tokio::sync::watch::channel(ExportProgress::default());
+    let backlog = std::sync::Arc::new(super::request::ExportBacklog::new(usize::MAX));
+    let sink = ExportSink::new(std::sync::Arc::new(|_| {}), backlog).with_progress(tx);
+    let other: Vec<u32> = prompt.iter().map(|t| (t + 1) % 500).collect();
+    p.add_export(req(101, other, 1), 0, 0, sink).expect("export");
+    p.step();
+    let first = rx.borrow().eta_s;
+    p.step();
+    let second = rx.borrow().eta_s;
+    assert!(
+        (first - 1e-6 * 32.0 * 16.0).abs() < 1e-12 && (second - 1e-6 * 32.0 * 48.0).abs() < 1e-12,
+        "{first} {second}"
+    );
 }

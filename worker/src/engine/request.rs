@@ -230,6 +230,19 @@ pub enum AdmitError {
 pub struct ExportSink {
     send: std::sync::Arc<dyn Fn(KvChunk) + Send + Sync>,
     backlog: std::sync::Arc<ExportBacklog>,
+    progress: Option<std::sync::Arc<tokio::sync::watch::Sender<ExportProgress>>>,
+}
+
+/// How far an export's prefill has got, announced as each step that computes part of its prompt starts: the
+/// transfer link forwards it, so the decode side waits for a prefill that moves and gives up on one that does not.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct ExportProgress {
+    /// Prompt tokens computed (cache hits count).
+    pub computed: usize,
+    /// Prompt tokens computed once the step now starting ends.
+    pub through: usize,
+    /// What the engine expects that step to take, from its measured prefill cost (0: not measured yet).
+    pub eta_s: f64,
 }
 
 impl ExportSink {
@@ -237,7 +250,20 @@ impl ExportSink {
         send: std::sync::Arc<dyn Fn(KvChunk) + Send + Sync>,
         backlog: std::sync::Arc<ExportBacklog>,
     ) -> Self {
-        Self { send, backlog }
+        Self { send, backlog, progress: None }
+    }
+
+    /// The same sink, also announcing each step of the prefill to `progress`.
+    pub fn with_progress(mut self, progress: tokio::sync::watch::Sender<ExportProgress>) -> Self {
+        self.progress = Some(std::sync::Arc::new(progress));
+        self
+    }
+
+    /// Announces a step of the prefill (the latest announcement replaces the one before).
+    pub fn announce(&self, p: ExportProgress) {
+        if let Some(tx) = &self.progress {
+            tx.send_replace(p);
+        }
     }
 
     /// Hands a chunk over (its bytes count in the backlog until the link reports them sent).
@@ -364,6 +390,15 @@ impl ImportState {
     /// Whether every declared block and layer has arrived.
     pub fn complete(&self) -> bool {
         self.missing == 0
+    }
+
+    /// The end of the blocks that arrived whole (every layer) from `from_block` on, without a gap: what a
+    /// fallback keeps.
+    pub fn whole_through(&self) -> usize {
+        let bit = |b: usize, l: usize| (b - self.from_block) * self.layers + l;
+        let whole =
+            |b: usize| (0..self.layers).all(|l| self.received[bit(b, l) / 64] >> (bit(b, l) % 64) & 1 == 1);
+        (self.from_block..self.blocks).find(|b| !whole(*b)).unwrap_or(self.blocks)
     }
 }
 

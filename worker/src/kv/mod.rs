@@ -130,6 +130,10 @@ impl BlockTable {
     pub fn slot(&self, pos: usize) -> usize {
         self.blocks[pos / self.block_size] as usize * self.block_size + pos % self.block_size
     }
+    /// Tokens of the leading blocks whose chain is in the prefix cache (what a later request can find).
+    pub fn chained_tokens(&self) -> usize {
+        self.chain.len() * self.block_size
+    }
     /// Hashes of the full blocks known so far.
     pub fn hashes(&self) -> &[BlockHash] {
         &self.hashes

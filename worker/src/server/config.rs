@@ -200,10 +200,11 @@ pub struct ServeArgs {
     /// the prompt itself) when its peer has shown no sign of life for this long.
     #[arg(long, env = "KVGATE_WORKER_KV_TRANSFER_LEASE", default_value = "30s")]
     pub kv_transfer_lease: Option<String>,
-    /// Longest a decode worker waits for KV from its prefill peer without any arriving (from its Hello to the first
-    /// blocks, and between two frames of blocks); then it gives the transfer up and computes the prompt itself. A
-    /// peer's Renew (it is alive, its prefill is queued or stuck) does not reset it; it is meant to be far shorter
-    /// than a gateway's first-byte timeout.
+    /// Longest a decode worker waits for its prefill peer to move (from its Hello to the Accept, then between two
+    /// steps of the prefill, frames of blocks or the Done); a step the peer announces adds twice the time the peer
+    /// expects it to take (at most a lease). Then it gives the transfer up and computes the prompt itself, keeping
+    /// the blocks that arrived. A peer's Renew (it is alive, its prefill is queued or stuck) does not reset it; it
+    /// is meant to be far shorter than a gateway's first-byte timeout.
     /// It is also the longest a decode worker's import waits for room (a sequence slot, free blocks) before it is
     /// refused with 503 `kv_import_no_room`, which gateways take as a refusal.
     #[arg(long, env = "KVGATE_WORKER_KV_TRANSFER_STALL_TIMEOUT", default_value = "5s")]

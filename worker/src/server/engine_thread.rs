@@ -23,8 +23,8 @@ use tokio::sync::{mpsc, oneshot, watch};
 
 use crate::engine::scheduler::SchedulerCounters;
 use crate::engine::{
-    AdmitError, Backend, Engine, EngineRequest, EngineStats, ExportBacklog, ExportSink, ImportError,
-    ImportPlan, KvChunk, RequestId, StepOutput,
+    AdmitError, Backend, Engine, EngineRequest, EngineStats, ExportBacklog, ExportProgress, ExportSink,
+    ImportError, ImportPlan, KvChunk, RequestId, StepOutput,
 };
 use crate::kv::{KvManager, SharedPool};
 
@@ -42,6 +42,7 @@ enum Cmd {
         from_block: usize,
         layer_group: usize,
         backlog: Arc<ExportBacklog>,
+        progress: watch::Sender<ExportProgress>,
         events: mpsc::UnboundedSender<StepOutput>,
         admitted: oneshot::Sender<Result<(), Refusal>>,
     },
@@ -99,7 +100,8 @@ pub struct EngineSnapshot {
     pub stalled_s: f64,
     /// Moving average (1/8 new) of the decode-only steps' time; 0 before the first.
     pub decode_step_s: f64,
-    /// Prefill-carrying steps' seconds against their prompt tokens and attention area (`prefill_fit`).
+    /// Prefill-carrying steps' seconds against their prompt tokens and attention area (`prefill_fit`), from the
+    /// shapes the engine timed at start (`Engine::time_prefill_shapes`) on.
     pub prefill_fit: super::prefill_fit::PrefillFit,
 }
 
@@ -135,15 +137,18 @@ impl EngineHandle {
         let (alive_tx, alive) = watch::channel(true);
         let panic_after =
             std::env::var("KVGATE_FAULT_ENGINE_PANIC_AFTER_STEPS").ok().and_then(|v| v.parse().ok());
+        let (started_tx, started) = std_mpsc::channel();
         std::thread::Builder::new()
             .name("kvgate-engine".into())
             .spawn(move || {
                 let _guard = AliveGuard(alive_tx);
                 let limits = Limits { max_waiting, import_wait };
-                run(engine, rx, p, limits, panic_after);
+                run(engine, rx, p, limits, panic_after, started_tx);
                 tracing::error!("the engine thread ended");
             })
             .unwrap_or_else(|e| panic!("cannot start the engine thread: {e}"));
+        // The engine serves once it has measured its prefill cost (a thread that died meanwhile says so as well).
+        let _ = started.recv();
         Self { tx, snapshot, kv, next_id: Arc::new(AtomicU64::new(1)), alive }
     }
 
@@ -180,13 +185,14 @@ impl EngineHandle {
         from_block: usize,
         layer_group: usize,
         backlog: Arc<ExportBacklog>,
-    ) -> Result<mpsc::UnboundedReceiver<StepOutput>, Refusal> {
+    ) -> Result<(mpsc::UnboundedReceiver<StepOutput>, watch::Receiver<ExportProgress>), Refusal> {
         let (events, rx) = mpsc::unbounded_channel();
+        let (progress, steps) = watch::channel(ExportProgress::default());
         let (admitted, ack) = oneshot::channel();
-        let cmd = Cmd::AddExport { req, from_block, layer_group, backlog, events, admitted };
+        let cmd = Cmd::AddExport { req, from_block, layer_group, backlog, progress, events, admitted };
         self.tx.send(cmd).map_err(|_| Refusal::EngineGone)?;
         ack.await.map_err(|_| Refusal::EngineGone)??;
-        Ok(rx)
+        Ok((rx, steps))
     }
 
     /// Allocates the decode side of a hand-off; its outputs arrive on the channel once the import finishes (or it
@@ -266,9 +272,17 @@ fn run<B: Backend>(
     snapshot: Arc<Mutex<EngineSnapshot>>,
     limits: Limits,
     panic_after_steps: Option<u64>,
+    started: std_mpsc::Sender<()>,
 ) {
     let mut q = Queues { senders: HashMap::new(), imports: VecDeque::new(), limits };
     let mut totals = EngineSnapshot::default();
+    for (tokens, area, secs) in engine.time_prefill_shapes() {
+        totals.prefill_fit.observe(tokens, area, secs);
+    }
+    let (per_token_s, attention_s) = totals.prefill_fit.coefficients();
+    engine.set_prefill_cost(per_token_s, attention_s);
+    tracing::info!(per_token_s, attention_s, "prefill cost measured at start");
+    let _ = started.send(());
     // The figures before any request (a restarted worker's recovered SSD tier among them).
     publish(&engine, &mut totals, &snapshot);
     let mut stalled = false;
@@ -323,6 +337,8 @@ fn run<B: Backend>(
         totals.prefill_tokens += computed.saturating_sub(generated);
         totals.steps += 1;
         time_step(&mut totals, StepWork::between(&before, &after), elapsed);
+        let (per_token_s, attention_s) = totals.prefill_fit.coefficients();
+        engine.set_prefill_cost(per_token_s, attention_s);
         // EngineSnapshot before the outputs go out: a client that reads the metrics after its response sees this step.
         publish(&engine, &mut totals, &snapshot);
         let mut aborted = false;
@@ -405,7 +421,7 @@ fn handle<B: Backend>(engine: &mut Engine<B>, q: &mut Queues, cmd: Cmd) {
         Cmd::Add { req, events, admitted } => {
             admit(engine, senders, max_waiting, req.id, events, admitted, |e| e.add_request(req));
         }
-        Cmd::AddExport { req, from_block, layer_group, backlog, events, admitted } => {
+        Cmd::AddExport { req, from_block, layer_group, backlog, progress, events, admitted } => {
             let id = req.id;
             // Blocks go out on the request's own channel, so they always precede its first token.
             let tx = events.clone();
@@ -424,7 +440,8 @@ fn handle<B: Backend>(engine: &mut Engine<B>, q: &mut Queues, cmd: Cmd) {
                     });
                 }),
                 backlog,
-            );
+            )
+            .with_progress(progress);
             admit(engine, senders, max_waiting, id, events, admitted, |e| {
                 e.add_export(req, from_block, layer_group, sink)
             });
@@ -466,7 +483,9 @@ fn handle<B: Backend>(engine: &mut Engine<B>, q: &mut Queues, cmd: Cmd) {
             }
         }
         Cmd::ImportToLocal(id) => {
-            engine.import_to_local(id);
+            if let Some(kept) = engine.import_to_local(id) {
+                metrics::counter!("kvgate_worker_kv_import_kept_tokens_total").increment(kept as u64);
+            }
         }
         Cmd::Abort(id) => {
             engine.abort(id);

@@ -10,7 +10,9 @@ use kvgate_shared::hashing::ExtraKeys;
 use tokio::net::TcpListener;
 use tokio::time::sleep_until;
 
-use super::frame::{accept_code, Done, Frame, Hello, Probe, RefuseCode, MAX_PROBE_BYTES, VERSION};
+use super::frame::{
+    accept_code, Done, Frame, Hello, Probe, Progress, RefuseCode, MAX_PROBE_BYTES, PROGRESS_SINCE, VERSION,
+};
 use super::link::{send_by, send_parting, KvLink, TcpLink, IDLE_TIMEOUT};
 use super::{count, count_bytes, unix_ms, TransferError, Transfers};
 use crate::engine::{EngineRequest, ExportBacklog, FinishReason, SamplingParams, StepOutput};
@@ -219,6 +221,7 @@ fn kind(f: &Frame) -> &'static str {
         Frame::Cancel { .. } => "cancel",
         Frame::Ack { .. } => "ack",
         Frame::Probe(_) => "probe",
+        Frame::Progress(_) => "progress",
     }
 }
 
@@ -294,8 +297,9 @@ pub fn check(
     };
     let granted = kvgate_shared::handoff::verify_prefill_grant_with(&t.grant_key, &h.grant, &g, now_ms)
         .map_err(|e| (RefuseCode::Unauthorized, format!("the grant: {e}")))?;
-    if h.version != VERSION {
-        return Err((RefuseCode::Invalid, format!("version {} (this worker speaks {VERSION})", h.version)));
+    if !(VERSION..=PROGRESS_SINCE).contains(&h.version) {
+        let speaks = format!("{VERSION} to {PROGRESS_SINCE}");
+        return Err((RefuseCode::Invalid, format!("version {} (this worker speaks {speaks})", h.version)));
     }
     fresh(h.issued_ms, now_ms)?;
     if h.fingerprint != t.fingerprint
@@ -411,9 +415,9 @@ async fn export<L: KvLink>(
     let group = if h.layer_group > 0 { h.layer_group } else { t.layer_group };
     let backlog = Arc::new(ExportBacklog::new(t.export_backlog));
     let _drained = Drained(backlog.clone());
-    let mut rx =
+    let (mut rx, mut steps) =
         match t.engine.submit_export(req, h.from_block as usize, group as usize, backlog.clone()).await {
-            Ok(rx) => rx,
+            Ok(r) => r,
             Err(Refusal::QueueFull { waiting }) => {
                 return Err(refuse(link, id, RefuseCode::Overloaded, format!("{waiting} requests wait")).await)
             }
@@ -433,6 +437,9 @@ async fn export<L: KvLink>(
     let (mut sent, mut first) = (0usize, None::<StepOutput>);
     // Fault injection: the export's outputs are not read until then (a prefill queued or stuck, still renewing).
     let mut held_until = fault_hold().map(|d| tokio::time::Instant::now() + d);
+    // Each step of the prefill is announced to a decode worker that reads Progress (its stall timer then waits
+    // for a prefill that moves, not for the first block).
+    let mut progress = h.version >= PROGRESS_SINCE;
     loop {
         tokio::select! {
             biased;
@@ -447,6 +454,17 @@ async fn export<L: KvLink>(
             },
             _ = sleep_until(held_until.unwrap_or_else(tokio::time::Instant::now)), if held_until.is_some() => {
                 held_until = None;
+            },
+            r = steps.changed(), if progress && first.is_none() && held_until.is_none() => {
+                if r.is_err() {
+                    progress = false;
+                    continue;
+                }
+                let p = *steps.borrow_and_update();
+                let tokens = |n: usize| u32::try_from(n).unwrap_or(u32::MAX);
+                let eta_ms = (p.eta_s * 1e3).clamp(0.0, f64::from(u32::MAX)) as u32;
+                let frame = Progress { transfer_id: id, computed: tokens(p.computed), through: tokens(p.through), eta_ms };
+                send_by(link, &Frame::Progress(frame), until, t.lease).await?;
             },
             o = rx.recv(), if first.is_none() && held_until.is_none() => {
                 let Some(o) = o else {

@@ -10,6 +10,9 @@
 //! Accept (P->D) transfer id, mac [32]            Refuse (P->D) transfer id, code u16, reason (u16 len + UTF-8)
 //! Blocks (P->D) transfer id, first block u32, count u32, layer from u16, layer to u16, xxh3 u64, payload
 //! Done   (P->D) transfer id, first token u32, prompt tokens u32, cached tokens u32
+//! Progress (P->D, to a Hello of version >= PROGRESS_SINCE) transfer id, computed u32, through u32, eta ms u32:
+//!               the export's prefill has computed `computed` prompt tokens and now computes up to `through`,
+//!               expected to take `eta ms` (0: not measured yet)
 //! Renew, Ack (D->P) transfer id                  Cancel (either) transfer id, reason (u16 len + UTF-8)
 //! Probe  (D->P) transfer id, issued unix ms u64, bytes u32, max frame u32, mac [32]: a link-rate sample; P answers
 //!               Accept, `bytes` of zeros as Blocks frames (block 0, layer 0..1) of at most max frame, then Done
@@ -29,8 +32,11 @@
 
 use xxhash_rust::xxh3::xxh3_64;
 
-/// Version of this format (in Hello and the Challenge).
+/// Version of this format (in the Challenge, and the least a Hello may name).
 pub const VERSION: u16 = 2;
+/// The Hello version this worker sends: a prefill worker answers a Hello of this version or later with Progress
+/// frames (one of `VERSION` gets none, as before).
+pub const PROGRESS_SINCE: u16 = 3;
 /// Bytes of a frame header (length + kind).
 pub const HEADER_BYTES: usize = 5;
 /// Longest reason text in Refuse and Cancel.
@@ -69,6 +75,7 @@ const K_RENEW: u8 = 6;
 const K_CANCEL: u8 = 7;
 const K_ACK: u8 = 8;
 const K_PROBE: u8 = 9;
+const K_PROGRESS: u8 = 10;
 
 /// How a prefill worker samples the first token (the decode worker samples the rest).
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -172,6 +179,19 @@ pub enum Frame {
     Cancel { transfer_id: u64, reason: String },
     Ack { transfer_id: u64 },
     Probe(Probe),
+    Progress(Progress),
+}
+
+/// How far an export's prefill has got (see the module's table).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Progress {
+    pub transfer_id: u64,
+    /// Prompt tokens computed (the prefill worker's cache hits count).
+    pub computed: u32,
+    /// Prompt tokens computed once the step now running ends.
+    pub through: u32,
+    /// What the prefill worker expects that step to take, in ms (0: it has not measured its prefill yet).
+    pub eta_ms: u32,
 }
 
 /// A decode worker's request for `bytes` of padding, to time the link (`frame` module docs).
@@ -244,7 +264,7 @@ pub fn decode_header(h: &[u8; HEADER_BYTES], limits: &Limits) -> Result<(u8, usi
                 + MAC_BYTES
         }
         K_BLOCKS => BLOCKS_FIXED + limits.max_payload,
-        K_ACCEPT..=K_PROBE => MAX_CONTROL_FRAME,
+        K_ACCEPT..=K_PROGRESS => MAX_CONTROL_FRAME,
         k => return Err(FrameError::UnknownKind(k)),
     } + 1
         + SEAL_BYTES;
@@ -485,6 +505,12 @@ pub fn decode_body(kind: u8, body: &[u8]) -> Result<Frame, FrameError> {
             max_frame: r.u32()?,
             mac: r.mac()?,
         }),
+        K_PROGRESS => Frame::Progress(Progress {
+            transfer_id: r.u64()?,
+            computed: r.u32()?,
+            through: r.u32()?,
+            eta_ms: r.u32()?,
+        }),
         k => return Err(FrameError::UnknownKind(k)),
     };
     r.end()?;
@@ -674,6 +700,13 @@ pub fn encode(f: &Frame) -> Vec<u8> {
             b = p.signed_bytes().split_off(5);
             b.extend_from_slice(&p.mac);
             K_PROBE
+        }
+        Frame::Progress(p) => {
+            b.extend_from_slice(&p.transfer_id.to_le_bytes());
+            for v in [p.computed, p.through, p.eta_ms] {
+                b.extend_from_slice(&v.to_le_bytes());
+            }
+            K_PROGRESS
         }
     };
     with_header(kind, b)

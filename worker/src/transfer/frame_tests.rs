@@ -107,6 +107,7 @@ fn every_frame_round_trips() {
         Frame::Cancel { transfer_id: 7, reason: "client left".into() },
         Frame::Ack { transfer_id: 7 },
         Frame::Probe(probe()),
+        Frame::Progress(Progress { transfer_id: 7, computed: 2048, through: 4096, eta_ms: 1_500 }),
     ];
     for f in frames {
         assert_eq!(decode(&encode(&f)).as_ref(), Ok(&f));

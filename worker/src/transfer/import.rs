@@ -9,7 +9,9 @@ use kvgate_shared::hashing::ExtraKeys;
 use tokio::sync::oneshot;
 use tokio::time::{sleep_until, timeout};
 
-use super::frame::{accept_verifies, FirstToken, Frame, Hello, Probe, MAX_PROBE_BYTES, VERSION};
+use super::frame::{
+    accept_verifies, FirstToken, Frame, Hello, Probe, Progress, MAX_PROBE_BYTES, PROGRESS_SINCE,
+};
 use super::link::{send_by, send_parting, KvLink, KvTransport, TcpTransport};
 use super::{count, count_bytes, unix_ms, TransferError, Transfers};
 use crate::engine::{ImportPlan, RequestId, SamplingParams};
@@ -77,7 +79,7 @@ fn rand_id(salt: u64) -> u64 {
 fn hello(t: &Transfers, want: &Want<'_>, transfer_id: u64) -> Hello {
     let p = want.params;
     let mut h = Hello {
-        version: VERSION,
+        version: PROGRESS_SINCE,
         transfer_id,
         issued_ms: unix_ms(),
         fingerprint: t.fingerprint,
@@ -153,7 +155,7 @@ pub async fn probe(t: &Transfers, peer: &str, bytes: u32) -> Result<(u64, f64), 
             Frame::Refuse { transfer_id, code, reason } if transfer_id == id => {
                 return Err(TransferError::Refused { code: code.as_str(), reason });
             }
-            Frame::Renew { .. } => {}
+            Frame::Renew { .. } | Frame::Progress(_) => {}
             Frame::Blocks(b) if b.transfer_id == id && accepted => {
                 got += b.payload.len() as u64;
                 first.get_or_insert_with(|| (Instant::now(), got));
@@ -181,6 +183,45 @@ pub async fn probe(t: &Transfers, peer: &str, bytes: u32) -> Result<(u64, f64), 
     }
 }
 
+/// What the prefill worker has said of its prefill (`Frame::Progress`).
+#[derive(Debug, Default)]
+struct Steps {
+    computed: u32,
+    through: u32,
+    eta: std::time::Duration,
+}
+
+impl Steps {
+    /// Takes a Progress frame of a `prompt`-token prompt. `Some(allowance)`: the prefill moved (it computed more,
+    /// or started a step past the last one), and the stall timer waits that long from now: the stall timeout plus
+    /// twice what the prefill worker expects the step to take (at most a lease: the peer's word, bounded); a
+    /// step the worker has not measured gets the stall timeout alone. `None`: nothing moved (a repeat, or a
+    /// preempted prefill starting again). `Err`: figures outside the prompt.
+    fn advance(
+        &mut self,
+        p: &Progress,
+        prompt: usize,
+        stall: std::time::Duration,
+        lease: std::time::Duration,
+    ) -> Result<Option<std::time::Duration>, TransferError> {
+        if p.computed > p.through || p.through as usize > prompt {
+            let what = format!("progress {}..{} of a {prompt}-token prompt", p.computed, p.through);
+            return Err(TransferError::Protocol(what));
+        }
+        if p.through <= self.through && p.computed <= self.computed {
+            return Ok(None);
+        }
+        (self.computed, self.through) = (p.computed.max(self.computed), p.through.max(self.through));
+        self.eta = std::time::Duration::from_millis(u64::from(p.eta_ms)).min(lease);
+        Ok(Some(self.allowance(stall, lease)))
+    }
+
+    /// How long the stall timer waits after the latest step began.
+    fn allowance(&self, stall: std::time::Duration, lease: std::time::Duration) -> std::time::Duration {
+        stall + (2 * self.eta).min(lease)
+    }
+}
+
 /// `Ok(Some(blocks))`: imported; `Ok(None)`: the client left.
 async fn run(
     t: &Transfers,
@@ -197,8 +238,10 @@ async fn run(
     let mut accepted = false;
     let mut silent_until = tokio::time::Instant::now() + lease;
     let mut renew_at = tokio::time::Instant::now() + lease / 3;
-    // Progress, not life: only Accept, Blocks and Done move it (a Renew says the peer lives, not that KV comes).
+    // Progress, not life: Accept, a step of the prefill (Progress), Blocks and Done move it (a Renew says the peer
+    // lives, not that KV comes).
     let mut stalled_at = tokio::time::Instant::now() + t.stall;
+    let mut steps = Steps::default();
     loop {
         tokio::select! {
             biased;
@@ -219,8 +262,16 @@ async fn run(
                     Frame::Refuse { transfer_id, code, reason } if transfer_id == id => {
                         return Err(TransferError::Refused { code: code.as_str(), reason });
                     }
-                    // A Renew of this transfer, or one a previous transfer on this pooled link left behind.
-                    Frame::Renew { .. } => {}
+                    Frame::Progress(p) if p.transfer_id == id && accepted => {
+                        let moved = steps.advance(&p, want.prompt.len(), t.stall, lease)?;
+                        tracing::debug!(transfer = id, computed = p.computed, through = p.through, eta_ms = p.eta_ms, ?moved, "KV import: the prefill moved");
+                        if let Some(allowance) = moved {
+                            stalled_at = tokio::time::Instant::now() + allowance;
+                        }
+                    }
+                    // A Renew of this transfer, or a Renew or Progress a previous transfer on this pooled link
+                    // left behind.
+                    Frame::Renew { .. } | Frame::Progress(_) => {}
                     Frame::Cancel { transfer_id, reason } if transfer_id == id => {
                         return Err(TransferError::Cancelled(reason));
                     }
@@ -232,7 +283,8 @@ async fn run(
                             return Err(TransferError::Import(e));
                         }
                         received += n;
-                        stalled_at = tokio::time::Instant::now() + t.stall;
+                        // Blocks of a step that ended do not cut short the allowance of the step now running.
+                        stalled_at = stalled_at.max(tokio::time::Instant::now() + t.stall);
                         bytes_in += bytes as u64;
                         first_blocks_at.get_or_insert_with(std::time::Instant::now);
                         count_bytes(SIDE, bytes, n);
@@ -259,9 +311,9 @@ async fn run(
             }
             _ = sleep_until(silent_until) => return Err(TransferError::Expired(lease)),
             _ = sleep_until(stalled_at) => {
-                let reason = format!("no KV arrived for {:?}", t.stall);
+                let reason = format!("the prefill made no progress within {:?}", steps.allowance(t.stall, lease));
                 send_parting(&mut link, &Frame::Cancel { transfer_id: id, reason }).await;
-                return Err(TransferError::Stalled(t.stall));
+                return Err(TransferError::Stalled(steps.allowance(t.stall, lease)));
             }
         }
     }

@@ -55,7 +55,7 @@ pub enum TransferError {
     Cancelled(String),
     #[error("the peer was silent for the lease ({0:?})")]
     Expired(Duration),
-    #[error("no KV arrived for {0:?} (the prefill is queued or stuck)")]
+    #[error("the prefill made no progress within {0:?} (it is queued or stuck)")]
     Stalled(Duration),
     #[error("the engine: {0}")]
     Engine(String),
@@ -110,7 +110,9 @@ pub struct Transfers {
     pub layers: usize,
     pub block_size: usize,
     pub lease: Duration,
-    /// Longest an import waits for blocks to arrive (`--kv-transfer-stall-timeout`; Renew does not reset it).
+    /// Longest an import waits for its prefill to move (`--kv-transfer-stall-timeout`): for the Accept, then for
+    /// the next step, block or Done; a step the prefill worker announces (Progress) adds twice its expected time
+    /// (at most a lease). Renew does not reset it.
     pub stall: Duration,
     pub layer_group: u16,
     /// Most KV bytes an export holds that its link has not sent (`--kv-export-backlog-bytes`): past it the

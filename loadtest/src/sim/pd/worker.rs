@@ -123,6 +123,11 @@ impl SimWorker {
             queue_tokens: self.queue_tokens(),
             running: (self.running.len() + self.waiting.len()) as u64,
             prefill_tokens_per_s: self.measured.prefill_tokens_per_s,
+            // The simulator's gateway prices by the token rate alone (its figures in docs/benchmarks predate the
+            // fit's use in the split).
+            prefill_per_token_s: 0.0,
+            prefill_attention_s: 0.0,
+            held_tokens: cached.min(prompt) as u64,
             decode_step_s: self.measured.decode_step_s,
             stall_ratio: self.measured.stall_ratio,
             prefill_busy: self.measured.prefill_busy,
