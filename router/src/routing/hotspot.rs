@@ -66,11 +66,8 @@ use serde::{Deserialize, Serialize};
 use kvgate_shared::report::attention_area;
 
 use super::{Weights, WorkerView};
+pub use crate::split::cost_model::MAX_ATTENTION_S;
 use crate::split::cost_model::{MAX_BUSY, MIN_PREFILL_TOKENS_PER_S};
-
-/// The dearest attention cost believed (seconds per unit of attention area), as `MIN_PREFILL_TOKENS_PER_S` bounds
-/// the per-token cost: a worker's fit above it is taken at it, so no reported value makes a time infinite.
-pub const MAX_ATTENTION_S: f64 = 1.0;
 
 /// The utilisation at which a single queue (M/M/1) holds `waiting` requests on average: `L / (1 + L)`.
 fn queue_util(waiting: f64) -> f64 {

@@ -56,8 +56,10 @@ pub const MIN_PREFILL_TOKENS_PER_S: f64 = 1.0;
 pub const MAX_BUSY: f64 = 0.95;
 /// The slowest link believed (bytes/s).
 pub const MIN_BANDWIDTH: f64 = 1.0;
-/// The largest attention term believed (seconds per unit of attention area; the routing's bound).
-pub const MAX_ATTENTION_S: f64 = crate::routing::hotspot::MAX_ATTENTION_S;
+/// The dearest attention cost believed (seconds per unit of attention area), as `MIN_PREFILL_TOKENS_PER_S` bounds
+/// the per-token cost: a worker's fit above it is taken at it, so no reported value makes a time infinite (the
+/// routing's cost takes the same bound).
+pub const MAX_ATTENTION_S: f64 = 1.0;
 
 pub struct CostModel;
 
