@@ -524,7 +524,13 @@ fn the_measured_guard_prices_long_contexts_by_the_workers_fit() {
     let pick = |queue: u64, area: u64| {
         let mut ws = views(&summaries, &[0, queue, 0, 0, 0], &[true; 5]);
         for w in &mut ws {
-            w.speed = Speed { prefill_per_token_s: a, prefill_attention_s: b, ..Speed::default() };
+            // Workers that have computed prompts (a token rate): their fit is their own.
+            w.speed = Speed {
+                prefill_tokens_per_s: 1.0 / a,
+                prefill_per_token_s: a,
+                prefill_attention_s: b,
+                ..Speed::default()
+            };
         }
         ws[1].load.pending_area = area;
         let d = p.choose(&req, &ws, &ring(), 16).expect("decision");

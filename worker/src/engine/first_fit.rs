@@ -48,7 +48,8 @@ impl<B: Backend> Engine<B> {
                 start,
                 len,
                 slots: (0..start + len).collect(),
-                want_next: false,
+                // A next token makes the forward end when its work has (a device backend copies it back).
+                want_next: true,
                 greedy: true,
                 adapter: None,
             };
