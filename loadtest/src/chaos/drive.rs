@@ -119,6 +119,11 @@ impl Drive {
         shared: SharedSend,
     ) -> Outcome {
         let a = r.unwrap_or_else(|| Answer::failed("client_timeout"));
+        // A split's usage reports the prefill worker's cache hits (as a whole run there would), not the decode
+        // worker's: a split repeat finds nothing once the busy prefill worker has evicted the document, though the
+        // decode worker holds it. The control is a repeat the same worker computed whole.
+        let same_place = matches!(&shared, SharedSend::Repeat((w, r))
+            if w.is_some() && *w == a.worker && *r == a.route && r.as_deref() != Some("split"));
         let usage = a.usage;
         let outcome = Outcome {
             id,
@@ -138,7 +143,8 @@ impl Drive {
             class: a.class,
             most_charged: bound,
             first_shared: shared == SharedSend::First,
-            repeat_shared: shared == SharedSend::Repeat,
+            repeat_shared: matches!(shared, SharedSend::Repeat(_)),
+            same_place,
         };
         self.ledger.lock().unwrap_or_else(|e| e.into_inner()).push(outcome.clone());
         outcome
@@ -289,7 +295,7 @@ pub async fn tenant_loop(d: Drive, tenant: usize, slot: usize, seed: u64, until:
     let mut turn = 0;
     let mut messages: Vec<Value> = Vec::new();
     let mut n = 0usize;
-    let mut shared_sent = std::collections::HashSet::new();
+    let mut shared_sent = std::collections::HashMap::new();
     while d.now_s() < until {
         if turn == 0 || turn > 4 + rng.below(4) as usize {
             conversation += 1;
@@ -309,14 +315,18 @@ pub async fn tenant_loop(d: Drive, tenant: usize, slot: usize, seed: u64, until:
             // during and after every fault); this loop is the tenant's only sender of them, so its first send of
             // each finds nothing of its own cached. Then it sends it again at once: the positive control.
             let (epoch, k) = ((d.now_s() / SHARED_EPOCH_S) as u64, (n / SHARED_EVERY) % SHARED_DOCS);
-            let name = format!("{epoch}-{k}");
-            if shared_sent.insert((epoch, k)) {
+            let name = format!("{k}.{epoch}");
+            if let std::collections::hash_map::Entry::Vacant(e) = shared_sent.entry((epoch, k)) {
                 let doc = shared_doc(&d.model, &name);
-                if d.send_shared(tenant, replica, &name, doc, SharedSend::First).await.code.is_some() {
+                let first = d.send_shared(tenant, replica, &name, doc, SharedSend::First).await;
+                if first.code.is_some() {
                     continue; // nothing of it may be cached: no control
                 }
+                e.insert((first.worker, first.route));
             }
-            d.send_shared(tenant, replica, &name, shared_doc(&d.model, &name), SharedSend::Repeat).await;
+            let Some(place) = shared_sent.get(&(epoch, k)).cloned() else { continue };
+            let doc = shared_doc(&d.model, &name);
+            d.send_shared(tenant, replica, &name, doc, SharedSend::Repeat(place)).await;
             continue;
         }
         let roll = rng.below(10);
@@ -373,8 +383,8 @@ const SHARED_EPOCH_S: f64 = 30.0;
 /// A tenant's slot-0 loop sends a shared document every this many turns.
 const SHARED_EVERY: usize = 4;
 
-/// Shared document `name` (`<epoch>-<k>`): the same words for every tenant, its first block its own (its name
-/// opens it).
+/// Shared document `name` (`<k>.<epoch>`): the same words for every tenant, its first block its own (its name
+/// opens it, right after the chat template's 8 tokens of the `tiny` model: within the first 16-token block).
 fn shared_doc(model: &str, name: &str) -> Value {
     let seed = name.bytes().fold(0x646f_6373_u64, |h, b| h.wrapping_mul(0x100_0000_01b3) ^ u64::from(b));
     let mut rng = SplitMix64::new(seed);

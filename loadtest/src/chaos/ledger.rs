@@ -65,17 +65,21 @@ pub struct Outcome {
     /// blocks must be found, or the check could not have seen another tenant's).
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     pub repeat_shared: bool,
+    /// A repeat computed whole by the worker that computed the tenant's first send of the document whole (neither
+    /// split): its blocks are there (outside faults), so it must find them.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub same_place: bool,
 }
 
 /// Which send of a shared document a request is.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub enum SharedSend {
     /// Not a shared document.
     No,
     /// The tenant's first send of it.
     First,
-    /// The tenant's repeat of it.
-    Repeat,
+    /// The tenant's repeat of it; the worker and route that answered the first send.
+    Repeat((Option<String>, Option<String>)),
 }
 
 /// The codes a request may end with under faults: `docs/api.md`'s gateway and worker codes that a fault can cause,
@@ -145,8 +149,13 @@ pub fn check(outcomes: &[Outcome], faults: &[Fault], limits: &Limits) -> Vec<Vio
                 ),
             ));
         }
-        // Outside faults a repeat goes where the first send went and finds its blocks there.
-        if o.repeat_shared && fault.is_none() && o.code.is_none() && o.cached_tokens == Some(0) {
+        // Outside faults a repeat answered where the first send was finds its blocks there.
+        if o.repeat_shared
+            && o.same_place
+            && fault.is_none()
+            && o.code.is_none()
+            && o.cached_tokens == Some(0)
+        {
             out.push(v(
                 "isolation_control",
                 format!(
@@ -302,6 +311,7 @@ pub(crate) mod tests {
             most_charged: 0,
             first_shared: false,
             repeat_shared: false,
+            same_place: false,
         }
     }
 
@@ -338,18 +348,27 @@ pub(crate) mod tests {
             // and one that finds none during a fault (its worker may have died since the first send).
             Outcome {
                 repeat_shared: true,
+                same_place: true,
                 cached_tokens: Some(48),
                 ..o(13, RequestKind::Shared, 56.0, 57.0, None)
             },
             Outcome {
                 repeat_shared: true,
+                same_place: true,
                 cached_tokens: Some(0),
                 ..o(14, RequestKind::Shared, 58.0, 59.0, None)
             },
             Outcome {
                 repeat_shared: true,
+                same_place: true,
                 cached_tokens: Some(0),
                 ..o(15, RequestKind::Shared, 14.0, 15.0, None)
+            },
+            // Answered elsewhere than the first send (another route): its blocks need not be there.
+            Outcome {
+                repeat_shared: true,
+                cached_tokens: Some(0),
+                ..o(16, RequestKind::Shared, 60.0, 61.0, None)
             },
         ];
         let v = check(&runs, &faults, &limits);

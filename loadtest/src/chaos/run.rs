@@ -93,8 +93,8 @@ pub struct Summary {
     pub rss_timeline: Vec<(f64, String, u32, f64)>,
     /// Shared documents first sent by a tenant (the isolation check's sample).
     pub isolation_checked: usize,
-    /// The tenants' repeats of a shared document they had just sent, outside faults, that carried usage (the
-    /// positive control), and how many of them found their own blocks.
+    /// The tenants' repeats of a shared document they had sent, answered where the first send was, outside
+    /// faults, that carried usage (the positive control), and how many of them found their own blocks.
     pub isolation_controls: usize,
     pub isolation_control_hits: usize,
     /// The isolation checks each fault kind saw during its windows and after them.
@@ -293,7 +293,7 @@ pub async fn run(spec: &ChaosSpec) -> Result<Summary, String> {
     violations.extend(unseen);
     let controls: Vec<&Outcome> = outcomes
         .iter()
-        .filter(|o| o.repeat_shared && o.cached_tokens.is_some())
+        .filter(|o| o.repeat_shared && o.same_place && o.cached_tokens.is_some())
         .filter(|o| active_at(&faults, o.start_s, LIMITS.settle_s).is_none())
         .collect();
     executed.scrape_all(&d).await;
