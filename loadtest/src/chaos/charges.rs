@@ -5,7 +5,10 @@
 //!
 //! The gateway charges a request what was computed for it (`gateway/src/serve/charge.rs`): a completed answer its
 //! usage, `prompt - cached + completion`, which is the worker's own report of it. So, per tenant and class:
-//! - **nothing charged never**: the charge is at least the usage of the completed requests ([`Tally::exact`]);
+//! - **nothing charged never**: the charge is at least the usage of the completed requests ([`Tally::exact`]) plus
+//!   a token for every other one the gateway must have charged something ([`Tally::least`]: a stream that sent its
+//!   first token, then was abandoned, computed its prompt's last token and that one; a pass-through call that was
+//!   answered is charged its price, never 0), unless its replica died around it;
 //! - **nothing charged twice**: the charge is at most that plus, for every other request of the tenant (cut short,
 //!   abandoned, failed, one whose replica died around it, a pass-through call priced from its body), the most it
 //!   may be charged (its prompt's bound plus its `max_tokens`, a pass-through call's body bytes: [`Tally::open`]);
@@ -53,6 +56,23 @@ pub struct Tally {
     /// the answer named; the others are the tenant's `"?"` row).
     pub open: f64,
     pub open_requests: usize,
+    /// The least the other requests must have been charged ([`least`]).
+    pub least: f64,
+}
+
+/// The least an open request must have been charged: a token for an abandoned stream whose first token came and a
+/// pass-through call that was answered (the gateway charges both), none for one whose replica died around it or
+/// that failed.
+fn least(o: &Outcome, blind: &[Blind]) -> f64 {
+    let replica = format!("gateway-{}", o.replica);
+    if o.code.is_some() || blind.iter().any(|b| b.process == replica && overlaps(o, b)) {
+        return 0.0;
+    }
+    match o.kind {
+        RequestKind::Abandoned if o.ttft_s.is_some() => 1.0,
+        RequestKind::PassThrough if o.status == 200 => 1.0,
+        _ => 0.0,
+    }
 }
 
 fn overlaps(o: &Outcome, b: &Blind) -> bool {
@@ -102,6 +122,7 @@ pub fn tallies(
             _ => {
                 r.open += o.most_charged as f64;
                 r.open_requests += 1;
+                r.least += least(o, blind);
             }
         }
     }
@@ -120,12 +141,13 @@ pub fn check(
     let v = |invariant, detail| Violation { invariant, request: 0, detail, fault: None };
     let mut per_tenant: BTreeMap<&str, (f64, f64, f64)> = BTreeMap::new();
     for r in &rows {
-        if r.charged + 0.5 < r.exact {
+        if r.charged + 0.5 < r.exact + r.least {
             out.push(v(
                 "charged_never",
                 format!(
-                    "tenant {} class {}: charged {:.0}, but its {} completed requests used {:.0}",
-                    r.tenant, r.class, r.charged, r.exact_requests, r.exact
+                    "tenant {} class {}: charged {:.0}, but its {} completed requests used {:.0} and {:.0} more \
+                     must have been charged for the others",
+                    r.tenant, r.class, r.charged, r.exact_requests, r.exact, r.least
                 ),
             ));
         }
@@ -243,6 +265,14 @@ mod tests {
             names(&check(&runs, &counters(&[("t0", "short", 500.0)], 500.0), &[], &t)),
             ["charged_twice"]
         );
+        // The abandoned stream sent its first token: charged nothing for it, the tenant was charged too little.
+        let mut sent = runs.clone();
+        sent[2].ttft_s = Some(0.2);
+        assert_eq!(
+            names(&check(&sent, &counters(&[("t0", "short", 125.0)], 125.0), &[], &t)),
+            ["charged_never"]
+        );
+        assert!(check(&sent, &counters(&[("t0", "short", 127.0)], 127.0), &[], &t).is_empty());
         // Without the open request: the workers computed less than was charged.
         let v = check(&runs[..2], &counters(&[("t0", "short", 125.0)], 100.0), &[], &t);
         assert_eq!(names(&v), ["workers_computed_what_was_charged"]);

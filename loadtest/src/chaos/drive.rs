@@ -15,7 +15,7 @@ use kvgate_shared::prompt::SplitMix64;
 use serde_json::{json, Value};
 
 use super::deploy::{tenant_key, BURST_CLASS};
-use super::ledger::{Outcome, RequestKind};
+use super::ledger::{Outcome, RequestKind, SharedSend};
 
 type Http = Client<hyper_util::client::legacy::connect::HttpConnector, Full<Bytes>>;
 
@@ -106,7 +106,7 @@ impl Drive {
             _ => most_charged(&body),
         };
         let r = tokio::time::timeout(limit, self.exchange(&url, tenant, body, &headers, read, start_s)).await;
-        self.record(id, (tenant, replica, kind, bound), start_s, r.ok(), false)
+        self.record(id, (tenant, replica, kind, bound), start_s, r.ok(), SharedSend::No)
     }
 
     /// Records an outcome: `who` is (tenant, replica, kind, the most it may be charged).
@@ -116,9 +116,15 @@ impl Drive {
         (tenant, replica, kind, bound): (usize, usize, RequestKind, u64),
         start_s: f64,
         r: Option<Answer>,
-        first_shared: bool,
+        shared: SharedSend,
     ) -> Outcome {
         let a = r.unwrap_or_else(|| Answer::failed("client_timeout"));
+        // A split's usage reports the prefill worker's cache hits (as a whole run there would), not the decode
+        // worker's: a split repeat finds nothing once the busy prefill worker has evicted the document, though the
+        // decode worker holds it. The control is a repeat the same worker computed whole.
+        let whole = |route: &Option<String>| route.as_deref() != Some("split");
+        let same_place = matches!(&shared, SharedSend::Repeat((w, r))
+            if w.is_some() && *w == a.worker && whole(r) && whole(&a.route));
         let usage = a.usage;
         let outcome = Outcome {
             id,
@@ -137,17 +143,26 @@ impl Drive {
             route: a.route,
             class: a.class,
             most_charged: bound,
-            first_shared,
+            first_shared: shared == SharedSend::First,
+            repeat_shared: matches!(shared, SharedSend::Repeat(_)),
+            same_place,
         };
         self.ledger.lock().unwrap_or_else(|e| e.into_inner()).push(outcome.clone());
         outcome
     }
 
-    /// A shared document's send (`first`: this tenant's first of it). Every tenant sends document `k` under one
-    /// session id, so with nothing of it in the tenant's own cache the ring sends it to the worker that took the
-    /// other tenants' sends of it: the isolation check meets their blocks.
-    async fn send_shared(&self, tenant: usize, replica: usize, k: usize, body: Value, first: bool) {
-        let headers = [("x-session-id", format!("chaos-shared-document-{k}"))];
+    /// A shared document's send (`shared`: this tenant's first of it, or its repeat). Every tenant sends document
+    /// `name` under one session id, so with nothing of it in the tenant's own cache the ring sends it to the worker
+    /// that took the other tenants' sends of it: the isolation check meets their blocks.
+    async fn send_shared(
+        &self,
+        tenant: usize,
+        replica: usize,
+        name: &str,
+        body: Value,
+        shared: SharedSend,
+    ) -> Outcome {
+        let headers = [("x-session-id", format!("chaos-shared-document-{name}"))];
         let id = self.next_id.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let start_s = self.now_s();
         let url = format!("{}/v1/chat/completions", self.gateways[replica]);
@@ -157,7 +172,7 @@ impl Drive {
             self.exchange(&url, tenant, body, &headers, Read::Whole, start_s),
         )
         .await;
-        self.record(id, (tenant, replica, RequestKind::Shared, bound), start_s, r.ok(), first);
+        self.record(id, (tenant, replica, RequestKind::Shared, bound), start_s, r.ok(), shared)
     }
 
     /// (status, error code, time to the first token, usage).
@@ -281,6 +296,7 @@ pub async fn tenant_loop(d: Drive, tenant: usize, slot: usize, seed: u64, until:
     let mut turn = 0;
     let mut messages: Vec<Value> = Vec::new();
     let mut n = 0usize;
+    let mut shared_sent = std::collections::HashMap::new();
     while d.now_s() < until {
         if turn == 0 || turn > 4 + rng.below(4) as usize {
             conversation += 1;
@@ -295,11 +311,23 @@ pub async fn tenant_loop(d: Drive, tenant: usize, slot: usize, seed: u64, until:
         turn += 1;
         n += 1;
         let replica = n % d.gateways.len();
-        if slot == 0 && n.is_multiple_of(8) {
-            // A document every tenant sends word for word; this loop is the tenant's only sender of them, so its
-            // first send of each finds nothing of its own cached.
-            let k = (n / 8) % SHARED_DOCS;
-            d.send_shared(tenant, replica, k, shared_doc(&d.model, k), n / 8 < SHARED_DOCS).await;
+        if slot == 0 && n.is_multiple_of(SHARED_EVERY) {
+            // A document every tenant sends word for word, new each epoch of the run (so the check runs before,
+            // during and after every fault); this loop is the tenant's only sender of them, so its first send of
+            // each finds nothing of its own cached. Then it sends it again at once: the positive control.
+            let (epoch, k) = ((d.now_s() / SHARED_EPOCH_S) as u64, (n / SHARED_EVERY) % SHARED_DOCS);
+            let name = format!("{k}.{epoch}");
+            if let std::collections::hash_map::Entry::Vacant(e) = shared_sent.entry((epoch, k)) {
+                let doc = shared_doc(&d.model, &name);
+                let first = d.send_shared(tenant, replica, &name, doc, SharedSend::First).await;
+                if first.code.is_some() {
+                    continue; // nothing of it may be cached: no control
+                }
+                e.insert((first.worker, first.route));
+            }
+            let Some(place) = shared_sent.get(&(epoch, k)).cloned() else { continue };
+            let doc = shared_doc(&d.model, &name);
+            d.send_shared(tenant, replica, &name, doc, SharedSend::Repeat(place)).await;
             continue;
         }
         let roll = rng.below(10);
@@ -349,13 +377,20 @@ pub async fn burst_loop(d: Drive, tenant: usize, seed: u64, until: f64) {
     }
 }
 
-/// How many shared documents there are (each sent again after the first round: the tenant's own cache hits).
+/// Shared documents per epoch.
 const SHARED_DOCS: usize = 4;
+/// Seconds of the run each set of shared documents is sent in (then a new set: every first send is a check). Short
+/// enough that a tenant's first sends spread over the run rather than bunch at each epoch's start.
+const SHARED_EPOCH_S: f64 = 10.0;
+/// A tenant's slot-0 loop sends a shared document every this many turns.
+const SHARED_EVERY: usize = 4;
 
-/// Shared document `k`: the same words for every tenant, its first block its own (`document k` opens it).
-fn shared_doc(model: &str, k: usize) -> Value {
-    let mut rng = SplitMix64::new(0x646f_6373 + k as u64);
-    let text = format!("document {k} of the shared library: {}", words(&mut rng, 200));
+/// Shared document `name` (`<k>.<epoch>`): the same words for every tenant, its first block its own (its name
+/// opens it, right after the chat template's 8 tokens of the `tiny` model: within the first 16-token block).
+fn shared_doc(model: &str, name: &str) -> Value {
+    let seed = name.bytes().fold(0x646f_6373_u64, |h, b| h.wrapping_mul(0x100_0000_01b3) ^ u64::from(b));
+    let mut rng = SplitMix64::new(seed);
+    let text = format!("{name} document of the shared library: {}", words(&mut rng, 200));
     json!({"model": model, "messages": [{"role": "user", "content": text}], "max_tokens": 4,
         "stream": true, "stream_options": {"include_usage": true}})
 }

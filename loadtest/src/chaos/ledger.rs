@@ -61,6 +61,25 @@ pub struct Outcome {
     /// cached token of it was written under another tenant's salt.
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     pub first_shared: bool,
+    /// The same tenant's repeat of a shared document it just sent (the isolation check's positive control: its own
+    /// blocks must be found, or the check could not have seen another tenant's).
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub repeat_shared: bool,
+    /// A repeat computed whole by the worker that computed the tenant's first send of the document whole (neither
+    /// split): its blocks are there (outside faults), so it must find them.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub same_place: bool,
+}
+
+/// Which send of a shared document a request is.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum SharedSend {
+    /// Not a shared document.
+    No,
+    /// The tenant's first send of it.
+    First,
+    /// The tenant's repeat of it; the worker and route that answered the first send.
+    Repeat((Option<String>, Option<String>)),
 }
 
 /// The codes a request may end with under faults: `docs/api.md`'s gateway and worker codes that a fault can cause,
@@ -127,6 +146,22 @@ pub fn check(outcomes: &[Outcome], faults: &[Fault], limits: &Limits) -> Vec<Vio
                 format!(
                     "tenant t{}'s first send of a shared document found {:?} tokens cached",
                     o.tenant, o.cached_tokens
+                ),
+            ));
+        }
+        // Outside faults a repeat answered where the first send was finds its blocks there.
+        if o.repeat_shared
+            && o.same_place
+            && fault.is_none()
+            && o.code.is_none()
+            && o.cached_tokens == Some(0)
+        {
+            out.push(v(
+                "isolation_control",
+                format!(
+                    "tenant t{}'s repeat of a shared document it had just sent found nothing cached: the isolation \
+                     check could not have seen a leak",
+                    o.tenant
                 ),
             ));
         }
@@ -206,6 +241,52 @@ pub fn recovery(outcomes: &[Outcome], faults: &[Fault], run_end_s: f64) -> Vec<R
         .collect()
 }
 
+/// The isolation checks (first sends that carried usage) a fault kind saw: started within one of its windows, and
+/// within [`AFTER_S`] after one.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct IsolationSeen {
+    pub during: usize,
+    pub after: usize,
+    /// Seconds of its windows in all.
+    pub window_s: f64,
+}
+
+/// How long after a fault's end a check counts as after it.
+pub const AFTER_S: f64 = 30.0;
+/// A fault kind whose windows add up to at least this long must have seen an isolation check during them, and one
+/// after them (a shorter one may fall between two shared sends).
+pub const MIN_SEEN_WINDOW_S: f64 = 30.0;
+
+/// Isolation checks by fault kind, and a violation for each kind that ran long enough and saw none during or after.
+pub fn isolation_by_fault(
+    outcomes: &[Outcome],
+    faults: &[Fault],
+) -> (std::collections::BTreeMap<String, IsolationSeen>, Vec<Violation>) {
+    let mut seen: std::collections::BTreeMap<String, IsolationSeen> = std::collections::BTreeMap::new();
+    let checks: Vec<f64> =
+        outcomes.iter().filter(|o| o.first_shared && o.cached_tokens.is_some()).map(|o| o.start_s).collect();
+    for f in faults {
+        let s = seen.entry(f.kind.as_str().to_owned()).or_default();
+        s.window_s += f.end_s - f.start_s;
+        s.during += checks.iter().filter(|t| (f.start_s..f.end_s).contains(*t)).count();
+        s.after += checks.iter().filter(|t| (f.end_s..f.end_s + AFTER_S).contains(*t)).count();
+    }
+    let violations = seen
+        .iter()
+        .filter(|(_, s)| s.window_s >= MIN_SEEN_WINDOW_S && (s.during == 0 || s.after == 0))
+        .map(|(kind, s)| Violation {
+            invariant: "isolation_seen_under_every_fault",
+            request: 0,
+            detail: format!(
+                "{kind}: {} isolation checks during its {:.0} s of windows, {} within {AFTER_S} s after",
+                s.during, s.window_s, s.after
+            ),
+            fault: None,
+        })
+        .collect();
+    (seen, violations)
+}
+
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
@@ -229,6 +310,8 @@ pub(crate) mod tests {
             class: None,
             most_charged: 0,
             first_shared: false,
+            repeat_shared: false,
+            same_place: false,
         }
     }
 
@@ -261,6 +344,32 @@ pub(crate) mod tests {
                 cached_tokens: Some(0),
                 ..o(12, RequestKind::Shared, 54.0, 55.0, None)
             },
+            // The positive control: a repeat that finds its own blocks, one that finds none (the check was blind),
+            // and one that finds none during a fault (its worker may have died since the first send).
+            Outcome {
+                repeat_shared: true,
+                same_place: true,
+                cached_tokens: Some(48),
+                ..o(13, RequestKind::Shared, 56.0, 57.0, None)
+            },
+            Outcome {
+                repeat_shared: true,
+                same_place: true,
+                cached_tokens: Some(0),
+                ..o(14, RequestKind::Shared, 58.0, 59.0, None)
+            },
+            Outcome {
+                repeat_shared: true,
+                same_place: true,
+                cached_tokens: Some(0),
+                ..o(15, RequestKind::Shared, 14.0, 15.0, None)
+            },
+            // Answered elsewhere than the first send (another route): its blocks need not be there.
+            Outcome {
+                repeat_shared: true,
+                cached_tokens: Some(0),
+                ..o(16, RequestKind::Shared, 60.0, 61.0, None)
+            },
         ];
         let v = check(&runs, &faults, &limits);
         let got: Vec<(u64, &str)> = v.iter().map(|v| (v.request, v.invariant)).collect();
@@ -272,6 +381,7 @@ pub(crate) mod tests {
                 (6, "ended_in_time"),
                 (9, "no_budget_error_but_a_burst"),
                 (10, "tenant_isolation"),
+                (14, "isolation_control"),
             ]
         );
         assert_eq!(v[1].fault.as_ref().map(|f| f.kind), Some(FaultKind::KillWorker));
@@ -306,5 +416,30 @@ pub(crate) mod tests {
         let after = r[0].recovered_after_s.expect("recovered");
         assert!((after - 5.5).abs() < 1e-9, "{after}");
         assert!((r[0].hit_after.expect("hit") - 1300.0 / 3000.0).abs() < 1e-9, "{r:?}");
+    }
+
+    #[test]
+    fn every_fault_kind_that_ran_long_enough_saw_isolation_checks_during_and_after() {
+        let faults = vec![
+            Fault { kind: FaultKind::KillWorker, target: 0, start_s: 10.0, end_s: 30.0 },
+            Fault { kind: FaultKind::KillWorker, target: 1, start_s: 100.0, end_s: 115.0 },
+            Fault { kind: FaultKind::RestartRedis, target: 0, start_s: 200.0, end_s: 240.0 },
+            Fault { kind: FaultKind::FillSsd, target: 0, start_s: 300.0, end_s: 310.0 },
+        ];
+        let check = |id, t: f64| Outcome {
+            first_shared: true,
+            cached_tokens: Some(0),
+            ..o(id, RequestKind::Shared, t, t + 1.0, None)
+        };
+        let runs = vec![check(1, 12.0), check(2, 40.0), check(3, 250.0), check(4, 305.0)];
+        let (seen, v) = isolation_by_fault(&runs, &faults);
+        let k = &seen["kill_worker"];
+        assert_eq!((k.during, k.after, k.window_s), (1, 1, 35.0));
+        let r = &seen["restart_redis"];
+        assert_eq!((r.during, r.after), (0, 1));
+        assert_eq!(seen["fill_ssd"].during, 1);
+        // Redis ran 40 s with no check during it; the SSD fault's 10 s is too short to require one.
+        assert_eq!(v.len(), 1, "{v:?}");
+        assert!(v[0].detail.starts_with("restart_redis"), "{}", v[0].detail);
     }
 }

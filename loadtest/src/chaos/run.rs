@@ -17,8 +17,10 @@ use super::charges::{self, Tally};
 use super::deploy::{DeploySpec, Deployment, DECODE, PREFILL, TIERED};
 use super::drive::{tenant_loop, Drive};
 use super::execute::{execute, held, Executed};
-use super::ledger::{check, recovery, Limits, Outcome, Recovery, RequestKind, Violation};
-use super::schedule::{schedule, Fault, ScheduleSpec};
+use super::ledger::{
+    check, isolation_by_fault, recovery, IsolationSeen, Limits, Outcome, Recovery, RequestKind, Violation,
+};
+use super::schedule::{active_at, schedule, Fault, ScheduleSpec};
 
 /// Most file descriptors a process that ran throughout may hold past its count at rest.
 pub const FD_SLACK: i64 = 64;
@@ -91,6 +93,12 @@ pub struct Summary {
     pub rss_timeline: Vec<(f64, String, u32, f64)>,
     /// Shared documents first sent by a tenant (the isolation check's sample).
     pub isolation_checked: usize,
+    /// The tenants' repeats of a shared document they had sent, answered where the first send was, outside
+    /// faults, that carried usage (the positive control), and how many of them found their own blocks.
+    pub isolation_controls: usize,
+    pub isolation_control_hits: usize,
+    /// The isolation checks each fault kind saw during its windows and after them.
+    pub isolation_by_fault: BTreeMap<String, IsolationSeen>,
 }
 
 /// A process's file descriptors and resident memory (KiB).
@@ -281,6 +289,13 @@ pub async fn run(spec: &ChaosSpec) -> Result<Summary, String> {
     tokio::time::sleep(QUIET).await;
     let outcomes = drive.ledger.lock().unwrap_or_else(|e| e.into_inner()).clone();
     let mut violations = check(&outcomes, &faults, &LIMITS);
+    let (isolation_by_fault, unseen) = isolation_by_fault(&outcomes, &faults);
+    violations.extend(unseen);
+    let controls: Vec<&Outcome> = outcomes
+        .iter()
+        .filter(|o| o.repeat_shared && o.same_place && o.cached_tokens.is_some())
+        .filter(|o| active_at(&faults, o.start_s, LIMITS.settle_s).is_none())
+        .collect();
     executed.scrape_all(&d).await;
     let tenant = |i: usize| format!("t{i}");
     violations.extend(charges::check(&outcomes, &executed.counters, &executed.blind, &tenant));
@@ -316,6 +331,9 @@ pub async fn run(spec: &ChaosSpec) -> Result<Summary, String> {
         ttft_p99_ms_faults: f99,
         rss_timeline,
         isolation_checked: outcomes.iter().filter(|o| o.first_shared && o.cached_tokens.is_some()).count(),
+        isolation_controls: controls.len(),
+        isolation_control_hits: controls.iter().filter(|o| o.cached_tokens > Some(0)).count(),
+        isolation_by_fault,
         violations,
         resources: resources_seen,
     };
