@@ -404,7 +404,7 @@ fn url_has_password(url: &str) -> bool {
 /// The first-byte timeout of a request: `floor + uncached prompt tokens x per_prompt_token` (+ `max_tokens x
 /// per_output_token` when not streamed, since the header then follows the last token), at most `cap`; where the
 /// route's prediction from measured speeds says the header comes later, [`PREDICTED_MARGIN`] times that (still at
-/// most `cap`): a worker that measurably needs 65 s for a prompt is not cut off at 44 s (and the work wasted).
+/// most `cap`): a worker that measurably needs 80 s for a prompt is not cut off at 44 s (and the work wasted).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct FirstByteTimeout {
     pub floor: Duration,

@@ -7,7 +7,7 @@
 //!                                                      the tokens before), where measured;
 //!                  = n / W.prefill_tokens_per_s        otherwise (a token rate alone under-prices long prompts:
 //!                                                      a 14K-token prompt on a CPU worker of `small`, predicted
-//!                                                      6.7 s from its rate, took 65 s)
+//!                                                      6.7 s from its rate, took ~80 s)
 //! tpot(W)          = W.decode_step_s / (1 - W.stall_ratio)                 (stall ratio capped at MAX_STALL)
 //!
 //! local on L:  ttft = prefill_s(L, L.uncached) + L.decode_step_s

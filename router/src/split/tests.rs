@@ -282,7 +282,7 @@ fn the_anchor_rules_decide_as_published() {
 #[test]
 fn a_long_prompt_is_priced_by_the_fit_of_its_attention_not_by_the_token_rate() {
     // The reproduction of #65: a CPU worker of `small` measured ~2,200 tokens/s on short prompts, and its fit of
-    // 5e-4 s a token and 7e-7 s per unit of attention area; a 14,223-token prompt took about 65 s.
+    // 5e-4 s a token and 7e-7 s per unit of attention area; a 14,223-token prompt took about 80 s.
     let cpu = |held: u64, uncached: u64| Side {
         uncached_tokens: uncached,
         held_tokens: held,

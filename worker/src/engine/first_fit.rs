@@ -2,7 +2,7 @@
 //! of a context and one at its end, each timed a few times, so the fit of `server::prefill_fit` (seconds per token, per unit of attention
 //! area) has an attention term from its first report on. Without it a worker that has computed only short prompts
 //! prices a long one by its token rate: a CPU worker of `small` was predicted 6.7 s for a 14K-token prompt that
-//! took 65 s, and the gateway's split and first-byte bound followed the prediction.
+//! took about 80 s, and the gateway's split and first-byte bound followed the prediction.
 //!
 //! Invariants: it runs only while every block of the pool is free (at start, before any request), writes only
 //! blocks it then leaves free again (their contents are never read: no block is registered), and only on a
