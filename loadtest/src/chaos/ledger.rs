@@ -65,8 +65,8 @@ pub struct Outcome {
     /// blocks must be found, or the check could not have seen another tenant's).
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     pub repeat_shared: bool,
-    /// A repeat computed whole by the worker that computed the tenant's first send of the document whole (neither
-    /// split): its blocks are there (outside faults), so it must find them.
+    /// The repeat right after the tenant's first send of the document, computed whole by the worker that computed
+    /// that first send whole (neither split): its blocks are there (outside faults), so it must find them.
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     pub same_place: bool,
 }
@@ -78,7 +78,8 @@ pub enum SharedSend {
     No,
     /// The tenant's first send of it.
     First,
-    /// The tenant's repeat of it; the worker and route that answered the first send.
+    /// The tenant's repeat of it; the worker and route that answered its first send when that came right before
+    /// (else none: not a control).
     Repeat((Option<String>, Option<String>)),
 }
 
