@@ -119,6 +119,11 @@ async fn through_envoy_the_pick_serves_conversations_stick_and_streams_pass_inta
         r.header("x-kvgate-worker")
     );
     assert_eq!(r.json()["usage"]["completion_tokens"], 8, "{}", r.body);
+    assert_eq!(
+        r.header("x-kvgate-prompt-tokens"),
+        r.json()["usage"]["prompt_tokens"].to_string(),
+        "priced as computed"
+    );
 
     // A stream passes through intact: the same text as the whole answer, ending in [DONE], and without the usage
     // chunk the gateway asked for on the client's behalf.

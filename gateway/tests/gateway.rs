@@ -50,6 +50,9 @@ async fn same_prefix_sticks_to_one_worker_and_hits_its_cache() {
         assert_eq!(r.status, 200, "{}", r.body);
         assert!(!r.header("x-kvgate-route").is_empty());
         let cached = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().expect("cached");
+        // The prompt tokens it was priced with: the gateway's own count, the worker's too.
+        assert_eq!(r.header("x-kvgate-prompt-tokens"), p.len().to_string());
+        assert_eq!(r.json()["usage"]["prompt_tokens"], p.len());
         served.push((r.header("x-kvgate-worker"), r.header("x-kvgate-route"), cached));
     }
     let first = served[0].0.clone();

@@ -465,6 +465,13 @@ async fn client_disconnect_mid_stream_frees_blocks() {
         assert!(Instant::now() < deadline, "blocks still used after the client left");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+    // What the abandoned stream cost is counted as a finished request's usage is: its whole prompt (it generated)
+    // and the tokens generated before the abort (at least the one the client read).
+    let m = get(&metrics_url).await.body;
+    assert_eq!(metric(&m, "kvgate_worker_prompt_tokens_total"), Some(60.0), "{m}");
+    assert_eq!(metric(&m, "kvgate_worker_cached_prompt_tokens_total"), Some(0.0), "{m}");
+    let generated = metric(&m, "kvgate_worker_completion_tokens_total").unwrap_or(0.0);
+    assert!((1.0..3000.0).contains(&generated), "{generated}");
 }
 
 #[tokio::test]

@@ -123,15 +123,17 @@ fn served_index(p: &Picked<'_>, served: Option<String>) -> (usize, bool) {
 }
 
 /// The gateway's response headers, as on the proxy path (`serve::upstream::head`): the worker that served, the
-/// route, the class, the admission wait.
+/// route, the class, the admission wait, the prompt tokens it was priced with.
 fn gateway_headers(p: &Picked<'_>, served: usize, route: &'static str) -> wire::HeaderMutation {
     let worker = p.routed.routed.candidates.get(served).map_or("", |c| c.id.as_str());
     let wait = format!("{:.3}", p.admitted.permit.waited.as_secs_f64() * 1e3);
+    let prompt = p.prep.prompt_tokens.to_string();
     let set: Vec<(String, Vec<u8>)> = [
         ("x-kvgate-worker", worker),
         ("x-kvgate-route", route),
         ("x-kvgate-class", p.admitted.priced.class_name.as_str()),
         ("x-kvgate-admission-wait-ms", wait.as_str()),
+        ("x-kvgate-prompt-tokens", prompt.as_str()),
     ]
     .iter()
     .map(|(k, v)| ((*k).to_owned(), v.as_bytes().to_vec()))

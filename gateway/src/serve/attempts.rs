@@ -112,6 +112,7 @@ impl Walk<'_> {
                 reason,
                 class: &priced.class_name,
                 admission_wait: ctx.admission_wait,
+                prompt_tokens: prep.prompt_tokens,
                 first_byte_timeout: first_byte,
                 idle_timeout: cfg.stream_idle_timeout,
                 strip_usage: prep.strip_usage,

@@ -4,17 +4,22 @@
 //! clients saw them.
 //!
 //! The gateway charges a request what was computed for it (`gateway/src/serve/charge.rs`): a completed answer its
-//! usage, `prompt - cached + completion`, which is the worker's own report of it. So, per tenant and class:
-//! - **nothing charged never**: the charge is at least the usage of the completed requests ([`Tally::exact`]) plus
+//! usage, `prompt - cached + completion`, which is the worker's own report of it; a pass-through call answered
+//! without usage its price, the prompt tokens it was priced with (`x-kvgate-prompt-tokens`: it generates nothing).
+//! So, per tenant and class:
+//! - **nothing charged never**: the charge is at least what the completed requests cost ([`Tally::exact`]) plus
 //!   a token for every other one the gateway must have charged something ([`Tally::least`]: a stream that sent its
-//!   first token, then was abandoned, computed its prompt's last token and that one; a pass-through call that was
-//!   answered is charged its price, never 0), unless its replica died around it;
+//!   first token, then was abandoned, computed its prompt's last token and that one), unless its replica died
+//!   around it;
 //! - **nothing charged twice**: the charge is at most that plus, for every other request of the tenant (cut short,
-//!   abandoned, failed, one whose replica died around it, a pass-through call priced from its body), the most it
-//!   may be charged (its prompt's bound plus its `max_tokens`, a pass-through call's body bytes: [`Tally::open`]);
+//!   abandoned, failed, one whose replica died around it), the most it may be charged ([`Tally::open`]: the prompt
+//!   the gateway priced it with plus its `max_tokens`; nothing for one the gateway never got, refused at admission
+//!   or answered with a worker's error, which are refunded; the body's bytes for the prompt when the gateway's head
+//!   never came);
 //! - **workers agree**: the workers' computed tokens (uncached prompt plus completion, summed over every worker life)
-//!   differ from all charges by at most every open request's bound (a request's tokens a killed worker computed
-//!   but never counted are open too).
+//!   differ from the charges of what they computed (all charges but the exact ones of pass-through calls, which
+//!   no worker counts) by at most every open request's bound (a request's tokens a killed worker computed but
+//!   never counted are open too).
 //!
 //! Exact equality is out of reach by design: a stream the client leaves is charged its prompt and the tokens
 //! sent, the worker counts the tokens it computed before it saw the abort. The bound says how far apart they may be.
@@ -49,7 +54,8 @@ pub struct Tally {
     pub tenant: String,
     pub class: String,
     pub charged: f64,
-    /// Usage of the completed requests the gateway saw end (`prompt - cached + completion`).
+    /// What the completed requests the gateway saw end cost (`prompt - cached + completion`; a pass-through
+    /// call's price).
     pub exact: f64,
     pub exact_requests: usize,
     /// The most the other requests may have been charged, and how many they are (for a class: those whose class
@@ -60,8 +66,8 @@ pub struct Tally {
     pub least: f64,
 }
 
-/// The least an open request must have been charged: a token for an abandoned stream whose first token came and a
-/// pass-through call that was answered (the gateway charges both), none for one whose replica died around it or
+/// The least an open request must have been charged: a token for an abandoned stream whose first token came (its
+/// prompt's last token and the first output token were computed), none for one whose replica died around it or
 /// that failed.
 fn least(o: &Outcome, blind: &[Blind]) -> f64 {
     let replica = format!("gateway-{}", o.replica);
@@ -70,7 +76,6 @@ fn least(o: &Outcome, blind: &[Blind]) -> f64 {
     }
     match o.kind {
         RequestKind::Abandoned if o.ttft_s.is_some() => 1.0,
-        RequestKind::PassThrough if o.status == 200 => 1.0,
         _ => 0.0,
     }
 }
@@ -79,18 +84,33 @@ fn overlaps(o: &Outcome, b: &Blind) -> bool {
     o.start_s <= b.to_s && o.end_s >= b.from_s
 }
 
-/// The usage a completed request was charged, or `None` for an open one.
+/// What a completed request was charged, or `None` for an open one.
 fn exact_usage(o: &Outcome, blind: &[Blind]) -> Option<f64> {
-    // A pass-through call is charged its price (its body's estimate: it carries no usage): open.
-    if o.code.is_some() || o.kind == RequestKind::PassThrough {
+    if o.code.is_some() {
         return None;
     }
     let replica = format!("gateway-{}", o.replica);
     if blind.iter().any(|b| b.process == replica && overlaps(o, b)) {
         return None;
     }
-    let (p, c) = (o.prompt_tokens?, o.completion_tokens?);
+    let Some(p) = o.prompt_tokens else {
+        // An answered pass-through call carries no usage: it is charged its price, the prompt it was priced with.
+        return o
+            .priced_prompt
+            .filter(|_| o.kind == RequestKind::PassThrough && o.status == 200)
+            .map(|p| p as f64);
+    };
+    let c = o.completion_tokens?;
     Some(p.saturating_sub(o.cached_tokens.unwrap_or(0)).saturating_add(c) as f64)
+}
+
+/// The exact charges of pass-through calls: no worker counts them as computed tokens.
+fn uncomputed(outcomes: &[Outcome], blind: &[Blind]) -> f64 {
+    outcomes
+        .iter()
+        .filter(|o| o.kind == RequestKind::PassThrough && o.prompt_tokens.is_none())
+        .filter_map(|o| exact_usage(o, blind))
+        .sum()
 }
 
 /// Per (tenant, class) tallies: `tenant(i)` names tenant `i` as the gateway does.
@@ -162,14 +182,14 @@ pub fn check(
             ));
         }
     }
-    let charged: f64 = rows.iter().map(|r| r.charged).sum();
+    let charged: f64 = rows.iter().map(|r| r.charged).sum::<f64>() - uncomputed(outcomes, blind);
     let open: f64 = rows.iter().map(|r| r.open).sum::<f64>() + worker_blind(outcomes, blind);
     if (charged - c.computed).abs() > open + 0.5 {
         out.push(v(
             "workers_computed_what_was_charged",
             format!(
-                "charged {charged:.0} over every tenant, the workers computed {:.0}: apart by more than the {open:.0} \
-                 that requests cut short or around a kill may explain",
+                "charged {charged:.0} for what workers computed (pass-through calls' prices taken out), the workers \
+                 computed {:.0}: apart by more than the {open:.0} that requests cut short or around a kill may explain",
                 c.computed
             ),
         ));
@@ -182,7 +202,7 @@ pub fn check(
 fn worker_blind(outcomes: &[Outcome], blind: &[Blind]) -> f64 {
     outcomes
         .iter()
-        .filter(|o| exact_usage(o, blind).is_some())
+        .filter(|o| o.kind != RequestKind::PassThrough && exact_usage(o, blind).is_some())
         .filter(|o| blind.iter().any(|b| o.worker.as_deref() == Some(b.process.as_str()) && overlaps(o, b)))
         .map(|o| o.most_charged as f64)
         .sum()
@@ -279,6 +299,29 @@ mod tests {
         // Another tenant's charge is compared with that tenant's requests: none.
         let v = check(&runs, &counters(&[("t0", "short", 125.0), ("t1", "short", 50.0)], 175.0), &[], &t);
         assert_eq!(names(&v), ["charged_twice"], "{v:?}");
+    }
+
+    #[test]
+    fn an_answered_pass_through_call_costs_its_priced_prompt_which_no_worker_computes() {
+        let t = |i: usize| format!("t{i}");
+        let call = Outcome {
+            priced_prompt: Some(12),
+            class: Some("short".into()),
+            most_charged: 12,
+            ..o(2, RequestKind::PassThrough, 1.0, 1.1, None)
+        };
+        let runs = vec![done(1, 0, 0, (100, 40, 10), "short"), call];
+        let rows = tallies(&runs, &counters(&[("t0", "short", 82.0)], 70.0), &[], &t);
+        assert_eq!((rows[0].exact, rows[0].exact_requests, rows[0].open_requests), (82.0, 2, 0));
+        // Charged exactly: the chat's usage and the call's price; the workers computed the chat alone.
+        assert!(check(&runs, &counters(&[("t0", "short", 82.0)], 70.0), &[], &t).is_empty());
+        for wrong in [70.0, 83.0] {
+            assert!(!check(&runs, &counters(&[("t0", "short", wrong)], 70.0), &[], &t).is_empty(), "{wrong}");
+        }
+        assert_eq!(
+            names(&check(&runs, &counters(&[("t0", "short", 82.0)], 82.0), &[], &t)),
+            ["workers_computed_what_was_charged"]
+        );
     }
 
     #[test]

@@ -27,10 +27,13 @@ struct Answer {
     code: Option<String>,
     ttft_s: Option<f64>,
     usage: Option<Value>,
-    /// The gateway's `x-kvgate-worker`, `x-kvgate-route` and `x-kvgate-class`.
+    /// The gateway's `x-kvgate-worker`, `x-kvgate-route`, `x-kvgate-class` and `x-kvgate-prompt-tokens`.
     worker: Option<String>,
     route: Option<String>,
     class: Option<String>,
+    priced_prompt: Option<u64>,
+    /// No connection was made: the gateway never saw the request.
+    unsent: bool,
 }
 
 impl Answer {
@@ -100,20 +103,16 @@ impl Drive {
         let url = format!("{}{path}", self.gateways[replica]);
         let headers: Vec<(&str, String)> =
             class.map(|c| ("x-kvgate-class", c.to_owned())).into_iter().collect();
-        // A pass-through call is priced from its body's bytes (a quarter token each) and has no output to pay.
-        let bound = match kind {
-            RequestKind::PassThrough => body.to_string().len() as u64,
-            _ => most_charged(&body),
-        };
+        let bound = Ask::of(&body, kind != RequestKind::PassThrough);
         let r = tokio::time::timeout(limit, self.exchange(&url, tenant, body, &headers, read, start_s)).await;
         self.record(id, (tenant, replica, kind, bound), start_s, r.ok(), SharedSend::No)
     }
 
-    /// Records an outcome: `who` is (tenant, replica, kind, the most it may be charged).
+    /// Records an outcome: `who` is (tenant, replica, kind, what it asked for).
     fn record(
         &self,
         id: u64,
-        (tenant, replica, kind, bound): (usize, usize, RequestKind, u64),
+        (tenant, replica, kind, ask): (usize, usize, RequestKind, Ask),
         start_s: f64,
         r: Option<Answer>,
         shared: SharedSend,
@@ -125,6 +124,7 @@ impl Drive {
         let whole = |route: &Option<String>| route.as_deref() != Some("split");
         let same_place = matches!(&shared, SharedSend::Repeat((w, r))
             if w.is_some() && *w == a.worker && whole(r) && whole(&a.route));
+        let most_charged = ask.most_charged(&a);
         let usage = a.usage;
         let outcome = Outcome {
             id,
@@ -142,7 +142,8 @@ impl Drive {
             worker: a.worker,
             route: a.route,
             class: a.class,
-            most_charged: bound,
+            priced_prompt: a.priced_prompt,
+            most_charged,
             first_shared: shared == SharedSend::First,
             repeat_shared: matches!(shared, SharedSend::Repeat(_)),
             same_place,
@@ -166,7 +167,7 @@ impl Drive {
         let id = self.next_id.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let start_s = self.now_s();
         let url = format!("{}/v1/chat/completions", self.gateways[replica]);
-        let bound = most_charged(&body);
+        let bound = Ask::of(&body, true);
         let r = tokio::time::timeout(
             self.give_up,
             self.exchange(&url, tenant, body, &headers, Read::Whole, start_s),
@@ -196,7 +197,7 @@ impl Drive {
         };
         let resp = match self.http.request(req).await {
             Ok(r) => r,
-            Err(_) => return Answer::failed("connection_failed"),
+            Err(e) => return Answer { unsent: e.is_connect(), ..Answer::failed("connection_failed") },
         };
         let status = resp.status().as_u16();
         let header = |name: &str| resp.headers().get(name).and_then(|v| v.to_str().ok()).map(str::to_owned);
@@ -205,6 +206,7 @@ impl Drive {
             worker: header("x-kvgate-worker"),
             route: header("x-kvgate-route"),
             class: header("x-kvgate-class"),
+            priced_prompt: header("x-kvgate-prompt-tokens").and_then(|v| v.parse().ok()),
             ..Answer::default()
         };
         let mut body = resp.into_body();
@@ -280,11 +282,34 @@ fn read_body(text: &[u8], status: u16) -> (Option<String>, Option<Value>) {
     (code, usage)
 }
 
-/// The most a request can be charged (the gateway's cap: its prompt plus the output it may have): its body's
-/// bytes bound the prompt's tokens (the chat template's few included) plus its `max_tokens` (or a generous 4096
-/// when it names none).
-fn most_charged(body: &Value) -> u64 {
-    body.to_string().len() as u64 + body["max_tokens"].as_u64().unwrap_or(4096)
+/// What a request asked for, as far as its charge goes.
+#[derive(Clone, Copy)]
+struct Ask {
+    body_bytes: u64,
+    /// The output it may have (its `max_tokens`, or a generous 4096 when it names none; 0 for a pass-through call,
+    /// which generates nothing).
+    output: u64,
+}
+
+impl Ask {
+    fn of(body: &Value, generates: bool) -> Self {
+        let output = if generates { body["max_tokens"].as_u64().unwrap_or(4096) } else { 0 };
+        Self { body_bytes: body.to_string().len() as u64, output }
+    }
+
+    /// The most the gateway may have charged it, from what the gateway told of it (`gateway/src/serve/charge.rs`'s
+    /// rules): nothing when it never got the request, refused it at admission (`class_budget_exceeded`) or passed
+    /// on a worker's error answer (a full refund); else the prompt it priced (`x-kvgate-prompt-tokens`) plus the
+    /// output asked for; without the gateway's head (its own error answer, or none), the body's bytes bound the
+    /// prompt's tokens (the chat template's few included).
+    fn most_charged(&self, a: &Answer) -> u64 {
+        let refused_at_admission = a.code.as_deref() == Some("class_budget_exceeded");
+        let worker_error = a.worker.is_some() && !(200..300).contains(&a.status);
+        if a.unsent || refused_at_admission || worker_error {
+            return 0;
+        }
+        a.priced_prompt.unwrap_or(self.body_bytes).saturating_add(self.output)
+    }
 }
 
 /// A tenant's conversation loop until `until` (seconds of the run): each turn adds to the conversation, one in
@@ -409,6 +434,25 @@ fn words(rng: &mut SplitMix64, n: usize) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_most_a_request_may_cost_is_what_the_gateway_told_of_it() {
+        let body =
+            json!({"model": "m", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 20});
+        let ask = Ask::of(&body, true);
+        let bytes = body.to_string().len() as u64;
+        let head =
+            Answer { status: 200, worker: Some("w0".into()), priced_prompt: Some(9), ..Answer::default() };
+        assert_eq!(ask.most_charged(&head), 29, "its priced prompt and max_tokens");
+        assert_eq!(Ask::of(&body, false).most_charged(&head), 9, "a pass-through call generates nothing");
+        // No head from the gateway: its body's bytes bound the prompt.
+        assert_eq!(ask.most_charged(&Answer::failed("upstream_timeout")), bytes + 20);
+        assert_eq!(ask.most_charged(&Answer::failed("connection_failed")), bytes + 20);
+        // Refunded or never seen: nothing.
+        assert_eq!(ask.most_charged(&Answer { unsent: true, ..Answer::failed("connection_failed") }), 0);
+        assert_eq!(ask.most_charged(&Answer { status: 429, ..Answer::failed("class_budget_exceeded") }), 0);
+        assert_eq!(ask.most_charged(&Answer { status: 500, code: Some("x".into()), ..head }), 0);
+    }
 
     #[test]
     fn an_answer_says_its_error_and_usage() {

@@ -55,7 +55,11 @@ pub struct Outcome {
     pub route: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub class: Option<String>,
-    /// The most the gateway may charge it (its prompt's bound plus its `max_tokens`).
+    /// The prompt tokens the gateway priced it with (`x-kvgate-prompt-tokens`), when its head came.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub priced_prompt: Option<u64>,
+    /// The most the gateway may charge it (`drive.rs`'s `Ask::most_charged`): the prompt it priced (else its
+    /// body's bytes) plus its `max_tokens`; 0 for a request the gateway never computed anything for.
     pub most_charged: u64,
     /// A shared document's first send by this tenant: no block of it can be in this tenant's cache yet, so any
     /// cached token of it was written under another tenant's salt.
@@ -309,6 +313,7 @@ pub(crate) mod tests {
             worker: None,
             route: None,
             class: None,
+            priced_prompt: None,
             most_charged: 0,
             first_shared: false,
             repeat_shared: false,

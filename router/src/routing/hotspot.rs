@@ -67,7 +67,7 @@ use kvgate_shared::report::attention_area;
 
 use super::{Weights, WorkerView};
 pub use crate::split::cost_model::MAX_ATTENTION_S;
-use crate::split::cost_model::{MAX_BUSY, MIN_PREFILL_TOKENS_PER_S};
+use crate::split::cost_model::{own_fit, MAX_BUSY, MIN_PREFILL_TOKENS_PER_S};
 
 /// The utilisation at which a single queue (M/M/1) holds `waiting` requests on average: `L / (1 + L)`.
 fn queue_util(waiting: f64) -> f64 {
@@ -140,15 +140,10 @@ impl Inputs<'_> {
     /// one, else `(1 / its token rate, 0)`; `None` when it measured neither.
     fn cost_of(&self, i: usize) -> Option<Cost> {
         let s = &self.workers[i].speed;
-        let ok = |v: f64| v.is_finite() && v >= 0.0;
-        // A fit counts once the worker has computed prompts (a token rate): what it measured at start alone does
-        // not set identical workers apart.
-        let fitted =
-            (s.prefill_per_token_s > 0.0 || s.prefill_attention_s > 0.0) && self.speed_of(i).is_some();
-        if fitted && ok(s.prefill_per_token_s) && ok(s.prefill_attention_s) {
+        if let Some((a, b)) = own_fit(s.prefill_per_token_s, s.prefill_attention_s, s.prefill_tokens_per_s) {
             return Some(Cost {
-                per_token_s: s.prefill_per_token_s.min(1.0 / MIN_PREFILL_TOKENS_PER_S),
-                attention_s: s.prefill_attention_s.min(MAX_ATTENTION_S),
+                per_token_s: a.min(1.0 / MIN_PREFILL_TOKENS_PER_S),
+                attention_s: b.min(MAX_ATTENTION_S),
             });
         }
         self.speed_of(i)

@@ -61,6 +61,17 @@ pub const MIN_BANDWIDTH: f64 = 1.0;
 /// routing's cost takes the same bound).
 pub const MAX_ATTENTION_S: f64 = 1.0;
 
+/// A worker's own fit of its prefill cost (seconds per prompt token, per unit of attention area), from its report
+/// of it and of its token rate: it counts once the worker has computed prompts (a token rate), not on what it
+/// measured at start alone, which does not set identical workers apart; `None` before then, or for a value that
+/// is not finite and non-negative. The split plan and the hot-spot guard both price a worker by it.
+pub fn own_fit(per_token_s: f64, attention_s: f64, tokens_per_s: f64) -> Option<(f64, f64)> {
+    let ok = |v: f64| v.is_finite() && v >= 0.0;
+    let has_fit = per_token_s > 0.0 || attention_s > 0.0;
+    let has_rate = tokens_per_s.is_finite() && tokens_per_s > 0.0;
+    (has_fit && has_rate && ok(per_token_s) && ok(attention_s)).then_some((per_token_s, attention_s))
+}
+
 pub struct CostModel;
 
 /// A finite, non-negative value (NaN, infinities and negatives read as `floor`).

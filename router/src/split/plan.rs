@@ -11,6 +11,7 @@
 
 use serde::Serialize;
 
+use super::cost_model::own_fit;
 use super::{Side, Slo, SplitDecision, SplitInput, SplitPolicy, DEFAULT_SLO};
 use crate::input::RouteInput;
 use crate::registry::{Registry, Worker, WorkerRef};
@@ -144,7 +145,9 @@ pub fn plan(
     // which stands for it: identical workers are priced alike, not by the noise of their start-up timings. One
     // with no attention term yet takes the fleet's.
     let has_fit = |w: &Worker| w.pd.prefill_per_token_s > 0.0 || w.pd.prefill_attention_s > 0.0;
-    let fitted = |w: &Worker| has_fit(w) && w.pd.prefill_tokens_per_s > 0.0;
+    let fitted = |w: &Worker| {
+        own_fit(w.pd.prefill_per_token_s, w.pd.prefill_attention_s, w.pd.prefill_tokens_per_s).is_some()
+    };
     let fits: Vec<&Worker> = ready.iter().map(|(_, w)| *w).filter(|w| has_fit(w)).collect();
     let mean = |f: fn(&Worker) -> f64| match fits.len() {
         0 => 0.0,

@@ -312,3 +312,17 @@ fn a_long_prompt_is_priced_by_the_fit_of_its_attention_not_by_the_token_rate() {
     i.local = Side { prefill_attention_s: f64::INFINITY, ..cpu(0, 14_223) };
     assert!(predict(&i).local.ttft_s.is_finite());
 }
+
+#[test]
+fn a_workers_own_fit_counts_once_it_has_a_token_rate_and_only_when_sane() {
+    use super::cost_model::own_fit;
+    assert_eq!(own_fit(1e-3, 1e-7, 900.0), Some((1e-3, 1e-7)));
+    assert_eq!(own_fit(0.0, 1e-7, 900.0), Some((0.0, 1e-7)), "an attention term alone is a fit");
+    assert_eq!(own_fit(1e-3, 1e-7, 0.0), None, "measured at start only");
+    assert_eq!(own_fit(0.0, 0.0, 900.0), None, "no fit");
+    for bad in [f64::NAN, f64::INFINITY, -1e-3] {
+        assert_eq!(own_fit(bad, 1e-7, 900.0), None, "{bad}");
+        assert_eq!(own_fit(1e-3, bad, 900.0), None, "{bad}");
+        assert_eq!(own_fit(1e-3, 1e-7, bad), None, "{bad}");
+    }
+}

@@ -419,7 +419,12 @@ impl<B: Backend> Engine<B> {
 
     /// Drops a request wherever it is; its blocks return to the pool at once.
     pub fn abort(&mut self, id: RequestId) -> bool {
-        self.sched.remove(id).is_some()
+        self.abort_computed(id).is_some()
+    }
+
+    /// [`Engine::abort`], and what the engine had computed for the request (`None`: it was not here).
+    pub fn abort_computed(&mut self, id: RequestId) -> Option<Computed> {
+        self.sched.remove(id).map(|seq| Computed::of(&seq))
     }
 
     /// Runs one step; returns what each scheduled request produced.
@@ -567,6 +572,31 @@ impl<B: Backend> Engine<B> {
             return Some(FinishReason::Length);
         }
         None
+    }
+}
+
+/// What an aborted request had cost the engine, counted as a finished one's usage is: the prompt positions it
+/// processed (all of them once it generated), those its prefix cache served, and the tokens it generated. A request
+/// never admitted computed nothing; the prefill side of a hand-off (an export) is counted by the decode side's
+/// answer, as when it completes.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Computed {
+    pub prompt_tokens: usize,
+    pub cached_tokens: usize,
+    pub completion_tokens: usize,
+}
+
+impl Computed {
+    fn of(seq: &Sequence) -> Self {
+        let Some(cached) = seq.cached_prompt_tokens.filter(|_| seq.export.is_none()) else {
+            return Self::default();
+        };
+        let completion = seq.output().len();
+        let prompt = match completion {
+            0 => seq.num_computed.min(seq.prompt_len).max(cached),
+            _ => seq.prompt_len,
+        };
+        Self { prompt_tokens: prompt, cached_tokens: cached.min(prompt), completion_tokens: completion }
     }
 }
 

@@ -350,7 +350,7 @@ fn run<B: Backend>(
                 q.senders.remove(&id);
             } else if gone {
                 // Nobody listens any more (client disconnected): free its blocks now.
-                engine.abort(id);
+                abort_counted(&mut engine, id);
                 q.senders.remove(&id);
                 aborted = true;
             }
@@ -473,7 +473,7 @@ fn handle<B: Backend>(engine: &mut Engine<B>, q: &mut Queues, cmd: Cmd) {
                         senders.remove(&id);
                     }
                     if gone && !done {
-                        engine.abort(id);
+                        abort_counted(engine, id);
                     }
                     let _ = reply.send(Ok(()));
                 }
@@ -488,7 +488,7 @@ fn handle<B: Backend>(engine: &mut Engine<B>, q: &mut Queues, cmd: Cmd) {
             }
         }
         Cmd::Abort(id) => {
-            engine.abort(id);
+            abort_counted(engine, id);
             senders.remove(&id);
             q.imports.retain(|p| p.req.id != id);
         }
@@ -559,6 +559,16 @@ impl Queues {
         }
         metrics::gauge!("kvgate_worker_kv_imports_waiting").set(self.imports.len() as f64);
     }
+}
+
+/// Aborts a request whose client left, counting what the engine had computed for it in the usage counters a
+/// finished request's answer counts (`server/api.rs`'s `Timing::finish`): a stream the client abandoned still
+/// cost its prefill and the tokens generated before the abort (`Computed`).
+fn abort_counted<B: Backend>(engine: &mut Engine<B>, id: RequestId) {
+    let Some(c) = engine.abort_computed(id) else { return };
+    metrics::counter!("kvgate_worker_prompt_tokens_total").increment(c.prompt_tokens as u64);
+    metrics::counter!("kvgate_worker_cached_prompt_tokens_total").increment(c.cached_tokens as u64);
+    metrics::counter!("kvgate_worker_completion_tokens_total").increment(c.completion_tokens as u64);
 }
 
 /// Queues a request with `add` unless the waiting queue is full; its outputs go to `events` once admitted. A caller

@@ -1,6 +1,7 @@
 //! The response head the client gets: the worker's status and headers without hop-by-hop ones (and without a
-//! worker's own `x-kvgate-*` of these names), plus the gateway's `x-kvgate-worker`, `-route`, `-class` and
-//! `-admission-wait-ms`; a body of no declared length (a stream) is sent chunked, so the connection outlives it.
+//! worker's own `x-kvgate-*` of these names), plus the gateway's `x-kvgate-worker`, `-route`, `-class`,
+//! `-admission-wait-ms` and `-prompt-tokens` (the prompt tokens the request was priced with: counted by the
+//! gateway's tokenizer when it routes by prefix, else estimated from the body); a body of no declared length (a stream) is sent chunked, so the connection outlives it.
 
 use hyper::header::{HeaderName, HeaderValue};
 use hyper::http::response::Parts;
@@ -9,7 +10,7 @@ use super::Attempt;
 use crate::serve::downstream::Head;
 
 /// Headers never passed on from a worker (hop-by-hop ones, and the gateway's own, which it sets).
-const DROPPED: [&str; 7] = [
+const DROPPED: [&str; 8] = [
     "connection",
     "keep-alive",
     "transfer-encoding",
@@ -17,6 +18,7 @@ const DROPPED: [&str; 7] = [
     "x-kvgate-route",
     "x-kvgate-class",
     "x-kvgate-admission-wait-ms",
+    "x-kvgate-prompt-tokens",
 ];
 
 /// Whether the worker answers with a stream of server-sent events.
@@ -46,6 +48,7 @@ pub(super) fn response_head(parts: &Parts, a: &Attempt<'_>) -> Result<Head, Stri
         ("x-kvgate-route", a.reason.as_str().to_owned()),
         ("x-kvgate-class", a.class.to_owned()),
         ("x-kvgate-admission-wait-ms", format!("{:.3}", a.admission_wait.as_secs_f64() * 1e3)),
+        ("x-kvgate-prompt-tokens", a.prompt_tokens.to_string()),
     ];
     for (k, v) in extra {
         let v = HeaderValue::from_str(&v).map_err(|e| format!("{k}: {e}"))?;

@@ -45,6 +45,8 @@ pub struct Attempt<'a> {
     pub reason: RouteReason,
     pub class: &'a str,
     pub admission_wait: Duration,
+    /// The prompt tokens it was priced with (`x-kvgate-prompt-tokens`).
+    pub prompt_tokens: u64,
     pub first_byte_timeout: Duration,
     pub idle_timeout: Duration,
     /// The gateway asked the stream for usage the client did not ask for: take it out again (`meter.rs`).
