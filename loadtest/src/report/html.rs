@@ -1,11 +1,16 @@
-//! The self-contained HTML report: the summary table and three SVG plots (TTFT CDF of every run; hit rate over
-//! time; requests per worker over time, one chart per run), all inline.
+//! The self-contained HTML report: the summary table and its SVG plots, all inline: the TTFT and TPOT CDFs of every
+//! run side by side (a pile-up that wins TTFT shows as the TPOT it costs), hit rate and goodput over time, and
+//! requests per worker over time (one chart per run).
 
 use std::collections::BTreeMap;
 
+use super::summary::meets_slo;
 use super::svg::{line_chart, Series};
-use super::Report;
+use super::{Report, Slo};
 use crate::client::RequestRecord;
+
+/// A plot's points from one run's records.
+type Points<'a> = dyn Fn(&[RequestRecord]) -> Vec<(f64, f64)> + 'a;
 
 /// Time buckets of the over-time plots.
 const BUCKETS: usize = 20;
@@ -14,11 +19,20 @@ fn esc(s: &str) -> String {
     s.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;")
 }
 
-fn ttft_cdf(records: &[RequestRecord]) -> Vec<(f64, f64)> {
-    let mut t: Vec<f64> = records.iter().filter(|r| r.ok()).filter_map(|r| r.ttft_ms).collect();
+/// The CDF of one per-request figure over the successful requests that have it.
+fn cdf(records: &[RequestRecord], figure: fn(&RequestRecord) -> Option<f64>) -> Vec<(f64, f64)> {
+    let mut t: Vec<f64> = records.iter().filter(|r| r.ok()).filter_map(figure).collect();
     t.sort_by(f64::total_cmp);
     let n = t.len() as f64;
     t.iter().enumerate().map(|(i, v)| (*v, (i + 1) as f64 / n)).collect()
+}
+
+fn ttft_cdf(records: &[RequestRecord]) -> Vec<(f64, f64)> {
+    cdf(records, |r| r.ttft_ms)
+}
+
+fn tpot_cdf(records: &[RequestRecord]) -> Vec<(f64, f64)> {
+    cdf(records, RequestRecord::tpot_ms)
 }
 
 fn bucket_width(records: &[RequestRecord]) -> f64 {
@@ -39,6 +53,19 @@ fn hit_rate_over_time(records: &[RequestRecord]) -> Vec<(f64, f64)> {
         .filter(|(_, (_, p))| *p > 0)
         .map(|(i, (c, p))| ((i as f64 + 0.5) * w, *c as f64 / *p as f64))
         .collect()
+}
+
+/// Goodput per time bucket: the completion tokens of the requests that ended in it within the SLOs
+/// ([`meets_slo`], the summary's definition), per second.
+fn goodput_over_time(records: &[RequestRecord], slo: Slo) -> Vec<(f64, f64)> {
+    let end_s = |r: &RequestRecord| r.start_s + r.e2e_ms / 1e3;
+    // Buckets over the run's end times, the last ending with the last request.
+    let w = (records.iter().map(end_s).fold(0.0, f64::max) / BUCKETS as f64).max(1e-3);
+    let mut b = [0u64; BUCKETS];
+    for r in records.iter().filter(|r| r.ok() && meets_slo(r, slo)) {
+        b[((end_s(r) / w) as usize).min(BUCKETS - 1)] += r.completion_tokens;
+    }
+    b.iter().enumerate().map(|(i, t)| ((i as f64 + 0.5) * w, *t as f64 / w)).collect()
 }
 
 fn requests_per_worker_over_time(records: &[RequestRecord]) -> Vec<Series> {
@@ -87,9 +114,11 @@ pub fn render(report: &Report) -> String {
     } else {
         html += "</table>\n";
     }
-    let cdf: Vec<Series> =
-        report.runs.iter().map(|r| Series { name: r.label.clone(), points: ttft_cdf(&r.records) }).collect();
-    html += &line_chart("TTFT CDF", "TTFT (ms)", "fraction of requests", &cdf);
+    let per_run = |f: &Points<'_>| -> Vec<Series> {
+        report.runs.iter().map(|r| Series { name: r.label.clone(), points: f(&r.records) }).collect()
+    };
+    html += &line_chart("TTFT CDF", "TTFT (ms)", "fraction of requests", &per_run(&|r| ttft_cdf(r)));
+    html += &line_chart("TPOT CDF", "TPOT (ms)", "fraction of requests", &per_run(&|r| tpot_cdf(r)));
     let hits: Vec<Series> = report
         .runs
         .iter()
@@ -101,6 +130,14 @@ pub fn render(report: &Report) -> String {
         "cached / prompt tokens",
         &hits,
     );
+    if let Some(slo) = report.runs.first().map(|r| r.summary.slo) {
+        html += &line_chart(
+            "Goodput over time (requests within the SLOs, by when they ended)",
+            "time since start (s)",
+            "completion tokens / s",
+            &per_run(&|r| goodput_over_time(r, slo)),
+        );
+    }
     for r in &report.runs {
         html += &line_chart(
             &format!("Requests per worker over time: {}", r.label),
@@ -141,7 +178,26 @@ mod tests {
         };
         let page =
             render(&Report { workload: "w".into(), command: "x <y>".into(), runs: vec![run("a"), run("b")] });
-        assert_eq!(page.matches("<svg").count(), 4, "CDF, hit rate, and one per-worker chart per run");
+        assert_eq!(
+            page.matches("<svg").count(),
+            6,
+            "TTFT and TPOT CDFs, hit rate, goodput, and one per-worker chart per run"
+        );
+        assert!(page.contains("TPOT CDF") && page.contains("Goodput over time"));
+        // e2e 100 ms, ttft 10 + i: tpot (90 - i) / 3 ms, decreasing with i.
+        let tpot = tpot_cdf(&records);
+        assert_eq!(
+            (tpot.len(), tpot.first().map(|p| p.0), tpot.last().map(|p| p.0)),
+            (40, Some(17.0), Some(30.0))
+        );
+        // Every request ends within the SLOs: goodput over time adds up to every completion token.
+        let g = goodput_over_time(&records, slo);
+        let w = g[0].0 * 2.0;
+        assert!((g.iter().map(|p| p.1 * w).sum::<f64>() - 160.0).abs() < 1e-9);
+        let strict = Slo { ttft_ms: 1000.0, tpot_ms: 20.0 };
+        let kept: f64 = goodput_over_time(&records, strict).iter().map(|p| p.1 * w).sum();
+        // tpot <= 20 ms: (90 - i) / 3 <= 20, i >= 30: ten requests of 4 tokens.
+        assert!((kept - 40.0).abs() < 1e-9, "{kept}");
         assert!(page.contains("x &lt;y&gt;") && page.contains("<td>a</td>") && page.contains("w2"));
         assert_eq!(ttft_cdf(&records).last().map(|p| p.1), Some(1.0));
         let h = hit_rate_over_time(&records);

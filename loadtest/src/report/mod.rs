@@ -1,6 +1,6 @@
 //! What a run leaves behind: the [`summary`] table, `results.json` (every request of every run) and a
-//! self-contained HTML report with SVG plots ([`html`]): TTFT CDF, hit rate over time, requests per worker over
-//! time.
+//! self-contained HTML report with SVG plots ([`html`]): TTFT and TPOT CDFs, hit rate and goodput over time,
+//! requests per worker over time.
 
 pub mod html;
 pub mod summary;

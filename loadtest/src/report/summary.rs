@@ -23,6 +23,11 @@ pub struct Slo {
     pub tpot_ms: f64,
 }
 
+/// Whether a request's tokens count towards goodput: its TTFT and (when it has one) its TPOT within the SLOs.
+pub fn meets_slo(r: &RequestRecord, slo: Slo) -> bool {
+    r.ttft_ms.is_some_and(|t| t <= slo.ttft_ms) && r.tpot_ms().is_none_or(|t| t <= slo.tpot_ms)
+}
+
 /// A run's summary (a row of the table).
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct Summary {
@@ -63,13 +68,7 @@ impl Summary {
         let prompt: u64 = ok.iter().map(|r| r.prompt_tokens).sum();
         let cached: u64 = ok.iter().map(|r| r.cached_tokens).sum();
         let completion: u64 = ok.iter().map(|r| r.completion_tokens).sum();
-        let good: u64 = ok
-            .iter()
-            .filter(|r| {
-                r.ttft_ms.is_some_and(|t| t <= slo.ttft_ms) && r.tpot_ms().is_none_or(|t| t <= slo.tpot_ms)
-            })
-            .map(|r| r.completion_tokens)
-            .sum();
+        let good: u64 = ok.iter().filter(|r| meets_slo(r, slo)).map(|r| r.completion_tokens).sum();
         let mut per_worker: BTreeMap<String, u64> = BTreeMap::new();
         for r in &ok {
             *per_worker.entry(r.worker.clone().unwrap_or_else(|| "(direct)".into())).or_default() += 1;

@@ -44,10 +44,18 @@ fn fmt_tick(v: f64) -> String {
     }
 }
 
-/// A line chart, `width` x `height` pixels.
+/// The widest an 11-pixel sans-serif character is taken to be, in pixels (a generous average: `m` and `w` are
+/// wider, `i` and `l` narrower; labels are mostly lower case and `_`).
+const CHAR_PX: f64 = 6.6;
+/// The plot area's width, in pixels; the legend's column widens the chart as its longest name needs.
+const PLOT_W: f64 = 426.0;
+
+/// A line chart: a plot area of [`PLOT_W`] x 246 pixels, the legend to its right as wide as its longest name.
 pub fn line_chart(title: &str, x_label: &str, y_label: &str, series: &[Series]) -> String {
-    let (w, h) = (640.0, 320.0);
-    let (left, right, top, bottom) = (64.0, 150.0, 30.0, 44.0);
+    let longest = series.iter().map(|s| s.name.chars().count()).max().unwrap_or(0) as f64;
+    let (left, top, bottom) = (64.0, 30.0, 44.0);
+    let right = (32.0 + longest * CHAR_PX + 8.0).max(150.0);
+    let (w, h) = ((left + PLOT_W + right).ceil(), 320.0);
     let pts = series.iter().flat_map(|s| s.points.iter()).filter(|p| p.0.is_finite() && p.1.is_finite());
     let (mut x0, mut x1, mut y1) = (f64::INFINITY, f64::NEG_INFINITY, f64::NEG_INFINITY);
     for p in pts {
@@ -153,6 +161,27 @@ mod tests {
         assert!(svg.contains("a&lt;b") && svg.contains("T &amp; T") && svg.contains("<polyline"));
         assert!(!svg.contains("NaN"));
         assert!(line_chart("empty", "x", "y", &[]).contains("</svg>"));
+        // The legend's column holds its longest name: the default policy's, which the fixed width cut.
+        let long = Series { name: "cache_aware_measured".into(), points: vec![(0.0, 1.0)] };
+        let svg = line_chart("t", "x", "y", &[long]);
+        let width: f64 = svg
+            .split("width=\"")
+            .nth(1)
+            .and_then(|v| v.split('"').next())
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0.0);
+        let text_x: f64 = svg
+            .split("<text x=\"")
+            .last()
+            .and_then(|v| v.split('"').next())
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(f64::MAX);
+        assert!(text_x + 20.0 * CHAR_PX <= width, "legend at {text_x}, chart {width} wide");
+        assert!(
+            line_chart("t", "x", "y", &[])
+                .starts_with("<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"640\""),
+            "short names keep 640"
+        );
         assert_eq!(tick_step(10.0), 2.0);
         assert_eq!(tick_step(0.9), 0.2);
     }
