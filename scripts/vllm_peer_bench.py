@@ -12,11 +12,16 @@ Rows:
   vllm-router cache_aware, smg cache_aware   their text-tree policies
   kvgate-events-thresholds   a diagnostic: kvgate on events with `cache_aware`, the token-threshold guard the default
                        (`cache_aware_measured`, the guard in measured seconds) replaced
+  dynamo-kv            NVIDIA Dynamo's KV-routing policy (PyPI `ai-dynamo-runtime`'s `dynamo.select_service`, on the
+                       pods' KV events, each registered with its KV blocks) behind scripts/dynamo_shim.py, which
+                       tokenizes through a pod, asks the service, forwards, and reports prefill done and the end
+                       (only with --dynamo: a python that imports `dynamo`; the service listens on 0.0.0.0, as the
+                       pods' event publishers do)
 Requests per pod come from each pod's own vllm:request_success_total (no router sets the same header).
 Everything listens on 127.0.0.1 and stops by itself.
 
 usage: vllm_peer_bench.py --bin-dir DIR --vllm-python PY --peers DIR --out DIR [--pods N] [--workloads a,b]
-       [--routers a,b] [--aiperf]
+       [--routers a,b] [--aiperf] [--dynamo PY]
 Prints a Markdown table; writes OUT/results.json.
 """
 import argparse
@@ -184,9 +189,49 @@ def start_router(name, a, pods, procs, log):
                          "--prometheus-port", str(free_port()), "--policy", policy, "--worker-urls", *urls], log)
         wait_for(f"{url}/v1/models", name, p, 60)
         time.sleep(2)
+    elif name == "dynamo-kv":
+        return start_dynamo(a, pods, procs, log, port, url)
     else:
         raise ValueError(name)
-    return p, url, control
+    return [p], url, control
+
+
+def kv_blocks(pod):
+    """The pod's KV blocks, from `vllm:cache_config_info{num_gpu_blocks="N",...}`."""
+    body = http("GET", f"{pod.base}/metrics")[1].decode(errors="replace")
+    for line in body.splitlines():
+        if line.startswith("vllm:cache_config_info{") and 'num_gpu_blocks="' in line:
+            return int(line.split('num_gpu_blocks="', 1)[1].split('"', 1)[0])
+    raise RuntimeError(f"{pod.base}: no vllm:cache_config_info num_gpu_blocks")
+
+
+def start_dynamo(a, pods, procs, log, port, url):
+    """Dynamo's selection service with every pod registered (its HTTP endpoint, its KV events, its blocks), and
+    the forwarding shim in front of it."""
+    sport = free_port()
+    select = f"http://127.0.0.1:{sport}"
+    sel = procs.start([a.dynamo, "-m", "dynamo.select_service", "--port", str(sport), "--threads", "1"],
+                      log + ".select")
+    t0 = time.time()
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", sport), timeout=1).close()
+            break
+        except OSError:
+            if sel.poll() is not None or time.time() - t0 > 60:
+                raise RuntimeError("dynamo.select_service did not start")
+            time.sleep(0.3)
+    for i, pod in enumerate(pods):
+        status, body = http("POST", f"{select}/workers", {
+            "worker_id": i + 1, "model_name": MODEL, "endpoint": pod.base, "kv_events_endpoint": pod.events,
+            "block_size": BLOCK, "total_kv_blocks": kv_blocks(pod)})
+        assert status in (200, 201) and b'"schedulable"' in body, (status, body)
+    shim = procs.start([sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "dynamo_shim.py"),
+                        "--port", str(port), "--select", select, "--model", MODEL,
+                        *[x for pod in pods for x in ("--pod", pod.base)]], log)
+    wait_for(f"{url}/v1/models", "dynamo shim", shim, 60)
+    time.sleep(2)  # its subscribers join the pods' events
+    return [shim, sel], url, None
 
 
 def run_row(workload, router, a, pods, procs):
@@ -197,7 +242,7 @@ def run_row(workload, router, a, pods, procs):
         status, body = http("POST", f"{pod.base}/reset_prefix_cache", timeout=30)
         assert status == 200, (status, body)
     before = [metric_sum(p.base, "vllm:request_success_total") for p in pods]
-    proc, url, control = start_router(router, a, pods, procs, os.path.join(d, "router.log"))
+    started, url, control = start_router(router, a, pods, procs, os.path.join(d, "router.log"))
     cmd = [os.path.join(a.bin_dir, "kvgate-loadtest"), "run", "--target", url, "--model", MODEL, *WORKLOADS[
         workload].split(), "--seed", "42", "--duration", "600s", "--no-progress", "--out", os.path.join(d, "run")]
     r = subprocess.run(cmd, capture_output=True, text=True)
@@ -211,11 +256,13 @@ def run_row(workload, router, a, pods, procs):
         decision_ms = 1000 * metric_sum(control, "kvgate_gateway_decision_seconds_sum") / n if n else None
     probe = probe_ttft(url) if workload == "multi-turn" else None
     aiperf = run_aiperf(url, a, d) if a.aiperf and workload == "multi-turn" else None
-    procs.stop(proc)
+    for p in started:
+        procs.stop(p)
     s = json.load(open(os.path.join(d, "run", "results.json")))["runs"][0]["summary"]
     mean = sum(per) / len(per)
     return {"workload": workload, "router": router, "requests": s["requests"], "errors": s["errors"],
             "hit_rate": s["hit_rate"], "ttft_p50_ms": s["ttft_p50_ms"], "ttft_p99_ms": s["ttft_p99_ms"],
+            "tpot_p50_ms": s["tpot_p50_ms"], "goodput_tokens_per_s": s["goodput_tokens_per_s"],
             "per_pod": per, "max_mean": max(per) / mean if mean else 0.0, "decision_ms": decision_ms,
             "probe_ttft_p50_ms": probe,
             "aiperf": aiperf}
@@ -287,7 +334,10 @@ def main():
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
     ap.add_argument("--routers", default=",".join(ROUTERS + list(TOP_LEVEL)))
     ap.add_argument("--aiperf", action="store_true")
+    ap.add_argument("--dynamo", help="a python that imports `dynamo` (ai-dynamo-runtime): adds the dynamo-kv row")
     a = ap.parse_args()
+    if a.dynamo and "--routers" not in sys.argv:
+        a.routers += ",dynamo-kv"
     a.out = os.path.abspath(a.out)
     os.makedirs(a.out, exist_ok=True)
     a.model = os.path.join(a.out, "kvgate-small")
@@ -310,12 +360,14 @@ def main():
                 json.dump(rows, open(os.path.join(a.out, "results.json"), "w"), indent=1)
     finally:
         procs.stop_all()
-    print("| workload | router | requests | errors | hit rate | TTFT p50 ms | TTFT p99 ms | max/mean | kvgate decision ms |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| workload | router | requests | errors | hit rate | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | goodput tok/s "
+          "| max/mean | kvgate decision ms |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         dm = f"{r['decision_ms']:.2f}" if r.get("decision_ms") is not None else ""
         print(f"| {r['workload']} | {r['router']} | {r['requests']} | {r['errors']} | {r['hit_rate']:.3f} | "
-              f"{r['ttft_p50_ms']:.1f} | {r['ttft_p99_ms']:.1f} | {r['max_mean']:.2f} | {dm} |")
+              f"{r['ttft_p50_ms']:.1f} | {r['ttft_p99_ms']:.1f} | {r['tpot_p50_ms']:.1f} | "
+              f"{r['goodput_tokens_per_s']:.1f} | {r['max_mean']:.2f} | {dm} |")
     print(f"\nIdle probe (30 sequential streamed chats, one cached prompt), TTFT p50 ms: directly to the pods "
           f"{', '.join(f'{x:.1f}' for x in direct if x)}")
     for r in rows:
