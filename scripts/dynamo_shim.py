@@ -95,8 +95,13 @@ class Shim(BaseHTTPRequestHandler):
     def forward(self, endpoint, raw, rid):
         u = urllib.parse.urlsplit(endpoint)
         conn = http.client.HTTPConnection(u.hostname, u.port, timeout=TIMEOUT_S)
-        conn.request("POST", self.path, body=raw, headers={"content-type": "application/json"})
-        r = conn.getresponse()
+        try:
+            conn.request("POST", self.path, body=raw, headers={"content-type": "application/json"})
+            r = conn.getresponse()
+        except OSError as e:  # the pod never answered: an OpenAI-style error, as a router would give
+            conn.close()
+            return self.answer(502, {"error": {"message": f"dynamo shim: {endpoint}: {e}", "type": "server_error",
+                                               "code": "upstream_error"}})
         self.send_response(r.status)
         self.send_header("content-type", r.getheader("content-type", "application/json"))
         self.send_header("transfer-encoding", "chunked")

@@ -119,16 +119,11 @@ pub fn render(report: &Report) -> String {
     };
     html += &line_chart("TTFT CDF", "TTFT (ms)", "fraction of requests", &per_run(&|r| ttft_cdf(r)));
     html += &line_chart("TPOT CDF", "TPOT (ms)", "fraction of requests", &per_run(&|r| tpot_cdf(r)));
-    let hits: Vec<Series> = report
-        .runs
-        .iter()
-        .map(|r| Series { name: r.label.clone(), points: hit_rate_over_time(&r.records) })
-        .collect();
     html += &line_chart(
         "Prefix-cache hit rate over time",
         "time since start (s)",
         "cached / prompt tokens",
-        &hits,
+        &per_run(&|r| hit_rate_over_time(r)),
     );
     if let Some(slo) = report.runs.first().map(|r| r.summary.slo) {
         html += &line_chart(

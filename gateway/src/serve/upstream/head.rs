@@ -1,7 +1,8 @@
 //! The response head the client gets: the worker's status and headers without hop-by-hop ones (and without a
 //! worker's own `x-kvgate-*` of these names), plus the gateway's `x-kvgate-worker`, `-route`, `-class`,
 //! `-admission-wait-ms` and `-prompt-tokens` (the prompt tokens the request was priced with: counted by the
-//! gateway's tokenizer when it routes by prefix, else estimated from the body); a body of no declared length (a stream) is sent chunked, so the connection outlives it.
+//! gateway's tokenizer when it routes by prefix, else estimated from the body); a body of no declared length (a
+//! stream) is sent chunked, so the connection outlives it.
 
 use hyper::header::{HeaderName, HeaderValue};
 use hyper::http::response::Parts;
