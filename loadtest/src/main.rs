@@ -77,9 +77,12 @@ struct TuneArgs {
     /// Only the traces of these names (repeatable; default all).
     #[arg(long = "only")]
     only: Vec<String>,
-    /// Timing profile (as `simulate`).
+    /// Timing profile (as `simulate`) of the traces that name none.
     #[arg(long, default_value = "gpu-h100-llama3-8b")]
     profile: String,
+    /// Replay the tune set only (while forms are tried: the test set is run once, when the choice is made).
+    #[arg(long)]
+    tune_only: bool,
 }
 
 fn tune(a: TuneArgs) -> Result<(), String> {
@@ -101,7 +104,8 @@ fn tune(a: TuneArgs) -> Result<(), String> {
         }
     }
     let jobs = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let report = tune::run(&sets, root, &profile, &candidates, jobs).map_err(|e| e.to_string())?;
+    let report =
+        tune::run(&sets, root, &profile, &candidates, jobs, a.tune_only).map_err(|e| e.to_string())?;
     println!("{}", report.markdown());
     Ok(())
 }
@@ -255,6 +259,15 @@ struct SimulateArgs {
     /// turn, with --policy). Default cost.
     #[arg(long, default_value = "cost")]
     adapter_placement: String,
+    /// Goodput's TTFT bound, ms, for a prompt of no tokens (with --slo-ttft-ms-per-1k). Default 1000.
+    #[arg(long, default_value_t = 1000.0)]
+    slo_ttft_ms: f64,
+    /// Goodput's TTFT bound grows by this many ms per 1,000 prompt tokens. Default 0.
+    #[arg(long = "slo-ttft-ms-per-1k", default_value_t = 0.0)]
+    slo_ttft_ms_per_1k: f64,
+    /// Goodput's TPOT bound, ms. Default 200.
+    #[arg(long, default_value_t = 200.0)]
+    slo_tpot_ms: f64,
     /// Print one JSON object per policy (one line each) instead of a table.
     #[arg(long, conflicts_with = "markdown")]
     json: bool,
@@ -386,6 +399,11 @@ fn simulate(a: SimulateArgs) -> Result<(), String> {
     cfg.kv_load_policy = kvgate_worker::kv::LoadPolicy::parse(&a.kv_load_policy)?;
     cfg.kv_spread = a.kv_spread;
     cfg.speed_spread = a.speed_spread;
+    cfg.slo = kvgate_router::routing::Slo {
+        ttft_ms: a.slo_ttft_ms,
+        ttft_ms_per_1k_tokens: a.slo_ttft_ms_per_1k,
+        tpot_ms: a.slo_tpot_ms,
+    };
     cfg.classes = match (&a.classes, a.admission) {
         (Some(path), _) => load_classes(path)?,
         (None, true) => kvgate_router::admission::default_classes(),
@@ -493,8 +511,17 @@ fn print_table(trace: &Trace, cfg: &SimConfig, results: &[SimResult]) {
         first.oracle_hit_rate
     );
     println!(
-        "{:<16} {:>9} {:>11} {:>11} {:>11} {:>9} {:>8} {:>9}",
-        "policy", "hit_rate", "ttft_p50_ms", "ttft_p99_ms", "ttft_mean", "max/mean", "busy", "rejected"
+        "{:<20} {:>9} {:>11} {:>11} {:>11} {:>11} {:>11} {:>9} {:>8} {:>9}",
+        "policy",
+        "hit_rate",
+        "ttft_p50_ms",
+        "ttft_p99_ms",
+        "tpot_p50_ms",
+        "tpot_p99_ms",
+        "goodput_t/s",
+        "max/mean",
+        "busy",
+        "rejected"
     );
     for r in results {
         if let Some(rule) = &r.adapter_placement {
@@ -504,12 +531,14 @@ fn print_table(trace: &Trace, cfg: &SimConfig, results: &[SimResult]) {
             );
         }
         println!(
-            "{:<16} {:>9.3} {:>11.1} {:>11.1} {:>11.1} {:>9.2} {:>8.2} {:>9}",
+            "{:<20} {:>9.3} {:>11.1} {:>11.1} {:>11.1} {:>11.1} {:>11.1} {:>9.2} {:>8.2} {:>9}",
             r.policy,
             r.hit_rate,
             r.ttft_p50_ms,
             r.ttft_p99_ms,
-            r.ttft_mean_ms,
+            r.tpot_p50_ms,
+            r.tpot_p99_ms,
+            r.goodput_tokens_per_s,
             r.max_mean_load,
             r.busy_fraction,
             r.rejected

@@ -9,7 +9,11 @@
 //!   short conversations;
 //! - [`families`]: a few large prefix families, each one document asked again and again with a short question (the
 //!   Mooncake trace's largest families look so: near-identical prompts of 2K-40K tokens repeated 16-24 times),
-//!   fewer families than twice the fleet: where load balance and cache affinity pull hardest against each other.
+//!   fewer families than twice the fleet: where load balance and cache affinity pull hardest against each other;
+//! - [`decode_heavy`]: chats whose answers are long (512-2,048 tokens: code, documents), so decode batches and the
+//!   KV their streams hold, not prefill, decide how fast a worker serves;
+//! - [`chat_cpu`]: the README demo's shape at a CPU worker's scale: a few dozen users sharing a one-block system
+//!   prompt, each turn adding one block of question and one of answer, prompts to about 8K tokens.
 //!
 //! Invariants: every segment is whole 512-token blocks (a prompt that extends another repeats its hash ids, so the
 //! trace's prefixes are exact); arrivals never go back; ids are fresh except where a prefix is reused.
@@ -27,6 +31,8 @@ pub enum Shape {
     /// `trace_gen::LongDocument` with its defaults.
     LongDocument,
     Families,
+    DecodeHeavy,
+    ChatCpu,
 }
 
 impl Shape {
@@ -37,6 +43,8 @@ impl Shape {
             "tenants" => Some(Self::Tenants),
             "long_document" => Some(Self::LongDocument),
             "families" => Some(Self::Families),
+            "decode_heavy" => Some(Self::DecodeHeavy),
+            "chat_cpu" => Some(Self::ChatCpu),
             _ => None,
         }
     }
@@ -48,6 +56,8 @@ impl Shape {
             Self::Bursty => bursty(seed),
             Self::Tenants => tenants(seed),
             Self::Families => families(seed),
+            Self::DecodeHeavy => decode_heavy(seed),
+            Self::ChatCpu => chat_cpu(seed),
             Self::LongDocument => crate::trace_gen::long_document(&crate::trace_gen::LongDocument {
                 seed,
                 ..Default::default()
@@ -256,6 +266,52 @@ pub fn families(seed: u64) -> Trace {
     g.finish()
 }
 
+/// A conversation whose next turn waits for its answer: each turn adds a user turn of `user` tokens and asks for
+/// an answer of `output` tokens, which arrives at `decode_tps` tokens a second; the user reads and types for
+/// `think_s` seconds, then sends the next turn carrying it.
+fn paced_conversation(g: &mut Gen, mut context: Vec<u64>, at: f64, c: &Chat, decode_tps: f64) {
+    let mut t = at;
+    for _ in 0..g.uniform(c.turns.0, c.turns.1) {
+        context.extend(g.segment(c.user.0, c.user.1));
+        let output = g.uniform(c.output.0, c.output.1);
+        g.push(t, &context, output);
+        context.extend(g.fresh(blocks(output)));
+        t += output as f64 / decode_tps + g.uniform(c.gap_s.0, c.gap_s.1) as f64;
+    }
+}
+
+/// Long answers: 30 tenants' system prompts of 1-3K tokens (Zipf-like), 360 conversations of 2-8 turns arriving at
+/// 0.5 a second, questions of 128-1K tokens, answers of 512-2,048 tokens (read at 40 tokens a second, then 5-30 s
+/// before the next question).
+pub fn decode_heavy(seed: u64) -> Trace {
+    let mut g = Gen::new(seed);
+    let prompts: Vec<Vec<u64>> = (0..30).map(|_| g.segment(1_024, 3_072)).collect();
+    let mut at = 0.0;
+    for _ in 0..360 {
+        at += g.exp(0.5);
+        let tenant = g.zipf(prompts.len());
+        let chat = Chat { turns: (2, 8), user: (128, 1_024), output: (512, 2_048), gap_s: (5, 30) };
+        paced_conversation(&mut g, prompts[tenant].clone(), at, &chat, 40.0);
+    }
+    g.finish()
+}
+
+/// The demo's shape for CPU workers: 4 system prompts of one block, 96 users (Zipf-like over the prompts) arriving
+/// at 0.1 a second, 3-8 turns each of one block of question and an answer of 32-384 tokens (read at 10 tokens a
+/// second, then 5-20 s before the next).
+pub fn chat_cpu(seed: u64) -> Trace {
+    let mut g = Gen::new(seed);
+    let prompts: Vec<Vec<u64>> = (0..4).map(|_| g.fresh(1)).collect();
+    let mut at = 0.0;
+    for _ in 0..96 {
+        at += g.exp(0.1);
+        let tenant = g.zipf(prompts.len());
+        let chat = Chat { turns: (3, 8), user: (1, 512), output: (32, 384), gap_s: (5, 20) };
+        paced_conversation(&mut g, prompts[tenant].clone(), at, &chat, 10.0);
+    }
+    g.finish()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -263,18 +319,52 @@ mod tests {
 
     #[test]
     fn every_shape_is_a_valid_trace_that_differs_by_seed() {
-        for shape in [Shape::Agentic, Shape::Bursty, Shape::Tenants, Shape::Families] {
+        for shape in [
+            Shape::Agentic,
+            Shape::Bursty,
+            Shape::Tenants,
+            Shape::Families,
+            Shape::DecodeHeavy,
+            Shape::ChatCpu,
+        ] {
             let (a, b) = (shape.generate(1), shape.generate(2));
             assert_eq!(Trace::parse(&to_jsonl(&a)).expect("valid"), a, "{shape:?} round trip");
             assert_eq!(a, shape.generate(1), "{shape:?} is a function of its seed");
             let ids = |t: &Trace| t.requests.iter().flat_map(|r| r.hash_ids.clone()).collect::<Vec<_>>();
             let shared: std::collections::HashSet<u64> = ids(&a).into_iter().collect();
             assert!(ids(&b).iter().all(|i| !shared.contains(i)), "{shape:?}: seeds share no block");
-            assert!(a.requests.len() > 500, "{shape:?}: {} requests", a.requests.len());
+            let least = if shape == Shape::ChatCpu { 300 } else { 500 };
+            assert!(a.requests.len() > least, "{shape:?}: {} requests", a.requests.len());
             // Prefixes are reused: far fewer distinct blocks than blocks sent.
             let sent: usize = a.requests.iter().map(|r| r.hash_ids.len()).sum();
             assert!(a.distinct_blocks() * 2 < sent, "{shape:?}");
         }
+    }
+
+    #[test]
+    fn decode_heavy_answers_are_long_and_a_turn_waits_for_the_answer_before_it() {
+        let t = decode_heavy(1);
+        let out: Vec<usize> = t.requests.iter().map(|r| r.output_length).collect();
+        assert!(out.iter().all(|o| (512..=2_048).contains(o)), "answers of 512-2,048 tokens");
+        let mean_out = out.iter().sum::<usize>() / out.len();
+        assert!(mean_out >= 1_000, "decode-heavy: mean output {mean_out}");
+        // A turn that extends another comes after that turn's answer was read (40 tokens a second).
+        let by_prompt: std::collections::HashMap<&[u64], &TraceRequest> =
+            t.requests.iter().map(|r| (&r.hash_ids[..], r)).collect();
+        let mut followed = 0;
+        for r in &t.requests {
+            for cut in 1..r.hash_ids.len() {
+                if let Some(prev) = by_prompt.get(&r.hash_ids[..cut]) {
+                    let answer_ms = prev.output_length as u64 * 1000 / 40;
+                    assert!(r.timestamp_ms >= prev.timestamp_ms + answer_ms, "a turn before its answer");
+                    followed += 1;
+                }
+            }
+        }
+        assert!(followed > 500, "{followed} follow-up turns");
+        let cpu = chat_cpu(1);
+        let longest = cpu.requests.iter().map(|r| r.input_length).max().unwrap_or(0);
+        assert!((4_096..=8_704).contains(&longest), "CPU-sized prompts: {longest}");
     }
 
     #[test]

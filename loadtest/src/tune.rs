@@ -11,16 +11,20 @@
 //!    and prints both tables, the tune set's marked as such, with each goal's margin.
 //!
 //! ```text
-//! loss(trace) = ln(p99 / p99 of least_load) + ln(p50 / the better p50 of the two baselines)
+//! loss(trace) = ln(p99 / p99 of least_load) + ln(p50 / the better p50 of least_load and consistent_hash)
 //!             + 2 ln(max(hit rate of consistent_hash, hit rate) / hit rate)     (a hit rate below the ring's costs)
 //!             + ln(max(max/mean, 1.5) / 1.5)            (`max_mean_load`: a pile-up past #43's goal costs)
+//!             + 2 ln(best baseline goodput / goodput)   (#66: goodput under the trace's SLOs, against the best of
+//!                                                        round_robin, least_load and consistent_hash)
 //! ```
+//! Each trace names its fleet's timing profile (default: the run's `--profile`) and its SLOs (default
+//! [`DEFAULT_SLO`], a GPU fleet's).
 //! Invariants: a trace's figures are a pure function of the trace, the fleet and the candidate (the simulator is
 //! deterministic); nothing of the test set enters the choice.
 
 use std::path::{Path, PathBuf};
 
-use kvgate_router::routing::Weights;
+use kvgate_router::routing::{Slo, Weights};
 use kvgate_worker::engine::timing::SimProfile;
 use serde::Deserialize;
 
@@ -49,8 +53,12 @@ pub enum TuneError {
 /// #43's balance goal: `SimResult::max_mean_load` (the busiest worker's busy time over the mean) at most this.
 pub const MAX_OVER_MEAN_GOAL: f64 = 1.5;
 
-/// The two baselines every goal is stated against.
-pub const BASELINES: [&str; 2] = ["least_load", "consistent_hash"];
+/// The baselines every goal is stated against.
+pub const BASELINES: [&str; 3] = ["least_load", "consistent_hash", "round_robin"];
+
+/// The SLOs of a trace that names none: a GPU fleet's interactive traffic (first token within 2 s plus 100 ms per
+/// 1,000 prompt tokens, then at least 10 tokens a second).
+pub const DEFAULT_SLO: Slo = Slo { ttft_ms: 2000.0, ttft_ms_per_1k_tokens: 100.0, tpot_ms: 100.0 };
 
 /// One trace of a set and the fleet it runs on.
 #[derive(Clone, Debug, Deserialize)]
@@ -82,6 +90,10 @@ pub struct TraceSpec {
     pub skip: usize,
     /// Replay only N requests.
     pub limit: Option<usize>,
+    /// The fleet's timing profile (a shipped name or a file; default: the run's `--profile`).
+    pub profile: Option<String>,
+    /// The SLOs goodput counts by (default [`DEFAULT_SLO`]).
+    pub slo: Option<Slo>,
 }
 
 fn default_workers() -> usize {
@@ -125,10 +137,11 @@ pub fn load_sets(path: &Path) -> Result<Vec<TraceSpec>, TuneError> {
             && t.load.is_finite()
             && t.workers > 0
             && (0.0..1.0).contains(&t.kv_spread)
-            && (0.0..1.0).contains(&t.speed_spread);
+            && (0.0..1.0).contains(&t.speed_spread)
+            && t.slo.is_none_or(|s| s.validate().is_empty());
         if !fleet_ok {
             return Err(bad(format!(
-                "trace {}: kv_share in (0, 1], load > 0, workers >= 1, kv_spread and speed_spread in [0, 1)",
+                "trace {}: kv_share in (0, 1], load > 0, workers >= 1, kv_spread and speed_spread in [0, 1), a valid slo",
                 t.name
             )));
         }
@@ -153,7 +166,12 @@ pub fn materialize(
     trace.window(spec.skip, spec.limit);
     let fleet = (trace.distinct_blocks() * TRACE_BLOCK_TOKENS) as f64 * spec.kv_share;
     let kv = ((fleet / spec.workers as f64) as usize).next_multiple_of(16).max(16 * 1024);
-    let mut cfg = SimConfig::new(spec.workers, kv, profile.clone());
+    let profile = match &spec.profile {
+        Some(name) => SimProfile::named_or_file(name).map_err(bad)?,
+        None => profile.clone(),
+    };
+    let mut cfg = SimConfig::new(spec.workers, kv, profile);
+    cfg.slo = spec.slo.unwrap_or(DEFAULT_SLO);
     cfg.kv_spread = spec.kv_spread;
     cfg.speed_spread = spec.speed_spread;
     Ok((trace, cfg))
@@ -222,10 +240,13 @@ impl TraceRuns {
             return f64::INFINITY;
         };
         let ln = |a: f64, b: f64| (a.max(1e-9) / b.max(1e-9)).ln();
+        let goodput =
+            BASELINES.iter().filter_map(|b| self.get(b)).map(|b| b.goodput_tokens_per_s).fold(0.0, f64::max);
         ln(r.ttft_p99_ms, ll.ttft_p99_ms)
             + ln(r.ttft_p50_ms, ll.ttft_p50_ms.min(ch.ttft_p50_ms))
             + 2.0 * ln(ch.hit_rate.max(r.hit_rate), r.hit_rate)
             + ln(r.max_mean_load.max(MAX_OVER_MEAN_GOAL), MAX_OVER_MEAN_GOAL)
+            + 2.0 * ln(goodput, r.goodput_tokens_per_s)
     }
 }
 
@@ -294,20 +315,24 @@ pub fn run_trace(
 /// Markdown rows of one set: every run of every trace, with the goals of #43 checked for `pick`.
 pub fn table(set: &[TraceRuns], pick: &str) -> String {
     let mut out = String::from(
-        "| trace | policy | hit rate | x oracle | TTFT p50 ms | TTFT p99 ms | max/mean | loss | goals |\n\
-         |---|---|---|---|---|---|---|---|---|\n",
+        "| trace | policy | hit rate | x oracle | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms | goodput t/s \
+         | SLO met | max/mean | loss | goals |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
     );
     for t in set {
         for (name, r) in &t.runs {
             let goals = if name == pick { goals(t, r) } else { String::new() };
             out.push_str(&format!(
-                "| {} | {} | {:.3} | {:.2} | {:.0} | {:.0} | {:.2} | {:.3} | {} |\n",
+                "| {} | {} | {:.3} | {:.2} | {:.0} | {:.0} | {:.1} | {:.1} | {:.0} | {:.3} | {:.2} | {:.3} | {} |\n",
                 t.spec.name,
                 name,
                 r.hit_rate,
                 r.hit_rate / t.oracle_hit_rate.max(1e-9),
                 r.ttft_p50_ms,
                 r.ttft_p99_ms,
+                r.tpot_p50_ms,
+                r.tpot_p99_ms,
+                r.goodput_tokens_per_s,
+                r.slo_attainment,
                 r.max_mean_load,
                 t.loss(name),
                 goals
@@ -317,12 +342,22 @@ pub fn table(set: &[TraceRuns], pick: &str) -> String {
     out
 }
 
-/// The goals of #43 for one run: "met", or each miss and by how much.
+/// The goals of #43 and #66 for run `r` of `t`: "met", or each miss and by how much. Goodput must be at least
+/// every other run's of the baselines and the named guards (`cache_aware`, `cache_aware_measured`) when present.
 pub fn goals(t: &TraceRuns, r: &SimResult) -> String {
     let (Some(ll), Some(ch)) = (t.get("least_load"), t.get("consistent_hash")) else {
         return "no baselines".into();
     };
     let mut misses = Vec::new();
+    for name in BASELINES.iter().chain(&["cache_aware", "cache_aware_measured"]) {
+        let Some(b) = t.get(name).filter(|b| b.policy != r.policy) else { continue };
+        if r.goodput_tokens_per_s < b.goodput_tokens_per_s {
+            misses.push(format!(
+                "goodput -{:.1}% under {name}",
+                (1.0 - r.goodput_tokens_per_s / b.goodput_tokens_per_s.max(1e-9)) * 100.0
+            ));
+        }
+    }
     if r.hit_rate < ch.hit_rate {
         misses.push(format!("hit {:.4} < consistent_hash {:.4}", r.hit_rate, ch.hit_rate));
     }
@@ -361,6 +396,7 @@ pub fn run(
     profile: &SimProfile,
     candidates: &[Candidate],
     jobs: usize,
+    tune_only: bool,
 ) -> Result<Report, TuneError> {
     let mut tune = Vec::new();
     for spec in sets.iter().filter(|t| t.set == "tune") {
@@ -382,7 +418,7 @@ pub fn run(
     let pick = best.first().map(|(_, c)| label(c)).ok_or(TuneError::NoCandidates)?;
     let finalists: Vec<Candidate> = best.iter().map(|(_, c)| (*c).clone()).collect();
     let mut test = Vec::new();
-    for spec in sets.iter().filter(|t| t.set == "test") {
+    for spec in sets.iter().filter(|t| t.set == "test" && !tune_only) {
         eprintln!("test: {}", spec.name);
         test.push(run_trace(spec, root, profile, &finalists, jobs)?);
     }
@@ -393,6 +429,15 @@ impl Report {
     /// Markdown: the pick and its loss, the test set's table, the tune set's (marked).
     pub fn markdown(&self) -> String {
         let loss = |set: &[TraceRuns]| set.iter().map(|t| t.loss(&self.pick)).sum::<f64>();
+        if self.test.is_empty() {
+            return format!(
+                "Pick (least loss on the tune set): **{}**; loss on the tune set {:.3}. The test set was not run.\n\n\
+                 **Tune set** (the parameters were chosen on these; not a result):\n\n{}",
+                self.pick,
+                loss(&self.tune),
+                table(&self.tune, &self.pick)
+            );
+        }
         format!(
             "Pick (least loss on the tune set): **{}**; loss on the tune set {:.3}, on the test set {:.3}.\n\n\
              **Test set** (the figures to report):\n\n{}\n**Tune set** (the parameters were chosen on these; \

@@ -55,6 +55,15 @@ pub struct Outcome {
     pub cached_tokens: u64,
     /// Seconds from arrival to first token, per completed request.
     pub ttft_s: Vec<f64>,
+    /// Seconds per output token after the first, per completed request of two tokens or more.
+    pub tpot_s: Vec<f64>,
+    /// Seconds from arrival to the last token, per completed request.
+    pub e2e_s: Vec<f64>,
+    /// Completion tokens of all completed requests, and of those that met the SLOs (`SimConfig::slo`).
+    pub completion_tokens: u64,
+    pub good_tokens: u64,
+    /// Completed requests that met the SLOs.
+    pub slo_met: u64,
     /// Seconds each worker spent in steps.
     pub busy_s: Vec<f64>,
     /// Virtual time of the last event.
@@ -113,9 +122,11 @@ struct SimWorker {
 
 struct InFlight {
     arrival: f64,
+    /// When its first token came (`None`: not yet).
+    first_at: Option<f64>,
+    prompt_tokens: usize,
     /// The send as recorded by each replica that recorded it: (replica, ticket).
     tickets: Vec<(usize, SentTicket)>,
-    first_token: bool,
     /// The admission class and reservation (with classes).
     class: Option<(String, Reservation)>,
     /// The measured guard's predicted TTFT on the pick (0: none predicted).
@@ -449,7 +460,14 @@ impl<'a> Fleet<'a> {
             if ready > t {
                 self.inflight.insert(
                     i as u64,
-                    InFlight { arrival, tickets, first_token: false, class, predicted_ttft_s },
+                    InFlight {
+                        arrival,
+                        first_at: None,
+                        prompt_tokens: tokens.len(),
+                        tickets,
+                        class,
+                        predicted_ttft_s,
+                    },
                 );
                 self.workers[w].loading.push((ready, req));
                 return;
@@ -460,7 +478,14 @@ impl<'a> Fleet<'a> {
             Ok(()) => {
                 self.inflight.insert(
                     i as u64,
-                    InFlight { arrival, tickets, first_token: false, class, predicted_ttft_s },
+                    InFlight {
+                        arrival,
+                        first_at: None,
+                        prompt_tokens: tokens.len(),
+                        tickets,
+                        class,
+                        predicted_ttft_s,
+                    },
                 );
                 if self.workers[w].busy_until.is_none() {
                     self.start_step(w, t);
@@ -505,8 +530,8 @@ impl<'a> Fleet<'a> {
 
     fn deliver(&mut self, o: StepOutput, t: f64) {
         let Some(f) = self.inflight.get_mut(&o.id) else { return };
-        if o.token.is_some() && !f.first_token {
-            f.first_token = true;
+        if o.token.is_some() && f.first_at.is_none() {
+            f.first_at = Some(t);
             self.out.ttft_s.push(t - f.arrival);
             if f.predicted_ttft_s > 0.0 {
                 self.out.ttft_predicted.push((f.predicted_ttft_s, t - f.arrival));
@@ -517,6 +542,7 @@ impl<'a> Fleet<'a> {
         }
         if let Some(reason) = o.finished {
             if let Some(f) = self.inflight.remove(&o.id) {
+                self.account_slo(&f, o.completion_tokens, t);
                 for (q, ticket) in f.tickets {
                     self.registries[q].record_done(ticket);
                 }
@@ -537,6 +563,20 @@ impl<'a> Fleet<'a> {
             self.out.cached_tokens += o.cached_tokens as u64;
         }
         self.out.end_s = self.out.end_s.max(t);
+    }
+
+    /// A finished request's TPOT, E2E and whether its tokens count as goodput (`SimConfig::slo`).
+    fn account_slo(&mut self, f: &InFlight, completion: usize, t: f64) {
+        let Some(first) = f.first_at else { return };
+        let ttft = first - f.arrival;
+        let tpot = (completion > 1).then(|| (t - first) / (completion - 1) as f64);
+        self.out.tpot_s.extend(tpot);
+        self.out.e2e_s.push(t - f.arrival);
+        self.out.completion_tokens += completion as u64;
+        if self.cfg.slo.met(f.prompt_tokens, ttft, tpot) {
+            self.out.slo_met += 1;
+            self.out.good_tokens += completion as u64;
+        }
     }
 
     /// Runs the worker's next step if it has work. A plan can come out empty (the only running sequence was

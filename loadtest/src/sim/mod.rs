@@ -18,7 +18,7 @@ use std::collections::BTreeMap;
 
 use kvgate_router::admission::ClassConfig;
 use kvgate_router::registry::RegistryConfig;
-use kvgate_router::routing::{policy_by_name, Weights, POLICIES};
+use kvgate_router::routing::{policy_by_name, Slo, Weights, POLICIES};
 use kvgate_shared::hashing::HashScheme;
 use kvgate_worker::engine::timing::SimProfile;
 use kvgate_worker::engine::SchedulerConfig;
@@ -83,6 +83,8 @@ pub struct SimConfig {
     /// LoRA adapters (`--adapters`, `--adapter-*`; default none): which requests name one, what workers hold and
     /// where the gateway places them (`adapters.rs`).
     pub adapters: Option<adapters::AdapterSim>,
+    /// The SLOs a completed request's tokens must meet to count as goodput (`--slo-*`; default [`Slo::default`]).
+    pub slo: Slo,
 }
 
 impl SimConfig {
@@ -121,6 +123,7 @@ impl SimConfig {
             kv_spread: 0.0,
             speed_spread: 0.0,
             adapters: None,
+            slo: Slo::default(),
         }
     }
 
@@ -184,6 +187,7 @@ impl SimConfig {
             p.push("report interval must be > 0".into());
         }
         p.extend(self.weights.validate());
+        p.extend(self.slo.validate());
         if !(2..=kvgate_router::routing::ring_key::MAX_HUB_FANOUT).contains(&self.ring_hub_fanout) {
             p.push(format!("ring-hub-fanout {} is not in 2..=8", self.ring_hub_fanout));
         }
@@ -266,6 +270,20 @@ pub struct SimResult {
     pub ttft_p90_ms: f64,
     pub ttft_p99_ms: f64,
     pub ttft_mean_ms: f64,
+    /// Time per output token after the first, over completed requests of two tokens or more.
+    pub tpot_p50_ms: f64,
+    pub tpot_p99_ms: f64,
+    /// Arrival to last token.
+    pub e2e_p50_ms: f64,
+    pub e2e_p99_ms: f64,
+    /// Completion tokens per virtual second of the requests that met the SLOs (`slo`), all workers.
+    pub goodput_tokens_per_s: f64,
+    /// Completion tokens per virtual second, all completed requests.
+    pub throughput_tokens_per_s: f64,
+    /// Completed requests that met the SLOs, over completed requests.
+    pub slo_attainment: f64,
+    /// The SLOs goodput counts by.
+    pub slo: Slo,
     /// Busiest worker's busy time / mean busy time.
     pub max_mean_load: f64,
     /// Offered work (with the oracle's hits) / fleet time.
@@ -379,6 +397,14 @@ pub fn simulate(
         ttft_p90_ms: ms(0.90),
         ttft_p99_ms: ms(0.99),
         ttft_mean_ms: ratio(o.ttft_s.iter().sum::<f64>(), o.ttft_s.len() as f64) * 1000.0,
+        tpot_p50_ms: percentile(&o.tpot_s, 0.50) * 1000.0,
+        tpot_p99_ms: percentile(&o.tpot_s, 0.99) * 1000.0,
+        e2e_p50_ms: percentile(&o.e2e_s, 0.50) * 1000.0,
+        e2e_p99_ms: percentile(&o.e2e_s, 0.99) * 1000.0,
+        goodput_tokens_per_s: ratio(o.good_tokens as f64, o.end_s),
+        throughput_tokens_per_s: ratio(o.completion_tokens as f64, o.end_s),
+        slo_attainment: ratio(o.slo_met as f64, o.completed as f64),
+        slo: cfg.slo,
         max_mean_load: ratio(max_busy, mean_busy),
         offered_load: prep.offered_load,
         busy_fraction: ratio(mean_busy, o.end_s),

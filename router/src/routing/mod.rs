@@ -14,6 +14,7 @@ pub mod least_load;
 pub mod ring;
 pub mod ring_key;
 pub mod round_robin;
+pub mod slo;
 
 use kvgate_shared::hashing::BlockHash;
 use kvgate_shared::report::CacheSummary;
@@ -22,6 +23,7 @@ use serde::{Deserialize, Serialize};
 pub use cache_aware::{CacheAware, Weights};
 pub use ring::Ring;
 pub use ring_key::{RingKey, RingKeys};
+pub use slo::Slo;
 
 /// What the policies know about a request.
 #[derive(Clone, Debug)]
