@@ -70,6 +70,8 @@ fn bench(c: &mut Criterion) {
                 session_key: 42,
                 shared_blocks: 0,
                 seq: 7,
+                output_tokens: 256,
+                slo: kvgate_router::routing::Slo::default(),
             };
             policy.choose(&req, &views, &ring, 16).map(|d| d.ranked[0])
         })
@@ -101,6 +103,8 @@ fn bench(c: &mut Criterion) {
                 session_key: 42,
                 shared_blocks: 0,
                 seq: 7,
+                output_tokens: 256,
+                slo: kvgate_router::routing::Slo::default(),
             };
             policy.choose(&req, &views, &ring, 16).map(|d| d.ranked[0])
         })

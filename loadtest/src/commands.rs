@@ -372,7 +372,7 @@ pub struct CompareArgs {
     /// Policies, in order (comma-separated).
     #[arg(
         long,
-        default_value = "round_robin,least_load,consistent_hash,cache_aware_measured",
+        default_value = "round_robin,least_load,consistent_hash,cache_aware_measured,goodput",
         value_delimiter = ','
     )]
     pub policies: Vec<String>,
@@ -422,29 +422,40 @@ pub fn demo_explanation(rr: &Summary, ca: &Summary) -> String {
     let compare = |a: f64, b: f64, less: &str, more: &str| if a < b { less } else { more }.to_owned();
     let hit = compare(ca.hit_rate, rr.hit_rate, "lower than", "higher than");
     let ttft = compare(ca.ttft_p50_ms, rr.ttft_p50_ms, "lower", "not lower");
+    let p99 = compare(ca.ttft_p99_ms, rr.ttft_p99_ms, "lower", "not lower");
+    let goodput = compare(ca.goodput_tokens_per_s, rr.goodput_tokens_per_s, "lower than", "at least");
     let balance = if ca.max_mean_worker <= 1.25 {
         format!("close to even (the busiest worker served {:.2}x the mean)", ca.max_mean_worker)
     } else {
-        format!(
-            "uneven (the busiest worker served {:.2}x the mean), the price of following the cache",
-            ca.max_mean_worker
-        )
+        format!("uneven (the busiest worker served {:.2}x the mean)", ca.max_mean_worker)
     };
-    let tpot = if ca.tpot_p50_ms > rr.tpot_p50_ms {
-        "higher: on CPU workers batched decodes are not free, so a worker decoding for more users at once is slower \
-         per token"
+    let tpot = if ca.tpot_p50_ms > rr.tpot_p50_ms * 1.15 {
+        "more than 15% higher: on CPU workers batched decodes are not free, so a worker decoding for more users at \
+         once is slower per token"
     } else {
-        "not higher"
+        "within 15% of round_robin's"
     };
     format!(
         "What the numbers mean: hit_rate is the share of prompt tokens the workers served from their prefix cache \
          (from each response's usage.prompt_tokens_details.cached_tokens): {policy}'s {:.3} is {hit} \
          round_robin's {:.3}, because it sends each turn where the conversation's blocks are, so only the new question \
-         is prefilled, while round_robin scatters a user's turns. Its TTFT p50 ({:.0} ms vs {:.0} ms) is {ttft}. \
-         goodput counts completion tokens/s of requests within the SLO (TTFT <= 1 s, TPOT <= 200 ms). max/mean is \
-         the busiest worker's request count over the mean: here {policy}'s load was {balance}. Its TPOT p50 \
-         ({:.1} ms vs {:.1} ms) is {tpot}.",
-        ca.hit_rate, rr.hit_rate, ca.ttft_p50_ms, rr.ttft_p50_ms, ca.tpot_p50_ms, rr.tpot_p50_ms
+         is prefilled, while round_robin scatters a user's turns. Its TTFT p50 ({:.0} ms vs {:.0} ms) is {ttft}, its \
+         p99 ({:.0} ms vs {:.0} ms) {p99}. goodput counts completion tokens/s of requests within the SLO (TTFT <= \
+         {:.0} ms, TPOT <= {:.0} ms): {policy}'s {:.1} is {goodput} round_robin's {:.1}. max/mean is the busiest \
+         worker's request count over the mean: here {policy}'s load was {balance}. Its TPOT p50 ({:.1} ms vs {:.1} \
+         ms) is {tpot}.",
+        ca.hit_rate,
+        rr.hit_rate,
+        ca.ttft_p50_ms,
+        rr.ttft_p50_ms,
+        ca.ttft_p99_ms,
+        rr.ttft_p99_ms,
+        ca.slo.ttft_ms,
+        ca.slo.tpot_ms,
+        ca.goodput_tokens_per_s,
+        rr.goodput_tokens_per_s,
+        ca.tpot_p50_ms,
+        rr.tpot_p50_ms
     )
 }
 
@@ -615,7 +626,8 @@ mod tests {
         let uneven = demo_explanation(&row(0.6, 180.0, 1.0), &row(0.78, 120.0, 1.88));
         assert!(uneven.contains("0.780 is higher than") && uneven.contains("is lower"), "{uneven}");
         assert!(uneven.contains("uneven (the busiest worker served 1.88x the mean)"), "{uneven}");
-        assert!(uneven.contains("is not higher."), "equal TPOTs: {uneven}");
+        assert!(uneven.contains("is within 15% of round_robin's."), "equal TPOTs: {uneven}");
+        assert!(uneven.contains("1.0 is at least round_robin's 1.0"), "{uneven}");
         assert!(!uneven.contains("near 1"));
         let even = demo_explanation(&row(0.6, 100.0, 1.0), &row(0.5, 150.0, 1.1));
         assert!(
@@ -626,8 +638,9 @@ mod tests {
         );
         let mut slow = row(0.78, 120.0, 1.5);
         slow.tpot_p50_ms = 9.0;
-        assert!(
-            demo_explanation(&row(0.6, 180.0, 1.0), &slow).contains("(9.0 ms vs 5.0 ms) is higher: on CPU")
-        );
+        slow.goodput_tokens_per_s = 0.5;
+        let slow = demo_explanation(&row(0.6, 180.0, 1.0), &slow);
+        assert!(slow.contains("(9.0 ms vs 5.0 ms) is more than 15% higher: on CPU"), "{slow}");
+        assert!(slow.contains("0.5 is lower than round_robin's 1.0"), "{slow}");
     }
 }

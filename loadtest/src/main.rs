@@ -28,7 +28,7 @@ enum Command {
     Compare(CompareArgs),
     /// Start a local fleet (gateway + 3 CPU workers) and keep it up until Ctrl-C.
     Up(UpArgs),
-    /// The README's main command: a local fleet, a short multi-turn workload, round_robin vs the default policy (cache_aware_measured).
+    /// The README's main command: a local fleet, a short multi-turn workload, round_robin vs the default policy (goodput).
     Demo(DemoArgs),
     /// Replay a Mooncake trace in virtual time through the real routing, scheduler and prefix-cache code.
     Simulate(SimulateArgs),
@@ -81,8 +81,12 @@ struct TuneArgs {
     #[arg(long, default_value = "gpu-h100-llama3-8b")]
     profile: String,
     /// Replay the tune set only (while forms are tried: the test set is run once, when the choice is made).
-    #[arg(long)]
+    #[arg(long, conflicts_with = "test_only")]
     tune_only: bool,
+    /// Replay the test set only, for the pick an earlier run made on the tune set (the first candidate; give its
+    /// weights with --grid).
+    #[arg(long)]
+    test_only: bool,
 }
 
 fn tune(a: TuneArgs) -> Result<(), String> {
@@ -104,8 +108,12 @@ fn tune(a: TuneArgs) -> Result<(), String> {
         }
     }
     let jobs = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let report =
-        tune::run(&sets, root, &profile, &candidates, jobs, a.tune_only).map_err(|e| e.to_string())?;
+    let only = match (a.tune_only, a.test_only) {
+        (true, _) => tune::Only::Tune,
+        (_, true) => tune::Only::Test,
+        _ => tune::Only::Both,
+    };
+    let report = tune::run(&sets, root, &profile, &candidates, jobs, only).map_err(|e| e.to_string())?;
     println!("{}", report.markdown());
     Ok(())
 }
@@ -133,13 +141,41 @@ struct GenTraceArgs {
 /// The shapes `gen-trace` writes.
 #[derive(Clone, Copy, Debug, clap::ValueEnum)]
 enum TraceKind {
-    /// Questions about a few long documents.
+    /// Questions about a few long documents (`--documents`, `--requests`, `--rate`).
     LongDocument,
+    /// The tuning protocol's generated shapes (`trace_shapes.rs`; only `--seed` applies).
+    Agentic,
+    Bursty,
+    Tenants,
+    Families,
+    DecodeHeavy,
+    ChatCpu,
 }
 
 fn gen_trace(a: GenTraceArgs) -> Result<(), kvgate_loadtest::trace_gen::TraceGenError> {
-    use kvgate_loadtest::trace_gen::{write_long_document, LongDocument};
-    let TraceKind::LongDocument = a.kind;
+    use kvgate_loadtest::trace_gen::{to_jsonl, write_long_document, LongDocument, TraceGenError};
+    use kvgate_loadtest::trace_shapes::Shape;
+    let shape = match a.kind {
+        TraceKind::LongDocument => None,
+        TraceKind::Agentic => Some(Shape::Agentic),
+        TraceKind::Bursty => Some(Shape::Bursty),
+        TraceKind::Tenants => Some(Shape::Tenants),
+        TraceKind::Families => Some(Shape::Families),
+        TraceKind::DecodeHeavy => Some(Shape::DecodeHeavy),
+        TraceKind::ChatCpu => Some(Shape::ChatCpu),
+    };
+    if let Some(shape) = shape {
+        let t = shape.generate(a.seed);
+        std::fs::write(&a.out, to_jsonl(&t))
+            .map_err(|source| TraceGenError::Write { path: a.out.clone(), source })?;
+        eprintln!(
+            "{} requests, {} distinct blocks -> {}",
+            t.requests.len(),
+            t.distinct_blocks(),
+            a.out.display()
+        );
+        return Ok(());
+    }
     let shape = LongDocument {
         seed: a.seed,
         documents: a.documents,
@@ -165,7 +201,8 @@ struct SimulateArgs {
     /// Simulated workers. Default 8.
     #[arg(long, default_value_t = 8)]
     workers: usize,
-    /// Routing policy: cache_aware_measured, cache_aware, round_robin, least_load, consistent_hash, or `all`.
+    /// Routing policy: goodput (the default), cache_aware_measured, cache_aware, round_robin, least_load,
+    /// consistent_hash, or `all`.
     #[arg(long, default_value = kvgate_router::routing::DEFAULT_POLICY)]
     policy: String,
     /// KV tokens each worker holds. Default: the fleet holds a quarter of the trace's distinct blocks.

@@ -90,7 +90,7 @@ fn the_command_prints_one_json_object_per_policy_and_refuses_bad_input() {
     let policies: Vec<&str> = rows.iter().map(|r| r["policy"].as_str().expect("policy")).collect();
     assert_eq!(
         policies,
-        ["cache_aware", "cache_aware_measured", "round_robin", "least_load", "consistent_hash"]
+        ["cache_aware", "cache_aware_measured", "goodput", "round_robin", "least_load", "consistent_hash"]
     );
     for r in &rows {
         for field in [
@@ -98,6 +98,8 @@ fn the_command_prints_one_json_object_per_policy_and_refuses_bad_input() {
             "hit_rate",
             "oracle_hit_rate",
             "ttft_p50_ms",
+            "tpot_p50_ms",
+            "goodput_tokens_per_s",
             "ttft_p99_ms",
             "max_mean_load",
             "offered_load",

@@ -1,6 +1,7 @@
 //! Decision cost at fleet scale: hash a 32K-token prompt and route it (`Router::route`: the registry's views, the
 //! ring, the policy's scores, the send recorded), through 16, 64, 256 and 1,024 reporting workers, for the default
-//! policy (`cache_aware_measured`) and the token-threshold baseline (`cache_aware`).
+//! policy (`DEFAULT_POLICY`), the measured guard (`cache_aware_measured`) and the token-threshold baseline
+//! (`cache_aware`).
 //!
 //! Every worker reports a device Bloom summary of 25K entries at granularity 4 (its own conversations), all of them
 //! hold the fleet's shared 1K-token system prompt, and two hold this request's conversation (one 50% of the prompt,
@@ -73,9 +74,10 @@ fn bench(c: &mut Criterion) {
     let hashes = hasher.hash_blocks(&tokens);
     let mut group = c.benchmark_group("hash_32k_and_route");
     // The default policy and the token-threshold baseline side by side (the measured guard prices every candidate).
-    for (policy, n) in [DEFAULT_POLICY, "cache_aware"]
-        .into_iter()
-        .flat_map(|p| [16usize, 64, 256, 1024].into_iter().map(move |n| (p, n)))
+    let mut policies = vec![DEFAULT_POLICY, "cache_aware_measured", "cache_aware"];
+    policies.dedup();
+    for (policy, n) in
+        policies.into_iter().flat_map(|p| [16usize, 64, 256, 1024].into_iter().map(move |n| (p, n)))
     {
         let mut reg = Registry::new(RegistryConfig { max_workers: 4096, ..RegistryConfig::default() });
         let now = Instant::now();
@@ -101,6 +103,8 @@ fn bench(c: &mut Criterion) {
                     block_size: 16,
                     only: None,
                     adapter: None,
+                    output_tokens: 256,
+                    slo: kvgate_router::routing::Slo::default(),
                 };
                 let routed = router.route(&mut reg, &input, 3, at).expect("routed");
                 let pick = routed.candidates[0].id.clone();

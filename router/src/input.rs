@@ -22,6 +22,10 @@ pub struct RouteInput<'a> {
     /// The LoRA adapter it runs with (its `model` named one of `model`'s adapters): only workers holding it are
     /// candidates (`placement` says where to load one first). `None`: the base model.
     pub adapter: Option<&'a str>,
+    /// The tokens it may generate (`RequestView::output_tokens`; 0: unknown).
+    pub output_tokens: u64,
+    /// Its class's SLOs.
+    pub slo: crate::routing::Slo,
 }
 
 /// A worker URL's address, `host:port`: without its scheme, path or fragment (`http://10.0.0.1:8000/#dp1` is
@@ -33,6 +37,11 @@ pub fn url_address(url: &str) -> &str {
 }
 
 impl RouteInput<'_> {
+    /// The same request with what its class says of it: the output it will probably produce and its SLOs.
+    pub fn with_goal(self, output_tokens: u64, slo: crate::routing::Slo) -> Self {
+        Self { output_tokens, slo, ..self }
+    }
+
     /// Whether the worker at `url` is in the proxy's subset ([`RouteInput::only`], sorted), or there is none.
     pub fn allows(&self, url: &str) -> bool {
         let address = url_address(url);

@@ -72,6 +72,8 @@ fn input<'a>(h: &'a [BlockHash], adapter: &'a str) -> RouteInput<'a> {
         block_size: 16,
         only: None,
         adapter: Some(adapter),
+        output_tokens: 0,
+        slo: crate::routing::Slo::default(),
     }
 }
 

@@ -199,6 +199,8 @@ impl Router {
             session_key: input.session_key,
             shared_blocks: input.shared_blocks,
             seq,
+            output_tokens: input.output_tokens,
+            slo: input.slo,
         };
         root_starts(self.policy.as_ref(), &req, input)
     }
@@ -267,6 +269,8 @@ fn decide(
         session_key: input.session_key,
         shared_blocks: input.shared_blocks,
         seq,
+        output_tokens: input.output_tokens,
+        slo: input.slo,
     };
     let starts = root_starts(policy, &req, input);
     let (views, registry_index) =
@@ -344,6 +348,8 @@ mod tests {
             block_size: 16,
             only: None,
             adapter: None,
+            output_tokens: 0,
+            slo: crate::routing::Slo::default(),
         }
     }
 

@@ -80,7 +80,7 @@ pub struct GatewayArgs {
     /// Static worker base URL (repeatable; env: comma-separated). Workers also register by reporting.
     #[arg(long = "worker", env = "KVGATE_GATEWAY_WORKERS", value_delimiter = ',')]
     pub workers: Option<Vec<String>>,
-    /// Routing policy: cache_aware_measured (the hot-spot guard in measured seconds, the tuning protocol's pick: docs/benchmarks/routing.md), cache_aware (the same score with token thresholds), round_robin, least_load, consistent_hash.
+    /// Routing policy: goodput (the default: the measured guard plus the decode batch, the KV headroom and the classes' SLOs, the tuning protocol's pick of #66: docs/benchmarks/routing.md), cache_aware_measured (the hot-spot guard in measured seconds alone), cache_aware (the same score with token thresholds), round_robin, least_load, consistent_hash.
     #[arg(long, env = "KVGATE_GATEWAY_POLICY", default_value = kvgate_router::routing::DEFAULT_POLICY)]
     pub policy: Option<String>,
     /// Prefill/decode split policy, asked per request when a prefill worker and a decode worker that transfer KV

@@ -162,10 +162,13 @@ pub fn price<'s>(
     // An adapter request may be split too: its candidates are the adapter's holders (`route.rs`), so both sides
     // hold it, and its key travels in the transfer's keys.
     let adapter = prep.prompt.as_ref().and_then(|p| p.adapter.as_ref());
+    let likely = learned.expected(&class_name, prep.max_output, configured);
+    let likely_output = likely.saturating_mul(choices);
+    let slo = host.admission().class_slo(class);
     let ask = cfg.report_secret.as_ref().filter(|_| kvgate_pool && tokenized).map(|_| SplitAsk {
         policy: host.split_policy(),
         settings: cfg.split,
-        expected_output: learned.expected(&class_name, prep.max_output, configured),
+        expected_output: likely,
     });
     let (uncached, dry) = match tokenized {
         false => (prep.prompt_tokens, None),
@@ -174,7 +177,7 @@ pub fn price<'s>(
                 let reg = host.registry();
                 host.router().dry_run_split(
                     &reg,
-                    &incoming.within(prep.route_input()),
+                    &incoming.within(prep.route_input()).with_goal(likely_output, slo),
                     max_candidates,
                     ask.as_ref(),
                     Instant::now(),
@@ -195,7 +198,20 @@ pub fn price<'s>(
         false => 0,
     };
     let cap = prep.prompt_cap.saturating_add(output_cap.saturating_mul(choices));
-    Ok(Priced { class, class_name, output, output_cap, choices, cost, cap, kvgate_pool, ask, dry })
+    Ok(Priced {
+        class,
+        class_name,
+        output,
+        output_cap,
+        choices,
+        cost,
+        likely_output,
+        slo,
+        cap,
+        kvgate_pool,
+        ask,
+        dry,
+    })
 }
 
 /// Stage 5: `None` when the client left while waiting.
@@ -218,7 +234,7 @@ pub fn route(
     prep: &Prepared,
     a: &Admitted<'_>,
 ) -> Result<RoutedRequest, ApiError> {
-    let input = incoming.within(prep.route_input());
+    let input = incoming.within(prep.route_input()).with_goal(a.priced.likely_output, a.priced.slo);
     let max = host.cfg().max_attempts;
     let decided_at = Instant::now();
     let routed = {

@@ -79,6 +79,8 @@ impl PreparedRequest {
             block_size: self.block_size,
             only: None,
             adapter: self.adapter.as_ref().map(|a| a.name.as_str()),
+            output_tokens: 0,
+            slo: kvgate_router::routing::Slo::default(),
         }
     }
 }

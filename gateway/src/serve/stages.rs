@@ -88,6 +88,8 @@ impl Prepared {
                 block_size: 1,
                 only: None,
                 adapter: None,
+                output_tokens: 0,
+                slo: kvgate_router::routing::Slo::default(),
             },
         }
     }
@@ -105,6 +107,10 @@ pub struct Priced<'s> {
     pub choices: u64,
     /// What admission reserves: the predicted uncached prompt + output.
     pub cost: f64,
+    /// The output it will probably produce (the class's learned output, capped by `max_tokens`; all choices) and
+    /// its class's SLOs: what the routing objective weighs (`RouteInput::with_goal`).
+    pub likely_output: u64,
+    pub slo: kvgate_router::routing::Slo,
     /// The most a pod's usage is believed: the prompt's cap and the output the request may have (all choices).
     pub cap: u64,
     /// The model's pool runs kvgate workers.

@@ -160,8 +160,15 @@ struct Fleet<'a> {
     /// The `random_holder` rule's draws.
     rng: SplitMix64,
     _ssd: Option<tempfile::TempDir>,
+    /// A moving mean of completed requests' output tokens (what the gateway learns of a class's output).
+    learned_output: f64,
     out: Outcome,
 }
+
+/// The output the simulated gateway expects before any request completed (the gateway's default expected output).
+const FIRST_EXPECTED_OUTPUT: f64 = 256.0;
+/// Weight of a completed request in the learned output.
+const LEARN_WEIGHT: f64 = 0.05;
 
 impl<'a> Fleet<'a> {
     fn new(cfg: &'a SimConfig, router: Router) -> Self {
@@ -236,6 +243,7 @@ impl<'a> Fleet<'a> {
             adapter_of: Vec::new(),
             rng: SplitMix64::new(0x5349_4D4C),
             _ssd: ssd,
+            learned_output: FIRST_EXPECTED_OUTPUT,
             out: Outcome { busy_s: vec![0.0; n], ..Outcome::default() },
         }
     }
@@ -362,6 +370,10 @@ impl<'a> Fleet<'a> {
             block_size: self.cfg.block_size as usize,
             only: None,
             adapter,
+            // What the gateway knows of the output before it is produced: the completed requests' mean (its
+            // learned output; the trace's own output length is not shown to the policy), and the SLOs.
+            output_tokens: self.learned_output.round() as u64,
+            slo: self.cfg.slo,
         }
     }
 
@@ -573,6 +585,7 @@ impl<'a> Fleet<'a> {
         self.out.tpot_s.extend(tpot);
         self.out.e2e_s.push(t - f.arrival);
         self.out.completion_tokens += completion as u64;
+        self.learned_output += LEARN_WEIGHT * (completion as f64 - self.learned_output);
         if self.cfg.slo.met(f.prompt_tokens, ttft, tpot) {
             self.out.slo_met += 1;
             self.out.good_tokens += completion as u64;

@@ -2,6 +2,14 @@
 //! and each worker's real scheduler, block manager and prefix cache, with a timing model for the math. A whole
 //! trace takes seconds. Also computes the oracle (one global LRU of the fleet's capacity) and the offered load.
 //!
+//! A step costs what the profile's timing model says of what it carries (prefill chunks beside decodes, as the
+//! engine schedules them; `kvgate_worker::engine::timing`); the real scheduler decides batches, KV occupancy,
+//! preemption and recompute. Each request's TTFT, TPOT (after its first token) and E2E are measured, and goodput
+//! is the completion tokens per second of the requests that met the SLOs (`SimConfig::slo`). The workers report
+//! as real ones do, their prefill and decode fits included, so the policies see only what the gateway sees; the
+//! output a request will produce is shown to them as the gateway learns it (a moving mean of completed outputs),
+//! never the trace's own.
+//!
 //! - `fleet`: the event loop (arrivals, admission, step ends, 1 s reports);
 //! - `admission`: the gateway's class budgets in virtual time (with `SimConfig::classes`);
 //! - `oracle`: the global-LRU upper bound;

@@ -191,6 +191,7 @@ fn class(name: &str, max_prompt: Option<u64>, rate: f64, burst: f64) -> ClassCon
         expected_output_tokens: 16,
         borrow_idle: false,
         max_tenant_queues: 1024,
+        slo: Default::default(),
     }
 }
 

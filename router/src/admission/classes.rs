@@ -55,6 +55,10 @@ pub struct ClassConfig {
     /// Most tenants with their own wait queue; further tenants share one overflow queue. Default 1024.
     #[serde(default = "default_max_tenant_queues")]
     pub max_tenant_queues: usize,
+    /// The SLOs its requests are routed to meet (`routing::Slo`; a `[classes.slo]` table; default: first token
+    /// within 1 s, then 200 ms a token).
+    #[serde(default)]
+    pub slo: crate::routing::Slo,
 }
 
 fn default_max_tenant_queues() -> usize {
@@ -112,6 +116,7 @@ pub fn default_classes() -> Vec<ClassConfig> {
         expected_output_tokens: default_expected_output(),
         borrow_idle: false,
         max_tenant_queues: default_max_tenant_queues(),
+        slo: crate::routing::Slo::default(),
     };
     vec![
         class(
@@ -126,7 +131,11 @@ pub fn default_classes() -> Vec<ClassConfig> {
             500_000.0,
             1_000_000.0,
         ),
-        class("long", MatchRule::default(), 500_000.0, 4_000_000.0),
+        ClassConfig {
+            // A long prompt takes longer to its first token: 100 ms more per 1,000 tokens.
+            slo: crate::routing::Slo { ttft_ms_per_1k_tokens: 100.0, ..crate::routing::Slo::default() },
+            ..class("long", MatchRule::default(), 500_000.0, 4_000_000.0)
+        },
     ]
 }
 
@@ -172,6 +181,7 @@ pub fn validate(classes: &[ClassConfig]) -> Vec<String> {
         if c.name.len() > 64 {
             p.push(format!("class {:?}: name longer than 64 bytes", c.name));
         }
+        p.extend(c.slo.validate().into_iter().map(|e| format!("class {:?}: {e}", c.name)));
     }
     p
 }

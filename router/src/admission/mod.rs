@@ -216,6 +216,11 @@ impl Admission {
         Some((i, c.name.clone(), c.expected_output_tokens))
     }
 
+    /// The SLOs of class `class` (the default's when there is no such class).
+    pub fn class_slo(&self, class: usize) -> crate::routing::Slo {
+        self.lock().classes.get(class).map(|c| c.cfg.slo).unwrap_or_default()
+    }
+
     /// Admits a request of `cost` tokens into class `class`, waiting if its budget is spent.
     pub async fn admit(&self, class: usize, tenant: Option<&str>, cost: f64) -> Result<Permit, Rejection> {
         self.ensure_pump();

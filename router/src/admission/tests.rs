@@ -14,6 +14,7 @@ pub(super) fn class(name: &str, rate: f64, burst: f64, max_wait_ms: u64) -> Clas
         expected_output_tokens: 0,
         borrow_idle: false,
         max_tenant_queues: 1024,
+        slo: Default::default(),
     }
 }
 

@@ -72,6 +72,8 @@ fn input(hashes: &[BlockHash], session: u64) -> RouteInput<'_> {
         block_size: 16,
         only: None,
         adapter: None,
+        output_tokens: 0,
+        slo: crate::routing::Slo::default(),
     }
 }
 

@@ -104,6 +104,10 @@ pub struct PdState {
     pub prefill_attention_s: f64,
     /// Seconds per decode-only step (0: never measured).
     pub decode_step_s: f64,
+    /// The worker's latest fit of a decode-only step (`StepTiming::decode_*`; 0: never measured).
+    pub decode_base_s: f64,
+    pub decode_per_seq_s: f64,
+    pub decode_per_kv_token_s: f64,
     /// Share of decode-carrying step time prefill chunks added (the first report's, then a moving average: an
     /// interval without decodes reports 0 and halves it).
     pub stall_ratio: f64,
@@ -133,6 +137,10 @@ impl PdState {
         }
         if t.decode_step_s > 0.0 {
             self.decode_step_s = blend(self.decode_step_s, t.decode_step_s);
+        }
+        if t.decode_base_s > 0.0 || t.decode_per_seq_s > 0.0 || t.decode_per_kv_token_s > 0.0 {
+            (self.decode_base_s, self.decode_per_seq_s, self.decode_per_kv_token_s) =
+                (t.decode_base_s, t.decode_per_seq_s, t.decode_per_kv_token_s);
         }
         self.stall_ratio = match self.reports {
             1 => t.stall_ratio,

@@ -245,12 +245,35 @@ impl Worker {
     pub fn speed(&self, now: Instant) -> crate::routing::Speed {
         let (speed, busy) = (self.pd.prefill_tokens_per_s, self.prefill_busy());
         let report_age_s = self.report_at.map_or(0.0, |at| now.saturating_duration_since(at).as_secs_f64());
+        let report = self.report.as_ref();
+        let q = report.map(|r| r.queue).or(self.scraped).unwrap_or_default();
+        // The device pool in tokens (a report's blocks times its block size; saturating: a report may state any
+        // u64).
+        let (total, free, cached) = report
+            .and_then(|r| {
+                Some((r.tier(kvgate_shared::report::Tier::Device)?, u64::from(r.scheme.block_size)))
+            })
+            .map_or((0, 0, 0), |(t, b)| {
+                (
+                    t.blocks_total.saturating_mul(b),
+                    t.blocks_free.saturating_mul(b),
+                    t.blocks_cached.saturating_mul(b),
+                )
+            });
         crate::routing::Speed {
             prefill_tokens_per_s: speed,
             prefill_busy: busy,
             report_age_s,
             prefill_per_token_s: self.pd.prefill_per_token_s,
             prefill_attention_s: self.pd.prefill_attention_s,
+            decode_base_s: self.pd.decode_base_s,
+            decode_per_seq_s: self.pd.decode_per_seq_s,
+            decode_per_kv_token_s: self.pd.decode_per_kv_token_s,
+            stall_ratio: self.pd.stall_ratio,
+            decoding: u64::from(q.running_requests.saturating_sub(q.prefilling_requests)),
+            kv_total_tokens: total,
+            kv_free_tokens: free,
+            kv_cached_tokens: cached,
         }
     }
 

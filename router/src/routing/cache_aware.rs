@@ -1,6 +1,6 @@
-//! `cache_aware_measured` (the default policy, `DEFAULT_POLICY`) and `cache_aware`: send a request where its prefix
-//! is cached, keep sessions on their ring primary, and stay away from overloaded workers; the two differ only in
-//! their hot-spot guard.
+//! `goodput`, `cache_aware_measured` and `cache_aware`: send a request where its prefix is cached, keep sessions on
+//! their ring primary, and stay away from overloaded workers; the three differ only in their guard (which policy
+//! is the default, and which tune run chose it: `DEFAULT_POLICY`).
 //!
 //! # Formula
 //! For each healthy worker `w` serving the model:
@@ -42,7 +42,10 @@
 //! that price the request), here at least the cheap shared prefix's blocks (`free_shared_tokens`: counted as held
 //! everywhere, since each worker computes it once; a move neither chases it nor is held back by it).
 //! - `cache_aware`: #28's token thresholds (`hotspot_*` weights), the named baseline;
-//! - `cache_aware_measured` (the default, `DEFAULT_POLICY`): the **measured** guard, the tuning protocol's pick:
+//! - `goodput` (#66, `goodput.rs`): the measured guard's seconds plus the decode batch the request joins, the time it
+//!   adds to the streams already there, the KV it would evict, and its class's SLOs: it goes where it and the
+//!   requests it affects meet their SLOs at the least cost;
+//! - `cache_aware_measured`: the **measured** guard, the tuning protocol's pick of #43:
 //!   predicted TTFT in seconds (the queue and its own prefill at the
 //!   worker's measured cost by context, less what it drained since its report), plus the delay that prefill adds
 //!   to the prompts behind it, plus the price of the cached copy a move gives up, at the utilisation the waiting
@@ -61,6 +64,10 @@
 //! w_load=0.5,0.75,1.0,1.25`; it was 4096, which kept the pile-up of new conversations on the first worker to cache a
 //! short system prompt in check under `w_load` 0.5; under 1.0 the load term does that: the shared-system-prompt
 //! test's max/mean is 1.02 at 2K shared tokens with 0),
+//! the goodput guard's (`goodput.rs`): `w_decode` 0.3, `w_evict` 1.0, `w_copy` 1.0, `slo_filter` false (the tuning
+//! protocol's pick of #66, `kvgate-loadtest tune --tune-only --policy goodput --grid w_decode=0.1,0.3 --grid
+//! w_evict=1 --grid w_copy=1 --grid slo_filter=false` after the forms in docs/benchmarks/routing.md), and
+//! `decode_horizon_tokens` 1024 (not tuned),
 //! `credit_host` 0.7, `credit_disk` 0.3 (the tier credits: roughly what a load from that tier saves against a
 //! device hit, before the load-vs-recompute measurements of the KV tiers tune them), `ring_session_bound` 1.1 (chosen on the Mooncake replay and the
 //! multi-turn demo, docs/benchmarks/log.md: with 16384 / 4.0 users sharing a system prompt all piled onto the first worker that
@@ -68,7 +75,8 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::hotspot::{GuardKind, Inputs};
+use super::goodput::Goodput;
+use super::hotspot::{GuardKind, Inputs, Predicted};
 use super::{Decision, RequestView, Ring, RouteReason, RoutingPolicy, ScoreTerms, TierMatch, WorkerView};
 
 /// Scoring weights and thresholds.
@@ -99,6 +107,18 @@ pub struct Weights {
     pub credit_host: f64,
     /// The same for its SSD tier (0..=1).
     pub credit_disk: f64,
+    /// The goodput guard's weight of the decode terms (its decode time, what it adds to the others' and its
+    /// prefill's stall of theirs) against the prefill terms (>= 0; `goodput.rs`).
+    pub w_decode: f64,
+    /// The most output tokens the goodput guard prices a request's decode by (>= 1).
+    pub decode_horizon_tokens: u64,
+    /// The goodput guard's weights of the KV it would evict where it goes (>= 0), and of the copy a move leaves
+    /// (the measured guard's term; >= 0).
+    pub w_evict: f64,
+    pub w_copy: f64,
+    /// The goodput guard moves a request off a winner that misses its SLOs to a worker that meets them, whatever
+    /// the cost (false: by cost alone).
+    pub slo_filter: bool,
 }
 
 impl Default for Weights {
@@ -117,6 +137,11 @@ impl Default for Weights {
             ring_session_bound: 1.1,
             credit_host: 0.7,
             credit_disk: 0.3,
+            w_decode: 0.3,
+            decode_horizon_tokens: 1024,
+            w_evict: 1.0,
+            w_copy: 1.0,
+            slo_filter: false,
         }
     }
 }
@@ -130,6 +155,9 @@ impl Weights {
             ("w_ring", self.w_ring),
             ("w_load", self.w_load),
             ("hotspot_waste_factor", self.hotspot_waste_factor),
+            ("w_decode", self.w_decode),
+            ("w_evict", self.w_evict),
+            ("w_copy", self.w_copy),
         ];
         for (name, v) in non_negative {
             if !v.is_finite() || v < 0.0 {
@@ -140,6 +168,9 @@ impl Weights {
             if !(0.0..=1.0).contains(&v) {
                 p.push(format!("{name} must be a number in 0..=1, got {v}"));
             }
+        }
+        if self.decode_horizon_tokens == 0 {
+            p.push("decode_horizon_tokens must be at least 1".into());
         }
         if !self.hotspot_ratio.is_finite() || self.hotspot_ratio < 1.0 {
             p.push(format!("hotspot_ratio must be >= 1, got {}", self.hotspot_ratio));
@@ -190,6 +221,7 @@ impl RoutingPolicy for CacheAware {
         match self.guard {
             GuardKind::Thresholds => "cache_aware",
             GuardKind::Measured => "cache_aware_measured",
+            GuardKind::Goodput => "goodput",
         }
     }
 
@@ -316,13 +348,10 @@ impl RoutingPolicy for CacheAware {
             uncached: &uncached_of,
             prompt_tokens: req.prompt_tokens as u64,
             hub_shared: req.shared_blocks > 0,
+            output_tokens: req.output_tokens,
+            slo: req.slo,
         };
-        // The measured guard's seconds per view (the thresholds guard computes none).
-        let predicted = (self.guard == GuardKind::Measured).then(|| guard.predicted_s());
-        let target = match &predicted {
-            Some(p) => guard.measured_target(winner, p),
-            None => guard.thresholds_target(winner),
-        };
+        let (target, predicted, goodput) = guard_target(self.guard, &guard, winner);
         if let Some(target) = target {
             ranked.retain(|i| *i != target);
             ranked.insert(0, target);
@@ -353,10 +382,34 @@ impl RoutingPolicy for CacheAware {
                     score: r.score,
                     predicted_s: predicted.as_ref().map_or(0.0, |p| p[i].j_s),
                     predicted_ttft_s: predicted.as_ref().map_or(0.0, |p| p[i].ttft_s),
+                    predicted_tpot_s: goodput.as_ref().map_or(0.0, |g| g[i].tpot_s),
+                    goodput_cost_s: goodput.as_ref().map_or(0.0, |g| g[i].cost_s),
+                    meets_slo: goodput.as_ref().map(|g| g[i].meets),
                 }
             })
             .collect();
         Some(Decision { ranked, reason, predicted_cached_tokens, terms })
+    }
+}
+
+/// The guard's move, if any, with the seconds it predicted per view (measured and goodput guards) and the goodput
+/// guard's figures.
+fn guard_target(
+    kind: GuardKind,
+    guard: &Inputs<'_>,
+    winner: usize,
+) -> (Option<usize>, Option<Vec<Predicted>>, Option<Vec<Goodput>>) {
+    match kind {
+        GuardKind::Thresholds => (guard.thresholds_target(winner), None, None),
+        GuardKind::Measured => {
+            let p = guard.predicted_s();
+            (guard.measured_target(winner, &p), Some(p), None)
+        }
+        GuardKind::Goodput => {
+            let p = guard.predicted_s();
+            let g = guard.goodput(&p);
+            (guard.goodput_target(winner, &g), Some(p), Some(g))
+        }
     }
 }
 

@@ -80,14 +80,14 @@ fn queue_util(waiting: f64) -> f64 {
 
 /// A measured prefill cost: seconds per prompt token and per unit of attention area.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
-struct Cost {
+pub(super) struct Cost {
     per_token_s: f64,
     attention_s: f64,
 }
 
 impl Cost {
     /// Seconds to prefill `tokens` whose attention area is `area`.
-    fn secs(&self, tokens: u64, area: u64) -> f64 {
+    pub(super) fn secs(&self, tokens: u64, area: u64) -> f64 {
         self.per_token_s * tokens as f64 + self.attention_s * area as f64
     }
 }
@@ -99,6 +99,8 @@ pub struct Predicted {
     pub ttft_s: f64,
     /// `J`: that TTFT plus the delay it adds to the prompts behind it (in tokens while no speed is measured).
     pub j_s: f64,
+    /// `own`: its own prefill there (the TTFT's part after the queue; in tokens while no speed is measured).
+    pub own_s: f64,
 }
 
 /// Which guard `cache_aware` runs.
@@ -110,6 +112,8 @@ pub enum GuardKind {
     Thresholds,
     /// Least predicted seconds from measured speeds (no thresholds): `cache_aware_measured`.
     Measured,
+    /// The measured guard's seconds plus the decode batch, the KV headroom and the SLOs (`goodput.rs`): `goodput`.
+    Goodput,
 }
 
 /// What either guard weighs, per view.
@@ -123,6 +127,9 @@ pub(super) struct Inputs<'a> {
     pub prompt_tokens: u64,
     /// The prompt begins with a prefix other conversations share: its ring key names this conversation only.
     pub hub_shared: bool,
+    /// The output it will probably produce (`RequestView::output_tokens`) and its SLOs (the goodput guard's).
+    pub output_tokens: u64,
+    pub slo: super::Slo,
 }
 
 impl Inputs<'_> {
@@ -151,7 +158,7 @@ impl Inputs<'_> {
     }
 
     /// The fleet's mean measured cost (1 s a token when none is measured: the terms are then tokens).
-    fn fleet_cost(&self) -> Cost {
+    pub(super) fn fleet_cost(&self) -> Cost {
         let (sum, n) = self.healthy.iter().filter_map(|i| self.cost_of(*i)).fold(
             (Cost::default(), 0usize),
             |(s, n), c| {
@@ -190,7 +197,7 @@ impl Inputs<'_> {
     }
 
     /// The fleet's utilisation: what its mean number in prefill implies (capped).
-    fn fleet_util(&self) -> f64 {
+    pub(super) fn fleet_util(&self) -> f64 {
         let n = self.healthy.len().max(1) as f64;
         queue_util(self.healthy.iter().map(|i| self.in_prefill(*i)).sum::<f64>() / n).min(MAX_BUSY)
     }
@@ -226,7 +233,7 @@ impl Inputs<'_> {
                     delay,
                     "measured guard"
                 );
-                Predicted { ttft_s: if seconds { ttft } else { 0.0 }, j_s: ttft + delay }
+                Predicted { ttft_s: if seconds { ttft } else { 0.0 }, j_s: ttft + delay, own_s: own }
             })
             .collect()
     }
@@ -235,15 +242,7 @@ impl Inputs<'_> {
     /// when that beats the winner's (`p`: [`Inputs::predicted_s`]).
     pub fn measured_target(&self, winner: usize, p: &[Predicted]) -> Option<usize> {
         let j = |i: usize| p[i].j_s;
-        let (fleet, busy) = (self.fleet_cost(), self.fleet_util());
-        // The copy a move leaves: as many tokens of other prefixes displaced at the target (the same tokens at the
-        // same positions), computed again when next asked for (priced as if they will be), delaying the fleet at
-        // its utilisation.
-        let copy = |i: usize| {
-            let waste = self.uncached[i].saturating_sub(self.uncached[winner]);
-            let area = self.own_area(i).saturating_sub(self.own_area(winner));
-            fleet.secs(waste, area) / ((1.0 - busy) * (1.0 - busy))
-        };
+        let copy = |i: usize| self.copy_s(i, winner);
         let total = |i: usize| j(i) + copy(i);
         let target = *self.healthy.iter().min_by(|a, b| total(**a).total_cmp(&total(**b)).then(a.cmp(b)))?;
         let moves = target != winner && total(target) < j(winner);
@@ -257,6 +256,16 @@ impl Inputs<'_> {
             "measured guard"
         );
         moves.then_some(target)
+    }
+
+    /// `copy(i)`: the copy a move from `winner` to view `i` leaves: as many tokens of other prefixes displaced at
+    /// `i` (the same tokens at the same positions), computed again when next asked for (priced as if they will
+    /// be), delaying the fleet at its utilisation.
+    pub(super) fn copy_s(&self, i: usize, winner: usize) -> f64 {
+        let (fleet, busy) = (self.fleet_cost(), self.fleet_util());
+        let waste = self.uncached[i].saturating_sub(self.uncached[winner]);
+        let area = self.own_area(i).saturating_sub(self.own_area(winner));
+        fleet.secs(waste, area) / ((1.0 - busy) * (1.0 - busy))
     }
 
     /// The thresholds guard (#28; formula above).

@@ -2,13 +2,16 @@
 //! sockets, no clocks, so the gateway and the simulator run the same code.
 //!
 //! One policy per file behind [`RoutingPolicy`]:
-//! - `cache_aware_measured` ([`DEFAULT_POLICY`]): prefix match + ring affinity - load, with the hot-spot guard in
-//!   measured seconds (`hotspot.rs`), the tuning protocol's pick (docs/benchmarks/routing.md); `cache_aware`: the
-//!   same score with #28's token-threshold guard, kept as the named baseline;
+//! - `goodput`, `cache_aware_measured`, `cache_aware` (`cache_aware.rs`; which is [`DEFAULT_POLICY`] says there):
+//!   prefix match + ring affinity - load, then a guard: `goodput` counts the decode batch, the KV headroom and the
+//!   class's SLOs beside the measured prefill seconds (`goodput.rs`); `cache_aware_measured` the measured prefill
+//!   seconds alone (`hotspot.rs`, #43's pick); `cache_aware` #28's token thresholds; the last two are kept as named
+//!   baselines;
 //! - `round_robin`, `least_load`, `consistent_hash`: the baselines it is compared against.
 
 pub mod cache_aware;
 pub mod consistent_hash;
+pub mod goodput;
 pub mod hotspot;
 pub mod least_load;
 pub mod ring;
@@ -40,6 +43,11 @@ pub struct RequestView<'a> {
     /// for tie-breaks ([`RequestView::nonce`]), so a dry run that peeks at the next number decides as the request
     /// routed next will.
     pub seq: u64,
+    /// The tokens it may generate (its `max_tokens`, or its class's expected output when it names none; 0:
+    /// unknown): how long it will hold a place in a decode batch.
+    pub output_tokens: u64,
+    /// The SLOs its class gives it (configuration, never the client).
+    pub slo: Slo,
 }
 
 impl RequestView<'_> {
@@ -119,6 +127,20 @@ pub struct Speed {
     /// attention area (`kvgate_shared::report::attention_area`). 0: not measured (then the token rate prices).
     pub prefill_per_token_s: f64,
     pub prefill_attention_s: f64,
+    /// Its fit of a decode-only step's seconds: `decode_base_s + decode_per_seq_s x batch + decode_per_kv_token_s x
+    /// context tokens` (all 0: not measured; `StepTiming::decode_*`).
+    pub decode_base_s: f64,
+    pub decode_per_seq_s: f64,
+    pub decode_per_kv_token_s: f64,
+    /// Share of its decode-carrying steps' time that prefill chunks added (0..=1).
+    pub stall_ratio: f64,
+    /// Decoding sequences its last report counted (running, past their prompt).
+    pub decoding: u64,
+    /// Its device KV pool in tokens, as its last report says: the whole, the free part (cached-but-unused blocks
+    /// included: they can be evicted), and the part holding cached content (in use or not). All 0: unknown.
+    pub kv_total_tokens: u64,
+    pub kv_free_tokens: u64,
+    pub kv_cached_tokens: u64,
 }
 
 /// Where a worker's prefix match comes from.
@@ -269,6 +291,13 @@ pub struct ScoreTerms {
     pub predicted_s: f64,
     /// Its TTFT part: the queue ahead and this prompt's prefill (0 when unhealthy or under another guard).
     pub predicted_ttft_s: f64,
+    /// The goodput guard's predicted time per output token here, and its cost in seconds (`goodput.rs`; 0 under
+    /// another guard).
+    pub predicted_tpot_s: f64,
+    pub goodput_cost_s: f64,
+    /// Whether the request meets its SLOs here, as the goodput guard predicts (`None`: another guard).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub meets_slo: Option<bool>,
 }
 
 /// A policy's answer: candidates best first (the first is the pick; the rest are fallbacks).
@@ -309,13 +338,14 @@ pub trait RoutingPolicy: Send + Sync {
 }
 
 /// The policy a gateway, the simulator and the load generator's fleets route by unless told otherwise: the
-/// tuning protocol's pick on the tune set (`kvgate-loadtest tune --policy cache_aware,cache_aware_measured`, loss
-/// -28.140 against -27.612 on the tune set, commit b6aab73; docs/benchmarks/routing.md#the-tuning-protocol-43).
-pub const DEFAULT_POLICY: &str = "cache_aware_measured";
+/// tuning protocol's pick on #66's tune set (`kvgate-loadtest tune --tune-only --policy goodput --grid
+/// w_decode=0.1,0.3 --grid w_evict=1 --grid w_copy=1 --grid slo_filter=false`: summed loss -84.593 against
+/// `cache_aware_measured`'s -80.507, the default before it since b6aab73; docs/benchmarks/routing.md#routing-for-goodput-66).
+pub const DEFAULT_POLICY: &str = "goodput";
 
 /// Policy names accepted by `--policy`.
-pub const POLICIES: [&str; 5] =
-    ["cache_aware", "cache_aware_measured", "round_robin", "least_load", "consistent_hash"];
+pub const POLICIES: [&str; 6] =
+    ["cache_aware", "cache_aware_measured", "goodput", "round_robin", "least_load", "consistent_hash"];
 
 /// Builds a policy by name.
 pub fn policy_by_name(name: &str, weights: Weights) -> Option<Box<dyn RoutingPolicy>> {
@@ -324,6 +354,7 @@ pub fn policy_by_name(name: &str, weights: Weights) -> Option<Box<dyn RoutingPol
         "cache_aware_measured" => {
             Some(Box::new(CacheAware::with_guard(weights, hotspot::GuardKind::Measured)))
         }
+        "goodput" => Some(Box::new(CacheAware::with_guard(weights, hotspot::GuardKind::Goodput))),
         "round_robin" => Some(Box::new(round_robin::RoundRobin)),
         "least_load" => Some(Box::new(least_load::LeastLoad::new(weights.per_request_tokens))),
         "consistent_hash" => Some(Box::new(consistent_hash::ConsistentHash)),

@@ -92,6 +92,8 @@ fn cache_aware_follows_the_prefix() {
                 session_key: 7,
                 shared_blocks: 0,
                 seq: 1,
+                output_tokens: 0,
+                slo: Slo::default(),
             },
             &ws,
             &ring(),
@@ -118,6 +120,8 @@ fn cache_aware_uses_the_ring_without_a_prefix_and_skips_unhealthy_workers() {
             session_key: key,
             shared_blocks: 0,
             seq: key,
+            output_tokens: 0,
+            slo: Slo::default(),
         };
         let ws = views(&summaries, &[0; 5], &[true; 5]);
         let (primary, backup) = r.primary_backup(key, |_| true);
@@ -136,7 +140,15 @@ fn cache_aware_uses_the_ring_without_a_prefix_and_skips_unhealthy_workers() {
     let none = views(&summaries, &[0; 5], &[false; 5]);
     assert!(p
         .choose(
-            &RequestView { hashes: &req_hashes, prompt_tokens: 64, session_key: 1, shared_blocks: 0, seq: 1 },
+            &RequestView {
+                hashes: &req_hashes,
+                prompt_tokens: 64,
+                session_key: 1,
+                shared_blocks: 0,
+                seq: 1,
+                output_tokens: 0,
+                slo: Slo::default()
+            },
             &none,
             &r,
             16
@@ -161,6 +173,11 @@ const GUARD_TEST_WEIGHTS: Weights = Weights {
     ring_session_bound: 1.1,
     credit_host: 0.7,
     credit_disk: 0.3,
+    w_decode: 0.3,
+    decode_horizon_tokens: 1024,
+    w_evict: 1.0,
+    w_copy: 1.0,
+    slo_filter: false,
 };
 
 #[test]
@@ -173,8 +190,15 @@ fn the_default_score_leaves_a_queue_that_dwarfs_the_prompt() {
     summaries[1] = Some(summary_of(&req_hashes[..1250]));
     let p = CacheAware::new(Weights::default());
     assert_eq!(Weights { w_load: 0.5, free_shared_tokens: 4096, ..Weights::default() }, GUARD_TEST_WEIGHTS);
-    let req =
-        RequestView { hashes: &req_hashes, prompt_tokens: 24_000, session_key: 9, shared_blocks: 0, seq: 1 };
+    let req = RequestView {
+        hashes: &req_hashes,
+        prompt_tokens: 24_000,
+        session_key: 9,
+        shared_blocks: 0,
+        seq: 1,
+        output_tokens: 0,
+        slo: Slo::default(),
+    };
     let pick = |w1_queue: u64| {
         let ws = views(&summaries, &[0, w1_queue, 0, 0, 0], &[true; 5]);
         let d = p.choose(&req, &ws, &ring(), 16).expect("decision");
@@ -202,6 +226,8 @@ fn hot_spot_guard_overrides_the_prefix() {
                 session_key: 9,
                 shared_blocks: 0,
                 seq: 2,
+                output_tokens: 0,
+                slo: Slo::default(),
             },
             &ws,
             &ring(),
@@ -221,6 +247,8 @@ fn hot_spot_guard_overrides_the_prefix() {
                 session_key: 9,
                 shared_blocks: 0,
                 seq: 2,
+                output_tokens: 0,
+                slo: Slo::default(),
             },
             &ws,
             &ring(),
@@ -234,7 +262,15 @@ fn hot_spot_guard_overrides_the_prefix() {
     let mut summaries: Vec<Option<CacheSummary>> = vec![None; 5];
     summaries[1] = Some(summary_of(&long));
     let ws = views(&summaries, &[100, 100_000, 200, 300, 100], &[true; 5]);
-    let req = RequestView { hashes: &long, prompt_tokens: 200_000, session_key: 9, shared_blocks: 0, seq: 2 };
+    let req = RequestView {
+        hashes: &long,
+        prompt_tokens: 200_000,
+        session_key: 9,
+        shared_blocks: 0,
+        seq: 2,
+        output_tokens: 0,
+        slo: Slo::default(),
+    };
     let d = p.choose(&req, &ws, &ring(), 16).expect("decision");
     assert_eq!((ws[d.ranked[0]].id, d.reason), ("w1", RouteReason::Prefix));
 }
@@ -251,8 +287,15 @@ fn a_move_that_costs_no_cache_follows_the_queue_unless_the_ring_may_gather_a_fam
     // 0.5 x its 23% higher load), and nothing is cached anywhere.
     let ws = views(&summaries, &[130_000, 100_000, 100_000, 100_000, 100_000], &[true; 5]);
     let pick = |shared_blocks: usize| {
-        let req =
-            RequestView { hashes: &req_hashes, prompt_tokens: 64, session_key: key, shared_blocks, seq: 1 };
+        let req = RequestView {
+            hashes: &req_hashes,
+            prompt_tokens: 64,
+            session_key: key,
+            shared_blocks,
+            seq: 1,
+            output_tokens: 0,
+            slo: Slo::default(),
+        };
         let d = p.choose(&req, &ws, &ring(), 16).expect("decision");
         (ws[d.ranked[0]].id, d.reason)
     };
@@ -273,8 +316,15 @@ fn a_move_that_gives_up_cached_tokens_must_save_more_the_busier_the_fleet() {
     let mut summaries: Vec<Option<CacheSummary>> = vec![None; IDS.len()];
     summaries[1] = Some(summary_of(&req_hashes[..1250]));
     let p = CacheAware::new(Weights { w_ring: 0.0, ..GUARD_TEST_WEIGHTS });
-    let req =
-        RequestView { hashes: &req_hashes, prompt_tokens: 24_000, session_key: 9, shared_blocks: 0, seq: 1 };
+    let req = RequestView {
+        hashes: &req_hashes,
+        prompt_tokens: 24_000,
+        session_key: 9,
+        shared_blocks: 0,
+        seq: 1,
+        output_tokens: 0,
+        slo: Slo::default(),
+    };
     let pick = |w1_queue: u64, others: u64| {
         let mut loads = [others; 5];
         loads[1] = w1_queue;
@@ -299,8 +349,15 @@ fn baselines() {
     let req_hashes = hashes(2, 4);
     let summaries: Vec<Option<CacheSummary>> = vec![None; 5];
     let ws = views(&summaries, &[50, 10, 30, 40, 20], &[true, true, true, false, true]);
-    let req =
-        RequestView { hashes: &req_hashes, prompt_tokens: 32, session_key: 3, shared_blocks: 0, seq: 0 };
+    let req = RequestView {
+        hashes: &req_hashes,
+        prompt_tokens: 32,
+        session_key: 3,
+        shared_blocks: 0,
+        seq: 0,
+        output_tokens: 0,
+        slo: Slo::default(),
+    };
     let ll = least_load::LeastLoad::new(256);
     assert_eq!(ws[ll.choose(&req, &ws, &ring(), 16).expect("d").ranked[0]].id, "w1");
     let rr = round_robin::RoundRobin;
@@ -336,8 +393,15 @@ fn a_ring_primary_with_more_than_its_share_of_conversations_passes_new_ones_on()
     let key = (0u64..)
         .find(|k| ring().primary_backup(*k, |_| true).0.as_deref() == Some(IDS[0]))
         .expect("some key lands on the first worker");
-    let req =
-        RequestView { hashes: &req_hashes, prompt_tokens: 32, session_key: key, shared_blocks: 0, seq: 1 };
+    let req = RequestView {
+        hashes: &req_hashes,
+        prompt_tokens: 32,
+        session_key: key,
+        shared_blocks: 0,
+        seq: 1,
+        output_tokens: 0,
+        slo: Slo::default(),
+    };
     let mut ws = views(&summaries, &vec![0; IDS.len()], &healthy);
     let d = policy.choose(&req, &ws, &ring(), 16).expect("decision");
     assert_eq!(ws[d.ranked[0]].id, IDS[0], "an even fleet: the ring primary");
@@ -394,7 +458,15 @@ fn lower_tiers_extend_the_match_and_earn_their_credit() {
     // A block past the last represented one is not taken on trust: 30 blocks at granularity 4 match 28.
     assert_eq!(ws[2].tier_match(&h[..30]).through_disk, 28);
 
-    let req = RequestView { hashes: &h, prompt_tokens: 512, session_key: 5, shared_blocks: 0, seq: 3 };
+    let req = RequestView {
+        hashes: &h,
+        prompt_tokens: 512,
+        session_key: 5,
+        shared_blocks: 0,
+        seq: 3,
+        output_tokens: 0,
+        slo: Slo::default(),
+    };
     let score = |weights: Weights| {
         let d = CacheAware::new(weights).choose(&req, &ws, &ring(), 16).expect("decision");
         let fractions: Vec<f64> = d.terms.iter().map(|t| t.matched_fraction).collect();
@@ -459,8 +531,15 @@ fn guard_case() -> (Vec<BlockHash>, Vec<Option<CacheSummary>>, CacheAware) {
 fn the_measured_guard_moves_when_the_predicted_seconds_say_so() {
     // 24,000-token prompt, 20,000 cached on w1 only: own(w1) = 0.4 s, own(elsewhere) = 2.4 s, waste 2 s.
     let (req_hashes, summaries, p) = guard_case();
-    let req =
-        RequestView { hashes: &req_hashes, prompt_tokens: 24_000, session_key: 9, shared_blocks: 0, seq: 1 };
+    let req = RequestView {
+        hashes: &req_hashes,
+        prompt_tokens: 24_000,
+        session_key: 9,
+        shared_blocks: 0,
+        seq: 1,
+        output_tokens: 0,
+        slo: Slo::default(),
+    };
     let pick = |w1_queue: u64, waiting: u64, age: f64| {
         let mut loads = [0; 5];
         loads[1] = w1_queue;
@@ -518,8 +597,15 @@ fn the_measured_guard_prices_long_contexts_by_the_workers_fit() {
     // own(elsewhere) = a 24,000 + b 24,000 x 12,000 = 0.86640 s; copy = a 20,000 + b (2.88e8 - 8.8e7) = 0.68 s.
     // w1's queue: Q tokens of area A; the request moves when a Q + b A + 0.1864 > 0.8664 + 0.68.
     let (req_hashes, summaries, p) = guard_case();
-    let req =
-        RequestView { hashes: &req_hashes, prompt_tokens: 24_000, session_key: 9, shared_blocks: 0, seq: 1 };
+    let req = RequestView {
+        hashes: &req_hashes,
+        prompt_tokens: 24_000,
+        session_key: 9,
+        shared_blocks: 0,
+        seq: 1,
+        output_tokens: 0,
+        slo: Slo::default(),
+    };
     let (a, b) = (2.35e-5, 1.05e-9);
     let pick = |queue: u64, area: u64| {
         let mut ws = views(&summaries, &[0, queue, 0, 0, 0], &[true; 5]);
@@ -553,8 +639,15 @@ fn the_measured_guard_survives_hostile_or_missing_speeds() {
     let req_hashes = hashes(64, 2);
     let summaries: Vec<Option<CacheSummary>> = vec![None; IDS.len()];
     let p = measured_guard(Weights::default());
-    let req =
-        RequestView { hashes: &req_hashes, prompt_tokens: 1024, session_key: 3, shared_blocks: 0, seq: 4 };
+    let req = RequestView {
+        hashes: &req_hashes,
+        prompt_tokens: 1024,
+        session_key: 3,
+        shared_blocks: 0,
+        seq: 4,
+        output_tokens: 0,
+        slo: Slo::default(),
+    };
     for (rate, busy, age) in [
         (f64::NAN, f64::NAN, f64::NAN),
         (f64::INFINITY, f64::INFINITY, f64::INFINITY),
@@ -568,6 +661,7 @@ fn the_measured_guard_survives_hostile_or_missing_speeds() {
             report_age_s: age,
             prefill_per_token_s: 1.0 / rate,
             prefill_attention_s: busy,
+            ..Speed::default()
         };
         let d = p.choose(&req, &ws, &ring(), 16).expect("decision");
         assert!(d.terms.iter().all(|t| t.predicted_s.is_finite() && t.predicted_s >= 0.0), "{:?}", d.terms);

@@ -83,6 +83,8 @@ fn input(hashes: &[BlockHash]) -> RouteInput<'_> {
         block_size: 16,
         only: None,
         adapter: None,
+        output_tokens: 0,
+        slo: crate::routing::Slo::default(),
     }
 }
 

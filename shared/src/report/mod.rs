@@ -1,7 +1,7 @@
 //! The worker report: the summary every worker pushes to each gateway once a second (`POST /kvgate/v1/report`),
 //! and its compact, versioned binary encoding.
 //!
-//! # Wire format (version 5), all integers little-endian
+//! # Wire format (version 7), all integers little-endian
 //! ```text
 //! magic "KVGR" | version u16 | flags u16 (bit 0: draining; other bits 0)
 //! worker_id str | advertise_url str | model_id str            (str = len u16 + UTF-8, at most 1024 bytes)
@@ -11,6 +11,7 @@
 //! role u8 | transfer_addr str | kv_bytes_per_token u32         (version 3 on)
 //! export_groups u16 | prefill_tokens_per_busy_s f64 | decode_step_s f64 | stall_ratio f64 (0..1)
 //! prefill_per_token_s f64 | prefill_attention_s f64                                            (version 5 on)
+//! decode_base_s f64 | decode_per_seq_s f64 | decode_per_kv_token_s f64                         (version 7 on)
 //! import count u8 (<= 16), then per peer: peer str | bytes u64 | seconds f64 | transfers u32   (version 4 on)
 //! waiting_requests u32 | prefill_tokens u64 | running_requests u32
 //! prefill_area u64 | prefilling_requests u32                                                   (version 5 on)
@@ -23,7 +24,8 @@
 //! Version 1 (no `instance_id` / `max_model_len`, flags 0) is still decoded, as `instance_id` 0 and
 //! `max_model_len` 0 (unknown), versions 1-2 as role `both` without a transfer listener, versions 1-3 without step
 //! timings or imports, versions 1-4 without the prefill fit, the queue's area or its prefilling count (0:
-//! unknown), versions 1-5 without LoRA adapters (none held, none loadable), so a gateway can be upgraded before its workers. `instance_id` is random per worker process: a new one
+//! unknown), versions 1-5 without LoRA adapters (none held, none loadable), versions 1-6 without the decode fit (0: not
+//! measured), so a gateway can be upgraded before its workers. `instance_id` is random per worker process: a new one
 //! means a restart, whose `seq` starts again. Nothing may follow the last tier. Decoding is
 //! strict: a wrong magic, an unknown version, a truncated field, a
 //! value out of range or trailing bytes is a [`ReportError`], never a panic.
@@ -40,8 +42,8 @@ pub use bloom::{BlockBloom, BLOOM_HEADER_BYTES, BLOOM_SEED, MAX_BLOOM_BYTES, MAX
 
 use crate::hashing::{BlockHash, HashScheme};
 
-/// Current wire version (the encoder writes it; the decoder also reads versions 1 to 5).
-pub const REPORT_VERSION: u16 = 6;
+/// Current wire version (the encoder writes it; the decoder also reads versions 1 to 6).
+pub const REPORT_VERSION: u16 = 7;
 /// Most LoRA adapters one report names (a worker holding more names the most recently used).
 pub const MAX_REPORT_ADAPTERS: usize = 256;
 /// Longest LoRA adapter name, in bytes (a worker refuses to load an adapter under a longer one).
@@ -338,6 +340,12 @@ pub struct StepTiming {
     pub prefill_per_token_s: f64,
     /// Seconds per unit of attention area (see `prefill_per_token_s`).
     pub prefill_attention_s: f64,
+    /// The worker's fit of what a decode-only step costs: seconds = `decode_base_s + decode_per_seq_s x batch +
+    /// decode_per_kv_token_s x the KV tokens its sequences attend to`, over its recent steps (version 7 on; all 0:
+    /// not measured). What a stream joining its batch will see per token, and what it adds to the others'.
+    pub decode_base_s: f64,
+    pub decode_per_seq_s: f64,
+    pub decode_per_kv_token_s: f64,
 }
 
 /// KV imported from one prefill peer over a report interval.
@@ -388,6 +396,9 @@ impl WorkerReport {
             t.stall_ratio,
             t.prefill_per_token_s,
             t.prefill_attention_s,
+            t.decode_base_s,
+            t.decode_per_seq_s,
+            t.decode_per_kv_token_s,
         ] {
             put_u64(&mut w, v.to_bits());
         }
@@ -489,6 +500,11 @@ impl WorkerReport {
                 if version >= 5 {
                     pd.timing.prefill_per_token_s = r.rate("prefill_per_token_s")?;
                     pd.timing.prefill_attention_s = r.rate("prefill_attention_s")?;
+                }
+                if version >= 7 {
+                    pd.timing.decode_base_s = r.rate("decode_base_s")?;
+                    pd.timing.decode_per_seq_s = r.rate("decode_per_seq_s")?;
+                    pd.timing.decode_per_kv_token_s = r.rate("decode_per_kv_token_s")?;
                 }
                 if pd.timing.stall_ratio > 1.0 {
                     return Err(invalid("stall_ratio", format!("{} is over 1", pd.timing.stall_ratio)));

@@ -69,9 +69,25 @@ fn draining_flag_round_trips_and_unknown_flags_are_refused() {
     assert!(matches!(WorkerReport::decode(&bad), Err(ReportError::Invalid { field: "flags", .. })));
 }
 
+/// Where the version-7 decode fit starts in `r`'s encoding (after the prefill fit).
+fn decode_fit_at(r: &WorkerReport) -> usize {
+    let strings: usize = [&r.worker_id, &r.advertise_url, &r.model_id].iter().map(|s| 2 + s.len()).sum();
+    8 + strings + 24 + 16 + 12 + 1 + 2 + r.pd.transfer_addr.len() + 4 + 2 + 24 + 16
+}
+
+/// The version-6 encoding of `r`: no decode fit.
+fn encode_v6(r: &WorkerReport) -> Vec<u8> {
+    let v7 = r.encode();
+    let at = decode_fit_at(r);
+    let mut v6 = v7[..at].to_vec();
+    v6.extend_from_slice(&v7[at + 24..]);
+    v6[4..6].copy_from_slice(&6u16.to_le_bytes());
+    v6
+}
+
 /// The version-5 encoding of `r`: no adapters.
 fn encode_v5(r: &WorkerReport) -> Vec<u8> {
-    let v6 = r.encode();
+    let v6 = encode_v6(r);
     let strings: usize = [&r.worker_id, &r.advertise_url, &r.model_id].iter().map(|s| 2 + s.len()).sum();
     let start = 8 + strings + 24 + 16 + 12 + pd_len(r) + 16 + 16 + 12 + 16;
     let len = 4 + r.lora.held.iter().map(|a| 4 + a.name.len() + a.key.len()).sum::<usize>();
@@ -105,7 +121,7 @@ fn encode_v2(r: &WorkerReport) -> Vec<u8> {
     v2
 }
 
-/// Bytes of the prefill/decode part of `r`'s version-4 encoding (version 5 adds 16).
+/// Bytes of the prefill/decode part of `r`'s version-4 encoding (version 5 adds 16, version 7 24 more).
 fn pd_len(r: &WorkerReport) -> usize {
     let imports: usize = r.pd.imports.iter().map(|i| 2 + i.peer.len() + 8 + 8 + 4).sum();
     1 + 2 + r.pd.transfer_addr.len() + 4 + 2 + 24 + 1 + imports
@@ -134,6 +150,9 @@ fn pd_sample() -> PdInfo {
             stall_ratio: 0.25,
             prefill_per_token_s: 2.35e-5,
             prefill_attention_s: 1.05e-9,
+            decode_base_s: 0.0048,
+            decode_per_seq_s: 2.35e-5,
+            decode_per_kv_token_s: 3.9e-8,
         },
         imports: vec![PeerImport {
             peer: "10.0.0.8:9100".into(),
@@ -155,9 +174,16 @@ fn adapters_round_trip_older_senders_hold_none_and_hostile_ones_are_refused() {
     let mut r = sample(10, 1);
     r.pd = pd_sample();
     r.lora = lora_sample();
-    assert_eq!(WorkerReport::decode(&r.encode()).expect("v6"), r);
+    assert_eq!(WorkerReport::decode(&r.encode()).expect("v7"), r);
     let v5 = WorkerReport::decode(&encode_v5(&r)).expect("v5");
-    assert_eq!(v5, WorkerReport { lora: LoraInfo::default(), ..r.clone() }, "a version-5 sender holds none");
+    let no_decode_fit =
+        StepTiming { decode_base_s: 0.0, decode_per_seq_s: 0.0, decode_per_kv_token_s: 0.0, ..r.pd.timing };
+    let pd = PdInfo { timing: no_decode_fit, ..r.pd.clone() };
+    assert_eq!(
+        v5,
+        WorkerReport { lora: LoraInfo::default(), pd, ..r.clone() },
+        "a version-5 sender holds none"
+    );
     let refused = |l: LoraInfo| {
         let bad = WorkerReport { lora: l, ..r.clone() };
         match WorkerReport::decode(&bad.encode()) {
@@ -188,7 +214,7 @@ fn adapters_round_trip_older_senders_hold_none_and_hostile_ones_are_refused() {
     assert_eq!(sent.lora.held.len(), MAX_REPORT_ADAPTERS);
     let mut bytes = r.encode();
     let strings: usize = [&r.worker_id, &r.advertise_url, &r.model_id].iter().map(|s| 2 + s.len()).sum();
-    let count = 8 + strings + 24 + 16 + 12 + pd_len(&r) + 16 + 16 + 12 + 16 + 2;
+    let count = 8 + strings + 24 + 16 + 12 + pd_len(&r) + 16 + 24 + 16 + 12 + 16 + 2;
     bytes[count..count + 2].copy_from_slice(&(MAX_REPORT_ADAPTERS as u16 + 1).to_le_bytes());
     assert!(matches!(WorkerReport::decode(&bytes), Err(ReportError::Invalid { field: "adapters", .. })));
 }
@@ -199,7 +225,18 @@ fn step_timings_and_imports_round_trip_and_hostile_ones_are_refused() {
     r.pd = pd_sample();
     assert_eq!(WorkerReport::decode(&r.encode()).expect("v5"), r);
     let v4 = WorkerReport::decode(&encode_v4(&r)).expect("v4");
-    let no_fit = StepTiming { prefill_per_token_s: 0.0, prefill_attention_s: 0.0, ..r.pd.timing };
+    let no_fit = StepTiming {
+        prefill_per_token_s: 0.0,
+        prefill_attention_s: 0.0,
+        decode_base_s: 0.0,
+        decode_per_seq_s: 0.0,
+        decode_per_kv_token_s: 0.0,
+        ..r.pd.timing
+    };
+    let v6 = WorkerReport::decode(&encode_v6(&r)).expect("v6");
+    let no_decode_fit =
+        StepTiming { decode_base_s: 0.0, decode_per_seq_s: 0.0, decode_per_kv_token_s: 0.0, ..r.pd.timing };
+    assert_eq!(v6.pd.timing, no_decode_fit, "a version-6 sender has no decode fit");
     assert_eq!(v4.pd, PdInfo { timing: no_fit, ..pd_sample() }, "a version-4 sender has no prefill fit");
     assert_eq!(
         v4.queue,
@@ -222,6 +259,8 @@ fn step_timings_and_imports_round_trip_and_hostile_ones_are_refused() {
         [(16, 1.5f64, "stall_ratio"), (0, f64::NAN, "prefill_tokens_per_busy_s"), (8, -1.0, "decode_step_s")]
             .into_iter()
             .chain([(24, -2e-5, "prefill_per_token_s"), (32, f64::INFINITY, "prefill_attention_s")])
+            .chain([(40, f64::NAN, "decode_base_s"), (48, -1e-3, "decode_per_seq_s")])
+            .chain([(56, f64::NEG_INFINITY, "decode_per_kv_token_s")])
     {
         let mut bad = r.encode();
         bad[at + offset..at + offset + 8].copy_from_slice(&value.to_bits().to_le_bytes());
@@ -229,7 +268,7 @@ fn step_timings_and_imports_round_trip_and_hostile_ones_are_refused() {
         assert!(matches!(e, Err(ReportError::Invalid { field: f, .. }) if f == field), "{field}: {e:?}");
     }
     let mut bad = r.encode();
-    bad[at + 40] = (MAX_IMPORT_PEERS + 1) as u8;
+    bad[at + 64] = (MAX_IMPORT_PEERS + 1) as u8;
     assert!(matches!(WorkerReport::decode(&bad), Err(ReportError::Invalid { field: "imports", .. })));
     // The encoder never writes more peers than a decoder takes.
     r.pd.imports = vec![PeerImport::default(); MAX_IMPORT_PEERS + 5];

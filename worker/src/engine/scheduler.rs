@@ -134,6 +134,9 @@ pub struct SchedulerCounters {
     /// The causal-attention area of the scheduled prompt chunks: the sum of `n x (start + n / 2)`
     /// (`kvgate_shared::report::attention_area`; what the reports' prefill fit prices per unit).
     pub prefill_area: u64,
+    /// The KV tokens the decode chunks attended to: the sum of `start + 1` over them (what a decode step's cost
+    /// grows with besides its batch; the reports' decode fit).
+    pub decode_context: u64,
     /// Steps an exporting sequence was passed over because its link's backlog was full.
     pub export_holds: u64,
 }
@@ -344,8 +347,11 @@ impl Scheduler {
         }
         self.counters.steps += 1;
         self.counters.scheduled_tokens += plan.iter().map(|c| c.len as u64).sum::<u64>();
-        self.counters.decode_chunks +=
-            plan.iter().filter(|c| c.start >= self.running[c.index].prompt_len).count() as u64;
+        let decodes = plan.iter().filter(|c| c.start >= self.running[c.index].prompt_len);
+        let (n, context) =
+            decodes.fold((0u64, 0u64), |(n, k), c| (n + 1, k.saturating_add(c.start as u64 + 1)));
+        self.counters.decode_chunks += n;
+        self.counters.decode_context = self.counters.decode_context.saturating_add(context);
         let area: u64 = plan
             .iter()
             .filter(|c| c.start < self.running[c.index].prompt_len)

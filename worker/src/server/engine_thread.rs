@@ -103,6 +103,8 @@ pub struct EngineSnapshot {
     /// Prefill-carrying steps' seconds against their prompt tokens and attention area (`prefill_fit`), from the
     /// shapes the engine timed at start (`Engine::time_prefill_shapes`) on.
     pub prefill_fit: super::prefill_fit::PrefillFit,
+    /// Decode-only steps' seconds against their batch and context (`decode_fit`).
+    pub decode_fit: super::decode_fit::DecodeFit,
 }
 
 /// Handle to the engine thread (cheap to clone).
@@ -376,6 +378,8 @@ pub struct StepWork {
     pub computed: u64,
     /// The attention area of its prompt chunks.
     pub area: u64,
+    /// The KV tokens its decode chunks attended to.
+    pub context: u64,
 }
 
 impl StepWork {
@@ -385,13 +389,14 @@ impl StepWork {
             decodes: after.decode_chunks - before.decode_chunks,
             computed: after.scheduled_tokens - before.scheduled_tokens,
             area: after.prefill_area - before.prefill_area,
+            context: after.decode_context - before.decode_context,
         }
     }
 }
 
-/// Adds one step's time to the step-timing sums and the prefill fit.
+/// Adds one step's time to the step-timing sums and the prefill and decode fits.
 pub fn time_step(t: &mut EngineSnapshot, step: StepWork, elapsed: f64) {
-    let StepWork { decodes, computed, area } = step;
+    let StepWork { decodes, computed, area, context } = step;
     let prefill = computed > decodes;
     if prefill {
         t.prefill_step_s += elapsed;
@@ -403,10 +408,13 @@ pub fn time_step(t: &mut EngineSnapshot, step: StepWork, elapsed: f64) {
     t.decode_carrying_s += elapsed;
     if prefill {
         t.stalled_s += (elapsed - t.decode_step_s).max(0.0);
-    } else if t.decode_step_s == 0.0 {
-        t.decode_step_s = elapsed;
     } else {
-        t.decode_step_s += (elapsed - t.decode_step_s) / 8.0;
+        t.decode_fit.observe(decodes as f64, context as f64, elapsed);
+        if t.decode_step_s == 0.0 {
+            t.decode_step_s = elapsed;
+        } else {
+            t.decode_step_s += (elapsed - t.decode_step_s) / 8.0;
+        }
     }
 }
 

@@ -77,7 +77,11 @@ pub fn step_timing(prev: &EngineSnapshot, now: &EngineSnapshot) -> StepTiming {
     let stalled = now.stalled_s - prev.stalled_s;
     let ratio = |a: f64, b: f64| if b > 0.0 && a.is_finite() { (a / b).max(0.0) } else { 0.0 };
     let (prefill_per_token_s, prefill_attention_s) = now.prefill_fit.coefficients();
+    let decode = now.decode_fit.cost();
     StepTiming {
+        decode_base_s: decode.base_s,
+        decode_per_seq_s: decode.per_seq_s,
+        decode_per_kv_token_s: decode.per_kv_token_s,
         prefill_per_token_s,
         prefill_attention_s,
         prefill_tokens_per_s: ratio(prefill_tokens, prefill_s),
@@ -238,7 +242,7 @@ mod tests {
     use crate::server::engine_thread::{time_step, StepWork};
 
     fn work(decodes: u64, computed: u64, area: u64) -> StepWork {
-        StepWork { decodes, computed, area }
+        StepWork { decodes, computed, area, context: decodes * 1_000 }
     }
 
     #[test]
@@ -258,6 +262,8 @@ mod tests {
         t.prefill_tokens += 2048;
         let s = step_timing(&start, &t);
         assert!((s.decode_step_s - 0.010).abs() < 1e-12, "{s:?}");
+        // The decode fit sees only the decode-only steps (one batch size: no slope to tell).
+        assert!((s.decode_base_s - 0.010).abs() < 1e-12 && s.decode_per_seq_s == 0.0, "{s:?}");
         // 2 x 30 ms stalled of 4 x 10 + 2 x 40 = 120 ms carrying decodes.
         assert!((s.stall_ratio - 0.5).abs() < 1e-9, "{s:?}");
         assert!((s.prefill_tokens_per_s - 6048.0 / 0.130).abs() < 1e-6, "{s:?}");
