@@ -83,7 +83,7 @@ fn crowded(summaries: &[Option<CacheSummary>], streams: u64) -> Vec<WorkerView<'
     let mut ws = views(summaries);
     ws[1].load = Load { requests: streams, ..Load::default() };
     ws[1].speed.decoding = streams;
-    ws[1].speed.kv_free_tokens = 60_000 - streams * 1_500;
+    ws[1].speed.kv_free_tokens = 60_000u64.saturating_sub(streams.saturating_mul(1_500));
     ws
 }
 
@@ -96,9 +96,9 @@ fn a_conversation_is_not_parked_where_its_answer_would_crawl() {
     let ws = crowded(&summaries, 8);
     assert_eq!(pick(GuardKind::Measured, &req(&h, 256), &ws), "w1");
     assert_ne!(pick(GuardKind::Goodput, &req(&h, 256), &ws), "w1");
-    // One stream there: the prefix is worth more than a batch of two costs. It stays.
+    // One stream there and a short answer: the prefix is worth more than a batch of two costs. It stays.
     let ws = crowded(&summaries, 1);
-    assert_eq!(pick(GuardKind::Goodput, &req(&h, 256), &ws), "w1");
+    assert_eq!(pick(GuardKind::Goodput, &req(&h, 64), &ws), "w1");
     // A request that generates one token joins no batch for long: the cache decides.
     let ws = crowded(&summaries, 8);
     assert_eq!(pick(GuardKind::Goodput, &req(&h, 1), &ws), "w1");
@@ -127,9 +127,9 @@ fn a_pool_full_of_other_sessions_prefixes_is_priced_by_what_it_would_evict() {
     let h = hashes(64);
     let summaries = vec![None, None, None];
     let mut ws = views(&summaries);
-    // No worker holds the prompt. w0 and w1 are full of cached prefixes (free blocks all hold some); w2 has room.
+    // No worker holds the prompt. w0 and w1 are full of cached prefixes (their free blocks all hold some); w2's
+    // free blocks hold none.
     for w in &mut ws[..2] {
-        w.speed.kv_free_tokens = 8_000;
         w.speed.kv_cached_tokens = 65_536;
     }
     let p = CacheAware::with_guard(Weights::default(), GuardKind::Goodput);
