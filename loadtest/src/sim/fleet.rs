@@ -467,20 +467,18 @@ impl<'a> Fleet<'a> {
             extra_keys: adapter.as_deref().map_or_else(ExtraKeys::none, adapter_keys),
             adapter: None,
         };
+        let flight = InFlight {
+            arrival,
+            first_at: None,
+            prompt_tokens: tokens.len(),
+            tickets,
+            class,
+            predicted_ttft_s,
+        };
         if let Some(name) = &adapter {
             let ready = self.ensure_adapter(w, replica, name, t);
             if ready > t {
-                self.inflight.insert(
-                    i as u64,
-                    InFlight {
-                        arrival,
-                        first_at: None,
-                        prompt_tokens: tokens.len(),
-                        tickets,
-                        class,
-                        predicted_ttft_s,
-                    },
-                );
+                self.inflight.insert(i as u64, flight);
                 self.workers[w].loading.push((ready, req));
                 return;
             }
@@ -488,27 +486,17 @@ impl<'a> Fleet<'a> {
         self.workers[w].engine.backend_mut().set_now(t);
         match self.workers[w].engine.add_request(req) {
             Ok(()) => {
-                self.inflight.insert(
-                    i as u64,
-                    InFlight {
-                        arrival,
-                        first_at: None,
-                        prompt_tokens: tokens.len(),
-                        tickets,
-                        class,
-                        predicted_ttft_s,
-                    },
-                );
+                self.inflight.insert(i as u64, flight);
                 if self.workers[w].busy_until.is_none() {
                     self.start_step(w, t);
                 }
             }
             Err(e) => {
                 tracing::debug!(request = i, error = %e, "simulated worker refused the request");
-                for (q, ticket) in tickets {
+                for (q, ticket) in flight.tickets {
                     self.registries[q].record_done(ticket);
                 }
-                self.refuse(class, t);
+                self.refuse(flight.class, t);
             }
         }
     }
