@@ -162,7 +162,8 @@ impl Inputs<'_> {
     pub fn goodput_target(&self, winner: usize, g: &[Goodput]) -> Option<usize> {
         let any_fits = self.healthy.iter().any(|i| g[*i].fits);
         let pool = self.healthy.iter().filter(|i| g[**i].fits || !any_fits);
-        let total = |i: usize| g[i].cost_s + self.w.w_copy * self.copy_s(i, winner);
+        let copies = self.copies_s(winner);
+        let total = |i: usize| g[i].cost_s + self.w.w_copy * copies[i];
         let target = *pool.min_by(|a, b| total(**a).total_cmp(&total(**b)).then(a.cmp(b)))?;
         let moves =
             target != winner && ((g[target].fits && !g[winner].fits) || total(target) < g[winner].cost_s);

@@ -242,7 +242,8 @@ impl Inputs<'_> {
     /// when that beats the winner's (`p`: [`Inputs::predicted_s`]).
     pub fn measured_target(&self, winner: usize, p: &[Predicted]) -> Option<usize> {
         let j = |i: usize| p[i].j_s;
-        let copy = |i: usize| self.copy_s(i, winner);
+        let copies = self.copies_s(winner);
+        let copy = |i: usize| copies[i];
         let total = |i: usize| j(i) + copy(i);
         let target = *self.healthy.iter().min_by(|a, b| total(**a).total_cmp(&total(**b)).then(a.cmp(b)))?;
         let moves = target != winner && total(target) < j(winner);
@@ -258,14 +259,19 @@ impl Inputs<'_> {
         moves.then_some(target)
     }
 
-    /// `copy(i)`: the copy a move from `winner` to view `i` leaves: as many tokens of other prefixes displaced at
-    /// `i` (the same tokens at the same positions), computed again when next asked for (priced as if they will
-    /// be), delaying the fleet at its utilisation.
-    pub(super) fn copy_s(&self, i: usize, winner: usize) -> f64 {
+    /// `copy(i)` of every view: the copy a move from `winner` to view `i` leaves: as many tokens of other prefixes
+    /// displaced at `i` (the same tokens at the same positions), computed again when next asked for (priced as if
+    /// they will be), delaying the fleet at its utilisation. One pass (the fleet's figures once: O(views)).
+    pub(super) fn copies_s(&self, winner: usize) -> Vec<f64> {
         let (fleet, busy) = (self.fleet_cost(), self.fleet_util());
-        let waste = self.uncached[i].saturating_sub(self.uncached[winner]);
-        let area = self.own_area(i).saturating_sub(self.own_area(winner));
-        fleet.secs(waste, area) / ((1.0 - busy) * (1.0 - busy))
+        let (won, won_area) = (self.uncached[winner], self.own_area(winner));
+        (0..self.workers.len())
+            .map(|i| {
+                let waste = self.uncached[i].saturating_sub(won);
+                let area = self.own_area(i).saturating_sub(won_area);
+                fleet.secs(waste, area) / ((1.0 - busy) * (1.0 - busy))
+            })
+            .collect()
     }
 
     /// The thresholds guard (#28; formula above).
