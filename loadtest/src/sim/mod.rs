@@ -91,7 +91,8 @@ pub struct SimConfig {
     /// LoRA adapters (`--adapters`, `--adapter-*`; default none): which requests name one, what workers hold and
     /// where the gateway places them (`adapters.rs`).
     pub adapters: Option<adapters::AdapterSim>,
-    /// The SLOs a completed request's tokens must meet to count as goodput (`--slo-*`; default [`Slo::default`]).
+    /// The SLOs a completed request's tokens must meet to count as goodput (`--slo-*`; default [`Slo::default`]), and
+    /// that every request is routed to meet: with admission classes too (their own `slo` tables are not read here).
     pub slo: Slo,
 }
 

@@ -66,7 +66,7 @@ pub struct Goodput {
     pub tpot_s: f64,
     /// `cost(w)`, s.
     pub cost_s: f64,
-    /// It meets the request's SLOs there (TTFT and TPOT, and the pool has room for it).
+    /// It meets the request's SLOs there (TTFT and TPOT, as predicted).
     pub meets: bool,
     /// What the guard filters by: `meets`, or true without `slo_filter`.
     pub fits: bool,
@@ -85,15 +85,22 @@ impl Inputs<'_> {
         (d != Decode::default()).then_some(d)
     }
 
-    /// The fleet's mean decode fit over the healthy views that report one.
+    /// The fleet's mean decode fit over the healthy views that report one (one pass, no allocation).
     fn fleet_decode(&self) -> Option<Decode> {
-        let fits: Vec<Decode> = self.healthy.iter().filter_map(|i| self.decode_of(*i)).collect();
-        let n = fits.len() as f64;
-        (n > 0.0).then(|| Decode {
-            base: fits.iter().map(|d| d.base).sum::<f64>() / n,
-            per_seq: fits.iter().map(|d| d.per_seq).sum::<f64>() / n,
-            per_kv: fits.iter().map(|d| d.per_kv).sum::<f64>() / n,
-        })
+        let (sum, n) = self.healthy.iter().filter_map(|i| self.decode_of(*i)).fold(
+            (Decode::default(), 0.0),
+            |(s, n), d| {
+                (
+                    Decode {
+                        base: s.base + d.base,
+                        per_seq: s.per_seq + d.per_seq,
+                        per_kv: s.per_kv + d.per_kv,
+                    },
+                    n + 1.0,
+                )
+            },
+        );
+        (n > 0.0).then(|| Decode { base: sum.base / n, per_seq: sum.per_seq / n, per_kv: sum.per_kv / n })
     }
 
     /// Every view's goodput figures (formula above; defaults for unhealthy views). `p`: [`Inputs::predicted_s`].
