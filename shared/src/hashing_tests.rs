@@ -218,3 +218,21 @@ proptest! {
         }
     }
 }
+
+#[test]
+fn one_shot_and_streamed_blocks_hash_alike() {
+    // chain_hash hashes small blocks in one call and streams large ones: both must be xxh3 of the same bytes.
+    let streamed = |parent: BlockHash, toks: &[u32]| {
+        let mut h = xxhash_rust::xxh3::Xxh3::new();
+        h.update(&parent.0.to_le_bytes());
+        for t in toks {
+            h.update(&t.to_le_bytes());
+        }
+        BlockHash(h.digest())
+    };
+    let toks: Vec<u32> = (0..600u32).map(|i| i.wrapping_mul(2_654_435_761)).collect();
+    for n in [0, 1, 15, 16, 64, 125, 126, 127, 128, 252, 253, 600] {
+        let parent = BlockHash(0x0123_4567_89ab_cdef ^ n as u64);
+        assert_eq!(chain_hash(parent, &toks[..n]), streamed(parent, &toks[..n]), "block of {n} tokens");
+    }
+}

@@ -338,6 +338,7 @@ impl Registry {
             self.roots.discover(w.uid, &summaries, self.cfg.root_discovery_budget);
         }
         let w = &mut self.workers[i];
+        w.device_kv = Worker::device_kv_of(&report);
         w.report = Some(report);
         w.report_at = Some(now);
         w.epoch += 1;

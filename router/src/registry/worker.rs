@@ -179,6 +179,9 @@ pub struct Worker {
     pub pd: super::pd::PdState,
     /// The LoRA adapters it holds and what loading one costs there (`adapters.rs`).
     pub lora: super::adapters::WorkerAdapters,
+    /// The latest report's device pool in tokens: total, free, cached (set with `report`; read by every decision,
+    /// so kept here rather than found among the report's tiers each time).
+    pub device_kv: [u64; 3],
 }
 
 impl Worker {
@@ -198,6 +201,7 @@ impl Worker {
             admin_draining: false,
             max_model_len: 0,
             inflight: 0,
+            device_kv: [0; 3],
             epoch: 0,
             sent_requests_since_report: 0,
             sent_tokens_since_report: 0,
@@ -247,19 +251,7 @@ impl Worker {
         let report_age_s = self.report_at.map_or(0.0, |at| now.saturating_duration_since(at).as_secs_f64());
         let report = self.report.as_ref();
         let q = report.map(|r| r.queue).or(self.scraped).unwrap_or_default();
-        // The device pool in tokens (a report's blocks times its block size; saturating: a report may state any
-        // u64).
-        let (total, free, cached) = report
-            .and_then(|r| {
-                Some((r.tier(kvgate_shared::report::Tier::Device)?, u64::from(r.scheme.block_size)))
-            })
-            .map_or((0, 0, 0), |(t, b)| {
-                (
-                    t.blocks_total.saturating_mul(b),
-                    t.blocks_free.saturating_mul(b),
-                    t.blocks_cached.saturating_mul(b),
-                )
-            });
+        let [total, free, cached] = self.device_kv;
         crate::routing::Speed {
             prefill_tokens_per_s: speed,
             prefill_busy: busy,
@@ -275,6 +267,19 @@ impl Worker {
             kv_free_tokens: free,
             kv_cached_tokens: cached,
         }
+    }
+
+    /// A report's device pool in tokens: total, free, cached (its blocks times its block size; saturating: a
+    /// report may state any u64).
+    pub(super) fn device_kv_of(r: &WorkerReport) -> [u64; 3] {
+        let b = u64::from(r.scheme.block_size);
+        r.tier(kvgate_shared::report::Tier::Device).map_or([0; 3], |t| {
+            [
+                t.blocks_total.saturating_mul(b),
+                t.blocks_free.saturating_mul(b),
+                t.blocks_cached.saturating_mul(b),
+            ]
+        })
     }
 
     /// Load as this gateway sees it at `now`: the last report plus the sends since (this replica's, and the other

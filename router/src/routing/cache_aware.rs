@@ -350,6 +350,7 @@ impl RoutingPolicy for CacheAware {
             hub_shared: req.shared_blocks > 0,
             output_tokens: req.output_tokens,
             slo: req.slo,
+            fleet: Default::default(),
         };
         let (target, predicted, goodput) = guard_target(self.guard, &guard, winner);
         if let Some(target) = target {

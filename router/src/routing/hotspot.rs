@@ -130,6 +130,8 @@ pub(super) struct Inputs<'a> {
     /// The output it will probably produce (`RequestView::output_tokens`) and its SLOs (the goodput guard's).
     pub output_tokens: u64,
     pub slo: super::Slo,
+    /// The fleet's mean cost and utilisation, computed once per decision (every guard term reads them).
+    pub fleet: std::cell::OnceCell<(Cost, f64)>,
 }
 
 impl Inputs<'_> {
@@ -159,6 +161,15 @@ impl Inputs<'_> {
 
     /// The fleet's mean measured cost (1 s a token when none is measured: the terms are then tokens).
     pub(super) fn fleet_cost(&self) -> Cost {
+        self.fleet().0
+    }
+
+    /// The fleet's mean cost and utilisation, once per decision.
+    fn fleet(&self) -> (Cost, f64) {
+        *self.fleet.get_or_init(|| (self.mean_cost(), self.mean_util()))
+    }
+
+    fn mean_cost(&self) -> Cost {
         let (sum, n) = self.healthy.iter().filter_map(|i| self.cost_of(*i)).fold(
             (Cost::default(), 0usize),
             |(s, n), c| {
@@ -198,6 +209,10 @@ impl Inputs<'_> {
 
     /// The fleet's utilisation: what its mean number in prefill implies (capped).
     pub(super) fn fleet_util(&self) -> f64 {
+        self.fleet().1
+    }
+
+    fn mean_util(&self) -> f64 {
         let n = self.healthy.len().max(1) as f64;
         queue_util(self.healthy.iter().map(|i| self.in_prefill(*i)).sum::<f64>() / n).min(MAX_BUSY)
     }
@@ -263,7 +278,7 @@ impl Inputs<'_> {
     /// displaced at `i` (the same tokens at the same positions), computed again when next asked for (priced as if
     /// they will be), delaying the fleet at its utilisation. One pass (the fleet's figures once: O(views)).
     pub(super) fn copies_s(&self, winner: usize) -> Vec<f64> {
-        let (fleet, busy) = (self.fleet_cost(), self.fleet_util());
+        let (fleet, busy) = self.fleet();
         let (won, won_area) = (self.uncached[winner], self.own_area(winner));
         (0..self.workers.len())
             .map(|i| {
