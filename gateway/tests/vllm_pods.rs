@@ -9,7 +9,8 @@
 //! - the default policy (`cache_aware_measured`) reuses more of the pods' caches than `round_robin` (a second gateway on the same pods);
 //! - the class budget is charged what vLLM's `usage` says; vLLM's own 400 reaches the client as vLLM wrote it;
 //!   `/tokenize` passes through and equals the pod's;
-//! - load from the pod's `/metrics`: requests sent to a pod directly show up as its scraped running queue;
+//! - load from the pod's `/metrics`: requests sent to a pod directly show up as its scraped running queue, and its
+//!   decode cost is fitted from its inter-token latency histogram;
 //! - a pod SIGKILLed mid-stream ends the stream with the documented error event, leaves the ring, and the next
 //!   request goes to the other pod; restarted, its event subscriber reconnects, its index starts empty and is
 //!   rebuilt from the new pod's events;
@@ -84,6 +85,14 @@ async fn explain_once_indexed(control: &str, body: &Value, session: &str, worker
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
+}
+
+/// The sum of a Prometheus family's series on a page (every label set).
+fn series_sum(page: &str, name: &str) -> f64 {
+    page.lines()
+        .filter_map(|l| l.strip_prefix(name).filter(|r| r.starts_with(['{', ' '])))
+        .filter_map(|r| r.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
 }
 
 /// The term of worker `url` in an explain answer.
@@ -325,6 +334,24 @@ async fn the_quick_start_routes_by_the_pods_events_and_outlives_a_killed_and_res
     .await;
     assert_eq!(w["scraped"]["waiting_requests"], 0, "{w}");
     assert_eq!(w["load"]["requests"], n, "{w}");
+    // Its decode cost is fitted from the inter-token latency its page gives (two scrapes apart), and its KV pool
+    // is its page's capacity and usage: the goodput objective's decode and eviction terms for a pod. The fitted
+    // time per token at this batch is the pod's own mean inter-token latency within a factor of 3 (the mean is
+    // over the whole run, at every batch the earlier phases ran).
+    let w = wait_worker(&control, &pod0, Duration::from_secs(30), |w| {
+        w["speed"]["decode_base_s"].as_f64().is_some_and(|b| b > 0.0)
+            && w["speed"]["kv_total_tokens"].as_u64().is_some_and(|t| t > 0)
+    })
+    .await;
+    let s = &w["speed"];
+    let fitted =
+        s["decode_base_s"].as_f64().unwrap_or(0.0) + s["decode_per_seq_s"].as_f64().unwrap_or(0.0) * n as f64;
+    let page = get(&format!("{pod0}/metrics")).await.body;
+    let own = series_sum(&page, "vllm:inter_token_latency_seconds_sum")
+        / series_sum(&page, "vllm:inter_token_latency_seconds_count");
+    eprintln!("pod decode fit {s}; at {n} running {fitted:.4} s/token; the pod's mean inter-token latency {own:.4} s");
+    assert!(fitted > own / 3.0 && fitted < own * 3.0, "fitted {fitted} vs the pod's {own}: {w}");
+    assert!(s["kv_free_tokens"].as_u64() < s["kv_total_tokens"].as_u64(), "{w}");
     for h in held {
         h.abort();
     }

@@ -14,6 +14,7 @@
 //! - [`stats`]: the one percentile of every report, bench and test.
 
 pub mod credential;
+pub mod decode_fit;
 pub mod duration;
 pub mod errors;
 pub mod handoff;

@@ -11,6 +11,9 @@
 //!   the total over its data-parallel engines on each engine's series); SGLang's `sglang:num_used_tokens` /
 //!   `sglang:token_usage` (only while usage is at least [`MIN_USAGE_FOR_CAPACITY`]: SGLang rounds the usage to two
 //!   decimals, so below that the ratio is too rough).
+//! - the inter-token latency histogram's sum and count (vLLM `vllm:inter_token_latency_seconds`, in older releases
+//!   `vllm:time_per_output_token_seconds`; SGLang `sglang:inter_token_latency_seconds`), from which the registry
+//!   fits the pod's decode cost against its running requests (`PodDecode`): the goodput objective's decode terms.
 //!
 //! - the model's context length, from the pod's `/v1/models` (`max_model_len` of the model's card, as vLLM and
 //!   SGLang serve it) every [`MODELS_EVERY`] scrapes, the smaller of it and the `[[models]]` entry's
@@ -117,6 +120,8 @@ pub struct MetricNames {
     /// KV usage gauges (a fraction), any of them.
     pub usage: &'static [&'static str],
     pub capacity: Capacity,
+    /// Inter-token latency histograms (seconds), newest name first: the first whose `_count` the page has is read.
+    pub itl: &'static [&'static str],
 }
 
 /// Where a kind's KV capacity comes from.
@@ -136,12 +141,14 @@ pub fn metric_names(kind: WorkerKind) -> Option<MetricNames> {
             running: "vllm:num_requests_running",
             usage: &["vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"],
             capacity: Capacity::VllmCacheConfig,
+            itl: &["vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds"],
         }),
         WorkerKind::Sglang => Some(MetricNames {
             waiting: "sglang:num_queue_reqs",
             running: "sglang:num_running_reqs",
             usage: &["sglang:token_usage"],
             capacity: Capacity::UsedOverUsage("sglang:num_used_tokens"),
+            itl: &["sglang:inter_token_latency_seconds", "sglang:time_per_output_token_seconds"],
         }),
         WorkerKind::Kvgate | WorkerKind::Openai => None,
     }
@@ -178,6 +185,8 @@ pub fn parse_rank(text: &str, names: &MetricNames, block_size: u32, rank: Option
     let (mut w, mut r, mut seen) = (0f64, 0f64, false);
     let (mut usage_sum, mut usage_n) = (0f64, 0u32);
     let (mut config_tokens, mut used_tokens) = (None::<f64>, None::<f64>);
+    // Per inter-token latency family: its sum and count, summed over the series read.
+    let mut itl = [(0f64, None::<f64>); 2];
     let sane = |v: &str| v.parse::<f64>().ok().filter(|v| v.is_finite() && *v >= 0.0);
     for line in text.lines() {
         let line = line.trim();
@@ -220,6 +229,14 @@ pub fn parse_rank(text: &str, names: &MetricNames, block_size: u32, rank: Option
             }
         } else if matches!(names.capacity, Capacity::UsedOverUsage(g) if g == name) {
             *used_tokens.get_or_insert(0.0) += v;
+        } else if let Some((family, part)) = name.rsplit_once('_') {
+            if let Some(f) = names.itl.iter().take(itl.len()).position(|n| *n == family) {
+                match part {
+                    "sum" => itl[f].0 += v,
+                    "count" => *itl[f].1.get_or_insert(0.0) += v,
+                    _ => {}
+                }
+            }
         }
     }
     let clamp = |v: f64| v.min(f64::from(u32::MAX)) as u32;
@@ -235,7 +252,17 @@ pub fn parse_rank(text: &str, names: &MetricNames, block_size: u32, rank: Option
     let kv_capacity_blocks = capacity
         .filter(|c| *c >= 1.0 && *c <= MAX_SCRAPED_KV_TOKENS as f64)
         .map(|c| (c.round() as u64 / u64::from(block_size.max(1))) as usize);
-    seen.then(|| Scraped { waiting: clamp(w), running: clamp(r), kv_usage, kv_capacity_blocks })
+    let kv_capacity_tokens =
+        capacity.filter(|c| *c >= 1.0 && *c <= MAX_SCRAPED_KV_TOKENS as f64).map(|c| c.round() as u64);
+    let itl_sum_count = itl.iter().find_map(|(sum, count)| count.map(|c| (*sum, c)));
+    seen.then(|| Scraped {
+        waiting: clamp(w),
+        running: clamp(r),
+        kv_usage,
+        kv_capacity_blocks,
+        kv_capacity_tokens,
+        itl_sum_count,
+    })
 }
 
 fn count(result: &'static str) {
@@ -355,6 +382,36 @@ mod tests {
         let many: Vec<String> = (0..300).map(|i| format!(r#"{{"id":"a{i}","parent":"llama"}}"#)).collect();
         let many = format!(r#"{{"data":[{}]}}"#, many.join(","));
         assert_eq!(parse_models(many.as_bytes(), "llama").expect("list").adapters.len(), 256);
+    }
+
+    #[test]
+    fn the_inter_token_latency_histogram_is_summed_over_engines_newest_name_first() {
+        let names = metric_names(WorkerKind::Vllm).expect("vllm");
+        let page = "vllm:num_requests_running{engine=\"0\"} 2\n\
+                    vllm:num_requests_running{engine=\"1\"} 1\n\
+                    vllm:inter_token_latency_seconds_bucket{engine=\"0\",le=\"0.01\"} 5.0\n\
+                    vllm:inter_token_latency_seconds_sum{engine=\"0\",model_name=\"m\"} 1.5\n\
+                    vllm:inter_token_latency_seconds_count{engine=\"0\",model_name=\"m\"} 100.0\n\
+                    vllm:inter_token_latency_seconds_sum{engine=\"1\",model_name=\"m\"} 0.5\n\
+                    vllm:inter_token_latency_seconds_count{engine=\"1\",model_name=\"m\"} 50.0\n\
+                    vllm:inter_token_latency_seconds_created{engine=\"0\"} 1.7e9\n\
+                    vllm:time_per_output_token_seconds_sum{engine=\"0\"} 99.0\n\
+                    vllm:time_per_output_token_seconds_count{engine=\"0\"} 99.0\n\
+                    vllm:cache_config_info{block_size=\"16\",num_gpu_blocks=\"100\"} 1.0\n";
+        let s = parse(page, &names, 16).expect("parsed");
+        assert_eq!(s.itl_sum_count, Some((2.0, 150.0)), "both engines, the newer name only");
+        assert_eq!((s.kv_capacity_tokens, s.kv_capacity_blocks), (Some(1_600), Some(100)));
+        let rank1 = parse_rank(page, &names, 16, Some(1)).expect("rank 1");
+        assert_eq!(rank1.itl_sum_count, Some((0.5, 50.0)), "a rank reads its engine's series only");
+        // An older vLLM's name, when the newer is absent; a page without either says nothing.
+        let old = "vllm:num_requests_running 1\nvllm:time_per_output_token_seconds_sum 3.0\n\
+                   vllm:time_per_output_token_seconds_count 60\n";
+        assert_eq!(parse(old, &names, 16).expect("old").itl_sum_count, Some((3.0, 60.0)));
+        assert_eq!(parse("vllm:num_requests_running 1\n", &names, 16).expect("bare").itl_sum_count, None);
+        // Nonsense figures are not read (a negative or non-finite value is skipped like any other series).
+        let bad = "vllm:num_requests_running 1\nvllm:inter_token_latency_seconds_sum -4\n\
+                   vllm:inter_token_latency_seconds_count NaN\n";
+        assert_eq!(parse(bad, &names, 16).expect("bad").itl_sum_count, None);
     }
 
     fn queue(waiting: u32, running: u32) -> Scraped {

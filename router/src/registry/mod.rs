@@ -576,6 +576,8 @@ impl Registry {
         let Some(w) = self.workers.iter_mut().find(|w| w.url == url && w.report.is_none()) else {
             return false;
         };
+        let running_before = w.scraped.map_or(0, |q| q.running_requests);
+        w.pod_decode.scrape(s.itl_sum_count, running_before, s.running);
         w.scraped = Some(QueueStats {
             waiting_requests: s.waiting,
             prefill_tokens: (f64::from(s.waiting) * w.mean_sent_tokens) as u64,
@@ -584,6 +586,10 @@ impl Registry {
             prefilling_requests: 0,
         });
         w.kv_usage = s.kv_usage.filter(|u| u.is_finite()).map(|u| u.clamp(0.0, 1.0));
+        w.device_kv = match (s.kv_capacity_tokens.filter(|t| *t > 0), w.kv_usage) {
+            (Some(total), Some(used)) => [total, (total as f64 * (1.0 - used)) as u64, 0],
+            _ => [0; 3],
+        };
         if let (Some(approx), Some(blocks)) = (w.approx.as_mut(), s.kv_capacity_blocks) {
             if blocks > 0 && blocks.abs_diff(approx.capacity()) > approx.capacity() / 16 {
                 approx.set_capacity(blocks);

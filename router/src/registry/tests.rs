@@ -352,7 +352,13 @@ fn pods_without_reports_match_by_their_approximate_index_or_their_events() {
     assert_eq!(r.views("m", &h, None, later).0[0].prefix_signal, crate::routing::PrefixSignal::Approximate);
     // The pod's metrics say how big its cache is: the index follows (here it shrinks to three blocks, keeping
     // the prefix), and the usage is shown; nonsense is not taken.
-    let scraped = Scraped { waiting: 1, running: 2, kv_usage: Some(0.25), kv_capacity_blocks: Some(3) };
+    let scraped = Scraped {
+        waiting: 1,
+        running: 2,
+        kv_usage: Some(0.25),
+        kv_capacity_blocks: Some(3),
+        ..Scraped::default()
+    };
     assert!(r.set_scraped("http://pod-a:8000/", &scraped));
     assert_eq!(r.views("m", &h, None, later).0[0].overlay_matched_blocks, 3);
     let st = &r.status(later)[0];
@@ -386,4 +392,44 @@ fn pods_without_reports_match_by_their_approximate_index_or_their_events() {
     // A refused static worker leaves the registry.
     assert!(r.remove_static("http://pod-a:8000/"));
     assert!(r.workers().is_empty());
+}
+
+#[test]
+fn a_pods_decode_cost_is_fitted_from_its_scraped_inter_token_latency_and_its_pool_from_its_page() {
+    let (mut r, t0) = (Registry::new(cfg()), Instant::now());
+    r.add_static("http://pod-a:8000");
+    let page = |running: u32, sum: f64, count: f64| Scraped {
+        running,
+        kv_usage: Some(0.25),
+        kv_capacity_tokens: Some(4_000),
+        itl_sum_count: Some((sum, count)),
+        ..Scraped::default()
+    };
+    let speed = |r: &Registry| r.status(t0)[0].speed;
+    // The first scrape is a baseline only: no interval yet.
+    assert!(r.set_scraped("http://pod-a:8000", &page(1, 10.0, 1_000.0)));
+    assert_eq!(speed(&r).decode_base_s, 0.0);
+    // Intervals at batches 1..=8 whose time per token is 5 ms + 1 ms a running request: the fit recovers both.
+    let (mut sum, mut count) = (10.0, 1_000.0);
+    for b in [1u32, 2, 4, 8].repeat(10) {
+        count += 100.0;
+        sum += 100.0 * (0.005 + 0.001 * f64::from(b));
+        assert!(r.set_scraped("http://pod-a:8000", &page(b, sum, count)));
+        assert!(r.set_scraped("http://pod-a:8000", &page(b, sum, count)), "an interval without tokens");
+    }
+    let s = speed(&r);
+    assert!((s.decode_per_seq_s - 0.001).abs() < 2e-4 && (s.decode_base_s - 0.005).abs() < 1e-3, "{s:?}");
+    assert_eq!((s.kv_total_tokens, s.kv_free_tokens, s.kv_cached_tokens), (4_000, 3_000, 0));
+    // A restart (the counters went back), a negative or absurd figure: a new baseline at most, never a sample.
+    let before = r.workers[0].pod_decode.samples;
+    assert!(r.set_scraped("http://pod-a:8000", &page(2, 1.0, 10.0)));
+    assert!(r.set_scraped("http://pod-a:8000", &page(2, 1.0 + 1e6, 11.0)));
+    assert!(r.set_scraped("http://pod-a:8000", &page(2, f64::NAN, 20.0)));
+    assert!(r.set_scraped("http://pod-a:8000", &page(2, -5.0, 30.0)));
+    assert_eq!(r.workers[0].pod_decode.samples, before);
+    let fit = |s: crate::routing::Speed| (s.decode_base_s, s.decode_per_seq_s, s.decode_per_kv_token_s);
+    assert_eq!(fit(speed(&r)), fit(s), "nothing believed moved the fit");
+    // A page without capacity or usage leaves the pool unknown.
+    assert!(r.set_scraped("http://pod-a:8000", &Scraped { running: 1, ..Scraped::default() }));
+    assert_eq!(speed(&r).kv_total_tokens, 0);
 }

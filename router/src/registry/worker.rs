@@ -4,6 +4,7 @@
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
+use kvgate_shared::decode_fit::{DecodeCost, DecodeFit};
 use kvgate_shared::hashing::BlockHash;
 use kvgate_shared::report::WorkerReport;
 use serde::Serialize;
@@ -179,8 +180,11 @@ pub struct Worker {
     pub pd: super::pd::PdState,
     /// The LoRA adapters it holds and what loading one costs there (`adapters.rs`).
     pub lora: super::adapters::WorkerAdapters,
-    /// The latest report's device pool in tokens: total, free, cached (set with `report`; read by every decision,
-    /// so kept here rather than found among the report's tiers each time).
+    /// For a pod that sends no reports: its decode cost, from its scraped inter-token latency.
+    pub pod_decode: PodDecode,
+    /// The device pool in tokens: total, free, cached (set with `report`; read by every decision, so kept here
+    /// rather than found among the report's tiers each time). A pod's from its scrape: its capacity, the share its
+    /// usage leaves free, and 0 cached (unknown; vLLM counts evictable cached blocks as free).
     pub device_kv: [u64; 3],
 }
 
@@ -202,6 +206,7 @@ impl Worker {
             max_model_len: 0,
             inflight: 0,
             device_kv: [0; 3],
+            pod_decode: PodDecode::default(),
             epoch: 0,
             sent_requests_since_report: 0,
             sent_tokens_since_report: 0,
@@ -252,15 +257,23 @@ impl Worker {
         let report = self.report.as_ref();
         let q = report.map(|r| r.queue).or(self.scraped).unwrap_or_default();
         let [total, free, cached] = self.device_kv;
+        // A kvgate worker's reported fit, else a pod's scraped one.
+        let (base, per_seq, per_kv) = match report {
+            Some(_) => (self.pd.decode_base_s, self.pd.decode_per_seq_s, self.pd.decode_per_kv_token_s),
+            None => {
+                let c = self.pod_decode.cost;
+                (c.base_s, c.per_seq_s, c.per_kv_token_s)
+            }
+        };
         crate::routing::Speed {
             prefill_tokens_per_s: speed,
             prefill_busy: busy,
             report_age_s,
             prefill_per_token_s: self.pd.prefill_per_token_s,
             prefill_attention_s: self.pd.prefill_attention_s,
-            decode_base_s: self.pd.decode_base_s,
-            decode_per_seq_s: self.pd.decode_per_seq_s,
-            decode_per_kv_token_s: self.pd.decode_per_kv_token_s,
+            decode_base_s: base,
+            decode_per_seq_s: per_seq,
+            decode_per_kv_token_s: per_kv,
             stall_ratio: self.pd.stall_ratio,
             decoding: u64::from(q.running_requests.saturating_sub(q.prefilling_requests)),
             kv_total_tokens: total,
@@ -372,6 +385,54 @@ pub struct Scraped {
     pub kv_usage: Option<f64>,
     /// Its KV cache's size in this model's blocks, if it says.
     pub kv_capacity_blocks: Option<usize>,
+    /// The same in tokens.
+    pub kv_capacity_tokens: Option<u64>,
+    /// Its inter-token latency histogram's running sum (seconds) and count (tokens), summed over its engines
+    /// (vLLM `vllm:inter_token_latency_seconds`, SGLang `sglang:inter_token_latency_seconds`), if it says.
+    pub itl_sum_count: Option<(f64, f64)>,
+}
+
+/// Observations a pod's decode fit forgets over: scrape intervals (about two minutes at one a second).
+pub const POD_DECODE_WINDOW: f64 = 120.0;
+/// Largest mean inter-token latency of an interval believed, seconds (a larger one is not observed).
+pub const MAX_POD_TPOT_S: f64 = 10.0;
+
+/// A pod's decode cost, fitted from its scraped inter-token latency (pods send no `StepTiming`): each scrape
+/// interval in which it produced tokens is one observation, the interval's mean time per token (the histogram's
+/// sum and count, differenced) against the requests it ran (the mean of the two scrapes' `running`). Its context
+/// is not known, so the fit has no per-token term; chunked prefill's stalls are in the latency, so in `base`.
+/// Invariants: a counter that went back (a restart) starts a new baseline and is not an observation; the state
+/// is the fit's nine sums and the last pair, whatever the page says.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct PodDecode {
+    last: Option<(f64, f64)>,
+    fit: DecodeFit,
+    /// The fitted cost (all zero before the first observation).
+    pub cost: DecodeCost,
+    /// Intervals observed.
+    pub samples: u64,
+}
+
+impl PodDecode {
+    /// One scrape: the histogram's sum and count (`None`: the page has none), and the requests running at the
+    /// previous scrape and at this one.
+    pub fn scrape(&mut self, itl: Option<(f64, f64)>, running_before: u32, running_now: u32) {
+        let Some((sum, count)) =
+            itl.filter(|(s, c)| s.is_finite() && c.is_finite() && *s >= 0.0 && *c >= 0.0)
+        else {
+            return;
+        };
+        if let Some((s0, c0)) = self.last {
+            let (ds, dc) = (sum - s0, count - c0);
+            if dc >= 1.0 && ds > 0.0 && ds / dc <= MAX_POD_TPOT_S {
+                let batch = (f64::from(running_before) + f64::from(running_now)) / 2.0;
+                self.fit.observe_in(POD_DECODE_WINDOW, batch.max(1.0), 0.0, ds / dc);
+                self.cost = self.fit.cost();
+                self.samples += 1;
+            }
+        }
+        self.last = Some((sum, count));
+    }
 }
 
 /// A worker's state for `GET /admin/v1/workers`, `GET /kvgate/v1/workers` and logs.

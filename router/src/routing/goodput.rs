@@ -10,8 +10,9 @@
 //! b(w)       = requests at w (waiting, running, sent since its report): the batch it decodes in
 //! d(w)       = w's decoding sequences (its last report): the streams its prefill stalls
 //! K(w)       = KV tokens w's pool holds for running sequences (total - free), else b(w) x ctx
-//! step(w)    = base + per_seq x (b + 1) + per_kv x (K + ctx)        w's decode fit (StepTiming::decode_*), else
-//!                                                                    the fleet's mean fit, else no decode terms
+//! step(w)    = base + per_seq x (b + 1) + per_kv x (K + ctx)        w's decode fit (StepTiming::decode_*, or a
+//!                                                                    pod's scraped one), else the fleet's mean
+//!                                                                    fit, else no decode terms
 //! tpot(w)    = step(w) / (1 - stall(w))                 stall: the share prefill chunks add to w's decode steps
 //! delta(w)   = (per_seq + per_kv x ctx) / (1 - stall)   what it adds to each other stream's token time there
 //! decode(w)  = out x tpot(w) + b(w) x out x delta(w)    its own decode time, and the time it adds to the others
@@ -33,8 +34,10 @@
 //! does) and a winner that misses them always gives way; the tune set chose it off (docs/benchmarks/routing.md:
 //! a hard filter moves requests off their cache whenever the holder is predicted to miss, and the prefill that
 //! costs makes the fleet miss more). The pool's free KV is a cost (`evict`), never a filter: a request that does
-//! not fit waits there, it does not preempt. A pod that reports no decode fit or KV figures is priced by the
-//! fleet's mean fit and taken to have room (its terms are then the same for every such pod).
+//! not fit waits there, it does not preempt. A pod that sends no reports has the gateway's fit of its scraped inter-token
+//! latency against its running requests (`registry::PodDecode`: no per-KV-token term; its prefill stalls are in
+//! `base`, so `stall` is 0) and its scraped capacity and usage as its pool (nothing counted cached); a worker with
+//! neither is priced by the fleet's mean fit and taken to have room.
 //!
 //! Invariants: every term is finite and >= 0 whatever a report says (fits clamped like the prefill's); only
 //! healthy workers are targets; every term is logged at debug and shown by explain (`ScoreTerms`).

@@ -104,7 +104,7 @@ pub struct EngineSnapshot {
     /// shapes the engine timed at start (`Engine::time_prefill_shapes`) on.
     pub prefill_fit: super::prefill_fit::PrefillFit,
     /// Decode-only steps' seconds against their batch and context (`decode_fit`).
-    pub decode_fit: super::decode_fit::DecodeFit,
+    pub decode_fit: kvgate_shared::decode_fit::DecodeFit,
 }
 
 /// Handle to the engine thread (cheap to clone).

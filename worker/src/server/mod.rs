@@ -25,7 +25,6 @@ pub mod api;
 mod assemble;
 mod boot;
 pub mod config;
-pub mod decode_fit;
 mod device;
 pub mod engine_thread;
 pub mod errors;

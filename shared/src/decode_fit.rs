@@ -1,6 +1,8 @@
-//! The worker's fit of what a decode-only step costs, from the steps it runs, for its reports (`StepTiming`'s
-//! `decode_*` terms): the gateway predicts from it the TPOT of a stream that joins this worker's batch and the
-//! time that stream adds to each step of the others (`router::routing::goodput`).
+//! The fit of what a decode step costs: a kvgate worker's, from the decode-only steps it runs, for its reports
+//! (`StepTiming`'s `decode_*` terms); and the gateway's of a pod that sends no reports, from the inter-token latency
+//! its metrics page gives each scrape interval against the requests it was running (`router::registry`). The
+//! gateway predicts from it the TPOT of a stream that joins that batch and the time that stream adds to each step
+//! of the others (`router::routing::goodput`).
 //!
 //! ```text
 //! step seconds = base + per_seq x batch + per_kv x context      (batch: sequences decoding in the step;
@@ -43,11 +45,16 @@ pub struct DecodeCost {
 impl DecodeFit {
     /// Adds one decode-only step: its batch, the KV tokens its sequences attend to, and its seconds.
     pub fn observe(&mut self, batch: f64, context: f64, secs: f64) {
+        self.observe_in(WINDOW_STEPS, batch, context, secs)
+    }
+
+    /// [`DecodeFit::observe`] with forgetting over about `window` observations (at least 1).
+    pub fn observe_in(&mut self, window: f64, batch: f64, context: f64, secs: f64) {
         let ok = |v: f64| v.is_finite() && v >= 0.0;
         if !(batch >= 1.0 && ok(batch) && ok(context) && secs > 0.0 && secs.is_finite()) {
             return;
         }
-        let k = 1.0 - 1.0 / WINDOW_STEPS;
+        let k = 1.0 - 1.0 / window.max(1.0);
         self.n = k * self.n + 1.0;
         self.sb = k * self.sb + batch;
         self.sk = k * self.sk + context;
