@@ -423,7 +423,8 @@ fn calibrate(a: CalibrateArgs) -> ExitCode {
                 })
         }
         _ => {
-            let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+            // The threads the CPU engine computes on (RAYON_NUM_THREADS, else the cores), not the machine's cores.
+            let threads = candle_core::utils::get_num_threads();
             let Some(d) = &dir else { return ExitCode::from(2) };
             let points = Points::cpu(a.quick);
             kvgate_worker::model::llama::LlamaModel::load(d).map_err(|e| e.to_string()).and_then(|m| {
