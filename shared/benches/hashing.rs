@@ -34,7 +34,10 @@ fn hashing(c: &mut Criterion) {
     let tokens: Vec<u32> = (0..32_768u32).map(|i| i.wrapping_mul(2_654_435_761) % 128_000).collect();
     let extra = ExtraKeys::from_salt(Some("tenant"));
     let old = BlockHasher::with_fn(&HashScheme::new(16, 1), &extra, streamed);
-    assert_eq!(old.hash_blocks(&tokens), BlockHasher::new(&HashScheme::new(16, 1), &extra).hash_blocks(&tokens));
+    assert_eq!(
+        old.hash_blocks(&tokens),
+        BlockHasher::new(&HashScheme::new(16, 1), &extra).hash_blocks(&tokens)
+    );
     c.bench_function("hash_blocks_streamed/32768", |b| b.iter(|| old.hash_blocks(black_box(&tokens))));
 
     // The gateway's per-worker prefix check: 2,048 block hashes against a 100K-entry filter (all hits: worst case).
