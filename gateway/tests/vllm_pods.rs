@@ -351,7 +351,8 @@ async fn the_quick_start_routes_by_the_pods_events_and_outlives_a_killed_and_res
         / series_sum(&page, "vllm:inter_token_latency_seconds_count");
     eprintln!("pod decode fit {s}; at {n} running {fitted:.4} s/token; the pod's mean inter-token latency {own:.4} s");
     assert!(fitted > own / 3.0 && fitted < own * 3.0, "fitted {fitted} vs the pod's {own}: {w}");
-    assert!(s["kv_free_tokens"].as_u64() < s["kv_total_tokens"].as_u64(), "{w}");
+    let pool = |k: &str| s[k].as_u64().unwrap_or_else(|| panic!("{k}: {w}"));
+    assert!(pool("kv_free_tokens") < pool("kv_total_tokens"), "{w}");
     for h in held {
         h.abort();
     }
