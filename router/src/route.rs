@@ -231,6 +231,9 @@ fn prefill_workers_last(
             .as_ref()
             .is_some_and(|r| r.pd.role == kvgate_shared::report::Role::Prefill)
     };
+    if !d.ranked.iter().any(prefill_only) {
+        return;
+    }
     let first = d.ranked.first().copied();
     let (mut ranked, last): (Vec<usize>, Vec<usize>) = d.ranked.iter().partition(|v| !prefill_only(v));
     ranked.extend(last);

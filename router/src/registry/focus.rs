@@ -10,7 +10,7 @@
 //! for a worker without the root. So the work that grows with the fleet is a few numbers per worker; the Bloom
 //! lookups, overlay walks and event-set lookups are bounded by the focus.
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use kvgate_shared::hashing::BlockHash;
 use kvgate_shared::report::Tier;
@@ -39,17 +39,25 @@ impl Registry {
         if n <= self.cfg.full_scan_workers {
             return self.views(model, hashes, Some(session), now);
         }
-        // Health and load once per worker (None: another model's).
-        let state: Vec<Option<(bool, Load)>> =
-            self.workers.iter().map(|w| of_model(w).then(|| (self.healthy(w, now), w.load(now)))).collect();
+        // Health, load and the report's age once per worker (None: another model's).
+        let state: Vec<Option<(bool, Load, Option<Duration>)>> = self
+            .workers
+            .iter()
+            .map(|w| {
+                of_model(w).then(|| {
+                    let age = w.report_age(now);
+                    (self.healthy_aged(w, now, age), w.load(now), age)
+                })
+            })
+            .collect();
         let focus = self.focus(hashes, session, starts, &state);
         let mut views = Vec::with_capacity(n);
         let mut registry_index = Vec::with_capacity(n);
         for (i, w) in self.workers.iter().enumerate() {
-            let Some((healthy, load)) = state[i] else { continue };
+            let Some((healthy, load, age)) = state[i] else { continue };
             let holds_session = w.sessions.holds(session, now);
             let view = if focus[i] || holds_session {
-                self.view(i, w, hashes, Some(session), now)
+                self.view_aged(i, w, hashes, Some(session), now, age)
             } else {
                 WorkerView {
                     id: &w.id,
@@ -63,7 +71,7 @@ impl Registry {
                     load,
                     sessions: w.sessions.active(),
                     holds_session,
-                    speed: w.speed(now),
+                    speed: w.speed_aged(age.map_or(0.0, |a| a.as_secs_f64())),
                 }
             };
             views.push(view);
@@ -78,7 +86,7 @@ impl Registry {
         hashes: &[BlockHash],
         session: u64,
         starts: RootStarts,
-        state: &[Option<(bool, Load)>],
+        state: &[Option<(bool, Load, Option<Duration>)>],
     ) -> Vec<bool> {
         let mut focus = vec![false; self.workers.len()];
         for at in starts.iter().flatten().filter_map(|f| roots::root_block(*f, hashes.len())) {
@@ -101,7 +109,7 @@ impl Registry {
             .iter()
             .enumerate()
             .filter_map(|(i, s)| match s {
-                Some((true, load)) => Some((load.cost(Load::DEFAULT_PER_REQUEST_TOKENS), i)),
+                Some((true, load, _)) => Some((load.cost(Load::DEFAULT_PER_REQUEST_TOKENS), i)),
                 _ => None,
             })
             .collect();
@@ -124,19 +132,33 @@ impl Registry {
         session: Option<u64>,
         now: Instant,
     ) -> WorkerView<'a> {
+        self.view_aged(i, w, hashes, session, now, w.report_age(now))
+    }
+
+    /// [`Registry::view`], the report's age given (`Worker::report_age`).
+    fn view_aged<'a>(
+        &'a self,
+        i: usize,
+        w: &'a super::Worker,
+        hashes: &[BlockHash],
+        session: Option<u64>,
+        now: Instant,
+        age: Option<Duration>,
+    ) -> WorkerView<'a> {
+        let summary = self.summary_aged(w, Tier::Device, age);
         WorkerView {
             id: &w.id,
             slot: i,
-            healthy: self.healthy(w, now),
-            summary: self.summary(w, Tier::Device, now),
+            healthy: self.healthy_aged(w, now, age),
+            summary,
             prefix_signal: match (&w.exact, &w.approx) {
-                _ if self.summary(w, Tier::Device, now).is_some() => PrefixSignal::Report,
+                _ if summary.is_some() => PrefixSignal::Report,
                 (Some(_), _) => PrefixSignal::Events,
                 (None, Some(_)) => PrefixSignal::Approximate,
                 (None, None) => PrefixSignal::Overlay,
             },
-            host_summary: self.summary(w, Tier::Host, now),
-            disk_summary: self.summary(w, Tier::Disk, now),
+            host_summary: self.summary_aged(w, Tier::Host, age),
+            disk_summary: self.summary_aged(w, Tier::Disk, age),
             overlay_matched_blocks: w.overlay.matched(hashes, now).max(match (&w.exact, &w.approx) {
                 (Some(e), _) => hashes.iter().take_while(|h| e.contains(h)).count(),
                 (None, Some(a)) => a.matched(hashes),
@@ -145,7 +167,7 @@ impl Registry {
             load: w.load(now),
             sessions: w.sessions.active(),
             holds_session: session.is_some_and(|k| w.sessions.holds(k, now)),
-            speed: w.speed(now),
+            speed: w.speed_aged(age.map_or(0.0, |a| a.as_secs_f64())),
         }
     }
 

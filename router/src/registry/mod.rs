@@ -355,18 +355,31 @@ impl Registry {
     }
 
     fn healthy(&self, w: &Worker, now: Instant) -> bool {
+        self.healthy_aged(w, now, w.report_age(now))
+    }
+
+    /// [`Registry::healthy`], the report's age given (`Worker::report_age`: a decision reads it once a worker).
+    fn healthy_aged(&self, w: &Worker, now: Instant, age: Option<Duration>) -> bool {
         if w.admin_draining || w.reported_draining() || w.busy_until.is_some_and(|u| now < u) {
             return false;
         }
         if w.open_fault().is_some() {
             return false;
         }
-        self.alive(w, now)
+        match age {
+            Some(a) => a < self.cfg.dead_after,
+            None => w.is_static,
+        }
     }
 
     /// The summary of a worker's `tier`, if its report is fresh and of the expected hash scheme.
     fn summary<'a>(&self, w: &'a Worker, tier: Tier, now: Instant) -> Option<&'a CacheSummary> {
-        let fresh = w.report_at.is_some_and(|r| now.duration_since(r) < self.cfg.stale_after);
+        self.summary_aged(w, tier, w.report_age(now))
+    }
+
+    /// [`Registry::summary`], the report's age given.
+    fn summary_aged<'a>(&self, w: &'a Worker, tier: Tier, age: Option<Duration>) -> Option<&'a CacheSummary> {
+        let fresh = age.is_some_and(|a| a < self.cfg.stale_after);
         if !fresh || w.fingerprint_ok != Some(true) {
             return None;
         }

@@ -4,6 +4,8 @@
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
+use foldhash::fast::RandomState;
+
 use kvgate_shared::decode_fit::{DecodeCost, DecodeFit};
 use kvgate_shared::hashing::BlockHash;
 use kvgate_shared::report::WorkerReport;
@@ -13,9 +15,12 @@ use crate::routing::Load;
 
 /// Conversations (ring keys) routed to a worker recently: the load that bounded-load ring placement counts
 /// (`cache_aware`'s `ring_session_bound`).
+///
+/// The keys are hashes of client-chosen values, so the map is seeded per process (foldhash's `RandomState`: a few
+/// times faster than SipHash on a u64, which every decision pays once per worker, and not predictable from outside).
 #[derive(Debug, Default)]
 pub struct Sessions {
-    last: HashMap<u64, Instant>,
+    last: HashMap<u64, Instant, RandomState>,
     touches: u32,
 }
 
@@ -51,10 +56,11 @@ impl Sessions {
 /// prefix, so a prompt is remembered by its hashes at every [`Overlay::STRIDE`]th block plus its last one, and a
 /// match is found by walking those points (then the few blocks past the last one that matched). The result is
 /// exact at the remembered points; between them it undercounts by less than a stride, never overcounts. The same
-/// points are what replicas share of each other's sends ([`super::SharedSend`]).
+/// points are what replicas share of each other's sends ([`super::SharedSend`]). Seeded per process like
+/// [`Sessions`] (the keys are hashes of client-chosen tokens).
 #[derive(Debug, Default)]
 pub struct Overlay {
-    entries: HashMap<BlockHash, Instant>,
+    entries: HashMap<BlockHash, Instant, RandomState>,
 }
 
 impl Overlay {
@@ -252,8 +258,17 @@ impl Worker {
     /// Its measured prefill: speed while prefilling, and the share of its last report interval spent at it (that
     /// interval's prefill throughput over the speed; 0 when either is unknown).
     pub fn speed(&self, now: Instant) -> crate::routing::Speed {
+        self.speed_aged(self.report_age(now).map_or(0.0, |a| a.as_secs_f64()))
+    }
+
+    /// Time since its latest report (`None`: none yet).
+    pub fn report_age(&self, now: Instant) -> Option<Duration> {
+        self.report_at.map(|at| now.saturating_duration_since(at))
+    }
+
+    /// [`Worker::speed`], its report's age given (seconds; 0: no report): a decision reads the age once a worker.
+    pub(super) fn speed_aged(&self, report_age_s: f64) -> crate::routing::Speed {
         let (speed, busy) = (self.pd.prefill_tokens_per_s, self.prefill_busy());
-        let report_age_s = self.report_at.map_or(0.0, |at| now.saturating_duration_since(at).as_secs_f64());
         let report = self.report.as_ref();
         let q = report.map(|r| r.queue).or(self.scraped).unwrap_or_default();
         let [total, free, cached] = self.device_kv;

@@ -88,95 +88,112 @@ impl Inputs<'_> {
         (d != Decode::default()).then_some(d)
     }
 
-    /// The fleet's mean decode fit over the healthy views that report one (one pass, no allocation).
-    fn fleet_decode(&self) -> Option<Decode> {
-        let (sum, n) = self.healthy.iter().filter_map(|i| self.decode_of(*i)).fold(
-            (Decode::default(), 0.0),
-            |(s, n), d| {
-                (
-                    Decode {
-                        base: s.base + d.base,
-                        per_seq: s.per_seq + d.per_seq,
-                        per_kv: s.per_kv + d.per_kv,
-                    },
-                    n + 1.0,
-                )
-            },
-        );
-        (n > 0.0).then(|| Decode { base: sum.base / n, per_seq: sum.per_seq / n, per_kv: sum.per_kv / n })
+    /// Each view's decode fit (`None`: unhealthy, or it reports none) and the fleet's mean over the healthy views
+    /// that report one: one pass.
+    fn decodes(&self) -> (Vec<Option<Decode>>, Option<Decode>) {
+        let mut fits = vec![None; self.workers.len()];
+        let (mut sum, mut n) = (Decode::default(), 0.0);
+        for &i in self.healthy {
+            let d = self.decode_of(i);
+            if let Some(d) = d {
+                sum = Decode {
+                    base: sum.base + d.base,
+                    per_seq: sum.per_seq + d.per_seq,
+                    per_kv: sum.per_kv + d.per_kv,
+                };
+                n += 1.0;
+            }
+            fits[i] = d;
+        }
+        let mean = (n > 0.0).then(|| Decode {
+            base: sum.base / n,
+            per_seq: sum.per_seq / n,
+            per_kv: sum.per_kv / n,
+        });
+        (fits, mean)
     }
 
-    /// Every view's goodput figures (formula above; defaults for unhealthy views). `p`: [`Inputs::predicted_s`].
-    pub fn goodput(&self, p: &[Predicted]) -> Vec<Goodput> {
+    /// Every view's measured seconds ([`Inputs::predicted_s`]) and goodput figures (formula above; defaults for
+    /// unhealthy views), in one pass.
+    pub fn goodput(&self) -> (Vec<Predicted>, Vec<Goodput>) {
         let w = self.w;
-        let fleet = self.fleet_decode();
+        let (fits, fleet) = self.decodes();
         let out = (self.output_tokens.min(w.decode_horizon_tokens)).max(1) as f64;
         let ctx = self.prompt_tokens as f64 + out / 2.0;
         let prompt = self.prompt_tokens.max(1);
         let price = self.fleet_cost().secs(prompt, attention_area(0, prompt)) / prompt as f64;
         let busy = self.fleet_util();
         let evict_price = price / ((1.0 - busy) * (1.0 - busy));
-        (0..self.workers.len())
-            .map(|i| {
-                let wk = &self.workers[i];
-                if !wk.healthy {
-                    return Goodput::default();
+        let (ttft_bound, tpot_bound) =
+            (self.slo.ttft_bound_s(self.prompt_tokens as usize), self.slo.tpot_bound_s());
+        let n = self.workers.len();
+        let (mut ps, mut gs) = (Vec::with_capacity(n), Vec::with_capacity(n));
+        for i in 0..n {
+            let p = self.predicted_one(i);
+            ps.push(p);
+            let wk = &self.workers[i];
+            if !wk.healthy {
+                gs.push(Goodput::default());
+                continue;
+            }
+            let s = &wk.speed;
+            let b = wk.load.requests as f64;
+            let (total, free, cached) =
+                (s.kv_total_tokens, s.kv_free_tokens.min(s.kv_total_tokens), s.kv_cached_tokens);
+            let known_kv = total > 0;
+            let held = if known_kv { (total - free) as f64 } else { b * ctx };
+            let stall = if s.stall_ratio.is_finite() { s.stall_ratio.clamp(0.0, MAX_STALL) } else { 0.0 };
+            let (tpot, decode) = match fits[i].or(fleet) {
+                Some(d) => {
+                    let tpot = (d.base + d.per_seq * (b + 1.0) + d.per_kv * (held + ctx)) / (1.0 - stall);
+                    let delta = (d.per_seq + d.per_kv * ctx) / (1.0 - stall);
+                    (tpot, out * tpot + b * out * delta)
                 }
-                let s = &wk.speed;
-                let b = wk.load.requests as f64;
-                let (total, free, cached) =
-                    (s.kv_total_tokens, s.kv_free_tokens.min(s.kv_total_tokens), s.kv_cached_tokens);
-                let known_kv = total > 0;
-                let held = if known_kv { (total - free) as f64 } else { b * ctx };
-                let stall = if s.stall_ratio.is_finite() { s.stall_ratio.clamp(0.0, MAX_STALL) } else { 0.0 };
-                let (tpot, decode) = match self.decode_of(i).or(fleet) {
-                    Some(d) => {
-                        let tpot = (d.base + d.per_seq * (b + 1.0) + d.per_kv * (held + ctx)) / (1.0 - stall);
-                        let delta = (d.per_seq + d.per_kv * ctx) / (1.0 - stall);
-                        (tpot, out * tpot + b * out * delta)
-                    }
-                    None => (0.0, 0.0),
-                };
-                let stall_s = s.decoding as f64 * p[i].own_s;
-                let need = self.uncached[i] as f64 + out;
-                let evict = if known_kv {
-                    let room = free.min(total.saturating_sub(cached)) as f64;
-                    evict_price * (need - room).max(0.0)
-                } else {
-                    0.0
-                };
-                let cost = p[i].j_s + w.w_decode * (decode + stall_s) + w.w_evict * evict;
-                let meets = p[i].ttft_s <= self.slo.ttft_bound_s(self.prompt_tokens as usize)
-                    && tpot <= self.slo.tpot_bound_s();
-                let fits = meets || !w.slo_filter;
-                tracing::debug!(
-                    worker = wk.id,
-                    out,
-                    batch = b,
-                    decoding = s.decoding,
-                    tpot,
-                    decode,
-                    stall_s,
-                    evict,
-                    cost,
-                    meets,
-                    "goodput guard"
-                );
-                Goodput { tpot_s: tpot, cost_s: if cost.is_finite() { cost } else { f64::MAX }, meets, fits }
-            })
-            .collect()
+                None => (0.0, 0.0),
+            };
+            let stall_s = s.decoding as f64 * p.own_s;
+            let need = self.uncached[i] as f64 + out;
+            let evict = if known_kv {
+                let room = free.min(total.saturating_sub(cached)) as f64;
+                evict_price * (need - room).max(0.0)
+            } else {
+                0.0
+            };
+            let cost = p.j_s + w.w_decode * (decode + stall_s) + w.w_evict * evict;
+            let meets = p.ttft_s <= ttft_bound && tpot <= tpot_bound;
+            let fits = meets || !w.slo_filter;
+            tracing::debug!(
+                worker = wk.id,
+                out,
+                batch = b,
+                decoding = s.decoding,
+                tpot,
+                decode,
+                stall_s,
+                evict,
+                cost,
+                meets,
+                "goodput guard"
+            );
+            gs.push(Goodput {
+                tpot_s: tpot,
+                cost_s: if cost.is_finite() { cost } else { f64::MAX },
+                meets,
+                fits,
+            });
+        }
+        (ps, gs)
     }
 
     /// The goodput guard's target (`g`: [`Inputs::goodput`]): the least `total` (among the views that meet the SLOs
     /// under `slo_filter`), when it beats the winner (see the module docs).
     pub fn goodput_target(&self, winner: usize, g: &[Goodput]) -> Option<usize> {
         let any_fits = self.healthy.iter().any(|i| g[*i].fits);
-        let pool = self.healthy.iter().filter(|i| g[**i].fits || !any_fits);
-        let copies = self.copies_s(winner);
-        let total = |i: usize| g[i].cost_s + self.w.w_copy * copies[i];
-        let target = *pool.min_by(|a, b| total(**a).total_cmp(&total(**b)).then(a.cmp(b)))?;
+        let pool = self.healthy.iter().copied().filter(|i| g[*i].fits || !any_fits);
+        let copy = self.copy_from(winner);
+        let (total_target, target) = self.least_among(pool, |i| g[i].cost_s + self.w.w_copy * copy(i))?;
         let moves =
-            target != winner && ((g[target].fits && !g[winner].fits) || total(target) < g[winner].cost_s);
+            target != winner && ((g[target].fits && !g[winner].fits) || total_target < g[winner].cost_s);
         tracing::debug!(
             winner = self.workers[winner].id,
             target = self.workers[target].id,

@@ -130,8 +130,22 @@ pub(super) struct Inputs<'a> {
     /// The output it will probably produce (`RequestView::output_tokens`) and its SLOs (the goodput guard's).
     pub output_tokens: u64,
     pub slo: super::Slo,
-    /// The fleet's mean cost and utilisation, computed once per decision (every guard term reads them).
-    pub fleet: std::cell::OnceCell<(Cost, f64)>,
+    /// Each view's measured cost and the fleet's mean cost and utilisation, computed once per decision (every
+    /// guard term reads them).
+    pub fleet: std::cell::OnceCell<Fleet>,
+}
+
+/// What the guards read of the whole fleet, once per decision ([`Inputs::fleet`]).
+#[derive(Debug, Default)]
+pub(super) struct Fleet {
+    /// Each view's measured prefill cost (`None`: never measured, or unhealthy).
+    costs: Vec<Option<Cost>>,
+    /// The mean over the healthy views that measured one (1 s a token when none did: the terms are then tokens).
+    mean_cost: Cost,
+    /// Some healthy view measured a cost: the guards' figures are seconds.
+    seconds: bool,
+    /// The fleet's utilisation: what its mean number in prefill implies (capped).
+    util: f64,
 }
 
 impl Inputs<'_> {
@@ -161,31 +175,34 @@ impl Inputs<'_> {
 
     /// The fleet's mean measured cost (1 s a token when none is measured: the terms are then tokens).
     pub(super) fn fleet_cost(&self) -> Cost {
-        self.fleet().0
+        self.fleet().mean_cost
     }
 
-    /// The fleet's mean cost and utilisation, once per decision.
-    fn fleet(&self) -> (Cost, f64) {
-        *self.fleet.get_or_init(|| (self.mean_cost(), self.mean_util()))
-    }
-
-    fn mean_cost(&self) -> Cost {
-        let (sum, n) = self.healthy.iter().filter_map(|i| self.cost_of(*i)).fold(
-            (Cost::default(), 0usize),
-            |(s, n), c| {
-                (
-                    Cost {
-                        per_token_s: s.per_token_s + c.per_token_s,
-                        attention_s: s.attention_s + c.attention_s,
-                    },
-                    n + 1,
-                )
-            },
-        );
-        if n == 0 {
-            return Cost { per_token_s: 1.0, attention_s: 0.0 };
-        }
-        Cost { per_token_s: sum.per_token_s / n as f64, attention_s: sum.attention_s / n as f64 }
+    /// Each view's cost and the fleet's means, once per decision: one pass over the healthy views.
+    fn fleet(&self) -> &Fleet {
+        self.fleet.get_or_init(|| {
+            let mut costs = vec![None; self.workers.len()];
+            let (mut sum, mut n, mut in_prefill) = (Cost::default(), 0usize, 0.0);
+            for &i in self.healthy {
+                let c = self.cost_of(i);
+                if let Some(c) = c {
+                    sum = Cost {
+                        per_token_s: sum.per_token_s + c.per_token_s,
+                        attention_s: sum.attention_s + c.attention_s,
+                    };
+                    n += 1;
+                }
+                costs[i] = c;
+                in_prefill += self.in_prefill(i);
+            }
+            let mean_cost = if n == 0 {
+                Cost { per_token_s: 1.0, attention_s: 0.0 }
+            } else {
+                Cost { per_token_s: sum.per_token_s / n as f64, attention_s: sum.attention_s / n as f64 }
+            };
+            let util = queue_util(in_prefill / self.healthy.len().max(1) as f64).min(MAX_BUSY);
+            Fleet { costs, mean_cost, seconds: n > 0, util }
+        })
     }
 
     /// The attention area of what view `i` would still prefill of this prompt (after what it holds).
@@ -209,59 +226,51 @@ impl Inputs<'_> {
 
     /// The fleet's utilisation: what its mean number in prefill implies (capped).
     pub(super) fn fleet_util(&self) -> f64 {
-        self.fleet().1
-    }
-
-    fn mean_util(&self) -> f64 {
-        let n = self.healthy.len().max(1) as f64;
-        queue_util(self.healthy.iter().map(|i| self.in_prefill(*i)).sum::<f64>() / n).min(MAX_BUSY)
+        self.fleet().util
     }
 
     /// TTFT(w) and J(w) of every view in seconds (formula above; zeros for unhealthy views, which are never
     /// targets). TTFT is 0 too while no worker has measured a speed: the terms are then tokens, not seconds.
     pub fn predicted_s(&self) -> Vec<Predicted> {
-        let fleet = self.fleet_cost();
-        let seconds = self.healthy.iter().any(|i| self.cost_of(*i).is_some());
-        (0..self.workers.len())
-            .map(|i| {
-                let wk = &self.workers[i];
-                if !wk.healthy {
-                    return Predicted::default();
-                }
-                let cost = self.cost_of(i).unwrap_or(fleet);
-                let busy = self.util(i);
-                let own = cost.secs(self.uncached[i], self.own_area(i));
-                // The reported queue less what the worker drained since (at most its age of prefill), plus what
-                // this gateway sent since (counted in pending_tokens, not drained yet as far as it knows).
-                let age =
-                    if wk.speed.report_age_s.is_finite() { wk.speed.report_age_s.max(0.0) } else { 0.0 };
-                let queue = (cost.secs(wk.load.pending_tokens, wk.load.pending_area) - age).max(0.0);
-                let ttft = queue + own;
-                let delay = own * busy / (1.0 - busy);
-                tracing::debug!(
-                    worker = wk.id,
-                    per_token_s = cost.per_token_s,
-                    attention_s = cost.attention_s,
-                    busy,
-                    own,
-                    ttft,
-                    delay,
-                    "measured guard"
-                );
-                Predicted { ttft_s: if seconds { ttft } else { 0.0 }, j_s: ttft + delay, own_s: own }
-            })
-            .collect()
+        (0..self.workers.len()).map(|i| self.predicted_one(i)).collect()
+    }
+
+    /// [`Inputs::predicted_s`] of view `i`.
+    pub(super) fn predicted_one(&self, i: usize) -> Predicted {
+        let wk = &self.workers[i];
+        if !wk.healthy {
+            return Predicted::default();
+        }
+        let Fleet { costs, mean_cost: fleet, seconds, .. } = self.fleet();
+        let cost = costs[i].unwrap_or(*fleet);
+        let busy = self.util(i);
+        let own = cost.secs(self.uncached[i], self.own_area(i));
+        // The reported queue less what the worker drained since (at most its age of prefill), plus what
+        // this gateway sent since (counted in pending_tokens, not drained yet as far as it knows).
+        let age = if wk.speed.report_age_s.is_finite() { wk.speed.report_age_s.max(0.0) } else { 0.0 };
+        let queue = (cost.secs(wk.load.pending_tokens, wk.load.pending_area) - age).max(0.0);
+        let ttft = queue + own;
+        let delay = own * busy / (1.0 - busy);
+        tracing::debug!(
+            worker = wk.id,
+            per_token_s = cost.per_token_s,
+            attention_s = cost.attention_s,
+            busy,
+            own,
+            ttft,
+            delay,
+            "measured guard"
+        );
+        Predicted { ttft_s: if *seconds { ttft } else { 0.0 }, j_s: ttft + delay, own_s: own }
     }
 
     /// The measured guard: the view of least `J` plus the fleet's price of the cached tokens a move gives up,
     /// when that beats the winner's (`p`: [`Inputs::predicted_s`]).
     pub fn measured_target(&self, winner: usize, p: &[Predicted]) -> Option<usize> {
         let j = |i: usize| p[i].j_s;
-        let copies = self.copies_s(winner);
-        let copy = |i: usize| copies[i];
-        let total = |i: usize| j(i) + copy(i);
-        let target = *self.healthy.iter().min_by(|a, b| total(**a).total_cmp(&total(**b)).then(a.cmp(b)))?;
-        let moves = target != winner && total(target) < j(winner);
+        let copy = self.copy_from(winner);
+        let (total_target, target) = self.least(|i| j(i) + copy(i))?;
+        let moves = target != winner && total_target < j(winner);
         tracing::debug!(
             winner = self.workers[winner].id,
             target = self.workers[target].id,
@@ -274,19 +283,32 @@ impl Inputs<'_> {
         moves.then_some(target)
     }
 
-    /// `copy(i)` of every view: the copy a move from `winner` to view `i` leaves: as many tokens of other prefixes
-    /// displaced at `i` (the same tokens at the same positions), computed again when next asked for (priced as if
-    /// they will be), delaying the fleet at its utilisation. One pass (the fleet's figures once: O(views)).
-    pub(super) fn copies_s(&self, winner: usize) -> Vec<f64> {
-        let (fleet, busy) = self.fleet();
+    /// The healthy view of least `f` (ties: the lower index) and its value; `f` is evaluated once a view.
+    pub(super) fn least(&self, f: impl Fn(usize) -> f64) -> Option<(f64, usize)> {
+        self.least_among(self.healthy.iter().copied(), f)
+    }
+
+    /// [`Inputs::least`] among `views`.
+    pub(super) fn least_among(
+        &self,
+        views: impl Iterator<Item = usize>,
+        f: impl Fn(usize) -> f64,
+    ) -> Option<(f64, usize)> {
+        views.map(|i| (f(i), i)).min_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)))
+    }
+
+    /// `copy(i)`: the copy a move from `winner` to view `i` leaves: as many tokens of other prefixes displaced at
+    /// `i` (the same tokens at the same positions), computed again when next asked for (priced as if they will
+    /// be), delaying the fleet at its utilisation. The fleet's figures are read once.
+    pub(super) fn copy_from(&self, winner: usize) -> impl Fn(usize) -> f64 + '_ {
+        let (fleet, busy) = (self.fleet_cost(), self.fleet_util());
         let (won, won_area) = (self.uncached[winner], self.own_area(winner));
-        (0..self.workers.len())
-            .map(|i| {
-                let waste = self.uncached[i].saturating_sub(won);
-                let area = self.own_area(i).saturating_sub(won_area);
-                fleet.secs(waste, area) / ((1.0 - busy) * (1.0 - busy))
-            })
-            .collect()
+        let slow = (1.0 - busy) * (1.0 - busy);
+        move |i: usize| {
+            let waste = self.uncached[i].saturating_sub(won);
+            let area = self.own_area(i).saturating_sub(won_area);
+            fleet.secs(waste, area) / slow
+        }
     }
 
     /// The thresholds guard (#28; formula above).

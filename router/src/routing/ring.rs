@@ -42,6 +42,8 @@ fn position<T: Hash + ?Sized>(t: &T) -> u64 {
 pub struct Ring {
     /// (position, slot), sorted by position (ties in slot order).
     nodes: Vec<(u64, u32)>,
+    /// Each slot's positions (for [`Ring::first_among`]).
+    by_slot: Vec<Vec<u64>>,
     ids: Vec<Arc<str>>,
 }
 
@@ -56,13 +58,14 @@ impl Ring {
     pub fn new<'a>(ids: impl IntoIterator<Item = &'a str>, vnodes: u32) -> Self {
         let ids: Vec<Arc<str>> = ids.into_iter().map(Arc::from).collect();
         let mut nodes = Vec::with_capacity(ids.len() * vnodes.max(1) as usize);
+        let mut by_slot = Vec::with_capacity(ids.len());
         for (slot, id) in ids.iter().enumerate() {
-            for vnode in 0..vnodes.max(1) {
-                nodes.push((position(&VNode { id, vnode }), slot as u32));
-            }
+            let at: Vec<u64> = (0..vnodes.max(1)).map(|vnode| position(&VNode { id, vnode })).collect();
+            nodes.extend(at.iter().map(|p| (*p, slot as u32)));
+            by_slot.push(at);
         }
         nodes.sort_by_key(|n| n.0);
-        Self { nodes, ids }
+        Self { nodes, by_slot, ids }
     }
 
     /// The worker ids on the ring, in slot order.
@@ -122,6 +125,20 @@ impl Ring {
             }
         }
         (primary, None)
+    }
+
+    /// Of `slots`, the first clockwise from `key`: what [`Ring::first_slot`] returns when `accept` takes exactly
+    /// these, found from their own positions (`vnodes` a slot) instead of walking the ring to them. Slots not on
+    /// the ring are ignored.
+    pub fn first_among(&self, key: u64, slots: impl IntoIterator<Item = usize>) -> Option<usize> {
+        let k = position(&key);
+        // Clockwise distance orders positions as the walk visits them (those at or past `k` first, then the
+        // wrapped ones); equal positions are visited in slot order.
+        slots
+            .into_iter()
+            .filter_map(|s| Some((self.by_slot.get(s)?.iter().map(|p| p.wrapping_sub(k)).min()?, s)))
+            .min()
+            .map(|(_, s)| s)
     }
 
     /// The first slot clockwise from `key` that `accept` takes (each worker asked once).
@@ -216,5 +233,23 @@ mod tests {
             (None, None)
         );
         assert_eq!(n.get(), 100);
+    }
+
+    #[test]
+    fn the_first_among_a_few_slots_is_the_first_a_walk_would_find() {
+        // Including duplicate ids (equal positions, visited in slot order), a slot past the ring and no slot.
+        let mut ids: Vec<String> = (0..40).map(|i| format!("http://10.2.{i}.9:8000")).collect();
+        ids.push(ids[3].clone());
+        let ring = Ring::new(ids.iter().map(String::as_str), DEFAULT_VNODES);
+        for k in 0..3_000u64 {
+            let key = k.wrapping_mul(0xD6E8_FEB8_6659_FD93);
+            let set: Vec<usize> =
+                (0..ids.len()).filter(|s| (s * 7 + k as usize) % 11 < 1 + (k % 3) as usize).collect();
+            let walked = ring.first_slot(key, |s| set.contains(&s));
+            let found = ring.first_among(key, set.iter().copied().chain([ids.len() + 5]));
+            assert_eq!(found, walked, "key {key}, slots {set:?}");
+        }
+        assert_eq!(ring.first_among(1, []), None);
+        assert_eq!(ring.first_among(1, [3, 40]), ring.first_slot(1, |s| s == 3 || s == 40));
     }
 }
