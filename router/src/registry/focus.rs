@@ -123,20 +123,9 @@ impl Registry {
         focus
     }
 
-    /// The full view of worker `i`.
-    pub(super) fn view<'a>(
-        &'a self,
-        i: usize,
-        w: &'a super::Worker,
-        hashes: &[BlockHash],
-        session: Option<u64>,
-        now: Instant,
-    ) -> WorkerView<'a> {
-        self.view_aged(i, w, hashes, session, now, w.report_age(now))
-    }
-
-    /// [`Registry::view`], the report's age given (`Worker::report_age`).
-    fn view_aged<'a>(
+    /// The full view of worker `i`, its report's age given (`Worker::report_age`: a decision reads it once a
+    /// worker).
+    pub(super) fn view_aged<'a>(
         &'a self,
         i: usize,
         w: &'a super::Worker,

@@ -402,7 +402,7 @@ impl Registry {
             if w.model.as_deref().is_some_and(|m| m != model) {
                 continue;
             }
-            views.push(self.view(i, w, hashes, session, now));
+            views.push(self.view_aged(i, w, hashes, session, now, w.report_age(now)));
             registry_index.push(i);
         }
         (views, registry_index)
