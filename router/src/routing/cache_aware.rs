@@ -257,16 +257,13 @@ impl RoutingPolicy for CacheAware {
         // A conversation keeps its home while that worker is healthy, even where the cap has since moved the
         // ring walk's first choice elsewhere.
         // (Only when some worker holds it: a ring walk for a new conversation would visit every node.)
-        let holders: Vec<usize> =
-            healthy.iter().filter(|i| workers[**i].holds_session).map(|i| workers[*i].slot).collect();
-        let held = if holders.is_empty() {
-            None
-        } else if holders.len() * holders.len() * 24 <= ring.len() {
-            // A few holders: from their own positions (a walk to them visits ~ring/holders nodes).
-            ring.first_among(req.session_key, holders)
-        } else {
-            ring.first_slot(req.session_key, |s| view(s).is_some_and(|x| x.healthy && x.holds_session))
-        };
+        let holds = |i: &&usize| workers[**i].holds_session;
+        let held = ring.first_held(
+            req.session_key,
+            healthy.iter().filter(holds).count(),
+            healthy.iter().filter(holds).map(|i| workers[*i].slot),
+            |s| view(s).is_some_and(|x| x.healthy && x.holds_session),
+        );
         let (primary, backup) = match held {
             Some(h) if bounded != Some(h) => (Some(h), bounded),
             _ => (bounded, next),

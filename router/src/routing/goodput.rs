@@ -89,28 +89,13 @@ impl Inputs<'_> {
     }
 
     /// Each view's decode fit (`None`: unhealthy, or it reports none) and the fleet's mean over the healthy views
-    /// that report one: one pass.
+    /// that report one.
     fn decodes(&self) -> (Vec<Option<Decode>>, Option<Decode>) {
-        let mut fits = vec![None; self.workers.len()];
-        let (mut sum, mut n) = (Decode::default(), 0.0);
-        for &i in self.healthy {
-            let d = self.decode_of(i);
-            if let Some(d) = d {
-                sum = Decode {
-                    base: sum.base + d.base,
-                    per_seq: sum.per_seq + d.per_seq,
-                    per_kv: sum.per_kv + d.per_kv,
-                };
-                n += 1.0;
-            }
-            fits[i] = d;
-        }
-        let mean = (n > 0.0).then(|| Decode {
-            base: sum.base / n,
-            per_seq: sum.per_seq / n,
-            per_kv: sum.per_kv / n,
-        });
-        (fits, mean)
+        self.per_view_and_mean(
+            |i| self.decode_of(i),
+            |d| [d.base, d.per_seq, d.per_kv],
+            |[base, per_seq, per_kv]| Decode { base, per_seq, per_kv },
+        )
     }
 
     /// Every view's measured seconds ([`Inputs::predicted_s`]) and goodput figures (formula above; defaults for

@@ -178,31 +178,48 @@ impl Inputs<'_> {
         self.fleet().mean_cost
     }
 
-    /// Each view's cost and the fleet's means, once per decision: one pass over the healthy views.
+    /// Each view's cost and the fleet's means, once per decision.
     fn fleet(&self) -> &Fleet {
         self.fleet.get_or_init(|| {
-            let mut costs = vec![None; self.workers.len()];
-            let (mut sum, mut n, mut in_prefill) = (Cost::default(), 0usize, 0.0);
-            for &i in self.healthy {
-                let c = self.cost_of(i);
-                if let Some(c) = c {
-                    sum = Cost {
-                        per_token_s: sum.per_token_s + c.per_token_s,
-                        attention_s: sum.attention_s + c.attention_s,
-                    };
-                    n += 1;
-                }
-                costs[i] = c;
-                in_prefill += self.in_prefill(i);
+            let (costs, mean) = self.per_view_and_mean(
+                |i| self.cost_of(i),
+                |c| [c.per_token_s, c.attention_s],
+                |[per_token_s, attention_s]| Cost { per_token_s, attention_s },
+            );
+            let n = self.healthy.len().max(1) as f64;
+            let util =
+                queue_util(self.healthy.iter().map(|i| self.in_prefill(*i)).sum::<f64>() / n).min(MAX_BUSY);
+            Fleet {
+                costs,
+                mean_cost: mean.unwrap_or(Cost { per_token_s: 1.0, attention_s: 0.0 }),
+                seconds: mean.is_some(),
+                util,
             }
-            let mean_cost = if n == 0 {
-                Cost { per_token_s: 1.0, attention_s: 0.0 }
-            } else {
-                Cost { per_token_s: sum.per_token_s / n as f64, attention_s: sum.attention_s / n as f64 }
-            };
-            let util = queue_util(in_prefill / self.healthy.len().max(1) as f64).min(MAX_BUSY);
-            Fleet { costs, mean_cost, seconds: n > 0, util }
         })
+    }
+
+    /// Each healthy view's `of(i)` (`None` for the others) and the mean of those that are `Some`, field by field
+    /// (`parts` and `whole` take a fit apart and put it together; `None` when no view has one): the guards' per-view
+    /// fits and the fleet's mean fit, in one pass over the healthy views, in their order.
+    pub(super) fn per_view_and_mean<T: Copy, const N: usize>(
+        &self,
+        of: impl Fn(usize) -> Option<T>,
+        parts: impl Fn(T) -> [f64; N],
+        whole: impl Fn([f64; N]) -> T,
+    ) -> (Vec<Option<T>>, Option<T>) {
+        let mut each = vec![None; self.workers.len()];
+        let (mut sum, mut n) = ([0.0; N], 0usize);
+        for &i in self.healthy {
+            let v = of(i);
+            if let Some(v) = v {
+                for (s, p) in sum.iter_mut().zip(parts(v)) {
+                    *s += p;
+                }
+                n += 1;
+            }
+            each[i] = v;
+        }
+        (each, (n > 0).then(|| whole(sum.map(|s| s / n as f64))))
     }
 
     /// The attention area of what view `i` would still prefill of this prompt (after what it holds).

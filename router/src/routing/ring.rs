@@ -141,6 +141,23 @@ impl Ring {
             .map(|(_, s)| s)
     }
 
+    /// The first slot clockwise from `key` among `holders` (`count` of them; `accept` takes exactly these): by their
+    /// own positions when they are few (`count`² x 24 <= workers: a walk to one of them visits about
+    /// workers / count nodes, the positions cost 64 a holder), else by the walk. The same answer either way.
+    pub fn first_held(
+        &self,
+        key: u64,
+        count: usize,
+        holders: impl IntoIterator<Item = usize>,
+        accept: impl FnMut(usize) -> bool,
+    ) -> Option<usize> {
+        match count {
+            0 => None,
+            c if c.saturating_mul(c).saturating_mul(24) <= self.len() => self.first_among(key, holders),
+            _ => self.first_slot(key, accept),
+        }
+    }
+
     /// The first slot clockwise from `key` that `accept` takes (each worker asked once).
     pub fn first_slot(&self, key: u64, mut accept: impl FnMut(usize) -> bool) -> Option<usize> {
         let mut asked = vec![0u64; self.ids.len().div_ceil(64)];
@@ -248,6 +265,9 @@ mod tests {
             let walked = ring.first_slot(key, |s| set.contains(&s));
             let found = ring.first_among(key, set.iter().copied().chain([ids.len() + 5]));
             assert_eq!(found, walked, "key {key}, slots {set:?}");
+            // Whichever lookup the count picks (41 workers: positions for one holder, the walk for two or more).
+            let held = ring.first_held(key, set.len(), set.iter().copied(), |s| set.contains(&s));
+            assert_eq!(held, walked, "key {key}, slots {set:?}");
         }
         assert_eq!(ring.first_among(1, []), None);
         assert_eq!(ring.first_among(1, [3, 40]), ring.first_slot(1, |s| s == 3 || s == 40));
