@@ -38,16 +38,18 @@ import urllib.request
 MODEL = "kvgate-small"
 BLOCK = 32
 
-# workload name -> kvgate-loadtest run arguments (tuned on nothing: the sizes of the rows, seed 42).
+# workload name -> kvgate-loadtest run arguments (tuned on nothing: the sizes of the rows, seed 42; the
+# shared-prefix and long-doc arrival rates halved on 2026-12-08, from 4 and 0.5 requests/s, after they overloaded
+# two one-core pods on this machine on 2026-12-07: TTFT p50 of 30-53 s and goodput 0 for every router).
 WORKLOADS = {
     "multi-turn": "--workload multi-turn --users 8 --turns 5 --rate 1 --system-words 300 --question-words 60 "
                   "--output-tokens 32 --think-time 1",
     "shared-prefix": "--workload shared-prefix --groups 8 --prompts-per-group 6 --system-tokens 1024 "
-                     "--question-tokens 64 --rate 4 --output-tokens 32 --text-prompts",
+                     "--question-tokens 64 --rate 2 --output-tokens 32 --text-prompts",
     # Long documents: each group's prompt a document of 2,048 words (about 6K tokens once rendered as text: about
     # 2.9 tokens a word), asked about 4 times.
     "long-doc": "--workload shared-prefix --groups 6 --prompts-per-group 4 --system-tokens 2048 "
-                "--question-tokens 64 --rate 0.5 --output-tokens 32 --text-prompts",
+                "--question-tokens 64 --rate 0.25 --output-tokens 32 --text-prompts",
 }
 ROUTERS = ["kvgate-events", "kvgate-approximate", "vllm-router-kv_aware", "vllm-router-cache_aware",
            "smg-cache_aware"]
